@@ -1,0 +1,45 @@
+# The two commands of the README: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: setup demo test test-fast lint proto proto-check bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[services,trainer,paddle-cpu,demo,dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/tide demo
+
+proto: setup
+	$(PY) scripts/gen_protos.py
+
+proto-check: setup
+	$(PY) scripts/gen_protos.py --check
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy services trainer bench scripts
+
+test: setup proto-check lint
+	scripts/ensure_postgres.sh
+	TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test $(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
+
+bench: setup
+	$(PY) -m bench.ingest --quick
+	$(PY) -m bench.agent --quick
+	$(PY) -m bench.rescale --quick
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .tide
