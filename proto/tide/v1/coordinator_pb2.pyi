@@ -134,6 +134,7 @@ class RegisterRequest(_message.Message):
     LAUNCHER_ID_FIELD_NUMBER: _builtins.int
     LAST_GENERATION_FIELD_NUMBER: _builtins.int
     POD_UID_FIELD_NUMBER: _builtins.int
+    FREE_PORT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """"namespace/name" of the job."""
     pod_name: _builtins.str
@@ -152,6 +153,11 @@ class RegisterRequest(_message.Message):
     """
     pod_uid: _builtins.str
     """Namespace/name/uid of the pod, for GPU attribution."""
+    free_port: _builtins.int
+    """A port on `host` that is free now; the coordinator uses the latest one a
+    member reported for that member's endpoint in the next generation (and
+    as the master port when the member becomes rank 0).
+    """
     def __init__(
         self,
         *,
@@ -162,10 +168,11 @@ class RegisterRequest(_message.Message):
         launcher_id: _builtins.str = ...,
         last_generation: _builtins.int = ...,
         pod_uid: _builtins.str = ...,
+        free_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "job_id", b"job_id", "last_generation", b"last_generation", "launcher_id", b"launcher_id", "pod_index", b"pod_index", "pod_name", b"pod_name", "pod_uid", b"pod_uid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_port", b"free_port", "host", b"host", "job_id", b"job_id", "last_generation", b"last_generation", "launcher_id", b"launcher_id", "pod_index", b"pod_index", "pod_name", b"pod_name", "pod_uid", b"pod_uid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -360,6 +367,8 @@ class AckRequest(_message.Message):
     CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
     CHECKPOINT_DIGEST_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    HELD_AT_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_WRITE_S_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     directive_id: _builtins.str
     generation: _builtins.int
@@ -369,6 +378,13 @@ class AckRequest(_message.Message):
     checkpoint_digest: _builtins.str
     message: _builtins.str
     """Why, when not ok."""
+    checkpoint_write_s: _builtins.float
+    @_builtins.property
+    def held_at(self) -> _timestamp_pb2.Timestamp:
+        """For CHECKPOINT: when this member's worker stopped training (held after
+        the checkpoint step), and how long rank 0's checkpoint write took, seconds.
+        """
+
     def __init__(
         self,
         *,
@@ -379,10 +395,12 @@ class AckRequest(_message.Message):
         checkpoint_step: _builtins.int = ...,
         checkpoint_digest: _builtins.str = ...,
         message: _builtins.str = ...,
+        held_at: _timestamp_pb2.Timestamp | None = ...,
+        checkpoint_write_s: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["held_at", b"held_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_digest", b"checkpoint_digest", "checkpoint_step", b"checkpoint_step", "directive_id", b"directive_id", "generation", b"generation", "member_id", b"member_id", "message", b"message", "ok", b"ok"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_digest", b"checkpoint_digest", "checkpoint_step", b"checkpoint_step", "checkpoint_write_s", b"checkpoint_write_s", "directive_id", b"directive_id", "generation", b"generation", "held_at", b"held_at", "member_id", b"member_id", "message", b"message", "ok", b"ok"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -415,6 +433,8 @@ class HeartbeatRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     SAMPLES_PER_S_FIELD_NUMBER: _builtins.int
     FIRST_STEP_AT_FIELD_NUMBER: _builtins.int
+    STARTUP_FIELD_NUMBER: _builtins.int
+    FREE_PORT_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     generation: _builtins.int
     phase: Global___WorkerPhase.ValueType
@@ -425,9 +445,17 @@ class HeartbeatRequest(_message.Message):
     epoch: _builtins.int
     samples_per_s: _builtins.float
     """Throughput of this member's worker, samples per second."""
+    free_port: _builtins.int
+    """A port on the member's host that is free now (see RegisterRequest.free_port)."""
     @_builtins.property
     def first_step_at(self) -> _timestamp_pb2.Timestamp:
         """Wall time of the first completed step in this generation; unset until then."""
+
+    @_builtins.property
+    def startup(self) -> Global___PauseBreakdown:
+        """How the current worker's start went (worker_restart_s, group_init_s,
+        restore_s); zero until known.
+        """
 
     def __init__(
         self,
@@ -440,10 +468,12 @@ class HeartbeatRequest(_message.Message):
         epoch: _builtins.int = ...,
         samples_per_s: _builtins.float = ...,
         first_step_at: _timestamp_pb2.Timestamp | None = ...,
+        startup: Global___PauseBreakdown | None = ...,
+        free_port: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["first_step_at", b"first_step_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_step_at", b"first_step_at", "startup", b"startup"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_at", b"first_step_at", "generation", b"generation", "member_id", b"member_id", "phase", b"phase", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_at", b"first_step_at", "free_port", b"free_port", "generation", b"generation", "member_id", b"member_id", "phase", b"phase", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "startup", b"startup", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
