@@ -1,0 +1,1 @@
+"""SQL tables of the coordinator (members, generations, checkpoints, resizes)."""
