@@ -1,0 +1,212 @@
+"""Settings: frozen dataclasses loaded from flags, TIDE_* environment and a YAML file.
+
+Precedence, highest first: command-line flag, environment variable, file,
+default. Every field of a settings dataclass becomes a flag (``cooldown_s`` →
+``--cooldown-s``) and an environment variable (``TIDE_COOLDOWN_S``); its help
+text comes from ``field(metadata={"help": ...})``. A bad value raises
+ConfigError naming the field, the source and the value; the entry points print
+that one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from services.common.errors import ConfigError
+
+T = TypeVar("T")
+
+ENV_PREFIX = "TIDE_"
+
+
+def setting(default: Any, help: str) -> Any:
+    """A settings field with its help text (shown by --help and in docs)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def _parse_hostport(name: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{name}: expected HOST:PORT, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommonSettings:
+    """What every Tide service accepts."""
+
+    listen: str = setting("127.0.0.1:50051", "gRPC listen address, HOST:PORT (port 0 picks one)")
+    metrics_listen: str = setting(
+        "", "Prometheus /metrics HTTP address, HOST:PORT; empty disables it"
+    )
+    config: str = setting("", "YAML settings file; its keys are the flag names")
+    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+    log_format: str = setting("text", "text or json")
+    grace_period_s: float = setting(
+        10.0, "on SIGTERM, how long in-flight RPCs may finish before they are cancelled"
+    )
+    tls_cert_file: str = setting("", "server certificate (PEM); enables TLS")
+    tls_key_file: str = setting("", "server private key (PEM)")
+    tls_client_ca_file: str = setting(
+        "", "CA bundle (PEM) that client certificates must chain to; enables mTLS"
+    )
+    admin_token: str = setting(
+        "", "bearer token required on admin RPCs; empty disables the check (local use)"
+    )
+
+    def __post_init__(self) -> None:
+        _parse_hostport("listen", self.listen)
+        if self.metrics_listen:
+            _parse_hostport("metrics_listen", self.metrics_listen)
+        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ConfigError(
+                f"log_level: expected DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"
+            )
+        if self.log_format not in {"text", "json"}:
+            raise ConfigError(f"log_format: expected text or json, got {self.log_format!r}")
+        if self.grace_period_s < 0:
+            raise ConfigError(f"grace_period_s: must be >= 0, got {self.grace_period_s!r}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file and tls_key_file must be given together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError("tls_client_ca_file (mTLS) needs tls_cert_file and tls_key_file")
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{name}: no such file {path!r}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(tp: Any) -> Any:
+    """int | None → int; leaves plain types alone."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _convert(name: str, source: str, tp: Any, raw: Any) -> Any:
+    tp = _base_type(tp)
+    where = f"{name} (from {source})"
+    if raw is None:
+        return None
+    try:
+        if tp is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in {"1", "true", "yes", "on"}:
+                return True
+            if text in {"0", "false", "no", "off"}:
+                return False
+            raise ValueError
+        if tp is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            return int(raw)
+        if tp is float:
+            if isinstance(raw, bool):
+                raise ValueError
+            value = float(raw)
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError
+            return value
+        if tp is str:
+            if isinstance(raw, (dict, list)):
+                raise ValueError
+            return str(raw)
+        if typing.get_origin(tp) is tuple:
+            items = raw if isinstance(raw, (list, tuple)) else str(raw).split(",")
+            return tuple(str(i).strip() for i in items if str(i).strip())
+    except (TypeError, ValueError):
+        kind = {bool: "true or false", int: "an integer", float: "a finite number"}.get(
+            tp, "a value"
+        )
+        raise ConfigError(f"{where}: expected {kind}, got {raw!r}") from None
+    raise ConfigError(f"{where}: unsupported setting type {tp!r}")
+
+
+def build_parser(cls: type[Any], *, prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        help_text = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        env = ENV_PREFIX + f.name.upper()
+        shown = f"{help_text} [env {env}; default {default!r}]"
+        if _base_type(hints[f.name]) is bool:
+            parser.add_argument(
+                _flag(f.name),
+                dest=f.name,
+                default=None,
+                action=argparse.BooleanOptionalAction,
+                help=shown,
+            )
+        else:
+            parser.add_argument(
+                _flag(f.name), dest=f.name, default=None, metavar="VALUE", help=shown
+            )
+    return parser
+
+
+def load_settings(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    *,
+    prog: str = "tide",
+    description: str = "",
+    env: Mapping[str, str] | None = None,
+) -> T:
+    """Build ``cls`` from flags (``argv``), the environment and the YAML file named by
+    ``--config`` or TIDE_CONFIG. Raises ConfigError naming the bad value."""
+    env = os.environ if env is None else env
+    parser = build_parser(cls, prog=prog, description=description)
+    flags = vars(parser.parse_args(list(argv) if argv is not None else None))
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    values: dict[str, Any] = {}
+
+    config_path = flags.get("config") or env.get(ENV_PREFIX + "CONFIG", "")
+    if config_path:
+        try:
+            loaded = yaml.safe_load(Path(config_path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"config: cannot read {config_path!r}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config: {config_path!r} is not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config: {config_path!r} must hold a mapping of setting names")
+        for key, raw in loaded.items():
+            name = str(key).replace("-", "_")
+            if name not in names:
+                raise ConfigError(f"{key} (from {config_path}): unknown setting")
+            values[name] = _convert(name, config_path, hints[name], raw)
+        if "config" in names:
+            values["config"] = config_path
+
+    for name in names:
+        env_name = ENV_PREFIX + name.upper()
+        if env_name in env:
+            values[name] = _convert(name, env_name, hints[name], env[env_name])
+
+    for name in names:
+        raw = flags.get(name)
+        if raw is not None:
+            values[name] = _convert(name, _flag(name), hints[name], raw)
+
+    return cls(**values)

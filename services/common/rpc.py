@@ -1,0 +1,56 @@
+"""Servicer glue: domain errors become gRPC statuses here, and only here."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar, cast
+
+import grpc
+
+from services.common.errors import TideError, grpc_status_of
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def rpc_errors(fn: F) -> F:
+    """Decorate an async servicer method (unary or streaming) so a TideError aborts
+    the call with the mapped status and the error's message; anything else is logged
+    with its traceback and reported as INTERNAL without leaking internals."""
+    if inspect.isasyncgenfunction(fn):
+        gen_fn = cast(Callable[..., AsyncIterator[Any]], fn)
+
+        @functools.wraps(fn)
+        async def stream_wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+            try:
+                async for item in gen_fn(self, request, context):
+                    yield item
+            except TideError as exc:
+                await context.abort(grpc_status_of(exc), str(exc))
+            except (grpc.aio.AbortError, grpc.aio.UsageError):
+                raise
+            except Exception:
+                logger.exception("unhandled error in %s", fn.__qualname__)
+                await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
+
+        return cast(F, stream_wrapper)
+
+    coro_fn = cast(Callable[..., Coroutine[Any, Any, Any]], fn)
+
+    @functools.wraps(fn)
+    async def unary_wrapper(self: Any, request: Any, context: Any) -> Any:
+        try:
+            return await coro_fn(self, request, context)
+        except TideError as exc:
+            await context.abort(grpc_status_of(exc), str(exc))
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception:
+            logger.exception("unhandled error in %s", fn.__qualname__)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
+
+    return cast(F, unary_wrapper)
