@@ -67,7 +67,7 @@ def test_bad_values_are_named(argv: list[str], env: dict[str, str], message: str
 def test_unknown_key_in_file(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("cooldown: 10\n")
-    with pytest.raises(ConfigError, match="cooldown .*unknown setting"):
+    with pytest.raises(ConfigError, match=r"cooldown .*unknown setting"):
         load_settings(DemoSettings, ["--config", str(cfg)], env={})
 
 
