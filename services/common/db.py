@@ -1,0 +1,437 @@
+"""The SQL store shared by the scaler and the coordinator: engine, sessions, retries, migrations.
+
+SQLite is the embedded default and PostgreSQL the production store; both go
+through :func:`make_engine`, so every service gets the same durability and
+locking settings. Sessions are opened at the edge with :func:`session_scope`
+or :func:`unit_of_work`; repository functions take the session as their first
+argument and never commit themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+from sqlalchemy import DateTime, Engine, MetaData, create_engine, event, make_url
+from sqlalchemy.engine import URL, Connection, Dialect
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+from sqlalchemy.orm.exc import StaleDataError
+from sqlalchemy.pool import ConnectionPoolEntry
+from sqlalchemy.types import TypeDecorator
+
+from services.common.errors import ConfigError, Conflict, Unavailable
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# The execution option our SQLite "begin" hook reads to choose the BEGIN flavour.
+_BEGIN_OPTION: Final = "tide_sqlite_begin"
+
+# SQLSTATEs after which PostgreSQL guarantees the transaction had no effect and
+# the same work may simply run again: serialization failure and deadlock.
+_RETRYABLE_SQLSTATES: Final = frozenset({"40001", "40P01"})
+
+
+# Deterministic constraint names: Alembic can only drop or alter a named
+# constraint, and SQLite batch migrations need the names to rebuild tables.
+NAMING_CONVENTION: Final = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    """Declarative base of every table; ``Base.metadata`` is what Alembic compares against."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp that is always timezone-aware UTC in Python, whatever the database.
+
+    SQLite has no time zone type and SQLAlchemy's SQLite DATETIME drops tzinfo
+    silently, so an aware local time would be stored as if it were UTC. Values
+    are normalised to UTC here, and naive datetimes are refused instead of
+    guessed at. Stored as ``timestamptz`` on PostgreSQL.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ValueError(f"naive datetime {value!r} given to a UTC column; attach tzinfo")
+        value = value.astimezone(UTC)
+        # SQLite stores text; keeping one fixed format (no offset) keeps ORDER BY
+        # and range comparisons on that text chronological.
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+def utc_from_epoch(seconds: float) -> datetime:
+    """A Clock's ``now()`` as the aware UTC datetime the store expects."""
+    return datetime.fromtimestamp(seconds, tz=UTC)
+
+
+@dataclass(frozen=True)
+class DbSettings:
+    """Tunables of the engine. The URL travels separately; these rarely change."""
+
+    # How long a SQLite writer waits for the write lock before "database is locked".
+    busy_timeout_s: float = 5.0
+    # PostgreSQL connection pool size and overflow per process.
+    pool_size: int = 5
+    max_overflow: int = 5
+    # Connections older than this are replaced, so a server-side idle timeout
+    # or a NAT drop never hands us a dead socket twice.
+    pool_recycle_s: float = 1800.0
+    # PostgreSQL TCP connect timeout.
+    connect_timeout_s: float = 5.0
+    # Time a pool checkout may wait for a free connection.
+    pool_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.busy_timeout_s <= 600):
+            raise ConfigError(f"busy_timeout_s must be in (0, 600], got {self.busy_timeout_s}")
+        if self.pool_size < 1:
+            raise ConfigError(f"pool_size must be >= 1, got {self.pool_size}")
+        if self.max_overflow < 0:
+            raise ConfigError(f"max_overflow must be >= 0, got {self.max_overflow}")
+        if self.pool_recycle_s <= 0:
+            raise ConfigError(f"pool_recycle_s must be > 0, got {self.pool_recycle_s}")
+        if not (0 < self.connect_timeout_s <= 300):
+            raise ConfigError(
+                f"connect_timeout_s must be in (0, 300], got {self.connect_timeout_s}"
+            )
+        if self.pool_timeout_s <= 0:
+            raise ConfigError(f"pool_timeout_s must be > 0, got {self.pool_timeout_s}")
+
+
+def _finite(obj: Any) -> Any:
+    """Replace NaN and infinities by None: PostgreSQL's json type rejects them.
+
+    Window buckets without samples are NaN (see WindowStats in common.proto);
+    JSON null says the same thing and reads back on both engines.
+    """
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_dumps(obj: Any) -> str:
+    """The JSON serializer of every engine: compact, and never NaN."""
+    return json.dumps(_finite(obj), allow_nan=False, separators=(",", ":"), sort_keys=True)
+
+
+def parse_url(url: str) -> URL:
+    try:
+        return make_url(url)
+    except Exception as exc:  # sqlalchemy raises ArgumentError with a vague text
+        raise ConfigError(f"database url {url!r} is not a valid SQLAlchemy URL: {exc}") from exc
+
+
+def make_engine(url: str, settings: DbSettings | None = None) -> Engine:
+    """An engine for a ``sqlite:///path`` or ``postgresql+psycopg://`` URL with Tide's settings.
+
+    SQLite: WAL, synchronous=FULL, busy_timeout, foreign keys on, and BEGIN
+    emitted by us (IMMEDIATE for write sessions, see :func:`session_scope`).
+    PostgreSQL: pool_pre_ping, recycled connections, a connect timeout.
+    """
+    settings = settings or DbSettings()
+    parsed = parse_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        return _sqlite_engine(parsed, settings)
+    if backend == "postgresql":
+        if parsed.get_driver_name() != "psycopg":
+            raise ConfigError(
+                f"database url {parsed.render_as_string(hide_password=True)!r}: "
+                "use the psycopg 3 driver (postgresql+psycopg://)"
+            )
+        return create_engine(
+            parsed,
+            pool_pre_ping=True,
+            pool_size=settings.pool_size,
+            max_overflow=settings.max_overflow,
+            pool_recycle=settings.pool_recycle_s,
+            pool_timeout=settings.pool_timeout_s,
+            json_serializer=json_dumps,
+            connect_args={
+                "connect_timeout": max(1, math.ceil(settings.connect_timeout_s)),
+                "application_name": "tide",
+            },
+        )
+    raise ConfigError(
+        f"database url {parsed.render_as_string(hide_password=True)!r}: "
+        f"backend {backend!r} is not supported (sqlite or postgresql+psycopg)"
+    )
+
+
+def _sqlite_engine(url: URL, settings: DbSettings) -> Engine:
+    database = url.database or ""
+    in_memory = database in ("", ":memory:") or database.startswith("file::memory:")
+    if not in_memory:
+        Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, json_serializer=json_dumps)
+    busy_ms = int(settings.busy_timeout_s * 1000)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
+        # Take BEGIN away from the sqlite3 driver (it defers it to the first DML,
+        # which breaks repeatable reads and savepoints); our "begin" hook emits it.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            # A fixed busy timeout instead of the driver's default 5 s, set first so
+            # that the pragmas below already wait rather than fail.
+            cursor.execute(f"PRAGMA busy_timeout = {busy_ms}")
+            if not in_memory:
+                # WAL lets readers run beside the one writer.
+                cursor.execute("PRAGMA journal_mode = WAL")
+            # FULL fsyncs the WAL on every commit: a decision reported committed
+            # survives a power loss, not only a process crash (NORMAL does not).
+            cursor.execute("PRAGMA synchronous = FULL")
+            cursor.execute("PRAGMA foreign_keys = ON")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        mode = conn.get_execution_options().get(_BEGIN_OPTION, "DEFERRED")
+        # IMMEDIATE takes the write lock at BEGIN, waiting under busy_timeout; a
+        # deferred transaction that read first and then writes gets SQLITE_BUSY
+        # at once when another writer committed meanwhile, busy_timeout or not.
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if mode == "IMMEDIATE" else "BEGIN")
+
+    return engine
+
+
+def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    """Sessions whose objects stay readable after commit (repositories copy them out anyway)."""
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(
+    factory: sessionmaker[Session], *, write: bool = True, isolation_level: str | None = None
+) -> Iterator[Session]:
+    """One transaction: commit when the block ends, roll back when it raises.
+
+    ``write=True`` begins SQLite transactions with BEGIN IMMEDIATE, so a
+    transaction that reads and then writes cannot fail on lock upgrade; pass
+    ``write=False`` for read-only work so readers never queue behind writers.
+    ``isolation_level`` applies to PostgreSQL (e.g. "SERIALIZABLE").
+    """
+    options: dict[str, Any] = {_BEGIN_OPTION: "IMMEDIATE" if write else "DEFERRED"}
+    if isolation_level is not None:
+        options["isolation_level"] = isolation_level
+    with factory(execution_options=options) as session, session.begin():
+        yield session
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """True when the whole unit of work can run again and no effect of it remains.
+
+    A dropped connection (the server restarted, the backend was terminated), a
+    PostgreSQL serialization failure or deadlock, and SQLite's "database is
+    locked" after busy_timeout all roll the transaction back entirely.
+    """
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    orig = exc.orig
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate in _RETRYABLE_SQLSTATES:
+        return True
+    # sqlite3 errors carry the extended result code; SQLITE_BUSY is 5 in the low byte.
+    code = getattr(orig, "sqlite_errorcode", None)
+    return isinstance(code, int) and code & 0xFF == 5
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded, jittered exponential backoff for units of work."""
+
+    attempts: int = 5
+    base_delay_s: float = 0.05
+    max_delay_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ConfigError(f"attempts must be >= 1, got {self.attempts}")
+        if self.base_delay_s < 0:
+            raise ConfigError(f"base_delay_s must be >= 0, got {self.base_delay_s}")
+        if self.max_delay_s < self.base_delay_s:
+            raise ConfigError(
+                f"max_delay_s must be >= base_delay_s, got {self.max_delay_s} < {self.base_delay_s}"
+            )
+
+    def delay_s(self, attempt: int, rng: random.Random) -> float:
+        """Full jitter: uniform in [0, min(max, base·2^attempt)], so retrying writers spread out."""
+        return rng.uniform(0.0, min(self.max_delay_s, self.base_delay_s * (2**attempt)))
+
+
+DEFAULT_RETRY: Final = RetryPolicy()
+
+
+def unit_of_work(
+    factory: sessionmaker[Session],
+    fn: Callable[[Session], T],
+    *,
+    write: bool = True,
+    isolation_level: str | None = None,
+    retry: RetryPolicy = DEFAULT_RETRY,
+    sleep: Callable[[float], None] = time.sleep,
+    rng: random.Random | None = None,
+    what: str = "unit of work",
+) -> T:
+    """Run ``fn(session)`` in one transaction, again from the start on a retryable failure.
+
+    ``fn`` must be a pure function of the database (it may run several times;
+    only the last run commits). After ``retry.attempts`` failures it raises
+    :class:`Unavailable`. A version-counter mismatch (another writer updated
+    the same row first) surfaces as :class:`Conflict` and is not retried here:
+    the caller re-reads and decides. ``what`` names the work in logs, e.g.
+    "create decision for job ns/a".
+    """
+    rng = rng or random.Random()
+    for attempt in range(retry.attempts):
+        try:
+            with session_scope(factory, write=write, isolation_level=isolation_level) as session:
+                return fn(session)
+        except StaleDataError as exc:
+            raise Conflict(f"{what}: a concurrent writer changed the row first ({exc})") from exc
+        except DBAPIError as exc:
+            if not is_retryable(exc):
+                raise
+            if attempt + 1 >= retry.attempts:
+                raise Unavailable(
+                    f"{what}: database unavailable after {retry.attempts} attempts: {exc.orig}"
+                ) from exc
+            delay = retry.delay_s(attempt, rng)
+            logger.warning(
+                "%s: attempt %d/%d failed (%s), retrying in %.3f s",
+                what,
+                attempt + 1,
+                retry.attempts,
+                type(exc.orig).__name__,
+                delay,
+            )
+            sleep(delay)
+    raise AssertionError("unreachable: the loop returns or raises")
+
+
+# --- migrations -----------------------------------------------------------------------------
+
+# Package-resource form, so that Alembic finds the scripts in an installed wheel too.
+_SCRIPT_LOCATION: Final = "services.common:migrations"
+
+
+def alembic_config(connection: Connection | None = None) -> Any:
+    """An Alembic Config pointing at our migrations; with ``connection``, env.py runs on it."""
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", _SCRIPT_LOCATION)
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+# Arbitrary constant naming the PostgreSQL advisory lock that serialises migrations.
+_MIGRATION_LOCK_KEY: Final = 0x7469_6465  # "tide"
+
+
+def _run_alembic(url: str, action: Callable[[Any], None], settings: DbSettings | None) -> None:
+    engine = make_engine(url, settings)
+    try:
+        with engine.connect() as conn:
+            sqlite = conn.dialect.name == "sqlite"
+            raw = conn.connection.driver_connection
+            if raw is None:
+                raise RuntimeError("the pool handed out a closed connection")
+            if sqlite:
+                # Batch migrations copy and drop tables; with foreign keys on, the
+                # drop would cascade or fail. The pragma is a no-op inside a
+                # transaction, so it goes to the driver before any BEGIN.
+                raw.execute("PRAGMA foreign_keys = OFF")
+            # One transaction around all of it (env.py joins it): on SQLite BEGIN
+            # IMMEDIATE and on PostgreSQL an advisory lock make two services that
+            # start together migrate one after the other, the second finding head.
+            conn.execution_options(**{_BEGIN_OPTION: "IMMEDIATE"})
+            try:
+                with conn.begin():
+                    if not sqlite:
+                        conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK_KEY})")
+                    action(alembic_config(conn))
+                    if sqlite:
+                        bad = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                        if bad:
+                            raise RuntimeError(f"migration left dangling foreign keys: {bad[:5]}")
+            finally:
+                if sqlite:
+                    raw.execute("PRAGMA foreign_keys = ON")
+    finally:
+        engine.dispose()
+
+
+def upgrade(url: str, revision: str = "head", settings: DbSettings | None = None) -> None:
+    """Bring the schema at ``url`` up to ``revision``; safe to call at every start."""
+    from alembic import command
+
+    logger.info("migrating database %s to %s", _safe(url), revision)
+    _run_alembic(url, lambda cfg: command.upgrade(cfg, revision), settings)
+
+
+def downgrade(url: str, revision: str, settings: DbSettings | None = None) -> None:
+    """Take the schema at ``url`` down to ``revision`` ("base" drops every table)."""
+    from alembic import command
+
+    logger.info("downgrading database %s to %s", _safe(url), revision)
+    _run_alembic(url, lambda cfg: command.downgrade(cfg, revision), settings)
+
+
+def current_revision(url: str, settings: DbSettings | None = None) -> str | None:
+    """The revision the database at ``url`` is at; None for an empty database."""
+    from alembic.runtime.migration import MigrationContext
+
+    engine = make_engine(url, settings)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def _safe(url: str) -> str:
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "<unparseable url>"

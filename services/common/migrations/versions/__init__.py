@@ -1,0 +1,1 @@
+"""Migration revisions, one file each, named after their revision id."""
