@@ -1,0 +1,249 @@
+"""Table-driven tests of the policy: one case per reason, HPA style."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+
+from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
+from services.scaler.policy import (
+    Decision,
+    History,
+    JobState,
+    PolicySettings,
+    Reason,
+    Trigger,
+    WindowView,
+    decide,
+    manual,
+    proportional,
+)
+
+P = PolicySettings()  # 80/40, sustain 300 s of 30 s buckets, cooldown 300, 2..8, target 60
+NOW = 100_000.0  # a bucket boundary (100_000 / 30 is not whole, but the view sets end_s)
+
+
+def window(means: list[float], fresh: int = 4, expected: int = 4) -> WindowView:
+    return WindowView(
+        bucket_s=30.0,
+        end_s=NOW,
+        bucket_means=tuple(means),
+        gpus_expected=expected,
+        gpus_fresh=fresh,
+    )
+
+
+def flat(v: float, n: int = 10) -> list[float]:
+    return [v] * n
+
+
+@dataclass
+class Case:
+    name: str
+    means: list[float]
+    reason: Reason
+    to: int
+    current: int = 4
+    fresh: int = 4
+    expected: int = 4
+    job: dict[str, object] = field(default_factory=dict)
+    history: History = field(default_factory=History)
+    policy: PolicySettings = P
+
+
+CASES = [
+    Case("sustained high grows proportionally", flat(90), Reason.SUSTAINED_HIGH_UTILIZATION, 6),
+    Case("brief spike is a no-op", [*flat(50, 9), 99], Reason.NOT_SUSTAINED, 4),
+    Case("one low bucket in a high window", [*flat(90, 9), 70], Reason.WITHIN_BAND, 4),
+    Case("high but one bucket empty", [*flat(90, 9), math.nan], Reason.NOT_SUSTAINED, 4),
+    Case("window shorter than sustain", flat(90, 5), Reason.NOT_SUSTAINED, 4),
+    Case("within band", flat(60), Reason.WITHIN_BAND, 4),
+    Case("sustained low shrinks proportionally", flat(20), Reason.SUSTAINED_LOW_UTILIZATION, 2),
+    Case(
+        "low shrink limited by max_step",
+        flat(5),
+        Reason.SUSTAINED_LOW_UTILIZATION,
+        6,
+        current=8,
+        policy=PolicySettings(max_step=2),
+    ),
+    Case("low clamps to min_replicas", flat(1), Reason.SUSTAINED_LOW_UTILIZATION, 2, current=6),
+    Case("at min replicas", flat(10), Reason.AT_MIN_REPLICAS, 2, current=2),
+    Case("at max replicas", flat(95), Reason.AT_MAX_REPLICAS, 8, current=8),
+    Case("grow clamps to max", flat(100), Reason.SUSTAINED_HIGH_UTILIZATION, 8, current=7),
+    Case(
+        "grow limited by max_step",
+        flat(100),
+        Reason.SUSTAINED_HIGH_UTILIZATION,
+        3,
+        current=2,
+        policy=PolicySettings(max_step=1),
+    ),
+    Case(
+        "capacity cap",
+        flat(100),
+        Reason.SUSTAINED_HIGH_UTILIZATION,
+        5,
+        job={"free_gpus": 2, "gpus_per_replica": 2},
+    ),
+    Case(
+        "no capacity", flat(100), Reason.NO_CAPACITY, 4, job={"free_gpus": 1, "gpus_per_replica": 2}
+    ),
+    Case("cooldown", flat(95), Reason.COOLDOWN, 4, history=History(NOW - 100, 1)),
+    Case(
+        "after cooldown, same direction",
+        flat(95),
+        Reason.SUSTAINED_HIGH_UTILIZATION,
+        7,
+        history=History(NOW - 300, 1),
+    ),
+    Case(
+        "reversal waits for a window after cooldown",
+        flat(10),
+        Reason.NOT_SUSTAINED,
+        4,
+        history=History(NOW - 400, 1),
+    ),
+    Case(
+        "reversal after cooldown + sustain",
+        flat(10),
+        Reason.SUSTAINED_LOW_UTILIZATION,
+        2,
+        history=History(NOW - 600, 1),
+    ),
+    Case("stale data", flat(95), Reason.STALE_DATA, 4, fresh=0),
+    Case("no data at all", [], Reason.STALE_DATA, 4, fresh=0),
+    Case("coverage below min", flat(95), Reason.INSUFFICIENT_COVERAGE, 4, fresh=3),
+    Case(
+        "partial coverage may grow",
+        flat(95),
+        Reason.SUSTAINED_HIGH_UTILIZATION,
+        7,
+        fresh=9,
+        expected=10,
+    ),
+    Case(
+        "partial coverage never shrinks",
+        flat(10),
+        Reason.INSUFFICIENT_COVERAGE,
+        4,
+        fresh=9,
+        expected=10,
+    ),
+    Case("paused", flat(95), Reason.PAUSED, 4, job={"paused": True}),
+    Case(
+        "resize in progress",
+        flat(95),
+        Reason.RESIZE_IN_PROGRESS,
+        4,
+        job={"resize_in_progress": True},
+    ),
+    Case(
+        "stabilizing keeps the highest recent recommendation",
+        flat(20),
+        Reason.STABILIZING,
+        4,
+        history=History(recommendations=((NOW - 30, 4),)),
+    ),
+    Case(
+        "stabilizing limits the shrink",
+        flat(20),
+        Reason.SUSTAINED_LOW_UTILIZATION,
+        3,
+        history=History(recommendations=((NOW - 30, 3), (NOW - 500, 4))),
+    ),
+    Case(
+        "emergency skips cooldown and pause",
+        flat(95),
+        Reason.NODE_TERMINATION,
+        3,
+        job={"terminating_replicas": 1, "terminating_node": "n1", "paused": True},
+        history=History(NOW - 1, 1),
+    ),
+    Case(
+        "emergency goes below min (the node leaves anyway)",
+        flat(50),
+        Reason.NODE_TERMINATION,
+        1,
+        current=2,
+        job={"terminating_replicas": 1, "terminating_node": "n1"},
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_policy_table(case: Case) -> None:
+    job = JobState("ns/a", current_replicas=case.current, **case.job)  # type: ignore[arg-type]
+    d = decide(job, window(case.means, case.fresh, case.expected), case.policy, case.history, NOW)
+    assert d.reason is case.reason, d.message
+    assert d.to_replicas == case.to, d.message
+    assert d.resize == case.reason.resizes
+    assert d.message
+    if d.resize:
+        assert case.policy.min_replicas <= d.to_replicas <= case.policy.max_replicas or (
+            d.trigger is Trigger.EMERGENCY
+        )
+
+
+def test_every_policy_reason_is_covered_by_the_table() -> None:
+    policy_reasons = set(Reason) - {Reason.MANUAL, Reason.MEMBER_LOST, Reason.JOB_STARTED}
+    assert policy_reasons <= {c.reason for c in CASES}
+
+
+def test_reason_values_mirror_the_proto() -> None:
+    from tide.v1 import common_pb2
+
+    for r in Reason:
+        assert common_pb2.DecisionReason.Value(f"DECISION_REASON_{r.name}") == r.value
+    for t in Trigger:
+        assert common_pb2.DecisionTrigger.Value(f"DECISION_TRIGGER_{t.name}") == t.value
+
+
+def test_noop_carries_recommendation_for_stabilization() -> None:
+    d = decide(JobState("j", 4), window(flat(20, 5)), P, History(), NOW)
+    assert d.reason is Reason.NOT_SUSTAINED
+    assert d.recommendation == 2
+
+
+def test_proportional_is_exact_on_integers() -> None:
+    assert proportional(4, 60.0, 60.0) == 4
+    assert proportional(3, 100.0, 60.0) == 5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field_name"),
+    [
+        ({"scale_up_utilization_pct": 120.0}, "scale_up_utilization_pct"),
+        ({"scale_down_utilization_pct": 90.0}, "scale_down_utilization_pct"),
+        ({"target_utilization_pct": 95.0}, "target_utilization_pct"),
+        ({"sustain_s": 100.0}, "sustain_s"),
+        ({"bucket_s": 0.0}, "bucket_s"),
+        ({"cooldown_s": -1.0}, "cooldown_s"),
+        ({"min_replicas": 0}, "min_replicas"),
+        ({"max_replicas": 1}, "max_replicas"),
+        ({"min_coverage": 1.5}, "min_coverage"),
+        ({"max_step": 0}, "max_step"),
+    ],
+)
+def test_settings_validation_names_the_field(overrides: dict[str, object], field_name: str) -> None:
+    with pytest.raises(ConfigError, match=field_name):
+        P.with_overrides(overrides)
+
+
+def test_unknown_override_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="bogus"):
+        P.with_overrides({"bogus": 1})
+
+
+def test_manual_checks_bounds_and_reason() -> None:
+    job = JobState("j", 4)
+    d: Decision = manual(job, P, 6, "load test")
+    assert (d.reason, d.trigger, d.to_replicas) == (Reason.MANUAL, Trigger.MANUAL, 6)
+    with pytest.raises(InvalidArgument):
+        manual(job, P, 9, "too many")
+    with pytest.raises(InvalidArgument):
+        manual(job, P, 6, " ")
+    with pytest.raises(FailedPrecondition):
+        manual(JobState("j", 4, resize_in_progress=True), P, 6, "x")
