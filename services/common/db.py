@@ -29,7 +29,7 @@ from sqlalchemy.orm.exc import StaleDataError
 from sqlalchemy.pool import ConnectionPoolEntry
 from sqlalchemy.types import TypeDecorator
 
-from services.common.errors import ConfigError, Conflict, Unavailable
+from services.common.errors import ConfigError, Conflict, InvalidArgument, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -402,20 +402,34 @@ def _run_alembic(url: str, action: Callable[[Any], None], settings: DbSettings |
         engine.dispose()
 
 
+def _migrate(
+    url: str, what: str, action: Callable[[Any], None], settings: DbSettings | None
+) -> None:
+    from alembic.util import CommandError
+
+    try:
+        _run_alembic(url, action, settings)
+    except CommandError as exc:
+        # Alembic's word for an unknown revision or a broken history.
+        raise InvalidArgument(f"{what} {redact_url(url)}: {exc}") from exc
+    except DBAPIError as exc:
+        raise Unavailable(f"{what} {redact_url(url)}: database unavailable: {exc.orig}") from exc
+
+
 def upgrade(url: str, revision: str = "head", settings: DbSettings | None = None) -> None:
     """Bring the schema at ``url`` up to ``revision``; safe to call at every start."""
     from alembic import command
 
-    logger.info("migrating database %s to %s", _safe(url), revision)
-    _run_alembic(url, lambda cfg: command.upgrade(cfg, revision), settings)
+    logger.info("migrating database %s to %s", redact_url(url), revision)
+    _migrate(url, "upgrade", lambda cfg: command.upgrade(cfg, revision), settings)
 
 
 def downgrade(url: str, revision: str, settings: DbSettings | None = None) -> None:
     """Take the schema at ``url`` down to ``revision`` ("base" drops every table)."""
     from alembic import command
 
-    logger.info("downgrading database %s to %s", _safe(url), revision)
-    _run_alembic(url, lambda cfg: command.downgrade(cfg, revision), settings)
+    logger.info("downgrading database %s to %s", redact_url(url), revision)
+    _migrate(url, "downgrade", lambda cfg: command.downgrade(cfg, revision), settings)
 
 
 def current_revision(url: str, settings: DbSettings | None = None) -> str | None:
@@ -426,12 +440,19 @@ def current_revision(url: str, settings: DbSettings | None = None) -> str | None
     try:
         with engine.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()
+    except DBAPIError as exc:
+        raise Unavailable(f"database {redact_url(url)} unavailable: {exc.orig}") from exc
     finally:
         engine.dispose()
 
 
-def _safe(url: str) -> str:
+def redact_url(url: str) -> str:
+    """The URL for logs and messages, password hidden."""
     try:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:
         return "<unparseable url>"
+
+
+# The CLI used the private name first.
+_safe = redact_url
