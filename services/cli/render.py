@@ -1,0 +1,299 @@
+"""The CLI's output: tables for people, and JSON / CSV with a versioned schema for scripts.
+
+The JSON documents are described in docs/cli.md. Changing a field's name,
+type or unit means a new SCHEMA_VERSION; adding a field does not.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from tide.v1 import common_pb2, scaler_pb2
+
+from services.cli.source import dt_of
+from services.cli.timeparse import iso, short
+
+SCHEMA_VERSION = 1
+
+FINAL_STATES = frozenset(
+    {
+        common_pb2.DECISION_STATE_COMPLETED,
+        common_pb2.DECISION_STATE_ABORTED,
+        common_pb2.DECISION_STATE_FAILED,
+    }
+)
+
+
+# The generated enum wrappers type their values as NewTypes of int; the
+# messages' fields are plain ints at runtime, so Any bridges the two.
+_Reason: Any = common_pb2.DecisionReason
+_State: Any = common_pb2.DecisionState
+_Trigger: Any = common_pb2.DecisionTrigger
+
+
+def reason_name(value: int) -> str:
+    return str(_Reason.Name(value)).removeprefix("DECISION_REASON_")
+
+
+def state_name(value: int) -> str:
+    return str(_State.Name(value)).removeprefix("DECISION_STATE_")
+
+
+def trigger_name(value: int) -> str:
+    return str(_Trigger.Name(value)).removeprefix("DECISION_TRIGGER_")
+
+
+def state_value(name: str) -> int:
+    """``completed`` / ``COMPLETED`` / ``DECISION_STATE_COMPLETED`` → enum value; ValueError if none."""
+    key = name.strip().upper().removeprefix("DECISION_STATE_")
+    value = int(common_pb2.DecisionState.Value("DECISION_STATE_" + key))
+    if value == 0:
+        raise ValueError(name)
+    return value
+
+
+def _num(x: float) -> float | None:
+    """JSON has no NaN: an empty bucket or an unknown mean is null."""
+    return x if math.isfinite(x) else None
+
+
+# --- JSON documents -------------------------------------------------------------------------
+
+
+def decision_doc(d: scaler_pb2.Decision) -> dict[str, Any]:
+    return {
+        "id": d.id,
+        "job_id": d.job_id,
+        "from_replicas": d.from_replicas,
+        "to_replicas": d.to_replicas,
+        "reason": reason_name(d.reason),
+        "trigger": trigger_name(d.trigger),
+        "state": state_name(d.state),
+        "message": d.message,
+        "error": d.error,
+        "created_at": iso(dt_of(d.created_at)),
+        "updated_at": iso(dt_of(d.updated_at)),
+        "pause_s": d.pause_s,
+        "lost_steps": d.lost_steps,
+        "generation": d.generation,
+        "requested_by": d.requested_by,
+    }
+
+
+#: Column order of `tide history --output csv`: the decision document's keys.
+CSV_COLUMNS = tuple(decision_doc(scaler_pb2.Decision()).keys())
+
+
+def window_doc(w: common_pb2.WindowStats) -> dict[str, Any]:
+    return {
+        "bucket_s": w.bucket_s,
+        "bucket_means_pct": [_num(b) for b in w.bucket_means_pct],
+        "coverage": w.coverage,
+        "gpus_expected": w.gpus_expected,
+        "gpus_fresh": w.gpus_fresh,
+        "mean_pct": _num(w.mean_pct),
+        "computed_at": iso(dt_of(w.computed_at)),
+    }
+
+
+def policy_doc(p: scaler_pb2.Policy) -> dict[str, Any]:
+    """Only the fields that are set: an absent key means "not known", never 0."""
+    msg: Any = p
+    return {f.name: getattr(p, f.name) for f in p.DESCRIPTOR.fields if msg.HasField(f.name)}
+
+
+def job_doc(j: scaler_pb2.Job) -> dict[str, Any]:
+    ev = j.last_evaluation
+    return {
+        "job_id": j.job_id,
+        "current_replicas": j.current_replicas,
+        "min_replicas": j.policy.min_replicas,
+        "max_replicas": j.policy.max_replicas,
+        "gpus_per_replica": j.gpus_per_replica,
+        "generation": j.generation,
+        "step": j.step,
+        "samples_per_s": j.samples_per_s,
+        "utilization_pct": _num(j.window.mean_pct) if j.HasField("window") else None,
+        "coverage": j.window.coverage if j.HasField("window") else None,
+        "autoscaling_paused": j.autoscaling_paused,
+        "pause_reason": j.pause_reason,
+        "active_decision_id": j.active_decision_id or None,
+        "last_evaluation": (
+            {"reason": reason_name(ev.reason), "message": ev.message, "at": iso(dt_of(ev.at))}
+            if j.HasField("last_evaluation")
+            else None
+        ),
+        "last_resize_at": iso(dt_of(j.last_resize_at)),
+        "created_at": iso(dt_of(j.created_at)),
+        "policy": policy_doc(j.policy),
+    }
+
+
+def event_doc(e: scaler_pb2.DecisionEvent) -> dict[str, Any]:
+    return {"state": state_name(e.state), "at": iso(dt_of(e.at)), "detail": e.detail}
+
+
+def point_doc(p: scaler_pb2.UtilizationPoint) -> dict[str, Any]:
+    return {
+        "minute": iso(dt_of(p.minute)),
+        "mean_pct": p.mean_pct,
+        "min_pct": p.min_pct,
+        "max_pct": p.max_pct,
+        "samples": p.samples,
+        "replicas": p.replicas,
+    }
+
+
+def explain_doc(detail: scaler_pb2.DecisionDetail) -> dict[str, Any]:
+    i = detail.inputs
+    return {
+        "decision": decision_doc(detail.decision),
+        "inputs": {
+            "window": window_doc(i.window),
+            "policy": policy_doc(i.policy),
+            "current_replicas": i.current_replicas,
+            "free_gpus": i.free_gpus,
+            "raw_target_replicas": i.raw_target_replicas,
+            "node_name": i.node_name,
+            "node_deadline": iso(dt_of(i.node_deadline)),
+        },
+        "events": [event_doc(e) for e in detail.events],
+        "utilization": [point_doc(p) for p in detail.utilization],
+    }
+
+
+def envelope(kind: str, **body: Any) -> str:
+    return json.dumps({"schema_version": SCHEMA_VERSION, "kind": kind, **body}, indent=2)
+
+
+def decisions_csv(decisions: Sequence[scaler_pb2.Decision]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for d in decisions:
+        writer.writerow(decision_doc(d))
+    return buf.getvalue()
+
+
+# --- tables ---------------------------------------------------------------------------------
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:.0f}%"
+
+
+def jobs_table(jobs: Sequence[scaler_pb2.Job]) -> Table:
+    t = Table(title=None, show_edge=False, header_style="bold")
+    for col in ("JOB", "REPLICAS", "MIN..MAX", "GEN", "STEP", "SAMPLES/S", "UTIL", "AUTOSCALING"):
+        t.add_column(col)
+    t.add_column("LAST EVALUATION", overflow="fold")
+    for j in jobs:
+        auto = f"paused: {j.pause_reason}" if j.autoscaling_paused else "on"
+        if j.active_decision_id:
+            auto += f" (decision {j.active_decision_id} running)"
+        ev = j.last_evaluation
+        t.add_row(
+            j.job_id,
+            str(j.current_replicas),
+            f"{j.policy.min_replicas}..{j.policy.max_replicas}",
+            str(j.generation),
+            str(j.step),
+            f"{j.samples_per_s:.1f}",
+            _pct(j.window.mean_pct) if j.HasField("window") else "-",
+            auto,
+            f"{reason_name(ev.reason)}: {ev.message}" if j.HasField("last_evaluation") else "-",
+        )
+    return t
+
+
+def history_table(decisions: Sequence[scaler_pb2.Decision]) -> Table:
+    t = Table(show_edge=False, header_style="bold")
+    for col in ("ID", "CREATED (UTC)", "JOB", "RESIZE", "REASON", "STATE", "PAUSE", "BY"):
+        t.add_column(col)
+    t.add_column("MESSAGE", overflow="fold")
+    for d in decisions:
+        t.add_row(
+            str(d.id),
+            short(dt_of(d.created_at)),
+            d.job_id,
+            f"{d.from_replicas}→{d.to_replicas}",
+            reason_name(d.reason),
+            state_name(d.state),
+            f"{d.pause_s:.2f}s" if d.pause_s else "-",
+            d.requested_by or trigger_name(d.trigger).lower(),
+            d.error or d.message,
+        )
+    return t
+
+
+def print_explain(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
+    d, i = detail.decision, detail.inputs
+    p = i.policy
+    console.print(
+        f"[bold]Decision {d.id}[/bold]  {d.job_id}  {d.from_replicas} → {d.to_replicas} replicas"
+        f"  [{state_name(d.state)}]"
+    )
+    console.print(f"  reason   {reason_name(d.reason)} ({trigger_name(d.trigger).lower()})")
+    console.print(f"  message  {d.message}")
+    if d.requested_by:
+        console.print(f"  by       {d.requested_by}")
+    console.print(f"  created  {short(dt_of(d.created_at))} UTC")
+    if d.error:
+        console.print(f"  [red]error    {d.error}[/red]")
+
+    console.print("\n[bold]Inputs[/bold]")
+    w = i.window
+    buckets = " ".join(_pct(b) for b in w.bucket_means_pct) or "-"
+    console.print(
+        f"  window   mean {_pct(w.mean_pct)} over {len(w.bucket_means_pct)} buckets"
+        f" of {w.bucket_s:g} s: {buckets}"
+    )
+    console.print(
+        f"  coverage {w.coverage:.0%} ({w.gpus_fresh}/{w.gpus_expected} GPUs fresh;"
+        f" needs {p.min_coverage:.0%})"
+    )
+    console.print(
+        f"  replicas {i.current_replicas} now; proportional rule asked {i.raw_target_replicas};"
+        f" free GPUs {'unknown' if i.free_gpus < 0 else i.free_gpus}"
+    )
+    if i.node_name:
+        console.print(f"  node     {i.node_name}, leaving by {short(dt_of(i.node_deadline))} UTC")
+    console.print("\n[bold]Thresholds[/bold]")
+    console.print(
+        f"  scale up above {p.scale_up_utilization_pct:g}%, down below"
+        f" {p.scale_down_utilization_pct:g}%, target {p.target_utilization_pct:g}%"
+    )
+    console.print(
+        f"  sustain {p.sustain_s:g} s in buckets of {p.bucket_s:g} s; cooldown {p.cooldown_s:g} s;"
+        f" bounds {p.min_replicas}..{p.max_replicas}, at most ±{p.max_step} per decision"
+    )
+
+    console.print("\n[bold]States[/bold]")
+    start = dt_of(d.created_at)
+    for e in detail.events:
+        at = dt_of(e.at)
+        offset = f"+{(at - start).total_seconds():7.2f}s" if at and start else ""
+        console.print(f"  {short(at)}  {offset}  {state_name(e.state):<10} {e.detail}")
+    if d.state in FINAL_STATES:
+        console.print(
+            f"  pause {d.pause_s:.2f} s, lost steps {d.lost_steps}, generation {d.generation}"
+        )
+
+    console.print("\n[bold]Utilization around it[/bold] (per minute, UTC)")
+    if not detail.utilization:
+        console.print("  no rollups recorded")
+    created_minute = start.replace(second=0, microsecond=0) if start else None
+    for u in detail.utilization:
+        minute = dt_of(u.minute)
+        mark = "  ◀ decision" if minute == created_minute else ""
+        console.print(
+            f"  {short(minute)}  mean {u.mean_pct:5.1f}%  min {u.min_pct:5.1f}%"
+            f"  max {u.max_pct:5.1f}%  replicas {u.replicas}{mark}"
+        )

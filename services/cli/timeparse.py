@@ -1,0 +1,54 @@
+"""Times and durations as an SRE types them: ``24h``, ``90m``, ``2026-12-02T14:05``.
+
+A relative value (``24h``) means that long before now. An absolute value is
+ISO 8601; one without a zone is UTC, because every time Tide stores and shows
+is UTC and a shell's local zone is rarely what a runbook means.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta
+
+from services.common.errors import InvalidArgument
+
+_UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+
+
+def parse_duration_s(text: str) -> float:
+    """``90s`` / ``15m`` / ``24h`` / ``7d`` / ``2w`` in seconds."""
+    m = _DURATION.match(text)
+    if not m:
+        raise InvalidArgument(f"expected a duration like 30s, 15m, 24h, 7d; got {text!r}")
+    return float(m.group(1)) * _UNITS_S[m.group(2)]
+
+
+def parse_time(text: str, now: datetime) -> datetime:
+    """A relative duration before ``now``, ``now`` itself, or an ISO 8601 time (UTC if naive)."""
+    value = text.strip()
+    if value == "now":
+        return now
+    if _DURATION.match(value):
+        return now - timedelta(seconds=parse_duration_s(value))
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidArgument(
+            f"expected a duration (24h) or an ISO 8601 time (2026-12-02T14:05); got {text!r}"
+        ) from None
+    return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
+
+
+def iso(ts: datetime | None) -> str | None:
+    """The one text form of a time in Tide's output: RFC 3339, UTC, millisecond precision."""
+    if ts is None:
+        return None
+    return ts.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def short(ts: datetime | None) -> str:
+    """A time for tables: ``2026-12-02 14:05:03``, UTC."""
+    if ts is None:
+        return "-"
+    return ts.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
