@@ -1,0 +1,123 @@
+"""How the scaler changes a job's pod count: the Actuator interface and its fakes.
+
+The Kubernetes (PaddleJob patch) and local (launcher processes) actuators
+come in their own issues. Here: an in-memory actuator that records every
+change, and a file-backed one whose state and change log survive a SIGKILL of
+the scaler (the crash tests count changes across restarts with it).
+
+``set_replicas`` is idempotent: asking for the count a job already has is not
+a change and is not recorded, so a resumed decision may repeat it safely.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from services.common.errors import InvalidArgument
+
+
+class Actuator(Protocol):
+    async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
+        """Ask for ``replicas`` pods of the job; returns once the request is accepted."""
+        ...
+
+    async def get_replicas(self, job_id: str) -> int | None:
+        """Replicas the job is asked to run; None when the actuator does not know the job."""
+        ...
+
+    async def free_gpus(self) -> int | None:
+        """GPUs free for growth in the cluster; None when unknown."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReplicaChange:
+    job_id: str
+    old: int
+    new: int
+    decision_id: int
+
+
+class InMemoryActuator:
+    """Replica counts in a dict, every change appended to ``changes``.
+
+    ``total_gpus`` (None: unlimited) and each job's GPUs per replica give
+    ``free_gpus``; a grow beyond it is accepted (pods would stay Pending, as
+    in a real cluster), the policy is what keeps within capacity.
+    """
+
+    def __init__(self, total_gpus: int | None = None) -> None:
+        self.total_gpus = total_gpus
+        self.replicas: dict[str, int] = {}
+        self.gpus_per_replica: dict[str, int] = {}
+        self.changes: list[ReplicaChange] = []
+
+    async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
+        if replicas < 0:
+            raise InvalidArgument(f"job {job_id}: replicas must be >= 0, got {replicas}")
+        old = self.replicas.get(job_id, 0)
+        if old == replicas:
+            return
+        self.replicas[job_id] = replicas
+        self.changes.append(ReplicaChange(job_id, old, replicas, decision_id))
+
+    async def get_replicas(self, job_id: str) -> int | None:
+        return self.replicas.get(job_id)
+
+    async def free_gpus(self) -> int | None:
+        if self.total_gpus is None:
+            return None
+        used = sum(n * self.gpus_per_replica.get(j, 1) for j, n in self.replicas.items())
+        return max(0, self.total_gpus - used)
+
+
+class FileActuator(InMemoryActuator):
+    """An InMemoryActuator whose state lives in a JSON-lines file, one line per
+    change, appended and fsynced before ``set_replicas`` returns."""
+
+    def __init__(self, path: Path, total_gpus: int | None = None) -> None:
+        super().__init__(total_gpus)
+        self.path = path
+        for change in read_changes(path):
+            self.replicas[change.job_id] = change.new
+            if change.old != change.new:
+                self.changes.append(change)
+
+    def seed(self, job_id: str, replicas: int) -> None:
+        """Set a job's starting count without recording a change (the job's creation)."""
+        if job_id not in self.replicas:
+            self.replicas[job_id] = replicas
+            self._append({"job_id": job_id, "old": replicas, "new": replicas, "decision_id": 0})
+
+    async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
+        before = len(self.changes)
+        await super().set_replicas(job_id, replicas, decision_id=decision_id)
+        if len(self.changes) > before:
+            c = self.changes[-1]
+            self._append(
+                {"job_id": c.job_id, "old": c.old, "new": c.new, "decision_id": c.decision_id}
+            )
+
+    def _append(self, doc: dict[str, object]) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(doc) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def read_changes(path: Path) -> list[ReplicaChange]:
+    """Every change recorded in a FileActuator's file (seed lines have old == new)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            out.append(ReplicaChange(d["job_id"], d["old"], d["new"], d["decision_id"]))
+    return out

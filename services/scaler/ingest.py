@@ -1,0 +1,491 @@
+"""Telemetry ingestion: sequence tracking, validation, attribution, aggregation.
+
+The hot path is :meth:`IngestEngine.process`, called once per NodeReport. It
+creates no object per GPU sample: each sample is validated with a few float
+comparisons (NaN fails every comparison, so one range check catches NaN and
+inf too), attributed with one dict lookup, and folded into per-report sums
+per job; only then do the job windows, rollups and node arrays get one update
+per job (measured-limits.md §2: protobuf field access dominates, so nothing
+else may cost per sample).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from tide.v1 import telemetry_pb2
+
+from services.common.clock import Clock
+from services.common.errors import ConfigError, InvalidArgument
+from services.scaler.members import MemberRegistry
+from services.scaler.policy import WindowView
+from services.scaler.windows import JobWindow, NodeGpus, Rollups
+
+logger = logging.getLogger(__name__)
+
+_INF = math.inf
+_EVENT = telemetry_pb2.NodeEvent
+
+
+class Rejection(enum.Enum):
+    """Why a sample, a report or a stream was refused (the metric's ``reason`` label)."""
+
+    NON_FINITE = "non_finite"
+    UTILIZATION_OUT_OF_RANGE = "utilization_out_of_range"
+    MEMORY_USED_EXCEEDS_TOTAL = "memory_used_exceeds_total"
+    GPU_INDEX_OUT_OF_RANGE = "gpu_index_out_of_range"
+    DUPLICATE_GPU_INDEX = "duplicate_gpu_index"
+    TIMESTAMP_MISSING = "timestamp_missing"
+    TIMESTAMP_IN_FUTURE = "timestamp_in_future"
+    TIMESTAMP_OUT_OF_ORDER = "timestamp_out_of_order"
+    TOO_MANY_GPUS = "too_many_gpus"
+    MISSING_IDENTITY = "missing_identity"
+    BAD_SEQUENCE = "bad_sequence"
+    NODE_CHANGED = "node_changed"
+
+
+class InvalidStream(InvalidArgument):
+    """The stream itself is broken (identity, sequence, impossible GPU count): it ends."""
+
+    def __init__(self, reason: Rejection, message: str) -> None:
+        super().__init__(f"{reason.value}: {message}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class IngestSettings:
+    max_gpus_per_node: int = 64
+    # Agent clocks run ahead of ours by at most this; a report further in the future is dropped.
+    max_clock_skew_s: float = 5.0
+    # A GPU without a sample for this long is stale: it no longer counts as covered.
+    stale_after_s: float = 10.0
+    # Out-of-order sequence numbers remembered above the contiguous ack; past
+    # this the missing reports are given up as lost.
+    reorder_limit: int = 256
+    # Asked of agents in every ack; 0 leaves the agent's own period.
+    report_interval_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_gpus_per_node <= 4096:
+            raise ConfigError(f"max_gpus_per_node={self.max_gpus_per_node!r}: must be 1..4096")
+        if not (self.max_clock_skew_s >= 0 and math.isfinite(self.max_clock_skew_s)):
+            raise ConfigError(f"max_clock_skew_s={self.max_clock_skew_s!r}: must be >= 0")
+        if not (self.stale_after_s > 0 and math.isfinite(self.stale_after_s)):
+            raise ConfigError(f"stale_after_s={self.stale_after_s!r}: must be > 0")
+        if self.reorder_limit < 1:
+            raise ConfigError(f"reorder_limit={self.reorder_limit!r}: must be >= 1")
+        if not (self.report_interval_s >= 0 and math.isfinite(self.report_interval_s)):
+            raise ConfigError(f"report_interval_s={self.report_interval_s!r}: must be >= 0")
+
+
+class NodeState:
+    """What the scaler knows of one node: sequence state of its current boot,
+    its GPUs' latest samples, and any notice it announced."""
+
+    __slots__ = (
+        "acked",
+        "boot_id",
+        "gpus",
+        "last_sampled_s",
+        "max_seen",
+        "name",
+        "notice",
+        "notice_deadline_s",
+        "pending",
+        "pods",
+        "streams",
+    )
+
+    def __init__(self, name: str, boot_id: str, first_seq: int) -> None:
+        self.name = name
+        self.gpus = NodeGpus(name, 0)
+        self.pods: list[str] = []
+        self.notice = 0
+        self.notice_deadline_s: float | None = None
+        self.streams = 0
+        self.reset(boot_id, first_seq)
+
+    def reset(self, boot_id: str, first_seq: int) -> None:
+        # A scaler that first hears of a boot mid-way (its own restart) takes
+        # the first report as the start: it cannot know what came before.
+        self.boot_id = boot_id
+        self.acked = first_seq - 1
+        self.max_seen = first_seq - 1
+        self.pending: set[int] = set()
+        self.last_sampled_s = -_INF
+
+
+class StreamState:
+    """Per-stream identity: a stream speaks for exactly one node."""
+
+    __slots__ = ("node",)
+
+    def __init__(self) -> None:
+        self.node: NodeState | None = None
+
+
+WindowShape = Callable[[str], tuple[float, int]]
+
+
+class IngestEngine:
+    """Turns reports into windows; see the module docstring for the cost model."""
+
+    def __init__(
+        self,
+        settings: IngestSettings,
+        registry: MemberRegistry,
+        clock: Clock,
+        window_shape: WindowShape | None = None,
+        on_bucket_closed: Callable[[str], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.clock = clock
+        self._shape = window_shape or (lambda _job: (30.0, 10))
+        self.on_bucket_closed = on_bucket_closed
+        self.nodes: dict[str, NodeState] = {}
+        self.windows: dict[str, JobWindow] = {}
+        self._last_bucket: dict[str, int] = {}
+        self.rollups = Rollups()
+        # Plain ints on the hot path; exported by IngestCollector at scrape time.
+        self.reports_accepted = 0
+        self.reports_duplicate = 0
+        self.reports_dropped = 0
+        self.samples_accepted = 0
+        self.samples_unattributed = 0
+        self.seq_gaps = 0
+        self.rejected: dict[Rejection, int] = dict.fromkeys(Rejection, 0)
+        self.streams_open = 0
+
+    # -- streams -------------------------------------------------------------
+
+    def open_stream(self) -> StreamState:
+        self.streams_open += 1
+        return StreamState()
+
+    def close_stream(self, stream: StreamState) -> None:
+        self.streams_open -= 1
+        if stream.node is not None:
+            stream.node.streams -= 1
+
+    def _reject_stream(self, reason: Rejection, message: str) -> InvalidStream:
+        self.rejected[reason] += 1
+        return InvalidStream(reason, message)
+
+    # -- the hot path --------------------------------------------------------
+
+    def process(self, stream: StreamState, r: telemetry_pb2.NodeReport) -> tuple[str, int]:
+        """Apply one report; returns the (boot_id, acked_seq) to acknowledge.
+        Raises InvalidStream when the stream must end."""
+        name = r.node_name
+        boot = r.boot_id
+        seq = r.seq
+        if not name or not boot:
+            raise self._reject_stream(
+                Rejection.MISSING_IDENTITY, "node_name and boot_id are required"
+            )
+        if seq == 0:
+            raise self._reject_stream(Rejection.BAD_SEQUENCE, f"node {name}: seq starts at 1")
+        # Checked before the sequence number is taken, so a resent impossible
+        # report is refused again instead of being acknowledged as a duplicate.
+        gpus = r.gpus
+        n = len(gpus)
+        cap = r.gpu_capacity
+        limit = self.settings.max_gpus_per_node
+        if cap > limit:
+            raise self._reject_stream(
+                Rejection.TOO_MANY_GPUS,
+                f"node {name}: gpu_capacity {cap} exceeds the maximum of {limit} per node",
+            )
+        if cap == 0:
+            cap = limit
+        if n > cap:
+            raise self._reject_stream(
+                Rejection.TOO_MANY_GPUS,
+                f"node {name}: report {seq} has {n} GPU samples for a capacity of {cap}",
+            )
+
+        node = stream.node
+        if node is None:
+            node = self.nodes.get(name)
+            if node is None:
+                node = self.nodes[name] = NodeState(name, boot, seq)
+            stream.node = node
+            node.streams += 1
+        elif node.name != name:
+            raise self._reject_stream(
+                Rejection.NODE_CHANGED, f"stream of node {node.name} sent a report for {name}"
+            )
+        if node.boot_id != boot:
+            logger.info("node %s: new boot id %s (was %s)", name, boot, node.boot_id)
+            node.reset(boot, seq)
+
+        # Sequence: a number at or below the ack, or already held, is a replay.
+        acked = node.acked
+        if seq <= acked or seq in node.pending:
+            self.reports_duplicate += 1
+            return boot, acked
+        if seq > node.max_seen + 1:
+            self.seq_gaps += seq - node.max_seen - 1
+        if seq > node.max_seen:
+            node.max_seen = seq
+        if seq == acked + 1:
+            acked = seq
+            pending = node.pending
+            if pending:
+                while acked + 1 in pending:
+                    acked += 1
+                    pending.discard(acked)
+        else:
+            node.pending.add(seq)
+            if len(node.pending) > self.settings.reorder_limit:
+                # The agent no longer has what is missing; stop waiting for it.
+                acked = max(node.pending)
+                node.pending.clear()
+        node.acked = acked
+
+        ts = r.sampled_at
+        t = ts.seconds + ts.nanos * 1e-9
+        now = self.clock.now()
+        if t <= 0.0:
+            return self._drop(Rejection.TIMESTAMP_MISSING, boot, acked)
+        if t > now + self.settings.max_clock_skew_s:
+            return self._drop(Rejection.TIMESTAMP_IN_FUTURE, boot, acked)
+        if t < node.last_sampled_s:
+            return self._drop(Rejection.TIMESTAMP_OUT_OF_ORDER, boot, acked)
+        node.last_sampled_s = t
+        if r.events:
+            self._events(node, r.events)
+        if n:
+            self._samples(node, gpus, cap, t)
+        self.reports_accepted += 1
+        return boot, acked
+
+    def _drop(self, reason: Rejection, boot: str, acked: int) -> tuple[str, int]:
+        # The report is consumed (acked) but none of it reaches a window.
+        self.rejected[reason] += 1
+        self.reports_dropped += 1
+        return boot, acked
+
+    def _samples(
+        self, node: NodeState, gpus: Iterable[telemetry_pb2.GpuSample], cap: int, t: float
+    ) -> None:
+        ng = node.gpus
+        if len(ng.util) < cap:
+            ng.grow(cap)
+            node.pods.extend([""] * (cap - len(node.pods)))
+        util_arr = ng.util
+        seen_arr = ng.seen_s
+        job_arr = ng.job
+        pod_arr = node.pods
+        by_uid = self.registry.by_uid
+        by_name = self.registry.by_name
+        rejected = self.rejected
+        acc: dict[str | None, list[float]] = {}
+        seen_mask = 0
+        accepted = 0
+        for g in gpus:
+            u = g.utilization_pct
+            if not (0.0 <= u <= 100.0):
+                rejected[
+                    Rejection.NON_FINITE if u - u != 0.0 else Rejection.UTILIZATION_OUT_OF_RANGE
+                ] += 1
+                continue
+            if g.memory_used_bytes > g.memory_total_bytes:
+                rejected[Rejection.MEMORY_USED_EXCEEDS_TOTAL] += 1
+                continue
+            p = g.power_w
+            c = g.temperature_c
+            if p - p != 0.0 or c - c != 0.0:
+                rejected[Rejection.NON_FINITE] += 1
+                continue
+            i = g.index
+            if i >= cap:
+                rejected[Rejection.GPU_INDEX_OUT_OF_RANGE] += 1
+                continue
+            bit = 1 << i
+            if seen_mask & bit:
+                rejected[Rejection.DUPLICATE_GPU_INDEX] += 1
+                continue
+            seen_mask |= bit
+            pod = g.pod
+            uid = pod.uid
+            job = by_uid.get(uid) if uid else None
+            if job is None:
+                pname = pod.name
+                if pname:
+                    job = by_name.get(f"{pod.namespace}/{pname}") or by_name.get(pname)
+                    pod_arr[i] = pname
+                else:
+                    pod_arr[i] = uid
+            else:
+                pod_arr[i] = uid
+            util_arr[i] = u
+            seen_arr[i] = t
+            job_arr[i] = job
+            a = acc.get(job)
+            if a is None:
+                acc[job] = [u, 1.0, u, u]
+            else:
+                a[0] += u
+                a[1] += 1.0
+                if u < a[2]:
+                    a[2] = u
+                elif u > a[3]:
+                    a[3] = u
+            accepted += 1
+        self.samples_accepted += accepted
+        if not acc:
+            return
+        minute = int(t // 60.0)
+        for job, (total, count, lo, hi) in acc.items():
+            if job is None:
+                self.samples_unattributed += int(count)
+                continue
+            w = self.windows.get(job)
+            if w is None:
+                bucket_s, buckets = self._shape(job)
+                w = self.windows[job] = JobWindow(bucket_s, buckets)
+            bucket = int(t // w.bucket_s)
+            w.add(bucket, total, int(count))
+            self.rollups.add(job, minute, total, int(count), lo, hi)
+            last = self._last_bucket.get(job)
+            if last is None or bucket > last:
+                self._last_bucket[job] = bucket
+                if last is not None and self.on_bucket_closed is not None:
+                    self.on_bucket_closed(job)
+
+    def _events(self, node: NodeState, events: Iterable[telemetry_pb2.NodeEvent]) -> None:
+        for ev in events:
+            kind = ev.kind
+            if kind in (_EVENT.KIND_TERMINATION_NOTICE, _EVENT.KIND_CORDONED):
+                deadline = None
+                if ev.HasField("deadline"):
+                    deadline = ev.deadline.seconds + ev.deadline.nanos * 1e-9
+                if node.notice != _EVENT.KIND_TERMINATION_NOTICE:
+                    node.notice = kind
+                node.notice_deadline_s = deadline or node.notice_deadline_s
+                logger.warning(
+                    "node %s: %s (%s); its jobs shrink off it",
+                    node.name,
+                    _EVENT.Kind.Name(kind),
+                    ev.detail,
+                )
+                jobs = {j for j in node.gpus.job if j is not None}
+                if self.on_bucket_closed is not None:
+                    for j in jobs:
+                        self.on_bucket_closed(j)
+            elif kind == _EVENT.KIND_UNCORDONED:
+                node.notice = 0
+                node.notice_deadline_s = None
+                logger.info("node %s: uncordoned", node.name)
+            elif kind == _EVENT.KIND_AGENT_SHUTDOWN:
+                logger.info("node %s: agent shutting down; its samples stop", node.name)
+
+    # -- what the policy loop reads -------------------------------------------
+
+    def reshape(self, job_id: str) -> None:
+        """Forget a job's window (its bucket width or sustain changed)."""
+        self.windows.pop(job_id, None)
+        self._last_bucket.pop(job_id, None)
+
+    def drop_job(self, job_id: str) -> None:
+        self.reshape(job_id)
+        self.rollups.drop_job(job_id)
+
+    def fresh_gpus(self, now_s: float) -> dict[str, int]:
+        """Per job, GPUs with a sample newer than the staleness limit."""
+        horizon = now_s - self.settings.stale_after_s
+        out: dict[str, int] = {}
+        for node in self.nodes.values():
+            g = node.gpus
+            if node.last_sampled_s < horizon:
+                continue
+            for job, seen in zip(g.job, g.seen_s, strict=True):
+                if job is not None and seen >= horizon:
+                    out[job] = out.get(job, 0) + 1
+        return out
+
+    def terminating(self, job_id: str) -> tuple[int, str, float | None]:
+        """(replicas of the job on noticed nodes, one such node, earliest deadline)."""
+        pods: set[str] = set()
+        node_name = ""
+        deadline: float | None = None
+        for node in self.nodes.values():
+            if not node.notice:
+                continue
+            mine = {p for p, j in zip(node.pods, node.gpus.job, strict=False) if j == job_id and p}
+            if mine:
+                pods |= mine
+                node_name = node_name or node.name
+                d = node.notice_deadline_s
+                if d is not None and (deadline is None or d < deadline):
+                    deadline = d
+        return len(pods), node_name, deadline
+
+    def window_view(self, job_id: str, now_s: float, gpus_expected: int, fresh: int) -> WindowView:
+        bucket_s, buckets = self._shape(job_id)
+        w = self.windows.get(job_id)
+        if w is None or w.bucket_s != bucket_s or w.n != buckets + 2:
+            w = self.windows[job_id] = JobWindow(bucket_s, buckets)
+        return w.view(now_s, buckets, gpus_expected, fresh)
+
+    def node_view(self) -> list[tuple[str, int, float, str | None, float]]:
+        """Every GPU the scaler knows: (node, index, utilization, job or None, last seen)."""
+        rows = []
+        for node in self.nodes.values():
+            g = node.gpus
+            for i, (u, j, s) in enumerate(zip(g.util, g.job, g.seen_s, strict=True)):
+                if s > -_INF:
+                    rows.append((node.name, i, u, j, s))
+        return rows
+
+
+class IngestCollector(Collector):
+    """Exports the engine's counters to Prometheus when scraped."""
+
+    def __init__(self, engine: IngestEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
+        e = self.engine
+        reports = CounterMetricFamily(
+            "tide_scaler_telemetry_reports", "Node reports by outcome", labels=["result"]
+        )
+        reports.add_metric(["accepted"], e.reports_accepted)
+        reports.add_metric(["duplicate"], e.reports_duplicate)
+        reports.add_metric(["dropped"], e.reports_dropped)
+        yield reports
+        samples = CounterMetricFamily(
+            "tide_scaler_telemetry_samples_accepted", "GPU samples that reached the node view"
+        )
+        samples.add_metric([], e.samples_accepted)
+        yield samples
+        unattributed = CounterMetricFamily(
+            "tide_scaler_telemetry_samples_unattributed",
+            "Accepted GPU samples of GPUs that belong to no job",
+        )
+        unattributed.add_metric([], e.samples_unattributed)
+        yield unattributed
+        rejected = CounterMetricFamily(
+            "tide_scaler_telemetry_rejected",
+            "Samples, reports or streams refused, by reason",
+            labels=["reason"],
+        )
+        for reason, count in e.rejected.items():
+            rejected.add_metric([reason.value], count)
+        yield rejected
+        gaps = CounterMetricFamily(
+            "tide_scaler_telemetry_seq_gaps", "Reports skipped in agents' sequence numbers"
+        )
+        gaps.add_metric([], e.seq_gaps)
+        yield gaps
+        streams = GaugeMetricFamily("tide_scaler_telemetry_streams", "Open agent streams")
+        streams.add_metric([], e.streams_open)
+        yield streams
