@@ -1,0 +1,83 @@
+"""Settings of the coordinator: the service's (flags, env, file) and the tuning
+that the domain core takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import CommonSettings, setting
+from services.common.errors import ConfigError
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{name}: must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The timing rules of the coordinator core (see docs/coordinator.md)."""
+
+    # A member without heartbeat this long is lost; also each member's ack deadline.
+    sync_timeout_s: float = 60.0
+    # Launchers heartbeat this often; a fifth of sync_timeout_s leaves four misses.
+    heartbeat_interval_s: float = 5.0
+    # The checkpoint step is at least this many steps past the highest reported one.
+    checkpoint_min_lead_steps: int = 2
+    # ...and far enough ahead that the fastest member cannot pass it before hearing
+    # the directive: one heartbeat interval of staleness plus delivery.
+    checkpoint_lead_s: float = 6.0
+    # How often deadlines and heartbeat timeouts are checked.
+    tick_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        _positive("sync_timeout_s", self.sync_timeout_s)
+        _positive("heartbeat_interval_s", self.heartbeat_interval_s)
+        _positive("tick_interval_s", self.tick_interval_s)
+        if self.heartbeat_interval_s >= self.sync_timeout_s:
+            raise ConfigError(
+                f"heartbeat_interval_s: must be below sync_timeout_s ({self.sync_timeout_s!r}), "
+                f"got {self.heartbeat_interval_s!r}"
+            )
+        if self.checkpoint_min_lead_steps < 1:
+            raise ConfigError(
+                f"checkpoint_min_lead_steps: must be >= 1, got {self.checkpoint_min_lead_steps!r}"
+            )
+        if self.checkpoint_lead_s < 0:
+            raise ConfigError(f"checkpoint_lead_s: must be >= 0, got {self.checkpoint_lead_s!r}")
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings(CommonSettings):
+    """Everything `python -m services.coordinator` accepts."""
+
+    db: str = setting(
+        "sqlite:///tide-coordinator.db",
+        "SQLAlchemy URL of the coordinator's database (SQLite file or PostgreSQL)",
+    )
+    sync_timeout_s: float = setting(
+        60.0, "barrier/heartbeat timeout: a member silent this long is lost, seconds"
+    )
+    heartbeat_interval_s: float = setting(5.0, "how often launchers heartbeat, seconds")
+    checkpoint_min_lead_steps: int = setting(
+        2, "the coordinated checkpoint step is at least this far past the highest reported step"
+    )
+    checkpoint_lead_s: float = setting(
+        6.0, "seconds of training the checkpoint step is placed ahead (converted with step rate)"
+    )
+    tick_interval_s: float = setting(0.5, "how often deadlines and timeouts are checked, seconds")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.db:
+            raise ConfigError("db: a database URL is required, got ''")
+        self.tuning()
+
+    def tuning(self) -> Tuning:
+        return Tuning(
+            sync_timeout_s=self.sync_timeout_s,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            checkpoint_min_lead_steps=self.checkpoint_min_lead_steps,
+            checkpoint_lead_s=self.checkpoint_lead_s,
+            tick_interval_s=self.tick_interval_s,
+        )
