@@ -1,0 +1,75 @@
+"""`python -m services.coordinator --listen HOST:PORT --db URL --sync-timeout-s S`
+
+Migrates the database, reloads every job (applying the restart rules of
+docs/resize-protocol.md), then serves tide.v1.Coordinator until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from tide.v1 import coordinator_pb2_grpc
+
+from services.common import db, logs
+from services.common.clock import SystemClock
+from services.common.config import load_settings
+from services.common.errors import TideError
+from services.common.server import ServiceSpec, serve
+from services.coordinator.core import Coordinator
+from services.coordinator.servicer import ADMIN_METHODS, SERVICE_NAME, CoordinatorServicer
+from services.coordinator.settings import CoordinatorSettings
+from services.coordinator.sql_store import SqlStore
+
+logger = logging.getLogger(__name__)
+
+
+async def _run(settings: CoordinatorSettings) -> None:
+    clock = SystemClock()
+    db.upgrade(settings.db)
+    engine = db.make_engine(settings.db)
+    store = SqlStore(db.make_session_factory(engine), clock.now)
+    coordinator = Coordinator(store, clock, settings.tuning())
+    coordinator.load()
+
+    async def close_db() -> None:
+        engine.dispose()
+
+    await serve(
+        settings,
+        [
+            ServiceSpec(
+                coordinator_pb2_grpc.add_CoordinatorServicer_to_server,
+                CoordinatorServicer(coordinator),
+                SERVICE_NAME,
+            )
+        ],
+        admin_methods=ADMIN_METHODS,
+        background=[coordinator.run],
+        on_shutdown=[close_db],
+    )
+
+
+def main(argv: list[str]) -> int:
+    try:
+        settings = load_settings(
+            CoordinatorSettings,
+            argv,
+            prog="python -m services.coordinator",
+            description="Tide coordinator: membership, checkpoint barriers, rendezvous.",
+        )
+    except TideError as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_level, settings.log_format)
+    try:
+        asyncio.run(_run(settings))
+    except TideError as exc:
+        logger.error("coordinator stopped: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
