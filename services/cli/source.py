@@ -237,10 +237,11 @@ def _state(stored: str) -> Any:
 
 
 class SqlHistory:
-    """Reads the scaler's tables directly; never writes. Use as ``async with``."""
+    """Reads the scaler's tables through services.scaler.repo; never writes. Use as ``async with``."""
 
     def __init__(self, url: str) -> None:
         self._url = url
+        self._factory: Any = None
         self._engine: Any = None
 
     async def __aenter__(self) -> SqlHistory:
@@ -250,19 +251,17 @@ class SqlHistory:
         from services.common import db
 
         engine = db.make_engine(self._url)
+        where = db._safe(self._url)
         try:
             tables = set(inspect(engine).get_table_names())
         except DBAPIError as exc:
             engine.dispose()
-            raise errors.Unavailable(
-                f"database {db._safe(self._url)} unreachable: {exc.orig}"
-            ) from None
+            raise errors.Unavailable(f"database {where} unreachable: {exc.orig}") from None
         if "decisions" not in tables:
             engine.dispose()
-            raise errors.NotFound(
-                f"database {db._safe(self._url)} has no Tide schema (run `tide db upgrade`)"
-            )
+            raise errors.NotFound(f"database {where} has no Tide schema (run `tide db upgrade`)")
         self._engine = engine
+        self._factory = db.make_session_factory(engine)
         return self
 
     async def __aexit__(
@@ -276,98 +275,94 @@ class SqlHistory:
 
     def _read(self, fn: Any) -> Any:
         from sqlalchemy.exc import DBAPIError
-        from sqlalchemy.orm import Session
+
+        from services.common import db
 
         try:
-            with Session(self._engine) as session:
+            with db.session_scope(self._factory, write=False) as session:
                 return fn(session)
         except DBAPIError as exc:
             raise errors.Unavailable(f"database read failed: {exc.orig}") from None
 
-    # Row → message converters. Field by field, because the tables are the
-    # store's business and may hold more than the API shows.
+    # Record → message converters, field by field: the records may hold more
+    # than the API shows (epochs, versions).
 
     @staticmethod
-    def _decision(row: Any) -> scaler_pb2.Decision:
+    def _decision(r: Any) -> scaler_pb2.Decision:
         d: Any = scaler_pb2.Decision(
-            id=row.id,
-            job_id=row.job_id,
-            from_replicas=row.from_replicas,
-            to_replicas=row.to_replicas,
-            reason=enum_value(common_pb2.DecisionReason, "DECISION_REASON_", row.reason),
-            message=row.message,
-            trigger=enum_value(common_pb2.DecisionTrigger, "DECISION_TRIGGER_", row.trigger),
-            state=_state(row.state),
-            error=row.error,
-            pause_s=row.pause_s,
-            lost_steps=row.lost_steps,
-            generation=row.generation,
-            requested_by=row.requested_by,
+            id=r.id,
+            job_id=r.job_id,
+            from_replicas=r.from_replicas,
+            to_replicas=r.to_replicas,
+            reason=enum_value(common_pb2.DecisionReason, "DECISION_REASON_", r.reason),
+            message=r.message,
+            trigger=enum_value(common_pb2.DecisionTrigger, "DECISION_TRIGGER_", r.trigger),
+            state=_state(str(r.state)),
+            error=r.error,
+            pause_s=r.pause_s,
+            lost_steps=r.lost_steps,
+            generation=r.generation,
+            requested_by=r.requested_by,
         )
-        d.created_at.CopyFrom(ts_of(row.created_at))
-        d.updated_at.CopyFrom(ts_of(row.updated_at))
+        d.created_at.CopyFrom(ts_of(r.created_at))
+        d.updated_at.CopyFrom(ts_of(r.updated_at))
         return cast(scaler_pb2.Decision, d)
 
     @staticmethod
-    def _job(row: Any, policy: dict[str, Any]) -> scaler_pb2.Job:
+    def _job(r: Any, active_id: int) -> scaler_pb2.Job:
         job = scaler_pb2.Job(
-            job_id=row.job_id,
-            current_replicas=row.current_replicas,
-            generation=row.generation,
-            autoscaling_paused=row.autoscaling_paused,
-            pause_reason=row.pause_reason,
-            gpus_per_replica=row.gpus_per_replica,
+            job_id=r.job_id,
+            current_replicas=r.current_replicas,
+            generation=r.generation,
+            autoscaling_paused=r.autoscaling_paused,
+            pause_reason=r.pause_reason,
+            gpus_per_replica=r.gpus_per_replica,
+            active_decision_id=active_id,
         )
-        json_format.ParseDict(policy, job.policy, ignore_unknown_fields=True)
-        # Bounds live in their own columns; the overrides may not mention them.
-        job.policy.min_replicas = row.min_replicas
-        job.policy.max_replicas = row.max_replicas
-        job.created_at.CopyFrom(ts_of(row.created_at))
-        if row.last_resize_ended_at is not None:
-            job.last_resize_at.CopyFrom(ts_of(row.last_resize_ended_at))
+        # Only the operator's overrides are stored; the defaults are the
+        # scaler's configuration, which an offline reader does not have.
+        json_format.ParseDict(dict(r.policy_overrides), job.policy, ignore_unknown_fields=True)
+        job.policy.min_replicas = r.min_replicas
+        job.policy.max_replicas = r.max_replicas
+        job.created_at.CopyFrom(ts_of(r.created_at))
+        if r.last_resize_ended_at is not None:
+            job.last_resize_at.CopyFrom(ts_of(r.last_resize_ended_at))
         return job
 
-    async def list_jobs(self) -> list[scaler_pb2.Job]:
-        from sqlalchemy import select
+    @staticmethod
+    def _point(r: Any) -> scaler_pb2.UtilizationPoint:
+        p = scaler_pb2.UtilizationPoint(
+            mean_pct=r.mean_pct,
+            min_pct=r.min_pct,
+            max_pct=r.max_pct,
+            samples=r.samples,
+            replicas=r.replicas,
+        )
+        p.minute.CopyFrom(ts_of(r.minute))
+        return p
 
-        from services.scaler import models
+    async def list_jobs(self) -> list[scaler_pb2.Job]:
+        from services.scaler import repo
 
         def q(s: Any) -> list[scaler_pb2.Job]:
-            rows = s.scalars(select(models.Job).order_by(models.Job.job_id)).all()
-            active = self._active_decisions(s)
             out = []
-            for r in rows:
-                job = self._job(r, dict(r.policy_overrides or {}))
-                job.active_decision_id = active.get(r.job_id, 0)
-                out.append(job)
+            for r in repo.list_jobs(s):
+                active = repo.active_decision(s, r.job_id)
+                out.append(self._job(r, active.id if active else 0))
             return out
 
         result: list[scaler_pb2.Job] = self._read(q)
         return result
 
-    @staticmethod
-    def _active_decisions(s: Any) -> dict[str, int]:
-        from sqlalchemy import select
-
-        from services.scaler import models
-
-        final = {"COMPLETED", "ABORTED", "FAILED"}
-        rows = s.execute(
-            select(models.Decision.job_id, models.Decision.id, models.Decision.state)
-            .where(models.Decision.ended_at.is_(None))
-            .order_by(models.Decision.id)
-        ).all()
-        return {
-            job_id: did
-            for job_id, did, state in rows
-            if state.removeprefix("DECISION_STATE_") not in final
-        }
-
     async def get_job(self, job_id: str) -> scaler_pb2.Job:
-        for job in await self.list_jobs():
-            if job.job_id == job_id:
-                return job
-        raise errors.NotFound(f"no job {job_id!r} in the store")
+        from services.scaler import repo
+
+        def q(s: Any) -> scaler_pb2.Job:
+            active = repo.active_decision(s, job_id)
+            return self._job(repo.get_job(s, job_id), active.id if active else 0)
+
+        result: scaler_pb2.Job = self._read(q)
+        return result
 
     async def list_decisions(
         self,
@@ -376,22 +371,32 @@ class SqlHistory:
         until: datetime | None,
         states: Sequence[int],
     ) -> list[scaler_pb2.Decision]:
-        from sqlalchemy import select
+        from services.scaler import repo
 
-        from services.scaler import models
+        wanted = [
+            repo.DecisionState(
+                str(common_pb2.DecisionState.Name(cast(Any, v))).removeprefix("DECISION_STATE_")
+            )
+            for v in states
+        ]
 
         def q(s: Any) -> list[scaler_pb2.Decision]:
-            stmt = select(models.Decision)
-            if job_id:
-                stmt = stmt.where(models.Decision.job_id == job_id)
-            if since is not None:
-                stmt = stmt.where(models.Decision.created_at >= since)
-            if until is not None:
-                stmt = stmt.where(models.Decision.created_at < until)
-            stmt = stmt.order_by(models.Decision.created_at.desc(), models.Decision.id.desc())
-            rows = [self._decision(r) for r in s.scalars(stmt).all()]
-            # States are filtered here, not in SQL, so both stored spellings match.
-            return [d for d in rows if not states or d.state in states]
+            out: list[scaler_pb2.Decision] = []
+            token = ""
+            while True:
+                page = repo.list_decisions(
+                    s,
+                    job_id=job_id,
+                    since=since,
+                    until=until,
+                    states=wanted,
+                    page_size=PAGE_SIZE,
+                    page_token=token,
+                )
+                out.extend(self._decision(r) for r in page.decisions)
+                token = page.next_page_token
+                if not token:
+                    return out
 
         result: list[scaler_pb2.Decision] = self._read(q)
         return result
@@ -399,74 +404,41 @@ class SqlHistory:
     async def get_decision(
         self, decision_id: int, context_minutes: int
     ) -> scaler_pb2.DecisionDetail:
-        from sqlalchemy import select
-
-        from services.scaler import models
+        from services.scaler import repo
 
         def q(s: Any) -> scaler_pb2.DecisionDetail:
-            row = s.get(models.Decision, decision_id)
-            if row is None:
-                raise errors.NotFound(f"no decision {decision_id} in the store")
-            detail = scaler_pb2.DecisionDetail(decision=self._decision(row))
-            json_format.ParseDict(
-                _inputs_json(row.inputs or {}), detail.inputs, ignore_unknown_fields=True
-            )
-            events = s.scalars(
-                select(models.DecisionEvent)
-                .where(models.DecisionEvent.decision_id == decision_id)
-                .order_by(models.DecisionEvent.at, models.DecisionEvent.id)
-            ).all()
-            for e in events:
-                ev = detail.events.add(
-                    decision_id=decision_id, job_id=row.job_id, state=_state(e.state)
-                )
-                ev.detail = e.detail
+            rec = repo.get_decision(s, decision_id)
+            d = rec.decision
+            detail = scaler_pb2.DecisionDetail(decision=self._decision(d))
+            json_format.ParseDict(_inputs_json(d.inputs), detail.inputs, ignore_unknown_fields=True)
+            for e in rec.events:
+                ev = detail.events.add(decision_id=d.id, job_id=d.job_id, detail=e.detail)
+                ev.state = _state(str(e.state))
                 ev.at.CopyFrom(ts_of(e.at))
             span = timedelta(minutes=context_minutes or 10)
-            lo = row.created_at - span
-            hi = (row.ended_at or row.updated_at) + span
-            detail.utilization.extend(self._rollups(s, row.job_id, lo, hi))
+            lo = d.created_at.replace(second=0, microsecond=0) - span
+            hi = (d.ended_at or d.updated_at) + span
+            detail.utilization.extend(
+                self._point(r) for r in repo.rollups_between(s, d.job_id, lo, hi)
+            )
             return detail
 
         result: scaler_pb2.DecisionDetail = self._read(q)
         return result
 
-    @staticmethod
-    def _rollups(
-        s: Any, job_id: str, since: datetime, until: datetime
-    ) -> list[scaler_pb2.UtilizationPoint]:
-        from sqlalchemy import select
-
-        from services.scaler import models
-
-        r = models.UtilizationRollup
-        rows = s.scalars(
-            select(r)
-            .where(r.job_id == job_id, r.minute >= since, r.minute < until)
-            .order_by(r.minute)
-        ).all()
-        out = []
-        for row in rows:
-            p = scaler_pb2.UtilizationPoint(
-                mean_pct=row.mean_pct,
-                min_pct=row.min_pct,
-                max_pct=row.max_pct,
-                samples=row.samples,
-                replicas=row.replicas,
-            )
-            p.minute.CopyFrom(ts_of(row.minute))
-            out.append(p)
-        return out
-
     async def utilization(
         self, job_id: str, since: datetime, until: datetime
     ) -> list[scaler_pb2.UtilizationPoint]:
-        await self.get_job(job_id)
+        from services.scaler import repo
+
         # A rollup is keyed by the start of its minute: include the one in progress at `since`.
         lo = since.replace(second=0, microsecond=0)
-        result: list[scaler_pb2.UtilizationPoint] = self._read(
-            lambda s: self._rollups(s, job_id, lo, until)
-        )
+
+        def q(s: Any) -> list[scaler_pb2.UtilizationPoint]:
+            repo.get_job(s, job_id)
+            return [self._point(r) for r in repo.rollups_between(s, job_id, lo, until)]
+
+        result: list[scaler_pb2.UtilizationPoint] = self._read(q)
         return result
 
 

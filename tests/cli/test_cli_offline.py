@@ -1,0 +1,125 @@
+"""`--db`: the read commands against the SQL store (SQLite here) with no scaler running."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from services.cli.main import app
+from tests.cli.seed import JOB, OTHER, T0, Seeded, seed
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Seeded]:
+    url = f"sqlite:///{tmp_path_factory.mktemp('store') / 'tide.db'}"
+    return url, seed(url)
+
+
+def tide(*args: str) -> tuple[int, str, str]:
+    r = runner.invoke(app, list(args))
+    return r.exit_code, r.stdout, r.stderr
+
+
+def test_history_from_the_store(store: tuple[str, Seeded]) -> None:
+    url, ids = store
+    code, out, err = tide("history", JOB, "--db", url, "--since", T0.isoformat(), "-o", "json")
+    assert code == 0, err
+    got = [(d["id"], d["state"], d["to_replicas"]) for d in json.loads(out)["decisions"]]
+    assert got == [
+        (ids.aborted, "ABORTED", 3),
+        (ids.shrink, "COMPLETED", 2),
+        (ids.grow, "COMPLETED", 4),
+    ]
+
+
+def test_history_at_a_given_time_and_state(store: tuple[str, Seeded]) -> None:
+    url, ids = store
+    at = T0.replace(second=0)
+    code, out, _ = tide(
+        "history",
+        JOB,
+        "--db",
+        url,
+        "--since",
+        at.isoformat(),
+        "--until",
+        (at + timedelta(minutes=1)).isoformat(),
+        "-o",
+        "json",
+    )
+    assert code == 0
+    assert [d["id"] for d in json.loads(out)["decisions"]] == [ids.grow]
+    code, out, _ = tide(
+        "history", "all", "--db", url, "--since", "3650d", "--state", "PREPARING", "-o", "json"
+    )
+    assert [d["id"] for d in json.loads(out)["decisions"]] == [ids.running]
+
+
+def test_explain_from_the_store(store: tuple[str, Seeded]) -> None:
+    url, ids = store
+    code, out, err = tide("explain", str(ids.grow), "--db", url, "-o", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["decision"]["reason"] == "SUSTAINED_HIGH_UTILIZATION"
+    assert doc["decision"]["pause_s"] == 2.5
+    assert doc["inputs"]["window"]["bucket_means_pct"] == [91.0, None, 93.0, 92.0]
+    assert doc["inputs"]["policy"]["sustain_s"] == 120
+    assert [e["state"] for e in doc["events"]] == ["PENDING", "PREPARING", "ACTUATING", "COMPLETED"]
+    minutes = [u["minute"] for u in doc["utilization"]]
+    assert minutes[0] == (T0.replace(second=0) - timedelta(minutes=10)).isoformat().replace(
+        "+00:00", ".000Z"
+    )
+    assert len(minutes) == 21  # 10 before, the decision's minute, 10 after
+    code, out, _ = tide("explain", str(ids.aborted), "--db", url)
+    assert code == 0 and "barrier deadline" in out and "ABORTED" in out
+
+
+def test_jobs_from_the_store(store: tuple[str, Seeded]) -> None:
+    url, ids = store
+    code, out, _ = tide("jobs", "--db", url, "-o", "json")
+    assert code == 0
+    jobs = {j["job_id"]: j for j in json.loads(out)["jobs"]}
+    assert jobs[JOB]["current_replicas"] == 2  # after the shrink; the abort kept it
+    assert jobs[OTHER]["autoscaling_paused"] and jobs[OTHER]["active_decision_id"] == ids.running
+
+
+def test_chart_from_the_store(store: tuple[str, Seeded], tmp_path: Path) -> None:
+    url, _ = store
+    out = tmp_path / "c.png"
+    code, text, err = tide(
+        "chart",
+        JOB,
+        "--db",
+        url,
+        "--since",
+        T0.isoformat(),
+        "--until",
+        (T0 + timedelta(hours=4)).isoformat(),
+        "--out",
+        str(out),
+    )
+    assert code == 0, err
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert "3 decisions" in text
+
+
+def test_not_found_in_the_store(store: tuple[str, Seeded]) -> None:
+    url, _ = store
+    assert tide("explain", "999", "--db", url)[0] == 1
+    assert tide("history", "ml/none", "--db", url)[0] == 1
+    assert tide("chart", "ml/none", "--db", url, "--out", "/tmp/none.png")[0] == 1
+
+
+def test_store_without_schema_or_unreachable(tmp_path: Path) -> None:
+    code, _, err = tide("jobs", "--db", f"sqlite:///{tmp_path / 'empty.db'}")
+    assert code == 1 and "tide db upgrade" in err
+    code, _, err = tide("jobs", "--db", "postgresql+psycopg://postgres@127.0.0.1:1/none")
+    assert code == 3 and "unreachable" in err
+    code, _, err = tide("jobs", "--db", "mysql://x")
+    assert code == 2 and err.startswith("tide: ")
