@@ -1,0 +1,126 @@
+"""A minimal coordinator over a real gRPC socket, steered by the test (no barrier logic).
+
+It records registrations, heartbeats and acks, and lets the test push directives to a member's
+stream. Polling helpers wait for a condition with a deadline instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from tide.v1 import coordinator_pb2 as pb
+from tide.v1 import coordinator_pb2_grpc as pb_grpc
+
+
+@dataclass
+class FakeMember:
+    member_id: str
+    register: pb.RegisterRequest
+    queue: asyncio.Queue[pb.Directive] = field(default_factory=asyncio.Queue)
+    heartbeats: list[pb.HeartbeatRequest] = field(default_factory=list)
+    acks: list[pb.AckRequest] = field(default_factory=list)
+    registrations: int = 1
+    streams: int = 0
+
+    @property
+    def last(self) -> pb.HeartbeatRequest | None:
+        return self.heartbeats[-1] if self.heartbeats else None
+
+    @property
+    def free_port(self) -> int:
+        return self.last.free_port if self.last else self.register.free_port
+
+
+class FakeCoordinator(pb_grpc.CoordinatorServicer):
+    def __init__(self, heartbeat_interval_s: float = 0.2, sync_timeout_s: float = 3.0) -> None:
+        self.members: dict[str, FakeMember] = {}
+        self.generation = 0
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.sync_timeout_s = sync_timeout_s
+        self._ids = itertools.count(1)
+
+    async def Register(self, request: pb.RegisterRequest, context: object) -> pb.RegisterResponse:
+        member_id = f"m-{request.launcher_id[:8]}"
+        if member_id in self.members:
+            self.members[member_id].registrations += 1
+            self.members[member_id].register = request
+        else:
+            self.members[member_id] = FakeMember(member_id, request)
+        return pb.RegisterResponse(
+            member_id=member_id,
+            generation=self.generation,
+            state=pb.MEMBER_STATE_STANDBY,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            sync_timeout_s=self.sync_timeout_s,
+        )
+
+    async def Directives(
+        self, request: pb.DirectivesRequest, context: object
+    ) -> AsyncIterator[pb.Directive]:
+        member = self.members[request.member_id]
+        member.streams += 1
+        while True:
+            yield await member.queue.get()
+
+    async def Ack(self, request: pb.AckRequest, context: object) -> pb.AckResponse:
+        self.members[request.member_id].acks.append(request)
+        return pb.AckResponse()
+
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: object
+    ) -> pb.HeartbeatResponse:
+        self.members[request.member_id].heartbeats.append(request)
+        return pb.HeartbeatResponse(generation=self.generation)
+
+    # -- test side ------------------------------------------------------------------------
+
+    def send(self, member_id: str, **fields: object) -> pb.Directive:
+        d = pb.Directive(directive_id=f"d{next(self._ids)}", generation=self.generation, **fields)
+        self.members[member_id].queue.put_nowait(d)
+        return d
+
+    def rendezvous(
+        self, member_ids: list[str], host: str = "127.0.0.1", restore_step: int = 0
+    ) -> list[pb.Directive]:
+        self.generation += 1
+        endpoints = [f"{host}:{self.members[m].free_port}" for m in member_ids]
+        out = []
+        for rank, m in enumerate(member_ids):
+            rdv = pb.Rendezvous(
+                generation=self.generation,
+                world_size=len(member_ids),
+                rank=rank,
+                master_endpoint=endpoints[0],
+                trainer_endpoints=endpoints,
+                restore_step=restore_step,
+            )
+            out.append(self.send(m, kind=pb.Directive.KIND_RENDEZVOUS, rendezvous=rdv))
+        return out
+
+    def ack_of(self, directive: pb.Directive) -> pb.AckRequest | None:
+        for member in self.members.values():
+            for ack in member.acks:
+                if ack.directive_id == directive.directive_id:
+                    return ack
+        return None
+
+
+async def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def start_fake(coordinator: FakeCoordinator) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    pb_grpc.add_CoordinatorServicer_to_server(coordinator, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port

@@ -1,0 +1,58 @@
+"""A stand-in worker without Paddle: speaks the launcher channel like trainer.session does."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from trainer.channel import SocketChannel
+
+
+def main() -> int:
+    ch = SocketChannel(os.environ["TIDE_CONTROL_SOCKET"])
+    step = int(os.environ.get("TIDE_RESTORE_STEP", "0") or 0)
+    ch.send({"type": "hello", "pid": os.getpid()})
+    ch.send({"type": "ready", "restored_step": step, "group_init_s": 0.01, "restore_s": 0.02})
+    stop_at, ids = 0, []
+    while True:
+        step += 1
+        time.sleep(0.02)
+        ch.send(
+            {
+                "type": "progress",
+                "step": step,
+                "epoch": 0,
+                "cursor": step,
+                "samples_per_s": 50.0,
+                "first_step_at": time.time(),
+            }
+        )
+        while (msg := ch.poll()) is not None:
+            if msg["type"] == "exit":
+                return 0
+            if msg["type"] == "checkpoint":
+                stop_at, ids = int(msg["step"]), [msg["directive_id"]]
+        if ch.closed:
+            return 0
+        if stop_at and step >= stop_at:
+            ch.send(
+                {
+                    "type": "held",
+                    "step": step,
+                    "held_at": time.time(),
+                    "directive_ids": ids,
+                    "checkpoint": {"step": step, "digest": "ab" * 32, "write_s": 0.01},
+                }
+            )
+            stop_at = 0
+            while True:
+                msg = ch.wait(1.0)
+                if msg is not None and msg["type"] == "exit":
+                    return 0
+                if msg is not None and msg["type"] == "resume":
+                    ch.send({"type": "resumed", "step": step})
+                    break
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

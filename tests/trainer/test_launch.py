@@ -1,0 +1,156 @@
+"""The launcher against a fake coordinator over a real socket, with a Paddle-free worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from tide.v1 import coordinator_pb2 as pb
+
+from services.common.errors import ConfigError
+from tests.trainer.fake_coordinator import FakeCoordinator, start_fake, wait_for
+from trainer.launch import Launcher, LauncherSettings, State, parse_args
+
+WORKER = str(Path(__file__).with_name("fake_worker.py"))
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[FakeCoordinator, int]]:
+    coord = FakeCoordinator()
+    server, port = await start_fake(coord)
+    yield coord, port
+    await server.stop(None)
+
+
+def _launcher(port: int, tmp_path: Path, index: int = 0) -> Launcher:
+    env_path = os.pathsep.join([str(Path(WORKER).parent), os.environ.get("PYTHONPATH", "")])
+    os.environ["PYTHONPATH"] = env_path
+    return Launcher(
+        LauncherSettings(
+            coordinator=f"127.0.0.1:{port}",
+            job_id="ns/job",
+            command=(sys.executable, WORKER),
+            pod_name=f"pod-{index}",
+            pod_index=index,
+            state_dir=str(tmp_path / f"l{index}"),
+            zygote_preload="",
+            exit_grace_s=0.5,
+        )
+    )
+
+
+async def test_rendezvous_checkpoint_resume_drain(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path
+) -> None:
+    coord, port = fake
+    launcher = _launcher(port, tmp_path)
+    run = asyncio.create_task(launcher.run())
+    await wait_for(lambda: coord.members, 10, "registration")
+    (mid,) = coord.members
+    member = coord.members[mid]
+    assert member.register.free_port > 0 and member.register.job_id == "ns/job"
+    await wait_for(lambda: member.heartbeats, 5, "a standby heartbeat")
+    assert member.last is not None and member.last.phase == pb.WORKER_PHASE_IDLE
+
+    (rdv,) = coord.rendezvous([mid], restore_step=7)
+    await wait_for(lambda: coord.ack_of(rdv), 10, "rendezvous ack")
+    assert coord.ack_of(rdv).ok  # type: ignore[union-attr]
+    await wait_for(
+        lambda: (
+            member.last and member.last.phase == pb.WORKER_PHASE_RUNNING and member.last.step > 7
+        ),
+        5,
+        "running past the restored step",
+    )
+    hb = member.last
+    assert hb is not None and hb.generation == 1 and hb.first_step_at.seconds > 0
+    assert hb.startup.restore_s == pytest.approx(0.02)
+
+    target = hb.step + 5
+    ckpt = coord.send(mid, kind=pb.Directive.KIND_CHECKPOINT, checkpoint_step=target)
+    await wait_for(lambda: coord.ack_of(ckpt), 5, "checkpoint ack")
+    ack = coord.ack_of(ckpt)
+    assert ack is not None and ack.ok and ack.checkpoint_step == target
+    assert ack.checkpoint_digest == "ab" * 32 and ack.held_at.seconds > 0
+    await wait_for(lambda: launcher.state is State.HOLDING, 5, "holding")
+    held_step = launcher.progress.step
+
+    resume = coord.send(mid, kind=pb.Directive.KIND_RESUME)
+    await wait_for(lambda: launcher.progress.step > held_step, 5, "training after RESUME")
+    assert coord.ack_of(resume) is not None
+
+    drain = coord.send(mid, kind=pb.Directive.KIND_DRAIN)
+    assert await asyncio.wait_for(run, 10) == 0
+    assert coord.ack_of(drain) is not None
+
+
+async def test_worker_death_is_reported_at_once(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path
+) -> None:
+    coord, port = fake
+    coord.heartbeat_interval_s = 30.0  # only an immediate report can pass this test
+    launcher = _launcher(port, tmp_path)
+    run = asyncio.create_task(launcher.run())
+    await wait_for(lambda: coord.members, 10, "registration")
+    (mid,) = coord.members
+    (rdv,) = coord.rendezvous([mid])
+    await wait_for(lambda: coord.ack_of(rdv), 10, "rendezvous ack")
+    assert launcher._worker is not None
+    os.kill(launcher._worker.pid, signal.SIGKILL)
+    member = coord.members[mid]
+    await wait_for(
+        lambda: member.last and member.last.phase == pb.WORKER_PHASE_FAILED, 2, "FAILED heartbeat"
+    )
+    # The launcher stays up and rejoins with a new worker.
+    (rdv2,) = coord.rendezvous([mid])
+    await wait_for(lambda: coord.ack_of(rdv2), 10, "second rendezvous ack")
+    assert launcher.state in (State.STARTING, State.RUNNING)
+    launcher.stop()
+    assert await asyncio.wait_for(run, 10) == 0
+
+
+async def test_reconnects_and_reregisters_with_the_same_launcher_id(tmp_path: Path) -> None:
+    coord = FakeCoordinator()
+    server, port = await start_fake(coord)
+    launcher = _launcher(port, tmp_path)
+    run = asyncio.create_task(launcher.run())
+    await wait_for(lambda: coord.members, 10, "registration")
+    (mid,) = coord.members
+    await server.stop(None)
+    # A restarted coordinator on the same port: the launcher finds it again by itself.
+    server2 = None
+    for _ in range(50):
+        import grpc
+        from tide.v1 import coordinator_pb2_grpc as pb_grpc
+
+        server2 = grpc.aio.server()
+        pb_grpc.add_CoordinatorServicer_to_server(coord, server2)
+        try:
+            server2.add_insecure_port(f"127.0.0.1:{port}")
+            break
+        except RuntimeError:
+            await asyncio.sleep(0.1)
+    assert server2 is not None
+    await server2.start()
+    await wait_for(lambda: coord.members[mid].registrations >= 2, 15, "re-registration")
+    assert list(coord.members) == [mid]
+    assert coord.members[mid].register.launcher_id == launcher.s.launcher_id
+    launcher.stop()
+    await asyncio.wait_for(run, 10)
+    await server2.stop(None)
+
+
+def test_command_line() -> None:
+    s = parse_args(
+        ["--coordinator", "h:1", "--job", "a/b", "--pod-index", "2", "--", "python", "t.py", "--x"]
+    )
+    assert s.command == ("python", "t.py", "--x") and s.pod_index == 2 and s.job_id == "a/b"
+    with pytest.raises(ConfigError, match="job"):
+        parse_args(["--coordinator", "h:1", "--job", "nope", "--", "python", "t.py"])
+    with pytest.raises(ConfigError, match="command"):
+        parse_args(["--coordinator", "h:1", "--job", "a/b"])

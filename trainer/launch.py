@@ -1,0 +1,695 @@
+"""The trainer launcher: one per pod, stays up while Paddle worker processes come and go.
+
+``python -m trainer.launch --coordinator HOST:PORT --job NS/NAME [--pod NAME] [--pod-index I]
+[--host H] [--state-dir D] -- python train.py ARGS``
+
+It registers with the coordinator (STANDBY), holds the Directives stream (reconnecting with
+jittered backoff and re-registering with the same launcher_id), heartbeats, and on each
+directive drives its worker (docs/resize-protocol.md):
+
+- RENDEZVOUS: stop the current worker (ask, then SIGKILL after a short grace: it may be stuck in
+  a collective with a dead peer) and fork a new one from the warm zygote with the PADDLE_*
+  environment of the generation; ack once it has its process group and has restored.
+- CHECKPOINT / HOLD / RESUME: relayed to the worker over the local channel; acked when it
+  holds (with rank 0's checkpoint digest) or at once for RESUME.
+- DRAIN: the worker exits cleanly, the launcher acks and exits 0. STOP: kill and exit.
+
+A worker that dies unasked is reported at once with a heartbeat in phase FAILED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from tide.v1 import coordinator_pb2 as pb
+from tide.v1 import coordinator_pb2_grpc as pb_grpc
+
+from services.common.client import open_channel
+from services.common.errors import ConfigError, FailedPrecondition
+from services.common.grpc_options import DEFAULT_TIMEOUT_S
+from trainer.channel import CONTROL_SOCKET_ENV, Message
+from trainer.session import GENERATION_ENV, RESTART_STARTED_AT_ENV, RESTORE_STEP_ENV
+from trainer.spawner import Spawner, SubprocessSpawner, WorkerHandle, ZygoteSpawner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LauncherSettings:
+    coordinator: str
+    job_id: str
+    command: tuple[str, ...]
+    pod_name: str = ""
+    pod_index: int = 0
+    host: str = "127.0.0.1"
+    state_dir: str = ""
+    launcher_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Fork workers from a process that has imported Paddle (False: fresh processes).
+    use_zygote: bool = True
+    # Modules the zygote imports; None for its default (numpy, paddle, paddle.distributed).
+    zygote_preload: str | None = None
+    # How long a worker asked to exit gets before SIGKILL, seconds.
+    exit_grace_s: float = 1.0
+    # How long a new worker may take to have its group and restore, seconds.
+    start_timeout_s: float = 120.0
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 5.0
+    rpc_timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if ":" not in self.coordinator:
+            raise ConfigError(f"coordinator must be HOST:PORT, got {self.coordinator!r}")
+        if self.job_id.count("/") != 1 or not all(self.job_id.split("/")):
+            raise ConfigError(f"job must be NAMESPACE/NAME, got {self.job_id!r}")
+        if not self.command:
+            raise ConfigError("command must be given after --, got nothing")
+        if self.pod_index < 0:
+            raise ConfigError(f"pod_index must be >= 0, got {self.pod_index}")
+        for name in ("exit_grace_s", "start_timeout_s", "backoff_initial_s", "rpc_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ConfigError(
+                f"backoff_max_s must be >= backoff_initial_s, got {self.backoff_max_s}"
+            )
+
+
+class State(enum.Enum):
+    STANDBY = "standby"  # no worker; waiting for a generation
+    STARTING = "starting"  # a worker is starting (process, group init, restore)
+    RUNNING = "running"
+    HOLDING = "holding"  # held at a step boundary after CHECKPOINT/HOLD
+    FAILED = "failed"  # the worker died unasked; waiting for the next RENDEZVOUS
+    DRAINING = "draining"
+    DONE = "done"  # the launcher is exiting
+
+
+_TRANSITIONS: dict[State, frozenset[State]] = {
+    State.STANDBY: frozenset({State.STARTING, State.DRAINING, State.DONE}),
+    State.STARTING: frozenset(
+        {State.STARTING, State.RUNNING, State.FAILED, State.DRAINING, State.DONE}
+    ),
+    State.RUNNING: frozenset(
+        {State.STARTING, State.HOLDING, State.FAILED, State.DRAINING, State.DONE}
+    ),
+    State.HOLDING: frozenset(
+        {State.STARTING, State.RUNNING, State.FAILED, State.DRAINING, State.DONE}
+    ),
+    State.FAILED: frozenset({State.STARTING, State.DRAINING, State.DONE}),
+    State.DRAINING: frozenset({State.DONE}),
+    State.DONE: frozenset(),
+}
+
+_PHASE = {
+    State.STANDBY: pb.WORKER_PHASE_IDLE,
+    State.STARTING: pb.WORKER_PHASE_STARTING,
+    State.RUNNING: pb.WORKER_PHASE_RUNNING,
+    State.HOLDING: pb.WORKER_PHASE_HOLDING,
+    State.FAILED: pb.WORKER_PHASE_FAILED,
+    State.DRAINING: pb.WORKER_PHASE_HOLDING,
+    State.DONE: pb.WORKER_PHASE_IDLE,
+}
+
+
+def find_free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _ts(wall_s: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(int(wall_s * 1e9))
+    return ts
+
+
+@dataclass
+class _Progress:
+    step: int = 0
+    epoch: int = 0
+    cursor: int = 0
+    samples_per_s: float = 0.0
+    first_step_at: float = 0.0
+    worker_restart_s: float = 0.0
+    group_init_s: float = 0.0
+    restore_s: float = 0.0
+
+
+class Launcher:
+    def __init__(self, settings: LauncherSettings, spawner: Spawner | None = None) -> None:
+        self.s = settings
+        self.spawner: Spawner = spawner or (
+            ZygoteSpawner(settings.zygote_preload) if settings.use_zygote else SubprocessSpawner()
+        )
+        self.state = State.STANDBY
+        self.generation = 0
+        self.member_id = ""
+        self.heartbeat_interval_s = 1.0
+        self.sync_timeout_s = 10.0
+        self.exit_code = 0
+        self.progress = _Progress()
+        self._state_dir = Path(settings.state_dir or tempfile.mkdtemp(prefix="tide-launcher-"))
+        self._sock_dir = tempfile.mkdtemp(prefix="tide-ctl-")
+        self._sock_path = os.path.join(self._sock_dir, "ctl.sock")
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.CoordinatorAsyncStub | None = None
+        self._worker: WorkerHandle | None = None
+        self._worker_conn: asyncio.StreamWriter | None = None
+        self._worker_expected_exit = False
+        self._worker_done = False
+        self._to_worker: list[Message] = []
+        self._ready: asyncio.Future[Message] | None = None
+        self._handled: dict[str, pb.AckRequest] = {}
+        self._pending_acks: dict[str, pb.Directive] = {}
+        self._directives: asyncio.Queue[pb.Directive] = asyncio.Queue()
+        self._rendezvous_task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._wake_heartbeat = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._server: asyncio.AbstractServer | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _set_state(self, new: State) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise FailedPrecondition(f"launcher cannot go from {self.state.name} to {new.name}")
+        if new is not self.state:
+            logger.info(
+                "launcher %s (job %s, member %s): %s -> %s",
+                self.s.pod_name,
+                self.s.job_id,
+                self.member_id,
+                self.state.name,
+                new.name,
+            )
+        self.state = new
+        self._wake_heartbeat.set()
+
+    async def run(self) -> int:
+        self._state_dir.mkdir(parents=True, exist_ok=True)
+        self._server = await asyncio.start_unix_server(self._on_worker_conn, path=self._sock_path)
+        # Warm the zygote while we register and wait as STANDBY.
+        await self.spawner.start()
+        self._channel = open_channel(self.s.coordinator)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._tasks = [
+            asyncio.create_task(self._stream_loop(), name="directives"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._directive_loop(), name="handle"),
+        ]
+        try:
+            await self._stop.wait()
+        finally:
+            await self._shutdown()
+        return self.exit_code
+
+    async def _shutdown(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self._rendezvous_task is not None:
+            self._rendezvous_task.cancel()
+        for t in [*self._tasks, *([self._rendezvous_task] if self._rendezvous_task else [])]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._worker is not None and self._worker.returncode is None:
+            await self._stop_worker()
+        await self.spawner.close()
+        if self._server is not None:
+            self._server.close()
+        if self._channel is not None:
+            await self._channel.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self._sock_path)
+            os.rmdir(self._sock_dir)
+
+    def stop(self, code: int = 0) -> None:
+        self.exit_code = code
+        self._stop.set()
+
+    # -- coordinator side -----------------------------------------------------------------
+
+    async def _register(self) -> None:
+        assert self._stub is not None
+        resp = await self._stub.Register(
+            pb.RegisterRequest(
+                job_id=self.s.job_id,
+                pod_name=self.s.pod_name,
+                pod_index=self.s.pod_index,
+                host=self.s.host,
+                launcher_id=self.s.launcher_id,
+                last_generation=self.generation,
+                free_port=find_free_port(self.s.host),
+            ),
+            timeout=self.s.rpc_timeout_s,
+        )
+        self.member_id = resp.member_id
+        if resp.heartbeat_interval_s > 0:
+            self.heartbeat_interval_s = resp.heartbeat_interval_s
+        if resp.sync_timeout_s > 0:
+            self.sync_timeout_s = resp.sync_timeout_s
+        logger.info(
+            "launcher %s registered with job %s as member %s (%s, job generation %d)",
+            self.s.pod_name,
+            self.s.job_id,
+            self.member_id,
+            pb.MemberState.Name(resp.state),
+            resp.generation,
+        )
+
+    async def _stream_loop(self) -> None:
+        assert self._stub is not None
+        backoff = self.s.backoff_initial_s
+        while not self._stop.is_set():
+            try:
+                await self._register()
+                stream = self._stub.Directives(pb.DirectivesRequest(member_id=self.member_id))
+                async for directive in stream:
+                    backoff = self.s.backoff_initial_s
+                    await self._directives.put(directive)
+                logger.warning("directive stream of member %s ended; reconnecting", self.member_id)
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                logger.warning(
+                    "directive stream of member %s broke (%s: %s); retry in %.2fs",
+                    self.member_id,
+                    exc.code().name,
+                    exc.details(),
+                    backoff,
+                )
+            # Full jitter: launchers that lost one coordinator do not reconnect in step.
+            await asyncio.sleep(random.uniform(0, backoff))
+            backoff = min(backoff * 2, self.s.backoff_max_s)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self._heartbeat()
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("heartbeat of member %s failed: %s", self.member_id, exc.code().name)
+            except Exception:
+                # A heartbeat loop must never die of one bad beat.
+                logger.exception("heartbeat of member %s failed", self.member_id)
+            self._wake_heartbeat.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake_heartbeat.wait(), self.heartbeat_interval_s)
+
+    async def _heartbeat(self) -> None:
+        if not self.member_id or self._stub is None:
+            return
+        p = self.progress
+        req = pb.HeartbeatRequest(
+            member_id=self.member_id,
+            generation=self.generation,
+            phase=_PHASE[self.state],
+            step=p.step,
+            samples_consumed=p.cursor,
+            epoch=p.epoch,
+            samples_per_s=p.samples_per_s,
+            startup=pb.PauseBreakdown(
+                worker_restart_s=p.worker_restart_s,
+                group_init_s=p.group_init_s,
+                restore_s=p.restore_s,
+            ),
+            free_port=find_free_port(self.s.host),
+        )
+        if p.first_step_at:
+            req.first_step_at.CopyFrom(_ts(p.first_step_at))
+        resp = await self._stub.Heartbeat(req, timeout=self.s.rpc_timeout_s)
+        if resp.generation > self.generation and self.state is not State.STANDBY:
+            logger.info(
+                "member %s is in generation %d, the job in %d: waiting for RENDEZVOUS",
+                self.member_id,
+                self.generation,
+                resp.generation,
+            )
+
+    async def _ack(self, req: pb.AckRequest) -> None:
+        assert self._stub is not None
+        self._handled[req.directive_id] = req
+        try:
+            await self._stub.Ack(req, timeout=self.s.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning(
+                "ack of directive %s by member %s refused: %s %s",
+                req.directive_id,
+                self.member_id,
+                exc.code().name,
+                exc.details(),
+            )
+
+    def _ack_request(self, d: pb.Directive, ok: bool = True, message: str = "") -> pb.AckRequest:
+        return pb.AckRequest(
+            member_id=self.member_id,
+            directive_id=d.directive_id,
+            generation=d.generation,
+            ok=ok,
+            message=message,
+        )
+
+    # -- directives -----------------------------------------------------------------------
+
+    async def _directive_loop(self) -> None:
+        while True:
+            d = await self._directives.get()
+            try:
+                await self._on_directive(d)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.exception("member %s failed directive %s", self.member_id, d.directive_id)
+                await self._ack(self._ack_request(d, ok=False, message=str(exc)))
+
+    async def _on_directive(self, d: pb.Directive) -> None:
+        kind = pb.Directive.Kind.Name(d.kind)
+        if d.directive_id in self._handled:
+            logger.info("member %s: directive %s again, re-acking", self.member_id, d.directive_id)
+            await self._ack(self._handled[d.directive_id])
+            return
+        if d.directive_id in self._pending_acks:
+            return
+        logger.info(
+            "member %s (job %s) got %s %s for generation %d",
+            self.member_id,
+            self.s.job_id,
+            kind,
+            d.directive_id,
+            d.generation,
+        )
+        if d.kind == pb.Directive.KIND_RENDEZVOUS:
+            await self._cancel_rendezvous()
+            self._rendezvous_task = asyncio.create_task(self._rendezvous(d))
+        elif d.kind == pb.Directive.KIND_CHECKPOINT:
+            self._pending_acks[d.directive_id] = d
+            self._send_worker(
+                {"type": "checkpoint", "directive_id": d.directive_id, "step": d.checkpoint_step}
+            )
+            self._fail_pending_if_no_worker()
+        elif d.kind == pb.Directive.KIND_HOLD:
+            self._pending_acks[d.directive_id] = d
+            self._send_worker({"type": "hold", "directive_id": d.directive_id})
+            self._fail_pending_if_no_worker()
+        elif d.kind == pb.Directive.KIND_RESUME:
+            self._send_worker({"type": "resume", "directive_id": d.directive_id})
+            if self.state is State.HOLDING:
+                self._set_state(State.RUNNING)
+            await self._ack(self._ack_request(d))
+        elif d.kind == pb.Directive.KIND_DRAIN:
+            await self._cancel_rendezvous()
+            self._set_state(State.DRAINING)
+            await self._stop_worker()
+            await self._ack(self._ack_request(d))
+            self._set_state(State.DONE)
+            self.stop(0)
+        elif d.kind == pb.Directive.KIND_STOP:
+            await self._cancel_rendezvous()
+            self._worker_expected_exit = True
+            if self._worker is not None:
+                self._worker.kill()
+            await self._ack(self._ack_request(d))
+            self._set_state(State.DONE)
+            self.stop(0)
+        else:
+            await self._ack(self._ack_request(d, ok=False, message=f"unknown kind {kind}"))
+
+    def _fail_pending_if_no_worker(self) -> None:
+        if self._worker is None or self._worker.returncode is not None:
+            for did, d in list(self._pending_acks.items()):
+                self._pending_acks.pop(did)
+                task = asyncio.create_task(
+                    self._ack(self._ack_request(d, False, "no running worker"))
+                )
+                self._tasks.append(task)
+
+    async def _cancel_rendezvous(self) -> None:
+        task, self._rendezvous_task = self._rendezvous_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _rendezvous(self, d: pb.Directive) -> None:
+        rdv = d.rendezvous
+        restart_started_at = time.time()
+        self._set_state(State.STARTING)
+        await self._stop_worker()
+        self.generation = d.generation
+        self.progress = _Progress()
+        endpoints = list(rdv.trainer_endpoints)
+        env = dict(os.environ)
+        env.update(
+            {
+                "PADDLE_DISTRI_BACKEND": "gloo",
+                "PADDLE_MASTER": rdv.master_endpoint,
+                "PADDLE_TRAINER_ID": str(rdv.rank),
+                "PADDLE_TRAINERS_NUM": str(rdv.world_size),
+                "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
+                "PADDLE_CURRENT_ENDPOINT": endpoints[rdv.rank] if endpoints else "",
+                "PADDLE_RANK_IN_NODE": "0",
+                GENERATION_ENV: str(d.generation),
+                RESTORE_STEP_ENV: str(rdv.restore_step),
+                CONTROL_SOCKET_ENV: self._sock_path,
+                RESTART_STARTED_AT_ENV: repr(restart_started_at),
+            }
+        )
+        self._ready = asyncio.get_running_loop().create_future()
+        # Nothing queued for the old worker may reach the new one.
+        self._to_worker = []
+        self._worker_expected_exit = False
+        self._worker_done = False
+        log_path = str(self._state_dir / f"worker-g{d.generation}-r{rdv.rank}.log")
+        self._worker = await self.spawner.spawn(self.s.command, env, os.getcwd(), log_path)
+        worker = self._worker
+        watcher = asyncio.create_task(self._watch_worker(worker))
+        self._tasks.append(watcher)
+        logger.info(
+            "member %s started worker pid %d: generation %d rank %d/%d restore %d",
+            self.member_id,
+            worker.pid,
+            d.generation,
+            rdv.rank,
+            rdv.world_size,
+            rdv.restore_step,
+        )
+        try:
+            ready = await asyncio.wait_for(asyncio.shield(self._ready), self.s.start_timeout_s)
+        except (TimeoutError, RuntimeError) as exc:
+            await self._ack(self._ack_request(d, ok=False, message=f"worker did not start: {exc}"))
+            return
+        logger.info(
+            "member %s worker ready in generation %d at step %d",
+            self.member_id,
+            d.generation,
+            ready.get("restored_step", 0),
+        )
+        await self._ack(self._ack_request(d))
+
+    async def _stop_worker(self) -> None:
+        worker = self._worker
+        if worker is None or worker.returncode is not None:
+            return
+        self._worker_expected_exit = True
+        self._send_worker({"type": "exit"})
+        try:
+            await asyncio.wait_for(worker.wait(), self.s.exit_grace_s)
+        except TimeoutError:
+            logger.warning(
+                "member %s: worker pid %d ignored exit for %.1fs; SIGKILL",
+                self.member_id,
+                worker.pid,
+                self.s.exit_grace_s,
+            )
+            worker.kill(signal.SIGKILL)
+            await worker.wait()
+        self._worker_conn = None
+
+    async def _watch_worker(self, worker: WorkerHandle) -> None:
+        code = await worker.wait()
+        if worker is not self._worker:
+            return
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(RuntimeError(f"worker exited with {code}"))
+        if self._worker_expected_exit:
+            return
+        if self._worker_done and code == 0:
+            logger.info("member %s: training finished; launcher exits", self.member_id)
+            self._set_state(State.DONE)
+            await self._heartbeat_quietly()
+            self.stop(0)
+            return
+        logger.error(
+            "member %s (job %s): worker pid %d died with %d in generation %d",
+            self.member_id,
+            self.s.job_id,
+            worker.pid,
+            code,
+            self.generation,
+        )
+        self._set_state(State.FAILED)
+        self._fail_pending_if_no_worker()
+        await self._heartbeat_quietly()
+
+    async def _heartbeat_quietly(self) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._heartbeat()
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def _send_worker(self, msg: Message) -> None:
+        if self._worker_conn is None:
+            self._to_worker.append(msg)
+            return
+        self._worker_conn.write((json.dumps(msg) + "\n").encode())
+
+    async def _on_worker_conn(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        bound = False
+        try:
+            while line := await reader.readline():
+                msg: Message = json.loads(line)
+                if msg.get("type") == "hello":
+                    if self._worker is None or msg.get("pid") != self._worker.pid:
+                        logger.warning(
+                            "member %s: hello from stale pid %s", self.member_id, msg.get("pid")
+                        )
+                        return
+                    bound = True
+                    self._worker_conn = writer
+                    pending, self._to_worker = self._to_worker, []
+                    for m in pending:
+                        self._send_worker(m)
+                    continue
+                if bound and writer is self._worker_conn:
+                    await self._on_worker_message(msg)
+        except (ConnectionError, ValueError) as exc:
+            logger.warning("member %s: worker channel error: %s", self.member_id, exc)
+        finally:
+            if writer is self._worker_conn:
+                self._worker_conn = None
+            writer.close()
+
+    async def _on_worker_message(self, msg: Message) -> None:
+        kind = msg.get("type")
+        p = self.progress
+        if kind == "ready":
+            p.worker_restart_s = float(msg.get("worker_restart_s", 0.0))
+            p.group_init_s = float(msg.get("group_init_s", 0.0))
+            p.restore_s = float(msg.get("restore_s", 0.0))
+            p.step = int(msg.get("restored_step", 0))
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(msg)
+            self._wake_heartbeat.set()
+        elif kind == "progress":
+            first = p.first_step_at
+            p.step = int(msg["step"])
+            p.epoch = int(msg["epoch"])
+            p.cursor = int(msg["cursor"])
+            p.samples_per_s = float(msg.get("samples_per_s", 0.0))
+            p.first_step_at = float(msg.get("first_step_at", 0.0))
+            if p.first_step_at and not first:
+                if self.state is State.STARTING:
+                    self._set_state(State.RUNNING)
+                self._wake_heartbeat.set()
+        elif kind == "held":
+            if self.state in (State.RUNNING, State.STARTING):
+                self._set_state(State.HOLDING)
+            ckpt = msg.get("checkpoint") or {}
+            for did in msg.get("directive_ids", []):
+                d = self._pending_acks.pop(did, None)
+                if d is None:
+                    continue
+                req = self._ack_request(d)
+                req.held_at.CopyFrom(_ts(float(msg["held_at"])))
+                req.checkpoint_step = int(msg["step"])
+                if ckpt:
+                    req.checkpoint_digest = str(ckpt["digest"])
+                    req.checkpoint_write_s = float(ckpt["write_s"])
+                await self._ack(req)
+        elif kind == "resumed":
+            if self.state is State.HOLDING:
+                self._set_state(State.RUNNING)
+        elif kind == "checkpoint":
+            logger.info(
+                "member %s: checkpoint of step %s written (%s)",
+                self.member_id,
+                msg.get("step"),
+                "periodic" if msg.get("periodic") else "coordinated",
+            )
+        elif kind == "done":
+            self._worker_done = True
+        else:
+            logger.warning("member %s: unknown worker message %r", self.member_id, kind)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
+    args = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in args:
+        cut = args.index("--")
+        args, command = args[:cut], args[cut + 1 :]
+    p = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n")[0])
+    p.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    p.add_argument("--job", required=True, help="NAMESPACE/NAME of the job")
+    p.add_argument("--pod", default=os.environ.get("POD_NAME", socket.gethostname()))
+    p.add_argument("--pod-index", type=int, default=int(os.environ.get("TIDE_POD_INDEX", "0")))
+    p.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"))
+    p.add_argument("--state-dir", default="", help="worker logs (default: a temp dir)")
+    p.add_argument("--no-zygote", action="store_true", help="start fresh worker processes")
+    p.add_argument("--exit-grace-s", type=float, default=1.0)
+    p.add_argument("--log-level", default="INFO")
+    ns = p.parse_args(args)
+    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return LauncherSettings(
+        coordinator=ns.coordinator,
+        job_id=ns.job,
+        command=tuple(command),
+        pod_name=ns.pod,
+        pod_index=ns.pod_index,
+        host=ns.host,
+        state_dir=ns.state_dir,
+        use_zygote=not ns.no_zygote,
+        exit_grace_s=ns.exit_grace_s,
+    )
+
+
+async def _amain(settings: LauncherSettings) -> int:
+    launcher = Launcher(settings)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, launcher.stop, 0)
+    return await launcher.run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = parse_args(argv)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(_amain(settings))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

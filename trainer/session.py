@@ -1,0 +1,548 @@
+"""The elastic session a training script calls: rank, restore, sampler, step hook, checkpoints.
+
+A script looks like this (see trainer/examples/train_mlp.py)::
+
+    session = ElasticSession.from_env(SessionConfig(dataset_size=N, global_batch=B, seed=0,
+                                                    max_steps=100, checkpoint_dir="ckpt"))
+    session.init_process_group()
+    session.attach(model, optimizer, lr_scheduler)
+    session.restore()
+    for plan in session.plans():
+        loss = per_sample_loss(plan.local_indices).sum() / plan.global_batch_size
+        session.step(loss)
+    session.finish()
+
+``step`` runs backward, sums the gradients of all ranks with one all_reduce (not
+DataParallel's 1/nranks mean: the loss is already normalised by the global batch), applies the
+optimizer, then runs the step-boundary hook: sample-id and loss logs, progress to the launcher,
+periodic checkpoints, and the stop-step agreement that makes CHECKPOINT/HOLD/RESUME safe.
+
+Stop-step agreement: every step ends with an all_reduce(max) of [stop_step, checkpoint, exit]
+as each rank knows them, so one rank that heard CHECKPOINT(S) in time makes every rank stop
+after the same step S, and all hold at one boundary.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import random
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.common.errors import ConfigError, DeadlineExceeded
+from trainer.channel import CONTROL_SOCKET_ENV, Message, NullChannel, SocketChannel, WorkerChannel
+from trainer.checkpoint import (
+    CheckpointNotFound,
+    CheckpointSettings,
+    CheckpointStore,
+    PeriodicSchedule,
+    WrittenCheckpoint,
+)
+from trainer.sampler import ResumableSampler, SamplerConfig, StepPlan
+
+logger = logging.getLogger(__name__)
+
+GENERATION_ENV = "TIDE_GENERATION"
+RESTORE_STEP_ENV = "TIDE_RESTORE_STEP"
+RESTART_STARTED_AT_ENV = "TIDE_RESTART_STARTED_AT"
+
+
+class SessionExit(SystemExit):
+    """Raised out of the training loop when the launcher asks the worker to exit."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this worker sits, from the PADDLE_* and TIDE_* environment."""
+
+    rank: int = 0
+    world_size: int = 1
+    master: str = ""
+    generation: int = 0
+    # Step the rendezvous names; None: the newest good checkpoint (or scratch).
+    restore_step: int | None = None
+    control_socket: str = ""
+    # Wall time at which the launcher began replacing the previous worker; 0 if unknown.
+    restart_started_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"PADDLE_TRAINERS_NUM must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(
+                f"PADDLE_TRAINER_ID must be in [0, {self.world_size}), got {self.rank}"
+            )
+        if self.world_size > 1 and ":" not in self.master:
+            raise ConfigError(f"PADDLE_MASTER must be host:port, got {self.master!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> DistEnv:
+        e = os.environ if env is None else env
+        restore = e.get(RESTORE_STEP_ENV, "")
+        return cls(
+            rank=int(e.get("PADDLE_TRAINER_ID", "0")),
+            world_size=int(e.get("PADDLE_TRAINERS_NUM", "1")),
+            master=e.get("PADDLE_MASTER", ""),
+            generation=int(e.get(GENERATION_ENV, "0")),
+            restore_step=int(restore) if restore not in ("", "0") else None,
+            control_socket=e.get(CONTROL_SOCKET_ENV, ""),
+            restart_started_at=float(e.get(RESTART_STARTED_AT_ENV, "0") or 0),
+        )
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    dataset_size: int
+    global_batch: int
+    seed: int
+    max_steps: int
+    checkpoint_dir: str
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    # Where the sample-id log (per rank) and the loss log (rank 0) go; "" for none.
+    log_dir: str = ""
+    # Give up waiting for rank 0's TCP store after this long, seconds.
+    master_wait_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 0:
+            raise ConfigError(f"max_steps must be >= 0, got {self.max_steps}")
+        if not self.checkpoint_dir:
+            raise ConfigError("checkpoint_dir must be set, got ''")
+        if self.master_wait_s <= 0:
+            raise ConfigError(f"master_wait_s must be > 0, got {self.master_wait_s}")
+        SamplerConfig(self.dataset_size, self.global_batch, self.seed)
+
+
+@dataclass
+class Timings:
+    worker_restart_s: float = 0.0
+    group_init_s: float = 0.0
+    restore_s: float = 0.0
+    first_step_at: float = 0.0
+
+
+def wait_for_port(endpoint: str, timeout_s: float) -> None:
+    """Connect-and-close until ``host:port`` listens: Paddle's TCPStore client otherwise
+    sleeps a hard-coded 3 s before its retry when it connects too early."""
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(
+                    f"master {endpoint} not listening after {timeout_s}s"
+                ) from None
+            time.sleep(0.005)
+
+
+class ElasticSession:
+    def __init__(self, config: SessionConfig, env: DistEnv, channel: WorkerChannel) -> None:
+        self.config = config
+        self.env = env
+        self.channel = channel
+        self.sampler = ResumableSampler(
+            SamplerConfig(config.dataset_size, config.global_batch, config.seed)
+        )
+        self.store = CheckpointStore(config.checkpoint_dir, keep=config.checkpoint.keep)
+        self.timings = Timings()
+        self.step_done = 0
+        self.restored_step = 0
+        self._model: Any = None
+        self._optimizer: Any = None
+        self._lr: Any = None
+        self._plan: StepPlan | None = None
+        self._global_loss = 0.0
+        self._stop_at = 0
+        self._want_checkpoint = False
+        self._want_exit = False
+        self._resume_pending = False
+        self._directive_ids: list[str] = []
+        self._periodic = PeriodicSchedule(config.checkpoint, time.monotonic())
+        self._last_written: WrittenCheckpoint | None = None
+        self._rate_t0 = time.monotonic()
+        self._rate_samples = 0
+        self._samples_per_s = 0.0
+        self._sample_log: Any = None
+        self._loss_log: Any = None
+        if config.log_dir:
+            d = Path(config.log_dir)
+            d.mkdir(parents=True, exist_ok=True)
+            self._sample_log = open(d / f"samples-rank{env.rank}-g{env.generation}.jsonl", "a")  # noqa: SIM115
+            if env.rank == 0:
+                self._loss_log = open(d / "loss.jsonl", "a")  # noqa: SIM115
+        if env.restart_started_at:
+            self.timings.worker_restart_s = max(0.0, time.time() - env.restart_started_at)
+        self.channel.send({"type": "hello", "pid": os.getpid(), "generation": env.generation})
+
+    @classmethod
+    def from_env(
+        cls, config: SessionConfig, env: Mapping[str, str] | None = None
+    ) -> ElasticSession:
+        dist_env = DistEnv.from_env(env)
+        channel: WorkerChannel = (
+            SocketChannel(dist_env.control_socket) if dist_env.control_socket else NullChannel()
+        )
+        return cls(config, dist_env, channel)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    # -- start-up -------------------------------------------------------------------------
+
+    def init_process_group(self) -> None:
+        started = time.monotonic()
+        if self.world_size > 1:
+            import paddle.distributed as dist
+
+            if self.rank != 0:
+                wait_for_port(self.env.master, self.config.master_wait_s)
+            dist.init_parallel_env()
+        self.timings.group_init_s = time.monotonic() - started
+        logger.info(
+            "rank %d/%d of generation %d: group ready in %.3fs",
+            self.rank,
+            self.world_size,
+            self.env.generation,
+            self.timings.group_init_s,
+        )
+
+    def attach(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> None:
+        self._model = model
+        self._optimizer = optimizer
+        self._lr = lr_scheduler
+
+    def restore(self) -> int:
+        """Load the checkpoint the rendezvous names (or the newest good one); returns its step."""
+        started = time.monotonic()
+        at_most = self.env.restore_step
+        try:
+            loaded = self.store.load_latest(at_most=at_most)
+        except CheckpointNotFound:
+            if at_most is not None:
+                raise
+            loaded = None
+        if loaded is not None:
+            if at_most is not None and loaded.step != at_most:
+                logger.warning(
+                    "checkpoint %d named by generation %d is damaged; restored %d instead",
+                    at_most,
+                    self.env.generation,
+                    loaded.step,
+                )
+            self._load_state(loaded.files)
+            self.step_done = loaded.step
+        self.restored_step = self.step_done
+        self.timings.restore_s = time.monotonic() - started
+        logger.info(
+            "rank %d of generation %d restored step %d in %.3fs",
+            self.rank,
+            self.env.generation,
+            self.step_done,
+            self.timings.restore_s,
+        )
+        self.channel.send(
+            {
+                "type": "ready",
+                "restored_step": self.step_done,
+                "generation": self.env.generation,
+                "worker_restart_s": self.timings.worker_restart_s,
+                "group_init_s": self.timings.group_init_s,
+                "restore_s": self.timings.restore_s,
+            }
+        )
+        self._report_progress()
+        return self.step_done
+
+    def _load_state(self, files: Mapping[str, bytes]) -> None:
+        import paddle
+
+        self._model.set_state_dict(paddle.load(io.BytesIO(files["model.pdparams"])))
+        if self._optimizer is not None and "optimizer.pdopt" in files:
+            self._optimizer.set_state_dict(paddle.load(io.BytesIO(files["optimizer.pdopt"])))
+        if self._lr is not None and "lr.pdstate" in files:
+            self._lr.set_state_dict(paddle.load(io.BytesIO(files["lr.pdstate"])))
+        if "rng.pdstate" in files:
+            rng = paddle.load(io.BytesIO(files["rng.pdstate"]), return_numpy=False)
+            paddle.set_rng_state(rng["paddle"])
+            random.setstate(_as_tuple(rng["python"]))
+
+    def _state_files(self) -> dict[str, bytes]:
+        import paddle
+
+        def dump(obj: Any) -> bytes:
+            buf = io.BytesIO()
+            paddle.save(obj, buf)
+            return buf.getvalue()
+
+        files = {"model.pdparams": dump(self._model.state_dict())}
+        if self._optimizer is not None:
+            files["optimizer.pdopt"] = dump(self._optimizer.state_dict())
+        if self._lr is not None:
+            files["lr.pdstate"] = dump(self._lr.state_dict())
+        files["rng.pdstate"] = dump(
+            {"paddle": paddle.get_rng_state(), "python": list(random.getstate())}
+        )
+        return files
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def plans(self) -> Iterator[StepPlan]:
+        while self.step_done < self.config.max_steps:
+            plan = self.sampler.plan(self.step_done + 1, self.rank, self.world_size)
+            self._plan = plan
+            yield plan
+            if self._plan is not None:
+                raise RuntimeError(f"step {plan.step}: call session.step(loss) inside the loop")
+
+    def step(self, loss: Any) -> float:
+        """Backward, sum gradients over ranks, optimizer step, then the step-boundary hook.
+
+        ``loss`` is this rank's summed loss divided by ``plan.global_batch_size``, or None when
+        this rank has no sample in the step. Returns the global loss of the step."""
+        import paddle
+
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("session.step() outside session.plans()")
+        if loss is None:
+            # A rank without samples in this step still joins the all_reduce with zero grads.
+            loss = paddle.add_n([p.sum() * 0.0 for p in self._model.parameters()])
+        loss.backward()
+        params = [p for p in self._model.parameters() if p.grad is not None]
+        flat = paddle.concat([*(p.grad.reshape([-1]) for p in params), loss.detach().reshape([1])])
+        if self.world_size > 1:
+            import paddle.distributed as dist
+
+            dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            n = int(np.prod(p.shape))
+            p.grad.set_value(flat[offset : offset + n].reshape(p.grad.shape))
+            offset += n
+        self._global_loss = float(flat[offset])
+        self._optimizer.step()
+        self._optimizer.clear_grad()
+        if self._lr is not None:
+            self._lr.step()
+        self._plan = None
+        self._end_of_step(plan)
+        return self._global_loss
+
+    def _end_of_step(self, plan: StepPlan) -> None:
+        self.step_done = plan.step
+        now = time.monotonic()
+        if self.timings.first_step_at == 0.0:
+            self.timings.first_step_at = time.time()
+        self._rate_samples += plan.global_batch_size
+        if now - self._rate_t0 >= 1.0:
+            self._samples_per_s = self._rate_samples / (now - self._rate_t0)
+            self._rate_t0, self._rate_samples = now, 0
+        if self._sample_log is not None:
+            self._sample_log.write(
+                json.dumps(
+                    {
+                        "step": plan.step,
+                        "epoch": plan.epoch,
+                        "gen": self.env.generation,
+                        "rank": self.rank,
+                        "world": self.world_size,
+                        "ids": [int(i) for i in plan.local_indices],
+                    }
+                )
+                + "\n"
+            )
+            self._sample_log.flush()
+        if self._loss_log is not None:
+            self._loss_log.write(
+                json.dumps(
+                    {
+                        "step": plan.step,
+                        "loss": self._global_loss,
+                        "gen": self.env.generation,
+                        "world": self.world_size,
+                        "t": time.time(),
+                    }
+                )
+                + "\n"
+            )
+            self._loss_log.flush()
+        self._report_progress()
+        if self.rank == 0 and self._periodic.due(plan.step, now):
+            self._write_checkpoint(plan.step, periodic=True)
+        self._drain_channel()
+        stop_at, want_ckpt, want_exit = self._agree()
+        if want_exit:
+            self._exit()
+        if stop_at and stop_at <= plan.step:
+            self._hold(plan.step, want_ckpt)
+
+    def _report_progress(self) -> None:
+        pos = self.sampler.position(self.step_done)
+        self.channel.send(
+            {
+                "type": "progress",
+                "step": self.step_done,
+                "epoch": pos.epoch,
+                "cursor": pos.cursor,
+                "samples_per_s": self._samples_per_s,
+                "first_step_at": self.timings.first_step_at,
+            }
+        )
+
+    def _write_checkpoint(self, step: int, periodic: bool) -> WrittenCheckpoint:
+        if self._last_written is not None and self._last_written.step == step:
+            return self._last_written
+        pos = self.sampler.position(step)
+        meta = {
+            "step": step,
+            "epoch": pos.epoch,
+            "cursor": pos.cursor,
+            "generation": self.env.generation,
+            "world_size": self.world_size,
+            "seed": self.config.seed,
+            "global_batch": self.config.global_batch,
+            "periodic": periodic,
+        }
+        written = self.store.write(step, self._state_files(), meta)
+        self._periodic.mark(step, time.monotonic())
+        self._last_written = written
+        self.channel.send(
+            {
+                "type": "checkpoint",
+                "step": step,
+                "digest": written.digest,
+                "write_s": written.write_s,
+                "periodic": periodic,
+            }
+        )
+        return written
+
+    def _handle(self, msg: Message) -> None:
+        kind = msg.get("type")
+        if kind == "checkpoint":
+            step = int(msg["step"])
+            self._stop_at = step if not self._stop_at else min(self._stop_at, step)
+            self._want_checkpoint = True
+            self._directive_ids.append(str(msg.get("directive_id", "")))
+        elif kind == "hold":
+            # The current step: every rank is at the same boundary when they agree.
+            self._stop_at = self._stop_at or max(self.step_done, 1)
+            self._directive_ids.append(str(msg.get("directive_id", "")))
+        elif kind == "resume":
+            # Only meaningful for a stop that is pending (a barrier aborted before its step):
+            # the ranks still stop together at that step, then carry on at once.
+            if self._stop_at:
+                self._resume_pending = True
+        elif kind == "exit":
+            self._want_exit = True
+        else:
+            logger.warning("rank %d: unknown control message %r", self.rank, kind)
+
+    def _drain_channel(self) -> None:
+        while (msg := self.channel.poll()) is not None:
+            self._handle(msg)
+        if self.channel.closed:
+            self._want_exit = True
+
+    def _agree(self) -> tuple[int, bool, bool]:
+        mine = [self._stop_at, int(self._want_checkpoint), int(self._want_exit)]
+        if self.world_size == 1:
+            return mine[0], bool(mine[1]), bool(mine[2])
+        import paddle
+        import paddle.distributed as dist
+
+        t = paddle.to_tensor(mine, dtype="int64")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        agreed = [int(v) for v in t.numpy()]
+        return agreed[0], bool(agreed[1]), bool(agreed[2])
+
+    def _hold(self, step: int, checkpoint: bool) -> None:
+        held_at = time.time()
+        logger.info("rank %d holding after step %d (checkpoint=%s)", self.rank, step, checkpoint)
+        self._send_held(step, held_at, checkpoint, self._directive_ids)
+        self._stop_at, self._want_checkpoint, self._directive_ids = 0, False, []
+        while not self._resume_pending:
+            msg = self.channel.wait(0.05)
+            if msg is None:
+                if self.channel.closed:
+                    self._exit()
+                continue
+            kind = msg.get("type")
+            if kind == "exit":
+                self._exit()
+            elif kind == "resume":
+                break
+            elif kind == "checkpoint" and int(msg["step"]) > step:
+                # Train on to the later step: every rank gets the same directive.
+                self._handle(msg)
+                break
+            elif kind in ("checkpoint", "hold"):
+                # Already holding at a boundary every rank shares: answer from here.
+                ids = [str(msg.get("directive_id", ""))]
+                self._send_held(step, held_at, kind == "checkpoint", ids)
+            else:
+                logger.warning("rank %d: unknown control message %r", self.rank, kind)
+        self._resume_pending = False
+        self._rate_t0, self._rate_samples = time.monotonic(), 0
+        self.channel.send({"type": "resumed", "step": step})
+
+    def _send_held(self, step: int, held_at: float, checkpoint: bool, ids: list[str]) -> None:
+        info: dict[str, Any] | None = None
+        if checkpoint and self.rank == 0:
+            written = self._write_checkpoint(step, periodic=False)
+            info = {"step": step, "digest": written.digest, "write_s": written.write_s}
+        self.channel.send(
+            {
+                "type": "held",
+                "step": step,
+                "held_at": held_at,
+                "directive_ids": ids,
+                "checkpoint": info,
+            }
+        )
+
+    def _exit(self) -> None:
+        logger.info(
+            "rank %d of generation %d exits at step %d",
+            self.rank,
+            self.env.generation,
+            self.step_done,
+        )
+        self._close_logs()
+        raise SessionExit(0)
+
+    def _close_logs(self) -> None:
+        for f in (self._sample_log, self._loss_log):
+            if f is not None:
+                f.close()
+        self._sample_log = self._loss_log = None
+
+    def finish(self) -> None:
+        """The budget is done: write a final checkpoint and tell the launcher."""
+        if self.rank == 0 and self.step_done > 0:
+            self._write_checkpoint(self.step_done, periodic=True)
+        self._close_logs()
+        self.channel.send({"type": "done", "step": self.step_done})
+
+
+def _as_tuple(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_as_tuple(v) for v in value)
+    return value

@@ -1,0 +1,157 @@
+"""A warm parent that has imported Paddle and forks each new worker from itself.
+
+Starting a process and importing Paddle costs about 2 s on the project machine; forking a parent
+that has already imported it takes about 20 ms (measured-limits.md §4.5). The zygote must never
+import gRPC, which is not fork-safe: the launcher (which speaks gRPC) runs it as a child process
+and talks to it over its stdin/stdout with JSON lines:
+
+- launcher → zygote: ``{"cmd": "spawn", "id": N, "argv": [...], "env": {...}, "cwd": "...",
+  "log": "path or null"}``
+- zygote → launcher: ``{"event": "ready"}`` once warm, ``{"event": "spawned", "id": N, "pid": P}``,
+  ``{"event": "exit", "pid": P, "code": C}`` (C < 0: killed by signal -C), and
+  ``{"event": "error", "id": N, "message": "..."}``.
+
+When its stdin closes (the launcher died) the zygote kills its workers and exits; each worker
+also gets SIGKILL if the zygote dies (PR_SET_PDEATHSIG), so nothing outlives the launcher.
+
+Usage: ``python -m trainer.zygote [--preload paddle,paddle.distributed]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+DEFAULT_PRELOAD = "numpy,paddle,paddle.distributed"
+
+
+def _emit(fd: int, event: dict[str, Any]) -> None:
+    os.write(fd, (json.dumps(event) + "\n").encode())
+
+
+def _run_child(request: dict[str, Any], close_fds: list[int]) -> None:
+    """Runs in the forked child; never returns."""
+    code = 1
+    try:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        for fd in close_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        log = request.get("log")
+        if log:
+            out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            os.close(out)
+        sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+        sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request.get("cwd") or os.getcwd())
+        argv: list[str] = list(request["argv"])
+        args = argv[1:] if os.path.basename(argv[0]).startswith("python") else argv
+        try:
+            if args[:1] == ["-m"]:
+                sys.argv = [args[1], *args[2:]]
+                runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = list(args)
+                sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+                runpy.run_path(args[0], run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        # os._exit skips Paddle's 0.4-0.6 s interpreter teardown.
+        os._exit(code)
+
+
+def serve(preload: list[str]) -> int:
+    # Keep the protocol pipe for ourselves; anything imported modules print goes to stderr.
+    events_fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    started = time.monotonic()
+    for name in preload:
+        importlib.import_module(name)
+    _emit(events_fd, {"event": "ready", "import_s": time.monotonic() - started})
+    children: set[int] = set()
+    buf = b""
+    stdin_fd = 0
+    try:
+        while True:
+            readable, _, _ = select.select([stdin_fd], [], [], 0.02)
+            while children:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                children.discard(pid)
+                code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                _emit(events_fd, {"event": "exit", "pid": pid, "code": code})
+            if not readable:
+                continue
+            chunk = os.read(stdin_fd, 65536)
+            if not chunk:
+                return 0
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if not line.strip():
+                    continue
+                request = json.loads(line)
+                if request.get("cmd") != "spawn":
+                    _emit(
+                        events_fd, {"event": "error", "id": request.get("id"), "message": "bad cmd"}
+                    )
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    _run_child(request, [stdin_fd, events_fd])
+                children.add(pid)
+                _emit(events_fd, {"event": "spawned", "id": request.get("id"), "pid": pid})
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="fork server for Paddle workers")
+    p.add_argument("--preload", default=DEFAULT_PRELOAD, help="comma-separated modules to import")
+    args = p.parse_args(argv)
+    preload = [m for m in args.preload.split(",") if m]
+    if any(m == "grpc" or m.startswith("grpc.") for m in preload):
+        print("the zygote must not import grpc (not fork-safe)", file=sys.stderr)
+        return 2
+    return serve(preload)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
