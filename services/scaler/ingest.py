@@ -48,6 +48,7 @@ class Rejection(enum.Enum):
     MISSING_IDENTITY = "missing_identity"
     BAD_SEQUENCE = "bad_sequence"
     NODE_CHANGED = "node_changed"
+    MALFORMED = "malformed"
 
 
 class InvalidStream(InvalidArgument):
@@ -173,6 +174,13 @@ class IngestEngine:
         self.streams_open -= 1
         if stream.node is not None:
             stream.node.streams -= 1
+
+    def malformed(self, stream: StreamState, detail: str) -> InvalidStream:
+        """A message that did not even parse as a NodeReport."""
+        node = stream.node.name if stream.node is not None else "?"
+        return self._reject_stream(
+            Rejection.MALFORMED, f"node {node}: a message is not a NodeReport ({detail})"
+        )
 
     def _reject_stream(self, reason: Rejection, message: str) -> InvalidStream:
         self.rejected[reason] += 1

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 from services.scaler.ingest import IngestEngine, InvalidStream
@@ -78,20 +79,22 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
 
         flush_task = asyncio.create_task(flusher())
         try:
-            async for report in request_iterator:
-                try:
+            try:
+                async for report in request_iterator:
                     st[2] = process(stream, report)
-                except InvalidStream as exc:
-                    node = stream.node.name if stream.node is not None else report.node_name
-                    logger.warning("node %s: telemetry stream refused: %s", node or "?", exc)
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                    return
-                st[0] += 1
-                if st[0] >= every or clock.monotonic() - st[1] >= delay:
-                    await send()
-                else:
-                    dirty.set()
+                    st[0] += 1
+                    if st[0] >= every or clock.monotonic() - st[1] >= delay:
+                        await send()
+                    else:
+                        dirty.set()
+            except DecodeError as exc:
+                # grpc hands a parse failure to the handler; it is the peer's fault.
+                raise engine.malformed(stream, str(exc)) from exc
             await send()
+        except InvalidStream as exc:
+            node = stream.node.name if stream.node is not None else "?"
+            logger.warning("node %s: telemetry stream refused: %s", node, exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
             flush_task.cancel()
             engine.close_stream(stream)

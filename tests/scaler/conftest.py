@@ -1,0 +1,126 @@
+"""Scaler fixtures: report builders, a telemetry server on a real socket, databases."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import grpc
+import pytest
+import sqlalchemy as sa
+from tide.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
+
+from services.common.clock import SystemClock
+from services.common.grpc_options import server_options
+from services.scaler.ingest import IngestEngine, IngestSettings
+from services.scaler.members import InMemoryMemberRegistry
+from services.scaler.telemetry_api import TelemetryServicer
+
+
+def report(
+    node: str = "n1",
+    seq: int = 1,
+    *,
+    boot: str = "b1",
+    utils: list[float] | None = None,
+    pods: list[str] | None = None,
+    t: float | None = None,
+    capacity: int = 8,
+    namespace: str = "ns",
+) -> telemetry_pb2.NodeReport:
+    """A report of len(utils) GPUs; GPU i is held by pods[i] (uid and name) when given."""
+    utils = [50.0] * 8 if utils is None else utils
+    r = telemetry_pb2.NodeReport(node_name=node, boot_id=boot, seq=seq, gpu_capacity=capacity)
+    r.sampled_at.FromNanoseconds(int((time.time() if t is None else t) * 1e9))
+    for i, u in enumerate(utils):
+        g = r.gpus.add(
+            index=i,
+            uuid=f"GPU-{node}-{i}",
+            utilization_pct=u,
+            memory_used_bytes=1 << 30,
+            memory_total_bytes=16 << 30,
+            power_w=200.0,
+            temperature_c=60.0,
+        )
+        if pods and pods[i]:
+            g.pod.CopyFrom(common_pb2.PodRef(namespace=namespace, name=pods[i], uid=pods[i]))
+    return r
+
+
+class TelemetryServer:
+    def __init__(self, engine: IngestEngine, server: grpc.aio.Server, port: int) -> None:
+        self.engine = engine
+        self.server = server
+        self.port = port
+        self.target = f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def registry() -> InMemoryMemberRegistry:
+    return InMemoryMemberRegistry()
+
+
+@pytest.fixture
+async def telemetry_server(registry: InMemoryMemberRegistry) -> AsyncIterator[TelemetryServer]:
+    engine = IngestEngine(IngestSettings(stale_after_s=5.0), registry, SystemClock())
+    server = grpc.aio.server(options=server_options())
+    telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(engine), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield TelemetryServer(engine, server, port)
+    finally:
+        await server.stop(0)
+
+
+# --- databases --------------------------------------------------------------------------------
+
+
+def _pg_reachable(url: str) -> sa.Engine | None:
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+    except sa.exc.OperationalError:
+        engine.dispose()
+        if os.environ.get("TIDE_TEST_PG_URL"):
+            raise
+        return None
+    return engine
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("sqlite", id="sqlite"),
+        pytest.param("postgresql", id="pg", marks=pytest.mark.postgres),
+    ]
+)
+def scaler_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A migrated, empty database on each engine (PostgreSQL: a schema of its own)."""
+    from services.common import db
+
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'scaler.db'}"
+        db.upgrade(url)
+        yield url
+        return
+    pg_url: str = request.getfixturevalue("pg_url")
+    admin = _pg_reachable(pg_url)
+    if admin is None:
+        pytest.skip(f"PostgreSQL not reachable at {pg_url}")
+    schema = f"scaler_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    sep = "&" if "?" in pg_url else "?"
+    url = f"{pg_url}{sep}options={quote(f'-csearch_path={schema}')}"
+    try:
+        db.upgrade(url)
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.dispose()

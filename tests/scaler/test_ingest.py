@@ -1,0 +1,205 @@
+"""The ingestion engine without sockets: sequence numbers, validation, attribution, windows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.common.clock import FakeClock
+from services.scaler.ingest import IngestEngine, IngestSettings, InvalidStream, Rejection
+from services.scaler.members import InMemoryMemberRegistry, Member
+from tests.scaler.conftest import report
+
+T0 = 1_800_000_000.0  # FakeClock's start, a multiple of 30 s
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(T0)
+
+
+@pytest.fixture
+def engine(clock: FakeClock) -> IngestEngine:
+    reg = InMemoryMemberRegistry()
+    reg.set_members("ns/a", [Member("a-0", "a-0"), Member("a-1", "a-1")])
+    return IngestEngine(IngestSettings(stale_after_s=10.0), reg, clock)
+
+
+PODS = ["a-0", "a-0", "a-0", "a-0", "a-1", "a-1", "a-1", "a-1"]
+
+
+def test_duplicates_and_replays_are_acked_and_ignored(engine: IngestEngine) -> None:
+    st = engine.open_stream()
+    for seq in (1, 2, 3):
+        assert engine.process(st, report(seq=seq, t=T0, pods=PODS)) == ("b1", seq)
+    assert engine.process(st, report(seq=2, t=T0, pods=PODS)) == ("b1", 3)
+    assert engine.reports_accepted == 3
+    assert engine.reports_duplicate == 1
+    assert engine.samples_accepted == 24
+
+
+def test_gap_is_counted_and_filled_late(engine: IngestEngine) -> None:
+    st = engine.open_stream()
+    engine.process(st, report(seq=1, t=T0))
+    assert engine.process(st, report(seq=4, t=T0)) == ("b1", 1)
+    assert engine.seq_gaps == 2
+    assert engine.process(st, report(seq=2, t=T0)) == ("b1", 2)
+    assert engine.process(st, report(seq=3, t=T0)) == ("b1", 4)
+    assert engine.process(st, report(seq=3, t=T0)) == ("b1", 4)
+    assert engine.reports_duplicate == 1
+
+
+def test_gap_given_up_past_the_reorder_limit(clock: FakeClock) -> None:
+    e = IngestEngine(IngestSettings(reorder_limit=3), InMemoryMemberRegistry(), clock)
+    st = e.open_stream()
+    e.process(st, report(seq=1, t=T0))
+    for seq in (3, 4, 5):
+        assert e.process(st, report(seq=seq, t=T0))[1] == 1
+    assert e.process(st, report(seq=6, t=T0))[1] == 6
+
+
+def test_new_boot_id_restarts_the_sequence(engine: IngestEngine) -> None:
+    st = engine.open_stream()
+    engine.process(st, report(seq=5, t=T0))
+    assert engine.process(st, report(seq=1, boot="b2", t=T0)) == ("b2", 1)
+    assert engine.reports_accepted == 2
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("utilization_pct", math.nan, Rejection.NON_FINITE),
+        ("utilization_pct", math.inf, Rejection.NON_FINITE),
+        ("utilization_pct", -1.0, Rejection.UTILIZATION_OUT_OF_RANGE),
+        ("utilization_pct", 100.5, Rejection.UTILIZATION_OUT_OF_RANGE),
+        ("power_w", math.nan, Rejection.NON_FINITE),
+        ("temperature_c", -math.inf, Rejection.NON_FINITE),
+        ("memory_used_bytes", 17 << 30, Rejection.MEMORY_USED_EXCEEDS_TOTAL),
+        ("index", 9, Rejection.GPU_INDEX_OUT_OF_RANGE),
+        ("index", 1, Rejection.DUPLICATE_GPU_INDEX),
+    ],
+)
+def test_bad_sample_is_dropped_under_its_reason(
+    engine: IngestEngine, field: str, value: float, reason: Rejection
+) -> None:
+    st = engine.open_stream()
+    r = report(seq=1, t=T0, utils=[90.0] * 8, pods=PODS)
+    setattr(r.gpus[0], field, value)
+    engine.process(st, r)
+    assert engine.rejected[reason] == 1
+    assert sum(engine.rejected.values()) == 1
+    assert engine.samples_accepted == 7
+    # Nothing invalid reaches the window: the mean is still exactly 90.
+    view = engine.window_view("ns/a", T0 + 30, 8, 8)
+    assert view.bucket_means[-1] == 90.0
+
+
+@pytest.mark.parametrize(
+    ("t", "reason"),
+    [
+        (T0 + 60, Rejection.TIMESTAMP_IN_FUTURE),
+        (0.0, Rejection.TIMESTAMP_MISSING),
+        (T0 - 5, Rejection.TIMESTAMP_OUT_OF_ORDER),
+    ],
+)
+def test_bad_timestamp_drops_the_report(engine: IngestEngine, t: float, reason: Rejection) -> None:
+    st = engine.open_stream()
+    engine.process(st, report(seq=1, t=T0, pods=PODS))
+    assert engine.process(st, report(seq=2, t=t, utils=[100.0] * 8, pods=PODS)) == ("b1", 2)
+    assert engine.rejected[reason] == 1
+    assert engine.reports_dropped == 1
+    assert engine.window_view("ns/a", T0 + 30, 8, 8).bucket_means[-1] == 50.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"utils": [1.0] * 9, "capacity": 8}, Rejection.TOO_MANY_GPUS),
+        ({"utils": [1.0] * 2, "capacity": 65}, Rejection.TOO_MANY_GPUS),
+        ({"node": ""}, Rejection.MISSING_IDENTITY),
+        ({"boot": ""}, Rejection.MISSING_IDENTITY),
+        ({"seq": 0}, Rejection.BAD_SEQUENCE),
+    ],
+)
+def test_broken_stream_is_refused(
+    engine: IngestEngine, kwargs: dict[str, object], reason: Rejection
+) -> None:
+    st = engine.open_stream()
+    args: dict[str, object] = {"seq": 1, "t": T0, **kwargs}
+    with pytest.raises(InvalidStream) as err:
+        engine.process(st, report(**args))  # type: ignore[arg-type]
+    assert err.value.reason is reason
+    assert engine.rejected[reason] == 1
+    assert engine.samples_accepted == 0
+
+
+def test_stream_cannot_change_node(engine: IngestEngine) -> None:
+    st = engine.open_stream()
+    engine.process(st, report("n1", 1, t=T0))
+    with pytest.raises(InvalidStream, match="node_changed"):
+        engine.process(st, report("n2", 1, t=T0))
+
+
+def test_attribution_and_unattributed_gpus(engine: IngestEngine, clock: FakeClock) -> None:
+    st = engine.open_stream()
+    pods = ["a-0", "a-0", "other", "", "a-1", "a-1", "", ""]
+    engine.process(st, report(seq=1, t=T0, utils=[80, 80, 10, 10, 60, 60, 0, 0], pods=pods))
+    assert engine.samples_unattributed == 4
+    assert engine.fresh_gpus(T0) == {"ns/a": 4}
+    view = engine.window_view("ns/a", T0 + 30, 4, 4)
+    assert view.bucket_means[-1] == 70.0
+    assert len(engine.node_view()) == 8
+    clock.advance(11)
+    assert engine.fresh_gpus(clock.now()) == {}
+
+
+def test_window_memory_does_not_grow_with_the_report_rate(engine: IngestEngine) -> None:
+    st = engine.open_stream()
+    for seq in range(1, 2001):
+        engine.process(st, report(seq=seq, t=T0 - 25 + seq * 0.01, pods=PODS))
+    assert engine.reports_accepted == 2000
+    w = engine.windows["ns/a"]
+    assert w.n == 12
+    assert engine.rollups.pending_minutes() == 1
+
+
+def test_bucket_close_notifies_once_per_bucket(clock: FakeClock) -> None:
+    reg = InMemoryMemberRegistry()
+    reg.set_members("ns/a", [Member("a-0", "a-0")])
+    closed: list[str] = []
+    e = IngestEngine(IngestSettings(), reg, clock, on_bucket_closed=closed.append)
+    st = e.open_stream()
+    for seq, dt in enumerate([0, 10, 29, 30, 45, 61], start=1):
+        clock.advance(dt - (clock.now() - T0))
+        e.process(st, report(seq=seq, t=T0 + dt, utils=[50.0], pods=["a-0"]))
+    assert closed == ["ns/a", "ns/a"]
+
+
+def test_termination_notice_marks_the_jobs_replicas(engine: IngestEngine) -> None:
+    from tide.v1 import telemetry_pb2
+
+    st = engine.open_stream()
+    r = report(seq=1, t=T0, pods=PODS)
+    ev = r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
+    ev.deadline.FromSeconds(int(T0) + 120)
+    engine.process(st, r)
+    assert engine.terminating("ns/a") == (2, "n1", T0 + 120)
+    r2 = report(seq=2, t=T0)
+    r2.events.add(kind=telemetry_pb2.NodeEvent.KIND_UNCORDONED)
+    engine.process(st, r2)
+    assert engine.terminating("ns/a")[0] == 0
+
+
+def test_rollups_per_minute(engine: IngestEngine, clock: FakeClock) -> None:
+    st = engine.open_stream()
+    engine.process(st, report(seq=1, t=T0, utils=[10.0] * 8, pods=PODS))
+    clock.advance(30)
+    engine.process(st, report(seq=2, t=T0 + 30, utils=[30.0] * 8, pods=PODS))
+    clock.advance(31)
+    engine.process(st, report(seq=3, t=T0 + 61, utils=[90.0] * 8, pods=PODS))
+    rows = engine.rollups.take_complete(T0 + 70, {"ns/a": 2})
+    assert [(r.mean_pct, r.min_pct, r.max_pct, r.samples, r.replicas) for r in rows] == [
+        (20.0, 10.0, 30.0, 16, 2)
+    ]
+    assert engine.rollups.pending_minutes() == 1

@@ -1,0 +1,127 @@
+"""The Telemetry stream over real sockets: many agents, bad streams, replays."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
+
+from services.common.grpc_options import client_options
+from services.scaler.ingest import Rejection
+from services.scaler.members import InMemoryMemberRegistry, Member
+from tests.scaler.conftest import TelemetryServer, report
+
+
+async def stream_reports(
+    target: str, reports: list[telemetry_pb2.NodeReport], *, want_ack: int, timeout_s: float = 20
+) -> list[telemetry_pb2.TelemetryAck]:
+    """Send ``reports`` on one stream and read acks until ``want_ack`` is acknowledged."""
+    async with grpc.aio.insecure_channel(target, options=client_options()) as ch:
+        stub = telemetry_pb2_grpc.TelemetryStub(ch)
+        call = stub.Stream(timeout=timeout_s)
+        for r in reports:
+            await call.write(r)
+        acks = []
+        async for ack in call:
+            acks.append(ack)
+            if ack.acked_seq >= want_ack:
+                break
+        await call.done_writing()
+        call.cancel()
+        return acks
+
+
+async def test_fifty_concurrent_agents(
+    telemetry_server: TelemetryServer, registry: InMemoryMemberRegistry
+) -> None:
+    registry.set_members("ns/big", [Member(f"p{i}", f"p{i}") for i in range(50)])
+    now = time.time()
+
+    async def agent(i: int) -> int:
+        reports = [
+            report(f"node-{i}", seq, t=now - 1 + seq * 0.04, pods=[f"p{i}"] * 8)
+            for seq in range(1, 21)
+        ]
+        acks = await stream_reports(telemetry_server.target, reports, want_ack=20)
+        return acks[-1].acked_seq
+
+    results = await asyncio.gather(*(agent(i) for i in range(50)))
+    assert results == [20] * 50
+    e = telemetry_server.engine
+    assert e.reports_accepted == 1000
+    assert e.samples_accepted == 8000
+    assert e.fresh_gpus(time.time()) == {"ns/big": 400}
+    assert sum(e.rejected.values()) == 0
+
+
+async def test_malformed_stream_ends_with_invalid_argument(
+    telemetry_server: TelemetryServer, registry: InMemoryMemberRegistry
+) -> None:
+    registry.set_members("ns/a", [Member("a0", "a0")])
+    good = [report("good", s, utils=[50.0] * 8, pods=["a0"] * 8) for s in (1, 2)]
+    bad = report("evil", 1, utils=[99.0] * 9, capacity=8, pods=["a0"] * 9)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stream_reports(telemetry_server.target, [bad], want_ack=1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "too_many_gpus" in (err.value.details() or "")
+    # The server lives on and a healthy agent is unaffected; nothing of the bad one landed.
+    acks = await stream_reports(telemetry_server.target, good, want_ack=2)
+    assert acks[-1].acked_seq == 2
+    e = telemetry_server.engine
+    assert e.rejected[Rejection.TOO_MANY_GPUS] == 1
+    assert e.samples_accepted == 16
+    assert "evil" not in {row[0] for row in e.node_view()}
+
+
+async def test_garbage_bytes_do_not_hurt_the_server(telemetry_server: TelemetryServer) -> None:
+    async with grpc.aio.insecure_channel(telemetry_server.target) as ch:
+        raw = ch.stream_stream(
+            "/tide.v1.Telemetry/Stream",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        call = raw(timeout=5)
+        await call.write(b"\xff\xff\xff\xff\x0f garbage")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in call:
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert telemetry_server.engine.rejected[Rejection.MALFORMED] == 1
+    acks = await stream_reports(telemetry_server.target, [report("ok", 1)], want_ack=1)
+    assert acks[-1].acked_seq == 1
+
+
+async def test_replayed_stream_is_acked_and_ignored(
+    telemetry_server: TelemetryServer, registry: InMemoryMemberRegistry
+) -> None:
+    registry.set_members("ns/a", [Member("a0", "a0")])
+    now = time.time()
+    reports = [report("n1", s, t=now - 5 + s * 0.1, pods=["a0"] * 8) for s in range(1, 16)]
+    acks = await stream_reports(telemetry_server.target, reports[:10], want_ack=10)
+    assert acks[-1].acked_seq == 10
+    # The agent reconnects and resends everything it holds, then continues.
+    acks = await stream_reports(telemetry_server.target, reports, want_ack=15)
+    assert acks[-1].acked_seq == 15
+    e = telemetry_server.engine
+    assert (e.reports_accepted, e.reports_duplicate) == (15, 10)
+    assert e.samples_accepted == 15 * 8
+    total = sum(w._counts[i] for w in e.windows.values() for i in range(w.n))
+    assert total == 15 * 8
+
+
+async def test_slow_agent_does_not_hold_up_others(telemetry_server: TelemetryServer) -> None:
+    async with grpc.aio.insecure_channel(telemetry_server.target) as ch:
+        stub = telemetry_pb2_grpc.TelemetryStub(ch)
+        stuck = stub.Stream(timeout=30)
+        await stuck.write(report("slow", 1))
+        # It never reads its acks nor sends again; a fast agent still gets through.
+        t0 = time.monotonic()
+        acks = await stream_reports(
+            telemetry_server.target, [report("fast", s) for s in range(1, 51)], want_ack=50
+        )
+        assert acks[-1].acked_seq == 50
+        assert time.monotonic() - t0 < 5
+        stuck.cancel()
