@@ -1,0 +1,442 @@
+"""services.common.db: engine settings, write transactions, and units of work that survive faults."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.common import db
+from services.common.errors import ConfigError, Conflict, Unavailable
+from services.scaler import repo
+from tests.helpers import wait_for
+
+T0 = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
+JOB = "ml/resnet"
+
+
+# --- settings and engines -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"busy_timeout_s": 0}, "busy_timeout_s"),
+        ({"pool_size": 0}, "pool_size"),
+        ({"max_overflow": -1}, "max_overflow"),
+        ({"pool_recycle_s": 0}, "pool_recycle_s"),
+        ({"connect_timeout_s": 0}, "connect_timeout_s"),
+        ({"pool_timeout_s": -1}, "pool_timeout_s"),
+    ],
+)
+def test_bad_settings_name_the_field(kw: dict[str, float], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        db.DbSettings(**kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [({"attempts": 0}, "attempts"), ({"base_delay_s": 1, "max_delay_s": 0.5}, "max_delay_s")],
+)
+def test_bad_retry_policy_names_the_field(kw: dict[str, float], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        db.RetryPolicy(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["mysql://u@h/db", "postgresql+psycopg2://postgres@127.0.0.1/x", "not a url"],
+)
+def test_unsupported_urls_are_config_errors(url: str) -> None:
+    with pytest.raises(ConfigError):
+        db.make_engine(url)
+
+
+def test_redact_url_hides_the_password() -> None:
+    assert "s3cret" not in db.redact_url("postgresql+psycopg://u:s3cret@h/db")
+
+
+def test_sqlite_pragmas(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'sub' / 'dir' / 'tide.db'}"  # parent folders are created
+    engine = db.make_engine(url, db.DbSettings(busy_timeout_s=2.5))
+    try:
+        with engine.connect() as conn:
+
+            def pragma(name: str) -> object:
+                return conn.exec_driver_sql(f"PRAGMA {name}").scalar()
+
+            assert pragma("journal_mode") == "wal"
+            assert pragma("synchronous") == 2  # FULL
+            assert pragma("foreign_keys") == 1
+            assert pragma("busy_timeout") == 2500
+    finally:
+        engine.dispose()
+
+
+def test_foreign_keys_are_enforced(factory: sessionmaker[Session]) -> None:
+    # SQLite ignores foreign keys unless each connection turns them on.
+    with pytest.raises(sa.exc.IntegrityError), db.session_scope(factory) as s:
+        s.execute(
+            sa.text(
+                "INSERT INTO decision_events (decision_id, state, at, detail) "
+                "VALUES (999, 'PENDING', '2026-12-01 12:00:00', '')"
+            )
+        )
+
+
+def test_naive_datetimes_are_refused(factory: sessionmaker[Session]) -> None:
+    with pytest.raises(sa.exc.StatementError, match="naive"), db.session_scope(factory) as s:
+        s.add(
+            repo.Job(
+                job_id=JOB,
+                min_replicas=1,
+                max_replicas=1,
+                current_replicas=1,
+                gpus_per_replica=1,
+                policy_overrides={},
+                autoscaling_paused=False,
+                pause_reason="",
+                generation=0,
+                owner_epoch=0,
+                owner_id="",
+                created_at=datetime(2026, 1, 1),
+                updated_at=T0,
+            )
+        )
+
+
+# --- transactions ---------------------------------------------------------------------------
+
+
+def _sqlite_factory(tmp_path: Path, busy_timeout_s: float = 5.0) -> sessionmaker[Session]:
+    url = f"sqlite:///{tmp_path / 'tide.db'}"
+    db.upgrade(url)
+    return db.make_session_factory(
+        db.make_engine(url, db.DbSettings(busy_timeout_s=busy_timeout_s))
+    )
+
+
+@pytest.fixture
+def lite(tmp_path: Path) -> Iterator[sessionmaker[Session]]:
+    factory = _sqlite_factory(tmp_path)
+    yield factory
+    bind = factory.kw["bind"]
+    bind.dispose()
+
+
+def _other_writer_blocked(tmp_path: Path) -> bool:
+    """Whether another connection cannot take the write lock right now."""
+    raw = sqlite3.connect(tmp_path / "tide.db", timeout=0, isolation_level=None)
+    try:
+        raw.execute("BEGIN IMMEDIATE")
+        raw.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError as exc:
+        assert "locked" in str(exc)
+        return True
+    finally:
+        raw.close()
+
+
+def test_write_sessions_take_the_write_lock_at_begin(
+    lite: sessionmaker[Session], tmp_path: Path
+) -> None:
+    with db.session_scope(lite, write=True) as s:
+        s.execute(sa.text("SELECT 1"))  # a read only: the lock must already be held
+        assert _other_writer_blocked(tmp_path)
+    assert not _other_writer_blocked(tmp_path)
+    with db.session_scope(lite, write=False) as s:
+        s.execute(sa.text("SELECT count(*) FROM jobs"))
+        assert not _other_writer_blocked(tmp_path)
+
+
+def test_session_scope_rolls_back_on_error(factory: sessionmaker[Session]) -> None:
+    with pytest.raises(RuntimeError), db.session_scope(factory) as s:
+        repo.upsert_job(s, JOB, min_replicas=1, max_replicas=2, now=T0)
+        raise RuntimeError("boom")
+    with db.session_scope(factory, write=False) as s:
+        assert repo.list_jobs(s) == []
+
+
+def test_deferred_read_then_write_fails_where_immediate_waits(
+    lite: sessionmaker[Session],
+) -> None:
+    """Why writers use BEGIN IMMEDIATE: the control experiment, deterministic."""
+    with db.session_scope(lite) as s:
+        repo.upsert_job(s, JOB, min_replicas=1, max_replicas=9, now=T0)
+    # A deferred transaction reads, another writer commits, the first tries to write.
+    with (
+        pytest.raises(sa.exc.OperationalError, match="locked"),
+        db.session_scope(lite, write=False) as a,
+    ):
+        repo.get_job(a, JOB)
+        with db.session_scope(lite) as b:
+            repo.set_job_observed(b, JOB, now=T0, current_replicas=5)
+        repo.set_job_observed(a, JOB, now=T0, current_replicas=6)
+
+
+def test_concurrent_sqlite_writers_never_see_database_is_locked(tmp_path: Path) -> None:
+    """Threads doing read-modify-write transactions: all succeed, no update is lost."""
+    factory = _sqlite_factory(tmp_path, busy_timeout_s=10.0)
+    with db.session_scope(factory) as s:
+        repo.upsert_job(s, JOB, min_replicas=1, max_replicas=10_000, now=T0)
+    threads_n, per_thread = 4, 40
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads_n)
+
+    def work() -> None:
+        try:
+            start.wait(timeout=10)
+            for _ in range(per_thread):
+                with db.session_scope(factory, write=True) as s:
+                    current = repo.get_job(s, JOB).current_replicas
+                    repo.set_job_observed(s, JOB, now=T0, current_replicas=current + 1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(threads_n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    try:
+        assert errors == []
+        with db.session_scope(factory, write=False) as s:
+            assert repo.get_job(s, JOB).current_replicas == 1 + threads_n * per_thread
+    finally:
+        factory.kw["bind"].dispose()
+
+
+# --- units of work --------------------------------------------------------------------------
+
+
+def test_unit_of_work_retries_a_busy_database_then_succeeds(tmp_path: Path) -> None:
+    factory = _sqlite_factory(tmp_path, busy_timeout_s=0.05)
+    holder = sqlite3.connect(tmp_path / "tide.db", timeout=0, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    sleeps: list[float] = []
+    attempts: list[int] = []
+
+    def release_on_first_backoff(seconds: float) -> None:
+        sleeps.append(seconds)
+        if holder.in_transaction:
+            holder.execute("ROLLBACK")
+
+    def fn(s: Session) -> repo.JobRecord:
+        attempts.append(1)
+        return repo.upsert_job(s, JOB, min_replicas=1, max_replicas=2, now=T0)
+
+    try:
+        job = db.unit_of_work(
+            factory, fn, sleep=release_on_first_backoff, rng=random.Random(1), what="test"
+        )
+    finally:
+        holder.close()
+        factory.kw["bind"].dispose()
+    # BEGIN IMMEDIATE runs at fn's first statement; it timed out once, then fn ran again.
+    assert (len(attempts), len(sleeps)) == (2, 1)
+    assert job.job_id == JOB
+    assert 0 <= sleeps[0] <= db.DEFAULT_RETRY.base_delay_s
+
+
+def test_unit_of_work_gives_up_with_unavailable(tmp_path: Path) -> None:
+    factory = _sqlite_factory(tmp_path, busy_timeout_s=0.02)
+    holder = sqlite3.connect(tmp_path / "tide.db", timeout=0, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    sleeps: list[float] = []
+    policy = db.RetryPolicy(attempts=4, base_delay_s=0.1, max_delay_s=0.3)
+    try:
+        with pytest.raises(Unavailable, match="after 4 attempts"):
+            db.unit_of_work(factory, repo.list_jobs, retry=policy, sleep=sleeps.append)
+    finally:
+        holder.close()
+        factory.kw["bind"].dispose()
+    assert len(sleeps) == 3
+    assert all(0 <= d <= cap for d, cap in zip(sleeps, (0.1, 0.2, 0.3), strict=True))
+
+
+def _no_sleep(seconds: float) -> None:
+    raise AssertionError(f"unit of work retried (backoff {seconds} s) but must not")
+
+
+def test_unit_of_work_does_not_retry_logic_errors(factory: sessionmaker[Session]) -> None:
+    calls: list[int] = []
+
+    def fn(s: Session) -> None:
+        calls.append(1)
+        s.execute(sa.text("INSERT INTO jobs (job_id) VALUES ('ml/incomplete')"))
+
+    with pytest.raises(sa.exc.IntegrityError):
+        db.unit_of_work(factory, fn, sleep=_no_sleep)
+    assert calls == [1]
+
+
+def test_unit_of_work_turns_stale_versions_into_conflict(factory: sessionmaker[Session]) -> None:
+    with db.session_scope(factory) as s:
+        repo.upsert_job(s, JOB, min_replicas=1, max_replicas=9, now=T0)
+
+    def fn(s: Session) -> None:
+        row = s.get(repo.Job, JOB)
+        assert row is not None
+        # Someone else moves the version after our read.
+        s.execute(repo.JOBS.update().values(version=repo.JOBS.c.version + 1))
+        row.current_replicas = 4
+
+    with pytest.raises(Conflict):
+        db.unit_of_work(factory, fn, sleep=_no_sleep)
+
+
+# --- PostgreSQL faults ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def pg_factory(pg_admin: sa.Engine, pg_url: str) -> Iterator[sessionmaker[Session]]:
+    from tests.store.conftest import with_search_path
+
+    schema = f"store_uow_{random.getrandbits(48):012x}"
+    with pg_admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    url = with_search_path(pg_url, schema)
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    try:
+        yield db.make_session_factory(engine)
+    finally:
+        engine.dispose()
+        with pg_admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+@pytest.mark.postgres
+def test_unit_of_work_survives_a_killed_postgres_connection(
+    pg_factory: sessionmaker[Session], pg_admin: sa.Engine
+) -> None:
+    with db.session_scope(pg_factory) as s:
+        repo.upsert_job(s, JOB, min_replicas=1, max_replicas=9, now=T0)
+        epoch = repo.acquire_job_ownership(s, JOB, "scaler-a", now=T0)
+    pids: list[int] = []
+    sleeps: list[float] = []
+
+    def fn(s: Session) -> repo.DecisionRecord:
+        pid = s.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        pids.append(pid)
+        decision = repo.create_decision(
+            s,
+            job_id=JOB,
+            from_replicas=1,
+            to_replicas=2,
+            reason="MANUAL",
+            trigger="MANUAL",
+            message="",
+            inputs={},
+            epoch=epoch,
+            now=T0,
+        )
+        if len(pids) == 1:
+            # The server drops this session mid-transaction, as on a failover.
+            with pg_admin.connect() as admin:
+                killed = admin.execute(
+                    sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}
+                ).scalar_one()
+            assert killed
+            s.execute(sa.text("SELECT 1"))
+        return decision
+
+    decision = db.unit_of_work(pg_factory, fn, sleep=sleeps.append, what="test decision")
+    assert len(pids) == 2 and pids[0] != pids[1]
+    assert len(sleeps) == 1
+    with db.session_scope(pg_factory, write=False) as s:
+        page = repo.list_decisions(s)
+        # The first attempt's insert died with its transaction: exactly one decision.
+        assert [d.id for d in page.decisions] == [decision.id]
+        assert len(repo.get_decision(s, decision.id).events) == 1
+
+
+@pytest.mark.postgres
+def test_unit_of_work_retries_a_serialization_failure(pg_factory: sessionmaker[Session]) -> None:
+    with db.session_scope(pg_factory) as s:
+        repo.upsert_job(s, JOB, min_replicas=1, max_replicas=99, now=T0)
+    attempts: list[int] = []
+
+    def fn(s: Session) -> int:
+        current = repo.get_job(s, JOB).current_replicas
+        if not attempts:
+            # A concurrent transaction changes the row after our snapshot was taken.
+            with db.session_scope(pg_factory) as other:
+                repo.set_job_observed(other, JOB, now=T0, current_replicas=current + 10)
+        attempts.append(current)
+        s.execute(
+            repo.JOBS.update().where(repo.JOBS.c.job_id == JOB).values(current_replicas=current + 1)
+        )
+        return current + 1
+
+    result = db.unit_of_work(
+        pg_factory, fn, isolation_level="REPEATABLE READ", sleep=lambda _s: None
+    )
+    # Attempt 1 saw 1 and failed with SQLSTATE 40001; attempt 2 saw the other write.
+    assert attempts == [1, 11]
+    assert result == 12
+
+
+@pytest.mark.postgres
+def test_fencing_holds_when_a_takeover_races_a_decision_write(
+    pg_factory: sessionmaker[Session], pg_admin: sa.Engine
+) -> None:
+    """READ COMMITTED race: the old owner's fenced write waits for the takeover, then fails."""
+    with db.session_scope(pg_factory) as s:
+        repo.upsert_job(s, JOB, min_replicas=1, max_replicas=9, now=T0)
+        old_epoch = repo.acquire_job_ownership(s, JOB, "scaler-a", now=T0)
+    outcome: list[BaseException | repo.DecisionRecord] = []
+
+    def old_owner_writes() -> None:
+        try:
+            with db.session_scope(pg_factory) as s:
+                outcome.append(
+                    repo.create_decision(
+                        s,
+                        job_id=JOB,
+                        from_replicas=1,
+                        to_replicas=2,
+                        reason="MANUAL",
+                        trigger="MANUAL",
+                        message="",
+                        inputs={},
+                        epoch=old_epoch,
+                        now=T0,
+                    )
+                )
+        except BaseException as exc:
+            outcome.append(exc)
+
+    with db.session_scope(pg_factory) as takeover:
+        new_epoch = repo.acquire_job_ownership(takeover, JOB, "scaler-b", now=T0)
+        writer = threading.Thread(target=old_owner_writes)
+        writer.start()
+        # Poll until the old owner's fencing UPDATE is queued behind our row lock.
+        wait_for(lambda: _lock_waiters(pg_admin) > 0, timeout_s=10, what="fenced write to block")
+    writer.join(timeout=10)
+    assert not writer.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], repo.StaleEpoch), outcome
+    assert new_epoch == old_epoch + 1
+    with db.session_scope(pg_factory, write=False) as s:
+        assert repo.list_decisions(s).decisions == ()
+
+
+def _lock_waiters(admin: sa.Engine) -> int:
+    with admin.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE wait_event_type = 'Lock' AND datname = current_database() "
+                    "AND query LIKE 'UPDATE jobs SET owner_epoch=jobs.owner_epoch%'"
+                )
+            ).scalar_one()
+        )
