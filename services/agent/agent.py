@@ -1,0 +1,288 @@
+"""The node agent: samples on a fixed beat, attributes GPUs to pods, streams reports.
+
+Threads and the event loop:
+- the event loop runs the beat, the Telemetry stream and the PodResources refresh;
+- one sampling thread makes the blocking source calls (NVML), so a slow driver
+  never stalls the stream and a slow scaler never stalls sampling;
+- one thread runs the Node watch (the kubernetes client blocks); it hands
+  notices to the loop with call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import enum
+import logging
+import uuid
+from typing import Any
+
+from services.common.clock import Clock, SystemClock
+from services.common.errors import Unavailable
+
+from .attribution import PodResourcesClient
+from .buffer import ReportBuffer
+from .metrics import AgentMetrics
+from .model import GpuReading, NodeNotice, NoticeKind, PodOwner, Sample
+from .nodewatch import NodeWatcher
+from .report import build_report
+from .settings import AgentSettings
+from .sources import Source
+from .stream import StreamConfig, TelemetryStream
+
+logger = logging.getLogger(__name__)
+
+#: The scaler may retune the interval, within these bounds (seconds).
+MIN_INTERVAL_S = 0.1
+MAX_INTERVAL_S = 300.0
+
+
+class AgentState(enum.Enum):
+    """CREATED → STARTING → RUNNING → DRAINING → STOPPED; any state → STOPPED on failure."""
+
+    CREATED = "created"
+    STARTING = "starting"  # opening the source
+    RUNNING = "running"  # sampling and streaming
+    DRAINING = "draining"  # final report sent, waiting for its ack
+    STOPPED = "stopped"
+
+
+VALID_TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
+    # run() was called.
+    AgentState.CREATED: frozenset({AgentState.STARTING}),
+    # The source opened (or failed to: straight to STOPPED).
+    AgentState.STARTING: frozenset({AgentState.RUNNING, AgentState.STOPPED}),
+    # Stop was requested (SIGTERM), or a task failed.
+    AgentState.RUNNING: frozenset({AgentState.DRAINING, AgentState.STOPPED}),
+    # Flushed, or the flush deadline passed.
+    AgentState.DRAINING: frozenset({AgentState.STOPPED}),
+    AgentState.STOPPED: frozenset(),
+}
+
+
+class InvalidTransition(Exception):
+    pass
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        source: Source,
+        *,
+        pod_resources: PodResourcesClient | None = None,
+        kube_api: Any | None = None,
+        metrics: AgentMetrics | None = None,
+        clock: Clock | None = None,
+        boot_id: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.source = source
+        self.pod_resources = pod_resources
+        self.kube_api = kube_api
+        self.metrics = metrics or AgentMetrics()
+        self.clock = clock or SystemClock()
+        self.boot_id = boot_id or uuid.uuid4().hex
+        self.state = AgentState.CREATED
+        self.buffer = ReportBuffer(settings.buffer_reports, settings.max_in_flight_reports)
+        self.interval_s = settings.interval_s
+        self.gpu_capacity = 0
+        self.owners: dict[str, PodOwner] = {}
+        self.last_readings: list[GpuReading] = []
+        self.watcher: NodeWatcher | None = None
+        self.stream = TelemetryStream(
+            StreamConfig(
+                target=settings.scaler,
+                node_name=settings.node_name,
+                boot_id=self.boot_id,
+                ack_timeout_s=settings.ack_timeout_s,
+                stream_max_age_s=settings.stream_max_age_s,
+                backoff_initial_s=settings.backoff_initial_s,
+                backoff_max_s=settings.backoff_max_s,
+                keepalive_time_s=settings.keepalive_time_s,
+                keepalive_timeout_s=settings.keepalive_timeout_s,
+            ),
+            self.buffer,
+            metrics=self.metrics,
+            clock=self.clock,
+            on_interval=self._set_interval,
+        )
+        self._notices: list[NodeNotice] = []
+        self._sampler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sample")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dropped_seen = 0
+
+    def _transition(self, new: AgentState) -> None:
+        if new not in VALID_TRANSITIONS[self.state]:
+            raise InvalidTransition(f"agent {self.state.value} -> {new.value}")
+        logger.info("node %s: agent %s -> %s", self.settings.node_name, self.state.value, new.value)
+        self.state = new
+
+    def _set_interval(self, interval_s: float) -> None:
+        bounded = min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, interval_s))
+        if bounded != self.interval_s:
+            logger.info(
+                "node %s: report interval %.3g s -> %.3g s (asked by the scaler)",
+                self.settings.node_name,
+                self.interval_s,
+                bounded,
+            )
+            self.interval_s = bounded
+
+    def post_notice(self, notice: NodeNotice) -> None:
+        """Queue a notice for the next report. Event-loop thread only."""
+        self.metrics.node_events.labels(notice.kind.name).inc()
+        self._notices.append(notice)
+
+    def post_notice_threadsafe(self, notice: NodeNotice) -> None:
+        """Queue a notice from another thread (the Node watch)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # loop closing during shutdown
+            loop.call_soon_threadsafe(self.post_notice, notice)
+
+    async def _sample(self) -> Sample:
+        loop = asyncio.get_running_loop()
+        started = self.clock.monotonic()
+        readings = await loop.run_in_executor(self._sampler, self.source.sample)
+        self.metrics.sample_seconds.observe(self.clock.monotonic() - started)
+        self.metrics.gpu_unhealthy.set(sum(1 for r in readings if r.health))
+        self.last_readings = readings
+        notices, self._notices = self._notices, []
+        return Sample(self.clock.now(), readings, self.gpu_capacity, notices)
+
+    def _enqueue(self, sample: Sample) -> None:
+        report = build_report(sample, self.settings.node_name, self.boot_id, self.owners)
+        self.buffer.add(report)
+        self.metrics.reports_sampled.inc()
+        self.metrics.reports_dropped.inc(self.buffer.dropped_total - self._dropped_seen)
+        self._dropped_seen = self.buffer.dropped_total
+        self.metrics.buffered.set(len(self.buffer))
+
+    async def _wait(self, stop: asyncio.Event, delay_s: float) -> bool:
+        """Sleep ``delay_s`` on the clock unless ``stop`` is set first; True if stopped."""
+        if stop.is_set():
+            return True
+        sleeper = asyncio.ensure_future(self.clock.sleep(max(0.0, delay_s)))
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeper.cancel()
+            stopper.cancel()
+        return stop.is_set()
+
+    async def _beat(self, stop: asyncio.Event) -> None:
+        """Sample on a fixed schedule; a sample that overruns skips ticks, never piles up."""
+        next_tick = self.clock.monotonic()
+        while not stop.is_set():
+            self._enqueue(await self._sample())
+            next_tick += self.interval_s
+            now = self.clock.monotonic()
+            if now > next_tick:
+                skipped = int((now - next_tick) // self.interval_s) + 1
+                self.metrics.samples_skipped.inc(skipped)
+                next_tick += skipped * self.interval_s
+            if await self._wait(stop, next_tick - now):
+                return
+
+    async def _refresh_owners(self, stop: asyncio.Event) -> None:
+        assert self.pod_resources is not None
+        healthy = True
+        while True:
+            try:
+                self.owners = await self.pod_resources.gpu_owners()
+                if not healthy:
+                    logger.info(
+                        "node %s: kubelet PodResources reachable again", self.settings.node_name
+                    )
+                healthy = True
+            except Unavailable as exc:
+                self.metrics.pod_resources_errors.inc()
+                # Keep the last known owners: pods outlive a kubelet restart.
+                if healthy:
+                    logger.warning("node %s: %s; keeping last owners", self.settings.node_name, exc)
+                healthy = False
+            if await self._wait(stop, self.settings.pod_resources_refresh_s):
+                return
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Run until ``stop`` is set, then send a final report and flush (bounded)."""
+        self._loop = asyncio.get_running_loop()
+        self._transition(AgentState.STARTING)
+        try:
+            self.gpu_capacity = await self._loop.run_in_executor(self._sampler, self.source.open)
+        except BaseException:
+            self._transition(AgentState.STOPPED)
+            self._sampler.shutdown(wait=False)
+            raise
+        self._transition(AgentState.RUNNING)
+        logger.info(
+            "node %s: agent up, boot %s, %d GPUs, every %.3g s to %s",
+            self.settings.node_name,
+            self.boot_id,
+            self.gpu_capacity,
+            self.interval_s,
+            self.settings.scaler,
+        )
+        tasks = [asyncio.create_task(self.stream.run(), name="telemetry")]
+        if self.pod_resources is not None:
+            tasks.append(asyncio.create_task(self._refresh_owners(stop), name="pod-resources"))
+        if self.kube_api is not None:
+            self.watcher = NodeWatcher(
+                self.kube_api,
+                self.settings.node_name,
+                self.post_notice_threadsafe,
+                timeout_s=self.settings.watch_timeout_s,
+                clock=self.clock,
+            )
+            self.watcher.start()
+        try:
+            beat = asyncio.create_task(self._beat(stop), name="beat")
+            done, _ = await asyncio.wait([beat, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            if beat not in done:
+                failed = next(iter(done))
+                logger.error("node %s: %s stopped unexpectedly", self.settings.node_name, failed)
+                beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+            await self._finish()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.watcher is not None:
+                self.watcher.stop(join_s=1.0)
+            closing = asyncio.wrap_future(self._sampler.submit(self.source.close))
+            with contextlib.suppress(Exception):
+                # Bounded: a driver hung in the sampling thread must not hang the exit.
+                await asyncio.wait_for(closing, timeout=2.0)
+            self._sampler.shutdown(wait=False)
+            if self.pod_resources is not None:
+                await self.pod_resources.close()
+            if self.state is not AgentState.STOPPED:
+                self._transition(AgentState.STOPPED)
+
+    async def _finish(self) -> None:
+        """The final report says the samples stop here, so the scaler need not wait
+        for staleness to find out."""
+        self._transition(AgentState.DRAINING)
+        self.post_notice(NodeNotice(NoticeKind.AGENT_SHUTDOWN, self.clock.now(), "SIGTERM"))
+        try:
+            sample = await asyncio.wait_for(self._sample(), timeout=1.0)
+        except TimeoutError:
+            # A hung driver must not keep the notice from going out.
+            notices, self._notices = self._notices, []
+            sample = Sample(self.clock.now(), [], self.gpu_capacity, notices)
+        self._enqueue(sample)
+        flushed = await self.stream.flush(self.settings.shutdown_flush_s)
+        logger.info(
+            "node %s: final report %s; %d sampled, %d dropped, %d unacked at exit",
+            self.settings.node_name,
+            "acked" if flushed else "NOT acked",
+            self.buffer.added_total,
+            self.buffer.dropped_total,
+            len(self.buffer),
+        )
+        self._transition(AgentState.STOPPED)

@@ -1,0 +1,53 @@
+"""Turns a Sample (plain values) into the NodeReport the scaler reads."""
+
+from __future__ import annotations
+
+from tide.v1 import common_pb2, telemetry_pb2
+
+from .attribution import owner_of
+from .model import NodeNotice, PodOwner, Sample
+
+_KINDS = {
+    "CORDONED": telemetry_pb2.NodeEvent.KIND_CORDONED,
+    "UNCORDONED": telemetry_pb2.NodeEvent.KIND_UNCORDONED,
+    "TERMINATION_NOTICE": telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE,
+    "AGENT_SHUTDOWN": telemetry_pb2.NodeEvent.KIND_AGENT_SHUTDOWN,
+}
+
+
+def node_event(notice: NodeNotice) -> telemetry_pb2.NodeEvent:
+    event = telemetry_pb2.NodeEvent(kind=_KINDS[notice.kind.name], detail=notice.detail)
+    event.observed_at.FromNanoseconds(int(notice.observed_at * 1e9))
+    if notice.deadline is not None:
+        event.deadline.FromNanoseconds(int(notice.deadline * 1e9))
+    return event
+
+
+def build_report(
+    sample: Sample, node_name: str, boot_id: str, owners: dict[str, PodOwner]
+) -> telemetry_pb2.NodeReport:
+    """The report without its seq: the buffer numbers it when it is first sent."""
+    report = telemetry_pb2.NodeReport(
+        node_name=node_name, boot_id=boot_id, gpu_capacity=sample.gpu_capacity
+    )
+    report.sampled_at.FromNanoseconds(int(sample.sampled_at * 1e9))
+    for r in sample.gpus:
+        gpu = report.gpus.add(
+            index=r.index,
+            uuid=r.uuid,
+            # Clamp what a driver may report out of range, so one odd reading
+            # cannot make the scaler reject the whole report.
+            utilization_pct=min(100.0, max(0.0, r.utilization_pct)),
+            memory_used_bytes=min(r.memory_used_bytes, r.memory_total_bytes),
+            memory_total_bytes=r.memory_total_bytes,
+            power_w=max(0.0, r.power_w),
+            temperature_c=r.temperature_c,
+            health_flags=int(r.health),
+        )
+        owner = owner_of(owners, r)
+        if owner is not None:
+            gpu.pod.CopyFrom(
+                common_pb2.PodRef(namespace=owner.namespace, name=owner.name, uid=owner.uid)
+            )
+    report.events.extend(node_event(n) for n in sample.notices)
+    return report

@@ -1,0 +1,123 @@
+"""Agent settings: flags (--interval-s), TIDE_* environment, or a YAML file."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+from services.common import grpc_options
+from services.common.config import setting
+from services.common.errors import ConfigError
+
+SOURCES = ("nvml", "replay", "synthetic")
+
+
+def _default_node_name() -> str:
+    # The DaemonSet passes spec.nodeName as NODE_NAME (downward API).
+    return os.environ.get("NODE_NAME") or socket.gethostname()
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSettings:
+    scaler: str = setting("127.0.0.1:50051", "scaler Telemetry address, HOST:PORT")
+    node_name: str = setting("", "Kubernetes node name; default $NODE_NAME, then the hostname")
+    source: str = setting("nvml", "where readings come from: nvml, replay or synthetic")
+    replay_path: str = setting("", "JSONL or CSV trace for --source replay")
+    replay_loop: bool = setting(True, "start the replay trace again when it ends")
+    synthetic_profile: str = setting(
+        "steady:70",
+        "for --source synthetic: steady:PCT, ramp:FROM:TO:SECONDS, square:LO:HI:SECONDS",
+    )
+    synthetic_gpus: int = setting(8, "GPUs the synthetic source pretends to have")
+    interval_s: float = setting(1.0, "seconds between two reports (the scaler may change it)")
+    buffer_reports: int = setting(
+        600, "unacked reports held while the scaler is away; 600 is 10 min at 1 Hz (~250 KB)"
+    )
+    max_in_flight_reports: int = setting(
+        64, "reports written but not acked at once; must be below buffer_reports"
+    )
+    ack_timeout_s: float = setting(
+        30.0, "reconnect when reports are in flight and no ack came for this long"
+    )
+    stream_max_age_s: float = setting(
+        3600.0, "deadline of one Telemetry stream; it is reopened seamlessly after it"
+    )
+    backoff_initial_s: float = setting(0.5, "first reconnect delay (jittered, doubles)")
+    backoff_max_s: float = setting(30.0, "largest reconnect delay")
+    keepalive_time_s: float = setting(
+        grpc_options.KEEPALIVE_TIME_S, "ping the scaler after this long without reads"
+    )
+    keepalive_timeout_s: float = setting(
+        grpc_options.KEEPALIVE_TIMEOUT_S, "a ping unanswered this long marks the connection dead"
+    )
+    shutdown_flush_s: float = setting(
+        5.0, "on SIGTERM, how long to wait for the final report to be acked"
+    )
+    pod_resources_socket: str = setting(
+        "/var/lib/kubelet/pod-resources/kubelet.sock",
+        "kubelet PodResources socket; empty disables pod attribution",
+    )
+    pod_resources_refresh_s: float = setting(5.0, "how often to ask the kubelet who holds GPUs")
+    gpu_resource_name: str = setting("nvidia.com/gpu", "extended resource name of GPUs")
+    watch_node: bool = setting(True, "watch this Node for cordon and termination taints")
+    kubeconfig: str = setting("", "kubeconfig file; empty means in-cluster config")
+    watch_timeout_s: int = setting(
+        60, "server-side timeout of one Node watch; the client waits 15 s longer"
+    )
+    metrics_listen: str = setting("", "Prometheus /metrics HTTP address HOST:PORT; empty: off")
+    config: str = setting("", "YAML settings file; its keys are the flag names")
+    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+
+    def __post_init__(self) -> None:
+        if not self.node_name:
+            object.__setattr__(self, "node_name", _default_node_name())
+        _check_hostport("scaler", self.scaler)
+        if self.metrics_listen:
+            _check_hostport("metrics_listen", self.metrics_listen)
+        if self.source not in SOURCES:
+            raise ConfigError(f"source: expected one of {', '.join(SOURCES)}, got {self.source!r}")
+        if self.source == "replay" and not self.replay_path:
+            raise ConfigError("replay_path: required with source=replay, got ''")
+        if self.synthetic_gpus < 0:
+            raise ConfigError(f"synthetic_gpus: must be >= 0, got {self.synthetic_gpus!r}")
+        positive = (
+            "interval_s",
+            "ack_timeout_s",
+            "stream_max_age_s",
+            "backoff_initial_s",
+            "backoff_max_s",
+            "keepalive_time_s",
+            "keepalive_timeout_s",
+            "pod_resources_refresh_s",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"{name}: must be > 0, got {value!r}")
+        if self.shutdown_flush_s < 0:
+            raise ConfigError(f"shutdown_flush_s: must be >= 0, got {self.shutdown_flush_s!r}")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ConfigError(
+                f"backoff_max_s: must be >= backoff_initial_s ({self.backoff_initial_s}),"
+                f" got {self.backoff_max_s!r}"
+            )
+        if self.buffer_reports < 2:
+            raise ConfigError(f"buffer_reports: must be >= 2, got {self.buffer_reports!r}")
+        if not 1 <= self.max_in_flight_reports < self.buffer_reports:
+            raise ConfigError(
+                f"max_in_flight_reports: must be in 1..{self.buffer_reports - 1},"
+                f" got {self.max_in_flight_reports!r}"
+            )
+        if self.watch_timeout_s < 1:
+            raise ConfigError(f"watch_timeout_s: must be >= 1, got {self.watch_timeout_s!r}")
+        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ConfigError(
+                f"log_level: expected DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"
+            )
+
+
+def _check_hostport(name: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{name}: expected HOST:PORT, got {value!r}")

@@ -1,0 +1,154 @@
+"""The Telemetry stream against a real grpc.aio server on port 0."""
+
+from __future__ import annotations
+
+import time
+
+from tide.v1 import telemetry_pb2
+
+from services.agent.stream import StreamConfig
+from services.common import grpc_options
+
+from .conftest import RunAgent, Scaler, agent_settings, eventually
+from .proxy import StallingProxy
+
+
+def _contiguous(seqs: list[int]) -> bool:
+    return sorted(set(seqs)) == list(range(1, max(seqs) + 1)) if seqs else True
+
+
+async def test_reports_are_acked_in_order_and_released(scaler: Scaler, run_agent: RunAgent) -> None:
+    r = await run_agent(agent_settings(scaler.port))
+    boot = r.agent.boot_id
+    await eventually(lambda: len(scaler.recorder.seqs(boot)) >= 10, what="10 reports")
+    seqs = scaler.recorder.seqs(boot)
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert scaler.recorder.duplicates == 0
+    first = scaler.recorder.received[0]
+    assert first.node_name == "gpu-node-1"
+    assert first.gpu_capacity == 2
+    assert [g.index for g in first.gpus] == [0, 1]
+    # Acked reports leave the buffer: only the last one or two can still be in flight.
+    await eventually(lambda: r.agent.buffer.acked_seq >= 10, what="acks")
+    assert len(r.agent.buffer) <= 3
+    await r.shutdown()
+
+
+async def test_sampling_continues_while_scaler_is_down_and_held_reports_are_resent(
+    scaler: Scaler, run_agent: RunAgent
+) -> None:
+    r = await run_agent(agent_settings(scaler.port))
+    agent = r.agent
+    await eventually(lambda: len(scaler.recorder.received) >= 5, what="first reports")
+    await scaler.server.stop(None)
+    old = scaler.recorder
+    sampled_at_stop = agent.buffer.added_total
+    # The network is gone, yet the beat goes on at its own pace.
+    await eventually(lambda: agent.buffer.added_total >= sampled_at_stop + 10, what="sampling")
+    assert len(agent.buffer) >= 10
+
+    await scaler.restart(keepalive_time_s=1.0)
+    await eventually(lambda: len(agent.buffer) <= 2, timeout_s=10, what="resend after restart")
+    seqs = old.seqs(agent.boot_id) + scaler.recorder.seqs(agent.boot_id)
+    assert _contiguous(seqs)
+    assert agent.buffer.dropped_total == 0
+    assert agent.stream.state.connects >= 2
+    await r.shutdown()
+
+
+async def test_full_buffer_drops_oldest_unsent_and_counts(
+    scaler: Scaler, run_agent: RunAgent
+) -> None:
+    settings = agent_settings(scaler.port, buffer_reports=8, max_in_flight_reports=4)
+    r = await run_agent(settings)
+    agent = r.agent
+    await eventually(lambda: len(scaler.recorder.received) >= 3, what="first reports")
+    await scaler.server.stop(None)
+    old = scaler.recorder
+    await eventually(lambda: agent.buffer.dropped_total >= 10, what="drops")
+    assert len(agent.buffer) <= 8
+    await scaler.restart(keepalive_time_s=1.0)
+    await eventually(lambda: len(agent.buffer) <= 2, what="drain")
+    r.stop.set()
+    await r.task
+    delivered = set(old.seqs(agent.boot_id)) | set(scaler.recorder.seqs(agent.boot_id))
+    assert delivered == set(range(1, agent.buffer.last_seq + 1))
+    # Every sampled report was delivered (once, by seq), dropped, or is still held.
+    assert len(delivered) + agent.buffer.dropped_total + len(agent.buffer) == (
+        agent.buffer.added_total
+    )
+
+
+async def test_scaler_that_stops_acking_is_left_after_ack_timeout(
+    scaler: Scaler, run_agent: RunAgent
+) -> None:
+    r = await run_agent(agent_settings(scaler.port, ack_timeout_s=0.5))
+    agent = r.agent
+    await eventually(lambda: len(scaler.recorder.received) >= 3, what="first reports")
+    scaler.recorder.hold_acks = True
+    await eventually(lambda: agent.stream.state.disconnects, what="a disconnect")
+    assert agent.stream.state.disconnects[0].reason.startswith("ACK_TIMEOUT")
+    scaler.recorder.hold_acks = False
+    await eventually(lambda: len(agent.buffer) <= 2, what="drain after timeout")
+    assert _contiguous(scaler.recorder.seqs(agent.boot_id))
+    await r.shutdown()
+
+
+async def test_scaler_sets_the_report_interval(scaler: Scaler, run_agent: RunAgent) -> None:
+    scaler.recorder.report_interval_s = 0.2
+    r = await run_agent(agent_settings(scaler.port, interval_s=0.05))
+    await eventually(lambda: r.agent.interval_s == 0.2, what="interval from ack")
+    await r.shutdown()
+
+
+async def test_partition_is_detected_within_keepalive(scaler: Scaler, run_agent: RunAgent) -> None:
+    proxy = StallingProxy(scaler.port)
+    await proxy.start()
+    keepalive_time_s, keepalive_timeout_s = 1.0, 1.0
+    settings = agent_settings(
+        proxy.port,
+        keepalive_time_s=keepalive_time_s,
+        keepalive_timeout_s=keepalive_timeout_s,
+        ack_timeout_s=60.0,  # so that only keepalive can notice
+    )
+    r = await run_agent(settings)
+    agent = r.agent
+    try:
+        await eventually(lambda: len(scaler.recorder.received) >= 3, what="first reports")
+        proxy.stall()
+        stalled_at = time.monotonic()
+        await eventually(lambda: agent.stream.state.disconnects, timeout_s=10, what="detection")
+        detected_s = time.monotonic() - stalled_at
+        reason = agent.stream.state.disconnects[0].reason
+        assert reason.startswith("UNAVAILABLE"), reason
+        assert detected_s <= keepalive_time_s + keepalive_timeout_s + 0.5, detected_s
+        proxy.heal()
+        await eventually(lambda: len(agent.buffer) <= 2, timeout_s=10, what="recovery")
+        assert _contiguous(scaler.recorder.seqs(agent.boot_id))
+        await r.shutdown()
+    finally:
+        await proxy.close()
+
+
+def test_agent_keepalive_agrees_with_the_scaler_options() -> None:
+    client = dict(StreamConfig("x:1", "n", "b").channel_options())
+    server = dict(grpc_options.server_options())
+    assert client["grpc.keepalive_time_ms"] == grpc_options.KEEPALIVE_TIME_S * 1000
+    assert client["grpc.keepalive_timeout_ms"] == grpc_options.KEEPALIVE_TIMEOUT_S * 1000
+    # The scaler must accept our pings, or it answers GOAWAY(too_many_pings).
+    assert (
+        server["grpc.http2.min_recv_ping_interval_without_data_ms"]
+        <= (client["grpc.keepalive_time_ms"])
+    )
+    assert client["grpc.max_send_message_length"] <= server["grpc.max_receive_message_length"]
+
+
+async def test_final_report_on_stop_carries_agent_shutdown(
+    scaler: Scaler, run_agent: RunAgent
+) -> None:
+    r = await run_agent(agent_settings(scaler.port))
+    await eventually(lambda: len(scaler.recorder.received) >= 3, what="first reports")
+    await r.shutdown()
+    last = scaler.recorder.received[-1]
+    assert [e.kind for e in last.events] == [telemetry_pb2.NodeEvent.KIND_AGENT_SHUTDOWN]
+    assert len(r.agent.buffer) == 0
