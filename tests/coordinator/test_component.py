@@ -1,0 +1,337 @@
+"""The coordinator over a real socket, driven by fake launchers and a fake clock."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from tide.v1 import coordinator_pb2 as pb
+
+from tests.coordinator.conftest import JOB, Env
+from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch, eventually
+
+K = pb.Directive.Kind
+P = pb.ResizePhase
+
+
+def _no_pending(env: Env) -> bool:
+    rt = env.coordinator.jobs[JOB]
+    return all(not rt.pending_directives(m) for m in rt.members)
+
+
+async def form(env: Env, n: int, decision_id: int = 1) -> list[FakeLauncher]:
+    """n launchers register and the first generation forms with all of them."""
+    ls = [await env.launcher(i) for i in range(n)]
+    w = ResizeWatch(env.stub, JOB, decision_id, n)
+    await eventually(lambda: all(fl.generation == 1 for fl in ls), what="generation 1")
+    await eventually(lambda: _no_pending(env), what="rendezvous acks")
+    await env.heartbeat_all()
+    final = await w.final()
+    assert final.phase == P.RESIZE_PHASE_COMPLETED, final
+    return ls
+
+
+async def test_first_generation_forms_when_target_members_registered(env: Env) -> None:
+    ls = await form(env, 2)
+    assert [fl.rank for fl in ls] == [0, 1]
+    assert ls[1].master == "127.0.0.1:20000"
+    assert ls[0].restore_step == 0
+    st = await env.status()
+    assert (st.generation, st.world_size) == (1, 2)
+    assert [m.state for m in st.members] == [pb.MEMBER_STATE_ACTIVE] * 2
+
+
+async def test_grow_2_to_3_checkpoints_ahead_and_measures_the_pause(env: Env) -> None:
+    ls = await form(env, 2)
+    await env.heartbeat_all(steps=3)  # step 4 at 3 steps/s
+    newcomer = await env.launcher(2)
+    assert newcomer.state == pb.MEMBER_STATE_STANDBY
+
+    w = ResizeWatch(env.stub, JOB, 2, 3)
+    everyone = [*ls, newcomer]
+    await eventually(lambda: all(fl.generation == 2 for fl in everyone), what="generation 2")
+    await eventually(lambda: _no_pending(env), what="acks")
+    # S = highest step 4 + max(2 steps, ceil(3 steps/s * 3 s)) = 13
+    checkpoints = [d for d in ls[0].received if d.kind == K.KIND_CHECKPOINT]
+    assert [d.checkpoint_step for d in checkpoints] == [13]
+    assert not [d for d in newcomer.received if d.kind == K.KIND_CHECKPOINT]
+    await env.heartbeat_all(advance_s=2.0)
+    final = await w.final()
+
+    assert final.phase == P.RESIZE_PHASE_COMPLETED
+    assert (final.generation, final.world_size, final.checkpoint_step) == (2, 3, 13)
+    # Held at T (the acks), first step of g+1 at T + 2 s.
+    assert final.pause_s == pytest.approx(2.0, abs=1e-3)
+    assert final.pause.checkpoint_write_s == pytest.approx(0.25)
+    assert final.pause.group_init_s == pytest.approx(0.4)
+    assert final.lost_steps == 0
+    assert P.RESIZE_PHASE_CHECKPOINTING in w.phases()
+    assert w.phases().index(P.RESIZE_PHASE_CHECKPOINTING) < w.phases().index(
+        P.RESIZE_PHASE_RENDEZVOUS
+    )
+    assert [fl.rank for fl in everyone] == [0, 1, 2]
+    assert {fl.restore_step for fl in everyone} == {13}
+    st = await env.status()
+    assert (st.generation, st.world_size, st.last_checkpoint_step) == (2, 3, 13)
+
+
+async def test_shrink_3_to_1_drains_the_highest_indexes(env: Env) -> None:
+    ls = await form(env, 3)
+    await env.heartbeat_all()
+    w = ResizeWatch(env.stub, JOB, 2, 1)
+    await eventually(lambda: ls[1].exited and ls[2].exited, what="drained")
+    await eventually(lambda: ls[0].generation == 2, what="generation 2")
+    await env.heartbeat_all()
+    final = await w.final()
+
+    assert final.phase == P.RESIZE_PHASE_COMPLETED
+    assert P.RESIZE_PHASE_DRAINING in w.phases()
+    assert (final.generation, final.world_size) == (2, 1)
+    assert ls[0].rank == 0 and ls[0].restore_step == final.checkpoint_step
+    assert ls[2].kinds() == [K.KIND_RENDEZVOUS, K.KIND_CHECKPOINT, K.KIND_DRAIN]
+    st = await env.status()
+    assert [m.pod_name for m in st.members] == ["job-trainer-0"]
+
+
+async def test_shrink_with_named_leaver_keeps_relative_rank_order(env: Env) -> None:
+    ls = await form(env, 3)
+    await env.heartbeat_all()
+    w = ResizeWatch(env.stub, JOB, 2, 2, leaving=("job-trainer-0",))
+    await eventually(lambda: ls[0].exited and ls[1].generation == 2 == ls[2].generation)
+    await env.heartbeat_all()
+    assert (await w.final()).phase == P.RESIZE_PHASE_COMPLETED
+    assert (ls[1].rank, ls[2].rank) == (0, 1)
+    assert ls[2].master == "127.0.0.1:20001"
+
+
+async def test_barrier_deadline_aborts_and_members_resume_without_restart(env: Env) -> None:
+    ls = await form(env, 2)
+    await env.heartbeat_all()
+    newcomer = await env.launcher(2)
+    ls[1].answer_checkpoint = False
+    w = ResizeWatch(env.stub, JOB, 2, 3, deadline_s=10.0)
+    await eventually(lambda: K.KIND_CHECKPOINT in ls[1].kinds(), what="checkpoint sent")
+    await eventually(lambda: _acked(env, 2) == {ls[0].member_id}, what="rank 0 ack")
+
+    env.clock.advance(10.5)
+    env.coordinator.tick()
+    final = await w.final()
+
+    assert final.phase == P.RESIZE_PHASE_ABORTED
+    assert ls[1].member_id in final.message
+    await eventually(lambda: all(K.KIND_RESUME in fl.kinds() for fl in ls), what="RESUME")
+    assert [fl.worker_starts for fl in ls] == [1, 1]
+    assert newcomer.kinds() == []
+    st = await env.status()
+    assert (st.generation, st.world_size, st.last_checkpoint_step) == (1, 2, 0)
+
+
+def _acked(env: Env, decision_id: int) -> set[str]:
+    return set(env.coordinator.jobs[JOB].resizes[decision_id].acked)
+
+
+async def test_newcomer_lost_during_barrier_aborts_and_others_resume(env: Env) -> None:
+    ls = await form(env, 2)
+    await env.heartbeat_all()
+    newcomer = await env.launcher(2)
+    ls[1].answer_checkpoint = False  # keeps the barrier open
+    w = ResizeWatch(env.stub, JOB, 2, 3, deadline_s=120.0)
+    await eventually(lambda: K.KIND_CHECKPOINT in ls[1].kinds(), what="checkpoint sent")
+
+    await newcomer.disconnect()
+    newcomer.exited = True  # no more heartbeats: killed
+    for _ in range(4):
+        await env.heartbeat_all(advance_s=8.0)
+        env.coordinator.tick()
+    final = await w.final()
+
+    assert final.phase == P.RESIZE_PHASE_ABORTED
+    assert newcomer.member_id in final.message
+    await eventually(lambda: all(K.KIND_RESUME in fl.kinds() for fl in ls), what="RESUME")
+    assert [fl.worker_starts for fl in ls] == [1, 1]
+    assert [fl.generation for fl in ls] == [1, 1]
+    st = await env.status()
+    assert (st.generation, st.world_size) == (1, 2)
+
+
+async def test_active_member_lost_during_barrier_aborts_then_survivors_re_form(env: Env) -> None:
+    ls = await form(env, 3)
+    await env.heartbeat_all()
+    ls[2].answer_checkpoint = False
+    w = ResizeWatch(env.stub, JOB, 2, 2, deadline_s=120.0)
+    await eventually(lambda: K.KIND_CHECKPOINT in ls[1].kinds(), what="checkpoint sent")
+    await ls[1].disconnect()
+    ls[1].exited = True
+    for _ in range(4):
+        await env.heartbeat_all(advance_s=8.0)
+        env.coordinator.tick()
+    final = await w.final()
+
+    assert final.phase == P.RESIZE_PHASE_ABORTED
+    await eventually(lambda: ls[0].generation == 2 == ls[2].generation, what="recovery")
+    assert (ls[0].rank, ls[2].rank) == (0, 1)
+    assert K.KIND_RESUME not in ls[0].kinds()  # g is broken: restart, not resume
+
+
+async def test_unplanned_loss_re_forms_from_last_checkpoint_and_counts_lost_steps(
+    env: Env,
+) -> None:
+    ls = await form(env, 2)
+    await env.heartbeat_all()
+    ls.append(await env.launcher(2))
+    w = ResizeWatch(env.stub, JOB, 2, 3)
+    await eventually(lambda: all(fl.generation == 2 for fl in ls), what="generation 2")
+    await eventually(lambda: _no_pending(env))
+    await env.heartbeat_all()
+    ck = (await w.final()).checkpoint_step
+
+    # ls[1] dies; the others train on, heartbeating, until it times out (30 s).
+    await ls[1].disconnect()
+    ls[1].exited = True
+    for _ in range(3):
+        await env.heartbeat_all(steps=2, advance_s=8.0)
+        env.coordinator.tick()
+    reached = max(ls[0].step, ls[2].step)
+    await env.heartbeat_all(steps=0, advance_s=8.0)
+    env.coordinator.tick()
+
+    await eventually(lambda: ls[0].generation == 3 == ls[2].generation, what="generation 3")
+    assert (ls[0].rank, ls[2].rank) == (0, 1)
+    assert ls[0].restore_step == ck
+    st = await env.status()
+    assert (st.generation, st.world_size) == (3, 2)
+    assert st.lost_steps_total == reached - ck > 0
+    assert ls[1].member_id not in {m.member_id for m in st.members}
+
+
+async def test_failed_worker_rejoins_with_a_new_worker(env: Env) -> None:
+    ls = await form(env, 2)
+    await env.heartbeat_all(steps=4)
+    ls[1].phase = pb.WORKER_PHASE_FAILED
+    await ls[1].heartbeat()
+    await eventually(lambda: ls[0].generation == 2 == ls[1].generation, what="generation 2")
+    assert [fl.worker_starts for fl in ls] == [2, 2]
+    assert ls[1].restore_step == 0  # no coordinated checkpoint yet
+    st = await env.status()
+    assert st.lost_steps_total == 5  # steps 1..5 ran, no checkpoint to restore from
+
+
+async def test_fencing_rejects_stale_acks_and_reports_generation_on_heartbeat(env: Env) -> None:
+    ls = await form(env, 2)
+    await env.heartbeat_all()
+    ls[0].handle_directives = False
+    w = ResizeWatch(env.stub, JOB, 2, 1, deadline_s=60.0)
+    await eventually(lambda: K.KIND_CHECKPOINT in ls[0].kinds(), what="checkpoint sent")
+    ck = next(d for d in ls[0].received if d.kind == K.KIND_CHECKPOINT)
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await ls[0].stub.Ack(
+            pb.AckRequest(
+                member_id=ls[0].member_id, directive_id=ck.directive_id, generation=7, ok=True
+            ),
+            timeout=TIMEOUT_S,
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    resp = await env.stub.AbortResize(
+        pb.AbortResizeRequest(decision_id=2, job_id=JOB, reason="test"), timeout=TIMEOUT_S
+    )
+    assert resp.phase == P.RESIZE_PHASE_ABORTED
+    assert (await w.final()).phase == P.RESIZE_PHASE_ABORTED
+
+    ls[1].phase = pb.WORKER_PHASE_FAILED  # recovery moves the job to generation 2
+    await ls[1].heartbeat()
+    hb = await ls[0].heartbeat()  # ls[0] still believes it is in generation 1
+    assert hb.generation == 2
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await ls[0].stub.Ack(
+            pb.AckRequest(
+                member_id=ls[0].member_id, directive_id=ck.directive_id, generation=1, ok=True
+            ),
+            timeout=TIMEOUT_S,
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "generation 2" in (err.value.details() or "")
+
+
+async def test_resize_is_idempotent_on_decision_id_and_exclusive_per_job(env: Env) -> None:
+    await form(env, 2)
+    again = ResizeWatch(env.stub, JOB, 1, 2)
+    final = await again.final()
+    assert again.phases() == [P.RESIZE_PHASE_COMPLETED]
+    assert final.generation == 1
+
+    await env.launcher(2)
+    first = ResizeWatch(env.stub, JOB, 2, 3, deadline_s=60.0)
+    await eventually(lambda: first.updates, what="progress")
+    env.launchers[1].answer_checkpoint = False
+    other = ResizeWatch(env.stub, JOB, 3, 1)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await other.final()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    attach = ResizeWatch(env.stub, JOB, 2, 3)
+    await eventually(lambda: attach.updates, what="re-attached")
+    assert attach.last.decision_id == 2
+
+
+async def test_reregistration_returns_same_member_and_unacked_directives_are_resent(
+    env: Env,
+) -> None:
+    ls = await form(env, 2)
+    await env.heartbeat_all()
+    ls[1].handle_directives = False
+    ResizeWatch(env.stub, JOB, 2, 1, deadline_s=60.0)
+    await eventually(lambda: K.KIND_CHECKPOINT in ls[1].kinds(), what="checkpoint sent")
+    first_id = ls[1].member_id
+    await ls[1].disconnect()
+    resp = await ls[1].register()
+    assert resp.member_id == first_id
+    assert resp.state == pb.MEMBER_STATE_ACTIVE and resp.generation == 1
+    ls[1].handle_directives = True
+    await ls[1].connect()
+    await eventually(lambda: ls[1].kinds().count(K.KIND_CHECKPOINT) == 2, what="re-sent")
+    ids = [d.directive_id for d in ls[1].received if d.kind == K.KIND_CHECKPOINT]
+    assert ids[0] == ids[1]
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "code"),
+    [
+        ({"job_id": "no-namespace", "target_world_size": 1, "deadline_s": 5}, "INVALID_ARGUMENT"),
+        ({"job_id": JOB, "target_world_size": 0, "deadline_s": 5}, "INVALID_ARGUMENT"),
+        ({"job_id": JOB, "target_world_size": 2, "deadline_s": 0}, "INVALID_ARGUMENT"),
+        (
+            {"job_id": JOB, "target_world_size": 2, "deadline_s": 5, "min_world_size": 3},
+            "INVALID_ARGUMENT",
+        ),
+    ],
+    ids=["bad-job-id", "zero-target", "zero-deadline", "min-above-target"],
+)
+async def test_bad_resize_requests_are_invalid_argument(
+    env: Env, request_fields: dict[str, object], code: str
+) -> None:
+    call = env.stub.Resize(
+        pb.ResizeRequest(decision_id=9, **request_fields),  # type: ignore[arg-type]
+        timeout=TIMEOUT_S,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in call:
+            pass
+    assert err.value.code().name == code
+
+
+async def test_unknown_ids_are_not_found_and_bad_register_invalid(env: Env) -> None:
+    for call in (
+        env.stub.Heartbeat(pb.HeartbeatRequest(member_id="nobody"), timeout=TIMEOUT_S),
+        env.stub.GetJobStatus(pb.GetJobStatusRequest(job_id="ns/none"), timeout=TIMEOUT_S),
+        env.stub.AbortResize(pb.AbortResizeRequest(decision_id=77), timeout=TIMEOUT_S),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await env.stub.Register(
+            pb.RegisterRequest(job_id=JOB, pod_name="p", launcher_id="l", free_port=1),
+            timeout=TIMEOUT_S,
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "host" in (err.value.details() or "")
