@@ -1,0 +1,195 @@
+"""A coordinator restarted over its store: the restart rules, on every store.
+
+The in-memory store, SQLite and PostgreSQL run the same scenarios, so the SQL
+store is checked for the semantics the core relies on (atomic units, reload,
+versions), not only for round trips.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+import sqlalchemy as sa
+from tide.v1 import coordinator_pb2 as pb
+
+from services.common import db
+from services.common.clock import FakeClock
+from services.common.errors import Conflict
+from services.coordinator.domain import JobRecord
+from services.coordinator.sql_store import SqlStore
+from services.coordinator.store import CoordinatorStore, MemoryStore, Unit
+from tests.coordinator.conftest import JOB, Env, close_env, make_env
+from tests.coordinator.fakes import ResizeWatch, eventually
+
+K = pb.Directive.Kind
+P = pb.ResizePhase
+
+
+@pytest.fixture
+def pg_schema_url(pg_url: str) -> Iterator[str]:
+    admin = sa.create_engine(pg_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+    except sa.exc.OperationalError as exc:
+        admin.dispose()
+        pytest.skip(f"PostgreSQL not reachable at {pg_url}: {exc.orig}")
+    schema = f"coord_{uuid.uuid4().hex[:10]}"
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    sep = "&" if "?" in pg_url else "?"
+    try:
+        yield f"{pg_url}{sep}options={quote(f'-csearch_path={schema}')}"
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.dispose()
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("memory"),
+        pytest.param("sqlite"),
+        pytest.param("pg", marks=pytest.mark.postgres),
+    ]
+)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CoordinatorStore]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    url = (
+        f"sqlite:///{tmp_path / 'coord.db'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("pg_schema_url")
+    )
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    # The store's timestamps come from the env's FakeClock start; only stored, never compared.
+    yield SqlStore(db.make_session_factory(engine), FakeClock().now)
+    engine.dispose()
+
+
+@pytest.fixture
+async def senv(store: CoordinatorStore) -> AsyncIterator[Env]:
+    e = await make_env(store)
+    yield e
+    await close_env(e)
+
+
+async def _form(env: Env, n: int) -> None:
+    ls = [await env.launcher(i) for i in range(n)]
+    w = ResizeWatch(env.stub, JOB, 1, n)
+    await eventually(lambda: all(fl.generation == 1 for fl in ls), what="generation 1")
+    await eventually(lambda: not _pending(env), what="acks")
+    await env.heartbeat_all()
+    assert (await w.final()).phase == P.RESIZE_PHASE_COMPLETED
+
+
+def _pending(env: Env) -> list[str]:
+    rt = env.coordinator.jobs[JOB]
+    return [d.directive_id for m in rt.members for d in rt.pending_directives(m)]
+
+
+async def _reconnect_all(env: Env) -> None:
+    for fl in env.launchers:
+        if not fl.exited:
+            await fl.disconnect()
+            await fl.register()
+            await fl.connect()
+
+
+async def test_restart_during_barrier_aborts_and_holders_resume(senv: Env) -> None:
+    env = senv
+    await _form(env, 2)
+    await env.heartbeat_all()
+    ls = list(env.launchers)
+    newcomer = await env.launcher(2)
+    ls[1].answer_checkpoint = False
+    ResizeWatch(env.stub, JOB, 2, 3, deadline_s=60.0)
+    await eventually(lambda: K.KIND_CHECKPOINT in ls[1].kinds(), what="checkpoint sent")
+    await eventually(lambda: env.coordinator.jobs[JOB].resizes[2].acked, what="rank 0 held")
+
+    await env.restart()
+    await _reconnect_all(env)
+    await eventually(lambda: all(K.KIND_RESUME in fl.kinds() for fl in ls), what="RESUME")
+
+    again = ResizeWatch(env.stub, JOB, 2, 3)
+    final = await again.final()
+    assert final.phase == P.RESIZE_PHASE_ABORTED
+    assert "restarted" in final.message
+    assert [fl.worker_starts for fl in ls] == [1, 1]
+    assert newcomer.state == pb.MEMBER_STATE_STANDBY
+    st = await env.status()
+    assert (st.generation, st.world_size) == (1, 2)
+    # The job goes on: a new decision grows it once everyone heartbeats again.
+    ls[1].answer_checkpoint = True
+    await env.heartbeat_all()
+    w = ResizeWatch(env.stub, JOB, 3, 3)
+    await eventually(lambda: all(fl.generation == 2 for fl in env.launchers), what="grown")
+    await eventually(lambda: not _pending(env))
+    await env.heartbeat_all()
+    assert (await w.final()).phase == P.RESIZE_PHASE_COMPLETED
+
+
+async def test_restart_after_rendezvous_carries_the_resize_to_completion(senv: Env) -> None:
+    env = senv
+    await _form(env, 2)
+    await env.heartbeat_all()
+    newcomer = await env.launcher(2)
+    for fl in env.launchers:
+        fl.answer_rendezvous = False
+    ResizeWatch(env.stub, JOB, 2, 3, deadline_s=60.0)
+    await eventually(
+        lambda: (
+            all(K.KIND_RENDEZVOUS in fl.kinds()[1:] for fl in env.launchers[:2])
+            and K.KIND_RENDEZVOUS in newcomer.kinds()
+        ),
+        what="rendezvous sent",
+    )
+    sent = {fl.member_id: fl.received[-1].directive_id for fl in env.launchers}
+
+    await env.restart()
+    for fl in env.launchers:
+        fl.answer_rendezvous = True
+    await _reconnect_all(env)
+    assert [fl.state for fl in env.launchers] == [pb.MEMBER_STATE_ACTIVE] * 3
+    await eventually(lambda: all(fl.generation == 2 for fl in env.launchers), what="g2")
+    # The same directive came again: launchers that had seen it would dedup it.
+    assert {fl.member_id: fl.received[-1].directive_id for fl in env.launchers} == sent
+    await eventually(lambda: not _pending(env))
+    await env.heartbeat_all()
+    final = await ResizeWatch(env.stub, JOB, 2, 3).final()
+    assert final.phase == P.RESIZE_PHASE_COMPLETED
+    assert (final.generation, final.world_size) == (2, 3)
+    st = await env.status()
+    assert st.last_checkpoint_step == final.checkpoint_step > 0
+
+
+async def test_directive_ids_stay_unique_across_restarts(senv: Env) -> None:
+    env = senv
+    await _form(env, 1)
+    before = {d.directive_id for d in env.launchers[0].received}
+    await env.restart()
+    await _reconnect_all(env)
+    await env.heartbeat_all()
+    env.launchers[0].phase = pb.WORKER_PHASE_FAILED
+    await env.launchers[0].heartbeat()
+    await eventually(lambda: env.launchers[0].generation == 2, what="recovery")
+    after = {d.directive_id for d in env.launchers[0].received} - before
+    assert after and not after & before
+
+
+def test_second_writer_with_stale_version_conflicts(store: CoordinatorStore) -> None:
+    job = JobRecord(job_id=JOB)
+    store.save(Unit(job=job))
+    stale = JobRecord(job_id=JOB, generation=5, version=job.version - 1)
+    with pytest.raises(Conflict):
+        store.save(Unit(job=stale))
+    job.generation = 2
+    store.save(Unit(job=job))
+    [snap] = store.load_all()
+    assert snap.job.generation == 2 and snap.job.version == job.version
