@@ -312,8 +312,11 @@ class Launcher:
                 # A heartbeat loop must never die of one bad beat.
                 logger.exception("heartbeat of member %s failed", self.member_id)
             self._wake_heartbeat.clear()
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that
+            # races with the event, and the loop would then never stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake_heartbeat.wait(), self.heartbeat_interval_s)
+                async with asyncio.timeout(self.heartbeat_interval_s):
+                    await self._wake_heartbeat.wait()
 
     async def _heartbeat(self) -> None:
         if not self.member_id or self._stub is None:
@@ -493,7 +496,8 @@ class Launcher:
             rdv.restore_step,
         )
         try:
-            ready = await asyncio.wait_for(asyncio.shield(self._ready), self.s.start_timeout_s)
+            async with asyncio.timeout(self.s.start_timeout_s):
+                ready = await asyncio.shield(self._ready)
         except (TimeoutError, RuntimeError) as exc:
             await self._ack(self._ack_request(d, ok=False, message=f"worker did not start: {exc}"))
             return
@@ -512,7 +516,8 @@ class Launcher:
         self._worker_expected_exit = True
         self._send_worker({"type": "exit"})
         try:
-            await asyncio.wait_for(worker.wait(), self.s.exit_grace_s)
+            async with asyncio.timeout(self.s.exit_grace_s):
+                await worker.wait()
         except TimeoutError:
             logger.warning(
                 "member %s: worker pid %d ignored exit for %.1fs; SIGKILL",

@@ -182,7 +182,8 @@ class ZygoteSpawner:
         if self._proc.stdin is not None:
             self._proc.stdin.close()
         try:
-            await asyncio.wait_for(self._proc.wait(), timeout=5.0)
+            async with asyncio.timeout(5.0):
+                await self._proc.wait()
         except TimeoutError:
             self._proc.kill()
             await self._proc.wait()
