@@ -117,6 +117,9 @@ class FakeLauncher:
         await self.connect()
         return self
 
+    def stream_ended(self) -> bool:
+        return self._reader is None or self._reader.done()
+
     async def disconnect(self) -> None:
         if self._stream is not None:
             self._stream.cancel()
