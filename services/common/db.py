@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import random
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -212,8 +213,7 @@ def _sqlite_engine(url: URL, settings: DbSettings) -> Engine:
             # that the pragmas below already wait rather than fail.
             cursor.execute(f"PRAGMA busy_timeout = {busy_ms}")
             if not in_memory:
-                # WAL lets readers run beside the one writer.
-                cursor.execute("PRAGMA journal_mode = WAL")
+                _ensure_wal(cursor, settings.busy_timeout_s)
             # FULL fsyncs the WAL on every commit: a decision reported committed
             # survives a power loss, not only a process crash (NORMAL does not).
             cursor.execute("PRAGMA synchronous = FULL")
@@ -230,6 +230,31 @@ def _sqlite_engine(url: URL, settings: DbSettings) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if mode == "IMMEDIATE" else "BEGIN")
 
     return engine
+
+
+def _ensure_wal(cursor: Any, busy_timeout_s: float) -> None:
+    """Switch the file to WAL (persistent), which lets readers run beside the one writer.
+
+    The switch needs an exclusive lock and SQLite answers "database is locked"
+    at once instead of calling the busy handler, e.g. when two services open a
+    new database together; so poll until busy_timeout.
+    """
+    if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+        return
+    deadline = time.monotonic() + busy_timeout_s
+    while True:
+        try:
+            mode = cursor.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
+            continue
+        if str(mode).lower() != "wal":
+            raise ConfigError(
+                f"SQLite refused journal_mode=WAL (got {mode!r}); is it a network FS?"
+            )
+        return
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

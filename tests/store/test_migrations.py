@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
@@ -90,3 +92,25 @@ def test_unreachable_database_is_unavailable() -> None:
     # Port 1 on loopback: nothing listens, the connect fails fast.
     with pytest.raises(Unavailable):
         db.upgrade("postgresql+psycopg://postgres@127.0.0.1:1/none")
+
+
+def test_services_starting_together_both_upgrade(db_url: str) -> None:
+    # Scaler and coordinator call upgrade at start; two at once must not collide.
+    errors: list[BaseException] = []
+    start = threading.Barrier(3)
+
+    def run() -> None:
+        try:
+            start.wait(timeout=10)
+            db.upgrade(db_url)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    assert db.current_revision(db_url) == _script().get_current_head()
+    assert _diff(db_url) == []
