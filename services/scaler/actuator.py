@@ -56,6 +56,10 @@ class InMemoryActuator:
         self.gpus_per_replica: dict[str, int] = {}
         self.changes: list[ReplicaChange] = []
 
+    def seed(self, job_id: str, replicas: int) -> None:
+        """Set a job's starting count without recording a change (the job's creation)."""
+        self.replicas.setdefault(job_id, replicas)
+
     async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
         if replicas < 0:
             raise InvalidArgument(f"job {job_id}: replicas must be >= 0, got {replicas}")

@@ -143,7 +143,7 @@ class IngestEngine:
         registry: MemberRegistry,
         clock: Clock,
         window_shape: WindowShape | None = None,
-        on_bucket_closed: Callable[[str], None] | None = None,
+        on_bucket_closed: Callable[[str, float], None] | None = None,
     ) -> None:
         self.settings = settings
         self.registry = registry
@@ -367,7 +367,7 @@ class IngestEngine:
             if last is None or bucket > last:
                 self._last_bucket[job] = bucket
                 if last is not None and self.on_bucket_closed is not None:
-                    self.on_bucket_closed(job)
+                    self.on_bucket_closed(job, t)
 
     def _events(self, node: NodeState, events: Iterable[telemetry_pb2.NodeEvent]) -> None:
         for ev in events:
@@ -388,7 +388,7 @@ class IngestEngine:
                 jobs = {j for j in node.gpus.job if j is not None}
                 if self.on_bucket_closed is not None:
                     for j in jobs:
-                        self.on_bucket_closed(j)
+                        self.on_bucket_closed(j, node.last_sampled_s)
             elif kind == _EVENT.KIND_UNCORDONED:
                 node.notice = 0
                 node.notice_deadline_s = None
@@ -422,20 +422,32 @@ class IngestEngine:
 
     def terminating(self, job_id: str) -> tuple[int, str, float | None]:
         """(replicas of the job on noticed nodes, one such node, earliest deadline)."""
+        pods, node_name, deadline = self.terminating_pods(job_id)
+        return len(pods), node_name, deadline
+
+    def terminating_pods(self, job_id: str) -> tuple[set[str], str, float | None]:
+        """Pods of the job (still registered as its members) on nodes that announced
+        cordon or termination, one such node, and the earliest deadline."""
+        by_uid = self.registry.by_uid
+        by_name = self.registry.by_name
         pods: set[str] = set()
         node_name = ""
         deadline: float | None = None
         for node in self.nodes.values():
             if not node.notice:
                 continue
-            mine = {p for p, j in zip(node.pods, node.gpus.job, strict=False) if j == job_id and p}
+            mine = {
+                p
+                for p, j in zip(node.pods, node.gpus.job, strict=False)
+                if j == job_id and p and (by_uid.get(p) == job_id or by_name.get(p) == job_id)
+            }
             if mine:
                 pods |= mine
                 node_name = node_name or node.name
                 d = node.notice_deadline_s
                 if d is not None and (deadline is None or d < deadline):
                     deadline = d
-        return len(pods), node_name, deadline
+        return pods, node_name, deadline
 
     def window_view(self, job_id: str, now_s: float, gpus_expected: int, fresh: int) -> WindowView:
         bucket_s, buckets = self._shape(job_id)

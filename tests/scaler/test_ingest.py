@@ -168,7 +168,7 @@ def test_bucket_close_notifies_once_per_bucket(clock: FakeClock) -> None:
     reg = InMemoryMemberRegistry()
     reg.set_members("ns/a", [Member("a-0", "a-0")])
     closed: list[str] = []
-    e = IngestEngine(IngestSettings(), reg, clock, on_bucket_closed=closed.append)
+    e = IngestEngine(IngestSettings(), reg, clock, on_bucket_closed=lambda j, _t: closed.append(j))
     st = e.open_stream()
     for seq, dt in enumerate([0, 10, 29, 30, 45, 61], start=1):
         clock.advance(dt - (clock.now() - T0))

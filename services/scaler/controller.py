@@ -1,0 +1,227 @@
+"""Drives decisions through their lifecycle (services/scaler/lifecycle.py).
+
+One task per decision. Each step commits the state that authorizes a side
+effect, then performs it; a crash anywhere is recovered by :meth:`recover`,
+which re-enters the same code from the committed state. Every side effect is
+idempotent (``set_replicas`` to a count; ``Resize`` keyed by decision id), so
+repeating the one that may or may not have happened before the crash changes
+nothing the second time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from services.common.clock import Clock
+from services.common.errors import TideError, Unavailable
+from services.scaler.actuator import Actuator
+from services.scaler.coordination import CoordinatorClient, Phase, Progress, ResizeSpec
+from services.scaler.lifecycle import FaultPoint
+from services.scaler.repo import DecisionRecord, DecisionState, StaleEpoch
+from services.scaler.store import DecisionStore
+
+logger = logging.getLogger(__name__)
+
+S = DecisionState
+
+EventSink = Callable[[DecisionRecord, str], None]
+
+
+class Controller:
+    def __init__(
+        self,
+        store: DecisionStore,
+        actuator: Actuator,
+        coordinator: CoordinatorClient,
+        clock: Clock,
+        *,
+        fault: FaultPoint | None = None,
+        on_event: EventSink | None = None,
+        on_final: Callable[[DecisionRecord], None] | None = None,
+        retry_s: float = 0.5,
+    ) -> None:
+        self.store = store
+        self.actuator = actuator
+        self.coordinator = coordinator
+        self.clock = clock
+        self.fault = fault or FaultPoint("")
+        self.on_event = on_event
+        self.on_final = on_final
+        self.retry_s = retry_s
+        self.tasks: dict[int, asyncio.Task[DecisionRecord | None]] = {}
+
+    def start(self, d: DecisionRecord, *, deadline_s: float) -> asyncio.Task[DecisionRecord | None]:
+        task = self.tasks.get(d.id)
+        if task is None or task.done():
+            task = asyncio.create_task(self._drive(d, deadline_s), name=f"decision-{d.id}")
+            self.tasks[d.id] = task
+            did = d.id
+
+            def forget(_t: asyncio.Task[DecisionRecord | None]) -> None:
+                self.tasks.pop(did, None)
+
+            task.add_done_callback(forget)
+        return task
+
+    async def close(self) -> None:
+        tasks = list(self.tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _step(
+        self, d: DecisionRecord, state: DecisionState, detail: str, **kw: object
+    ) -> DecisionRecord:
+        d = await self.store.transition(d, state, detail, **kw)
+        if self.on_event is not None:
+            self.on_event(d, detail)
+        self.fault(f"decision:{state.value}")
+        if d.final and self.on_final is not None:
+            self.on_final(d)
+        return d
+
+    async def _drive(self, d: DecisionRecord, deadline_s: float) -> DecisionRecord | None:
+        log = logger.getChild("decision")
+        try:
+            if d.to_replicas >= d.from_replicas:
+                return await self._grow(d, deadline_s)
+            return await self._shrink(d, deadline_s)
+        except StaleEpoch as exc:
+            # Another scaler took the job: it resumes the decision; we only stop.
+            log.warning("decision %d of job %s: fenced off (%s)", d.id, d.job_id, exc)
+            return None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("decision %d of job %s failed", d.id, d.job_id)
+            try:
+                return await self._step(d, S.FAILED, "internal error", error=str(exc))
+            except Exception:
+                log.exception("decision %d: could not record FAILED; recovery will", d.id)
+                return None
+
+    async def _grow(self, d: DecisionRecord, deadline_s: float) -> DecisionRecord:
+        if d.state is S.PENDING:
+            d = await self._step(
+                d, S.PREPARING, f"asking the actuator for {d.to_replicas} replica(s)"
+            )
+        if d.state is S.PREPARING:
+            await self.actuator.set_replicas(d.job_id, d.to_replicas, decision_id=d.id)
+            self.fault("decision:PREPARING+effect")
+            d = await self._step(
+                d, S.ACTUATING, "replicas requested; coordinator admits the newcomers"
+            )
+        result = await self._resize(d, deadline_s)
+        self.fault("decision:ACTUATING+effect")
+        if result.phase is Phase.COMPLETED:
+            world = result.world_size or d.to_replicas
+            if world < d.to_replicas:
+                # Proceeded with the newcomers that came: give back the rest.
+                await self.actuator.set_replicas(d.job_id, world, decision_id=d.id)
+            return await self._step(
+                d,
+                S.COMPLETED,
+                f"generation {result.generation} runs with {world} member(s)",
+                pause_s=result.pause_s,
+                generation=result.generation,
+                to_replicas=world,
+                lost_steps=result.lost_steps,
+            )
+        # Put the replicas back before the abort is recorded: ABORTED means "runs at N".
+        await self.actuator.set_replicas(d.job_id, d.from_replicas, decision_id=d.id)
+        final = S.ABORTED if result.phase is Phase.ABORTED else S.FAILED
+        return await self._step(
+            d, final, f"coordinator: {result.phase.name}", error=result.message or "aborted"
+        )
+
+    async def _shrink(self, d: DecisionRecord, deadline_s: float) -> DecisionRecord:
+        if d.state is S.PENDING:
+            d = await self._step(
+                d, S.PREPARING, f"coordinated checkpoint and drain to {d.to_replicas} member(s)"
+            )
+        if d.state is S.PREPARING:
+            result = await self._resize(d, deadline_s)
+            self.fault("decision:PREPARING+effect")
+            if result.phase is not Phase.COMPLETED:
+                final = S.ABORTED if result.phase is Phase.ABORTED else S.FAILED
+                return await self._step(
+                    d, final, f"coordinator: {result.phase.name}", error=result.message or "aborted"
+                )
+            d = await self._step(
+                d,
+                S.ACTUATING,
+                f"generation {result.generation} runs with {result.world_size}; lowering replicas",
+                pause_s=result.pause_s,
+                generation=result.generation,
+                lost_steps=result.lost_steps,
+            )
+        await self.actuator.set_replicas(d.job_id, d.to_replicas, decision_id=d.id)
+        self.fault("decision:ACTUATING+effect")
+        return await self._step(d, S.COMPLETED, f"replicas lowered to {d.to_replicas}")
+
+    async def _resize(self, d: DecisionRecord, deadline_s: float) -> Progress:
+        """Run (or re-attach to) the coordinator's resize until a final phase. A broken
+        stream is re-attached with the same decision id until the deadline passes."""
+        leaving = tuple(str(p) for p in d.inputs.get("leaving_pods", []) or [])
+        spec = ResizeSpec(
+            decision_id=d.id,
+            job_id=d.job_id,
+            target_world_size=d.to_replicas,
+            deadline_s=deadline_s,
+            leaving_pods=leaving,
+        )
+        give_up = self.clock.monotonic() + deadline_s * 3 + 30.0
+        last_err: Exception | None = None
+        while self.clock.monotonic() < give_up:
+            try:
+                async for p in self.coordinator.resize(spec):
+                    if p.phase.final:
+                        return p
+                    logger.debug("decision %d of job %s: %s", d.id, d.job_id, p.phase.name)
+                last_err = Unavailable("resize stream ended without a final phase")
+            except TideError as exc:
+                if not isinstance(exc, Unavailable):
+                    return Progress(d.id, Phase.FAILED, message=str(exc))
+                last_err = exc
+            logger.warning(
+                "decision %d of job %s: coordinator unreachable (%s); re-attaching",
+                d.id,
+                d.job_id,
+                last_err,
+            )
+            await self.clock.sleep(self.retry_s)
+        try:
+            phase = await self.coordinator.abort_resize(d.id, d.job_id, "scaler gave up waiting")
+        except TideError:
+            phase = Phase.FAILED
+        if phase is Phase.COMPLETED:
+            # Too late to abort: it finished; take it as done (the status tells the numbers).
+            return Progress(d.id, Phase.COMPLETED, world_size=d.to_replicas)
+        return Progress(d.id, phase, message=f"coordinator unreachable: {last_err}")
+
+    async def recover(
+        self, deadline_of: Callable[[str], float]
+    ) -> list[asyncio.Task[DecisionRecord | None]]:
+        """Resume every decision that is not final (after a restart). PENDING
+        ones are resumed too: they were committed with their inputs and nothing
+        acted on them yet, so carrying them out is what was decided."""
+        tasks = []
+        for d in await self.store.non_final():
+            if d.job_id not in self.store.epochs:
+                try:
+                    await self.store.acquire(d.job_id)
+                except TideError as exc:
+                    logger.warning("decision %d: cannot take job %s: %s", d.id, d.job_id, exc)
+                    continue
+            logger.info(
+                "resuming decision %d of job %s from %s (%d -> %d)",
+                d.id,
+                d.job_id,
+                d.state.value,
+                d.from_replicas,
+                d.to_replicas,
+            )
+            tasks.append(self.start(d, deadline_s=deadline_of(d.job_id)))
+        return tasks

@@ -1,0 +1,515 @@
+"""The scaler's control loop: ingestion feeds windows, a closed bucket wakes the
+policy, a resize becomes a committed decision, the controller carries it out.
+
+:class:`ScalerCore` owns the in-memory picture (jobs, effective policies, last
+evaluations, recent recommendations) and is what the gRPC servicers call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.clock import Clock
+from services.common.config import CommonSettings, setting
+from services.common.db import utc_from_epoch
+from services.common.errors import ConfigError, InvalidArgument, NotFound, TideError
+from services.scaler import policy as pol
+from services.scaler.actuator import Actuator, InMemoryActuator
+from services.scaler.controller import Controller
+from services.scaler.coordination import CoordinatorClient, InMemoryCoordinator
+from services.scaler.ingest import IngestEngine, IngestSettings
+from services.scaler.lifecycle import FaultPoint
+from services.scaler.members import CoordinatorMemberRegistry
+from services.scaler.repo import (
+    DecisionInProgress,
+    DecisionRecord,
+    DecisionState,
+    JobRecord,
+    RollupRecord,
+)
+from services.scaler.store import DecisionStore
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_POLICY = pol.PolicySettings()
+#: PolicySettings fields stored as job columns rather than overrides.
+_BOUNDS = ("min_replicas", "max_replicas")
+
+
+@dataclass(frozen=True)
+class ScalerSettings(CommonSettings):
+    """Settings of `python -m services.scaler` (flags, TIDE_* env, YAML file)."""
+
+    database_url: str = setting("sqlite:///tide-scaler.db", "SQLAlchemy URL of the store")
+    coordinator: str = setting(
+        "", "coordinator HOST:PORT; empty runs an in-memory coordinator (demo and tests)"
+    )
+    coordinator_state_file: str = setting(
+        "", "with the in-memory coordinator: a file that keeps its state across restarts"
+    )
+    actuator: str = setting("memory", "memory, or file:PATH (replica log that survives crashes)")
+    total_gpus: int = setting(0, "in-memory actuators: GPUs in the cluster; 0 means unknown")
+    owner_id: str = setting("", "this scaler's name in the fencing record; default host:pid")
+    evaluate_interval_s: float = setting(1.0, "every job is evaluated at least this often")
+    rollup_flush_interval_s: float = setting(15.0, "how often finished minutes go to SQL")
+    stale_after_s: float = setting(10.0, "a GPU without a sample for this long is stale")
+    max_gpus_per_node: int = setting(64, "reports with more GPUs end their stream")
+    max_clock_skew_s: float = setting(5.0, "reports further in the future are dropped")
+    report_interval_s: float = setting(0.0, "asked of agents in acks; 0 keeps theirs")
+    scale_up_utilization_pct: float = setting(80.0, "default policy: see docs/policy.md")
+    scale_down_utilization_pct: float = setting(40.0, "default policy")
+    target_utilization_pct: float = setting(60.0, "default policy")
+    sustain_s: float = setting(300.0, "default policy")
+    bucket_s: float = setting(30.0, "default policy")
+    cooldown_s: float = setting(300.0, "default policy")
+    sync_timeout_s: float = setting(60.0, "default policy: barrier deadline")
+    min_replicas: int = setting(2, "default policy")
+    max_replicas: int = setting(8, "default policy")
+    min_coverage: float = setting(0.8, "default policy")
+    max_step: int = setting(4, "default policy")
+    scale_down_stabilization_s: float = setting(60.0, "default policy")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.policy()
+        self.ingest()
+        if not (self.evaluate_interval_s > 0 and math.isfinite(self.evaluate_interval_s)):
+            raise ConfigError(f"evaluate_interval_s={self.evaluate_interval_s!r}: must be > 0")
+        if not (self.rollup_flush_interval_s > 0):
+            raise ConfigError(
+                f"rollup_flush_interval_s={self.rollup_flush_interval_s!r}: must be > 0"
+            )
+        if self.total_gpus < 0:
+            raise ConfigError(f"total_gpus={self.total_gpus!r}: must be >= 0")
+        if self.actuator != "memory" and not self.actuator.startswith("file:"):
+            raise ConfigError(f"actuator={self.actuator!r}: expected memory or file:PATH")
+
+    def policy(self) -> pol.PolicySettings:
+        names = {f.name for f in dataclasses.fields(pol.PolicySettings)}
+        return pol.PolicySettings(**{n: getattr(self, n) for n in names})
+
+    def ingest(self) -> IngestSettings:
+        return IngestSettings(
+            max_gpus_per_node=self.max_gpus_per_node,
+            max_clock_skew_s=self.max_clock_skew_s,
+            stale_after_s=self.stale_after_s,
+            report_interval_s=self.report_interval_s,
+        )
+
+    def owner(self) -> str:
+        return self.owner_id or f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    decision: pol.Decision
+    at_s: float
+
+
+@dataclass(frozen=True)
+class Watched:
+    decision: DecisionRecord
+    detail: str
+
+
+class ScalerCore:
+    def __init__(
+        self,
+        *,
+        store: DecisionStore,
+        actuator: Actuator,
+        coordinator: CoordinatorClient,
+        clock: Clock,
+        defaults: pol.PolicySettings = _DEFAULT_POLICY,
+        ingest: IngestSettings | None = None,
+        fault: FaultPoint | None = None,
+        evaluate_interval_s: float = 1.0,
+        rollup_flush_interval_s: float = 15.0,
+    ) -> None:
+        self.store = store
+        self.actuator = actuator
+        self.coordinator = coordinator
+        self.clock = clock
+        self.defaults = defaults
+        self.registry = CoordinatorMemberRegistry(coordinator.watch_members, clock)
+        self.engine = IngestEngine(
+            ingest or IngestSettings(),
+            self.registry,
+            clock,
+            window_shape=self._shape,
+            on_bucket_closed=self._bucket_closed,
+        )
+        self.controller = Controller(
+            store,
+            actuator,
+            coordinator,
+            clock,
+            fault=fault,
+            on_event=self._publish,
+            on_final=self._on_final,
+        )
+        self.evaluate_interval_s = evaluate_interval_s
+        self.rollup_flush_interval_s = rollup_flush_interval_s
+        self.jobs: dict[str, JobRecord] = {}
+        self.policies: dict[str, pol.PolicySettings] = {}
+        self.evaluations: dict[str, Evaluation] = {}
+        self.active: dict[str, int] = {}
+        self.latencies_s: list[float] = []
+        self._recs: dict[str, list[tuple[float, int]]] = {}
+        self._last_dir: dict[str, int] = {}
+        self._dirty: dict[str, float] = {}
+        self._wake: asyncio.Event | None = None
+        self._watchers: list[tuple[str, asyncio.Queue[Watched | None]]] = []
+        self._eval_lock: dict[str, asyncio.Lock] = {}
+
+    # -- jobs and policies -----------------------------------------------------------
+
+    def _shape(self, job_id: str) -> tuple[float, int]:
+        p = self.policies.get(job_id, self.defaults)
+        return p.bucket_s, p.buckets
+
+    def policy_of(self, job: JobRecord) -> pol.PolicySettings:
+        overrides = {k: v for k, v in job.policy_overrides.items() if k not in _BOUNDS}
+        return self.defaults.with_overrides(
+            {**overrides, "min_replicas": job.min_replicas, "max_replicas": job.max_replicas}
+        )
+
+    def _adopt(self, job: JobRecord) -> None:
+        old = self.policies.get(job.job_id)
+        p = self.policy_of(job)
+        self.jobs[job.job_id] = job
+        self.policies[job.job_id] = p
+        if old is not None and (old.bucket_s, old.sustain_s) != (p.bucket_s, p.sustain_s):
+            self.engine.reshape(job.job_id)
+        self.registry.track(job.job_id)
+        if isinstance(self.actuator, InMemoryActuator):
+            self.actuator.seed(job.job_id, job.current_replicas)
+            self.actuator.gpus_per_replica[job.job_id] = job.gpus_per_replica
+        coord = self.coordinator
+        if isinstance(coord, InMemoryCoordinator) and coord.job(job.job_id)[1] == 0:
+            coord.set_job(job.job_id, job.current_replicas)
+
+    async def start(self) -> None:
+        """Load jobs, take ownership of them, derive cooldowns from the database and
+        resume every decision that is not final."""
+        self._wake = asyncio.Event()
+        for job in await self.store.list_jobs():
+            self._adopt(job)
+            await self.store.acquire(job.job_id)
+            last = await self.store.last_completed(job.job_id)
+            if last is not None:
+                self._last_dir[job.job_id] = (last.to_replicas > last.from_replicas) - (
+                    last.to_replicas < last.from_replicas
+                )
+        for d in await self.store.non_final():
+            self.active[d.job_id] = d.id
+        await self.controller.recover(self._deadline_of)
+
+    async def close(self) -> None:
+        await self.controller.close()
+        await self.registry.close()
+        for _, q in self._watchers:
+            q.put_nowait(None)
+
+    def _deadline_of(self, job_id: str) -> float:
+        return self.policies.get(job_id, self.defaults).sync_timeout_s
+
+    async def upsert_job(
+        self,
+        job_id: str,
+        overrides: Mapping[str, Any],
+        *,
+        initial_replicas: int = 0,
+        gpus_per_replica: int = 0,
+    ) -> JobRecord:
+        existing = self.jobs.get(job_id)
+        bounds = {k: overrides[k] for k in _BOUNDS if overrides.get(k) is not None}
+        rest = {k: v for k, v in overrides.items() if k not in _BOUNDS and v is not None}
+        base = self.policy_of(existing) if existing is not None else self.defaults
+        # Validated in full before anything is written; ConfigError names the field.
+        merged = base.with_overrides({**rest, **bounds})
+        job = await self.store.upsert_job(
+            job_id,
+            min_replicas=merged.min_replicas,
+            max_replicas=merged.max_replicas,
+            initial_replicas=initial_replicas or None,
+            gpus_per_replica=gpus_per_replica or None,
+            policy_overrides=rest,
+        )
+        self._adopt(job)
+        if job_id not in self.store.epochs:
+            await self.store.acquire(job_id)
+        return self.jobs[job_id]
+
+    async def set_autoscaling(self, job_id: str, paused: bool, reason: str) -> JobRecord:
+        self._job(job_id)
+        job = await self.store.set_paused(job_id, paused, reason)
+        self._adopt(job)
+        return job
+
+    def _job(self, job_id: str) -> JobRecord:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"job {job_id!r} not found")
+        return job
+
+    # -- evaluation ----------------------------------------------------------------------
+
+    def _bucket_closed(self, job_id: str, t: float) -> None:
+        if job_id in self.jobs:
+            self._dirty.setdefault(job_id, t)
+            if self._wake is not None:
+                self._wake.set()
+
+    def job_state(self, job_id: str, free_gpus: int | None) -> pol.JobState:
+        job = self._job(job_id)
+        pods, node, deadline = self.engine.terminating_pods(job_id)
+        return pol.JobState(
+            job_id=job_id,
+            current_replicas=job.current_replicas,
+            gpus_per_replica=job.gpus_per_replica,
+            paused=job.autoscaling_paused,
+            resize_in_progress=job_id in self.active,
+            free_gpus=free_gpus,
+            terminating_replicas=len(pods),
+            terminating_node=node,
+            terminating_deadline_s=deadline,
+        )
+
+    def window_of(
+        self, job_id: str, now: float, fresh: Mapping[str, int] | None = None
+    ) -> pol.WindowView:
+        job = self._job(job_id)
+        fresh = self.engine.fresh_gpus(now) if fresh is None else fresh
+        expected = job.current_replicas * job.gpus_per_replica
+        return self.engine.window_view(job_id, now, expected, fresh.get(job_id, 0))
+
+    async def evaluate(
+        self, job_id: str, *, tipping_s: float | None = None, fresh: Mapping[str, int] | None = None
+    ) -> pol.Decision:
+        lock = self._eval_lock.setdefault(job_id, asyncio.Lock())
+        async with lock:
+            return await self._evaluate(job_id, tipping_s, fresh)
+
+    async def _evaluate(
+        self, job_id: str, tipping_s: float | None, fresh: Mapping[str, int] | None
+    ) -> pol.Decision:
+        job = self._job(job_id)
+        p = self.policies[job_id]
+        now = self.clock.now()
+        # An agent clock slightly ahead must not hide the bucket it just closed.
+        at = max(now, tipping_s) if tipping_s is not None else now
+        free = await self.actuator.free_gpus()
+        state = self.job_state(job_id, free)
+        view = self.window_of(job_id, at, fresh)
+        last_end = job.last_resize_ended_at.timestamp() if job.last_resize_ended_at else None
+        recs = self._recs.setdefault(job_id, [])
+        hist = pol.History(last_end, self._last_dir.get(job_id, 0), tuple(recs))
+        d = pol.decide(state, view, p, hist, at)
+        if d.recommendation is not None:
+            recs.append((at, d.recommendation))
+            horizon = at - p.scale_down_stabilization_s
+            while recs and recs[0][0] < horizon:
+                recs.pop(0)
+        self.evaluations[job_id] = Evaluation(d, now)
+        if not d.resize:
+            return d
+        inputs = self._inputs(job, p, view, free, d, at)
+        if d.trigger is pol.Trigger.EMERGENCY:
+            pods, node, deadline = self.engine.terminating_pods(job_id)
+            inputs["leaving_pods"] = sorted(pods)
+            inputs["node_name"] = node
+            inputs["node_deadline_s"] = deadline
+        try:
+            record = await self._create(d, inputs, "")
+        except DecisionInProgress:
+            return d
+        if tipping_s is not None:
+            self.latencies_s.append(self.clock.now() - tipping_s)
+        logger.info("job %s: decision %d: %s", job_id, record.id, d.message)
+        return d
+
+    def _inputs(
+        self,
+        job: JobRecord,
+        p: pol.PolicySettings,
+        view: pol.WindowView,
+        free: int | None,
+        d: pol.Decision,
+        at: float,
+    ) -> dict[str, Any]:
+        return {
+            "window": {
+                "bucket_s": view.bucket_s,
+                "end_s": view.end_s,
+                "bucket_means_pct": list(view.bucket_means),
+                "coverage": view.coverage,
+                "gpus_expected": view.gpus_expected,
+                "gpus_fresh": view.gpus_fresh,
+                "mean_pct": view.mean_pct,
+                "computed_at_s": at,
+            },
+            "policy": dataclasses.asdict(p),
+            "current_replicas": job.current_replicas,
+            "free_gpus": -1 if free is None else free,
+            "raw_target_replicas": d.raw_target,
+        }
+
+    async def _create(
+        self, d: pol.Decision, inputs: dict[str, Any], requested_by: str
+    ) -> DecisionRecord:
+        record = await self.store.create(
+            job_id=d.job_id,
+            from_replicas=d.from_replicas,
+            to_replicas=d.to_replicas,
+            reason=d.reason.name,
+            trigger=d.trigger.name,
+            message=d.message,
+            inputs=inputs,
+            requested_by=requested_by,
+        )
+        self.active[d.job_id] = record.id
+        self._publish(record, d.message)
+        self.controller.start(record, deadline_s=self._deadline_of(d.job_id))
+        return record
+
+    async def request_resize(
+        self, job_id: str, replicas: int, reason: str, requested_by: str
+    ) -> DecisionRecord:
+        job = self._job(job_id)
+        p = self.policies[job_id]
+        free = await self.actuator.free_gpus()
+        d = pol.manual(self.job_state(job_id, free), p, replicas, reason)
+        now = self.clock.now()
+        view = self.window_of(job_id, now)
+        inputs = self._inputs(job, p, view, free, d, now)
+        try:
+            return await self._create(d, inputs, requested_by)
+        except DecisionInProgress as exc:
+            raise DecisionInProgress(str(exc)) from None
+
+    def _on_final(self, d: DecisionRecord) -> None:
+        if self.active.get(d.job_id) == d.id:
+            del self.active[d.job_id]
+        job = self.jobs.get(d.job_id)
+        if job is not None:
+            # Mirror what the store did in the same transaction, so the very next
+            # evaluation sees the new size and the cooldown without a read.
+            changes: dict[str, Any] = {"last_resize_ended_at": d.ended_at}
+            if d.state is DecisionState.COMPLETED:
+                changes["current_replicas"] = d.to_replicas
+                changes["generation"] = max(job.generation, d.generation)
+                self._last_dir[d.job_id] = (d.to_replicas > d.from_replicas) - (
+                    d.to_replicas < d.from_replicas
+                )
+            self.jobs[d.job_id] = dataclasses.replace(job, **changes)
+        self._recs.pop(d.job_id, None)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def tick(self) -> None:
+        now = self.clock.now()
+        fresh = self.engine.fresh_gpus(now)
+        for job_id in list(self.jobs):
+            await self._safe_evaluate(job_id, None, fresh)
+
+    async def _safe_evaluate(
+        self, job_id: str, tipping_s: float | None, fresh: Mapping[str, int] | None = None
+    ) -> None:
+        try:
+            await self.evaluate(job_id, tipping_s=tipping_s, fresh=fresh)
+        except TideError as exc:
+            logger.warning("job %s: evaluation failed: %s", job_id, exc)
+        except Exception:
+            logger.exception("job %s: evaluation failed", job_id)
+
+    async def run(self) -> None:
+        """Evaluate a job as soon as one of its buckets closes, every job once per
+        interval, and flush finished rollup minutes; until cancelled."""
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        wake = self._wake
+        next_tick = self.clock.monotonic()
+        next_flush = next_tick + self.rollup_flush_interval_s
+        while True:
+            timeout = max(0.0, next_tick - self.clock.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout)
+            wake.clear()
+            while self._dirty:
+                job_id, t = next(iter(self._dirty.items()))
+                del self._dirty[job_id]
+                await self._safe_evaluate(job_id, t)
+            mono = self.clock.monotonic()
+            if mono >= next_tick:
+                await self.tick()
+                next_tick = mono + self.evaluate_interval_s
+            if mono >= next_flush:
+                await self.flush_rollups()
+                next_flush = mono + self.rollup_flush_interval_s
+
+    async def flush_rollups(self, *, final: bool = False) -> int:
+        now = self.clock.now() + (120.0 if final else 0.0)
+        replicas = {j: r.current_replicas for j, r in self.jobs.items()}
+        rows = self.engine.rollups.take_complete(now, replicas)
+        records = [
+            RollupRecord(
+                job_id=r.job_id,
+                minute=utc_from_epoch(r.minute_s),
+                mean_pct=r.mean_pct,
+                min_pct=r.min_pct,
+                max_pct=r.max_pct,
+                samples=r.samples,
+                replicas=r.replicas,
+            )
+            for r in rows
+            if r.job_id in self.jobs and r.samples > 0
+        ]
+        if not records:
+            return 0
+        try:
+            return await self.store.write_rollups(records)
+        except TideError as exc:
+            logger.warning("rollups not written (%s); kept for the next flush", exc)
+            self.engine.rollups.put_back(rows)
+            return 0
+
+    # -- watchers ----------------------------------------------------------------------------
+
+    def subscribe(self, job_id: str) -> asyncio.Queue[Watched | None]:
+        q: asyncio.Queue[Watched | None] = asyncio.Queue(maxsize=1000)
+        self._watchers.append((job_id, q))
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[Watched | None]) -> None:
+        self._watchers = [(j, w) for j, w in self._watchers if w is not q]
+
+    def _publish(self, d: DecisionRecord, detail: str) -> None:
+        for job_id, q in list(self._watchers):
+            if job_id and job_id != d.job_id:
+                continue
+            try:
+                q.put_nowait(Watched(d, detail))
+            except asyncio.QueueFull:
+                # A watcher that does not read must not hold memory or the loop.
+                logger.warning("decision watcher fell behind; dropping it")
+                self.unsubscribe(q)
+                q.get_nowait()
+                q.put_nowait(None)
+
+
+def validate_overrides(overrides: Mapping[str, Any]) -> None:
+    """Names in ``overrides`` must be PolicySettings fields."""
+    known = {f.name for f in dataclasses.fields(pol.PolicySettings)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise InvalidArgument(f"unknown policy field(s): {unknown}")

@@ -1,0 +1,154 @@
+"""The scaler's unit-of-work layer over services.scaler.repo: one transaction per
+call, run in a worker thread so the event loop (and with it ingestion) never
+waits on SQL, and the fencing epoch of every job this scaler owns."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from services.common import db
+from services.common.clock import Clock
+from services.scaler import repo
+from services.scaler.repo import (
+    DecisionDetailRecord,
+    DecisionPage,
+    DecisionRecord,
+    DecisionState,
+    JobRecord,
+    RollupRecord,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class DecisionStore:
+    def __init__(self, engine: Engine, owner_id: str, clock: Clock) -> None:
+        self.engine = engine
+        self.factory = db.make_session_factory(engine)
+        self.owner_id = owner_id
+        self.clock = clock
+        self.epochs: dict[str, int] = {}
+
+    def now(self) -> datetime:
+        return db.utc_from_epoch(self.clock.now())
+
+    async def _run(self, fn: Callable[[Session], T], *, write: bool = True, what: str = "") -> T:
+        return await asyncio.to_thread(
+            db.unit_of_work, self.factory, fn, write=write, what=what or "scaler store"
+        )
+
+    # -- jobs ----------------------------------------------------------------------
+
+    async def acquire(self, job_id: str) -> int:
+        now = self.now()
+        epoch = await self._run(
+            lambda s: repo.acquire_job_ownership(s, job_id, self.owner_id, now=now),
+            what=f"acquire job {job_id}",
+        )
+        self.epochs[job_id] = epoch
+        return epoch
+
+    async def list_jobs(self) -> list[JobRecord]:
+        return await self._run(repo.list_jobs, write=False)
+
+    async def get_job(self, job_id: str) -> JobRecord:
+        return await self._run(lambda s: repo.get_job(s, job_id), write=False)
+
+    async def upsert_job(self, job_id: str, **kwargs: Any) -> JobRecord:
+        now = self.now()
+        return await self._run(
+            lambda s: repo.upsert_job(s, job_id, now=now, **kwargs), what=f"upsert job {job_id}"
+        )
+
+    async def set_paused(self, job_id: str, paused: bool, reason: str) -> JobRecord:
+        now = self.now()
+        return await self._run(
+            lambda s: repo.set_paused(s, job_id, paused=paused, reason=reason, now=now)
+        )
+
+    async def set_observed(
+        self, job_id: str, *, current_replicas: int | None = None, generation: int | None = None
+    ) -> JobRecord:
+        now = self.now()
+        return await self._run(
+            lambda s: repo.set_job_observed(
+                s, job_id, now=now, current_replicas=current_replicas, generation=generation
+            )
+        )
+
+    # -- decisions -----------------------------------------------------------------
+
+    async def create(
+        self,
+        *,
+        job_id: str,
+        from_replicas: int,
+        to_replicas: int,
+        reason: str,
+        trigger: str,
+        message: str,
+        inputs: Mapping[str, Any],
+        requested_by: str = "",
+    ) -> DecisionRecord:
+        epoch = self.epochs[job_id]
+        now = self.now()
+        return await self._run(
+            lambda s: repo.create_decision(
+                s,
+                job_id=job_id,
+                from_replicas=from_replicas,
+                to_replicas=to_replicas,
+                reason=reason,
+                trigger=trigger,
+                message=message,
+                inputs=inputs,
+                epoch=epoch,
+                now=now,
+                requested_by=requested_by,
+            ),
+            what=f"create decision of job {job_id}",
+        )
+
+    async def transition(
+        self, d: DecisionRecord, state: DecisionState, detail: str, **kwargs: Any
+    ) -> DecisionRecord:
+        epoch = self.epochs[d.job_id]
+        now = self.now()
+        return await self._run(
+            lambda s: repo.transition_decision(
+                s, d.id, state, detail=detail, epoch=epoch, now=now, **kwargs
+            ),
+            what=f"decision {d.id} -> {state}",
+        )
+
+    async def non_final(self) -> list[DecisionRecord]:
+        return await self._run(repo.non_final_decisions, write=False)
+
+    async def get_decision(self, decision_id: int) -> DecisionDetailRecord:
+        return await self._run(lambda s: repo.get_decision(s, decision_id), write=False)
+
+    async def list_decisions(self, **kwargs: Any) -> DecisionPage:
+        return await self._run(lambda s: repo.list_decisions(s, **kwargs), write=False)
+
+    async def last_completed(self, job_id: str) -> DecisionRecord | None:
+        page = await self.list_decisions(
+            job_id=job_id, states=(DecisionState.COMPLETED,), page_size=1
+        )
+        return page.decisions[0] if page.decisions else None
+
+    # -- rollups -------------------------------------------------------------------
+
+    async def write_rollups(self, rows: Sequence[RollupRecord]) -> int:
+        return await self._run(lambda s: repo.write_rollups(s, rows), what="write rollups")
+
+    async def rollups_between(self, job_id: str, t0: datetime, t1: datetime) -> list[RollupRecord]:
+        return await self._run(lambda s: repo.rollups_between(s, job_id, t0, t1), write=False)

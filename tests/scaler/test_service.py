@@ -1,0 +1,216 @@
+"""The control loop end to end in one process: reports in, committed decisions out,
+the (fake) coordinator and actuator driven in the documented order."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+from tide.v1 import telemetry_pb2
+
+from services.common import db
+from services.common.clock import FakeClock
+from services.scaler.actuator import InMemoryActuator, ReplicaChange
+from services.scaler.coordination import InMemoryCoordinator, Phase
+from services.scaler.policy import Reason
+from services.scaler.repo import DecisionState, StaleEpoch
+from services.scaler.service import ScalerCore
+from services.scaler.store import DecisionStore
+from tests.scaler.conftest import report
+
+T0 = 1_800_000_000.0
+FAST = {"bucket_s": 10.0, "sustain_s": 30.0, "cooldown_s": 60.0, "scale_down_stabilization_s": 0.0}
+PODS = ["uid-a-0"] * 4 + ["uid-a-1"] * 4
+
+
+@dataclass
+class Rig:
+    core: ScalerCore
+    clock: FakeClock
+    actuator: InMemoryActuator
+    coordinator: InMemoryCoordinator
+    store: DecisionStore
+
+
+def make_rig(url: str, clock: FakeClock, owner: str = "s1") -> Rig:
+    actuator = InMemoryActuator(total_gpus=64)
+    coordinator = InMemoryCoordinator(available=lambda j: actuator.replicas.get(j))
+    store = DecisionStore(db.make_engine(url), owner, clock)
+    core = ScalerCore(store=store, actuator=actuator, coordinator=coordinator, clock=clock)
+    return Rig(core, clock, actuator, coordinator, store)
+
+
+@pytest.fixture
+async def rig(scaler_db_url: str) -> AsyncIterator[Rig]:
+    r = make_rig(scaler_db_url, FakeClock(T0))
+    await r.core.start()
+    await r.core.upsert_job("ns/a", FAST, initial_replicas=2, gpus_per_replica=4)
+    await until(lambda: "uid-a-1" in r.core.registry.by_uid)
+    yield r
+    await r.core.close()
+    r.store.engine.dispose()
+
+
+async def until(cond: object, timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():  # type: ignore[operator]
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not met in {timeout_s}s")
+        await asyncio.sleep(0.01)
+
+
+def feed(rig: Rig, seconds: int, util: float, *, node: str = "n1", start_seq: int = 1) -> int:
+    """One report per second of fake time from ``node``; returns the next seq."""
+    st = rig.core.engine.open_stream()
+    seq = start_seq
+    for _ in range(seconds):
+        rig.clock.advance(1.0)
+        rig.core.engine.process(
+            st, report(node, seq, t=rig.clock.now(), utils=[util] * 8, pods=PODS)
+        )
+        seq += 1
+    rig.core.engine.close_stream(st)
+    return seq
+
+
+async def final(rig: Rig, decision_id: int) -> DecisionState:
+    for task in list(rig.core.controller.tasks.values()):
+        await task
+    detail = await rig.store.get_decision(decision_id)
+    return detail.decision.state
+
+
+async def test_sustained_high_grows_through_the_lifecycle(rig: Rig) -> None:
+    feed(rig, 35, 95.0)
+    d = await rig.core.evaluate("ns/a")
+    assert d.reason is Reason.SUSTAINED_HIGH_UTILIZATION
+    assert (d.from_replicas, d.to_replicas) == (2, 4)
+    page = await rig.store.list_decisions(job_id="ns/a")
+    dec = page.decisions[0]
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    detail = await rig.store.get_decision(dec.id)
+    assert [e.state for e in detail.events] == [
+        DecisionState.PENDING,
+        DecisionState.PREPARING,
+        DecisionState.ACTUATING,
+        DecisionState.COMPLETED,
+    ]
+    assert detail.decision.inputs["window"]["gpus_fresh"] == 8
+    assert rig.actuator.changes == [ReplicaChange("ns/a", 2, 4, dec.id)]
+    assert rig.coordinator.job("ns/a") == (2, 4)
+    assert rig.core.jobs["ns/a"].current_replicas == 4
+    # The cooldown comes from the decision's end.
+    assert (await rig.core.evaluate("ns/a")).reason is Reason.COOLDOWN
+
+
+async def test_brief_spike_and_stale_data_do_nothing(rig: Rig) -> None:
+    feed(rig, 29, 50.0)
+    feed(rig, 11, 99.0, start_seq=30)
+    assert (await rig.core.evaluate("ns/a")).reason is Reason.NOT_SUSTAINED
+    rig.clock.advance(30)
+    assert (await rig.core.evaluate("ns/a")).reason is Reason.STALE_DATA
+    assert rig.actuator.changes == []
+
+
+async def test_grow_aborted_by_the_coordinator_puts_replicas_back(rig: Rig) -> None:
+    rig.coordinator.fail_at["ns/a"] = Phase.CHECKPOINTING
+    feed(rig, 35, 95.0)
+    await rig.core.evaluate("ns/a")
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert await final(rig, dec.id) is DecisionState.ABORTED
+    assert [(c.old, c.new) for c in rig.actuator.changes] == [(2, 4), (4, 2)]
+    assert rig.core.jobs["ns/a"].current_replicas == 2
+    assert rig.core.jobs["ns/a"].last_resize_ended_at is not None
+
+
+async def test_sustained_low_shrinks_checkpoint_first(rig: Rig) -> None:
+    await rig.core.upsert_job("ns/a", {"min_replicas": 1})
+    feed(rig, 35, 10.0)
+    d = await rig.core.evaluate("ns/a")
+    assert (d.reason, d.to_replicas) == (Reason.SUSTAINED_LOW_UTILIZATION, 1)
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    # The coordinator resized before the actuator lowered the replicas.
+    assert rig.coordinator.calls[0].target_world_size == 1
+    assert [(c.old, c.new) for c in rig.actuator.changes] == [(2, 1)]
+
+
+async def test_termination_notice_shrinks_off_the_node(rig: Rig) -> None:
+    await rig.core.upsert_job("ns/a", {"min_replicas": 1})
+    feed(rig, 5, 60.0)
+    st = rig.core.engine.open_stream()
+    r = report("n2", 1, t=rig.clock.now(), utils=[60.0] * 4, pods=["uid-a-1"] * 4)
+    r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
+    rig.core.engine.process(st, r)
+    d = await rig.core.evaluate("ns/a")
+    assert (d.reason, d.to_replicas) == (Reason.NODE_TERMINATION, 1)
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert dec.inputs["leaving_pods"] == ["uid-a-1"]
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    assert rig.coordinator.calls[0].leaving_pods == ("uid-a-1",)
+
+
+async def test_manual_resize_and_pause(rig: Rig) -> None:
+    await rig.core.set_autoscaling("ns/a", True, "maintenance")
+    feed(rig, 35, 95.0)
+    assert (await rig.core.evaluate("ns/a")).reason is Reason.PAUSED
+    dec = await rig.core.request_resize("ns/a", 3, "load test", "alice")
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    assert [(c.old, c.new) for c in rig.actuator.changes] == [(2, 3)]
+
+
+async def test_restart_resumes_a_committed_decision(scaler_db_url: str) -> None:
+    clock = FakeClock(T0)
+    a = make_rig(scaler_db_url, clock)
+    await a.core.start()
+    await a.core.upsert_job("ns/a", FAST, initial_replicas=2)
+    await a.store.acquire("ns/a")
+    # Committed but never acted on: what a crash right after the commit leaves.
+    d = await a.store.create(
+        job_id="ns/a",
+        from_replicas=2,
+        to_replicas=4,
+        reason="MANUAL",
+        trigger="MANUAL",
+        message="x",
+        inputs={},
+    )
+    await a.core.close()
+    b = make_rig(scaler_db_url, clock, owner="s2")
+    await b.core.start()
+    assert await final(b, d.id) is DecisionState.COMPLETED
+    assert [(c.old, c.new) for c in b.actuator.changes] == [(2, 4)]
+    await b.core.close()
+    a.store.engine.dispose()
+    b.store.engine.dispose()
+
+
+async def test_two_scalers_never_both_act_on_a_job(scaler_db_url: str) -> None:
+    clock = FakeClock(T0)
+    a = make_rig(scaler_db_url, clock, owner="a")
+    await a.core.start()
+    await a.core.upsert_job("ns/a", FAST, initial_replicas=2)
+    b = make_rig(scaler_db_url, clock, owner="b")
+    await b.core.start()  # takes the job: a's epoch is now stale
+    with pytest.raises(StaleEpoch):
+        await a.core.request_resize("ns/a", 4, "from a", "a")
+    assert a.actuator.changes == []
+    dec = await b.core.request_resize("ns/a", 4, "from b", "b")
+    assert await final(b, dec.id) is DecisionState.COMPLETED
+    page = await b.store.list_decisions(job_id="ns/a")
+    assert [x.requested_by for x in page.decisions] == ["b"]
+    for r in (a, b):
+        await r.core.close()
+        r.store.engine.dispose()
+
+
+async def test_rollups_reach_sql(rig: Rig) -> None:
+    feed(rig, 130, 70.0)
+    assert await rig.core.flush_rollups() >= 1
+    rows = await rig.store.rollups_between(
+        "ns/a", db.utc_from_epoch(T0 - 60), db.utc_from_epoch(T0 + 600)
+    )
+    assert rows and all(r.mean_pct == 70.0 and r.replicas == 2 for r in rows)
