@@ -792,7 +792,8 @@ class JobRuntime:
             stayers: list[Member] = []
             joining = list(newcomers or [])
             r.newcomers = tuple(m.member_id for m in joining)
-            restore = self.last_good_step()
+            # 0: the newest good checkpoint on disk, periodic ones included.
+            restore = 0
         else:
             stayers = [
                 self.members[i]
@@ -993,8 +994,11 @@ class JobRuntime:
             (m.step for m in self.members.values() if m.reported_generation == g), default=0
         )
         survivors = self._actives()
-        restore = self.last_good_step()
-        lost_steps = max(0, reached - restore)
+        # Survivors restore the newest good checkpoint on disk (restore_step 0), which
+        # may be a periodic one the coordinator never heard of; the lost steps are
+        # counted from the newest one it knows, so they are an upper bound.
+        known = self.last_good_step()
+        lost_steps = max(0, reached - known)
         if not survivors:
             self._log.error(
                 "generation %d lost every member (%s); the next Resize forms a new one", g, reason
@@ -1006,7 +1010,7 @@ class JobRuntime:
             return
         self._open_generation(
             survivors,
-            restore,
+            0,
             reason=f"recovery: {reason}",
             decision_id=None,
             lost_steps=lost_steps,
@@ -1015,11 +1019,11 @@ class JobRuntime:
         self.job.lost_steps_total += lost_steps
         self._touch_job()
         self._log.warning(
-            "unplanned loss: generation %d re-formed with %d member(s) from step %d; "
-            "%d step(s) lost",
+            "unplanned loss: generation %d re-formed with %d member(s) from the newest "
+            "checkpoint (known: step %d); at most %d step(s) lost",
             self.job.generation,
             len(survivors),
-            restore,
+            known,
             lost_steps,
         )
 
