@@ -90,6 +90,7 @@ class NodeWatcher:
         on_notice: Callable[[NodeNotice], None],
         *,
         timeout_s: int = 60,
+        read_slack_s: float = 15.0,
         backoff: Backoff | None = None,
         clock: Clock | None = None,
     ) -> None:
@@ -98,6 +99,7 @@ class NodeWatcher:
         self._node = node_name
         self._on_notice = on_notice
         self._timeout_s = timeout_s
+        self._read_slack_s = read_slack_s
         self._backoff = backoff or Backoff(0.5, 30.0)
         self._clock = clock or SystemClock()
         self._stop = threading.Event()
@@ -119,13 +121,19 @@ class NodeWatcher:
         self._thread.join(join_s)
 
     def _observe(self, node: Any | None) -> None:
-        cur = NodeView.of(node) if node is not None else GONE
-        notices = notices_between(self._view, cur, self._clock.now())
-        if node is None and self._view is not None:
-            notices.append(
-                NodeNotice(NoticeKind.TERMINATION_NOTICE, self._clock.now(), "node deleted", None)
+        now = self._clock.now()
+        if node is None:
+            # Deleted (or never there): it is going away, whatever its spec said.
+            notices = (
+                [NodeNotice(NoticeKind.TERMINATION_NOTICE, now, "node deleted")]
+                if self._view is not None and self._view is not GONE
+                else []
             )
-        self._view = cur
+            self._view = GONE
+        else:
+            cur = NodeView.of(node)
+            notices = notices_between(self._view, cur, now)
+            self._view = cur
         for notice in notices:
             logger.warning("node %s: %s (%s)", self._node, notice.kind.name, notice.detail)
             self._on_notice(notice)
@@ -152,7 +160,7 @@ class NodeWatcher:
             timeout_seconds=self._timeout_s,
             # The read timeout must outlast the server's timeout_seconds, or a quiet
             # watch would be cut short; connect fast or not at all.
-            _request_timeout=(5, self._timeout_s + 15),
+            _request_timeout=(5, self._timeout_s + self._read_slack_s),
             allow_watch_bookmarks=True,
         ):
             if self._stop.is_set():
