@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import grpc
 import pytest
 from tide.v1 import coordinator_pb2 as pb
 
-from tests.coordinator.conftest import JOB, Env
+from services.common.errors import Unavailable
+from services.coordinator.store import MemoryStore, Unit
+from tests.coordinator.conftest import JOB, Env, close_env, make_env
 from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch, eventually
 
 K = pb.Directive.Kind
@@ -335,3 +340,89 @@ async def test_unknown_ids_are_not_found_and_bad_register_invalid(env: Env) -> N
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "host" in (err.value.details() or "")
+
+
+async def test_watch_job_streams_membership_and_generation_changes(env: Env) -> None:
+    seen: list[pb.JobStatus] = []
+
+    async def watch() -> None:
+        async for st in env.stub.WatchJob(pb.GetJobStatusRequest(job_id=JOB), timeout=30):
+            seen.append(st)
+
+    await env.launcher(0)
+    task = asyncio.create_task(watch())
+    try:
+        await eventually(lambda: seen, what="initial status")
+        assert (seen[0].generation, len(seen[0].members)) == (0, 1)
+        await env.launcher(1)
+        await eventually(lambda: len(seen[-1].members) == 2, what="second member")
+        w = ResizeWatch(env.stub, JOB, 1, 2)
+        await eventually(lambda: seen[-1].generation == 1, what="generation 1")
+        await eventually(lambda: _no_pending(env))
+        await env.heartbeat_all()
+        await w.final()
+        await eventually(lambda: not seen[-1].HasField("active_resize"), what="resize done")
+        assert any(s.active_resize.phase == P.RESIZE_PHASE_RENDEZVOUS for s in seen)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_tick_loop_runs_on_the_clock(env: Env) -> None:
+    ls = await form(env, 2)
+    ls[1].exited = True  # silent from now on
+    task = asyncio.create_task(env.coordinator.run())
+    try:
+        for _ in range(4):
+            await env.heartbeat_all(advance_s=8.0)  # advancing wakes the loop's sleep
+        await eventually(lambda: ls[0].generation == 2, what="recovery by the tick loop")
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+class FlakyStore(MemoryStore):
+    """Fails the next ``fail`` saves, as a database that went away would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = 0
+
+    def save(self, unit: Unit) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise Unavailable("database unavailable (injected)")
+        super().save(unit)
+
+
+async def test_failed_commit_sends_nothing_and_reloads_the_job() -> None:
+    store = FlakyStore()
+    env = await make_env(store)
+    try:
+        ls = await form(env, 2)
+        await env.heartbeat_all()
+        store.fail = 1
+        w = ResizeWatch(env.stub, JOB, 2, 1)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await w.final()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Nothing of the failed unit reached anyone, and the job is as committed.
+        assert [K.KIND_CHECKPOINT in fl.kinds() for fl in ls] == [False, False]
+        st = await env.status()
+        assert (st.generation, st.world_size) == (1, 2)
+        assert not st.HasField("active_resize")
+        # The launchers' streams were bound to the discarded state: they reconnect.
+        for fl in ls:
+            await eventually(fl.stream_ended, what="stream ended")
+            await fl.register()
+            await fl.connect()
+        await env.heartbeat_all()
+        retry = ResizeWatch(env.stub, JOB, 2, 1)
+        await eventually(lambda: ls[1].exited, what="drained on retry")
+        await eventually(lambda: ls[0].generation == 2)
+        await env.heartbeat_all()
+        assert (await retry.final()).phase == P.RESIZE_PHASE_COMPLETED
+    finally:
+        await close_env(env)
