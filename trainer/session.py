@@ -44,6 +44,7 @@ from trainer.checkpoint import (
     CheckpointNotFound,
     CheckpointSettings,
     CheckpointStore,
+    LoadedCheckpoint,
     PeriodicSchedule,
     WrittenCheckpoint,
 )
@@ -229,23 +230,38 @@ class ElasticSession:
         self._lr = lr_scheduler
 
     def restore(self) -> int:
-        """Load the checkpoint the rendezvous names (or the newest good one); returns its step."""
+        """Load the newest good checkpoint; returns its step (0: from scratch).
+
+        The newest one, not only the step the rendezvous names: after an unplanned loss the
+        coordinator names its last coordinated checkpoint, while a newer periodic one loses
+        fewer steps; every checkpoint of the job lies on the same trajectory. The ranks then
+        agree on the step, so a checkpoint committed between two ranks' listings cannot split
+        them."""
         started = time.monotonic()
-        at_most = self.env.restore_step
         try:
-            loaded = self.store.load_latest(at_most=at_most)
+            loaded: LoadedCheckpoint | None = self.store.load_latest()
         except CheckpointNotFound:
-            if at_most is not None:
-                raise
             loaded = None
+        named = self.env.restore_step
+        if named is not None and (loaded is None or loaded.step < named):
+            logger.warning(
+                "checkpoint %d named by generation %d is missing or damaged; restoring %s",
+                named,
+                self.env.generation,
+                loaded.step if loaded else "from scratch",
+            )
+        step = loaded.step if loaded else 0
+        lowest = self._agree_min(step)
+        if lowest != step:
+            logger.warning(
+                "rank %d found step %d but another rank only %d; using %d",
+                self.rank,
+                step,
+                lowest,
+                lowest,
+            )
+            loaded = self.store.load_latest(at_most=lowest) if lowest else None
         if loaded is not None:
-            if at_most is not None and loaded.step != at_most:
-                logger.warning(
-                    "checkpoint %d named by generation %d is damaged; restored %d instead",
-                    at_most,
-                    self.env.generation,
-                    loaded.step,
-                )
             self._load_state(loaded.files)
             self.step_done = loaded.step
         self.restored_step = self.step_done
@@ -460,6 +476,16 @@ class ElasticSession:
             self._handle(msg)
         if self.channel.closed:
             self._want_exit = True
+
+    def _agree_min(self, value: int) -> int:
+        if self.world_size == 1:
+            return value
+        import paddle
+        import paddle.distributed as dist
+
+        t = paddle.to_tensor([-value], dtype="int64")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return -int(t.numpy()[0])
 
     def _agree(self) -> tuple[int, bool, bool]:
         mine = [self._stop_at, int(self._want_checkpoint), int(self._want_exit)]

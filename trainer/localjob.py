@@ -1,0 +1,361 @@
+"""Run an elastic job on this machine: a coordinator process and launcher processes.
+
+Used by the end-to-end tests and bench/rescale.py. It plays the scaler's part (``Resize``) and
+the actuator's (starting and killing launchers as "pods"), and reads the logs that
+trainer/examples/train_mlp.py writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from tide.v1 import coordinator_pb2 as pb
+from tide.v1 import coordinator_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = str(ROOT / "trainer" / "examples" / "train_mlp.py")
+RPC_TIMEOUT_S = 5.0
+_LISTENING = re.compile(r"LISTENING grpc=(\d+)")
+FINAL_PHASES = (
+    pb.RESIZE_PHASE_COMPLETED,
+    pb.RESIZE_PHASE_ABORTED,
+    pb.RESIZE_PHASE_FAILED,
+)
+
+
+@dataclass
+class Pod:
+    name: str
+    index: int
+    proc: subprocess.Popen[bytes]
+    state_dir: Path
+
+    def kill_launcher(self) -> None:
+        """SIGKILL the launcher: its zygote sees stdin close and its worker gets PDEATHSIG."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def worker_pids(self) -> list[int]:
+        """Pids of this pod's worker processes (grandchildren through the zygote)."""
+        return [pid for pid in _descendants(self.proc.pid) if _is_worker(pid)]
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return out
+    for c in children:
+        out.append(int(c))
+        out.extend(_descendants(int(c)))
+    return out
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return b"TIDE_GENERATION=" in environ
+
+
+@dataclass
+class LocalJob:
+    """One job: ``job_id`` on a coordinator started here, with launchers as pods."""
+
+    workdir: Path
+    train_args: Sequence[str]
+    job_id: str = "ns/e2e"
+    sync_timeout_s: float = 4.0
+    heartbeat_interval_s: float = 0.5
+    checkpoint_lead_s: float = 1.0
+    use_zygote: bool = True
+    pods: list[Pod] = field(default_factory=list)
+    coordinator: subprocess.Popen[str] | None = None
+    port: int = 0
+    _channel: grpc.aio.Channel | None = None
+    _decision: int = 0
+
+    @property
+    def stub(self) -> pb_grpc.CoordinatorAsyncStub:
+        assert self._channel is not None
+        return pb_grpc.CoordinatorStub(self._channel)
+
+    @property
+    def log_dir(self) -> Path:
+        return self.workdir / "logs"
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.workdir / "ckpt"
+
+    def start_coordinator(self, port: int = 0, timeout_s: float = 30.0) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [
+            sys.executable,
+            "-m",
+            "services.coordinator",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--db",
+            f"sqlite:///{self.workdir / 'coordinator.db'}",
+            "--sync-timeout-s",
+            str(self.sync_timeout_s),
+            "--heartbeat-interval-s",
+            str(self.heartbeat_interval_s),
+            "--checkpoint-lead-s",
+            str(self.checkpoint_lead_s),
+            "--tick-interval-s",
+            "0.1",
+            "--log-level",
+            "INFO",
+        ]
+        log = open(self.workdir / "coordinator.log", "a")  # noqa: SIM115
+        proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        log.close()
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            m = _LISTENING.search(line)
+            if m:
+                self.port = int(m.group(1))
+                self.coordinator = proc
+                # Keep draining stdout so the coordinator never blocks on a full pipe.
+                asyncio.get_running_loop().run_in_executor(None, _drain, proc.stdout)
+                if self._channel is None:
+                    self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+                return
+        proc.kill()
+        raise RuntimeError(f"coordinator did not start; see {self.workdir / 'coordinator.log'}")
+
+    def kill_coordinator(self) -> None:
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.send_signal(signal.SIGKILL)
+            self.coordinator.wait(timeout=10)
+
+    def add_pod(self, index: int, extra_train_args: Sequence[str] = ()) -> Pod:
+        name = f"trainer-{index}"
+        state_dir = self.workdir / name
+        state_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainer.launch",
+            "--coordinator",
+            f"127.0.0.1:{self.port}",
+            "--job",
+            self.job_id,
+            "--pod",
+            name,
+            "--pod-index",
+            str(index),
+            "--state-dir",
+            str(state_dir),
+            "--exit-grace-s",
+            "0.5",
+            *([] if self.use_zygote else ["--no-zygote"]),
+            "--",
+            sys.executable,
+            EXAMPLE,
+            "--ckpt-dir",
+            str(self.ckpt_dir),
+            "--log-dir",
+            str(self.log_dir),
+            *self.train_args,
+            *extra_train_args,
+        ]
+        out = open(state_dir / "launcher.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=out, stderr=out, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+        out.close()
+        pod = Pod(name, index, proc, state_dir)
+        self.pods.append(pod)
+        return pod
+
+    async def status(self) -> pb.JobStatus | None:
+        try:
+            st: pb.JobStatus = await self.stub.GetJobStatus(
+                pb.GetJobStatusRequest(job_id=self.job_id), timeout=RPC_TIMEOUT_S
+            )
+            return st
+        except grpc.aio.AioRpcError:
+            return None
+
+    async def wait_status(
+        self, pred: Callable[[pb.JobStatus], bool], timeout_s: float, what: str
+    ) -> pb.JobStatus:
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            last = await self.status()
+            if last is not None and pred(last):
+                return last
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last}")
+
+    async def wait_standby(self, n: int, timeout_s: float = 60.0) -> pb.JobStatus:
+        return await self.wait_status(
+            lambda s: sum(m.state == pb.MEMBER_STATE_STANDBY for m in s.members) >= n,
+            timeout_s,
+            f"{n} standby members",
+        )
+
+    async def resize(
+        self,
+        target: int,
+        deadline_s: float = 60.0,
+        on_progress: Callable[[pb.ResizeProgress], None] | None = None,
+        timeout_s: float = 120.0,
+    ) -> list[pb.ResizeProgress]:
+        """Scaler's part: Resize and follow its progress to a final phase."""
+        self._decision += 1
+        req = pb.ResizeRequest(
+            decision_id=self._decision,
+            job_id=self.job_id,
+            target_world_size=target,
+            deadline_s=deadline_s,
+        )
+        updates: list[pb.ResizeProgress] = []
+        async for p in self.stub.Resize(req, timeout=timeout_s):
+            updates.append(p)
+            if on_progress is not None:
+                on_progress(p)
+            if p.phase in FINAL_PHASES:
+                break
+        return updates
+
+    async def wait_pods_exit(self, timeout_s: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(p.proc.poll() is not None for p in self.pods):
+                break
+            await asyncio.sleep(0.1)
+        return [p.proc.poll() for p in self.pods]
+
+    async def close(self) -> None:
+        for pod in self.pods:
+            if pod.proc.poll() is None:
+                pod.proc.terminate()
+        for pod in self.pods:
+            try:
+                pod.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pod.proc.kill()
+                pod.proc.wait(timeout=10)
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.terminate()
+            try:
+                self.coordinator.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.coordinator.kill()
+                self.coordinator.wait(timeout=10)
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+
+def _drain(stream: Any) -> None:
+    for _ in stream:
+        pass
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                # A worker SIGKILLed mid-line leaves a torn last line.
+                continue
+    return out
+
+
+def loss_records(log_dir: Path) -> list[dict[str, Any]]:
+    return read_jsonl(log_dir / "loss.jsonl")
+
+
+def sample_records(log_dir: Path) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for path in sorted(log_dir.glob("samples-rank*-g*.jsonl")):
+        out.extend(read_jsonl(path))
+    return out
+
+
+def reference_run(
+    workdir: Path, train_args: Sequence[str], world_size: int = 2, timeout_s: float = 120.0
+) -> Path:
+    """A fixed-size run without any coordinator (Paddle's plain way): the parity baseline."""
+    log_dir = workdir / "logs"
+    ports = [_free_port() for _ in range(world_size)]
+    endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
+    procs = []
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "PADDLE_DISTRI_BACKEND": "gloo",
+            "PADDLE_MASTER": f"127.0.0.1:{ports[0]}",
+            "PADDLE_TRAINER_ID": str(rank),
+            "PADDLE_TRAINERS_NUM": str(world_size),
+            "PADDLE_TRAINER_ENDPOINTS": endpoints,
+            "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{ports[rank]}",
+        }
+        workdir.mkdir(parents=True, exist_ok=True)
+        out = open(workdir / f"ref-rank{rank}.log", "ab")  # noqa: SIM115
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    EXAMPLE,
+                    "--ckpt-dir",
+                    str(workdir / "ckpt"),
+                    "--log-dir",
+                    str(log_dir),
+                    *train_args,
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=out,
+            )
+        )
+        out.close()
+    codes = [p.wait(timeout=timeout_s) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"reference run failed with {codes}; see {workdir}")
+    return log_dir
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
