@@ -1,0 +1,15 @@
+-- Why did job X scale? Step 4: what the job's GPUs did, minute by minute, around the decision.
+-- Parameters: decision_id, context_minutes (on each side).
+SELECT r.minute,
+       r.mean_pct,
+       r.min_pct,
+       r.max_pct,
+       r.samples,
+       r.replicas,
+       r.minute = date_trunc('minute', d.created_at) AS decision_minute
+FROM utilization_rollups AS r
+JOIN decisions AS d ON d.job_id = r.job_id
+WHERE d.id = :decision_id
+  AND r.minute >= date_trunc('minute', d.created_at) - make_interval(mins => :context_minutes)
+  AND r.minute <= date_trunc('minute', d.created_at) + make_interval(mins => :context_minutes)
+ORDER BY r.minute;
