@@ -10,6 +10,7 @@ import asyncio
 import logging
 import sys
 
+from prometheus_client import REGISTRY
 from tide.v1 import coordinator_pb2_grpc
 
 from services.common import db, logs
@@ -18,6 +19,7 @@ from services.common.config import load_settings
 from services.common.errors import TideError
 from services.common.server import ServiceSpec, serve
 from services.coordinator.core import Coordinator
+from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.servicer import ADMIN_METHODS, SERVICE_NAME, CoordinatorServicer
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.sql_store import SqlStore
@@ -30,7 +32,7 @@ async def _run(settings: CoordinatorSettings) -> None:
     db.upgrade(settings.db)
     engine = db.make_engine(settings.db)
     store = SqlStore(db.make_session_factory(engine), clock.now)
-    coordinator = Coordinator(store, clock, settings.tuning())
+    coordinator = Coordinator(store, clock, settings.tuning(), CoordinatorMetrics(REGISTRY))
     coordinator.load()
 
     async def close_db() -> None:

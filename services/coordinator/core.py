@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from services.coordinator.errors import (
     UnknownMember,
     UnknownResize,
 )
+from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.settings import Tuning
 from services.coordinator.store import CoordinatorStore, JobSnapshot, Unit
 
@@ -196,7 +198,12 @@ class JobRuntime:
     """The coordinator of one job."""
 
     def __init__(
-        self, job: JobRecord, store: CoordinatorStore, clock: Clock, tuning: Tuning
+        self,
+        job: JobRecord,
+        store: CoordinatorStore,
+        clock: Clock,
+        tuning: Tuning,
+        metrics: CoordinatorMetrics | None = None,
     ) -> None:
         self.job = job
         self.members: dict[str, Member] = {}
@@ -210,16 +217,25 @@ class JobRuntime:
         self._store = store
         self._clock = clock
         self._tuning = tuning
+        self._metrics = metrics or CoordinatorMetrics()
         self._unit = Unit()
         self._outgoing: list[Directive] = []
         self._stream_tokens: dict[str, object] = {}
+        # Final resizes already counted in the metrics (a final one is saved once,
+        # but a reload brings finished ones back).
+        self._counted: set[int] = set()
         self._log = with_context(logger, job_id=job.job_id)
 
     @classmethod
     def from_snapshot(
-        cls, snap: JobSnapshot, store: CoordinatorStore, clock: Clock, tuning: Tuning
+        cls,
+        snap: JobSnapshot,
+        store: CoordinatorStore,
+        clock: Clock,
+        tuning: Tuning,
+        metrics: CoordinatorMetrics | None = None,
     ) -> JobRuntime:
-        rt = cls(snap.job, store, clock, tuning)
+        rt = cls(snap.job, store, clock, tuning, metrics)
         rt.members = {m.member_id: m for m in snap.members}
         rt.generations = {g.generation: g for g in snap.generations}
         rt.checkpoints = list(snap.checkpoints)
@@ -246,18 +262,29 @@ class JobRuntime:
         outgoing, self._outgoing = self._outgoing, []
         if unit.empty():
             return
+        started = time.perf_counter()
         try:
             self._store.save(unit)
         except Exception as exc:
             # Memory is now ahead of the store; nothing of it was sent. The
             # Coordinator reloads this job from the store before its next use.
             self.broken = True
+            self._metrics.commit_failures.inc()
             self._log.exception("commit failed; the job will be reloaded from the store")
             if isinstance(exc, Unavailable):
                 raise
             raise Unavailable(f"job {self.job.job_id}: cannot persist state: {exc}") from exc
+        self._metrics.commit_seconds.observe(time.perf_counter() - started)
         for d in outgoing:
             self.directives[d.directive_id] = d
+        for r in unit.resizes:
+            if r.phase.final and r.decision_id not in self._counted:
+                self._counted.add(r.decision_id)
+                self._metrics.resizes.labels(r.phase.name).inc()
+                if r.phase == ResizePhase.COMPLETED and r.pause_s > 0:
+                    self._metrics.pause_seconds.observe(r.pause_s)
+        for g in unit.generations:
+            self._metrics.generations.labels("resize" if g.decision_id else "recovery").inc()
         self.notifier.notify()
 
     def _touch_job(self) -> None:
@@ -955,6 +982,7 @@ class JobRuntime:
                 self._supersede(m)
             self._dirty(m)
             lost.append(m.member_id)
+            self._metrics.members_lost.inc()
             self._log.warning("member %s lost: %s", m.member_id, reason)
         if not lost:
             return
@@ -1017,6 +1045,7 @@ class JobRuntime:
             deadline_s=self._tuning.sync_timeout_s,
         )
         self.job.lost_steps_total += lost_steps
+        self._metrics.lost_steps.inc(lost_steps)
         self._touch_job()
         self._log.warning(
             "unplanned loss: generation %d re-formed with %d member(s) from the newest "
@@ -1178,10 +1207,17 @@ class Coordinator:
     """Every job's runtime, the indexes from member and decision ids to jobs, and
     the periodic tick."""
 
-    def __init__(self, store: CoordinatorStore, clock: Clock, tuning: Tuning) -> None:
+    def __init__(
+        self,
+        store: CoordinatorStore,
+        clock: Clock,
+        tuning: Tuning,
+        metrics: CoordinatorMetrics | None = None,
+    ) -> None:
         self._store = store
         self._clock = clock
         self.tuning = tuning
+        self.metrics = metrics or CoordinatorMetrics()
         self.jobs: dict[str, JobRuntime] = {}
         self._member_job: dict[str, str] = {}
         self._decision_job: dict[int, str] = {}
@@ -1189,7 +1225,9 @@ class Coordinator:
     def load(self) -> None:
         """Reload every job from the store and apply the restart rules."""
         for snap in self._store.load_all():
-            self._install(JobRuntime.from_snapshot(snap, self._store, self._clock, self.tuning))
+            self._install(
+                JobRuntime.from_snapshot(snap, self._store, self._clock, self.tuning, self.metrics)
+            )
         for rt in self.jobs.values():
             rt.recover_after_restart()
         logger.info("loaded %d job(s) from the store", len(self.jobs))
@@ -1205,7 +1243,9 @@ class Coordinator:
         old = self.jobs.pop(job_id, None)
         for snap in self._store.load_all():
             if snap.job.job_id == job_id:
-                rt = JobRuntime.from_snapshot(snap, self._store, self._clock, self.tuning)
+                rt = JobRuntime.from_snapshot(
+                    snap, self._store, self._clock, self.tuning, self.metrics
+                )
                 rt.recover_after_restart()
                 self._install(rt)
                 if old is not None:
@@ -1223,7 +1263,9 @@ class Coordinator:
             if not create:
                 raise UnknownJob(f"job {job_id!r} is not known to the coordinator")
             _validate_job_id(job_id)
-            rt = JobRuntime(JobRecord(job_id=job_id), self._store, self._clock, self.tuning)
+            rt = JobRuntime(
+                JobRecord(job_id=job_id), self._store, self._clock, self.tuning, self.metrics
+            )
             self.jobs[job_id] = rt
         return rt
 

@@ -426,3 +426,27 @@ async def test_failed_commit_sends_nothing_and_reloads_the_job() -> None:
         assert (await retry.final()).phase == P.RESIZE_PHASE_COMPLETED
     finally:
         await close_env(env)
+
+
+async def test_metrics_count_outcomes_pauses_and_losses(env: Env) -> None:
+    ls = await form(env, 2)
+    await env.heartbeat_all()
+    ls.append(await env.launcher(2))
+    w = ResizeWatch(env.stub, JOB, 2, 3)
+    await eventually(lambda: all(fl.generation == 2 for fl in ls))
+    await eventually(lambda: _no_pending(env))
+    await env.heartbeat_all()
+    await w.final()
+    ls[2].phase = pb.WORKER_PHASE_FAILED
+    await ls[2].heartbeat()
+    reg = env.coordinator.metrics.registry
+
+    def value(name: str, **labels: str) -> float:
+        return reg.get_sample_value(name, labels) or 0.0
+
+    assert value("tide_coordinator_resizes_total", phase="COMPLETED") == 2
+    assert value("tide_coordinator_resize_pause_seconds_count") == 1
+    assert value("tide_coordinator_generations_total", cause="resize") == 2
+    assert value("tide_coordinator_generations_total", cause="recovery") == 1
+    assert value("tide_coordinator_members_lost_total") == 1
+    assert value("tide_coordinator_commit_seconds_count") > 5

@@ -1,0 +1,50 @@
+"""The coordinator's Prometheus metrics, in a registry of its own unless given one."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+
+class CoordinatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.resizes = Counter(
+            "tide_coordinator_resizes_total",
+            "Resizes that reached a final phase, by phase (COMPLETED, ABORTED, FAILED).",
+            ["phase"],
+            registry=r,
+        )
+        self.pause_seconds = Histogram(
+            "tide_coordinator_resize_pause_seconds",
+            "Training pause of completed resizes: last hold to last first step.",
+            buckets=(0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120),
+            registry=r,
+        )
+        self.generations = Counter(
+            "tide_coordinator_generations_total",
+            "Generations opened, by cause (resize, recovery).",
+            ["cause"],
+            registry=r,
+        )
+        self.members_lost = Counter(
+            "tide_coordinator_members_lost_total",
+            "Members (or their workers) declared lost.",
+            registry=r,
+        )
+        self.lost_steps = Counter(
+            "tide_coordinator_lost_steps_total",
+            "Training steps lost to unplanned losses (upper bound).",
+            registry=r,
+        )
+        self.commit_seconds = Histogram(
+            "tide_coordinator_commit_seconds",
+            "Time to commit one unit of coordinator state.",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+            registry=r,
+        )
+        self.commit_failures = Counter(
+            "tide_coordinator_commit_failures_total",
+            "Units that could not be committed (the job is reloaded from the store).",
+            registry=r,
+        )
