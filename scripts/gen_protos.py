@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from grpc_tools import protoc  # type: ignore[import-untyped]
+from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
