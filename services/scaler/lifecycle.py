@@ -44,7 +44,7 @@ __all__ = [
     "state_to_proto",
 ]
 
-_PROTO: Mapping[DecisionState, int] = {
+_PROTO: Mapping[DecisionState, common_pb2.DecisionState.ValueType] = {
     s: common_pb2.DecisionState.Value(f"DECISION_STATE_{s.value}") for s in DecisionState
 }
 _FROM_PROTO: Mapping[int, DecisionState] = {v: k for k, v in _PROTO.items()}
@@ -54,7 +54,7 @@ def can_transition(old: DecisionState, new: DecisionState) -> bool:
     return new in DECISION_TRANSITIONS[old]
 
 
-def state_to_proto(state: DecisionState) -> int:
+def state_to_proto(state: DecisionState) -> common_pb2.DecisionState.ValueType:
     return _PROTO[state]
 
 

@@ -1,0 +1,112 @@
+"""`python -m services.scaler`: the scaler process (Telemetry + Scaler APIs, the control loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from prometheus_client import REGISTRY
+from tide.v1 import scaler_pb2_grpc, telemetry_pb2_grpc
+
+from services.common import db, logs
+from services.common.client import open_channel
+from services.common.clock import SystemClock
+from services.common.config import load_settings
+from services.common.errors import ConfigError
+from services.common.server import ServiceSpec, serve
+from services.scaler.actuator import Actuator, FileActuator, InMemoryActuator
+from services.scaler.api import ADMIN_METHODS, ScalerServicer
+from services.scaler.coordination import (
+    CoordinatorClient,
+    GrpcCoordinatorClient,
+    InMemoryCoordinator,
+)
+from services.scaler.ingest import IngestCollector
+from services.scaler.lifecycle import FaultPoint
+from services.scaler.service import ScalerCore, ScalerSettings
+from services.scaler.store import DecisionStore
+from services.scaler.telemetry_api import TelemetryServicer
+
+logger = logging.getLogger("services.scaler")
+
+
+async def run(settings: ScalerSettings) -> None:
+    clock = SystemClock()
+    # Migrations are idempotent; running them at start keeps the embedded case one command.
+    await asyncio.to_thread(db.upgrade, settings.database_url)
+    engine = db.make_engine(settings.database_url)
+    store = DecisionStore(engine, settings.owner(), clock)
+    total = settings.total_gpus or None
+    actuator: Actuator
+    if settings.actuator.startswith("file:"):
+        actuator = FileActuator(Path(settings.actuator[len("file:") :]), total)
+    else:
+        actuator = InMemoryActuator(total)
+    coordinator: CoordinatorClient
+    if settings.coordinator:
+        coordinator = GrpcCoordinatorClient(open_channel(settings.coordinator))
+    else:
+        state = Path(settings.coordinator_state_file) if settings.coordinator_state_file else None
+        mem = actuator if isinstance(actuator, InMemoryActuator) else None
+        coordinator = InMemoryCoordinator(
+            (lambda j: mem.replicas.get(j)) if mem is not None else None, path=state
+        )
+    core = ScalerCore(
+        store=store,
+        actuator=actuator,
+        coordinator=coordinator,
+        clock=clock,
+        defaults=settings.policy(),
+        ingest=settings.ingest(),
+        fault=FaultPoint(),
+        evaluate_interval_s=settings.evaluate_interval_s,
+        rollup_flush_interval_s=settings.rollup_flush_interval_s,
+    )
+    REGISTRY.register(IngestCollector(core.engine))
+    await core.start()
+
+    async def shutdown() -> None:
+        await core.flush_rollups(final=True)
+        await core.close()
+        engine.dispose()
+
+    await serve(
+        settings,
+        [
+            ServiceSpec(
+                telemetry_pb2_grpc.add_TelemetryServicer_to_server,
+                TelemetryServicer(core.engine),
+                "tide.v1.Telemetry",
+            ),
+            ServiceSpec(
+                scaler_pb2_grpc.add_ScalerServicer_to_server,
+                ScalerServicer(core),
+                "tide.v1.Scaler",
+            ),
+        ],
+        admin_methods=ADMIN_METHODS,
+        background=[core.run],
+        on_shutdown=[shutdown],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = load_settings(
+            ScalerSettings,
+            sys.argv[1:] if argv is None else argv,
+            prog="python -m services.scaler",
+            description="Tide scaler: GPU telemetry in, coordinated resize decisions out.",
+        )
+    except ConfigError as exc:
+        print(f"services.scaler: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_level, settings.log_format)
+    asyncio.run(run(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

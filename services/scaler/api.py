@@ -1,0 +1,286 @@
+"""The Scaler gRPC API: a thin servicer over :class:`ScalerCore` and the store.
+
+Conversions between records and tide.v1 messages live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
+
+from services.common.errors import InvalidArgument
+from services.common.rpc import rpc_errors
+from services.scaler import policy as pol
+from services.scaler.lifecycle import state_from_proto, state_to_proto
+from services.scaler.repo import DecisionRecord, JobRecord
+from services.scaler.service import ScalerCore
+
+Ctx = grpc.aio.ServicerContext[Any, Any]
+
+#: Admin calls: the common server checks the bearer token on these.
+ADMIN_METHODS = frozenset(
+    {
+        "/tide.v1.Scaler/UpsertJob",
+        "/tide.v1.Scaler/RequestResize",
+        "/tide.v1.Scaler/SetAutoscaling",
+    }
+)
+
+_POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(pol.PolicySettings))
+
+
+def _ts(dt: datetime | None) -> Timestamp | None:
+    if dt is None:
+        return None
+    t = Timestamp()
+    t.FromDatetime(dt)
+    return t
+
+
+def _ts_s(seconds: float | None) -> Timestamp | None:
+    if seconds is None or not math.isfinite(seconds):
+        return None
+    t = Timestamp()
+    t.FromNanoseconds(int(seconds * 1e9))
+    return t
+
+
+def policy_to_proto(p: pol.PolicySettings) -> scaler_pb2.Policy:
+    return scaler_pb2.Policy(**{n: getattr(p, n) for n in _POLICY_FIELDS})
+
+
+def policy_from_proto(msg: scaler_pb2.Policy) -> dict[str, Any]:
+    """Only the fields the caller set."""
+    return {n: getattr(msg, n) for n in _POLICY_FIELDS if msg.HasField(n)}  # type: ignore[arg-type]
+
+
+def window_to_proto(w: pol.WindowView, at_s: float) -> common_pb2.WindowStats:
+    return common_pb2.WindowStats(
+        bucket_s=w.bucket_s,
+        bucket_means_pct=list(w.bucket_means),
+        coverage=w.coverage,
+        gpus_expected=w.gpus_expected,
+        gpus_fresh=w.gpus_fresh,
+        mean_pct=w.mean_pct,
+        computed_at=_ts_s(at_s),
+    )
+
+
+def _nan(v: Any) -> float:
+    return math.nan if v is None else float(v)
+
+
+def decision_to_proto(d: DecisionRecord) -> scaler_pb2.Decision:
+    return scaler_pb2.Decision(
+        id=d.id,
+        job_id=d.job_id,
+        from_replicas=d.from_replicas,
+        to_replicas=d.to_replicas,
+        reason=common_pb2.DecisionReason.Value(f"DECISION_REASON_{d.reason}"),
+        message=d.message,
+        trigger=common_pb2.DecisionTrigger.Value(f"DECISION_TRIGGER_{d.trigger}"),
+        state=state_to_proto(d.state),
+        created_at=_ts(d.created_at),
+        updated_at=_ts(d.updated_at),
+        error=d.error,
+        pause_s=d.pause_s,
+        lost_steps=d.lost_steps,
+        generation=d.generation,
+        requested_by=d.requested_by,
+    )
+
+
+def inputs_to_proto(inputs: dict[str, Any]) -> scaler_pb2.DecisionInputs:
+    msg = scaler_pb2.DecisionInputs(
+        current_replicas=int(inputs.get("current_replicas", 0)),
+        free_gpus=int(inputs.get("free_gpus", -1)),
+        raw_target_replicas=max(0, int(inputs.get("raw_target_replicas", 0))),
+        node_name=str(inputs.get("node_name", "") or ""),
+    )
+    w = inputs.get("window")
+    if w:
+        msg.window.CopyFrom(
+            common_pb2.WindowStats(
+                bucket_s=float(w.get("bucket_s", 0.0)),
+                bucket_means_pct=[_nan(v) for v in w.get("bucket_means_pct", [])],
+                coverage=float(w.get("coverage", 0.0)),
+                gpus_expected=int(w.get("gpus_expected", 0)),
+                gpus_fresh=int(w.get("gpus_fresh", 0)),
+                mean_pct=_nan(w.get("mean_pct")),
+                computed_at=_ts_s(w.get("computed_at_s")),
+            )
+        )
+    p = inputs.get("policy")
+    if p:
+        msg.policy.CopyFrom(
+            scaler_pb2.Policy(**{k: v for k, v in p.items() if k in _POLICY_FIELDS})
+        )
+    deadline = _ts_s(inputs.get("node_deadline_s"))
+    if deadline is not None:
+        msg.node_deadline.CopyFrom(deadline)
+    return msg
+
+
+class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
+    def __init__(self, core: ScalerCore) -> None:
+        self.core = core
+
+    def _job(self, job: JobRecord) -> scaler_pb2.Job:
+        core = self.core
+        p = core.policies.get(job.job_id) or core.policy_of(job)
+        now = core.clock.now()
+        msg = scaler_pb2.Job(
+            job_id=job.job_id,
+            policy=policy_to_proto(p),
+            current_replicas=job.current_replicas,
+            generation=job.generation,
+            autoscaling_paused=job.autoscaling_paused,
+            pause_reason=job.pause_reason,
+            window=window_to_proto(core.window_of(job.job_id, now), now),
+            active_decision_id=core.active.get(job.job_id, 0),
+            gpus_per_replica=job.gpus_per_replica,
+            created_at=_ts(job.created_at),
+            last_resize_at=_ts(job.last_resize_ended_at),
+        )
+        ev = core.evaluations.get(job.job_id)
+        if ev is not None:
+            msg.last_evaluation.CopyFrom(
+                scaler_pb2.Evaluation(
+                    reason=common_pb2.DecisionReason.ValueType(ev.decision.reason.value),
+                    message=ev.decision.message,
+                    at=_ts_s(ev.at_s),
+                )
+            )
+        return msg
+
+    @rpc_errors
+    async def ListJobs(
+        self, request: scaler_pb2.ListJobsRequest, context: Ctx
+    ) -> scaler_pb2.ListJobsResponse:
+        jobs = [self._job(j) for _, j in sorted(self.core.jobs.items())]
+        return scaler_pb2.ListJobsResponse(jobs=jobs)
+
+    @rpc_errors
+    async def GetJob(self, request: scaler_pb2.GetJobRequest, context: Ctx) -> scaler_pb2.Job:
+        return self._job(self.core._job(request.job_id))
+
+    @rpc_errors
+    async def UpsertJob(self, request: scaler_pb2.UpsertJobRequest, context: Ctx) -> scaler_pb2.Job:
+        overrides = policy_from_proto(request.policy)
+        job = await self.core.upsert_job(
+            request.job_id,
+            overrides,
+            initial_replicas=request.initial_replicas,
+            gpus_per_replica=request.gpus_per_replica,
+        )
+        return self._job(job)
+
+    @rpc_errors
+    async def ListDecisions(
+        self, request: scaler_pb2.ListDecisionsRequest, context: Ctx
+    ) -> scaler_pb2.ListDecisionsResponse:
+        try:
+            states = tuple(state_from_proto(s) for s in request.states)
+        except KeyError:
+            raise InvalidArgument(f"unknown decision state in {list(request.states)}") from None
+        page = await self.core.store.list_decisions(
+            job_id=request.job_id,
+            since=request.since.ToDatetime(tzinfo=UTC) if request.HasField("since") else None,
+            until=request.until.ToDatetime(tzinfo=UTC) if request.HasField("until") else None,
+            states=states,
+            page_size=request.page_size or 100,
+            page_token=request.page_token,
+        )
+        return scaler_pb2.ListDecisionsResponse(
+            decisions=[decision_to_proto(d) for d in page.decisions],
+            next_page_token=page.next_page_token,
+        )
+
+    @rpc_errors
+    async def GetDecision(
+        self, request: scaler_pb2.GetDecisionRequest, context: Ctx
+    ) -> scaler_pb2.DecisionDetail:
+        if request.context_minutes > 1440:
+            raise InvalidArgument(f"context_minutes={request.context_minutes}: must be 0..1440")
+        minutes = request.context_minutes or 10
+        detail = await self.core.store.get_decision(request.id)
+        d = detail.decision
+        end = d.ended_at or d.updated_at
+        rollups = await self.core.store.rollups_between(
+            d.job_id,
+            d.created_at - timedelta(minutes=minutes),
+            end + timedelta(minutes=minutes),
+        )
+        return scaler_pb2.DecisionDetail(
+            decision=decision_to_proto(d),
+            inputs=inputs_to_proto(d.inputs),
+            events=[
+                scaler_pb2.DecisionEvent(
+                    decision_id=e.decision_id,
+                    job_id=d.job_id,
+                    state=state_to_proto(e.state),
+                    at=_ts(e.at),
+                    detail=e.detail,
+                )
+                for e in detail.events
+            ],
+            utilization=[
+                scaler_pb2.UtilizationPoint(
+                    minute=_ts(r.minute),
+                    mean_pct=r.mean_pct,
+                    min_pct=r.min_pct,
+                    max_pct=r.max_pct,
+                    samples=r.samples,
+                    replicas=r.replicas,
+                )
+                for r in rollups
+            ],
+        )
+
+    @rpc_errors
+    async def RequestResize(
+        self, request: scaler_pb2.RequestResizeRequest, context: Ctx
+    ) -> scaler_pb2.Decision:
+        d = await self.core.request_resize(
+            request.job_id, request.replicas, request.reason, request.requested_by
+        )
+        return decision_to_proto(d)
+
+    @rpc_errors
+    async def SetAutoscaling(
+        self, request: scaler_pb2.SetAutoscalingRequest, context: Ctx
+    ) -> scaler_pb2.Job:
+        job = await self.core.set_autoscaling(request.job_id, request.paused, request.reason)
+        return self._job(job)
+
+    @rpc_errors
+    async def WatchDecisions(
+        self, request: scaler_pb2.WatchDecisionsRequest, context: Ctx
+    ) -> AsyncIterator[scaler_pb2.DecisionEvent]:
+        q = self.core.subscribe(request.job_id)
+        try:
+            while True:
+                item = await q.get()
+                if item is None:
+                    return
+                d = item.decision
+                yield scaler_pb2.DecisionEvent(
+                    decision_id=d.id,
+                    job_id=d.job_id,
+                    state=state_to_proto(d.state),
+                    at=_ts(d.updated_at),
+                    detail=item.detail,
+                    decision=decision_to_proto(d),
+                )
+        finally:
+            self.core.unsubscribe(q)
+
+
+__all__ = ["ADMIN_METHODS", "ScalerServicer"]

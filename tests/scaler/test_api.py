@@ -1,0 +1,267 @@
+"""The Scaler API and the Telemetry stream of one scaler, over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2_grpc
+
+from services.common import db
+from services.common.clock import SystemClock
+from services.common.config import CommonSettings
+from services.common.grpc_options import client_options
+from services.common.server import RunningServer, ServiceSpec, start_server
+from services.scaler.actuator import InMemoryActuator
+from services.scaler.api import ADMIN_METHODS, ScalerServicer
+from services.scaler.coordination import InMemoryCoordinator
+from services.scaler.ingest import IngestSettings
+from services.scaler.policy import PolicySettings
+from services.scaler.service import ScalerCore
+from services.scaler.store import DecisionStore
+from services.scaler.telemetry_api import TelemetryServicer
+from tests.helpers import ROOT
+
+T = 10.0  # deadline of every call in these tests
+S = common_pb2
+
+
+@dataclass
+class Live:
+    core: ScalerCore
+    server: RunningServer
+    stub: scaler_pb2_grpc.ScalerStub
+    actuator: InMemoryActuator
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+
+@pytest.fixture
+async def live(tmp_path: Path) -> AsyncIterator[Live]:
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    db.upgrade(url)
+    clock = SystemClock()
+    actuator = InMemoryActuator()
+    coordinator = InMemoryCoordinator(available=lambda j: actuator.replicas.get(j), step_s=0.02)
+    store = DecisionStore(db.make_engine(url), "api-test", clock)
+    core = ScalerCore(
+        store=store,
+        actuator=actuator,
+        coordinator=coordinator,
+        clock=clock,
+        defaults=PolicySettings(
+            bucket_s=1.0,
+            sustain_s=3.0,
+            cooldown_s=0.0,
+            scale_down_stabilization_s=0.0,
+            min_coverage=0.5,
+        ),
+        ingest=IngestSettings(stale_after_s=1.5),
+        evaluate_interval_s=0.2,
+    )
+    await core.start()
+    loop_task = asyncio.create_task(core.run())
+    server = await start_server(
+        CommonSettings(listen="127.0.0.1:0"),
+        [
+            ServiceSpec(
+                scaler_pb2_grpc.add_ScalerServicer_to_server, ScalerServicer(core), "tide.v1.Scaler"
+            ),
+            ServiceSpec(
+                telemetry_pb2_grpc.add_TelemetryServicer_to_server,
+                TelemetryServicer(core.engine),
+                "tide.v1.Telemetry",
+            ),
+        ],
+        admin_methods=ADMIN_METHODS,
+    )
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=client_options())
+    try:
+        yield Live(core, server, scaler_pb2_grpc.ScalerStub(channel), actuator)
+    finally:
+        await channel.close()
+        await server.stop(0)
+        loop_task.cancel()
+        await asyncio.gather(loop_task, return_exceptions=True)
+        await core.close()
+        store.engine.dispose()
+
+
+async def eventually(fn: object, timeout_s: float = 15.0) -> object:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        value = await fn()  # type: ignore[operator]
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"not true within {timeout_s}s")
+        await asyncio.sleep(0.05)
+
+
+async def test_jobs_decisions_history_and_watch(live: Live) -> None:
+    stub = live.stub
+    job = await stub.UpsertJob(
+        scaler_pb2.UpsertJobRequest(
+            job_id="ns/a",
+            initial_replicas=2,
+            gpus_per_replica=2,
+            policy=scaler_pb2.Policy(max_replicas=6, cooldown_s=5.0),
+        ),
+        timeout=T,
+    )
+    assert (job.current_replicas, job.policy.max_replicas, job.policy.cooldown_s) == (2, 6, 5.0)
+    assert job.policy.scale_up_utilization_pct == 80.0
+    watch = stub.WatchDecisions(scaler_pb2.WatchDecisionsRequest(job_id="ns/a"), timeout=T)
+    d = await stub.RequestResize(
+        scaler_pb2.RequestResizeRequest(
+            job_id="ns/a", replicas=4, reason="test", requested_by="me"
+        ),
+        timeout=T,
+    )
+    assert (d.from_replicas, d.to_replicas, d.reason) == (2, 4, S.DECISION_REASON_MANUAL)
+    states = []
+    async for ev in watch:
+        states.append(ev.state)
+        if ev.state == S.DECISION_STATE_COMPLETED:
+            assert ev.decision.generation == 2
+            break
+    watch.cancel()
+    assert states == [
+        S.DECISION_STATE_PENDING,
+        S.DECISION_STATE_PREPARING,
+        S.DECISION_STATE_ACTUATING,
+        S.DECISION_STATE_COMPLETED,
+    ]
+    detail = await stub.GetDecision(scaler_pb2.GetDecisionRequest(id=d.id), timeout=T)
+    assert [e.state for e in detail.events] == states
+    assert detail.inputs.current_replicas == 2
+    assert detail.inputs.policy.max_replicas == 6
+    page = await stub.ListDecisions(scaler_pb2.ListDecisionsRequest(job_id="ns/a"), timeout=T)
+    assert [x.id for x in page.decisions] == [d.id]
+    got = await stub.GetJob(scaler_pb2.GetJobRequest(job_id="ns/a"), timeout=T)
+    assert got.current_replicas == 4
+    assert got.HasField("last_resize_at")
+    jobs = await stub.ListJobs(scaler_pb2.ListJobsRequest(), timeout=T)
+    assert [j.job_id for j in jobs.jobs] == ["ns/a"]
+    paused = await stub.SetAutoscaling(
+        scaler_pb2.SetAutoscalingRequest(job_id="ns/a", paused=True, reason="x"), timeout=T
+    )
+    assert paused.autoscaling_paused
+
+
+@pytest.mark.parametrize(
+    ("call", "code"),
+    [
+        (lambda s: s.GetJob(scaler_pb2.GetJobRequest(job_id="ns/none"), timeout=T), "NOT_FOUND"),
+        (lambda s: s.GetDecision(scaler_pb2.GetDecisionRequest(id=99), timeout=T), "NOT_FOUND"),
+        (
+            lambda s: s.UpsertJob(
+                scaler_pb2.UpsertJobRequest(
+                    job_id="ns/b", policy=scaler_pb2.Policy(scale_up_utilization_pct=150)
+                ),
+                timeout=T,
+            ),
+            "INVALID_ARGUMENT",
+        ),
+        (
+            lambda s: s.UpsertJob(scaler_pb2.UpsertJobRequest(job_id="no-namespace"), timeout=T),
+            "INVALID_ARGUMENT",
+        ),
+        (
+            lambda s: s.ListDecisions(scaler_pb2.ListDecisionsRequest(page_token="zz"), timeout=T),
+            "INVALID_ARGUMENT",
+        ),
+    ],
+)
+async def test_errors_map_to_status_codes(live: Live, call: object, code: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call(live.stub)  # type: ignore[operator]
+    assert err.value.code().name == code
+    assert err.value.details()
+
+
+def agent(live: Live, node: str, util: float, pods: list[str]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.scaler.agent_proc",
+            live.target,
+            node,
+            str(util),
+            "0.1",
+            *pods,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "STREAMING"
+    return proc
+
+
+@pytest.mark.slow
+async def test_killed_agent_goes_stale_and_blocks_scale_down(live: Live) -> None:
+    stub = live.stub
+    await stub.UpsertJob(
+        scaler_pb2.UpsertJobRequest(
+            job_id="ns/a",
+            initial_replicas=2,
+            gpus_per_replica=4,
+            policy=scaler_pb2.Policy(min_replicas=1, sustain_s=4.0),
+        ),
+        timeout=T,
+    )
+    a_pods = ["uid-a-0"] * 4
+    b_pods = ["uid-a-1"] * 4
+    agent_a = agent(live, "node-a", 10.0, a_pods)
+    agent_b = agent(live, "node-b", 10.0, b_pods)
+    try:
+
+        async def fresh(n: int) -> bool:
+            job = await stub.GetJob(scaler_pb2.GetJobRequest(job_id="ns/a"), timeout=T)
+            return job.window.gpus_fresh == n
+
+        await eventually(lambda: fresh(8))
+        agent_b.kill()
+        agent_b.wait(timeout=10)
+        # Stale within the limit (1.5 s) plus one evaluation interval.
+        loop = asyncio.get_running_loop()
+        t_kill = loop.time()
+        await eventually(lambda: fresh(4), timeout_s=5)
+        assert loop.time() - t_kill < 1.5 + 1.0
+
+        async def blocked() -> bool:
+            job = await stub.GetJob(scaler_pb2.GetJobRequest(job_id="ns/a"), timeout=T)
+            return job.last_evaluation.reason == S.DECISION_REASON_INSUFFICIENT_COVERAGE and (
+                "partial data never scales down" in job.last_evaluation.message
+            )
+
+        # Every bucket is low, yet with half the GPUs silent nothing shrinks.
+        await eventually(blocked, timeout_s=10)
+        page = await stub.ListDecisions(scaler_pb2.ListDecisionsRequest(), timeout=T)
+        assert list(page.decisions) == []
+        # The control: with the node back, the same load does scale down.
+        agent_b = agent(live, "node-b", 10.0, b_pods)
+
+        async def shrunk() -> bool:
+            page = await stub.ListDecisions(scaler_pb2.ListDecisionsRequest(), timeout=T)
+            return any(
+                d.reason == S.DECISION_REASON_SUSTAINED_LOW_UTILIZATION for d in page.decisions
+            )
+
+        await eventually(shrunk, timeout_s=15)
+    finally:
+        for p in (agent_a, agent_b):
+            p.kill()
+            p.wait(timeout=10)
