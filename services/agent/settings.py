@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from pathlib import Path
 
 from services.common import grpc_options
 from services.common.config import setting
@@ -65,9 +66,13 @@ class AgentSettings:
     watch_timeout_s: int = setting(
         60, "server-side timeout of one Node watch; the client waits 15 s longer"
     )
+    tls_ca_file: str = setting("", "CA bundle (PEM) to verify the scaler; enables TLS")
+    tls_cert_file: str = setting("", "client certificate (PEM) for mTLS to the scaler")
+    tls_key_file: str = setting("", "client private key (PEM) for mTLS to the scaler")
     metrics_listen: str = setting("", "Prometheus /metrics HTTP address HOST:PORT; empty: off")
     config: str = setting("", "YAML settings file; its keys are the flag names")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+    log_format: str = setting("text", "text or json")
 
     def __post_init__(self) -> None:
         if not self.node_name:
@@ -111,6 +116,16 @@ class AgentSettings:
             )
         if self.watch_timeout_s < 1:
             raise ConfigError(f"watch_timeout_s: must be >= 1, got {self.watch_timeout_s!r}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file and tls_key_file must be given together")
+        if self.tls_cert_file and not self.tls_ca_file:
+            raise ConfigError("tls_cert_file (mTLS) needs tls_ca_file to verify the scaler")
+        for name in ("tls_ca_file", "tls_cert_file", "tls_key_file", "replay_path"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{name}: no such file {path!r}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format: expected text or json, got {self.log_format!r}")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise ConfigError(
                 f"log_level: expected DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"

@@ -19,6 +19,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import cast
 
 import grpc
@@ -45,6 +46,19 @@ class StreamConfig:
     backoff_max_s: float = 30.0
     keepalive_time_s: float = grpc_options.KEEPALIVE_TIME_S
     keepalive_timeout_s: float = grpc_options.KEEPALIVE_TIMEOUT_S
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+
+    def open_channel(self) -> grpc.aio.Channel:
+        if not self.tls_ca_file:
+            return grpc.aio.insecure_channel(self.target, options=self.channel_options())
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=Path(self.tls_ca_file).read_bytes(),
+            private_key=Path(self.tls_key_file).read_bytes() if self.tls_key_file else None,
+            certificate_chain=Path(self.tls_cert_file).read_bytes() if self.tls_cert_file else None,
+        )
+        return grpc.aio.secure_channel(self.target, creds, options=self.channel_options())
 
     def channel_options(self) -> list[tuple[str, object]]:
         options = grpc_options.client_options(
@@ -105,7 +119,7 @@ class TelemetryStream:
     async def run(self) -> None:
         """Keep a stream open until cancelled."""
         cfg = self.config
-        channel = grpc.aio.insecure_channel(cfg.target, options=cfg.channel_options())
+        channel = cfg.open_channel()
         stub = telemetry_pb2_grpc.TelemetryStub(channel)
         try:
             while True:
