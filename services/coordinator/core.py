@@ -1126,10 +1126,16 @@ class JobRuntime:
     def recover_after_restart(self) -> None:
         """Apply the restart rules: give every member a fresh sync timeout to come
         back, abort a resize that had not passed its barrier, carry on one that had."""
-        mono = self._clock.monotonic()
+        now, mono = self._clock.now(), self._clock.monotonic()
         for m in self.members.values():
             m.last_seen_mono = mono
             m.phase = WorkerPhase.UNSPECIFIED
+        # Deadlines kept running while nobody could ack: the downtime is not the
+        # members' fault, so each pending directive gets a full timeout again.
+        for d in self.directives.values():
+            if d.pending and d.deadline_at is not None:
+                d.deadline_at = max(d.deadline_at, now + self._tuning.sync_timeout_s)
+                self._dirty(d)
         r = self.active_resize()
         if r is not None and r.phase in (
             ResizePhase.WAITING_FOR_MEMBERS,
@@ -1137,6 +1143,8 @@ class JobRuntime:
         ):
             self._abort(r, "the coordinator restarted before the barrier completed")
         elif r is not None:
+            r.phase_started_at = max(r.phase_started_at, now)
+            self._dirty(r)
             self._log.info(
                 "resize %d: carried on after restart in phase %s", r.decision_id, r.phase.name
             )

@@ -193,3 +193,26 @@ def test_second_writer_with_stale_version_conflicts(store: CoordinatorStore) -> 
     store.save(Unit(job=job))
     [snap] = store.load_all()
     assert snap.job.generation == 2 and snap.job.version == job.version
+
+
+async def test_downtime_longer_than_the_deadlines_does_not_lose_members(senv: Env) -> None:
+    env = senv
+    await _form(env, 2)
+    await env.heartbeat_all()
+    for fl in env.launchers:
+        fl.answer_rendezvous = False
+    env.launchers.append(await env.launcher(2))
+    ResizeWatch(env.stub, JOB, 2, 3, deadline_s=20.0)
+    await eventually(lambda: env.coordinator.jobs[JOB].job.generation == 2, what="g2 sent")
+
+    env.clock.advance(120.0)  # the coordinator was down for two minutes
+    await env.restart()
+    env.coordinator.tick()
+    for fl in env.launchers:
+        fl.answer_rendezvous = True
+    await _reconnect_all(env)
+    await eventually(lambda: all(fl.generation == 2 for fl in env.launchers), what="g2")
+    await eventually(lambda: not _pending(env))
+    await env.heartbeat_all()
+    final = await ResizeWatch(env.stub, JOB, 2, 3).final()
+    assert final.phase == P.RESIZE_PHASE_COMPLETED, final.message
