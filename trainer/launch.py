@@ -207,8 +207,10 @@ class Launcher:
     async def run(self) -> int:
         self._state_dir.mkdir(parents=True, exist_ok=True)
         self._server = await asyncio.start_unix_server(self._on_worker_conn, path=self._sock_path)
-        # Warm the zygote while we register and wait as STANDBY.
-        await self.spawner.start()
+        # Register only once warm: the coordinator starts a barrier as soon as the newcomers
+        # are STANDBY, and a cold newcomer would put its Paddle import inside the pause.
+        warmup_s = await self.spawner.wait_ready()
+        logger.info("launcher %s warm after %.2fs", self.s.pod_name, warmup_s)
         self._channel = open_channel(self.s.coordinator)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._tasks = [

@@ -50,27 +50,27 @@ class Pod:
 
     def worker_pids(self) -> list[int]:
         """Pids of this pod's worker processes (grandchildren through the zygote)."""
-        return [pid for pid in _descendants(self.proc.pid) if _is_worker(pid)]
-
-
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
+        out: list[int] = []
+        for child in _children(self.proc.pid):
+            if b"trainer.zygote" in _cmdline(child):
+                out.extend(_children(child))
+            else:
+                out.append(child)
         return out
-    for c in children:
-        out.append(int(c))
-        out.extend(_descendants(int(c)))
-    return out
 
 
-def _is_worker(pid: int) -> bool:
+def _children(pid: int) -> list[int]:
     try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
-        return False
-    return b"TIDE_GENERATION=" in environ
+        return []
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 @dataclass

@@ -39,6 +39,10 @@ class WorkerHandle(Protocol):
 class Spawner(Protocol):
     async def start(self) -> None: ...
 
+    async def wait_ready(self) -> float:
+        """Until a spawn would be fast; returns the warm-up time, seconds."""
+        ...
+
     async def spawn(
         self, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: str
     ) -> WorkerHandle: ...
@@ -221,6 +225,9 @@ class SubprocessSpawner:
 
     async def start(self) -> None:
         pass
+
+    async def wait_ready(self) -> float:
+        return 0.0
 
     async def spawn(
         self, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: str

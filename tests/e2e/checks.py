@@ -45,7 +45,7 @@ def check_exactly_once(log_dir: Path, dataset_size: int, total_steps: int, spe: 
             latest[step] = (gen, entry)
     assert sorted(latest) == list(range(1, total_steps + 1)), "a step is missing"
     by_epoch: dict[int, list[int]] = defaultdict(list)
-    for step, (_, entry) in latest.items():
+    for _, entry in latest.values():
         by_epoch[entry["epoch"]].extend(entry["ids"])
     for epoch, ids in by_epoch.items():
         assert len(ids) == len(set(ids)), f"epoch {epoch} used a sample twice"

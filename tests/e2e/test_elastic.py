@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -67,7 +70,11 @@ async def test_resize_2_3_1_2_loses_nothing_and_matches_a_fixed_run(
         assert final.phase == pb.RESIZE_PHASE_COMPLETED, final
         assert final.lost_steps == 0
         results.append(final)
-        st = await job.wait_status(lambda s: s.world_size == target, 30, f"world {target}")
+        st = await job.wait_status(
+            lambda s, t=target: s.world_size == t,  # type: ignore[misc]
+            30,
+            f"world {target}",
+        )
 
     codes = await job.wait_pods_exit(120)
     # Pods 1 and 2 were drained by the 3 -> 1 shrink; all exit 0.
@@ -77,7 +84,6 @@ async def test_resize_2_3_1_2_loses_nothing_and_matches_a_fixed_run(
     gens = steps_by_generation(log_dir)
     all_steps = [s for steps in gens.values() for s in steps]
     assert sorted(all_steps) == list(range(1, STEPS + 1)), "a step was lost or repeated"
-    worlds = {r["gen"]: set() for r in []}
     per_step = samples_per_step(log_dir)
     worlds_seen = sorted({len(e["ranks"]) for e in per_step.values()})
     assert worlds_seen == [1, 2, 3]
@@ -93,3 +99,93 @@ async def test_resize_2_3_1_2_loses_nothing_and_matches_a_fixed_run(
     assert param_diff < 1e-5
     for r in results:
         print(f"resize to {r.world_size}: pause {r.pause_s:.3f}s {r.pause}")
+
+
+async def test_sigkilled_worker_survivors_resume_from_the_last_periodic_checkpoint(
+    job: LocalJob,
+) -> None:
+    for i in range(2):
+        job.add_pod(i)
+    await job.wait_standby(2)
+    assert (await job.resize(2))[-1].phase == pb.RESIZE_PHASE_COMPLETED
+    st = await _progress_past(job, 34)
+    (victim,) = job.pods[1].worker_pids()
+    killed_at = asyncio.get_running_loop().time()
+    os.kill(victim, signal.SIGKILL)
+    st = await job.wait_status(
+        lambda s: s.generation == 2 and s.world_size == 2, job.sync_timeout_s + 5, "re-formed"
+    )
+    reformed_s = asyncio.get_running_loop().time() - killed_at
+    assert reformed_s < job.sync_timeout_s, f"re-rendezvous took {reformed_s:.2f}s"
+    assert st.lost_steps_total > 0, "the loss was not reported"
+
+    codes = await job.wait_pods_exit(120)
+    assert codes == [0, 0], codes
+    gens = steps_by_generation(job.log_dir)
+    restored = min(gens[2]) - 1
+    reached = max(gens[1])
+    assert restored % 10 == 0 and restored > 0, f"restored {restored}: not a periodic checkpoint"
+    assert reached - restored < 10 + 2, "more than one checkpoint period was redone"
+    redone = sorted(set(gens[1]) & set(gens[2]))
+    assert redone == list(range(restored + 1, reached + 1))
+    per_step = samples_per_step(job.log_dir)
+    for step in redone:
+        # Redone steps used exactly the samples the lost ones had (the log shows which).
+        if (1, step) in per_step and len(per_step[(1, step)]["ranks"]) == 2:
+            assert sorted(per_step[(1, step)]["ids"]) == sorted(per_step[(2, step)]["ids"])
+    check_exactly_once(job.log_dir, DATASET, STEPS, SPE)
+    print(
+        f"worker killed at step ~{reached}: re-formed in {reformed_s:.2f}s from step {restored}; "
+        f"{len(redone)} steps redone, coordinator reported {st.lost_steps_total} lost"
+    )
+
+
+@pytest.fixture
+async def slow_barrier_job(tmp_path: Path) -> AsyncIterator[LocalJob]:
+    # The checkpoint step is placed further ahead than a lost member takes to be noticed, so
+    # the barrier is still open when the newcomer dies.
+    j = LocalJob(
+        tmp_path / "job",
+        [*TRAIN, "--step-delay-s", "0.04"],
+        sync_timeout_s=2.0,
+        heartbeat_interval_s=0.3,
+        checkpoint_lead_s=5.0,
+    )
+    j.start_coordinator()
+    yield j
+    await j.close()
+
+
+async def test_member_killed_during_the_barrier_aborts_and_the_others_resume(
+    slow_barrier_job: LocalJob,
+) -> None:
+    job = slow_barrier_job
+    for i in range(2):
+        job.add_pod(i)
+    await job.wait_standby(2)
+    assert (await job.resize(2))[-1].phase == pb.RESIZE_PHASE_COMPLETED
+    await _progress_past(job, 5)
+    workers_before = [p.worker_pids() for p in job.pods]
+    before = await job.status()
+    assert before is not None
+    newcomer = job.add_pod(2)
+    await job.wait_standby(1)
+
+    def kill_in_barrier(p: pb.ResizeProgress) -> None:
+        if p.phase == pb.RESIZE_PHASE_CHECKPOINTING:
+            newcomer.kill_launcher()
+
+    updates = await job.resize(3, on_progress=kill_in_barrier)
+    assert pb.RESIZE_PHASE_CHECKPOINTING in [u.phase for u in updates]
+    assert updates[-1].phase == pb.RESIZE_PHASE_ABORTED, updates[-1]
+    st = await job.status()
+    assert st is not None and st.generation == 1 and st.world_size == 2
+    assert st.last_checkpoint_step == before.last_checkpoint_step
+    step_at_abort = st.step
+    await _progress_past(job, step_at_abort + 5)
+    # Same worker processes: resumed in their generation without a restart.
+    assert [p.worker_pids() for p in job.pods[:2]] == workers_before
+    codes = await job.wait_pods_exit(120)
+    assert codes[:2] == [0, 0], codes
+    assert set(steps_by_generation(job.log_dir)) == {1}
+    check_exactly_once(job.log_dir, DATASET, STEPS, SPE)
