@@ -946,21 +946,3 @@ def delete_rollups_before(session: Session, before: datetime) -> int:
     result = session.connection().execute(table.delete().where(table.c.minute < before))
     assert isinstance(result, CursorResult)
     return result.rowcount
-
-
-__all__ = [
-    "DECISION_TRANSITIONS",
-    "FINAL_STATES",
-    "DecisionDetailRecord",
-    "DecisionEventRecord",
-    "DecisionInProgress",
-    "DecisionNotFound",
-    "DecisionPage",
-    "DecisionRecord",
-    "DecisionState",
-    "InvalidTransition",
-    "JobNotFound",
-    "JobRecord",
-    "RollupRecord",
-    "StaleEpoch",
-]

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -16,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.common import db
 from services.common.errors import ConfigError, Conflict, Unavailable
 from services.scaler import repo
+from services.scaler.models import Job
 from tests.helpers import wait_for
 
 T0 = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
@@ -36,7 +38,7 @@ JOB = "ml/resnet"
         ({"pool_timeout_s": -1}, "pool_timeout_s"),
     ],
 )
-def test_bad_settings_name_the_field(kw: dict[str, float], field: str) -> None:
+def test_bad_settings_name_the_field(kw: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         db.DbSettings(**kw)
 
@@ -94,7 +96,7 @@ def test_foreign_keys_are_enforced(factory: sessionmaker[Session]) -> None:
 def test_naive_datetimes_are_refused(factory: sessionmaker[Session]) -> None:
     with pytest.raises(sa.exc.StatementError, match="naive"), db.session_scope(factory) as s:
         s.add(
-            repo.Job(
+            Job(
                 job_id=JOB,
                 min_replicas=1,
                 max_replicas=1,
@@ -283,7 +285,7 @@ def test_unit_of_work_turns_stale_versions_into_conflict(factory: sessionmaker[S
         repo.upsert_job(s, JOB, min_replicas=1, max_replicas=9, now=T0)
 
     def fn(s: Session) -> None:
-        row = s.get(repo.Job, JOB)
+        row = s.get(Job, JOB)
         assert row is not None
         # Someone else moves the version after our read.
         s.execute(repo.JOBS.update().values(version=repo.JOBS.c.version + 1))

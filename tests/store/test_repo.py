@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from services.common.db import is_retryable, session_scope
 from services.common.errors import Conflict, InvalidArgument, NotFound
 from services.scaler import repo
-from services.scaler.models import Decision, DecisionEvent
+from services.scaler.models import Decision, DecisionEvent, Job
 from services.scaler.repo import DecisionState as S
 
 T0 = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
@@ -190,8 +190,8 @@ def test_version_counter_turns_a_lost_update_into_conflict(factory: Factory) -> 
     # Two sessions read the same version (plain, deferred transactions); the
     # second writer must not overwrite the first silently.
     with factory() as a, factory() as b:
-        row_a = a.get(repo.Job, JOB)
-        row_b = b.get(repo.Job, JOB)
+        row_a = a.get(Job, JOB)
+        row_b = b.get(Job, JOB)
         assert row_a is not None and row_b is not None
         row_a.current_replicas = 5
         a.commit()
