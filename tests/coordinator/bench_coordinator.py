@@ -1,0 +1,163 @@
+"""How much the coordinator itself adds to a resize, and how many heartbeats it takes.
+
+    .venv/bin/python -m tests.coordinator.bench_coordinator --members 16 --db sqlite
+    .venv/bin/python -m tests.coordinator.bench_coordinator --members 16 --db pg
+
+Server and fake launchers share one process and event loop (so one core): the
+figures are an upper bound of the coordinator's own cost. Not collected by pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import quote
+
+import grpc
+import sqlalchemy as sa
+from tide.v1 import coordinator_pb2 as pb
+from tide.v1 import coordinator_pb2_grpc as pb_grpc
+
+from services.common import db
+from services.common.clock import SystemClock
+from services.common.config import CommonSettings
+from services.common.server import ServiceSpec, start_server
+from services.coordinator.core import Coordinator
+from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from services.coordinator.settings import Tuning
+from services.coordinator.sql_store import SqlStore
+from tests.coordinator.fakes import FakeLauncher, ResizeWatch, eventually
+
+JOB = "bench/job"
+K = pb.Directive.Kind
+
+
+async def run(members: int, url: str, heartbeat_s: float) -> None:
+    clock = SystemClock()
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    store = SqlStore(db.make_session_factory(engine), clock.now)
+    coord = Coordinator(store, clock, Tuning(sync_timeout_s=60, heartbeat_interval_s=5))
+    coord.load()
+    server = await start_server(
+        CommonSettings(listen="127.0.0.1:0"),
+        [
+            ServiceSpec(
+                pb_grpc.add_CoordinatorServicer_to_server,
+                CoordinatorServicer(coord),
+                SERVICE_NAME,
+            )
+        ],
+    )
+    target = f"127.0.0.1:{server.port}"
+    channel = grpc.aio.insecure_channel(target)
+    stub = pb_grpc.CoordinatorStub(channel)
+    ls = [FakeLauncher(target, clock, JOB, i) for i in range(members + 1)]
+    try:
+        t0 = time.perf_counter()
+        for fl in ls:
+            await fl.join()
+        register_s = (time.perf_counter() - t0) / len(ls)
+        w = ResizeWatch(stub, JOB, 1, members, deadline_s=60)
+        await eventually(lambda: all(fl.generation == 1 for fl in ls[:members]), 60)
+        for fl in ls[:members]:
+            await fl.heartbeat()
+        await w.final(60)
+
+        # Heartbeats: every launcher beats as fast as it can for heartbeat_s seconds.
+        stop = time.perf_counter() + heartbeat_s
+        counts = [0] * members
+
+        async def beat(i: int) -> None:
+            while time.perf_counter() < stop:
+                await ls[i].heartbeat()
+                counts[i] += 1
+
+        await asyncio.gather(*(beat(i) for i in range(members)))
+        hb_rate = sum(counts) / heartbeat_s
+
+        # Grow by one: how long the coordinator's part of the pause takes.
+        ack_times: list[float] = []
+
+        def timed(fl: FakeLauncher) -> None:
+            orig = fl.ack
+
+            async def timed_ack(d: pb.Directive, **fields: object) -> None:
+                await orig(d, **fields)
+                if d.kind == K.KIND_CHECKPOINT:
+                    ack_times.append(time.perf_counter())
+
+            fl.ack = timed_ack  # type: ignore[method-assign]
+
+        for fl in ls[:members]:
+            timed(fl)
+        t_resize = time.perf_counter()
+        w = ResizeWatch(stub, JOB, 2, members + 1, deadline_s=60)
+        await eventually(lambda: all(K.KIND_CHECKPOINT in fl.kinds() for fl in ls[:members]), 60)
+        t_ck = time.perf_counter()
+        await eventually(lambda: all(fl.generation == 2 for fl in ls), 60)
+        t_rdv = time.perf_counter()
+        acks_done = max(ack_times[:members]) if ack_times else t_ck
+        for fl in ls:
+            await fl.heartbeat()
+        final = await w.final(60)
+        print(
+            f"members={members} db={url.split(':')[0]} register={register_s * 1e3:.2f} ms/call "
+            f"heartbeats={hb_rate:.0f}/s "
+            f"resize->all CHECKPOINT={1e3 * (t_ck - t_resize):.1f} ms "
+            f"last CHECKPOINT ack->all RENDEZVOUS={1e3 * (t_rdv - acks_done):.1f} ms "
+            f"phase={pb.ResizePhase.Name(final.phase)} "
+            f"commit p50={1e3 * _p50(coord):.2f} ms"
+        )
+    finally:
+        for fl in ls:
+            await fl.close()
+        await channel.close()
+        await server.stop(0)
+        engine.dispose()
+
+
+def _p50(coord: Coordinator) -> float:
+    # Histogram buckets do not give a median; re-time a few empty-ish commits instead.
+    rt = coord.jobs[JOB]
+    samples = []
+    for _ in range(50):
+        rt._touch_job()
+        t = time.perf_counter()
+        rt._commit()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--members", type=int, default=16)
+    p.add_argument("--db", choices=["sqlite", "pg"], default="sqlite")
+    p.add_argument("--heartbeat-s", type=float, default=3.0)
+    args = p.parse_args()
+    if args.db == "sqlite":
+        with tempfile.TemporaryDirectory() as tmp:
+            asyncio.run(run(args.members, f"sqlite:///{Path(tmp) / 'bench.db'}", args.heartbeat_s))
+        return
+    # A schema of its own: tide_test is shared with everyone else's tests.
+    base = "postgresql+psycopg://postgres@127.0.0.1:5432/tide_test"
+    schema = f"coord_bench_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    try:
+        url = f"{base}?options={quote(f'-csearch_path={schema}')}"
+        asyncio.run(run(args.members, url, args.heartbeat_s))
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.dispose()
+
+
+if __name__ == "__main__":
+    main()
