@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -103,7 +104,14 @@ class FileActuator(InMemoryActuator):
         if len(self.changes) > before:
             c = self.changes[-1]
             self._append(
-                {"job_id": c.job_id, "old": c.old, "new": c.new, "decision_id": c.decision_id}
+                {
+                    "job_id": c.job_id,
+                    "old": c.old,
+                    "new": c.new,
+                    "decision_id": c.decision_id,
+                    # Wall time of the change, for "nothing acts before its commit" checks.
+                    "at": time.time(),
+                }
             )
 
     def _append(self, doc: dict[str, object]) -> None:

@@ -52,10 +52,15 @@ class Controller:
         self.retry_s = retry_s
         self.tasks: dict[int, asyncio.Task[DecisionRecord | None]] = {}
 
-    def start(self, d: DecisionRecord, *, deadline_s: float) -> asyncio.Task[DecisionRecord | None]:
+    def start(
+        self, d: DecisionRecord, *, deadline_s: float, armed: bool = True
+    ) -> asyncio.Task[DecisionRecord | None]:
+        """Drive ``d`` to a final state in a task. ``armed=False`` keeps the fault
+        point quiet (a crash test kills once per decision, not again during recovery)."""
         task = self.tasks.get(d.id)
         if task is None or task.done():
-            task = asyncio.create_task(self._drive(d, deadline_s), name=f"decision-{d.id}")
+            fault = self.fault if armed else FaultPoint("")
+            task = asyncio.create_task(self._drive(d, deadline_s, fault), name=f"decision-{d.id}")
             self.tasks[d.id] = task
             did = d.id
 
@@ -72,22 +77,24 @@ class Controller:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _step(
-        self, d: DecisionRecord, state: DecisionState, detail: str, **kw: object
+        self, d: DecisionRecord, state: DecisionState, detail: str, fault: FaultPoint, **kw: object
     ) -> DecisionRecord:
         d = await self.store.transition(d, state, detail, **kw)
         if self.on_event is not None:
             self.on_event(d, detail)
-        self.fault(f"decision:{state.value}")
+        fault(f"decision:{state.value}")
         if d.final and self.on_final is not None:
             self.on_final(d)
         return d
 
-    async def _drive(self, d: DecisionRecord, deadline_s: float) -> DecisionRecord | None:
+    async def _drive(
+        self, d: DecisionRecord, deadline_s: float, fault: FaultPoint
+    ) -> DecisionRecord | None:
         log = logger.getChild("decision")
         try:
             if d.to_replicas >= d.from_replicas:
-                return await self._grow(d, deadline_s)
-            return await self._shrink(d, deadline_s)
+                return await self._grow(d, deadline_s, fault)
+            return await self._shrink(d, deadline_s, fault)
         except StaleEpoch as exc:
             # Another scaler took the job: it resumes the decision; we only stop.
             log.warning("decision %d of job %s: fenced off (%s)", d.id, d.job_id, exc)
@@ -97,24 +104,26 @@ class Controller:
         except Exception as exc:
             log.exception("decision %d of job %s failed", d.id, d.job_id)
             try:
-                return await self._step(d, S.FAILED, "internal error", error=str(exc))
+                return await self._step(d, S.FAILED, "internal error", fault, error=str(exc))
             except Exception:
                 log.exception("decision %d: could not record FAILED; recovery will", d.id)
                 return None
 
-    async def _grow(self, d: DecisionRecord, deadline_s: float) -> DecisionRecord:
+    async def _grow(
+        self, d: DecisionRecord, deadline_s: float, fault: FaultPoint
+    ) -> DecisionRecord:
         if d.state is S.PENDING:
             d = await self._step(
-                d, S.PREPARING, f"asking the actuator for {d.to_replicas} replica(s)"
+                d, S.PREPARING, f"asking the actuator for {d.to_replicas} replica(s)", fault
             )
         if d.state is S.PREPARING:
             await self.actuator.set_replicas(d.job_id, d.to_replicas, decision_id=d.id)
-            self.fault("decision:PREPARING+effect")
+            fault("decision:PREPARING+effect")
             d = await self._step(
-                d, S.ACTUATING, "replicas requested; coordinator admits the newcomers"
+                d, S.ACTUATING, "replicas requested; coordinator admits the newcomers", fault
             )
         result = await self._resize(d, deadline_s)
-        self.fault("decision:ACTUATING+effect")
+        fault("decision:ACTUATING+effect")
         if result.phase is Phase.COMPLETED:
             world = result.world_size or d.to_replicas
             if world < d.to_replicas:
@@ -124,6 +133,7 @@ class Controller:
                 d,
                 S.COMPLETED,
                 f"generation {result.generation} runs with {world} member(s)",
+                fault,
                 pause_s=result.pause_s,
                 generation=result.generation,
                 to_replicas=world,
@@ -133,33 +143,43 @@ class Controller:
         await self.actuator.set_replicas(d.job_id, d.from_replicas, decision_id=d.id)
         final = S.ABORTED if result.phase is Phase.ABORTED else S.FAILED
         return await self._step(
-            d, final, f"coordinator: {result.phase.name}", error=result.message or "aborted"
+            d, final, f"coordinator: {result.phase.name}", fault, error=result.message or "aborted"
         )
 
-    async def _shrink(self, d: DecisionRecord, deadline_s: float) -> DecisionRecord:
+    async def _shrink(
+        self, d: DecisionRecord, deadline_s: float, fault: FaultPoint
+    ) -> DecisionRecord:
         if d.state is S.PENDING:
             d = await self._step(
-                d, S.PREPARING, f"coordinated checkpoint and drain to {d.to_replicas} member(s)"
+                d,
+                S.PREPARING,
+                f"coordinated checkpoint and drain to {d.to_replicas} member(s)",
+                fault,
             )
         if d.state is S.PREPARING:
             result = await self._resize(d, deadline_s)
-            self.fault("decision:PREPARING+effect")
+            fault("decision:PREPARING+effect")
             if result.phase is not Phase.COMPLETED:
                 final = S.ABORTED if result.phase is Phase.ABORTED else S.FAILED
                 return await self._step(
-                    d, final, f"coordinator: {result.phase.name}", error=result.message or "aborted"
+                    d,
+                    final,
+                    f"coordinator: {result.phase.name}",
+                    fault,
+                    error=result.message or "aborted",
                 )
             d = await self._step(
                 d,
                 S.ACTUATING,
                 f"generation {result.generation} runs with {result.world_size}; lowering replicas",
+                fault,
                 pause_s=result.pause_s,
                 generation=result.generation,
                 lost_steps=result.lost_steps,
             )
         await self.actuator.set_replicas(d.job_id, d.to_replicas, decision_id=d.id)
-        self.fault("decision:ACTUATING+effect")
-        return await self._step(d, S.COMPLETED, f"replicas lowered to {d.to_replicas}")
+        fault("decision:ACTUATING+effect")
+        return await self._step(d, S.COMPLETED, f"replicas lowered to {d.to_replicas}", fault)
 
     async def _resize(self, d: DecisionRecord, deadline_s: float) -> Progress:
         """Run (or re-attach to) the coordinator's resize until a final phase. A broken
@@ -223,5 +243,5 @@ class Controller:
                 d.from_replicas,
                 d.to_replicas,
             )
-            tasks.append(self.start(d, deadline_s=deadline_of(d.job_id)))
+            tasks.append(self.start(d, deadline_s=deadline_of(d.job_id), armed=False))
         return tasks

@@ -379,6 +379,7 @@ class ScalerCore:
         )
         self.active[d.job_id] = record.id
         self._publish(record, d.message)
+        self.controller.fault("decision:PENDING")
         self.controller.start(record, deadline_s=self._deadline_of(d.job_id))
         return record
 
