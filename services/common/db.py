@@ -326,6 +326,14 @@ class RetryPolicy:
 DEFAULT_RETRY: Final = RetryPolicy()
 
 
+class StaleWrite(Conflict):
+    """Another transaction changed the row (its version counter) since this one read it.
+
+    Repositories raise it for SQLAlchemy's StaleDataError; :func:`unit_of_work`
+    runs the work again, which re-reads the row.
+    """
+
+
 def unit_of_work(
     factory: sessionmaker[Session],
     fn: Callable[[Session], T],
@@ -340,36 +348,44 @@ def unit_of_work(
     """Run ``fn(session)`` in one transaction, again from the start on a retryable failure.
 
     ``fn`` must be a pure function of the database (it may run several times;
-    only the last run commits). After ``retry.attempts`` failures it raises
-    :class:`Unavailable`. A version-counter mismatch (another writer updated
-    the same row first) surfaces as :class:`Conflict` and is not retried here:
-    the caller re-reads and decides. ``what`` names the work in logs, e.g.
-    "create decision for job ns/a".
+    only the last run commits). Retried: a dropped connection, a PostgreSQL
+    serialization failure or deadlock, SQLite busy, and a version-counter
+    mismatch (the re-run reads the other writer's row). After
+    ``retry.attempts`` runs it raises :class:`Unavailable`, or
+    :class:`StaleWrite` when versions kept moving. Everything else, including
+    every other TideError (a fencing ``Conflict`` above all), propagates at
+    once. ``what`` names the work in logs, e.g. "create decision for job ns/a".
     """
     rng = rng or random.Random()
     for attempt in range(retry.attempts):
+        last = attempt + 1 >= retry.attempts
         try:
             with session_scope(factory, write=write, isolation_level=isolation_level) as session:
                 return fn(session)
-        except StaleDataError as exc:
-            raise Conflict(f"{what}: a concurrent writer changed the row first ({exc})") from exc
+        except (StaleDataError, StaleWrite) as exc:
+            if last:
+                if isinstance(exc, StaleWrite):
+                    raise
+                raise StaleWrite(f"{what}: a concurrent writer changed the row first") from exc
+            cause = type(exc).__name__
         except DBAPIError as exc:
             if not is_retryable(exc):
                 raise
-            if attempt + 1 >= retry.attempts:
+            if last:
                 raise Unavailable(
                     f"{what}: database unavailable after {retry.attempts} attempts: {exc.orig}"
                 ) from exc
-            delay = retry.delay_s(attempt, rng)
-            logger.warning(
-                "%s: attempt %d/%d failed (%s), retrying in %.3f s",
-                what,
-                attempt + 1,
-                retry.attempts,
-                type(exc.orig).__name__,
-                delay,
-            )
-            sleep(delay)
+            cause = type(exc.orig).__name__
+        delay = retry.delay_s(attempt, rng)
+        logger.warning(
+            "%s: attempt %d/%d failed (%s), retrying in %.3f s",
+            what,
+            attempt + 1,
+            retry.attempts,
+            cause,
+            delay,
+        )
+        sleep(delay)
     raise AssertionError("unreachable: the loop returns or raises")
 
 

@@ -33,7 +33,7 @@ from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.exc import StaleDataError
 
-from services.common.db import json_dumps
+from services.common.db import StaleWrite, json_dumps
 from services.common.errors import (
     Conflict,
     FailedPrecondition,
@@ -310,7 +310,7 @@ def _flush(session: Session, what: str) -> None:
     try:
         session.flush()
     except StaleDataError as exc:
-        raise Conflict(f"{what}: a concurrent writer changed the row first") from exc
+        raise StaleWrite(f"{what}: a concurrent writer changed the row first") from exc
 
 
 def _execute(session: Session, stmt: Update) -> int:

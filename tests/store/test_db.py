@@ -280,18 +280,71 @@ def test_unit_of_work_does_not_retry_logic_errors(factory: sessionmaker[Session]
     assert calls == [1]
 
 
-def test_unit_of_work_turns_stale_versions_into_conflict(factory: sessionmaker[Session]) -> None:
+def test_unit_of_work_reruns_after_a_version_conflict(factory: sessionmaker[Session]) -> None:
     with db.session_scope(factory) as s:
         repo.upsert_job(s, JOB, min_replicas=1, max_replicas=9, now=T0)
+    seen_versions: list[int] = []
+    sleeps: list[float] = []
 
-    def fn(s: Session) -> None:
+    def fn(s: Session) -> repo.JobRecord:
         row = s.get(Job, JOB)
         assert row is not None
-        # Someone else moves the version after our read.
+        seen_versions.append(row.version)
+        if len(seen_versions) == 1:
+            # Another writer moves the version after our read (same transaction
+            # here, so that it is deterministic on both engines).
+            s.execute(repo.JOBS.update().values(version=repo.JOBS.c.version + 1))
+        return repo.set_job_observed(s, JOB, now=T0, current_replicas=4)
+
+    job = db.unit_of_work(factory, fn, sleep=sleeps.append)
+    assert seen_versions == [1, 1]  # the first run rolled back, its bump with it
+    assert len(sleeps) == 1
+    assert job.current_replicas == 4
+
+
+def test_unit_of_work_gives_up_on_versions_that_keep_moving(
+    factory: sessionmaker[Session],
+) -> None:
+    with db.session_scope(factory) as s:
+        repo.upsert_job(s, JOB, min_replicas=1, max_replicas=9, now=T0)
+    runs: list[int] = []
+
+    def fn(s: Session) -> None:
+        runs.append(1)
+        row = s.get(Job, JOB)
+        assert row is not None
         s.execute(repo.JOBS.update().values(version=repo.JOBS.c.version + 1))
         row.current_replicas = 4
+        s.flush()
 
-    with pytest.raises(Conflict):
+    policy = db.RetryPolicy(attempts=3, base_delay_s=0.0, max_delay_s=0.0)
+    with pytest.raises(db.StaleWrite) as info:
+        db.unit_of_work(factory, fn, retry=policy, sleep=lambda _s: None)
+    assert isinstance(info.value, Conflict)
+    assert len(runs) == 3
+
+
+def test_unit_of_work_never_retries_a_fencing_conflict(factory: sessionmaker[Session]) -> None:
+    with db.session_scope(factory) as s:
+        repo.upsert_job(s, JOB, min_replicas=1, max_replicas=9, now=T0)
+        stale = repo.acquire_job_ownership(s, JOB, "a", now=T0)
+        repo.acquire_job_ownership(s, JOB, "b", now=T0)
+
+    def fn(s: Session) -> repo.DecisionRecord:
+        return repo.create_decision(
+            s,
+            job_id=JOB,
+            from_replicas=1,
+            to_replicas=2,
+            reason="MANUAL",
+            trigger="MANUAL",
+            message="",
+            inputs={},
+            epoch=stale,
+            now=T0,
+        )
+
+    with pytest.raises(repo.StaleEpoch):
         db.unit_of_work(factory, fn, sleep=_no_sleep)
 
 
