@@ -495,3 +495,28 @@ def _lock_waiters(admin: sa.Engine) -> int:
                 )
             ).scalar_one()
         )
+
+
+@pytest.mark.postgres
+def test_a_pooled_connection_killed_while_idle_is_replaced_without_a_retry(
+    pg_factory: sessionmaker[Session], pg_admin: sa.Engine
+) -> None:
+    def backend_pid(s: Session) -> int:
+        return int(s.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+
+    first = db.unit_of_work(pg_factory, backend_pid, sleep=_no_sleep)
+    with pg_admin.connect() as admin:
+        assert admin.execute(sa.text("SELECT pg_terminate_backend(:p)"), {"p": first}).scalar()
+    wait_for(lambda: not _backend_alive(pg_admin, first), timeout_s=10, what="backend to go away")
+    # pool_pre_ping notices at checkout: no failed attempt, hence no backoff.
+    second = db.unit_of_work(pg_factory, backend_pid, sleep=_no_sleep)
+    assert second != first
+
+
+def _backend_alive(admin: sa.Engine, pid: int) -> bool:
+    with admin.connect() as conn:
+        return bool(
+            conn.execute(
+                sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p"), {"p": pid}
+            ).scalar_one()
+        )
