@@ -762,6 +762,9 @@ def list_decisions(
         cursor = _decode_token(page_token)
         if cursor.filters != fingerprint:
             raise InvalidArgument("page_token was issued for different filters")
+        # The plain bound lets both engines start the index range scan at the
+        # cursor; the OR alone would be a filter over every newer row.
+        conditions.append(Decision.created_at <= cursor.created_at)
         conditions.append(
             or_(
                 Decision.created_at < cursor.created_at,
