@@ -611,8 +611,10 @@ class JobRuntime:
             return existing
         if inp.target_world_size < 1:
             raise InvalidArgument(f"target_world_size: must be >= 1, got {inp.target_world_size}")
-        if not inp.deadline_s > 0:
-            raise InvalidArgument(f"deadline_s: must be > 0, got {inp.deadline_s}")
+        if not 0 <= inp.deadline_s < float("inf"):
+            raise InvalidArgument(f"deadline_s: must be >= 0 and finite, got {inp.deadline_s}")
+        # 0: the coordinator's own barrier timeout (DESIGN: sync_timeout is the barrier's).
+        deadline_s = inp.deadline_s or self._tuning.sync_timeout_s
         min_size = inp.min_world_size or inp.target_world_size
         if min_size > inp.target_world_size:
             raise InvalidArgument(
@@ -632,7 +634,7 @@ class JobRuntime:
             target_world_size=inp.target_world_size,
             min_world_size=min_size,
             leaving_pods=tuple(inp.leaving_pods),
-            deadline_s=inp.deadline_s,
+            deadline_s=deadline_s,
             phase=ResizePhase.WAITING_FOR_MEMBERS,
             from_generation=self.job.generation,
             started_at=now,

@@ -11,7 +11,7 @@ from tide.v1 import coordinator_pb2 as pb
 
 from services.common.errors import Unavailable
 from services.coordinator.store import MemoryStore, Unit
-from tests.coordinator.conftest import JOB, Env, close_env, make_env
+from tests.coordinator.conftest import JOB, TUNING, Env, close_env, make_env
 from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch, eventually
 
 K = pb.Directive.Kind
@@ -303,13 +303,14 @@ async def test_reregistration_returns_same_member_and_unacked_directives_are_res
     [
         ({"job_id": "no-namespace", "target_world_size": 1, "deadline_s": 5}, "INVALID_ARGUMENT"),
         ({"job_id": JOB, "target_world_size": 0, "deadline_s": 5}, "INVALID_ARGUMENT"),
-        ({"job_id": JOB, "target_world_size": 2, "deadline_s": 0}, "INVALID_ARGUMENT"),
+        ({"job_id": JOB, "target_world_size": 2, "deadline_s": -1}, "INVALID_ARGUMENT"),
+        ({"job_id": JOB, "target_world_size": 2, "deadline_s": float("nan")}, "INVALID_ARGUMENT"),
         (
             {"job_id": JOB, "target_world_size": 2, "deadline_s": 5, "min_world_size": 3},
             "INVALID_ARGUMENT",
         ),
     ],
-    ids=["bad-job-id", "zero-target", "zero-deadline", "min-above-target"],
+    ids=["bad-job-id", "zero-target", "negative-deadline", "nan-deadline", "min-above-target"],
 )
 async def test_bad_resize_requests_are_invalid_argument(
     env: Env, request_fields: dict[str, object], code: str
@@ -450,3 +451,19 @@ async def test_metrics_count_outcomes_pauses_and_losses(env: Env) -> None:
     assert value("tide_coordinator_generations_total", cause="recovery") == 1
     assert value("tide_coordinator_members_lost_total") == 1
     assert value("tide_coordinator_commit_seconds_count") > 5
+
+
+async def test_zero_deadline_means_the_sync_timeout(env: Env) -> None:
+    await form(env, 2)
+    await env.heartbeat_all()
+    env.launchers[1].answer_checkpoint = False
+    w = ResizeWatch(env.stub, JOB, 2, 1, deadline_s=0.0)
+    await eventually(lambda: K.KIND_CHECKPOINT in env.launchers[1].kinds(), what="barrier")
+    await env.heartbeat_all(advance_s=TUNING.sync_timeout_s - 1)
+    env.coordinator.tick()
+    assert env.coordinator.jobs[JOB].resizes[2].phase.name == "CHECKPOINTING"
+    await env.heartbeat_all(advance_s=2)
+    env.coordinator.tick()
+    final = await w.final()
+    assert final.phase == P.RESIZE_PHASE_ABORTED
+    assert "barrier deadline (30.0 s)" in final.message
