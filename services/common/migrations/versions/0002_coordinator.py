@@ -88,9 +88,7 @@ def upgrade() -> None:
         sa.Column("write_s", sa.Double(), nullable=False),
         sa.Column("created_at", _TS, nullable=False),
         _job_fk("coordinator_checkpoints"),
-        sa.PrimaryKeyConstraint(
-            "job_id", "step", "generation", name="pk_coordinator_checkpoints"
-        ),
+        sa.PrimaryKeyConstraint("job_id", "step", "generation", name="pk_coordinator_checkpoints"),
     )
     op.create_table(
         "coordinator_resizes",
