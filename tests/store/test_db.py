@@ -520,3 +520,53 @@ def _backend_alive(admin: sa.Engine, pid: int) -> bool:
                 sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p"), {"p": pid}
             ).scalar_one()
         )
+
+
+def _increment_in_process(url: str, n: int, barrier: Any, results: Any) -> None:
+    """Child process: n read-modify-write transactions; reports how many failed."""
+    engine = db.make_engine(url, db.DbSettings(busy_timeout_s=10.0))
+    factory = db.make_session_factory(engine)
+    barrier.wait(timeout=60)  # both past their imports: now they really contend
+    failed = 0
+    for _ in range(n):
+        try:
+            with db.session_scope(factory, write=True) as s:
+                current = repo.get_job(s, JOB).current_replicas
+                repo.set_job_observed(s, JOB, now=T0, current_replicas=current + 1)
+        except sa.exc.OperationalError:
+            failed += 1
+    engine.dispose()
+    results.put(failed)
+
+
+def test_two_sqlite_processes_writing_never_see_database_is_locked(tmp_path: Path) -> None:
+    import multiprocessing
+
+    factory = _sqlite_factory(tmp_path)
+    with db.session_scope(factory) as s:
+        repo.upsert_job(s, JOB, min_replicas=1, max_replicas=10_000, now=T0)
+    url = str(factory.kw["bind"].url)
+    per_process = 40
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_increment_in_process, args=(url, per_process, barrier, results))
+        for _ in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        failures = [results.get(timeout=90) for _ in procs]
+        for p in procs:
+            p.join(timeout=30)
+        assert [p.exitcode for p in procs] == [0, 0]
+        assert failures == [0, 0]
+        with db.session_scope(factory, write=False) as s:
+            assert repo.get_job(s, JOB).current_replicas == 1 + 2 * per_process
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        factory.kw["bind"].dispose()
