@@ -281,11 +281,12 @@ class Agent:
         self._enqueue(sample)
         flushed = await self.stream.flush(self.settings.shutdown_flush_s)
         logger.info(
-            "node %s: final report %s; %d sampled, %d dropped, %d unacked at exit",
+            "node %s: final report %s; %d sampled, %d dropped, %d unacked at exit, last seq %d",
             self.settings.node_name,
             "acked" if flushed else "NOT acked",
             self.buffer.added_total,
             self.buffer.dropped_total,
             len(self.buffer),
+            self.buffer.last_seq,
         )
         self._transition(AgentState.STOPPED)

@@ -179,3 +179,126 @@ async def test_scaler_killed_and_restarted_loses_nothing_uncounted(
     # ...and every sampled report is delivered or counted as dropped.
     assert last_seq + dropped == sampled
     assert (dropped > 0) is expect_drops
+
+
+@pytest.mark.slow
+def test_bench_prints_a_result_line() -> None:
+    out = subprocess.run(
+        [PY, "-m", "bench.agent", "--seconds=3", "--warmup-s=2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT ")
+    result = json.loads(last[len("RESULT ") :])
+    assert result["reports_per_s"] > 0
+    # Loose bounds: a smoke test on a shared machine, not the measurement.
+    assert 0 < result["cpu_pct"] < 25 and 10 < result["rss_mb"] < 200
+
+
+class RealScaler:
+    """``python -m services.scaler`` (the scaler engineer's), killed with -9 and restarted."""
+
+    def __init__(self, db: Path, port: int = 0) -> None:
+        self.db = db
+        self.port = port
+        self.metrics_port = 0
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            PY,
+            "-m",
+            "services.scaler",
+            f"--listen=127.0.0.1:{self.port}",
+            "--metrics-listen=127.0.0.1:0",
+            f"--database-url=sqlite:///{self.db}",
+            "--report-interval-s=0",
+            "--log-level=WARNING",
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        assert self.proc.stdout is not None
+        while True:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
+            assert line, "scaler exited before listening"
+            match = re.match(rb"LISTENING grpc=(\d+) metrics=(\d+)", line)
+            if match:
+                self.port, self.metrics_port = int(match.group(1)), int(match.group(2))
+                return
+
+    async def counters(self) -> dict[str, float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.metrics_port)
+        writer.write(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        body = (await asyncio.wait_for(reader.read(), 10)).decode()
+        writer.close()
+        found: dict[str, float] = {}
+        for line in body.splitlines():
+            m = re.match(r'tide_scaler_telemetry_reports_total\{result="(\w+)"\} (\S+)', line)
+            if m:
+                found[m.group(1)] = float(m.group(2))
+            m = re.match(r"tide_scaler_telemetry_seq_gaps_total (\S+)", line)
+            if m:
+                found["gaps"] = float(m.group(1))
+        return found
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+@pytest.mark.slow
+async def test_against_the_real_scaler_killed_and_restarted(tmp_path: Path) -> None:
+    first = RealScaler(tmp_path / "scaler.db")
+    await first.start()
+    agent = await asyncio.create_subprocess_exec(
+        *_agent_cmd(first.port, "--buffer-reports=1000", "--max-in-flight-reports=10"),
+        cwd=ROOT,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    second = RealScaler(tmp_path / "scaler.db")
+    try:
+        accepted_first = 0.0
+        deadline = asyncio.get_running_loop().time() + 60
+        while accepted_first < 20:
+            assert asyncio.get_running_loop().time() < deadline, "scaler got no reports"
+            before = await first.counters()
+            assert before.get("gaps", 0) == 0
+            accepted_first = before.get("accepted", 0)
+        await first.kill()  # right after the last look: it accepted at least accepted_first
+        await asyncio.sleep(2.0)  # the outage
+        second.port = first.port
+        await second.start()
+        accepted_second = 0.0
+        while accepted_second < 20:
+            assert asyncio.get_running_loop().time() < deadline + 60, "no reports after restart"
+            accepted_second = (await second.counters()).get("accepted", 0)
+        agent.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(agent.communicate(), 20)
+        after = await second.counters()
+    finally:
+        if agent.returncode is None:
+            agent.kill()
+            await agent.wait()
+        await first.kill()
+        await second.kill()
+    assert agent.returncode == 0
+    log = stderr.decode()
+    match = re.search(
+        r"final report acked; (\d+) sampled, (\d+) dropped, (\d+) unacked at exit, last seq (\d+)",
+        log,
+    )
+    assert match, log[-2000:]
+    sampled, dropped, unacked, last_seq = map(int, match.groups())
+    assert unacked == 0 and dropped == 0 and last_seq == sampled
+    # The restarted scaler saw a contiguous run first..last_seq, each once...
+    assert after.get("gaps", 0) == 0 and after.get("duplicate", 0) == 0
+    received_second = after["accepted"] + after.get("dropped", 0)
+    first_seq_second = last_seq - received_second + 1
+    # ...starting no later than right after what the killed one had accepted: no hole.
+    assert first_seq_second <= accepted_first + 1
