@@ -24,8 +24,13 @@ GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 def generate(out: Path) -> None:
     sources = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / PKG).glob("*.proto"))
     include = str(Path(protoc.__file__).parent / "_proto")
+    # mypy-protobuf's plugins sit beside this interpreter; naming them keeps
+    # generation independent of PATH.
+    bindir = Path(sys.executable).parent
     args = [
         "grpc_tools.protoc",
+        f"--plugin=protoc-gen-mypy={bindir / 'protoc-gen-mypy'}",
+        f"--plugin=protoc-gen-mypy_grpc={bindir / 'protoc-gen-mypy_grpc'}",
         f"-I{PROTO_ROOT}",
         f"-I{include}",
         f"--python_out={out}",

@@ -435,6 +435,8 @@ class HeartbeatRequest(_message.Message):
     FIRST_STEP_AT_FIELD_NUMBER: _builtins.int
     STARTUP_FIELD_NUMBER: _builtins.int
     FREE_PORT_FIELD_NUMBER: _builtins.int
+    LAST_CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
+    LAST_CHECKPOINT_DIGEST_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     generation: _builtins.int
     phase: Global___WorkerPhase.ValueType
@@ -447,6 +449,12 @@ class HeartbeatRequest(_message.Message):
     """Throughput of this member's worker, samples per second."""
     free_port: _builtins.int
     """A port on the member's host that is free now (see RegisterRequest.free_port)."""
+    last_checkpoint_step: _builtins.int
+    """The newest checkpoint this member knows to be good (periodic ones
+    included), and its manifest sha256 (hex); 0 / empty when none. Lets the
+    coordinator name the restore step exactly after an unplanned loss.
+    """
+    last_checkpoint_digest: _builtins.str
     @_builtins.property
     def first_step_at(self) -> _timestamp_pb2.Timestamp:
         """Wall time of the first completed step in this generation; unset until then."""
@@ -470,10 +478,12 @@ class HeartbeatRequest(_message.Message):
         first_step_at: _timestamp_pb2.Timestamp | None = ...,
         startup: Global___PauseBreakdown | None = ...,
         free_port: _builtins.int = ...,
+        last_checkpoint_step: _builtins.int = ...,
+        last_checkpoint_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_step_at", b"first_step_at", "startup", b"startup"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_at", b"first_step_at", "free_port", b"free_port", "generation", b"generation", "member_id", b"member_id", "phase", b"phase", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "startup", b"startup", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_at", b"first_step_at", "free_port", b"free_port", "generation", b"generation", "last_checkpoint_digest", b"last_checkpoint_digest", "last_checkpoint_step", b"last_checkpoint_step", "member_id", b"member_id", "phase", b"phase", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "startup", b"startup", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -515,7 +525,10 @@ class ResizeRequest(_message.Message):
     target_world_size: _builtins.int
     """World size to reach (>= 1)."""
     deadline_s: _builtins.float
-    """Give up (abort) if the barrier or the wait for newcomers takes longer, seconds (> 0)."""
+    """Deadline of each phase (waiting for newcomers, barrier, drain,
+    rendezvous), seconds (>= 0); a phase past it aborts (or, for
+    RENDEZVOUS, fails) the resize. 0 means the coordinator's sync_timeout_s.
+    """
     min_world_size: _builtins.int
     """Proceed with fewer newcomers than asked when the deadline passes, if at
     least this many workers are available; 0 means target_world_size.
@@ -654,7 +667,10 @@ class AbortResizeResponse(_message.Message):
 
     PHASE_FIELD_NUMBER: _builtins.int
     phase: Global___ResizePhase.ValueType
-    """The phase the resize ended in (ABORTED, or COMPLETED if it was too late)."""
+    """The phase of the resize after the call: ABORTED; or COMPLETED, DRAINING
+    or RENDEZVOUS when it was too late to abort (leavers already exiting) and
+    the resize is being carried to completion.
+    """
     def __init__(
         self,
         *,
