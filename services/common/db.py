@@ -40,8 +40,9 @@ T = TypeVar("T")
 _BEGIN_OPTION: Final = "tide_sqlite_begin"
 
 # SQLSTATEs after which PostgreSQL guarantees the transaction had no effect and
-# the same work may simply run again: serialization failure and deadlock.
-_RETRYABLE_SQLSTATES: Final = frozenset({"40001", "40P01"})
+# the same work may simply run again: serialization failure, deadlock, and
+# lock_timeout expired.
+_RETRYABLE_SQLSTATES: Final = frozenset({"40001", "40P01", "55P03"})
 
 
 # Deterministic constraint names: Alembic can only drop or alter a named
@@ -112,6 +113,12 @@ class DbSettings:
     connect_timeout_s: float = 5.0
     # Time a pool checkout may wait for a free connection.
     pool_timeout_s: float = 10.0
+    # PostgreSQL: a statement waiting this long for a row lock fails (and the
+    # unit of work retries) instead of hanging a scaler thread behind a stuck
+    # transaction; and a session idle inside a transaction this long is ended
+    # by the server, releasing its locks. 0 disables either.
+    lock_timeout_s: float = 10.0
+    idle_in_transaction_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not (0 < self.busy_timeout_s <= 600):
@@ -128,6 +135,13 @@ class DbSettings:
             )
         if self.pool_timeout_s <= 0:
             raise ConfigError(f"pool_timeout_s must be > 0, got {self.pool_timeout_s}")
+        if self.lock_timeout_s < 0:
+            raise ConfigError(f"lock_timeout_s must be >= 0, got {self.lock_timeout_s}")
+        if self.idle_in_transaction_timeout_s < 0:
+            raise ConfigError(
+                "idle_in_transaction_timeout_s must be >= 0, "
+                f"got {self.idle_in_transaction_timeout_s}"
+            )
 
 
 def _finite(obj: Any) -> Any:
@@ -175,23 +189,46 @@ def make_engine(url: str, settings: DbSettings | None = None) -> Engine:
                 f"database url {parsed.render_as_string(hide_password=True)!r}: "
                 "use the psycopg 3 driver (postgresql+psycopg://)"
             )
-        return create_engine(
-            parsed,
-            pool_pre_ping=True,
-            pool_size=settings.pool_size,
-            max_overflow=settings.max_overflow,
-            pool_recycle=settings.pool_recycle_s,
-            pool_timeout=settings.pool_timeout_s,
-            json_serializer=json_dumps,
-            connect_args={
-                "connect_timeout": max(1, math.ceil(settings.connect_timeout_s)),
-                "application_name": "tide",
-            },
-        )
+        return _postgres_engine(parsed, settings)
     raise ConfigError(
         f"database url {parsed.render_as_string(hide_password=True)!r}: "
         f"backend {backend!r} is not supported (sqlite or postgresql+psycopg)"
     )
+
+
+def _postgres_engine(url: URL, settings: DbSettings) -> Engine:
+    engine = create_engine(
+        url,
+        pool_pre_ping=True,
+        pool_size=settings.pool_size,
+        max_overflow=settings.max_overflow,
+        pool_recycle=settings.pool_recycle_s,
+        pool_timeout=settings.pool_timeout_s,
+        json_serializer=json_dumps,
+        connect_args={
+            "connect_timeout": max(1, math.ceil(settings.connect_timeout_s)),
+            "application_name": "tide",
+        },
+    )
+    timeouts = (
+        ("lock_timeout", settings.lock_timeout_s),
+        ("idle_in_transaction_session_timeout", settings.idle_in_transaction_timeout_s),
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
+        # Session settings outside any transaction, so that the pool's first
+        # rollback cannot undo them.
+        autocommit = dbapi_connection.autocommit
+        dbapi_connection.autocommit = True
+        try:
+            with dbapi_connection.cursor() as cursor:
+                for name, seconds in timeouts:
+                    cursor.execute(f"SET {name} = {int(seconds * 1000)}")
+        finally:
+            dbapi_connection.autocommit = autocommit
+
+    return engine
 
 
 def _sqlite_engine(url: URL, settings: DbSettings) -> Engine:
@@ -430,6 +467,8 @@ def _run_alembic(url: str, action: Callable[[Any], None], settings: DbSettings |
             try:
                 with conn.begin():
                     if not sqlite:
+                        # Wait as long as the other migration takes, not lock_timeout.
+                        conn.exec_driver_sql("SET LOCAL lock_timeout = 0")
                         conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK_KEY})")
                     action(alembic_config(conn))
                     if sqlite:

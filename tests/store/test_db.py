@@ -36,6 +36,8 @@ JOB = "ml/resnet"
         ({"pool_recycle_s": 0}, "pool_recycle_s"),
         ({"connect_timeout_s": 0}, "connect_timeout_s"),
         ({"pool_timeout_s": -1}, "pool_timeout_s"),
+        ({"lock_timeout_s": -1}, "lock_timeout_s"),
+        ({"idle_in_transaction_timeout_s": -1}, "idle_in_transaction_timeout_s"),
     ],
 )
 def test_bad_settings_name_the_field(kw: dict[str, Any], field: str) -> None:
@@ -570,3 +572,46 @@ def test_two_sqlite_processes_writing_never_see_database_is_locked(tmp_path: Pat
                 p.kill()
                 p.join(timeout=10)
         factory.kw["bind"].dispose()
+
+
+@pytest.mark.postgres
+def test_postgres_session_timeouts_are_set(pg_factory: sessionmaker[Session]) -> None:
+    url = pg_factory.kw["bind"].url.render_as_string(hide_password=False)
+    engine = db.make_engine(
+        url, db.DbSettings(lock_timeout_s=2.5, idle_in_transaction_timeout_s=30)
+    )
+    try:
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SHOW lock_timeout").scalar() == "2500ms"
+            assert conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar() == (
+                "30s"
+            )
+            conn.rollback()  # the pool's reset must not undo them either
+            assert conn.exec_driver_sql("SHOW lock_timeout").scalar() == "2500ms"
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_write_stuck_behind_a_lock_fails_over_to_retry_then_unavailable(
+    pg_factory: sessionmaker[Session],
+) -> None:
+    with db.session_scope(pg_factory) as s:
+        repo.upsert_job(s, JOB, min_replicas=1, max_replicas=9, now=T0)
+    url = pg_factory.kw["bind"].url.render_as_string(hide_password=False)
+    impatient = db.make_engine(url, db.DbSettings(lock_timeout_s=0.1))
+    sleeps: list[float] = []
+    try:
+        # A stuck transaction holds the job's row lock for the whole test.
+        with db.session_scope(pg_factory) as stuck:
+            repo.acquire_job_ownership(stuck, JOB, "stuck", now=T0)
+            with pytest.raises(Unavailable, match="lock timeout"):
+                db.unit_of_work(
+                    db.make_session_factory(impatient),
+                    lambda s: repo.acquire_job_ownership(s, JOB, "other", now=T0),
+                    retry=db.RetryPolicy(attempts=3, base_delay_s=0.0, max_delay_s=0.0),
+                    sleep=sleeps.append,
+                )
+    finally:
+        impatient.dispose()
+    assert len(sleeps) == 2
