@@ -244,12 +244,22 @@ class Agent:
             self.watcher.start()
         try:
             beat = asyncio.create_task(self._beat(stop), name="beat")
-            done, _ = await asyncio.wait([beat, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            if beat not in done:
+            # Watching `stop` itself, not only the beat: a beat stuck in a hung driver
+            # call must not keep SIGTERM from sending the final report.
+            stopped = asyncio.create_task(stop.wait(), name="stop")
+            done, _ = await asyncio.wait(
+                [beat, stopped, *tasks], return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done & {beat, stopped}:
                 failed = next(iter(done))
                 logger.error("node %s: %s stopped unexpectedly", self.settings.node_name, failed)
+            if not beat.done():
+                # The beat returns at once when it is between samples; give a sample
+                # in progress a moment to finish, then abandon it.
+                await asyncio.wait([beat], timeout=min(1.0, self.interval_s))
                 beat.cancel()
-            await asyncio.gather(beat, return_exceptions=True)
+            stopped.cancel()
+            await asyncio.gather(beat, stopped, return_exceptions=True)
             await self._finish()
         finally:
             for task in tasks:

@@ -6,6 +6,7 @@ import time
 
 from tide.v1 import telemetry_pb2
 
+from services.agent.model import GpuReading
 from services.agent.stream import StreamConfig
 from services.common import grpc_options
 
@@ -152,3 +153,42 @@ async def test_final_report_on_stop_carries_agent_shutdown(
     last = scaler.recorder.received[-1]
     assert [e.kind for e in last.events] == [telemetry_pb2.NodeEvent.KIND_AGENT_SHUTDOWN]
     assert len(r.agent.buffer) == 0
+
+
+class HungSource:
+    """A source whose driver hangs after the first samples (a wedged NVML call)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+        self.samples = 0
+
+    def open(self) -> int:
+        return 2
+
+    def sample(self) -> list[GpuReading]:
+        self.samples += 1
+        if self.samples > 3:
+            self.release.wait(30)
+        return [GpuReading(0, "GPU-a"), GpuReading(1, "GPU-b")]
+
+    def close(self) -> None:
+        pass
+
+
+async def test_sigterm_reaches_the_scaler_even_with_a_hung_driver(
+    scaler: Scaler, run_agent: RunAgent
+) -> None:
+    source = HungSource()
+    r = await run_agent(agent_settings(scaler.port), source)
+    try:
+        await eventually(lambda: source.samples > 3, what="the hang")
+        started = time.monotonic()
+        await r.shutdown(timeout_s=10)
+        assert time.monotonic() - started < 5
+    finally:
+        source.release.set()
+    last = scaler.recorder.received[-1]
+    assert [e.kind for e in last.events] == [telemetry_pb2.NodeEvent.KIND_AGENT_SHUTDOWN]
+    assert len(last.gpus) == 0 and last.gpu_capacity == 2
