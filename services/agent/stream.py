@@ -157,8 +157,9 @@ class TelemetryStream:
         )
         self.buffer.rewind()
         self._waiting_since = None
+        receive = asyncio.create_task(self._receive(call), name="telemetry-receive")
         tasks = {
-            asyncio.create_task(self._receive(call), name="telemetry-receive"),
+            receive,
             asyncio.create_task(self._send(call), name="telemetry-send"),
             asyncio.create_task(self._watchdog(), name="telemetry-watchdog"),
         }
@@ -169,7 +170,8 @@ class TelemetryStream:
                 task.cancel()
             call.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        exc = next(iter(done)).exception()
+        # When several ended together, the receiver's error carries the call's status.
+        exc = (receive if receive in done else next(iter(done))).exception()
         if exc is None:
             return "closed by scaler"
         if isinstance(exc, grpc.aio.AioRpcError):

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -76,12 +77,33 @@ def test_nvml_init_failure_is_one_clear_error_line() -> None:
     assert "Traceback" not in out.stderr
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _scrape(port: int) -> str:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+    body = (await asyncio.wait_for(reader.read(), 10)).decode()
+    writer.close()
+    return body
+
+
 async def test_sigterm_sends_a_final_report_and_exits(scaler: Scaler) -> None:
+    metrics_port = _free_port()
     proc = await asyncio.create_subprocess_exec(
-        *_agent_cmd(scaler.port), cwd=ROOT, stderr=asyncio.subprocess.PIPE
+        *_agent_cmd(scaler.port, f"--metrics-listen=127.0.0.1:{metrics_port}"),
+        cwd=ROOT,
+        stderr=asyncio.subprocess.PIPE,
     )
     try:
         await eventually(lambda: len(scaler.recorder.received) >= 5, timeout_s=30, what="reports")
+        metrics = await _scrape(metrics_port)
+        sampled = re.search(r"^tide_agent_reports_sampled_total (\S+)$", metrics, re.M)
+        assert sampled and float(sampled.group(1)) >= 5
+        assert re.search(r"^tide_agent_stream_connected 1\.0$", metrics, re.M)
         proc.send_signal(signal.SIGTERM)
         rc = await asyncio.wait_for(proc.wait(), 15)
     finally:

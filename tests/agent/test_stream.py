@@ -121,8 +121,11 @@ async def test_partition_is_detected_within_keepalive(scaler: Scaler, run_agent:
         await eventually(lambda: agent.stream.state.disconnects, timeout_s=10, what="detection")
         detected_s = time.monotonic() - stalled_at
         reason = agent.stream.state.disconnects[0].reason
+        print(f"partition detected after {detected_s:.2f} s ({reason})")
         assert reason.startswith("UNAVAILABLE"), reason
-        assert detected_s <= keepalive_time_s + keepalive_timeout_s + 0.5, detected_s
+        # The first ping goes out at most keepalive_time after the last read, and the
+        # connection is dead keepalive_timeout later; 1 s of slack for a loaded CI box.
+        assert detected_s <= keepalive_time_s + keepalive_timeout_s + 1.0, detected_s
         proxy.heal()
         await eventually(lambda: len(agent.buffer) <= 2, timeout_s=10, what="recovery")
         assert _contiguous(scaler.recorder.seqs(agent.boot_id))
