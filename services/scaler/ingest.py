@@ -25,7 +25,7 @@ from services.common.clock import Clock
 from services.common.errors import ConfigError, InvalidArgument
 from services.scaler.members import MemberRegistry
 from services.scaler.policy import WindowView
-from services.scaler.windows import JobWindow, NodeGpus, Rollups
+from services.scaler.windows import JobWindow, NodeGpus, Rollups, stagger_offset
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,8 @@ class IngestSettings:
     reorder_limit: int = 256
     # Asked of agents in every ack; 0 leaves the agent's own period.
     report_interval_s: float = 0.0
+    # Offset each job's bucket grid by a fraction of a bucket (see windows.stagger_offset).
+    stagger_buckets: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_gpus_per_node <= 4096:
@@ -359,8 +361,8 @@ class IngestEngine:
             w = self.windows.get(job)
             if w is None:
                 bucket_s, buckets = self._shape(job)
-                w = self.windows[job] = JobWindow(bucket_s, buckets)
-            bucket = int(t // w.bucket_s)
+                w = self.windows[job] = self._new_window(job, bucket_s, buckets)
+            bucket = int((t - w.offset_s) // w.bucket_s)
             w.add(bucket, total, int(count))
             self.rollups.add(job, minute, total, int(count), lo, hi)
             last = self._last_bucket.get(job)
@@ -397,6 +399,10 @@ class IngestEngine:
                 logger.info("node %s: agent shutting down; its samples stop", node.name)
 
     # -- what the policy loop reads -------------------------------------------
+
+    def _new_window(self, job_id: str, bucket_s: float, buckets: int) -> JobWindow:
+        offset = stagger_offset(job_id, bucket_s) if self.settings.stagger_buckets else 0.0
+        return JobWindow(bucket_s, buckets, offset)
 
     def reshape(self, job_id: str) -> None:
         """Forget a job's window (its bucket width or sustain changed)."""
@@ -453,7 +459,7 @@ class IngestEngine:
         bucket_s, buckets = self._shape(job_id)
         w = self.windows.get(job_id)
         if w is None or w.bucket_s != bucket_s or w.n != buckets + 2:
-            w = self.windows[job_id] = JobWindow(bucket_s, buckets)
+            w = self.windows[job_id] = self._new_window(job_id, bucket_s, buckets)
         return w.view(now_s, buckets, gpus_expected, fresh)
 
     def node_view(self) -> list[tuple[str, int, float, str | None, float]]:

@@ -41,6 +41,13 @@ from services.scaler.store import DecisionStore
 logger = logging.getLogger(__name__)
 
 _DEFAULT_POLICY = pol.PolicySettings()
+
+#: GIL switch interval of the scaler process, seconds. SQL runs in worker threads
+#: so ingestion never waits on the database; with the loop thread busy, each time
+#: such a thread wants the GIL back it waits up to this long (default 5 ms), and a
+#: transaction takes it back a dozen times: that, not SQL, was most of the decision
+#: latency under load (bench/ingest).
+SWITCH_INTERVAL_S = 0.0005
 #: PolicySettings fields stored as job columns rather than overrides.
 _BOUNDS = ("min_replicas", "max_replicas")
 
@@ -164,6 +171,10 @@ class ScalerCore:
         self.evaluations: dict[str, Evaluation] = {}
         self.active: dict[str, int] = {}
         self.latencies_s: list[float] = []
+        # Per decision: (tipping sample -> seen by ingest, seen -> evaluation starts,
+        # evaluation -> decision committed), seconds; bench/ingest prints them.
+        self.latency_parts: list[tuple[float, float, float]] = []
+        self._seen_at: dict[str, float] = {}
         self._recs: dict[str, list[tuple[float, int]]] = {}
         self._last_dir: dict[str, int] = {}
         self._dirty: dict[str, float] = {}
@@ -266,7 +277,9 @@ class ScalerCore:
 
     def _bucket_closed(self, job_id: str, t: float) -> None:
         if job_id in self.jobs:
-            self._dirty.setdefault(job_id, t)
+            if job_id not in self._dirty:
+                self._dirty[job_id] = t
+                self._seen_at[job_id] = self.clock.now()
             if self._wake is not None:
                 self._wake.set()
 
@@ -306,6 +319,7 @@ class ScalerCore:
         job = self._job(job_id)
         p = self.policies[job_id]
         now = self.clock.now()
+        seen = self._seen_at.pop(job_id, now) if tipping_s is not None else now
         # An agent clock slightly ahead must not hide the bucket it just closed.
         at = max(now, tipping_s) if tipping_s is not None else now
         free = await self.actuator.free_gpus()
@@ -334,7 +348,9 @@ class ScalerCore:
         except DecisionInProgress:
             return d
         if tipping_s is not None:
-            self.latencies_s.append(self.clock.now() - tipping_s)
+            done = self.clock.now()
+            self.latencies_s.append(done - tipping_s)
+            self.latency_parts.append((seen - tipping_s, now - seen, done - now))
         logger.info("job %s: decision %d: %s", job_id, record.id, d.message)
         return d
 
@@ -446,10 +462,11 @@ class ScalerCore:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout)
             wake.clear()
-            while self._dirty:
-                job_id, t = next(iter(self._dirty.items()))
-                del self._dirty[job_id]
-                await self._safe_evaluate(job_id, t)
+            if self._dirty:
+                # Buckets of many jobs close together; evaluate them side by side.
+                dirty = list(self._dirty.items())
+                self._dirty.clear()
+                await asyncio.gather(*(self._safe_evaluate(j, t) for j, t in dirty))
             mono = self.clock.monotonic()
             if mono >= next_tick:
                 await self.tick()

@@ -9,6 +9,7 @@ minute until it is written to SQL.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -22,15 +23,20 @@ MAX_PENDING_ROLLUP_MINUTES = 120
 class JobWindow:
     """A ring of buckets of one job: sum and count of utilization per bucket."""
 
-    __slots__ = ("_counts", "_ids", "_sums", "bucket_s", "n")
+    __slots__ = ("_counts", "_ids", "_sums", "bucket_s", "n", "offset_s")
 
-    def __init__(self, bucket_s: float, buckets: int) -> None:
+    def __init__(self, bucket_s: float, buckets: int, offset_s: float = 0.0) -> None:
         self.bucket_s = bucket_s
+        # Bucket i spans [offset + i*bucket_s, offset + (i+1)*bucket_s).
+        self.offset_s = offset_s
         # Two spare slots: the bucket being filled and one late bucket.
         self.n = buckets + 2
         self._ids = [-1] * self.n
         self._sums = [0.0] * self.n
         self._counts = [0] * self.n
+
+    def bucket_of(self, t: float) -> int:
+        return math.floor((t - self.offset_s) / self.bucket_s)
 
     def add(self, bucket_id: int, total: float, count: int) -> bool:
         """Add ``count`` samples summing to ``total`` to bucket ``bucket_id``.
@@ -60,15 +66,24 @@ class JobWindow:
 
     def view(self, now_s: float, buckets: int, gpus_expected: int, gpus_fresh: int) -> WindowView:
         """The complete buckets of the sustain window ending at the boundary before ``now_s``."""
-        end = math.floor(now_s / self.bucket_s)
+        end = self.bucket_of(now_s)
         k = min(buckets, self.n - 1)
         return WindowView(
             bucket_s=self.bucket_s,
-            end_s=end * self.bucket_s,
+            end_s=end * self.bucket_s + self.offset_s,
             bucket_means=self.means(end, k),
             gpus_expected=gpus_expected,
             gpus_fresh=gpus_fresh,
         )
+
+
+def stagger_offset(job_id: str, bucket_s: float) -> float:
+    """A fixed offset of the job's bucket grid within one bucket width, from its id.
+
+    With every grid aligned to the epoch, the buckets of all jobs close in the
+    same instant and their decisions queue for the one SQLite writer; spread
+    out, each is committed on its own (bench/ingest decision latency)."""
+    return (zlib.crc32(job_id.encode()) % 1000) / 1000.0 * bucket_s
 
 
 class NodeGpus:

@@ -23,7 +23,7 @@ def clock() -> FakeClock:
 def engine(clock: FakeClock) -> IngestEngine:
     reg = InMemoryMemberRegistry()
     reg.set_members("ns/a", [Member("a-0", "a-0"), Member("a-1", "a-1")])
-    return IngestEngine(IngestSettings(stale_after_s=10.0), reg, clock)
+    return IngestEngine(IngestSettings(stale_after_s=10.0, stagger_buckets=False), reg, clock)
 
 
 PODS = ["a-0", "a-0", "a-0", "a-0", "a-1", "a-1", "a-1", "a-1"]
@@ -168,7 +168,12 @@ def test_bucket_close_notifies_once_per_bucket(clock: FakeClock) -> None:
     reg = InMemoryMemberRegistry()
     reg.set_members("ns/a", [Member("a-0", "a-0")])
     closed: list[str] = []
-    e = IngestEngine(IngestSettings(), reg, clock, on_bucket_closed=lambda j, _t: closed.append(j))
+    e = IngestEngine(
+        IngestSettings(stagger_buckets=False),
+        reg,
+        clock,
+        on_bucket_closed=lambda j, _t: closed.append(j),
+    )
     st = e.open_stream()
     for seq, dt in enumerate([0, 10, 29, 30, 45, 61], start=1):
         clock.advance(dt - (clock.now() - T0))
@@ -203,3 +208,18 @@ def test_rollups_per_minute(engine: IngestEngine, clock: FakeClock) -> None:
         (20.0, 10.0, 30.0, 16, 2)
     ]
     assert engine.rollups.pending_minutes() == 1
+
+
+def test_staggered_bucket_grids_close_at_different_instants(clock: FakeClock) -> None:
+    from services.scaler.windows import stagger_offset
+
+    offsets = {stagger_offset(f"ns/j{i}", 30.0) for i in range(20)}
+    assert len(offsets) > 15 and all(0 <= o < 30.0 for o in offsets)
+    reg = InMemoryMemberRegistry()
+    reg.set_members("ns/a", [Member("a-0", "a-0")])
+    e = IngestEngine(IngestSettings(), reg, clock)
+    st = e.open_stream()
+    e.process(st, report(seq=1, t=T0, utils=[50.0], pods=["a-0"]))
+    off = stagger_offset("ns/a", 30.0)
+    view = e.window_view("ns/a", T0 + 60, 1, 1)
+    assert (view.end_s - off) % 30.0 == pytest.approx(0.0, abs=1e-6)

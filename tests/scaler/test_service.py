@@ -14,6 +14,7 @@ from services.common import db
 from services.common.clock import FakeClock
 from services.scaler.actuator import InMemoryActuator, ReplicaChange
 from services.scaler.coordination import InMemoryCoordinator, Phase
+from services.scaler.ingest import IngestSettings
 from services.scaler.policy import Reason
 from services.scaler.repo import DecisionState, StaleEpoch
 from services.scaler.service import ScalerCore
@@ -38,7 +39,13 @@ def make_rig(url: str, clock: FakeClock, owner: str = "s1") -> Rig:
     actuator = InMemoryActuator(total_gpus=64)
     coordinator = InMemoryCoordinator(available=lambda j: actuator.replicas.get(j))
     store = DecisionStore(db.make_engine(url), owner, clock)
-    core = ScalerCore(store=store, actuator=actuator, coordinator=coordinator, clock=clock)
+    core = ScalerCore(
+        store=store,
+        actuator=actuator,
+        coordinator=coordinator,
+        clock=clock,
+        ingest=IngestSettings(stagger_buckets=False),
+    )
     return Rig(core, clock, actuator, coordinator, store)
 
 
