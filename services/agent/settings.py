@@ -42,7 +42,7 @@ class AgentSettings:
         30.0, "reconnect when reports are in flight and no ack came for this long"
     )
     stream_max_age_s: float = setting(
-        3600.0, "deadline of one Telemetry stream; it is reopened seamlessly after it"
+        3600.0, "deadline of one Telemetry stream; a new one follows and resends held reports"
     )
     backoff_initial_s: float = setting(0.5, "first reconnect delay (jittered, doubles)")
     backoff_max_s: float = setting(30.0, "largest reconnect delay")
