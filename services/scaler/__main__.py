@@ -25,7 +25,7 @@ from services.scaler.coordination import (
 )
 from services.scaler.ingest import IngestCollector
 from services.scaler.lifecycle import FaultPoint
-from services.scaler.service import ScalerCore, ScalerSettings
+from services.scaler.service import SWITCH_INTERVAL_S, ScalerCore, ScalerSettings
 from services.scaler.store import DecisionStore
 from services.scaler.telemetry_api import TelemetryServicer
 
@@ -33,6 +33,7 @@ logger = logging.getLogger("services.scaler")
 
 
 async def run(settings: ScalerSettings) -> None:
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     clock = SystemClock()
     # Migrations are idempotent; running them at start keeps the embedded case one command.
     await asyncio.to_thread(db.upgrade, settings.database_url)
