@@ -251,6 +251,8 @@ class ElasticSession:
                 loaded.step if loaded else "from scratch",
             )
         step = loaded.step if loaded else 0
+        # Time the agreement apart: it waits for the slowest rank, which is not reading.
+        read_s = time.monotonic() - started
         lowest = self._agree_min(step)
         if lowest != step:
             logger.warning(
@@ -261,11 +263,13 @@ class ElasticSession:
                 lowest,
             )
             loaded = self.store.load_latest(at_most=lowest) if lowest else None
+        load_started = time.monotonic()
         if loaded is not None:
             self._load_state(loaded.files)
             self.step_done = loaded.step
+        read_s += time.monotonic() - load_started
         self.restored_step = self.step_done
-        self.timings.restore_s = time.monotonic() - started
+        self.timings.restore_s = read_s
         logger.info(
             "rank %d of generation %d restored step %d in %.3fs",
             self.rank,
@@ -291,13 +295,32 @@ class ElasticSession:
 
         self._model.set_state_dict(paddle.load(io.BytesIO(files["model.pdparams"])))
         if self._optimizer is not None and "optimizer.pdopt" in files:
-            self._optimizer.set_state_dict(paddle.load(io.BytesIO(files["optimizer.pdopt"])))
+            saved = paddle.load(io.BytesIO(files["optimizer.pdopt"]))
+            self._optimizer.set_state_dict(self._rename_optimizer_state(saved, to_positions=False))
         if self._lr is not None and "lr.pdstate" in files:
             self._lr.set_state_dict(paddle.load(io.BytesIO(files["lr.pdstate"])))
         if "rng.pdstate" in files:
             rng = paddle.load(io.BytesIO(files["rng.pdstate"]), return_numpy=False)
             paddle.set_rng_state(rng["paddle"])
             random.setstate(_as_tuple(rng["python"]))
+
+    def _rename_optimizer_state(self, state: dict[str, Any], to_positions: bool) -> dict[str, Any]:
+        """Optimizer accumulators are keyed by parameter name (``linear_3.w_0_moment1_0``),
+        and names come from a per-process counter; a checkpoint keys them by the parameter's
+        position instead, so any process that builds the same model can load it."""
+        names = [p.name for p in self._model.parameters()]
+        positional = [f"@param{i}" for i in range(len(names))]
+        src, dst = (names, positional) if to_positions else (positional, names)
+        # Longest first: "linear_1.w_0" must not match a key of "linear_1.w_00".
+        order = sorted(range(len(src)), key=lambda i: -len(src[i]))
+        out: dict[str, Any] = {}
+        for key, value in state.items():
+            for i in order:
+                if key.startswith(src[i] + "_"):
+                    key = dst[i] + key[len(src[i]) :]
+                    break
+            out[key] = value
+        return out
 
     def _state_files(self) -> dict[str, bytes]:
         import paddle
@@ -309,7 +332,8 @@ class ElasticSession:
 
         files = {"model.pdparams": dump(self._model.state_dict())}
         if self._optimizer is not None:
-            files["optimizer.pdopt"] = dump(self._optimizer.state_dict())
+            state = self._rename_optimizer_state(self._optimizer.state_dict(), to_positions=True)
+            files["optimizer.pdopt"] = dump(state)
         if self._lr is not None:
             files["lr.pdstate"] = dump(self._lr.state_dict())
         files["rng.pdstate"] = dump(

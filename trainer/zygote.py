@@ -47,14 +47,18 @@ def _run_child(request: dict[str, Any], close_fds: list[int]) -> None:
     try:
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        for fd in close_fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        # stdin becomes /dev/null by dup2, never by close: a free fd 0 would be handed to the
+        # next socket, and Paddle's TCP store treats a socket fd of 0 as a failure.
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
-        os.close(devnull)
+        if devnull != 0:
+            os.close(devnull)
+        for fd in close_fds:
+            if fd > 2:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         log = request.get("log")
         if log:
             out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -72,13 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         log_dir=args.log_dir,
     )
     session = ElasticSession.from_env(config)
-    session.init_process_group()
+    # Build before joining the group: group init waits for the slowest rank anyway.
     x_all, y_all = make_dataset(args.dataset_size, args.seed)
     paddle.seed(args.seed)
     model = build_model(args.hidden)
     lr = paddle.optimizer.lr.StepDecay(learning_rate=args.lr, step_size=50, gamma=0.5)
     optimizer = paddle.optimizer.Adam(learning_rate=lr, parameters=model.parameters())
     session.attach(model, optimizer, lr)
+    session.init_process_group()
     session.restore()
     for plan in session.plans():
         idx = plan.local_indices

@@ -1,0 +1,349 @@
+"""The pause and the lost steps of a resize, Tide's way against Paddle's way, on this machine.
+
+Tide's way: the real coordinator and one launcher per "pod" (each with a warm zygote), the MLP of
+trainer/examples/train_mlp.py on gloo; resizes 2 -> 4 and 4 -> 2 through ``Resize`` (the
+scaler's call). The pause is rank 0's last step of the old generation to its first step of the
+new one (from the loss log's wall times), split by the coordinator into barrier, checkpoint
+write, worker restart, group init and restore.
+
+Paddle's way, in the same run: the job is killed and relaunched at the new size as fresh
+processes (import Paddle, init, restore the last periodic checkpoint); it is killed half a
+checkpoint period after a checkpoint, the expected loss of an unplanned kill.
+
+The unavoidable part of a pause is what any checkpoint-based rescale must pay on this machine:
+checkpoint write + checkpoint read (both measured in the resize itself) + gloo group init of the
+new world size with already-imported processes that start together (measured here with
+processes forked from a zygote; Paddle's import is not unavoidable, a warm parent hides it).
+
+    python -m bench.rescale --quick     # one resize each way, < 2 min
+    python -m bench.rescale             # three of each, medians
+
+The last line is ``RESULT {json}`` with pause_s, unavoidable_s, lost_steps (Tide, worst resize),
+baseline_lost_steps and baseline_pause_s (Paddle's way, worst), and per-resize details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tide.v1 import coordinator_pb2 as pb
+
+from trainer.localjob import EXAMPLE, ROOT, LocalJob, _free_port, loss_records
+
+CKPT_EVERY = 20
+TRAIN = [
+    "--dataset-size", "4000",
+    "--global-batch", "128",
+    "--hidden", "512",
+    "--seed", "1",
+    "--ckpt-every-steps", str(CKPT_EVERY),
+    "--keep", "3",
+    "--step-delay-s", "0.02",
+]  # fmt: skip
+
+
+@dataclass
+class Measure:
+    way: str
+    resize: str
+    pause_s: float
+    lost_steps: int
+    barrier_s: float = 0.0
+    checkpoint_write_s: float = 0.0
+    worker_restart_s: float = 0.0
+    group_init_s: float = 0.0
+    restore_s: float = 0.0
+    unavoidable_s: float = 0.0
+    coordinator_pause_s: float = 0.0
+
+
+def _times(log_dir: Path) -> dict[tuple[int, int], float]:
+    return {(int(r["gen"]), int(r["step"])): float(r["t"]) for r in loss_records(log_dir)}
+
+
+async def _wait_step(job: LocalJob, step: int, timeout_s: float = 120.0) -> None:
+    await job.wait_status(lambda s: s.step >= step, timeout_s, f"step {step}")
+
+
+async def tide_way(workdir: Path, reps: int, group_init: dict[int, float]) -> list[Measure]:
+    steps = 50 + reps * 100
+    job = LocalJob(
+        workdir,
+        [*TRAIN, "--steps", str(steps)],
+        heartbeat_interval_s=0.25,
+        checkpoint_lead_s=1.0,
+    )
+    job.start_coordinator()
+    out: list[Measure] = []
+    try:
+        for i in range(2):
+            job.add_pod(i)
+        await job.wait_standby(2)
+        await job.resize(2)
+        step = 20
+        for rep in range(reps):
+            for target in (4, 2):
+                await _wait_step(job, step)
+                if target == 4:
+                    for i in (2 + 2 * rep, 3 + 2 * rep):
+                        job.add_pod(10 + i)
+                    await job.wait_standby(2)
+                updates = await job.resize(target)
+                final = updates[-1]
+                if final.phase != pb.RESIZE_PHASE_COMPLETED:
+                    raise RuntimeError(f"resize to {target} ended {final}")
+                gen = final.generation
+                await job.wait_status(
+                    lambda s, g=gen: s.generation == g and s.step > 0, 60, "new generation"
+                )
+                times = _times(job.log_dir)
+                # The coordinated checkpoint: the old generation's last step.
+                ckpt = max(s for g, s in times if g == gen - 1)
+                await _wait_step(job, ckpt + 2)
+                times = _times(job.log_dir)
+                pause = times[(gen, ckpt + 1)] - times[(gen - 1, ckpt)]
+                p = final.pause
+                unavoidable = p.checkpoint_write_s + p.restore_s + group_init[target]
+                out.append(
+                    Measure(
+                        way="tide",
+                        resize=f"{4 if target == 2 else 2}->{target}",
+                        pause_s=pause,
+                        lost_steps=int(final.lost_steps),
+                        barrier_s=p.barrier_s,
+                        checkpoint_write_s=p.checkpoint_write_s,
+                        worker_restart_s=p.worker_restart_s,
+                        group_init_s=p.group_init_s,
+                        restore_s=p.restore_s,
+                        unavoidable_s=unavoidable,
+                        coordinator_pause_s=final.pause_s,
+                    )
+                )
+                step = ckpt + 30
+        for pod in job.pods:
+            if pod.proc.poll() is None:
+                pod.proc.terminate()
+    finally:
+        await job.close()
+    return out
+
+
+def _spawn_fixed(
+    workdir: Path, world: int, extra: list[str], tag: str, fresh_ckpt: bool = False
+) -> list[subprocess.Popen[bytes]]:
+    ports = [_free_port() for _ in range(world)]
+    endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "PADDLE_DISTRI_BACKEND": "gloo",
+            "PADDLE_MASTER": f"127.0.0.1:{ports[0]}",
+            "PADDLE_TRAINER_ID": str(rank),
+            "PADDLE_TRAINERS_NUM": str(world),
+            "PADDLE_TRAINER_ENDPOINTS": endpoints,
+            "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{ports[rank]}",
+            "TIDE_GENERATION": tag,
+        }
+        log = open(workdir / f"{tag}-rank{rank}.log", "ab")  # noqa: SIM115
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    EXAMPLE,
+                    "--ckpt-dir",
+                    str(workdir / "ckpt"),
+                    "--log-dir",
+                    str(workdir / "logs"),
+                    *extra,
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=log,
+            )
+        )
+        log.close()
+    return procs
+
+
+def paddle_way(workdir: Path, old: int, new: int) -> Measure:
+    """Kill every process half a checkpoint period after a checkpoint; relaunch fresh."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    extra = [*TRAIN, "--steps", "100000"]
+    procs = _spawn_fixed(workdir, old, extra, "1")
+    kill_after = 2 * CKPT_EVERY + CKPT_EVERY // 2
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        recs = loss_records(workdir / "logs")
+        if recs and int(recs[-1]["step"]) >= kill_after:
+            break
+        time.sleep(0.01)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.wait(timeout=10)
+    last = loss_records(workdir / "logs")[-1]
+    reached = int(last["step"])
+    procs = _spawn_fixed(workdir, new, [*TRAIN, "--steps", str(reached + 3)], "2")
+    for p in procs:
+        if p.wait(timeout=120) != 0:
+            raise RuntimeError(f"relaunch failed; see {workdir}")
+    recs = [r for r in loss_records(workdir / "logs") if int(r["gen"]) == 2]
+    first = recs[0]
+    return Measure(
+        way="paddle",
+        resize=f"{old}->{new}",
+        pause_s=float(first["t"]) - float(last["t"]),
+        lost_steps=reached - (int(first["step"]) - 1),
+    )
+
+
+_PROBE = """
+import os, socket, sys, time
+import paddle.distributed as dist
+start_at = float(os.environ["PROBE_START_AT"])
+time.sleep(max(0.0, start_at - time.time()))
+t = time.monotonic()
+if os.environ["PADDLE_TRAINER_ID"] != "0":
+    host, port = os.environ["PADDLE_MASTER"].rsplit(":", 1)
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.005)
+dist.init_parallel_env()
+elapsed = time.monotonic() - t
+# Leave together: a rank that exits while others still connect their pairs times them out.
+import paddle
+dist.all_reduce(paddle.ones([1]))
+with open(os.environ["PROBE_OUT"], "a") as f:
+    f.write(f"{elapsed}\\n")
+"""
+
+
+async def pure_group_init(workdir: Path, world: int, reps: int) -> float:
+    """Group init of ``world`` already-imported processes started together (max over ranks)."""
+    from trainer.spawner import ZygoteSpawner
+
+    workdir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before any timing
+    script = workdir / "probe.py"
+    script.write_text(_PROBE)
+    zygote = ZygoteSpawner()
+    results = []
+    try:
+        await zygote.wait_ready()
+        for rep in range(reps):
+            out = workdir / f"init-{world}-{rep}.txt"
+            ports = [_free_port() for _ in range(world)]
+            start_at = time.time() + 0.3
+            workers = []
+            for rank in range(world):
+                env = {
+                    **os.environ,
+                    "PADDLE_DISTRI_BACKEND": "gloo",
+                    "PADDLE_MASTER": f"127.0.0.1:{ports[0]}",
+                    "PADDLE_TRAINER_ID": str(rank),
+                    "PADDLE_TRAINERS_NUM": str(world),
+                    "PADDLE_TRAINER_ENDPOINTS": ",".join(f"127.0.0.1:{p}" for p in ports),
+                    "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{ports[rank]}",
+                    "PROBE_START_AT": repr(start_at),
+                    "PROBE_OUT": str(out),
+                }
+                log = str(workdir / f"init-{world}-{rep}-{rank}.log")
+                workers.append(
+                    await zygote.spawn([sys.executable, str(script)], env, str(ROOT), log)
+                )
+            try:
+                async with asyncio.timeout(60):
+                    codes = [await w.wait() for w in workers]
+            finally:
+                for w in workers:
+                    w.kill()
+            if any(codes):
+                raise RuntimeError(f"group init probe failed: {codes}")
+            results.append(max(float(x) for x in out.read_text().split()))
+    finally:
+        await zygote.close()
+    return statistics.median(results)
+
+
+def _median(ms: list[Measure], way: str, resize: str) -> Measure:
+    sel = [m for m in ms if m.way == way and m.resize == resize]
+    fields = {}
+    for k, v in asdict(sel[0]).items():
+        fields[k] = statistics.median(getattr(m, k) for m in sel) if isinstance(v, float) else v
+    fields["lost_steps"] = max(m.lost_steps for m in sel)
+    return Measure(**fields)
+
+
+async def run(quick: bool, workdir: Path) -> dict[str, Any]:
+    reps = 1 if quick else 3
+    t0 = time.monotonic()
+    group_init = {w: await pure_group_init(workdir / "probe", w, 1 if quick else 3) for w in (2, 4)}
+    measures = await tide_way(workdir / "tide", reps, group_init)
+    for rep in range(reps):
+        measures.append(paddle_way(workdir / f"paddle-up-{rep}", 2, 4))
+        measures.append(paddle_way(workdir / f"paddle-down-{rep}", 4, 2))
+    rows = [_median(measures, way, r) for way in ("tide", "paddle") for r in ("2->4", "4->2")]
+    print(
+        f"{'way':7}{'resize':8}{'pause':>8}{'lost':>6}{'barrier':>9}{'write':>8}"
+        f"{'restart':>9}{'init':>7}{'restore':>9}{'unavoid.':>10}{'ratio':>7}"
+    )
+    for m in rows:
+        ratio = m.pause_s / m.unavoidable_s if m.unavoidable_s else float("nan")
+        print(
+            f"{m.way:7}{m.resize:8}{m.pause_s:8.3f}{m.lost_steps:6d}{m.barrier_s:9.3f}"
+            f"{m.checkpoint_write_s:8.3f}{m.worker_restart_s:9.3f}{m.group_init_s:7.3f}"
+            f"{m.restore_s:9.3f}{m.unavoidable_s:10.3f}{ratio:7.2f}"
+        )
+    print(f"pure gloo group init (pre-imported, started together): {group_init}")
+    tide = [m for m in rows if m.way == "tide"]
+    paddle = [m for m in rows if m.way == "paddle"]
+    worst = max(tide, key=lambda m: m.pause_s / m.unavoidable_s)
+    result = {
+        "pause_s": round(worst.pause_s, 3),
+        "unavoidable_s": round(worst.unavoidable_s, 3),
+        "pause_over_unavoidable": round(worst.pause_s / worst.unavoidable_s, 2),
+        "worst_resize": worst.resize,
+        "lost_steps": max(m.lost_steps for m in tide),
+        "baseline_lost_steps": max(m.lost_steps for m in paddle),
+        "baseline_pause_s": round(max(m.pause_s for m in paddle), 3),
+        "baseline_pause_ratio": round(
+            max(m.pause_s for m in paddle) / max(m.pause_s for m in tide), 2
+        ),
+        "group_init_s": group_init,
+        "resizes": [asdict(m) for m in rows],
+        "reps": reps,
+        "elapsed_s": round(time.monotonic() - t0, 1),
+    }
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="one resize each way (< 2 min)")
+    p.add_argument("--workdir", default="", help="keep logs here (default: a temp dir)")
+    args = p.parse_args(argv)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tide-rescale-"))
+    result = asyncio.run(run(args.quick, workdir))
+    print(f"logs in {workdir}")
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""The session in one process (world size 1) driven through an in-memory channel."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.common.errors import ConfigError
+from trainer.channel import QueueChannel
+from trainer.checkpoint import CheckpointSettings, CheckpointStore
+from trainer.session import DistEnv, ElasticSession, SessionConfig, SessionExit
+
+pytestmark = pytest.mark.paddle
+
+
+def _train(session: ElasticSession, seed: int = 0) -> list[float]:
+    import paddle
+
+    from trainer.examples.train_mlp import build_model, make_dataset
+
+    x, y = make_dataset(session.config.dataset_size, seed)
+    paddle.seed(seed)
+    model = build_model(16)
+    opt = paddle.optimizer.Adam(learning_rate=1e-2, parameters=model.parameters())
+    session.attach(model, opt)
+    session.init_process_group()
+    session.restore()
+    losses = []
+    for plan in session.plans():
+        idx = plan.local_indices
+        per = paddle.nn.functional.cross_entropy(
+            model(paddle.to_tensor(x[idx])), paddle.to_tensor(y[idx]), reduction="none"
+        )
+        losses.append(session.step(per.sum() / plan.global_batch_size))
+    session.finish()
+    return losses
+
+
+def _config(tmp_path: Path, steps: int, every: int = 0) -> SessionConfig:
+    return SessionConfig(
+        dataset_size=100,
+        global_batch=16,
+        seed=0,
+        max_steps=steps,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint=CheckpointSettings(every_steps=every),
+        log_dir=str(tmp_path / "logs"),
+    )
+
+
+def _next(outbox: queue.Queue[dict[str, Any]], kind: str) -> dict[str, Any]:
+    while True:
+        msg = outbox.get(timeout=30)
+        if msg["type"] == kind:
+            return msg
+
+
+def _drive(
+    channel: QueueChannel, then: dict[str, Any], seen: list[dict[str, Any]]
+) -> threading.Thread:
+    """Paddle's dygraph mode is per thread: train on the main thread, steer from this one."""
+
+    def run() -> None:
+        seen.append(_next(channel.outbox, "held"))
+        channel.inbox.put(then)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_checkpoint_directive_holds_at_the_step_then_resumes(tmp_path: Path) -> None:
+    channel = QueueChannel()
+    session = ElasticSession(_config(tmp_path, 20), DistEnv(), channel)
+    channel.inbox.put({"type": "checkpoint", "directive_id": "d1", "step": 6})
+    seen: list[dict[str, Any]] = []
+    driver = _drive(channel, {"type": "resume", "directive_id": "d2"}, seen)
+    losses = _train(session)
+    driver.join(timeout=30)
+    (held,) = seen
+    assert held["step"] == 6 and held["directive_ids"] == ["d1"]
+    assert held["checkpoint"]["step"] == 6 and len(held["checkpoint"]["digest"]) == 64
+    store = CheckpointStore(tmp_path / "ckpt")
+    assert store.verify(6)[1] == held["checkpoint"]["digest"]
+    assert len(losses) == 20
+    # "resumed" comes after "held" and before any later step's progress.
+    after = []
+    while not channel.outbox.empty():
+        after.append(channel.outbox.get())
+    kinds = [m["type"] for m in after]
+    assert kinds.index("resumed") < next(
+        i for i, m in enumerate(after) if m["type"] == "progress" and m["step"] == 7
+    )
+    assert kinds[-1] == "done"
+
+
+def test_restart_from_checkpoint_continues_the_same_trajectory(tmp_path: Path) -> None:
+    straight = _train(ElasticSession(_config(tmp_path / "a", 12), DistEnv(), QueueChannel()))
+    first = _train(ElasticSession(_config(tmp_path / "b", 7, every=7), DistEnv(), QueueChannel()))
+    second = ElasticSession(_config(tmp_path / "b", 12), DistEnv(restore_step=7), QueueChannel())
+    rest = _train(second)
+    assert second.restored_step == 7
+    assert first + rest == pytest.approx(straight, rel=1e-6)
+
+
+def test_exit_while_holding_raises_session_exit(tmp_path: Path) -> None:
+    channel = QueueChannel()
+    session = ElasticSession(_config(tmp_path, 20), DistEnv(), channel)
+    channel.inbox.put({"type": "hold", "directive_id": "h"})
+    seen: list[dict[str, Any]] = []
+    driver = _drive(channel, {"type": "exit"}, seen)
+    with pytest.raises(SessionExit) as info:
+        _train(session)
+    driver.join(timeout=30)
+    assert info.value.code == 0
+    (held,) = seen
+    assert held["checkpoint"] is None and held["step"] == 1
+
+
+def test_env_and_config_validation() -> None:
+    env = DistEnv.from_env(
+        {
+            "PADDLE_TRAINER_ID": "1",
+            "PADDLE_TRAINERS_NUM": "3",
+            "PADDLE_MASTER": "h:1",
+            "TIDE_GENERATION": "4",
+            "TIDE_RESTORE_STEP": "9",
+        }
+    )
+    assert (env.rank, env.world_size, env.generation, env.restore_step) == (1, 3, 4, 9)
+    with pytest.raises(ConfigError, match="PADDLE_TRAINER_ID"):
+        DistEnv(rank=3, world_size=3, master="h:1")
+    with pytest.raises(ConfigError, match="max_steps"):
+        SessionConfig(dataset_size=10, global_batch=2, seed=0, max_steps=-1, checkpoint_dir="c")
