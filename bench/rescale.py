@@ -105,9 +105,11 @@ async def tide_way(workdir: Path, reps: int, group_init: dict[int, float]) -> li
                 if final.phase != pb.RESIZE_PHASE_COMPLETED:
                     raise RuntimeError(f"resize to {target} ended {final}")
                 gen = final.generation
-                await job.wait_status(
-                    lambda s, g=gen: s.generation == g and s.step > 0, 60, "new generation"
-                )
+
+                def in_new_generation(s: pb.JobStatus, g: int = gen) -> bool:
+                    return s.generation == g and s.step > 0
+
+                await job.wait_status(in_new_generation, 60, "new generation")
                 times = _times(job.log_dir)
                 # The coordinated checkpoint: the old generation's last step.
                 ckpt = max(s for g, s in times if g == gen - 1)

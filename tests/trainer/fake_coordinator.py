@@ -11,6 +11,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from tide.v1 import coordinator_pb2 as pb
@@ -79,7 +80,7 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
 
     # -- test side ------------------------------------------------------------------------
 
-    def send(self, member_id: str, **fields: object) -> pb.Directive:
+    def send(self, member_id: str, **fields: Any) -> pb.Directive:
         d = pb.Directive(directive_id=f"d{next(self._ids)}", generation=self.generation, **fields)
         self.members[member_id].queue.put_nowait(d)
         return d
