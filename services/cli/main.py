@@ -433,6 +433,75 @@ def resume_cmd(
     typer.echo(f"autoscaling of {j.job_id} resumed")
 
 
+# --- local control plane --------------------------------------------------------------------
+
+
+StateDirOpt = Annotated[
+    Path, typer.Option("--state-dir", help="SQLite store, logs, pods and checkpoints live here")
+]
+
+
+def _run_until_signal(make: Any) -> int:
+    """Run ``make(stop_event)`` with SIGINT/SIGTERM setting the event; its int is the exit code."""
+    import signal
+
+    async def go() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        code: int = await make(stop)
+        return code
+
+    return run(go())
+
+
+@app.command("up")
+def up_cmd(
+    state_dir: StateDirOpt = Path(".tide"),
+    scaler_listen: Annotated[str, typer.Option(help="scaler gRPC address")] = "127.0.0.1:50051",
+    coordinator_listen: Annotated[
+        str, typer.Option(help="coordinator gRPC address")
+    ] = "127.0.0.1:50052",
+    agents: Annotated[int, typer.Option(min=0, max=16, help="synthetic GPU nodes")] = 0,
+    gpus_per_agent: Annotated[int, typer.Option(min=1, max=64)] = 4,
+    load_pct: Annotated[
+        float, typer.Option(min=0, max=100, help="utilization the synthetic GPUs report")
+    ] = 50.0,
+    total_gpus: Annotated[
+        int, typer.Option(min=0, help="GPUs local jobs may hold; 0: no limit")
+    ] = 0,
+    scaler_flag: Annotated[
+        list[str] | None,
+        typer.Option(help="extra scaler flags, e.g. --scaler-flag '--sustain-s 10' (repeat)"),
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="services' log level")] = "INFO",
+) -> None:
+    """Run the scaler, the coordinator and optional synthetic agents here, until Ctrl-C."""
+    from services.local import up
+
+    try:
+        settings = up.UpSettings(
+            state_dir=state_dir,
+            scaler_listen=scaler_listen,
+            coordinator_listen=coordinator_listen,
+            agents=agents,
+            gpus_per_agent=gpus_per_agent,
+            load_pct=load_pct,
+            total_gpus=total_gpus,
+            log_level=log_level,
+            scaler_flags=up.split_flags(scaler_flag or []),
+        )
+    except errors.ConfigError as exc:
+        fail(Exit.USAGE, str(exc))
+    code = _run_until_signal(lambda stop: up.up(settings, _echo, stop))
+    raise typer.Exit(code)
+
+
+def _echo(line: str) -> None:
+    typer.echo(line)
+
+
 def main() -> None:
     try:
         app()

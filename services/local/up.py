@@ -1,0 +1,290 @@
+"""`tide up`: the whole control plane on this machine, in the foreground.
+
+Layout of the state dir (default ./.tide):
+
+    tide.db          SQLite store of the scaler and the coordinator
+    logs/            one log per service and per local pod
+    jobs/<ns>__<n>/  each local job's spec, wanted replicas and pod pid files
+    pods/<pod>/      each launcher's own state (worker logs)
+    checkpoints/     where `tide demo` points its job's checkpoints
+    up.lock          held while a `tide up` or `tide demo` runs on the dir
+
+Start order: coordinator, scaler (with the local actuator), then the optional
+synthetic GPU nodes (in this process). Stop order, on SIGINT/SIGTERM or when a
+service dies: nodes, scaler (no new decisions), the local pods, coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import shlex
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from services.common.errors import ConfigError, FailedPrecondition
+from services.local.actuator import LAUNCHER, LocalActuator, LocalActuatorSettings
+from services.local.load import LoadSettings, SyntheticNode
+from services.local.supervisor import Child, ChildSpec, Supervisor
+
+logger = logging.getLogger(__name__)
+
+PY = sys.executable
+
+
+def _hostport(name: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"{name}: expected HOST:PORT, got {value!r}")
+
+
+@dataclass(frozen=True)
+class UpSettings:
+    state_dir: Path = Path(".tide")
+    scaler_listen: str = "127.0.0.1:50051"
+    coordinator_listen: str = "127.0.0.1:50052"
+    # Synthetic GPU nodes streaming to the scaler (0: none).
+    agents: int = 0
+    gpus_per_agent: int = 4
+    # Utilization the synthetic nodes report for GPUs held by a pod, percent.
+    load_pct: float = 50.0
+    # GPUs the local actuator offers (0: unknown, no capacity limit).
+    total_gpus: int = 0
+    log_level: str = "INFO"
+    # Extra flags, e.g. the default policy: ("--sustain-s", "10", ...).
+    scaler_flags: tuple[str, ...] = ()
+    coordinator_flags: tuple[str, ...] = ()
+    launcher: tuple[str, ...] = LAUNCHER
+    stop_grace_s: float = 15.0
+    ready_timeout_s: float = 90.0
+
+    def __post_init__(self) -> None:
+        _hostport("scaler_listen", self.scaler_listen)
+        _hostport("coordinator_listen", self.coordinator_listen)
+        if not 0 <= self.agents <= 16:
+            raise ConfigError(f"agents: must be 0..16, got {self.agents}")
+        if not 0 <= self.load_pct <= 100:
+            raise ConfigError(f"load_pct: must be 0..100, got {self.load_pct}")
+        if self.total_gpus < 0:
+            raise ConfigError(f"total_gpus: must be >= 0, got {self.total_gpus}")
+        LoadSettings(gpus=self.gpus_per_agent)
+
+    @property
+    def db_url(self) -> str:
+        return f"sqlite:///{(self.state_dir / 'tide.db').resolve()}"
+
+
+def lock_state_dir(state_dir: Path) -> IO[str]:
+    """Hold ``state_dir/up.lock`` for the life of the returned file: one control plane per dir."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    f = open(state_dir / "up.lock", "a+")  # noqa: SIM115 - held until close
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise FailedPrecondition(
+            f"another `tide up` or `tide demo` is running on {state_dir} (it holds up.lock)"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+@dataclass
+class LocalCluster:
+    """The running control plane; ``start`` then ``stop`` (also after a failed start)."""
+
+    settings: UpSettings
+    supervisor: Supervisor = field(init=False)
+    actuator: LocalActuator | None = None
+    coordinator: Child | None = None
+    scaler: Child | None = None
+    nodes: list[SyntheticNode] = field(default_factory=list)
+    _node_stop: asyncio.Event = field(default_factory=asyncio.Event)
+    _node_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _lock: IO[str] | None = None
+
+    def __post_init__(self) -> None:
+        self.supervisor = Supervisor(self.settings.state_dir / "logs")
+
+    @property
+    def scaler_target(self) -> str:
+        assert self.scaler is not None
+        return self.scaler.target
+
+    @property
+    def coordinator_target(self) -> str:
+        assert self.coordinator is not None
+        return self.coordinator.target
+
+    async def start(self) -> None:
+        s = self.settings
+        self._lock = lock_state_dir(s.state_dir)
+        (s.state_dir / "checkpoints").mkdir(exist_ok=True)
+        self.coordinator = await self.supervisor.start(
+            ChildSpec(
+                "coordinator",
+                (
+                    PY,
+                    "-m",
+                    "services.coordinator",
+                    "--listen",
+                    s.coordinator_listen,
+                    "--db",
+                    s.db_url,
+                    "--log-level",
+                    s.log_level,
+                    *s.coordinator_flags,
+                ),
+                ready_timeout_s=s.ready_timeout_s,
+                stop_grace_s=s.stop_grace_s,
+            )
+        )
+        self.actuator = LocalActuator(
+            LocalActuatorSettings(
+                state_dir=s.state_dir,
+                coordinator=self.coordinator_target,
+                launcher=s.launcher,
+                total_gpus=s.total_gpus or None,
+            )
+        )
+        self.scaler = await self.supervisor.start(
+            ChildSpec(
+                "scaler",
+                (
+                    PY,
+                    "-m",
+                    "services.local.scaler",
+                    "--listen",
+                    s.scaler_listen,
+                    "--database-url",
+                    s.db_url,
+                    "--coordinator",
+                    self.coordinator_target,
+                    "--local-state-dir",
+                    str(s.state_dir),
+                    "--launcher",
+                    shlex.join(s.launcher),
+                    "--total-gpus",
+                    str(s.total_gpus),
+                    "--log-level",
+                    s.log_level,
+                    *s.scaler_flags,
+                ),
+                ready_timeout_s=s.ready_timeout_s,
+                stop_grace_s=s.stop_grace_s,
+            )
+        )
+        for k in range(s.agents):
+            self.add_node(
+                LoadSettings(node_name=f"local-{k}", gpus=s.gpus_per_agent),
+                _slice_of_pods(self.actuator, k, s.gpus_per_agent),
+                s.load_pct,
+            )
+
+    def add_node(
+        self,
+        settings: LoadSettings,
+        attribution: Callable[[], Mapping[int, tuple[str, str]]],
+        level_pct: float,
+    ) -> SyntheticNode:
+        node = SyntheticNode(self.scaler_target, attribution, settings)
+        node.level_pct = level_pct
+        self.nodes.append(node)
+        self._node_tasks.append(
+            asyncio.create_task(node.run(self._node_stop), name=f"node-{settings.node_name}")
+        )
+        return node
+
+    async def wait(self, stop: asyncio.Event) -> Child | None:
+        """Until ``stop`` is set (None) or a service exits (that child)."""
+        stopper = asyncio.create_task(stop.wait())
+        dead = asyncio.create_task(self.supervisor.wait_any_exit())
+        try:
+            await asyncio.wait({stopper, dead}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not dead.done():
+                dead.cancel()
+        return dead.result() if dead.done() and not dead.cancelled() else None
+
+    async def stop(self) -> dict[str, int]:
+        self._node_stop.set()
+        for t in self._node_tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(t, 5)
+        codes: dict[str, int] = {}
+        if self.scaler is not None:
+            codes["scaler"] = await self.supervisor.stop(self.scaler)
+        if self.actuator is not None:
+            await self.actuator.stop_all()
+        codes.update(await self.supervisor.stop_all())
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+        return codes
+
+
+def _slice_of_pods(
+    actuator: LocalActuator, node_index: int, gpus: int
+) -> Callable[[], dict[int, tuple[str, str]]]:
+    """Node k holds GPUs k*gpus..(k+1)*gpus-1 of all local pods, in (job, index) order."""
+
+    def owners() -> dict[int, tuple[str, str]]:
+        pods = [(job, p) for job in actuator.jobs() for p in actuator.pods(job)]
+        mine = pods[node_index * gpus : (node_index + 1) * gpus]
+        return {i: (job.partition("/")[0], p.name) for i, (job, p) in enumerate(mine)}
+
+    return owners
+
+
+def banner(cluster: LocalCluster) -> list[str]:
+    s = cluster.settings
+    lines = [
+        f"READY scaler={cluster.scaler_target} coordinator={cluster.coordinator_target}",
+        f"  store   {s.db_url}",
+        f"  logs    {s.state_dir / 'logs'}",
+        f"  try     tide jobs --scaler {cluster.scaler_target}",
+        f"          tide history all --db {s.db_url}",
+    ]
+    if cluster.nodes:
+        lines.append(
+            f"  {len(cluster.nodes)} synthetic node(s) x {s.gpus_per_agent} GPUs at {s.load_pct:g}%"
+        )
+    lines.append("Ctrl-C stops everything.")
+    return lines
+
+
+async def up(settings: UpSettings, echo: Callable[[str], None], stop: asyncio.Event) -> int:
+    """Run until ``stop`` is set (0) or a service dies (1)."""
+    cluster = LocalCluster(settings)
+    try:
+        await cluster.start()
+        for line in banner(cluster):
+            echo(line)
+        dead = await cluster.wait(stop)
+        if dead is not None:
+            echo(
+                f"{dead.name} exited with code {dead.proc.returncode}; stopping everything"
+                f" (see {dead.log_path})"
+            )
+            return 1
+        echo("stopping: synthetic nodes, scaler, local pods, coordinator")
+        return 0
+    finally:
+        codes = await cluster.stop()
+        if codes:
+            echo("stopped " + ", ".join(f"{k} ({v})" for k, v in codes.items()))
+
+
+def split_flags(values: Sequence[str]) -> tuple[str, ...]:
+    """``["--sustain-s 10", "--bucket-s=2"]`` → ``("--sustain-s", "10", "--bucket-s=2")``."""
+    return tuple(part for v in values for part in shlex.split(v))

@@ -1,0 +1,91 @@
+"""`tide up` as a user runs it: a foreground process that SIGINT/SIGTERM stops cleanly."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+def tide(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path: Path) -> None:
+    # SIGTERM takes the same handler (cli.main._run_until_signal); one start is enough.
+    sig = signal.SIGINT
+    state = tmp_path / "state"
+    args = [
+        "up",
+        "--state-dir",
+        str(state),
+        "--scaler-listen",
+        "127.0.0.1:0",
+        "--coordinator-listen",
+        "127.0.0.1:0",
+        "--agents",
+        "1",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        m = re.match(r"READY scaler=(\S+) coordinator=(\S+)", first)
+        assert m, first + proc.stderr.read() if proc.stderr else first
+        scaler = m.group(1)
+        jobs = tide("jobs", "--scaler", scaler)
+        assert jobs.returncode == 0 and "no jobs" in jobs.stdout
+        # One control plane per state dir.
+        again = tide(*args)
+        assert again.returncode == 2 and "up.lock" in again.stderr
+        assert len(processes_mentioning(str(state))) >= 3  # up, coordinator, scaler
+
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "stopped scaler (0), coordinator (0)" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    wait_for(lambda: not processes_mentioning(str(state)), timeout_s=10, what="children gone")
+    offline = tide("jobs", "--db", f"sqlite:///{state / 'tide.db'}")
+    assert offline.returncode == 0 and "no jobs" in offline.stdout
+    assert {"coordinator.log", "scaler.log"} <= {p.name for p in (state / "logs").iterdir()}
+
+
+def test_up_refuses_bad_settings(tmp_path: Path) -> None:
+    r = tide("up", "--state-dir", str(tmp_path), "--scaler-listen", "nowhere")
+    assert r.returncode == 2 and "scaler_listen" in r.stderr
