@@ -35,6 +35,7 @@ from services.scaler.repo import (
     DecisionState,
     JobRecord,
     RollupRecord,
+    StaleEpoch,
 )
 from services.scaler.store import DecisionStore
 
@@ -181,6 +182,8 @@ class ScalerCore:
         self._wake: asyncio.Event | None = None
         self._watchers: list[tuple[str, asyncio.Queue[Watched | None]]] = []
         self._eval_lock: dict[str, asyncio.Lock] = {}
+        #: Jobs another scaler took (StaleEpoch): no longer evaluated here.
+        self.fenced: set[str] = set()
 
     # -- jobs and policies -----------------------------------------------------------
 
@@ -257,8 +260,9 @@ class ScalerCore:
             policy_overrides=rest,
         )
         self._adopt(job)
-        if job_id not in self.store.epochs:
+        if job_id not in self.store.epochs or job_id in self.fenced:
             await self.store.acquire(job_id)
+            self.fenced.discard(job_id)
         return self.jobs[job_id]
 
     async def set_autoscaling(self, job_id: str, paused: bool, reason: str) -> JobRecord:
@@ -276,7 +280,7 @@ class ScalerCore:
     # -- evaluation ----------------------------------------------------------------------
 
     def _bucket_closed(self, job_id: str, t: float) -> None:
-        if job_id in self.jobs:
+        if job_id in self.jobs and job_id not in self.fenced:
             if job_id not in self._dirty:
                 self._dirty[job_id] = t
                 self._seen_at[job_id] = self.clock.now()
@@ -437,13 +441,18 @@ class ScalerCore:
         now = self.clock.now()
         fresh = self.engine.fresh_gpus(now)
         for job_id in list(self.jobs):
-            await self._safe_evaluate(job_id, None, fresh)
+            if job_id not in self.fenced:
+                await self._safe_evaluate(job_id, None, fresh)
 
     async def _safe_evaluate(
         self, job_id: str, tipping_s: float | None, fresh: Mapping[str, int] | None = None
     ) -> None:
         try:
             await self.evaluate(job_id, tipping_s=tipping_s, fresh=fresh)
+        except StaleEpoch as exc:
+            # Another scaler took the job; stop deciding for it (once, not every tick).
+            self.fenced.add(job_id)
+            logger.warning("job %s: fenced off, no longer deciding for it: %s", job_id, exc)
         except TideError as exc:
             logger.warning("job %s: evaluation failed: %s", job_id, exc)
         except Exception:

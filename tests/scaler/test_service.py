@@ -204,6 +204,11 @@ async def test_two_scalers_never_both_act_on_a_job(scaler_db_url: str) -> None:
     await b.core.start()  # takes the job: a's epoch is now stale
     with pytest.raises(StaleEpoch):
         await a.core.request_resize("ns/a", 4, "from a", "a")
+    # Its policy loop stops deciding for the job instead of failing every tick.
+    await until(lambda: "uid-a-1" in a.core.registry.by_uid)
+    feed(a, 35, 95.0)
+    await a.core.tick()
+    assert a.core.fenced == {"ns/a"}
     assert a.actuator.changes == []
     dec = await b.core.request_resize("ns/a", 4, "from b", "b")
     assert await final(b, dec.id) is DecisionState.COMPLETED
