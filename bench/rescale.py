@@ -40,7 +40,7 @@ from typing import Any
 
 from tide.v1 import coordinator_pb2 as pb
 
-from trainer.localjob import EXAMPLE, ROOT, LocalJob, _free_port, loss_records
+from trainer.localjob import EXAMPLE, ROOT, LocalJob, _free_port, loss_records, read_jsonl
 
 CKPT_EVERY = 20
 TRAIN = [
@@ -82,8 +82,11 @@ async def tide_way(workdir: Path, reps: int, group_init: dict[int, float]) -> li
     job = LocalJob(
         workdir,
         [*TRAIN, "--steps", str(steps)],
-        heartbeat_interval_s=0.25,
-        checkpoint_lead_s=1.0,
+        # A long sync timeout: a coordinator starved of CPU by 6 processes on 2 cores must
+        # not declare members lost (it happened with 4 s).
+        sync_timeout_s=15.0,
+        heartbeat_interval_s=0.5,
+        checkpoint_lead_s=1.5,
     )
     job.start_coordinator()
     out: list[Measure] = []
@@ -111,28 +114,19 @@ async def tide_way(workdir: Path, reps: int, group_init: dict[int, float]) -> li
 
                 await job.wait_status(in_new_generation, 60, "new generation")
                 times = _times(job.log_dir)
-                # The coordinated checkpoint: the old generation's last step.
+                # The old generation's last step, normally the coordinated checkpoint.
                 ckpt = max(s for g, s in times if g == gen - 1)
                 await _wait_step(job, ckpt + 2)
                 times = _times(job.log_dir)
-                pause = times[(gen, ckpt + 1)] - times[(gen - 1, ckpt)]
-                p = final.pause
-                unavoidable = p.checkpoint_write_s + p.restore_s + group_init[target]
-                out.append(
-                    Measure(
-                        way="tide",
-                        resize=f"{4 if target == 2 else 2}->{target}",
-                        pause_s=pause,
-                        lost_steps=int(final.lost_steps),
-                        barrier_s=p.barrier_s,
-                        checkpoint_write_s=p.checkpoint_write_s,
-                        worker_restart_s=p.worker_restart_s,
-                        group_init_s=p.group_init_s,
-                        restore_s=p.restore_s,
-                        unavoidable_s=unavoidable,
-                        coordinator_pause_s=final.pause_s,
-                    )
-                )
+                restored = min(s for g, s in times if g == gen) - 1
+                pause = times[(gen, restored + 1)] - times[(gen - 1, ckpt)]
+                m = _breakdown(job.log_dir, gen, ckpt)
+                m.resize = f"{4 if target == 2 else 2}->{target}"
+                m.pause_s = pause
+                m.lost_steps = max(int(final.lost_steps), ckpt - restored)
+                m.unavoidable_s = m.checkpoint_write_s + m.restore_s + group_init[target]
+                m.coordinator_pause_s = final.pause_s
+                out.append(m)
                 step = ckpt + 30
         for pod in job.pods:
             if pod.proc.poll() is None:
@@ -140,6 +134,28 @@ async def tide_way(workdir: Path, reps: int, group_init: dict[int, float]) -> li
     finally:
         await job.close()
     return out
+
+
+def _breakdown(log_dir: Path, gen: int, ckpt: int) -> Measure:
+    """Where the pause into generation ``gen`` went, from the workers' timings.jsonl."""
+    events = read_jsonl(log_dir / "timings.jsonl")
+    held = [e for e in events if e["event"] == "held" and e["gen"] == gen - 1 and e["step"] == ckpt]
+    first = [e for e in events if e["event"] == "first_step" and e["gen"] == gen]
+    rendezvous_at = min(e["restart_started_at"] for e in first)
+    # No hold means no barrier happened (the old generation was lost, not resized).
+    held_at = max((e["held_at"] for e in held), default=rendezvous_at)
+    write_s = max(((e["checkpoint"] or {}).get("write_s", 0.0) for e in held), default=0.0)
+    return Measure(
+        way="tide",
+        resize="",
+        pause_s=0.0,
+        lost_steps=0,
+        barrier_s=max(0.0, rendezvous_at - held_at - write_s),
+        checkpoint_write_s=write_s,
+        worker_restart_s=max(e["worker_restart_s"] for e in first),
+        group_init_s=max(e["group_init_s"] for e in first),
+        restore_s=max(e["restore_s"] for e in first),
+    )
 
 
 def _spawn_fixed(

@@ -32,7 +32,7 @@ import random
 import socket
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -390,6 +390,12 @@ class ElasticSession:
         now = time.monotonic()
         if self.timings.first_step_at == 0.0:
             self.timings.first_step_at = time.time()
+            self._timing_event(
+                "first_step",
+                step=plan.step,
+                restart_started_at=self.env.restart_started_at,
+                **asdict(self.timings),
+            )
         self._rate_samples += plan.global_batch_size
         if now - self._rate_t0 >= 1.0:
             self._samples_per_s = self._rate_samples / (now - self._rate_t0)
@@ -558,6 +564,7 @@ class ElasticSession:
         if checkpoint and self.rank == 0:
             written = self._write_checkpoint(step, periodic=False)
             info = {"step": step, "digest": written.digest, "write_s": written.write_s}
+        self._timing_event("held", step=step, held_at=held_at, checkpoint=info)
         self.channel.send(
             {
                 "type": "held",
@@ -567,6 +574,14 @@ class ElasticSession:
                 "checkpoint": info,
             }
         )
+
+    def _timing_event(self, event: str, **fields: Any) -> None:
+        """One line of timings.jsonl: where a pause went, seen from this rank (benchmarks)."""
+        if not self.config.log_dir:
+            return
+        record = {"event": event, "gen": self.env.generation, "rank": self.rank, **fields}
+        with open(Path(self.config.log_dir) / "timings.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def _exit(self) -> None:
         logger.info(
