@@ -310,15 +310,15 @@ def hpa_path_delay(rng: random.Random, scrape_s: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.ingest", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="short phases (< 1 min in all)")
-    ap.add_argument("--streams", type=int, default=16, help="agent streams (nodes)")
+    ap.add_argument("--streams", type=int, default=32, help="agent streams (nodes), 4 per job")
     ap.add_argument("--seconds", type=float, default=0.0, help="length of each phase")
     ap.add_argument("--procs", type=int, default=2, help="agent processes")
     args = ap.parse_args(argv)
-    seconds = args.seconds or (8.0 if args.quick else 20.0)
+    seconds = args.seconds or (6.0 if args.quick else 20.0)
     t_start = time.monotonic()
     ceiling = run_phase("ceiling", args.streams, seconds, 0.0, args.procs)
     scaler = run_phase("scaler", args.streams, seconds, 0.0, args.procs)
-    paced = run_phase("scaler", args.streams, seconds + 2.0, TARGET_REPORTS_S, args.procs)
+    paced = run_phase("scaler", args.streams, seconds + 6.0, TARGET_REPORTS_S, args.procs)
     lat_ms = [x * 1000 for x in paced["latencies_s"]]
     rng = random.Random(7)
     agent_interval_s = 1.0

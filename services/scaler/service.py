@@ -216,6 +216,7 @@ class ScalerCore:
         """Load jobs, take ownership of them, derive cooldowns from the database and
         resume every decision that is not final."""
         self._wake = asyncio.Event()
+        await self.store.warm_up()
         for job in await self.store.list_jobs():
             self._adopt(job)
             await self.store.acquire(job.job_id)

@@ -226,3 +226,11 @@ async def test_rollups_reach_sql(rig: Rig) -> None:
         "ns/a", db.utc_from_epoch(T0 - 60), db.utc_from_epoch(T0 + 600)
     )
     assert rows and all(r.mean_pct == 70.0 and r.replicas == 2 for r in rows)
+
+
+async def test_store_warm_up_leaves_nothing_behind(scaler_db_url: str) -> None:
+    store = DecisionStore(db.make_engine(scaler_db_url), "w", FakeClock(T0))
+    await store.warm_up()
+    assert await store.list_jobs() == []
+    assert (await store.list_decisions()).decisions == ()
+    store.engine.dispose()
