@@ -502,6 +502,70 @@ def _echo(line: str) -> None:
     typer.echo(line)
 
 
+@app.command("demo")
+def demo_cmd(
+    state_dir: StateDirOpt = Path(".tide"),
+    cycles: Annotated[int, typer.Option(min=1, max=20, help="high/low load cycles")] = 1,
+    hold_s: Annotated[
+        float, typer.Option(min=0, help="stay this long at each size once reached, seconds")
+    ] = 0.0,
+    timeout_s: Annotated[
+        float, typer.Option(min=10, help="give up after this long, seconds")
+    ] = 170.0,
+    sustain_s: Annotated[float, typer.Option(min=1, help="policy sustain window, seconds")] = 10.0,
+    cooldown_s: Annotated[float, typer.Option(min=0, help="policy cooldown, seconds")] = 10.0,
+    chart: Annotated[
+        Path | None, typer.Option(help="PNG to write (default STATE_DIR/demo.png)")
+    ] = None,
+    live: Annotated[
+        bool | None,
+        typer.Option("--live/--plain", help="live view or plain lines (default: live on a tty)"),
+    ] = None,
+) -> None:
+    """Scale the example Paddle job 2 → 4 → 2 with synthetic GPU load, and prove nothing was lost."""
+    from services.common import logs
+    from services.local import demo, view
+
+    try:
+        settings = demo.DemoSettings(
+            state_dir=state_dir,
+            cycles=cycles,
+            hold_s=hold_s,
+            timeout_s=timeout_s,
+            sustain_s=sustain_s,
+            cooldown_s=cooldown_s,
+            chart=chart,
+        )
+    except errors.ConfigError as exc:
+        fail(Exit.USAGE, str(exc))
+    # The services log to STATE_DIR/logs; here only what needs a person's attention.
+    logs.configure("WARNING")
+    use_live = sys.stdout.isatty() if live is None else live
+
+    async def go(stop: asyncio.Event) -> int:
+        from rich.live import Live
+
+        if use_live:
+            out = Console()
+            with Live(console=out, refresh_per_second=4, transient=False) as screen:
+                d = demo.Demo(settings, lambda snap: screen.update(view.render(snap)), out.print)
+                outcome = await d.run(stop)
+        else:
+            plain = view.PlainLines()
+
+            def show(snap: view.Snapshot) -> None:
+                for line in plain.lines(snap):
+                    typer.echo(line)
+
+            d = demo.Demo(settings, show, _echo)
+            outcome = await d.run(stop)
+        for line in demo.summary_lines(outcome, settings.state_dir):
+            typer.echo(line)
+        return 0 if outcome.ok else 1
+
+    raise typer.Exit(_run_until_signal(go))
+
+
 def main() -> None:
     try:
         app()
