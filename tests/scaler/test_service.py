@@ -234,3 +234,17 @@ async def test_store_warm_up_leaves_nothing_behind(scaler_db_url: str) -> None:
     assert await store.list_jobs() == []
     assert (await store.list_decisions()).decisions == ()
     store.engine.dispose()
+
+
+def test_scaler_settings_validate_and_feed_the_policy() -> None:
+    from services.common.errors import ConfigError
+    from services.scaler.service import ScalerSettings
+
+    s = ScalerSettings(sustain_s=60.0, bucket_s=10.0, max_replicas=16)
+    assert (s.policy().buckets, s.policy().max_replicas) == (6, 16)
+    with pytest.raises(ConfigError, match=r"sustain_s=100\.0"):
+        ScalerSettings(sustain_s=100.0)
+    with pytest.raises(ConfigError, match="actuator"):
+        ScalerSettings(actuator="kubernetes")
+    with pytest.raises(ConfigError, match="stale_after_s"):
+        ScalerSettings(stale_after_s=0.0)
