@@ -121,7 +121,8 @@ async def test_partition_is_detected_within_keepalive(scaler: Scaler, run_agent:
         sampled_at_stall = agent.buffer.added_total
         await eventually(lambda: agent.stream.state.disconnects, timeout_s=10, what="detection")
         # Writes were stuck behind the stalled path, and the beat went on regardless.
-        assert agent.buffer.added_total >= sampled_at_stall + 20
+        sampled_during = agent.buffer.added_total - sampled_at_stall
+        assert sampled_during >= 10, sampled_during  # ~40 expected at 20 Hz over ~2 s
         detected_s = time.monotonic() - stalled_at
         reason = agent.stream.state.disconnects[0].reason
         print(f"partition detected after {detected_s:.2f} s ({reason})")
