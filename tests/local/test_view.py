@@ -1,0 +1,131 @@
+"""The demo's view, summary and settings, as pure functions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from tide.v1 import common_pb2, scaler_pb2
+
+from services.common.errors import ConfigError
+from services.local.demo import DemoSettings, Outcome, Phase, next_job_id, summary_lines
+from services.local.samples import SampleAudit
+from services.local.view import DecisionView, PlainLines, Snapshot, render
+
+
+def snap(t: float, **kw: object) -> Snapshot:
+    base: dict[str, object] = dict(
+        elapsed_s=t,
+        phase="high load",
+        load_pct=95.0,
+        job_id="demo/run-1",
+        replicas=2,
+        window_mean_pct=93.0,
+        coverage=1.0,
+        generation=1,
+        world_size=2,
+        step=40,
+        samples_per_s=1200.0,
+        resize_phase="",
+        last_evaluation="NOT_SUSTAINED: 3 of 5 buckets",
+    )
+    base.update(kw)
+    return Snapshot(**base)  # type: ignore[arg-type]
+
+
+GROW = DecisionView(
+    1,
+    2,
+    4,
+    "SUSTAINED_HIGH_UTILIZATION",
+    "ACTUATING",
+    (("PENDING", 20.0), ("ACTUATING", 20.1)),
+    0.0,
+    0,
+)
+
+
+def test_plain_lines_report_changes_and_a_periodic_status() -> None:
+    p = PlainLines(every_s=5)
+    first = p.lines(snap(1.0))
+    assert first[0] == "[   1.0s] phase high load: synthetic GPU load 95%"
+    assert any("generation 1: world size 2" in ln for ln in first)
+    assert any("replicas 2, step 40, 1200 samples/s, GPU util 93%" in ln for ln in first)
+    assert p.lines(snap(2.0)) == []  # nothing changed, status not due
+    lines = p.lines(snap(3.0, decisions=(GROW,), resize_phase="WAITING_FOR_MEMBERS"))
+    assert lines == ["[   3.0s] decision 1 2→4 (SUSTAINED_HIGH_UTILIZATION): ACTUATING"]
+    done = DecisionView(1, 2, 4, "SUSTAINED_HIGH_UTILIZATION", "COMPLETED", (), 1.25, 0)
+    lines = p.lines(snap(6.5, decisions=(done,), generation=2, world_size=4))
+    assert (
+        "[   6.5s] decision 1 2→4 (SUSTAINED_HIGH_UTILIZATION): COMPLETED, pause 1.25 s,"
+        " lost steps 0" in lines
+    )
+    assert any("generation 2: world size 4" in ln for ln in lines)
+    assert any(ln.startswith("[   6.5s] replicas") for ln in lines)
+
+
+def test_live_view_shows_the_job_and_each_decision_trail() -> None:
+    console = Console(width=200, record=True)
+    console.print(render(snap(12.0, decisions=(GROW,), resize_phase="CHECKPOINTING")))
+    text = console.export_text()
+    assert "demo/run-1" in text and "high load" in text and "CHECKPOINTING" in text
+    assert "PENDING (20.0s) → ACTUATING (20.1s)" in text
+    console = Console(width=200, record=True)
+    console.print(render(snap(1.0)))
+    assert "no decisions yet" in console.export_text()
+
+
+def test_summary_lists_decisions_lost_steps_and_the_audit(tmp_path: Path) -> None:
+    d = scaler_pb2.DecisionDetail()
+    d.decision.id, d.decision.from_replicas, d.decision.to_replicas = 7, 2, 4
+    d.decision.reason = common_pb2.DECISION_REASON_SUSTAINED_HIGH_UTILIZATION
+    d.decision.state = common_pb2.DECISION_STATE_COMPLETED
+    d.decision.pause_s = 2.5
+    d.decision.created_at.FromSeconds(1000)
+    for state, at in (
+        (common_pb2.DECISION_STATE_PENDING, 1000),
+        (common_pb2.DECISION_STATE_COMPLETED, 1012),
+    ):
+        e = d.events.add(state=state)
+        e.at.FromSeconds(at)
+    good = SampleAudit(120, 120, 7680, (1, 2), ((1, 2), (2, 4)), (), (), (), (121,))
+    out = Outcome("demo/run-3", Phase.DONE, 80.0, [d], good, tmp_path / "demo.png")
+    assert out.ok
+    text = "\n".join(summary_lines(out, tmp_path))
+    assert "demo demo/run-3: OK in 80 s" in text
+    assert "decision 7: 2 → 4 (SUSTAINED_HIGH_UTILIZATION) COMPLETED; pause 2.50 s" in text
+    assert "PENDING +0.0s → COMPLETED +12.0s" in text
+    assert "lost steps: 0" in text and "exactly once: 7680 samples in 120 steps" in text
+    assert "steps 121 were in flight" in text
+    assert f"tide history demo/run-3 --db sqlite:///{tmp_path.resolve()}/tide.db" in text
+
+    redone = SampleAudit(120, 120, 7680, (1, 2), ((1, 2), (2, 4)), (61, 62), (), (), ())
+    bad = Outcome("demo/run-3", Phase.DONE, 80.0, [d], redone)
+    assert bad.lost_steps == 2 and not bad.ok
+    assert "FAILED" in summary_lines(bad, tmp_path)[0]
+    assert not Outcome("demo/run-3", Phase.FAILED, 9.0, [], good).ok
+
+
+def test_each_run_is_a_new_job(tmp_path: Path) -> None:
+    assert next_job_id(tmp_path) == "demo/run-1"
+    for n in (1, 2, 5):
+        (tmp_path / "jobs" / f"demo__run-{n}").mkdir(parents=True)
+    (tmp_path / "jobs" / "demo__run-x").mkdir()
+    assert next_job_id(tmp_path) == "demo/run-6"
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"start_replicas": 4, "max_replicas": 4}, "start_replicas"),
+        ({"high_pct": 70}, "high_pct"),
+        ({"sustain_s": 0}, "sustain_s"),
+        ({"hold_s": -1}, "hold_s"),
+        ({"cycles": 0}, "cycles"),
+        ({"global_batch": 10_000}, "global_batch"),
+    ],
+)
+def test_demo_settings_validation(kw: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        DemoSettings(**kw)  # type: ignore[arg-type]
