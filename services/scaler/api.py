@@ -149,6 +149,11 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
             created_at=_ts(job.created_at),
             last_resize_at=_ts(job.last_resize_ended_at),
         )
+        status = core.coordinator.latest_status(job.job_id)
+        if status is not None:
+            msg.step = status.step
+            msg.samples_per_s = status.samples_per_s
+            msg.generation = max(msg.generation, status.generation)
         ev = core.evaluations.get(job.job_id)
         if ev is not None:
             msg.last_evaluation.CopyFrom(
@@ -265,6 +270,9 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
         self, request: scaler_pb2.WatchDecisionsRequest, context: Ctx
     ) -> AsyncIterator[scaler_pb2.DecisionEvent]:
         q = self.core.subscribe(request.job_id)
+        # Headers go out once subscribed: a client that awaits them knows no
+        # later change can be missed.
+        await context.send_initial_metadata(())
         try:
             while True:
                 item = await q.get()

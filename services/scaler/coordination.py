@@ -89,6 +89,10 @@ class CoordinatorClient(Protocol):
 
     def watch_members(self, job_id: str) -> AsyncIterator[list[Member]]: ...
 
+    def latest_status(self, job_id: str) -> JobStatusView | None:
+        """The last status a member watch of the job saw (step, throughput); no call."""
+        ...
+
 
 # --- the in-memory coordinator ------------------------------------------------------------
 
@@ -277,6 +281,12 @@ class InMemoryCoordinator:
         g, w = self.job(job_id)
         return JobStatusView(job_id, g, w, tuple(self._members.get(job_id, [])))
 
+    def latest_status(self, job_id: str) -> JobStatusView | None:
+        if job_id not in self._state.jobs:
+            return None
+        g, w = self.job(job_id)
+        return JobStatusView(job_id, g, w, tuple(self._members.get(job_id, [])))
+
     async def watch_members(self, job_id: str) -> AsyncIterator[list[Member]]:
         q: asyncio.Queue[list[Member]] = asyncio.Queue()
         self._watchers.setdefault(job_id, []).append(q)
@@ -316,6 +326,10 @@ class GrpcCoordinatorClient:
     def __init__(self, channel: grpc.aio.Channel, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         self._timeout_s = timeout_s
+        self._latest: dict[str, JobStatusView] = {}
+
+    def latest_status(self, job_id: str) -> JobStatusView | None:
+        return self._latest.get(job_id)
 
     async def resize(self, spec: ResizeSpec) -> AsyncIterator[Progress]:
         req = coordinator_pb2.ResizeRequest(
@@ -370,7 +384,9 @@ class GrpcCoordinatorClient:
         call = self._stub.WatchJob(coordinator_pb2.GetJobStatusRequest(job_id=job_id))
         try:
             async for st in call:
-                yield list(_status_view(st).members)
+                view = _status_view(st)
+                self._latest[job_id] = view
+                yield list(view.members)
         except grpc.RpcError as exc:
             raise domain_error(exc) from exc
 

@@ -121,6 +121,7 @@ async def test_jobs_decisions_history_and_watch(live: Live) -> None:
     assert (job.current_replicas, job.policy.max_replicas, job.policy.cooldown_s) == (2, 6, 5.0)
     assert job.policy.scale_up_utilization_pct == 80.0
     watch = stub.WatchDecisions(scaler_pb2.WatchDecisionsRequest(job_id="ns/a"), timeout=T)
+    await watch.initial_metadata()
     d = await stub.RequestResize(
         scaler_pb2.RequestResizeRequest(
             job_id="ns/a", replicas=4, reason="test", requested_by="me"

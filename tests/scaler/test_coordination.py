@@ -92,7 +92,8 @@ async def test_member_registry_follows_watch_job(
 ) -> None:
     servicer, target = coordinator
     async with open_channel(target) as ch:
-        reg = CoordinatorMemberRegistry(GrpcCoordinatorClient(ch).watch_members)
+        client = GrpcCoordinatorClient(ch)
+        reg = CoordinatorMemberRegistry(client.watch_members)
         reg.track("ns/a")
         servicer.members.put_nowait(
             [
@@ -106,6 +107,7 @@ async def test_member_registry_follows_watch_job(
                 break
             await asyncio.sleep(0.01)
         assert reg.by_uid == {"u0": "ns/a", "u1": "ns/a"}
+        assert client.latest_status("ns/a") is not None
         assert reg.by_name["ns/a-0"] == "ns/a"
         assert reg.member_count("ns/a") == 1
         servicer.members.put_nowait([cpb.Member(pod_name="a-0", pod_uid="u0")])
