@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes.util
 import json
 import os
 import re
@@ -61,6 +62,9 @@ def test_bad_setting_is_one_line_naming_it() -> None:
     assert out.stderr.strip().splitlines() == ["tide-agent: interval_s: must be > 0, got -1.0"]
 
 
+@pytest.mark.skipif(
+    ctypes.util.find_library("nvidia-ml") is not None, reason="NVML is installed here"
+)
 def test_nvml_init_failure_is_one_clear_error_line() -> None:
     """This machine has no NVIDIA driver: the real pynvml fails to load NVML."""
     out = subprocess.run(
