@@ -405,12 +405,14 @@ class SqlHistory:
         self, decision_id: int, context_minutes: int
     ) -> scaler_pb2.DecisionDetail:
         from services.scaler import repo
+        from services.scaler.api import inputs_to_proto
 
         def q(s: Any) -> scaler_pb2.DecisionDetail:
             rec = repo.get_decision(s, decision_id)
             d = rec.decision
             detail = scaler_pb2.DecisionDetail(decision=self._decision(d))
-            json_format.ParseDict(_inputs_json(d.inputs), detail.inputs, ignore_unknown_fields=True)
+            # The scaler's own reading of its stored inputs: one mapping for both paths.
+            detail.inputs.CopyFrom(inputs_to_proto(d.inputs))
             for e in rec.events:
                 ev = detail.events.add(decision_id=d.id, job_id=d.job_id, detail=e.detail)
                 ev.state = _state(str(e.state))
@@ -440,19 +442,3 @@ class SqlHistory:
 
         result: list[scaler_pb2.UtilizationPoint] = self._read(q)
         return result
-
-
-def _inputs_json(stored: dict[str, Any]) -> dict[str, Any]:
-    """Stored inputs → DecisionInputs JSON. Window buckets without samples are
-    stored as null (JSON has no NaN); the API reports them as NaN."""
-    out = dict(stored)
-    window = out.get("window")
-    if isinstance(window, dict):
-        w = dict(window)
-        buckets = w.get("bucket_means_pct")
-        if isinstance(buckets, list):
-            w["bucket_means_pct"] = ["NaN" if b is None else b for b in buckets]
-        if w.get("mean_pct", 0) is None:
-            w["mean_pct"] = "NaN"
-        out["window"] = w
-    return out

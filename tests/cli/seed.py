@@ -30,6 +30,7 @@ def inputs(mean: float, buckets: list[float | None], current: int, raw: int) -> 
             "gpus_expected": current,
             "gpus_fresh": current,
             "mean_pct": mean,
+            "computed_at_s": T0.timestamp(),
         },
         "policy": {
             "scale_up_utilization_pct": 80.0,

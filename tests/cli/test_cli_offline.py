@@ -70,6 +70,8 @@ def test_explain_from_the_store(store: tuple[str, Seeded]) -> None:
     assert doc["decision"]["pause_s"] == 2.5
     assert doc["inputs"]["window"]["bucket_means_pct"] == [91.0, None, 93.0, 92.0]
     assert doc["inputs"]["policy"]["sustain_s"] == 120
+    assert doc["inputs"]["window"]["computed_at"] == "2026-11-30T14:05:12.000Z"
+    assert doc["inputs"]["free_gpus"] == 6 and doc["inputs"]["raw_target_replicas"] == 4
     assert [e["state"] for e in doc["events"]] == ["PENDING", "PREPARING", "ACTUATING", "COMPLETED"]
     minutes = [u["minute"] for u in doc["utilization"]]
     assert minutes[0] == (T0.replace(second=0) - timedelta(minutes=10)).isoformat().replace(
