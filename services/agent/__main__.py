@@ -98,7 +98,9 @@ async def run(settings: AgentSettings) -> int:
         # One line, no traceback: this is an environment problem, not a bug.
         logger.error("node %s: %s", settings.node_name, exc)
         return 1
-    return 0
+    # A task that died is a failure even though the final report went out: let
+    # the kubelet restart us.
+    return 1 if agent.failure is not None else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -115,6 +115,9 @@ class Agent:
         self._sampler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sample")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dropped_seen = 0
+        self._source_failing = False
+        #: Set when a task of the agent died; the process then exits non-zero.
+        self.failure: BaseException | None = None
 
     def _transition(self, new: AgentState) -> None:
         if new not in VALID_TRANSITIONS[self.state]:
@@ -177,11 +180,28 @@ class Agent:
             stopper.cancel()
         return stop.is_set()
 
+    async def _sample_or_notices(self) -> Sample:
+        """A sample; when the source itself fails, a report without GPUs that still
+        carries the node's notices (a termination notice must not wait for NVML)."""
+        try:
+            sample = await self._sample()
+        except Exception as exc:
+            self.metrics.samples_failed.inc()
+            if not self._source_failing:
+                logger.exception("node %s: sampling failed: %s", self.settings.node_name, exc)
+            self._source_failing = True
+            notices, self._notices = self._notices, []
+            return Sample(self.clock.now(), [], self.gpu_capacity, notices)
+        if self._source_failing:
+            logger.info("node %s: sampling works again", self.settings.node_name)
+        self._source_failing = False
+        return sample
+
     async def _beat(self, stop: asyncio.Event) -> None:
         """Sample on a fixed schedule; a sample that overruns skips ticks, never piles up."""
         next_tick = self.clock.monotonic()
         while not stop.is_set():
-            self._enqueue(await self._sample())
+            self._enqueue(await self._sample_or_notices())
             next_tick += self.interval_s
             now = self.clock.monotonic()
             if now > next_tick:
@@ -252,7 +272,13 @@ class Agent:
             )
             if not done & {beat, stopped}:
                 failed = next(iter(done))
-                logger.error("node %s: %s stopped unexpectedly", self.settings.node_name, failed)
+                self.failure = failed.exception() or RuntimeError(f"{failed.get_name()} ended")
+                logger.error(
+                    "node %s: %s stopped unexpectedly: %r",
+                    self.settings.node_name,
+                    failed.get_name(),
+                    self.failure,
+                )
             if not beat.done():
                 # The beat returns at once when it is between samples; give a sample
                 # in progress a moment to finish, then abandon it.
@@ -281,11 +307,12 @@ class Agent:
         """The final report says the samples stop here, so the scaler need not wait
         for staleness to find out."""
         self._transition(AgentState.DRAINING)
-        self.post_notice(NodeNotice(NoticeKind.AGENT_SHUTDOWN, self.clock.now(), "SIGTERM"))
+        why = "SIGTERM" if self.failure is None else f"agent failure: {self.failure!r}"
+        self.post_notice(NodeNotice(NoticeKind.AGENT_SHUTDOWN, self.clock.now(), why))
         try:
             sample = await asyncio.wait_for(self._sample(), timeout=1.0)
-        except TimeoutError:
-            # A hung driver must not keep the notice from going out.
+        except Exception:
+            # A hung or failing driver must not keep the notice from going out.
             notices, self._notices = self._notices, []
             sample = Sample(self.clock.now(), [], self.gpu_capacity, notices)
         self._enqueue(sample)

@@ -51,6 +51,11 @@ class AgentMetrics:
             "Ticks skipped because the previous sample had not finished.",
             registry=r,
         )
+        self.samples_failed = Counter(
+            "tide_agent_samples_failed_total",
+            "Ticks whose source raised; their reports carry no GPUs.",
+            registry=r,
+        )
         self.node_events = Counter(
             "tide_agent_node_events_total", "Node notices observed, by kind.", ["kind"], registry=r
         )

@@ -6,7 +6,7 @@ import time
 
 from tide.v1 import telemetry_pb2
 
-from services.agent.model import GpuReading
+from services.agent.model import GpuReading, NodeNotice, NoticeKind
 from services.agent.stream import StreamConfig
 from services.common import grpc_options
 
@@ -199,3 +199,51 @@ async def test_sigterm_reaches_the_scaler_even_with_a_hung_driver(
     last = scaler.recorder.received[-1]
     assert [e.kind for e in last.events] == [telemetry_pb2.NodeEvent.KIND_AGENT_SHUTDOWN]
     assert len(last.gpus) == 0 and last.gpu_capacity == 2
+
+
+class FlakySource:
+    """A source that raises for a while (an unexpected driver error), then recovers."""
+
+    def __init__(self) -> None:
+        self.failing = False
+
+    def open(self) -> int:
+        return 1
+
+    def sample(self) -> list[GpuReading]:
+        if self.failing:
+            raise RuntimeError("driver went away")
+        return [GpuReading(0, "GPU-a", 50.0)]
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_failing_source_still_lets_notices_through(
+    scaler: Scaler, run_agent: RunAgent
+) -> None:
+    source = FlakySource()
+    r = await run_agent(agent_settings(scaler.port), source)
+    agent = r.agent
+    await eventually(lambda: len(scaler.recorder.received) >= 3, what="first reports")
+    source.failing = True
+    agent.post_notice(NodeNotice(NoticeKind.CORDONED, time.time(), "test"))
+
+    def cordon_report() -> telemetry_pb2.NodeReport | None:
+        for report in scaler.recorder.received:
+            if any(e.kind == telemetry_pb2.NodeEvent.KIND_CORDONED for e in report.events):
+                return report
+        return None
+
+    report = await eventually(cordon_report, what="the notice despite the failing source")
+    assert len(report.gpus) == 0
+    source.failing = False
+    seen = len(scaler.recorder.received)
+    await eventually(
+        lambda: any(len(rep.gpus) == 1 for rep in scaler.recorder.received[seen:]),
+        what="recovery",
+    )
+    await r.shutdown()
+    assert agent.failure is None
+    failed = agent.metrics.registry.get_sample_value("tide_agent_samples_failed_total")
+    assert failed is not None and failed >= 1
