@@ -12,8 +12,9 @@ from tide.v1 import telemetry_pb2
 
 from services.common import db
 from services.common.clock import FakeClock
+from services.common.errors import Unavailable
 from services.scaler.actuator import InMemoryActuator, ReplicaChange
-from services.scaler.coordination import InMemoryCoordinator, Phase
+from services.scaler.coordination import InMemoryCoordinator, Phase, Progress, ResizeSpec
 from services.scaler.ingest import IngestSettings
 from services.scaler.policy import Reason
 from services.scaler.repo import DecisionState, StaleEpoch
@@ -248,3 +249,41 @@ def test_scaler_settings_validate_and_feed_the_policy() -> None:
         ScalerSettings(actuator="kubernetes")
     with pytest.raises(ConfigError, match="stale_after_s"):
         ScalerSettings(stale_after_s=0.0)
+
+
+class FlakyCoordinator(InMemoryCoordinator):
+    """Unreachable for the first ``failures`` Resize calls, then itself again."""
+
+    def __init__(self, failures: int, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.failures = failures
+
+    async def resize(self, spec: ResizeSpec) -> AsyncIterator[Progress]:  # type: ignore[override]
+        if self.failures > 0:
+            self.failures -= 1
+            raise Unavailable("coordinator restarting")
+        async for p in super().resize(spec):
+            yield p
+
+
+async def test_unreachable_coordinator_is_reattached(scaler_db_url: str) -> None:
+    clock = FakeClock(T0)
+    actuator = InMemoryActuator()
+    coordinator = FlakyCoordinator(3, available=lambda j: actuator.replicas.get(j))
+    store = DecisionStore(db.make_engine(scaler_db_url), "s", clock)
+    core = ScalerCore(store=store, actuator=actuator, coordinator=coordinator, clock=clock)
+    await core.start()
+    await core.upsert_job("ns/a", FAST, initial_replicas=2)
+    dec = await core.request_resize("ns/a", 1 + 2, "x", "t")
+    task = core.controller.tasks[dec.id]
+    while not task.done():
+        clock.advance(1.0)  # the controller waits on the clock between attempts
+        await asyncio.sleep(0.01)
+    assert (await task) is not None
+    assert (
+        await final(Rig(core, clock, actuator, coordinator, store), dec.id)
+        is DecisionState.COMPLETED
+    )
+    assert len(coordinator.calls) == 1 and coordinator.failures == 0
+    await core.close()
+    store.engine.dispose()
