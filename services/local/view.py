@@ -52,22 +52,20 @@ def _pct(x: float | None) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{x:.0f}%"
 
 
+_SHORT_REASONS = {
+    "SUSTAINED_HIGH_UTILIZATION": "high util",
+    "SUSTAINED_LOW_UTILIZATION": "low util",
+    "NODE_TERMINATION": "node leaving",
+}
+
+
 def render(s: Snapshot) -> Group:
-    """The live view: the job, then its decisions moving through their states."""
+    """The live view: the job, what the scaler thinks, and each decision's states.
+
+    Laid out to stay readable in an 80-column terminal."""
     job = Table(show_edge=False, header_style="bold", title=f"tide demo  {s.elapsed_s:5.1f} s")
-    for col in (
-        "JOB",
-        "PHASE",
-        "LOAD",
-        "GPU UTIL",
-        "REPLICAS",
-        "GEN",
-        "WORLD",
-        "STEP",
-        "SAMPLES/S",
-    ):
-        job.add_column(col)
-    job.add_column("RESIZE / LAST EVALUATION", overflow="fold")
+    for col in ("JOB", "PHASE", "LOAD", "UTIL", "PODS", "GEN", "WORLD", "STEP", "SAMPLES/S"):
+        job.add_column(col, no_wrap=True)
     job.add_row(
         s.job_id,
         s.phase,
@@ -78,22 +76,31 @@ def render(s: Snapshot) -> Group:
         str(s.world_size),
         str(s.step),
         f"{s.samples_per_s:.0f}",
-        s.resize_phase or s.last_evaluation,
     )
-    dec = Table(show_edge=False, header_style="bold")
-    for col in ("DECISION", "RESIZE", "REASON", "STATES", "PAUSE", "LOST STEPS"):
-        dec.add_column(col)
-    for d in s.decisions:
-        dec.add_row(
-            str(d.id),
-            f"{d.from_replicas}→{d.to_replicas}",
-            d.reason,
-            trail_text(d.trail),
-            f"{d.pause_s:.2f} s" if d.pause_s else "-",
-            str(d.lost_steps),
-        )
-    parts: list[Table | Text] = [job]
+    status = Text(overflow="fold")
+    if s.resize_phase:
+        status.append("resize: ", style="bold")
+        status.append(s.resize_phase + "\n")
+    status.append("scaler: ", style="bold")
+    status.append(s.last_evaluation or "-")
+    parts: list[Table | Text] = [job, status]
     if s.decisions:
+        dec = Table(show_edge=False, header_style="bold")
+        dec.add_column("ID", no_wrap=True)
+        dec.add_column("RESIZE", no_wrap=True)
+        dec.add_column("WHY", no_wrap=True)
+        dec.add_column("STATES (s since start)", overflow="fold")
+        dec.add_column("PAUSE", no_wrap=True)
+        dec.add_column("LOST", no_wrap=True)
+        for d in s.decisions:
+            dec.add_row(
+                str(d.id),
+                f"{d.from_replicas}→{d.to_replicas}",
+                _SHORT_REASONS.get(d.reason, d.reason.lower()),
+                trail_text(d.trail),
+                f"{d.pause_s:.2f} s" if d.pause_s else "-",
+                str(d.lost_steps),
+            )
         parts.append(dec)
     else:
         parts.append(Text("no decisions yet", style="dim"))
@@ -101,7 +108,7 @@ def render(s: Snapshot) -> Group:
 
 
 def trail_text(trail: Sequence[tuple[str, float]]) -> str:
-    return " → ".join(f"{state} ({at:.1f}s)" for state, at in trail)
+    return " → ".join(f"{state} {at:.1f}" for state, at in trail)
 
 
 class PlainLines:

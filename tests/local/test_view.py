@@ -66,11 +66,12 @@ def test_plain_lines_report_changes_and_a_periodic_status() -> None:
 
 
 def test_live_view_shows_the_job_and_each_decision_trail() -> None:
-    console = Console(width=200, record=True)
+    console = Console(width=80, record=True)
     console.print(render(snap(12.0, decisions=(GROW,), resize_phase="CHECKPOINTING")))
     text = console.export_text()
     assert "demo/run-1" in text and "high load" in text and "CHECKPOINTING" in text
-    assert "PENDING (20.0s) → ACTUATING (20.1s)" in text
+    assert "PENDING 20.0 → ACTUATING 20.1" in text and "high util" in text
+    assert "NOT_SUSTAINED: 3 of 5 buckets" in text
     console = Console(width=200, record=True)
     console.print(render(snap(1.0)))
     assert "no decisions yet" in console.export_text()
