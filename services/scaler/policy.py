@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -435,8 +434,3 @@ def manual(job: JobState, policy: PolicySettings, replicas: int, why: str) -> De
         trigger=Trigger.MANUAL,
         raw_target=replicas,
     )
-
-
-def stabilization_horizon(policies: Sequence[PolicySettings]) -> float:
-    """How long recommendations must be kept so every policy can look back far enough."""
-    return max((p.scale_down_stabilization_s for p in policies), default=0.0)

@@ -21,7 +21,7 @@ from typing import Any
 from services.common.clock import Clock
 from services.common.config import CommonSettings, setting
 from services.common.db import utc_from_epoch
-from services.common.errors import ConfigError, InvalidArgument, NotFound, TideError
+from services.common.errors import ConfigError, NotFound, TideError
 from services.scaler import policy as pol
 from services.scaler.actuator import Actuator, InMemoryActuator
 from services.scaler.controller import Controller
@@ -533,11 +533,3 @@ class ScalerCore:
                 self.unsubscribe(q)
                 q.get_nowait()
                 q.put_nowait(None)
-
-
-def validate_overrides(overrides: Mapping[str, Any]) -> None:
-    """Names in ``overrides`` must be PolicySettings fields."""
-    known = {f.name for f in dataclasses.fields(pol.PolicySettings)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise InvalidArgument(f"unknown policy field(s): {unknown}")
