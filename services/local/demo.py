@@ -22,6 +22,7 @@ demo/run-N --db sqlite:///DIR/tide.db`` reads what it did.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import math
@@ -39,7 +40,7 @@ from tide.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, scaler_pb
 
 import trainer
 from services.common.client import open_channel
-from services.common.errors import ConfigError, FailedPrecondition
+from services.common.errors import ConfigError, FailedPrecondition, TideError, Unavailable
 from services.local.actuator import JobSpec, job_dir_name
 from services.local.load import LoadSettings, pods_by_index
 from services.local.samples import SampleAudit, audit
@@ -285,37 +286,30 @@ class Demo:
         )
 
     async def run(self, stop: asyncio.Event) -> Outcome:
+        """Run the demo; ``stop`` (Ctrl-C) interrupts it at any point, cleanly."""
         cluster = LocalCluster(self.up_settings())
         self.cluster = cluster
         outcome = Outcome(self.job_id, Phase.FAILED, 0.0)
+        body = asyncio.create_task(self._body(cluster, outcome), name="demo")
+        stopper = asyncio.create_task(stop.wait())
         try:
-            self.echo(f"starting the control plane under {self.s.state_dir} ...")
-            await cluster.start()
-            self.echo(
-                f"scaler {cluster.scaler_target}, coordinator {cluster.coordinator_target};"
-                f" job {self.job_id} on {self.s.start_replicas} workers"
-            )
-            async with (
-                open_channel(cluster.scaler_target) as sch,
-                open_channel(cluster.coordinator_target) as cch,
-            ):
-                # Typed for the sync API by the generator; on aio channels calls are awaitable.
-                scaler: Any = scaler_pb2_grpc.ScalerStub(sch)
-                coord: Any = coordinator_pb2_grpc.CoordinatorStub(cch)
-                await self._start_job(cluster, scaler, coord)
-                node = cluster.add_node(
-                    LoadSettings(node_name="demo-gpu-node", gpus=self.s.max_replicas),
-                    pods_by_index(str(self.s.state_dir), self.job_id),
-                    self.s.warm_pct,
-                )
-                await self._drive(scaler, coord, node, stop)
-                outcome.decisions = await self._details(scaler)
+            await asyncio.wait({body, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if not body.done():
+                body.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await body
+                raise FailedPrecondition(f"interrupted in phase {self.phase.value}")
+            body.result()
         except Exception as exc:
             if self.phase is not Phase.FAILED:
                 self._move(Phase.FAILED)
             outcome.error = str(exc) or type(exc).__name__
-            logger.exception("demo %s failed", self.job_id)
+            if isinstance(exc, TideError):
+                logger.warning("demo %s: %s", self.job_id, outcome.error)
+            else:
+                logger.exception("demo %s failed", self.job_id)
         finally:
+            stopper.cancel()
             self.echo("stopping the job and the control plane ...")
             await cluster.stop()
         outcome.phase = self.phase
@@ -329,6 +323,29 @@ class Demo:
             )
         outcome.chart = self._chart(outcome)
         return outcome
+
+    async def _body(self, cluster: LocalCluster, outcome: Outcome) -> None:
+        self.echo(f"starting the control plane under {self.s.state_dir} ...")
+        await cluster.start()
+        self.echo(
+            f"scaler {cluster.scaler_target}, coordinator {cluster.coordinator_target};"
+            f" job {self.job_id} on {self.s.start_replicas} workers"
+        )
+        async with (
+            open_channel(cluster.scaler_target) as sch,
+            open_channel(cluster.coordinator_target) as cch,
+        ):
+            # Typed for the sync API by the generator; on aio channels calls are awaitable.
+            scaler: Any = scaler_pb2_grpc.ScalerStub(sch)
+            coord: Any = coordinator_pb2_grpc.CoordinatorStub(cch)
+            await self._start_job(cluster, scaler, coord)
+            node = cluster.add_node(
+                LoadSettings(node_name="demo-gpu-node", gpus=self.s.max_replicas),
+                pods_by_index(str(self.s.state_dir), self.job_id),
+                self.s.warm_pct,
+            )
+            await self._drive(scaler, coord, node)
+            outcome.decisions = await self._details(scaler)
 
     async def _start_job(
         self,
@@ -370,7 +387,6 @@ class Demo:
         scaler: Any,
         coord: Any,
         node: Any,
-        stop: asyncio.Event,
     ) -> None:
         s = self.s
         cycles_done = 0
@@ -381,8 +397,7 @@ class Demo:
             snap = await self.poll(scaler, coord)
             self.show(snap)
             now = self.elapsed()
-            if stop.is_set():
-                raise FailedPrecondition(f"interrupted in phase {self.phase.value}")
+            self._check_services()
             if now > s.timeout_s:
                 raise FailedPrecondition(
                     f"timed out after {s.timeout_s:g} s in phase {self.phase.value}"
@@ -424,6 +439,15 @@ class Demo:
                 logger.info("demo %s: %s after %.1f s", self.job_id, nxt.value, phase_since)
             await asyncio.sleep(s.poll_interval_s)
         self.show(await self.poll(scaler, coord))
+
+    def _check_services(self) -> None:
+        """Fail fast, naming its log, when a service died under the demo."""
+        assert self.cluster is not None
+        for child in self.cluster.supervisor.children:
+            if child.proc.returncode is not None:
+                raise Unavailable(
+                    f"{child.name} exited with code {child.proc.returncode}; see {child.log_path}"
+                )
 
     async def poll(self, scaler: Any, coord: Any) -> Snapshot:
         try:

@@ -264,10 +264,20 @@ def banner(cluster: LocalCluster) -> list[str]:
 
 
 async def up(settings: UpSettings, echo: Callable[[str], None], stop: asyncio.Event) -> int:
-    """Run until ``stop`` is set (0) or a service dies (1)."""
+    """Run until ``stop`` is set (0) or a service dies (1). A stop during start-up is honoured."""
     cluster = LocalCluster(settings)
     try:
-        await cluster.start()
+        starting = asyncio.create_task(cluster.start())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            echo("interrupted while starting; stopping what started")
+            return 0
+        starting.result()
         for line in banner(cluster):
             echo(line)
         dead = await cluster.wait(stop)

@@ -4,8 +4,11 @@ launchers and Paddle workers; then the history it left is read back offline."""
 from __future__ import annotations
 
 import json
+import select
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +71,44 @@ def _cmdline(p: Path) -> str:
         return (p / "cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_stops_the_demo_cleanly_and_still_audits(tmp_path: Path) -> None:
+    state = tmp_path / "tide"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "demo", "--state-dir", str(state), "--plain"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen: list[str] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            if ready:
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                seen.append(line)
+                if "phase high load" in line:
+                    break
+        assert any("phase high load" in ln for ln in seen), "".join(seen)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    out = "".join(seen) + rest
+    assert proc.returncode == 1, out
+    assert "interrupted in phase high load" in out and "FAILED" in out
+    assert "stopping the job and the control plane" in out
+    # What ran before the interruption was still consumed exactly once.
+    assert "every sample consumed exactly once" in out
+    assert [
+        p for p in Path("/proc").iterdir() if p.name.isdigit() and str(state) in _cmdline(p)
+    ] == []
