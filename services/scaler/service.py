@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import socket
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -171,10 +172,11 @@ class ScalerCore:
         self.policies: dict[str, pol.PolicySettings] = {}
         self.evaluations: dict[str, Evaluation] = {}
         self.active: dict[str, int] = {}
-        self.latencies_s: list[float] = []
-        # Per decision: (tipping sample -> seen by ingest, seen -> evaluation starts,
-        # evaluation -> decision committed), seconds; bench/ingest prints them.
-        self.latency_parts: list[tuple[float, float, float]] = []
+        # The latest policy decisions' latency from the tipping sample to the commit,
+        # and its parts (tipping sample -> seen by ingest, seen -> evaluation starts,
+        # evaluation -> committed), seconds; bench/ingest prints them.
+        self.latencies_s: deque[float] = deque(maxlen=10_000)
+        self.latency_parts: deque[tuple[float, float, float]] = deque(maxlen=10_000)
         self._seen_at: dict[str, float] = {}
         self._recs: dict[str, list[tuple[float, int]]] = {}
         self._last_dir: dict[str, int] = {}
