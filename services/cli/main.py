@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import importlib.util
 import os
 import sys
 from collections.abc import Coroutine
@@ -308,6 +309,8 @@ def chart_cmd(
     key_file: KeyOpt = "",
 ) -> None:
     """Draw utilization, replicas and decision markers of a job to a PNG."""
+    if importlib.util.find_spec("matplotlib") is None:
+        fail(Exit.USAGE, "tide chart needs matplotlib: pip install 'tide[demo]'")
     from services.cli import chart
 
     lo = _time_option("--since", since)
@@ -523,6 +526,9 @@ def demo_cmd(
     ] = None,
 ) -> None:
     """Scale the example Paddle job 2 → 4 → 2 with synthetic GPU load, and prove nothing was lost."""
+    for module, extra in (("paddle", "paddle-cpu"), ("matplotlib", "demo"), ("numpy", "trainer")):
+        if importlib.util.find_spec(module) is None:
+            fail(Exit.USAGE, f"tide demo needs {module}: pip install 'tide[{extra}]'")
     from services.common import logs
     from services.local import demo, view
 

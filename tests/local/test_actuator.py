@@ -212,3 +212,23 @@ async def test_refusals(make: Factory, tmp_path: Path) -> None:
         LocalActuatorSettings(tmp_path, "h:1", stop_grace_s=-1)
     with pytest.raises(ConfigError, match="command"):
         JobSpec(command=())
+
+
+async def test_up_nodes_share_the_pods_of_every_job_in_order(make: Factory, log: Path) -> None:
+    from services.local.up import _slice_of_pods
+
+    a = make()
+    a.write_spec(JOB, JobSpec(command=("train",)))
+    a.write_spec("nlp/bert", JobSpec(command=("train",)))
+    await a.set_replicas(JOB, 3, decision_id=1)
+    await a.set_replicas("nlp/bert", 2, decision_id=2)
+    started(log, 5)
+    first, second = _slice_of_pods(a, 0, 4)(), _slice_of_pods(a, 1, 4)()
+    # Jobs in id order, then pods by index: node 0 takes the first four GPUs.
+    assert first == {
+        0: ("ml", "resnet-trainer-0"),
+        1: ("ml", "resnet-trainer-1"),
+        2: ("ml", "resnet-trainer-2"),
+        3: ("nlp", "bert-trainer-0"),
+    }
+    assert second == {0: ("nlp", "bert-trainer-1")}
