@@ -47,7 +47,12 @@ from services.common.client import open_channel
 from services.common.errors import ConfigError, FailedPrecondition
 from services.common.grpc_options import DEFAULT_TIMEOUT_S
 from trainer.channel import CONTROL_SOCKET_ENV, Message
-from trainer.session import GENERATION_ENV, RESTART_STARTED_AT_ENV, RESTORE_STEP_ENV
+from trainer.session import (
+    GENERATION_ENV,
+    PREWARM_ENV,
+    RESTART_STARTED_AT_ENV,
+    RESTORE_STEP_ENV,
+)
 from trainer.spawner import Spawner, SubprocessSpawner, WorkerHandle, ZygoteSpawner
 
 logger = logging.getLogger(__name__)
@@ -65,6 +70,8 @@ class LauncherSettings:
     launcher_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # Fork workers from a process that has imported Paddle (False: fresh processes).
     use_zygote: bool = True
+    # Keep a worker forked ahead of time, waiting for the next RENDEZVOUS.
+    prewarm: bool = True
     # Modules the zygote imports; None for its default (numpy, paddle, paddle.distributed).
     zygote_preload: str | None = None
     # How long a worker asked to exit gets before SIGKILL, seconds.
@@ -173,7 +180,9 @@ class Launcher:
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.CoordinatorAsyncStub | None = None
         self._worker: WorkerHandle | None = None
-        self._worker_conn: asyncio.StreamWriter | None = None
+        self._conns: dict[int, asyncio.StreamWriter] = {}
+        self._standby: WorkerHandle | None = None
+        self._standby_seq = 0
         self._worker_expected_exit = False
         self._worker_done = False
         self._to_worker: list[Message] = []
@@ -211,6 +220,7 @@ class Launcher:
         # are STANDBY, and a cold newcomer would put its Paddle import inside the pause.
         warmup_s = await self.spawner.wait_ready()
         logger.info("launcher %s warm after %.2fs", self.s.pod_name, warmup_s)
+        await self._ensure_standby()
         self._channel = open_channel(self.s.coordinator)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._tasks = [
@@ -234,6 +244,8 @@ class Launcher:
                 await t
         if self._worker is not None and self._worker.returncode is None:
             await self._stop_worker()
+        if self._standby is not None:
+            self._standby.kill()
         await self.spawner.close()
         if self._server is not None:
             self._server.close()
@@ -454,43 +466,82 @@ class Launcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    def _base_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env[CONTROL_SOCKET_ENV] = self._sock_path
+        return env
+
+    async def _ensure_standby(self) -> None:
+        """Fork the next generation's worker ahead of time: it imports, builds its model and
+        waits in init_process_group for a RENDEZVOUS, so a restart costs no start-up."""
+        if not self.s.prewarm or self.state in (State.DRAINING, State.DONE):
+            return
+        if self._standby is not None and self._standby.returncode is None:
+            return
+        self._standby_seq += 1
+        env = self._base_env()
+        env[PREWARM_ENV] = "1"
+        log_path = str(self._state_dir / f"worker-standby-{self._standby_seq}.log")
+        self._standby = await self.spawner.spawn(self.s.command, env, os.getcwd(), log_path)
+        logger.info("member %s prewarmed worker pid %d", self.member_id, self._standby.pid)
+
+    def _rendezvous_env(self, d: pb.Directive, restart_started_at: float) -> dict[str, str]:
+        rdv = d.rendezvous
+        endpoints = list(rdv.trainer_endpoints)
+        return {
+            "PADDLE_DISTRI_BACKEND": "gloo",
+            "PADDLE_MASTER": rdv.master_endpoint,
+            "PADDLE_TRAINER_ID": str(rdv.rank),
+            "PADDLE_TRAINERS_NUM": str(rdv.world_size),
+            "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
+            "PADDLE_CURRENT_ENDPOINT": endpoints[rdv.rank] if endpoints else "",
+            "PADDLE_RANK_IN_NODE": "0",
+            GENERATION_ENV: str(d.generation),
+            RESTORE_STEP_ENV: str(rdv.restore_step),
+            RESTART_STARTED_AT_ENV: repr(restart_started_at),
+        }
+
     async def _rendezvous(self, d: pb.Directive) -> None:
         rdv = d.rendezvous
         restart_started_at = time.time()
         self._set_state(State.STARTING)
-        await self._stop_worker()
+        old = self._worker
+        standby = self._standby
+        use_standby = (
+            standby is not None and standby.returncode is None and standby.pid in self._conns
+        )
         self.generation = d.generation
         self.progress = _Progress()
-        endpoints = list(rdv.trainer_endpoints)
-        env = dict(os.environ)
-        env.update(
-            {
-                "PADDLE_DISTRI_BACKEND": "gloo",
-                "PADDLE_MASTER": rdv.master_endpoint,
-                "PADDLE_TRAINER_ID": str(rdv.rank),
-                "PADDLE_TRAINERS_NUM": str(rdv.world_size),
-                "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
-                "PADDLE_CURRENT_ENDPOINT": endpoints[rdv.rank] if endpoints else "",
-                "PADDLE_RANK_IN_NODE": "0",
-                GENERATION_ENV: str(d.generation),
-                RESTORE_STEP_ENV: str(rdv.restore_step),
-                CONTROL_SOCKET_ENV: self._sock_path,
-                RESTART_STARTED_AT_ENV: repr(restart_started_at),
-            }
-        )
         self._ready = asyncio.get_running_loop().create_future()
         # Nothing queued for the old worker may reach the new one.
         self._to_worker = []
-        self._worker_expected_exit = False
         self._worker_done = False
-        log_path = str(self._state_dir / f"worker-g{d.generation}-r{rdv.rank}.log")
-        self._worker = await self.spawner.spawn(self.s.command, env, os.getcwd(), log_path)
+        renv = self._rendezvous_env(d, restart_started_at)
+        if use_standby and standby is not None:
+            # The old worker leaves while the standby joins; they share nothing.
+            self._standby = None
+            self._worker = standby
+            self._worker_expected_exit = False
+            if old is not None:
+                stopper = asyncio.create_task(self._stop_worker(old))
+                self._tasks.append(stopper)
+            self._send_worker({"type": "rendezvous", "env": renv})
+        else:
+            if old is not None:
+                await self._stop_worker(old)
+            self._worker_expected_exit = False
+            log_path = str(self._state_dir / f"worker-g{d.generation}-r{rdv.rank}.log")
+            self._worker = await self.spawner.spawn(
+                self.s.command, {**self._base_env(), **renv}, os.getcwd(), log_path
+            )
         worker = self._worker
+        assert worker is not None
         watcher = asyncio.create_task(self._watch_worker(worker))
         self._tasks.append(watcher)
         logger.info(
-            "member %s started worker pid %d: generation %d rank %d/%d restore %d",
+            "member %s %s worker pid %d: generation %d rank %d/%d restore %d",
             self.member_id,
+            "woke prewarmed" if use_standby else "started",
             worker.pid,
             d.generation,
             rdv.rank,
@@ -511,12 +562,14 @@ class Launcher:
         )
         await self._ack(self._ack_request(d))
 
-    async def _stop_worker(self) -> None:
-        worker = self._worker
+    async def _stop_worker(self, worker: WorkerHandle | None = None) -> None:
+        """Ask ``worker`` (default: the current one) to exit; SIGKILL it after the grace."""
+        worker = worker or self._worker
         if worker is None or worker.returncode is not None:
             return
-        self._worker_expected_exit = True
-        self._send_worker({"type": "exit"})
+        if worker is self._worker:
+            self._worker_expected_exit = True
+        self._write_to(worker.pid, {"type": "exit"})
         try:
             async with asyncio.timeout(self.s.exit_grace_s):
                 await worker.wait()
@@ -529,7 +582,6 @@ class Launcher:
             )
             worker.kill(signal.SIGKILL)
             await worker.wait()
-        self._worker_conn = None
 
     async def _watch_worker(self, worker: WorkerHandle) -> None:
         code = await worker.wait()
@@ -563,38 +615,45 @@ class Launcher:
 
     # -- worker side ------------------------------------------------------------------------
 
+    def _write_to(self, pid: int, msg: Message) -> bool:
+        writer = self._conns.get(pid)
+        if writer is None or writer.is_closing():
+            return False
+        writer.write((json.dumps(msg) + "\n").encode())
+        return True
+
     def _send_worker(self, msg: Message) -> None:
-        if self._worker_conn is None:
+        """To the current worker; queued until it has connected."""
+        if self._worker is None or not self._write_to(self._worker.pid, msg):
             self._to_worker.append(msg)
-            return
-        self._worker_conn.write((json.dumps(msg) + "\n").encode())
 
     async def _on_worker_conn(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        bound = False
+        pid = -1
         try:
             while line := await reader.readline():
                 msg: Message = json.loads(line)
                 if msg.get("type") == "hello":
-                    if self._worker is None or msg.get("pid") != self._worker.pid:
-                        logger.warning(
-                            "member %s: hello from stale pid %s", self.member_id, msg.get("pid")
-                        )
+                    pid = int(msg.get("pid", -1))
+                    known = [w.pid for w in (self._worker, self._standby) if w is not None]
+                    if pid not in known:
+                        logger.warning("member %s: hello from stale pid %s", self.member_id, pid)
                         return
-                    bound = True
-                    self._worker_conn = writer
-                    pending, self._to_worker = self._to_worker, []
-                    for m in pending:
-                        self._send_worker(m)
+                    self._conns[pid] = writer
+                    if self._worker is not None and pid == self._worker.pid:
+                        pending, self._to_worker = self._to_worker, []
+                        for m in pending:
+                            self._send_worker(m)
                     continue
-                if bound and writer is self._worker_conn:
+                # Only the current worker speaks for this member; a standby only waits.
+                if self._worker is not None and pid == self._worker.pid:
                     await self._on_worker_message(msg)
         except (ConnectionError, ValueError) as exc:
             logger.warning("member %s: worker channel error: %s", self.member_id, exc)
         finally:
-            if writer is self._worker_conn:
-                self._worker_conn = None
+            if self._conns.get(pid) is writer:
+                del self._conns[pid]
             writer.close()
 
     async def _on_worker_message(self, msg: Message) -> None:
@@ -619,6 +678,8 @@ class Launcher:
                 if self.state is State.STARTING:
                     self._set_state(State.RUNNING)
                 self._wake_heartbeat.set()
+                # The next generation's worker warms up while this one trains.
+                self._tasks.append(asyncio.create_task(self._ensure_standby()))
         elif kind == "held":
             if self.state in (State.RUNNING, State.STARTING):
                 self._set_state(State.HOLDING)
@@ -664,6 +725,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
     p.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"))
     p.add_argument("--state-dir", default="", help="worker logs (default: a temp dir)")
     p.add_argument("--no-zygote", action="store_true", help="start fresh worker processes")
+    p.add_argument("--no-prewarm", action="store_true", help="no worker waiting ahead of time")
     p.add_argument("--exit-grace-s", type=float, default=1.0)
     p.add_argument("--log-level", default="INFO")
     ns = p.parse_args(args)
@@ -677,6 +739,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         host=ns.host,
         state_dir=ns.state_dir,
         use_zygote=not ns.no_zygote,
+        prewarm=not ns.no_prewarm,
         exit_grace_s=ns.exit_grace_s,
     )
 

@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 GENERATION_ENV = "TIDE_GENERATION"
 RESTORE_STEP_ENV = "TIDE_RESTORE_STEP"
 RESTART_STARTED_AT_ENV = "TIDE_RESTART_STARTED_AT"
+# Set for a worker forked ahead of time: it learns its generation over the channel.
+PREWARM_ENV = "TIDE_PREWARM"
 
 
 class SessionExit(SystemExit):
@@ -74,6 +76,8 @@ class DistEnv:
     control_socket: str = ""
     # Wall time at which the launcher began replacing the previous worker; 0 if unknown.
     restart_started_at: float = 0.0
+    # Forked ahead of time: rank and generation come later, in a "rendezvous" message.
+    prewarm: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -97,6 +101,7 @@ class DistEnv:
             restore_step=int(restore) if restore not in ("", "0") else None,
             control_socket=e.get(CONTROL_SOCKET_ENV, ""),
             restart_started_at=float(e.get(RESTART_STARTED_AT_ENV, "0") or 0),
+            prewarm=e.get(PREWARM_ENV, "0") == "1",
         )
 
 
@@ -177,14 +182,8 @@ class ElasticSession:
         self._samples_per_s = 0.0
         self._sample_log: Any = None
         self._loss_log: Any = None
-        if config.log_dir:
-            d = Path(config.log_dir)
-            d.mkdir(parents=True, exist_ok=True)
-            self._sample_log = open(d / f"samples-rank{env.rank}-g{env.generation}.jsonl", "a")  # noqa: SIM115
-            if env.rank == 0:
-                self._loss_log = open(d / "loss.jsonl", "a")  # noqa: SIM115
-        if env.restart_started_at:
-            self.timings.worker_restart_s = max(0.0, time.time() - env.restart_started_at)
+        if not env.prewarm:
+            self._joined()
         self.channel.send({"type": "hello", "pid": os.getpid(), "generation": env.generation})
 
     @classmethod
@@ -207,7 +206,42 @@ class ElasticSession:
 
     # -- start-up -------------------------------------------------------------------------
 
+    def _joined(self) -> None:
+        """This worker knows its generation and rank: open its logs, note its restart time."""
+        if self.config.log_dir:
+            d = Path(self.config.log_dir)
+            d.mkdir(parents=True, exist_ok=True)
+            name = f"samples-rank{self.env.rank}-g{self.env.generation}.jsonl"
+            self._sample_log = open(d / name, "a")  # noqa: SIM115
+            if self.env.rank == 0:
+                self._loss_log = open(d / "loss.jsonl", "a")  # noqa: SIM115
+        if self.env.restart_started_at:
+            self.timings.worker_restart_s = max(0.0, time.time() - self.env.restart_started_at)
+
+    def _wait_for_rendezvous(self) -> None:
+        """A prewarmed worker: imports done and model built, it waits for its generation."""
+        logger.info("prewarmed worker pid %d waiting for a rendezvous", os.getpid())
+        while True:
+            msg = self.channel.wait(0.1)
+            if msg is None:
+                if self.channel.closed:
+                    self._exit()
+                continue
+            if msg.get("type") == "exit":
+                self._exit()
+            if msg.get("type") == "rendezvous":
+                env = {str(k): str(v) for k, v in msg["env"].items()}
+                os.environ.update(env)
+                self.env = DistEnv.from_env({**os.environ, PREWARM_ENV: "0"})
+                self._joined()
+                return
+            logger.warning("prewarmed worker: ignoring %r before its rendezvous", msg.get("type"))
+
     def init_process_group(self) -> None:
+        """Join the generation's process group (a prewarmed worker first waits to be told
+        which). Rank and world size are known once this returns."""
+        if self.env.prewarm:
+            self._wait_for_rendezvous()
         started = time.monotonic()
         if self.world_size > 1:
             import paddle.distributed as dist
@@ -393,6 +427,7 @@ class ElasticSession:
             self._timing_event(
                 "first_step",
                 step=plan.step,
+                pid=os.getpid(),
                 restart_started_at=self.env.restart_started_at,
                 **asdict(self.timings),
             )

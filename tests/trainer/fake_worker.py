@@ -10,8 +10,17 @@ from trainer.channel import SocketChannel
 
 def main() -> int:
     ch = SocketChannel(os.environ["TIDE_CONTROL_SOCKET"])
-    step = int(os.environ.get("TIDE_RESTORE_STEP", "0") or 0)
     ch.send({"type": "hello", "pid": os.getpid()})
+    if os.environ.get("TIDE_PREWARM") == "1":
+        # Forked ahead of time: wait to be told the generation, as trainer.session does.
+        while True:
+            msg = ch.wait(0.1)
+            if ch.closed or (msg is not None and msg["type"] == "exit"):
+                return 0
+            if msg is not None and msg["type"] == "rendezvous":
+                os.environ.update(msg["env"])
+                break
+    step = int(os.environ.get("TIDE_RESTORE_STEP", "0") or 0)
     ch.send({"type": "ready", "restored_step": step, "group_init_s": 0.01, "restore_s": 0.02})
     stop_at, ids = 0, []
     while True:

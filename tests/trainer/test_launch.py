@@ -57,9 +57,14 @@ async def test_rendezvous_checkpoint_resume_drain(
     await wait_for(lambda: member.heartbeats, 5, "a standby heartbeat")
     assert member.last is not None and member.last.phase == pb.WORKER_PHASE_IDLE
 
+    await wait_for(lambda: launcher._standby is not None, 10, "a prewarmed worker")
+    assert launcher._standby is not None
+    prewarmed = launcher._standby.pid
     (rdv,) = coord.rendezvous([mid], restore_step=7)
     await wait_for(lambda: coord.ack_of(rdv), 10, "rendezvous ack")
     assert coord.ack_of(rdv).ok  # type: ignore[union-attr]
+    # The rendezvous woke the worker forked ahead of time instead of starting one.
+    assert launcher._worker is not None and launcher._worker.pid == prewarmed
     await wait_for(
         lambda: (
             member.last and member.last.phase == pb.WORKER_PHASE_RUNNING and member.last.step > 7
