@@ -327,9 +327,11 @@ def test_pause_needs_a_reason_and_a_known_job(served: Served) -> None:
         ("scale", JOB, "--replicas", "3", "--reason", "x"),
         ("pause", JOB, "--reason", "x"),
         ("resume", JOB),
+        ("explain", "1"),
+        ("chart", JOB, "--out", "/tmp/unreachable.png"),
     ],
 )
-def test_admin_unreachable_exits_3(dead_target: str, cmd: tuple[str, ...]) -> None:
+def test_every_other_command_unreachable_exits_3(dead_target: str, cmd: tuple[str, ...]) -> None:
     code, _, err = tide(*cmd, "--scaler", dead_target, "--timeout-s", "2")
     assert code == 3
     one_line_error(err, "unreachable")
