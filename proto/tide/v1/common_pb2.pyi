@@ -44,7 +44,7 @@ class _DecisionStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decisio
 
 class DecisionState(_DecisionState, metaclass=_DecisionStateEnumTypeWrapper):
     """Lifecycle of a scaling decision. Every decision ends in COMPLETED,
-    ABORTED or FAILED; see docs/decision-lifecycle.md for the transition table.
+    ABORTED or FAILED; docs/scaler.md has the transition table.
     """
 
 DECISION_STATE_UNSPECIFIED: DecisionState.ValueType  # 0
