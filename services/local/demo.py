@@ -153,6 +153,32 @@ def _reason(v: int) -> str:
     return str(common_pb2.DecisionReason.Name(v)).removeprefix("DECISION_REASON_")  # type: ignore[arg-type]
 
 
+def goal_reached(phase: Phase, snap: Snapshot, s: DemoSettings, earlier: set[int]) -> bool:
+    """STARTING: the first generation trains. HIGH/LOW: a grow/shrink decided in this
+    phase completed and the job is at the top/bottom size."""
+    if phase is Phase.STARTING:
+        return snap.generation >= 1 and snap.step > 0
+    if phase not in (Phase.HIGH, Phase.LOW):
+        return False
+    grow = phase is Phase.HIGH
+    target = s.max_replicas if grow else s.start_replicas
+    return snap.replicas == target and any(
+        d.state == "COMPLETED" and d.id not in earlier and (d.to_replicas > d.from_replicas) == grow
+        for d in snap.decisions
+    )
+
+
+def next_phase(phase: Phase, cycles_done: int, cycles: int) -> Phase:
+    """Where a phase whose goal was reached leads (cycles_done counts finished LOW phases)."""
+    if phase is Phase.STARTING:
+        return Phase.HIGH
+    if phase is Phase.HIGH:
+        return Phase.LOW
+    if phase is Phase.LOW:
+        return Phase.HIGH if cycles_done < cycles else Phase.DONE
+    raise FailedPrecondition(f"demo phase {phase.value} has no successor")
+
+
 @dataclass
 class Outcome:
     job_id: str
@@ -382,17 +408,12 @@ class Demo:
                     raise FailedPrecondition(f"the first generation did not form: {p.message}")
                 break
 
-    async def _drive(
-        self,
-        scaler: Any,
-        coord: Any,
-        node: Any,
-    ) -> None:
+    async def _drive(self, scaler: Any, coord: Any, node: Any) -> None:
         s = self.s
         cycles_done = 0
-        phase_since = self.elapsed()
         goal_at: float | None = None
-        seen_before: set[int] = set()
+        # Decisions of earlier phases: a phase's goal needs a decision of its own.
+        earlier: set[int] = set()
         while self.phase not in (Phase.DONE, Phase.FAILED):
             snap = await self.poll(scaler, coord)
             self.show(snap)
@@ -403,40 +424,17 @@ class Demo:
                     f"timed out after {s.timeout_s:g} s in phase {self.phase.value}"
                     f" (last evaluation: {snap.last_evaluation})"
                 )
-            reached = False
-            if self.phase is Phase.STARTING:
-                reached = snap.generation >= 1 and snap.step > 0
-            else:
-                grow = self.phase is Phase.HIGH
-                target = s.max_replicas if grow else s.start_replicas
-                reached = snap.replicas == target and any(
-                    d.state == "COMPLETED"
-                    and d.id not in seen_before
-                    and (d.to_replicas > d.from_replicas) == grow
-                    for d in snap.decisions
-                )
-            if reached and goal_at is None:
+            if goal_at is None and goal_reached(self.phase, snap, s, earlier):
                 goal_at = now
-            if goal_at is not None and now - goal_at >= (
-                0.0 if self.phase is Phase.STARTING else s.hold_s
-            ):
-                seen_before = {d.id for d in snap.decisions}
+            hold = 0.0 if self.phase is Phase.STARTING else s.hold_s
+            if goal_at is not None and now - goal_at >= hold:
+                earlier = {d.id for d in snap.decisions}
                 if self.phase is Phase.LOW:
                     cycles_done += 1
-                nxt = (
-                    Phase.HIGH
-                    if self.phase is Phase.STARTING
-                    or (self.phase is Phase.LOW and cycles_done < s.cycles)
-                    else Phase.LOW
-                    if self.phase is Phase.HIGH
-                    else Phase.DONE
-                )
-                self._move(nxt)
-                self._level = {Phase.HIGH: s.high_pct, Phase.LOW: s.low_pct}.get(nxt, s.low_pct)
+                self._move(next_phase(self.phase, cycles_done, s.cycles))
+                self._level = s.high_pct if self.phase is Phase.HIGH else s.low_pct
                 node.level_pct = self._level
                 goal_at = None
-                phase_since = now
-                logger.info("demo %s: %s after %.1f s", self.job_id, nxt.value, phase_since)
             await asyncio.sleep(s.poll_interval_s)
         self.show(await self.poll(scaler, coord))
 

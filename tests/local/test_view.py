@@ -8,8 +8,16 @@ import pytest
 from rich.console import Console
 from tide.v1 import common_pb2, scaler_pb2
 
-from services.common.errors import ConfigError
-from services.local.demo import DemoSettings, Outcome, Phase, next_job_id, summary_lines
+from services.common.errors import ConfigError, FailedPrecondition
+from services.local.demo import (
+    DemoSettings,
+    Outcome,
+    Phase,
+    goal_reached,
+    next_job_id,
+    next_phase,
+    summary_lines,
+)
 from services.local.samples import SampleAudit
 from services.local.view import DecisionView, PlainLines, Snapshot, render
 
@@ -130,3 +138,56 @@ def test_each_run_is_a_new_job(tmp_path: Path) -> None:
 def test_demo_settings_validation(kw: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         DemoSettings(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("phase", "done", "cycles", "expected"),
+    [
+        (Phase.STARTING, 0, 1, Phase.HIGH),
+        (Phase.HIGH, 0, 1, Phase.LOW),
+        (Phase.LOW, 1, 1, Phase.DONE),
+        (Phase.LOW, 1, 2, Phase.HIGH),
+        (Phase.LOW, 2, 2, Phase.DONE),
+    ],
+    ids=["start", "high", "last-low", "another-cycle", "second-cycle-done"],
+)
+def test_next_phase(phase: Phase, done: int, cycles: int, expected: Phase) -> None:
+    assert next_phase(phase, done, cycles) is expected
+
+
+def test_next_phase_of_a_final_phase_is_refused() -> None:
+    with pytest.raises(FailedPrecondition):
+        next_phase(Phase.DONE, 1, 1)
+
+
+SHRINK_DONE = DecisionView(2, 4, 2, "SUSTAINED_LOW_UTILIZATION", "COMPLETED", (), 0.9, 0)
+GROW_DONE = DecisionView(1, 2, 4, "SUSTAINED_HIGH_UTILIZATION", "COMPLETED", (), 1.2, 0)
+
+
+@pytest.mark.parametrize(
+    ("phase", "kw", "earlier", "reached"),
+    [
+        (Phase.STARTING, {"generation": 0, "step": 0}, set(), False),
+        (Phase.STARTING, {"generation": 1, "step": 3}, set(), True),
+        (Phase.HIGH, {"replicas": 4, "decisions": (GROW,)}, set(), False),
+        (Phase.HIGH, {"replicas": 2, "decisions": (GROW_DONE,)}, set(), False),
+        (Phase.HIGH, {"replicas": 4, "decisions": (GROW_DONE,)}, set(), True),
+        (Phase.HIGH, {"replicas": 4, "decisions": (GROW_DONE,)}, {1}, False),
+        (Phase.LOW, {"replicas": 2, "decisions": (GROW_DONE,)}, set(), False),
+        (Phase.LOW, {"replicas": 2, "decisions": (GROW_DONE, SHRINK_DONE)}, {1}, True),
+    ],
+    ids=[
+        "no-gen",
+        "training",
+        "grow-running",
+        "replicas-lag",
+        "grown",
+        "old-grow",
+        "no-shrink",
+        "shrunk",
+    ],
+)
+def test_goal_reached(
+    phase: Phase, kw: dict[str, object], earlier: set[int], reached: bool
+) -> None:
+    assert goal_reached(phase, snap(5.0, **kw), DemoSettings(), earlier) is reached
