@@ -59,6 +59,11 @@ class ReportBuffer:
         return len(self._in_flight)
 
     @property
+    def first_unacked_seq(self) -> int | None:
+        """The oldest number in flight (what a new stream resends first), if any."""
+        return self._in_flight[0].seq if self._in_flight else None
+
+    @property
     def last_seq(self) -> int:
         """The highest sequence number handed out so far (0 before the first send)."""
         return self._next_seq - 1

@@ -115,6 +115,7 @@ class TelemetryStream:
         self._on_interval = on_interval
         self._acked = asyncio.Event()
         self._waiting_since: float | None = None
+        self._resume_at = 1
 
     async def run(self) -> None:
         """Keep a stream open until cancelled."""
@@ -157,6 +158,9 @@ class TelemetryStream:
         )
         self.buffer.rewind()
         self._waiting_since = None
+        # Where the scaler picks up on this stream, for the "up" log line.
+        first = self.buffer.first_unacked_seq
+        self._resume_at = first if first is not None else self.buffer.last_seq + 1
         receive = asyncio.create_task(self._receive(call), name="telemetry-receive")
         tasks = {
             receive,
@@ -194,10 +198,10 @@ class TelemetryStream:
                 self.state.connects += 1
                 self.metrics.connected.set(1)
                 logger.info(
-                    "node %s: telemetry stream to %s up; resending %d held reports",
+                    "node %s: telemetry stream to %s up; resuming at seq %d",
                     self.config.node_name,
                     self.config.target,
-                    self.buffer.in_flight,
+                    self._resume_at,
                 )
             # A scaler that answers is a healthy scaler: the next outage starts small.
             self._backoff.reset()
