@@ -50,7 +50,8 @@ DEFAULT_DB = "sqlite:///.tide/tide.db"
 
 def fail(code: Exit, message: str) -> NoReturn:
     """Print one line to stderr and exit with ``code``."""
-    typer.echo(f"tide: {message}", err=True)
+    # Driver errors (psycopg's) span lines; the convention is one line per failure.
+    typer.echo(f"tide: {' '.join(message.split())}", err=True)
     raise typer.Exit(int(code))
 
 
@@ -576,7 +577,7 @@ def main() -> None:
     try:
         app()
     except errors.TideError as exc:  # a command that did not catch its own
-        typer.echo(f"tide: {exc}", err=True)
+        typer.echo(f"tide: {' '.join(str(exc).split())}", err=True)
         sys.exit(int(exit_code_of(exc)))
 
 
