@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,7 +232,7 @@ class LocalActuator:
             raise InvalidArgument(f"job {job_id}: replicas must be >= 0, got {replicas}")
         spec = self.read_spec(job_id)
         lock = self._locks.setdefault(job_id, asyncio.Lock())
-        async with lock:
+        async with lock, self._job_file_lock(job_id):
             # The wanted count is written first: a scaler that dies half-way
             # comes back knowing what it was asked for.
             _write_atomic(self.job_dir(job_id) / "replicas", f"{replicas}\n")
@@ -241,6 +242,26 @@ class LocalActuator:
                     self._start(job_id, index, spec, decision_id)
             for index in sorted((i for i in live if i >= replicas), reverse=True):
                 await self._stop(live[index])
+
+    @contextlib.asynccontextmanager
+    async def _job_file_lock(self, job_id: str) -> AsyncIterator[None]:
+        """Across processes (the scaler's actuator, `tide up` stopping pods, a restarted
+        scaler next to a dying one): one changes a job's pods at a time. The kernel
+        drops the lock when its holder dies, so a crash never leaves it stuck."""
+        path = self.job_dir(job_id) / "pods.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    # Polled, not a blocking flock: the event loop keeps serving.
+                    await self.clock.sleep(self.settings.poll_interval_s)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
 
     async def get_replicas(self, job_id: str) -> int | None:
         try:
@@ -357,5 +378,6 @@ class LocalActuator:
 
         The wanted replicas stay recorded, so a later start can bring the job back."""
         for job_id in job_ids if job_ids is not None else self.jobs():
-            for pod in sorted(self.pods(job_id), key=lambda p: -p.index):
-                await self._stop(pod)
+            async with self._job_file_lock(job_id):
+                for pod in sorted(self.pods(job_id), key=lambda p: -p.index):
+                    await self._stop(pod)

@@ -232,3 +232,17 @@ async def test_up_nodes_share_the_pods_of_every_job_in_order(make: Factory, log:
         3: ("nlp", "bert-trainer-0"),
     }
     assert second == {0: ("nlp", "bert-trainer-1")}
+
+
+async def test_one_actuator_at_a_time_changes_a_jobs_pods(make: Factory, log: Path) -> None:
+    import asyncio
+
+    holder, waiter = make(), make()  # e.g. a dying scaler and its successor
+    holder.write_spec(JOB, JobSpec(command=("train",)))
+    async with holder._job_file_lock(JOB):
+        task = asyncio.create_task(waiter.set_replicas(JOB, 1, decision_id=1))
+        # Nothing may start while the other holds the job: give it time to try.
+        await asyncio.sleep(0.3)
+        assert not task.done() and terms(log) == [] and not log.read_text()
+    await asyncio.wait_for(task, 10)
+    assert [p.index for p in waiter.pods(JOB)] == [0]
