@@ -30,7 +30,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,8 +40,9 @@ from typing import Any
 from tide.v1 import coordinator_pb2 as pb
 
 from trainer.localjob import EXAMPLE, ROOT, LocalJob, _free_port, loss_records, read_jsonl
+from trainer.spawner import ZygoteSpawner
 
-CKPT_EVERY = 20
+CKPT_EVERY = 10
 TRAIN = [
     "--dataset-size", "4000",
     "--global-batch", "128",
@@ -158,14 +158,11 @@ def _breakdown(log_dir: Path, gen: int, ckpt: int) -> Measure:
     )
 
 
-def _spawn_fixed(
-    workdir: Path, world: int, extra: list[str], tag: str, fresh_ckpt: bool = False
-) -> list[subprocess.Popen[bytes]]:
+def _fixed_env(world: int, tag: str) -> list[dict[str, str]]:
     ports = [_free_port() for _ in range(world)]
     endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
-    procs = []
-    for rank in range(world):
-        env = {
+    return [
+        {
             **os.environ,
             "PADDLE_DISTRI_BACKEND": "gloo",
             "PADDLE_MASTER": f"127.0.0.1:{ports[0]}",
@@ -175,50 +172,60 @@ def _spawn_fixed(
             "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{ports[rank]}",
             "TIDE_GENERATION": tag,
         }
-        log = open(workdir / f"{tag}-rank{rank}.log", "ab")  # noqa: SIM115
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    EXAMPLE,
-                    "--ckpt-dir",
-                    str(workdir / "ckpt"),
-                    "--log-dir",
-                    str(workdir / "logs"),
-                    *extra,
-                ],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=log,
-            )
-        )
-        log.close()
-    return procs
+        for rank in range(world)
+    ]
 
 
-def paddle_way(workdir: Path, old: int, new: int) -> Measure:
-    """Kill every process half a checkpoint period after a checkpoint; relaunch fresh."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    extra = [*TRAIN, "--steps", "100000"]
-    procs = _spawn_fixed(workdir, old, extra, "1")
+def _train_argv(workdir: Path, extra: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        EXAMPLE,
+        "--ckpt-dir",
+        str(workdir / "ckpt"),
+        "--log-dir",
+        str(workdir / "logs"),
+        *extra,
+    ]
+
+
+async def paddle_way(workdir: Path, old: int, new: int, zygote: ZygoteSpawner) -> Measure:
+    """Kill every process half a checkpoint period after a checkpoint; relaunch fresh.
+
+    The killed job is forked from a zygote only to start it quickly: how it started does not
+    matter. The relaunch is what is measured, with fresh processes as Paddle does it."""
+    workdir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before any timing
+    argv = _train_argv(workdir, [*TRAIN, "--steps", "100000"])
+    workers = [
+        await zygote.spawn(argv, env, str(ROOT), str(workdir / f"old-rank{rank}.log"))
+        for rank, env in enumerate(_fixed_env(old, "1"))
+    ]
     kill_after = 2 * CKPT_EVERY + CKPT_EVERY // 2
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        recs = loss_records(workdir / "logs")
-        if recs and int(recs[-1]["step"]) >= kill_after:
-            break
-        time.sleep(0.01)
-    for p in procs:
-        p.send_signal(signal.SIGKILL)
-    for p in procs:
-        p.wait(timeout=10)
+    try:
+        async with asyncio.timeout(120):
+            while True:
+                recs = loss_records(workdir / "logs")
+                if recs and int(recs[-1]["step"]) >= kill_after:
+                    break
+                await asyncio.sleep(0.005)
+    finally:
+        for w in workers:
+            w.kill(signal.SIGKILL)
+        for w in workers:
+            await w.wait()
     last = loss_records(workdir / "logs")[-1]
     reached = int(last["step"])
-    procs = _spawn_fixed(workdir, new, [*TRAIN, "--steps", str(reached + 3)], "2")
-    for p in procs:
-        if p.wait(timeout=120) != 0:
-            raise RuntimeError(f"relaunch failed; see {workdir}")
+    argv = _train_argv(workdir, [*TRAIN, "--steps", str(reached + 3)])
+    procs = []
+    for rank, env in enumerate(_fixed_env(new, "2")):
+        log = open(workdir / f"new-rank{rank}.log", "ab")  # noqa: SIM115, ASYNC230
+        procs.append(
+            await asyncio.create_subprocess_exec(*argv, cwd=ROOT, env=env, stdout=log, stderr=log)
+        )
+        log.close()
+    async with asyncio.timeout(180):
+        codes = [await p.wait() for p in procs]
+    if any(codes):
+        raise RuntimeError(f"relaunch failed with {codes}; see {workdir}")
     recs = [r for r in loss_records(workdir / "logs") if int(r["gen"]) == 2]
     first = recs[0]
     return Measure(
@@ -255,8 +262,6 @@ with open(os.environ["PROBE_OUT"], "a") as f:
 
 async def pure_group_init(workdir: Path, world: int, reps: int) -> float:
     """Group init of ``world`` already-imported processes started together (max over ranks)."""
-    from trainer.spawner import ZygoteSpawner
-
     workdir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - once, before any timing
     script = workdir / "probe.py"
     script.write_text(_PROBE)
@@ -313,9 +318,13 @@ async def run(quick: bool, workdir: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     group_init = {w: await pure_group_init(workdir / "probe", w, 1 if quick else 3) for w in (2, 4)}
     measures = await tide_way(workdir / "tide", reps, group_init)
-    for rep in range(reps):
-        measures.append(paddle_way(workdir / f"paddle-up-{rep}", 2, 4))
-        measures.append(paddle_way(workdir / f"paddle-down-{rep}", 4, 2))
+    zygote = ZygoteSpawner()
+    try:
+        for rep in range(reps):
+            measures.append(await paddle_way(workdir / f"paddle-up-{rep}", 2, 4, zygote))
+            measures.append(await paddle_way(workdir / f"paddle-down-{rep}", 4, 2, zygote))
+    finally:
+        await zygote.close()
     rows = [_median(measures, way, r) for way in ("tide", "paddle") for r in ("2->4", "4->2")]
     print(
         f"{'way':7}{'resize':8}{'pause':>8}{'lost':>6}{'barrier':>9}{'write':>8}"

@@ -435,8 +435,13 @@ class Launcher:
         elif d.kind == pb.Directive.KIND_DRAIN:
             await self._cancel_rendezvous()
             self._set_state(State.DRAINING)
-            await self._stop_worker()
+            # The worker is holding after the checkpoint, so it has nothing left to lose: ack
+            # first, the others' rendezvous need not wait for this process to exit.
+            if self._worker is not None:
+                self._worker_expected_exit = True
+                self._send_worker({"type": "exit"})
             await self._ack(self._ack_request(d))
+            await self._stop_worker()
             self._set_state(State.DONE)
             self.stop(0)
         elif d.kind == pb.Directive.KIND_STOP:

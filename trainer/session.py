@@ -31,7 +31,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,6 +180,8 @@ class ElasticSession:
         self._rate_t0 = time.monotonic()
         self._rate_samples = 0
         self._samples_per_s = 0.0
+        self._first_step_started = 0.0
+        self._last_reduce_s = 0.0
         self._sample_log: Any = None
         self._loss_log: Any = None
         if not env.prewarm:
@@ -218,6 +220,19 @@ class ElasticSession:
         if self.env.restart_started_at:
             self.timings.worker_restart_s = max(0.0, time.time() - self.env.restart_started_at)
 
+    def _warm_up(self, warmup: Callable[[], None]) -> None:
+        import paddle
+
+        started = time.monotonic()
+        rng = paddle.get_rng_state()
+        warmup()
+        paddle.set_rng_state(rng)
+        if self._optimizer is not None:
+            self._optimizer.clear_grad()
+        logger.info(
+            "prewarmed worker pid %d warmed up in %.3fs", os.getpid(), time.monotonic() - started
+        )
+
     def _wait_for_rendezvous(self) -> None:
         """A prewarmed worker: imports done and model built, it waits for its generation."""
         logger.info("prewarmed worker pid %d waiting for a rendezvous", os.getpid())
@@ -237,10 +252,16 @@ class ElasticSession:
                 return
             logger.warning("prewarmed worker: ignoring %r before its rendezvous", msg.get("type"))
 
-    def init_process_group(self) -> None:
+    def init_process_group(self, warmup: Callable[[], None] | None = None) -> None:
         """Join the generation's process group (a prewarmed worker first waits to be told
-        which). Rank and world size are known once this returns."""
+        which). Rank and world size are known once this returns.
+
+        ``warmup`` (a forward and backward on a dummy batch) runs in a prewarmed worker before
+        it waits: a process's first backward is several times slower than the next ones, and
+        this moves that cost out of the pause. Gradients are cleared and the RNG put back."""
         if self.env.prewarm:
+            if warmup is not None:
+                self._warm_up(warmup)
             self._wait_for_rendezvous()
         started = time.monotonic()
         if self.world_size > 1:
@@ -381,6 +402,8 @@ class ElasticSession:
         while self.step_done < self.config.max_steps:
             plan = self.sampler.plan(self.step_done + 1, self.rank, self.world_size)
             self._plan = plan
+            if self.timings.first_step_at == 0.0:
+                self._first_step_started = time.monotonic()
             yield plan
             if self._plan is not None:
                 raise RuntimeError(f"step {plan.step}: call session.step(loss) inside the loop")
@@ -401,10 +424,12 @@ class ElasticSession:
         loss.backward()
         params = [p for p in self._model.parameters() if p.grad is not None]
         flat = paddle.concat([*(p.grad.reshape([-1]) for p in params), loss.detach().reshape([1])])
+        reduce_started = time.monotonic()
         if self.world_size > 1:
             import paddle.distributed as dist
 
             dist.all_reduce(flat)
+        self._last_reduce_s = time.monotonic() - reduce_started
         offset = 0
         for p in params:
             n = int(np.prod(p.shape))
@@ -428,6 +453,8 @@ class ElasticSession:
                 "first_step",
                 step=plan.step,
                 pid=os.getpid(),
+                first_step_s=time.monotonic() - self._first_step_started,
+                first_reduce_s=self._last_reduce_s,
                 restart_started_at=self.env.restart_started_at,
                 **asdict(self.timings),
             )

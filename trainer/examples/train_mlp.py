@@ -79,7 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     lr = paddle.optimizer.lr.StepDecay(learning_rate=args.lr, step_size=50, gamma=0.5)
     optimizer = paddle.optimizer.Adam(learning_rate=lr, parameters=model.parameters())
     session.attach(model, optimizer, lr)
-    session.init_process_group()
+
+    def warmup() -> None:
+        logits = model(paddle.to_tensor(x_all[:8]))
+        paddle.nn.functional.cross_entropy(logits, paddle.to_tensor(y_all[:8])).backward()
+
+    session.init_process_group(warmup=warmup)
     session.restore()
     for plan in session.plans():
         idx = plan.local_indices
