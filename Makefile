@@ -24,9 +24,11 @@ proto: setup
 proto-check: setup
 	$(PY) scripts/gen_protos.py --check
 
+LINT_PATHS := services trainer bench scripts tests
+
 lint: setup
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy services trainer bench scripts
 
 test: setup proto-check lint

@@ -72,7 +72,7 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
     if mode == "ceiling":
 
         class Bare(telemetry_pb2_grpc.TelemetryServicer):
-            async def Stream(self, it: Any, context: Any) -> Any:  # type: ignore[override]
+            async def Stream(self, it: Any, context: Any) -> Any:
                 n = 0
                 last = time.monotonic()
                 async for r in it:

@@ -1,8 +1,10 @@
-"""Regenerate the Python code of proto/tide/v1/*.proto, in place.
+"""Regenerate the Python code of the project's .proto files, in place.
 
-The only writer of proto/tide/v1/*_pb2*.py(i). `--check` regenerates into a
-temporary folder and exits 1 if anything differs from what is committed, so
-CI catches a .proto edited without regenerating.
+The only writer of generated gRPC code: the Tide API (proto/tide/v1, imported
+as ``tide.v1``) and the agent's copy of the kubelet PodResources API
+(services/agent/podresources). `--check` regenerates into a temporary folder
+and exits 1 if anything differs from what is committed, so CI catches a
+.proto edited without regenerating.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTO_ROOT = ROOT / "proto"
-PKG = Path("tide") / "v1"
+# (include root, package folder under it): imports come out as the package path.
+TARGETS = (
+    (ROOT / "proto", Path("tide") / "v1"),
+    (ROOT, Path("services") / "agent" / "podresources"),
+)
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 
 
-def generate(out: Path) -> None:
-    sources = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / PKG).glob("*.proto"))
+def generate(proto_root: Path, pkg: Path, out: Path) -> None:
+    sources = sorted(str(p.relative_to(proto_root)) for p in (proto_root / pkg).glob("*.proto"))
     include = str(Path(protoc.__file__).parent / "_proto")
     # mypy-protobuf's plugins sit beside this interpreter; naming them keeps
     # generation independent of PATH.
@@ -31,7 +36,7 @@ def generate(out: Path) -> None:
         "grpc_tools.protoc",
         f"--plugin=protoc-gen-mypy={bindir / 'protoc-gen-mypy'}",
         f"--plugin=protoc-gen-mypy_grpc={bindir / 'protoc-gen-mypy_grpc'}",
-        f"-I{PROTO_ROOT}",
+        f"-I{proto_root}",
         f"-I{include}",
         f"--python_out={out}",
         f"--grpc_python_out={out}",
@@ -43,40 +48,40 @@ def generate(out: Path) -> None:
         raise SystemExit("protoc failed")
 
 
-def generated_files(base: Path) -> dict[str, Path]:
+def generated_files(folder: Path) -> dict[str, Path]:
     return {
-        p.name: p
-        for p in (base / PKG).iterdir()
-        if p.is_file() and p.name.endswith(GENERATED_SUFFIXES)
+        p.name: p for p in folder.iterdir() if p.is_file() and p.name.endswith(GENERATED_SUFFIXES)
     }
 
 
 def main(argv: list[str]) -> int:
     check = "--check" in argv
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        (out / PKG).mkdir(parents=True)
-        generate(out)
-        fresh = generated_files(out)
-        committed = generated_files(PROTO_ROOT)
-        if check:
-            differ = sorted(
-                name
-                for name in fresh.keys() | committed.keys()
-                if name not in fresh
-                or name not in committed
-                or not filecmp.cmp(fresh[name], committed[name], shallow=False)
-            )
-            if differ:
-                print("generated code drifted from proto/: " + ", ".join(differ), file=sys.stderr)
-                print("run `make proto` and commit the result", file=sys.stderr)
-                return 1
-            return 0
-        for name, path in committed.items():
-            if name not in fresh:
-                path.unlink()
-        for name, path in fresh.items():
-            shutil.copyfile(path, PROTO_ROOT / PKG / name)
+    differ: list[str] = []
+    for proto_root, pkg in TARGETS:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp)
+            (out / pkg).mkdir(parents=True)
+            generate(proto_root, pkg, out)
+            fresh = generated_files(out / pkg)
+            committed = generated_files(proto_root / pkg)
+            if check:
+                differ += sorted(
+                    str(pkg / name)
+                    for name in fresh.keys() | committed.keys()
+                    if name not in fresh
+                    or name not in committed
+                    or not filecmp.cmp(fresh[name], committed[name], shallow=False)
+                )
+                continue
+            for name, path in committed.items():
+                if name not in fresh:
+                    path.unlink()
+            for name, path in fresh.items():
+                shutil.copyfile(path, proto_root / pkg / name)
+    if differ:
+        print("generated code drifted from its .proto: " + ", ".join(differ), file=sys.stderr)
+        print("run `make proto` and commit the result", file=sys.stderr)
+        return 1
     return 0
 
 

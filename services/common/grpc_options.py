@@ -39,6 +39,9 @@ def client_options(
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", int(keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(keepalive_timeout_s * 1000)),
+        # grpcio 1.85 times a keepalive ping out after http2.ping_timeout_ms
+        # (default 60 s); keepalive_timeout_ms alone did not shorten it.
+        ("grpc.http2.ping_timeout_ms", int(keepalive_timeout_s * 1000)),
         # Agents hold a stream open but may be idle between reports.
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
@@ -63,6 +66,7 @@ def server_options(
         # The server also pings, so a vanished agent's stream is reaped.
         ("grpc.keepalive_time_ms", int(keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(keepalive_timeout_s * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", min_ping_ms),
         ("grpc.http2.min_ping_interval_without_data_ms", min_ping_ms),

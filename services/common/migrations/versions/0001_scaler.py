@@ -86,9 +86,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name="pk_decision_events"),
     )
-    op.create_index(
-        "ix_decision_events_decision_id_at", "decision_events", ["decision_id", "at"]
-    )
+    op.create_index("ix_decision_events_decision_id_at", "decision_events", ["decision_id", "at"])
     op.create_table(
         "utilization_rollups",
         sa.Column("job_id", sa.String(253), nullable=False),
