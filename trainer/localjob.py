@@ -231,11 +231,15 @@ class LocalJob:
         deadline_s: float = 60.0,
         on_progress: Callable[[pb.ResizeProgress], None] | None = None,
         timeout_s: float = 120.0,
+        decision_id: int = 0,
     ) -> list[pb.ResizeProgress]:
-        """Scaler's part: Resize and follow its progress to a final phase."""
-        self._decision += 1
+        """Scaler's part: Resize and follow its progress to a final phase. A known
+        ``decision_id`` re-attaches to that resize (after a coordinator restart)."""
+        if not decision_id:
+            self._decision += 1
+            decision_id = self._decision
         req = pb.ResizeRequest(
-            decision_id=self._decision,
+            decision_id=decision_id,
             job_id=self.job_id,
             target_world_size=target,
             deadline_s=deadline_s,

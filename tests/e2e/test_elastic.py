@@ -8,6 +8,7 @@ import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
 import pytest
 from tide.v1 import coordinator_pb2 as pb
 
@@ -201,3 +202,47 @@ async def test_member_killed_during_the_barrier_aborts_and_the_others_resume(
     assert codes[:2] == [0, 0], codes
     assert set(steps_by_generation(job.log_dir)) == {1}
     check_exactly_once(job.log_dir, DATASET, STEPS, SPE)
+
+
+async def test_coordinator_killed_mid_resize_ends_in_one_generation(job: LocalJob) -> None:
+    for i in range(2):
+        job.add_pod(i)
+    await job.wait_standby(2)
+    assert (await job.resize(2))[-1].phase == pb.RESIZE_PHASE_COMPLETED
+    await _progress_past(job, 10)
+    job.add_pod(2)
+    await job.wait_standby(1)
+
+    def kill_in_barrier(p: pb.ResizeProgress) -> None:
+        if p.phase == pb.RESIZE_PHASE_CHECKPOINTING:
+            job.kill_coordinator()
+
+    with pytest.raises(grpc.aio.AioRpcError):
+        await job.resize(3, on_progress=kill_in_barrier)
+    decision = job._decision
+    job.start_coordinator(port=job.port)  # the launchers know this address
+    final = (await job.resize(3, decision_id=decision))[-1]
+    assert final.phase in (pb.RESIZE_PHASE_COMPLETED, pb.RESIZE_PHASE_ABORTED), final
+    want_gen, want_world = (2, 3) if final.phase == pb.RESIZE_PHASE_COMPLETED else (1, 2)
+    st = await job.wait_status(
+        lambda s: (
+            s.generation == want_gen
+            and s.world_size == want_world
+            and not s.HasField("active_resize")
+        ),
+        30,
+        "one generation",
+    )
+    active = [m for m in st.members if m.state == pb.MEMBER_STATE_ACTIVE]
+    assert sorted(m.rank for m in active) == list(range(want_world))
+    st = await _progress_past(job, st.step + 5)
+    assert st.generation == want_gen
+    if final.phase == pb.RESIZE_PHASE_ABORTED:
+        job.pods[2].proc.terminate()  # the newcomer never joined; the job ends without it
+    codes = await job.wait_pods_exit(120)
+    assert codes[:2] == [0, 0], codes
+    # Never split: each step was trained once, by one generation.
+    all_steps = sorted(s for steps in steps_by_generation(job.log_dir).values() for s in steps)
+    assert all_steps == list(range(1, STEPS + 1))
+    check_exactly_once(job.log_dir, DATASET, STEPS, SPE)
+    print(f"coordinator killed in the barrier: resize {pb.ResizePhase.Name(final.phase)}")
