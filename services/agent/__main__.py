@@ -11,8 +11,9 @@ from typing import Any
 
 from services.common import logs
 from services.common.clock import SystemClock
-from services.common.config import load_settings
+from services.common.config import CommonSettings, load_settings
 from services.common.errors import ConfigError
+from services.common.server import RunningServer, start_server
 
 from .agent import Agent
 from .attribution import PodResourcesClient
@@ -71,7 +72,17 @@ def make_kube_api(settings: AgentSettings) -> Any | None:
 
 async def run(settings: AgentSettings) -> int:
     metrics = AgentMetrics()
-    if settings.metrics_listen:
+    runtime: RunningServer | None = None
+    if settings.listen:
+        # The agent serves no API, only what every Tide service serves: gRPC
+        # health and reflection (for the kubelet's gRPC probe) and /metrics.
+        runtime = await start_server(
+            CommonSettings(listen=settings.listen, metrics_listen=settings.metrics_listen),
+            [],
+            registry=metrics.registry,
+        )
+        print(f"LISTENING grpc={runtime.port} metrics={runtime.metrics_port}", flush=True)
+    elif settings.metrics_listen:
         from prometheus_client import start_http_server
 
         host, _, port = settings.metrics_listen.rpartition(":")
@@ -98,6 +109,9 @@ async def run(settings: AgentSettings) -> int:
         # One line, no traceback: this is an environment problem, not a bug.
         logger.error("node %s: %s", settings.node_name, exc)
         return 1
+    finally:
+        if runtime is not None:
+            await runtime.stop(1.0)
     # A task that died is a failure even though the final report went out: let
     # the kubelet restart us.
     return 1 if agent.failure is not None else 0

@@ -70,6 +70,10 @@ class AgentSettings:
     tls_cert_file: str = setting("", "client certificate (PEM) for mTLS to the scaler")
     tls_key_file: str = setting("", "client private key (PEM) for mTLS to the scaler")
     metrics_listen: str = setting("", "Prometheus /metrics HTTP address HOST:PORT; empty: off")
+    listen: str = setting(
+        "",
+        "gRPC health and reflection address HOST:PORT, for Kubernetes gRPC probes; empty: off",
+    )
     config: str = setting("", "YAML settings file; its keys are the flag names")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
     log_format: str = setting("text", "text or json")
@@ -80,6 +84,8 @@ class AgentSettings:
         _check_hostport("scaler", self.scaler)
         if self.metrics_listen:
             _check_hostport("metrics_listen", self.metrics_listen)
+        if self.listen:
+            _check_hostport("listen", self.listen)
         if self.source not in SOURCES:
             raise ConfigError(f"source: expected one of {', '.join(SOURCES)}, got {self.source!r}")
         if self.source == "replay" and not self.replay_path:
