@@ -78,7 +78,8 @@ async def _wait_step(job: LocalJob, step: int, timeout_s: float = 120.0) -> None
 
 
 async def tide_way(workdir: Path, reps: int, group_init: dict[int, float]) -> list[Measure]:
-    steps = 50 + reps * 100
+    # Enough budget that the job never ends inside a barrier; it is stopped after the last resize.
+    steps = 100 + reps * 300
     job = LocalJob(
         workdir,
         [*TRAIN, "--steps", str(steps)],
