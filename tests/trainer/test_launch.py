@@ -85,6 +85,13 @@ async def test_rendezvous_checkpoint_resume_drain(
     await wait_for(lambda: launcher.state is State.HOLDING, 5, "holding")
     held_step = launcher.progress.step
 
+    # A directive re-sent after a reconnect is acked again, not redone.
+    member.queue.put_nowait(ckpt)
+    await wait_for(
+        lambda: sum(a.directive_id == ckpt.directive_id for a in member.acks) == 2, 5, "re-ack"
+    )
+    assert launcher.state is State.HOLDING and launcher.progress.step == held_step
+
     resume = coord.send(mid, kind=pb.Directive.KIND_RESUME)
     await wait_for(lambda: launcher.progress.step > held_step, 5, "training after RESUME")
     assert coord.ack_of(resume) is not None

@@ -1,0 +1,83 @@
+"""Workers forked from the zygote: exit codes, fd hygiene, and nothing outlives the launcher."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.spawner import SubprocessSpawner, ZygoteSpawner
+
+CHILD = """
+import os, socket, sys, time
+s = socket.socket()
+print("fd", s.fileno(), "stdin", os.readlink("/proc/self/fd/0"), flush=True)
+mode = sys.argv[1]
+if mode == "exit3":
+    raise SystemExit(3)
+if mode == "sleep":
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def child(tmp_path: Path) -> Path:
+    path = tmp_path / "child.py"
+    path.write_text(CHILD)
+    return path
+
+
+async def test_zygote_children_exit_codes_and_fds(child: Path, tmp_path: Path) -> None:
+    zygote = ZygoteSpawner(preload="")
+    try:
+        log = tmp_path / "c.log"
+        w = await zygote.spawn(
+            [sys.executable, str(child), "exit3"], dict(os.environ), str(tmp_path), str(log)
+        )
+        assert await w.wait() == 3
+        # fd 0 stays taken (by /dev/null): Paddle's TCP store rejects a socket on fd 0.
+        fd_line = log.read_text().split()
+        assert int(fd_line[1]) > 2 and fd_line[3] == "/dev/null"
+        w = await zygote.spawn(
+            [sys.executable, str(child), "sleep"], dict(os.environ), str(tmp_path), ""
+        )
+        w.kill(signal.SIGKILL)
+        assert await w.wait() == -signal.SIGKILL
+    finally:
+        await zygote.close()
+
+
+async def test_closing_the_zygote_takes_its_workers_along(child: Path, tmp_path: Path) -> None:
+    zygote = ZygoteSpawner(preload="")
+    w = await zygote.spawn(
+        [sys.executable, str(child), "sleep"], dict(os.environ), str(tmp_path), ""
+    )
+    await zygote.close()
+    assert await w.wait() < 0
+    await _wait_dead(w.pid)
+
+
+async def _wait_dead(pid: int, timeout_s: float = 5.0) -> None:
+    """Gone, or a zombie waiting for init to reap it (it no longer runs)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()  # noqa: ASYNC240 - procfs, no I/O wait
+            state = stat.rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return
+        if state in ("Z", "X"):
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"pid {pid} still {state}"
+        await asyncio.sleep(0.02)
+
+
+async def test_subprocess_spawner_runs_any_command(tmp_path: Path) -> None:
+    spawner = SubprocessSpawner()
+    w = await spawner.spawn(["sh", "-c", "exit 4"], dict(os.environ), str(tmp_path), "")
+    assert await w.wait() == 4
+    await spawner.close()
