@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
+from asyncio import FIRST_COMPLETED
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,6 +194,7 @@ class Launcher:
         self._rendezvous_task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._wake_heartbeat = asyncio.Event()
+        self._reregister = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._server: asyncio.AbstractServer | None = None
 
@@ -295,11 +297,28 @@ class Launcher:
         while not self._stop.is_set():
             try:
                 await self._register()
-                stream = self._stub.Directives(pb.DirectivesRequest(member_id=self.member_id))
-                async for directive in stream:
+                self._reregister.clear()
+                call = self._stub.Directives(pb.DirectivesRequest(member_id=self.member_id))
+                reader = asyncio.create_task(self._read_directives(call))
+                asked = asyncio.create_task(self._reregister.wait())
+                try:
+                    done, _ = await asyncio.wait({reader, asked}, return_when=FIRST_COMPLETED)
+                finally:
+                    call.cancel()
+                    for t in (reader, asked):
+                        t.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                            await t
+                if reader in done:
+                    reader.result()
+                    logger.warning(
+                        "directive stream of member %s ended; reconnecting", self.member_id
+                    )
+                else:
+                    logger.warning(
+                        "member %s unknown to the coordinator; registering again", self.member_id
+                    )
                     backoff = self.s.backoff_initial_s
-                    await self._directives.put(directive)
-                logger.warning("directive stream of member %s ended; reconnecting", self.member_id)
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
@@ -314,6 +333,10 @@ class Launcher:
             await asyncio.sleep(random.uniform(0, backoff))
             backoff = min(backoff * 2, self.s.backoff_max_s)
 
+    async def _read_directives(self, call: Any) -> None:
+        async for directive in call:
+            await self._directives.put(directive)
+
     async def _heartbeat_loop(self) -> None:
         while True:
             try:
@@ -322,6 +345,10 @@ class Launcher:
                 raise
             except grpc.aio.AioRpcError as exc:
                 logger.warning("heartbeat of member %s failed: %s", self.member_id, exc.code().name)
+                # Unknown (the coordinator lost it) or gone (declared dead while we were
+                # slow): the member must register again, which also reopens its stream.
+                if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                    self._reregister.set()
             except Exception:
                 # A heartbeat loop must never die of one bad beat.
                 logger.exception("heartbeat of member %s failed", self.member_id)

@@ -44,6 +44,8 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.sync_timeout_s = sync_timeout_s
         self._ids = itertools.count(1)
+        # Members whose next heartbeat is answered NOT_FOUND (a coordinator that lost them).
+        self.forgotten: set[str] = set()
 
     async def Register(self, request: pb.RegisterRequest, context: object) -> pb.RegisterResponse:
         member_id = f"m-{request.launcher_id[:8]}"
@@ -72,9 +74,10 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
         self.members[request.member_id].acks.append(request)
         return pb.AckResponse()
 
-    async def Heartbeat(
-        self, request: pb.HeartbeatRequest, context: object
-    ) -> pb.HeartbeatResponse:
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        if request.member_id in self.forgotten:
+            self.forgotten.discard(request.member_id)
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no member {request.member_id}")
         self.members[request.member_id].heartbeats.append(request)
         return pb.HeartbeatResponse(generation=self.generation)
 

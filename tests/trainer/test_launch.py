@@ -157,6 +157,24 @@ async def test_reconnects_and_reregisters_with_the_same_launcher_id(tmp_path: Pa
     await server2.stop(None)
 
 
+async def test_unknown_member_registers_again_and_reopens_its_stream(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path
+) -> None:
+    coord, port = fake
+    launcher = _launcher(port, tmp_path)
+    run = asyncio.create_task(launcher.run())
+    await wait_for(lambda: any(m.streams for m in coord.members.values()), 10, "a stream")
+    (mid,) = coord.members
+    member = coord.members[mid]
+    coord.forgotten.add(mid)
+    await wait_for(lambda: member.registrations >= 2 and member.streams >= 2, 10, "re-registration")
+    # The reopened stream works: a directive on it is handled.
+    (rdv,) = coord.rendezvous([mid])
+    await wait_for(lambda: coord.ack_of(rdv), 10, "rendezvous ack on the new stream")
+    launcher.stop()
+    assert await asyncio.wait_for(run, 10) == 0
+
+
 def test_command_line() -> None:
     s = parse_args(
         ["--coordinator", "h:1", "--job", "a/b", "--pod-index", "2", "--", "python", "t.py", "--x"]
