@@ -10,8 +10,11 @@ Layout of the state dir (default ./.tide):
     up.lock          held while a `tide up` or `tide demo` runs on the dir
 
 Start order: coordinator, scaler (with the local actuator), then the optional
-synthetic GPU nodes (in this process). Stop order, on SIGINT/SIGTERM or when a
-service dies: nodes, scaler (no new decisions), the local pods, coordinator.
+node agents (``python -m services.agent --source synthetic``), each with a
+stand-in kubelet PodResources socket (services/local/kubelet.py) that says
+which local pod holds which of its GPUs. Stop order, on SIGINT/SIGTERM or when
+a service dies: agents, scaler (no new decisions), the local pods,
+coordinator.
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import grpc
+
 from services.common.errors import ConfigError, FailedPrecondition
 from services.local.actuator import LAUNCHER, LocalActuator, LocalActuatorSettings
+from services.local.kubelet import serve_pod_resources
 from services.local.load import LoadSettings, SyntheticNode
 from services.local.supervisor import Child, ChildSpec, Supervisor
 
@@ -49,7 +55,7 @@ class UpSettings:
     state_dir: Path = Path(".tide")
     scaler_listen: str = "127.0.0.1:50051"
     coordinator_listen: str = "127.0.0.1:50052"
-    # Synthetic GPU nodes streaming to the scaler (0: none).
+    # Node agents with synthetic GPUs streaming to the scaler (0: none).
     agents: int = 0
     gpus_per_agent: int = 4
     # Utilization the synthetic nodes report for GPUs held by a pod, percent.
@@ -108,6 +114,8 @@ class LocalCluster:
     coordinator: Child | None = None
     scaler: Child | None = None
     nodes: list[SyntheticNode] = field(default_factory=list)
+    agents: list[Child] = field(default_factory=list)
+    _kubelets: list[grpc.aio.Server] = field(default_factory=list)
     _node_stop: asyncio.Event = field(default_factory=asyncio.Event)
     _node_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _lock: IO[str] | None = None
@@ -184,11 +192,47 @@ class LocalCluster:
             )
         )
         for k in range(s.agents):
-            self.add_node(
-                LoadSettings(node_name=f"local-{k}", gpus=s.gpus_per_agent),
-                _slice_of_pods(self.actuator, k, s.gpus_per_agent),
-                s.load_pct,
+            await self.start_agent(k)
+
+    async def start_agent(self, k: int) -> Child:
+        """Node agent ``local-k`` with synthetic GPUs, attributed by a stand-in kubelet."""
+        s = self.settings
+        assert self.actuator is not None
+        sock = (s.state_dir / f"kubelet-{k}.sock").resolve()
+        self._kubelets.append(
+            await serve_pod_resources(sock, _slice_of_pods(self.actuator, k, s.gpus_per_agent))
+        )
+        child = await self.supervisor.start(
+            ChildSpec(
+                f"agent-{k}",
+                (
+                    PY,
+                    "-m",
+                    "services.agent",
+                    "--scaler",
+                    self.scaler_target,
+                    "--node-name",
+                    f"local-{k}",
+                    "--source",
+                    "synthetic",
+                    "--synthetic-profile",
+                    f"steady:{s.load_pct:g}",
+                    "--synthetic-gpus",
+                    str(s.gpus_per_agent),
+                    "--pod-resources-socket",
+                    str(sock),
+                    "--pod-resources-refresh-s",
+                    "1",
+                    "--no-watch-node",
+                    "--log-level",
+                    s.log_level,
+                ),
+                wait_listening=False,
+                stop_grace_s=s.stop_grace_s,
             )
+        )
+        self.agents.append(child)
+        return child
 
     def add_node(
         self,
@@ -222,6 +266,10 @@ class LocalCluster:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(t, 5)
         codes: dict[str, int] = {}
+        for agent in reversed(self.agents):
+            codes[agent.name] = await self.supervisor.stop(agent)
+        for server in self._kubelets:
+            await server.stop(0)
         if self.scaler is not None:
             codes["scaler"] = await self.supervisor.stop(self.scaler)
         if self.actuator is not None:
@@ -255,9 +303,10 @@ def banner(cluster: LocalCluster) -> list[str]:
         f"  try     tide jobs --scaler {cluster.scaler_target}",
         f"          tide history all --db {s.db_url}",
     ]
-    if cluster.nodes:
+    if cluster.agents:
         lines.append(
-            f"  {len(cluster.nodes)} synthetic node(s) x {s.gpus_per_agent} GPUs at {s.load_pct:g}%"
+            f"  {len(cluster.agents)} node agent(s) x {s.gpus_per_agent} synthetic GPUs"
+            f" at {s.load_pct:g}%"
         )
     lines.append("Ctrl-C stops everything.")
     return lines
@@ -287,7 +336,7 @@ async def up(settings: UpSettings, echo: Callable[[str], None], stop: asyncio.Ev
                 f" (see {dead.log_path})"
             )
             return 1
-        echo("stopping: synthetic nodes, scaler, local pods, coordinator")
+        echo("stopping: agents, scaler, local pods, coordinator")
         return 0
     finally:
         codes = await cluster.stop()

@@ -70,12 +70,14 @@ def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path: Path) -> None:
         # One control plane per state dir.
         again = tide(*args)
         assert again.returncode == 2 and "up.lock" in again.stderr
-        assert len(processes_mentioning(str(state))) >= 3  # up, coordinator, scaler
+        # up, coordinator, scaler, and the agent (its socket is under the state dir).
+        wait_for(lambda: len(processes_mentioning(str(state))) >= 4, what="4 processes")
+        assert (state / "kubelet-0.sock").exists()
 
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
-        assert "stopped scaler (0), coordinator (0)" in out
+        assert "stopped agent-0 (0), scaler (0), coordinator (0)" in out
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -83,7 +85,8 @@ def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path: Path) -> None:
     wait_for(lambda: not processes_mentioning(str(state)), timeout_s=10, what="children gone")
     offline = tide("jobs", "--db", f"sqlite:///{state / 'tide.db'}")
     assert offline.returncode == 0 and "no jobs" in offline.stdout
-    assert {"coordinator.log", "scaler.log"} <= {p.name for p in (state / "logs").iterdir()}
+    logs = {p.name for p in (state / "logs").iterdir()}
+    assert {"coordinator.log", "scaler.log", "agent-0.log"} <= logs
 
 
 def test_up_refuses_bad_settings(tmp_path: Path) -> None:
