@@ -81,3 +81,21 @@ async def test_subprocess_spawner_runs_any_command(tmp_path: Path) -> None:
     w = await spawner.spawn(["sh", "-c", "exit 4"], dict(os.environ), str(tmp_path), "")
     assert await w.wait() == 4
     await spawner.close()
+
+
+@pytest.mark.paddle
+async def test_default_zygote_has_paddle_and_never_grpc(tmp_path: Path) -> None:
+    script = tmp_path / "probe.py"
+    script.write_text("import sys\nprint('paddle' in sys.modules, 'grpc' in sys.modules)\n")
+    zygote = ZygoteSpawner()
+    try:
+        import_s = await zygote.wait_ready()
+        log = tmp_path / "probe.log"
+        w = await zygote.spawn(
+            [sys.executable, str(script)], dict(os.environ), str(tmp_path), str(log)
+        )
+        assert await w.wait() == 0
+        # Forked after the import: the child has Paddle already, and no gRPC state to break.
+        assert log.read_text().split() == ["True", "False"], import_s
+    finally:
+        await zygote.close()
