@@ -467,10 +467,10 @@ def up_cmd(
     coordinator_listen: Annotated[
         str, typer.Option(help="coordinator gRPC address")
     ] = "127.0.0.1:50052",
-    agents: Annotated[int, typer.Option(min=0, max=16, help="synthetic GPU nodes")] = 0,
+    agents: Annotated[int, typer.Option(min=0, max=16, help="node agents with synthetic GPUs")] = 0,
     gpus_per_agent: Annotated[int, typer.Option(min=1, max=64)] = 4,
     load_pct: Annotated[
-        float, typer.Option(min=0, max=100, help="utilization the synthetic GPUs report")
+        float, typer.Option(min=0, max=100, help="utilization the agents' synthetic GPUs report")
     ] = 50.0,
     total_gpus: Annotated[
         int, typer.Option(min=0, help="GPUs local jobs may hold; 0: no limit")

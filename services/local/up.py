@@ -58,7 +58,7 @@ class UpSettings:
     # Node agents with synthetic GPUs streaming to the scaler (0: none).
     agents: int = 0
     gpus_per_agent: int = 4
-    # Utilization the synthetic nodes report for GPUs held by a pod, percent.
+    # Utilization the agents' synthetic GPUs report, percent.
     load_pct: float = 50.0
     # GPUs the local actuator offers (0: unknown, no capacity limit).
     total_gpus: int = 0
