@@ -743,3 +743,56 @@ class WatchDecisionsRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchDecisionsRequest: _TypeAlias = WatchDecisionsRequest  # noqa: Y015
+
+@_typing.final
+class ListUtilizationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    UNTIL_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """Inclusive lower bound on the minute; unset means 24 hours before `until`."""
+
+    @_builtins.property
+    def until(self) -> _timestamp_pb2.Timestamp:
+        """Exclusive upper bound; unset means now."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+        until: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since", "until", b"until"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "since", b"since", "until", b"until"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListUtilizationRequest: _TypeAlias = ListUtilizationRequest  # noqa: Y015
+
+@_typing.final
+class ListUtilizationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POINTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def points(self) -> _containers.RepeatedCompositeFieldContainer[Global___UtilizationPoint]:
+        """Oldest first; at most 10,080 points (one week of minutes)."""
+
+    def __init__(
+        self,
+        *,
+        points: _abc.Iterable[Global___UtilizationPoint] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["points", b"points"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListUtilizationResponse: _TypeAlias = ListUtilizationResponse  # noqa: Y015

@@ -76,6 +76,11 @@ class ScalerStub:
                 request_serializer=tide_dot_v1_dot_scaler__pb2.WatchDecisionsRequest.SerializeToString,
                 response_deserializer=tide_dot_v1_dot_scaler__pb2.DecisionEvent.FromString,
                 _registered_method=True)
+        self.ListUtilization = channel.unary_unary(
+                '/tide.v1.Scaler/ListUtilization',
+                request_serializer=tide_dot_v1_dot_scaler__pb2.ListUtilizationRequest.SerializeToString,
+                response_deserializer=tide_dot_v1_dot_scaler__pb2.ListUtilizationResponse.FromString,
+                _registered_method=True)
 
 
 class ScalerServicer:
@@ -135,6 +140,13 @@ class ScalerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListUtilization(self, request, context):
+        """The per-minute utilization rollups of a job over a time range.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ScalerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +189,11 @@ def add_ScalerServicer_to_server(servicer, server):
                     servicer.WatchDecisions,
                     request_deserializer=tide_dot_v1_dot_scaler__pb2.WatchDecisionsRequest.FromString,
                     response_serializer=tide_dot_v1_dot_scaler__pb2.DecisionEvent.SerializeToString,
+            ),
+            'ListUtilization': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListUtilization,
+                    request_deserializer=tide_dot_v1_dot_scaler__pb2.ListUtilizationRequest.FromString,
+                    response_serializer=tide_dot_v1_dot_scaler__pb2.ListUtilizationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -397,6 +414,33 @@ class Scaler:
             '/tide.v1.Scaler/WatchDecisions',
             tide_dot_v1_dot_scaler__pb2.WatchDecisionsRequest.SerializeToString,
             tide_dot_v1_dot_scaler__pb2.DecisionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListUtilization(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tide.v1.Scaler/ListUtilization',
+            tide_dot_v1_dot_scaler__pb2.ListUtilizationRequest.SerializeToString,
+            tide_dot_v1_dot_scaler__pb2.ListUtilizationResponse.FromString,
             options,
             channel_credentials,
             insecure,

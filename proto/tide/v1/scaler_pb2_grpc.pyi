@@ -47,6 +47,8 @@ class ScalerStub:
     """Admin. Pause or resume autoscaling of a job."""
     WatchDecisions: _grpc.UnaryStreamMultiCallable[_scaler_pb2.WatchDecisionsRequest, _scaler_pb2.DecisionEvent]
     """A stream of decision state changes, starting with those after the call."""
+    ListUtilization: _grpc.UnaryUnaryMultiCallable[_scaler_pb2.ListUtilizationRequest, _scaler_pb2.ListUtilizationResponse]
+    """The per-minute utilization rollups of a job over a time range."""
 
 @_typing.type_check_only
 class ScalerAsyncStub(ScalerStub):
@@ -67,6 +69,8 @@ class ScalerAsyncStub(ScalerStub):
     """Admin. Pause or resume autoscaling of a job."""
     WatchDecisions: _aio.UnaryStreamMultiCallable[_scaler_pb2.WatchDecisionsRequest, _scaler_pb2.DecisionEvent]  # type: ignore[assignment]
     """A stream of decision state changes, starting with those after the call."""
+    ListUtilization: _aio.UnaryUnaryMultiCallable[_scaler_pb2.ListUtilizationRequest, _scaler_pb2.ListUtilizationResponse]  # type: ignore[assignment]
+    """The per-minute utilization rollups of a job over a time range."""
 
 class ScalerServicer(metaclass=_abc_1.ABCMeta):
     """Served by the scaler: jobs, their policy, and the decision history.
@@ -132,5 +136,13 @@ class ScalerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_scaler_pb2.DecisionEvent], _abc.AsyncIterator[_scaler_pb2.DecisionEvent]]:
         """A stream of decision state changes, starting with those after the call."""
+
+    @_abc_1.abstractmethod
+    def ListUtilization(
+        self,
+        request: _scaler_pb2.ListUtilizationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scaler_pb2.ListUtilizationResponse, _abc.Awaitable[_scaler_pb2.ListUtilizationResponse]]:
+        """The per-minute utilization rollups of a job over a time range."""
 
 def add_ScalerServicer_to_server(servicer: ScalerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
