@@ -9,7 +9,7 @@ Layout of the state dir (default ./.tide):
     checkpoints/     where `tide demo` points its job's checkpoints
     up.lock          held while a `tide up` or `tide demo` runs on the dir
 
-Start order: coordinator, scaler (with the local actuator), then the optional
+Start order: coordinator, scaler (``python -m services.scaler --actuator local:DIR``), then the optional
 node agents (``python -m services.agent --source synthetic``), each with a
 stand-in kubelet PodResources socket (services/local/kubelet.py) that says
 which local pod holds which of its GPUs. Stop order, on SIGINT/SIGTERM or when
@@ -34,7 +34,7 @@ from typing import IO
 import grpc
 
 from services.common.errors import ConfigError, FailedPrecondition
-from services.local.actuator import LAUNCHER, LocalActuator, LocalActuatorSettings
+from services.local.actuator import LocalActuator, LocalActuatorSettings
 from services.local.kubelet import serve_pod_resources
 from services.local.load import LoadSettings, SyntheticNode
 from services.local.supervisor import Child, ChildSpec, Supervisor
@@ -66,7 +66,6 @@ class UpSettings:
     # Extra flags, e.g. the default policy: ("--sustain-s", "10", ...).
     scaler_flags: tuple[str, ...] = ()
     coordinator_flags: tuple[str, ...] = ()
-    launcher: tuple[str, ...] = LAUNCHER
     stop_grace_s: float = 15.0
     ready_timeout_s: float = 90.0
 
@@ -160,7 +159,6 @@ class LocalCluster:
             LocalActuatorSettings(
                 state_dir=s.state_dir,
                 coordinator=self.coordinator_target,
-                launcher=s.launcher,
                 total_gpus=s.total_gpus or None,
             )
         )
@@ -170,17 +168,15 @@ class LocalCluster:
                 (
                     PY,
                     "-m",
-                    "services.local.scaler",
+                    "services.scaler",
                     "--listen",
                     s.scaler_listen,
-                    "--database-url",
+                    "--db",
                     s.db_url,
                     "--coordinator",
                     self.coordinator_target,
-                    "--local-state-dir",
-                    str(s.state_dir),
-                    "--launcher",
-                    shlex.join(s.launcher),
+                    "--actuator",
+                    f"local:{s.state_dir.resolve()}",
                     "--total-gpus",
                     str(s.total_gpus),
                     "--log-level",

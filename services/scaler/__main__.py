@@ -12,9 +12,9 @@ from tide.v1 import scaler_pb2_grpc, telemetry_pb2_grpc
 
 from services.common import db, logs
 from services.common.client import open_channel
-from services.common.clock import SystemClock
+from services.common.clock import Clock, SystemClock
 from services.common.config import load_settings
-from services.common.errors import ConfigError
+from services.common.errors import ConfigError, TideError
 from services.common.server import ServiceSpec, serve
 from services.scaler.actuator import Actuator, FileActuator, InMemoryActuator
 from services.scaler.api import ADMIN_METHODS, ScalerServicer
@@ -32,22 +32,37 @@ from services.scaler.telemetry_api import TelemetryServicer
 logger = logging.getLogger("services.scaler")
 
 
+def make_actuator(settings: ScalerSettings, clock: Clock) -> Actuator:
+    """The actuator ``--actuator`` names (validated by ScalerSettings)."""
+    total = settings.total_gpus or None
+    kind, _, arg = settings.actuator.partition(":")
+    if kind == "file":
+        return FileActuator(Path(arg), total)
+    if kind == "local":
+        # Imported here: a scaler deployed with another actuator never loads local mode.
+        from services.local.actuator import LocalActuator, LocalActuatorSettings
+
+        return LocalActuator(
+            LocalActuatorSettings(
+                state_dir=Path(arg), coordinator=settings.coordinator, total_gpus=total
+            ),
+            clock,
+        )
+    return InMemoryActuator(total)
+
+
 async def run(settings: ScalerSettings) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     clock = SystemClock()
     # Migrations are idempotent; running them at start keeps the embedded case one command.
-    await asyncio.to_thread(db.upgrade, settings.database_url)
-    engine = db.make_engine(settings.database_url)
+    await asyncio.to_thread(db.upgrade, settings.db)
+    engine = db.make_engine(settings.db)
     store = DecisionStore(engine, settings.owner(), clock)
-    total = settings.total_gpus or None
-    actuator: Actuator
-    if settings.actuator.startswith("file:"):
-        actuator = FileActuator(Path(settings.actuator[len("file:") :]), total)
-    else:
-        actuator = InMemoryActuator(total)
+    actuator = make_actuator(settings, clock)
     coordinator: CoordinatorClient
-    if settings.coordinator:
-        coordinator = GrpcCoordinatorClient(open_channel(settings.coordinator))
+    channel = open_channel(settings.coordinator) if settings.coordinator else None
+    if channel is not None:
+        coordinator = GrpcCoordinatorClient(channel)
     else:
         state = Path(settings.coordinator_state_file) if settings.coordinator_state_file else None
         mem = actuator if isinstance(actuator, InMemoryActuator) else None
@@ -71,6 +86,8 @@ async def run(settings: ScalerSettings) -> None:
     async def shutdown() -> None:
         await core.flush_rollups(final=True)
         await core.close()
+        if channel is not None:
+            await channel.close()
         engine.dispose()
 
     await serve(
@@ -105,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"services.scaler: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
-    asyncio.run(run(settings))
+    try:
+        asyncio.run(run(settings))
+    except TideError as exc:
+        # E.g. the store cannot be reached at start: one line, not a traceback.
+        logger.error("scaler stopped: %s", exc)
+        return 1
     return 0
 
 

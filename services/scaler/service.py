@@ -43,6 +43,8 @@ from services.scaler.store import DecisionStore
 logger = logging.getLogger(__name__)
 
 _DEFAULT_POLICY = pol.PolicySettings()
+#: The store every Tide service shares when run from one directory (`tide up` uses its own).
+DEFAULT_DB = "sqlite:///.tide/tide.db"
 
 #: GIL switch interval of the scaler process, seconds. SQL runs in worker threads
 #: so ingestion never waits on the database; with the loop thread busy, each time
@@ -58,15 +60,23 @@ _BOUNDS = ("min_replicas", "max_replicas")
 class ScalerSettings(CommonSettings):
     """Settings of `python -m services.scaler` (flags, TIDE_* env, YAML file)."""
 
-    database_url: str = setting("sqlite:///tide-scaler.db", "SQLAlchemy URL of the store")
+    db: str = setting(
+        DEFAULT_DB, "SQLAlchemy URL of the store (SQLite file, its directory made if missing)"
+    )
+    # The old name of `db`, accepted so callers can move at their pace; never in docs.
+    database_url: str = setting("", "deprecated: the old name of --db")
     coordinator: str = setting(
         "", "coordinator HOST:PORT; empty runs an in-memory coordinator (demo and tests)"
     )
     coordinator_state_file: str = setting(
         "", "with the in-memory coordinator: a file that keeps its state across restarts"
     )
-    actuator: str = setting("memory", "memory, or file:PATH (replica log that survives crashes)")
-    total_gpus: int = setting(0, "in-memory actuators: GPUs in the cluster; 0 means unknown")
+    actuator: str = setting(
+        "memory",
+        "memory; file:PATH (replica log that survives crashes); local:DIR (trainer launchers"
+        " on this machine, state under DIR; needs --coordinator)",
+    )
+    total_gpus: int = setting(0, "GPUs the memory, file or local actuator offers; 0 means unknown")
     owner_id: str = setting("", "this scaler's name in the fencing record; default host:pid")
     evaluate_interval_s: float = setting(1.0, "every job is evaluated at least this often")
     rollup_flush_interval_s: float = setting(15.0, "how often finished minutes go to SQL")
@@ -89,6 +99,15 @@ class ScalerSettings(CommonSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.database_url:
+            if self.db not in (DEFAULT_DB, self.database_url):
+                raise ConfigError(
+                    f"database_url={self.database_url!r}: the old name of db, which is also"
+                    f" set ({self.db!r}); give only --db"
+                )
+            object.__setattr__(self, "db", self.database_url)
+        if not self.db:
+            raise ConfigError("db: a database URL is required, got ''")
         self.policy()
         self.ingest()
         if not (self.evaluate_interval_s > 0 and math.isfinite(self.evaluate_interval_s)):
@@ -99,8 +118,16 @@ class ScalerSettings(CommonSettings):
             )
         if self.total_gpus < 0:
             raise ConfigError(f"total_gpus={self.total_gpus!r}: must be >= 0")
-        if self.actuator != "memory" and not self.actuator.startswith("file:"):
-            raise ConfigError(f"actuator={self.actuator!r}: expected memory or file:PATH")
+        kind, sep, arg = self.actuator.partition(":")
+        if not (self.actuator == "memory" or (sep and arg and kind in ("file", "local"))):
+            raise ConfigError(
+                f"actuator={self.actuator!r}: expected memory, file:PATH or local:DIR"
+            )
+        if kind == "local" and not self.coordinator:
+            raise ConfigError(
+                f"actuator={self.actuator!r}: local pods register with a coordinator;"
+                " --coordinator HOST:PORT is required"
+            )
 
     def policy(self) -> pol.PolicySettings:
         names = {f.name for f in dataclasses.fields(pol.PolicySettings)}

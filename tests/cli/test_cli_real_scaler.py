@@ -29,7 +29,7 @@ def scaler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]
             "services.scaler",
             "--listen",
             "127.0.0.1:0",
-            "--database-url",
+            "--db",
             f"sqlite:///{db}",
             "--admin-token",
             TOKEN,

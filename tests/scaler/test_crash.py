@@ -46,7 +46,7 @@ def scaler(url: str, tmp: Path, fault: str) -> ServiceProcess:
             "services.scaler",
             "--listen",
             "127.0.0.1:0",
-            "--database-url",
+            "--db",
             url,
             "--actuator",
             f"file:{tmp / 'actuator.jsonl'}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from tide.v1 import telemetry_pb2
@@ -249,6 +250,33 @@ def test_scaler_settings_validate_and_feed_the_policy() -> None:
         ScalerSettings(actuator="kubernetes")
     with pytest.raises(ConfigError, match="stale_after_s"):
         ScalerSettings(stale_after_s=0.0)
+
+
+def test_scaler_settings_db_and_local_actuator(tmp_path: Path) -> None:
+    from services.common.config import load_settings
+    from services.common.errors import ConfigError
+    from services.scaler.__main__ import make_actuator
+    from services.scaler.service import DEFAULT_DB, ScalerSettings
+
+    assert ScalerSettings().db == DEFAULT_DB == "sqlite:///.tide/tide.db"
+    url = f"sqlite:///{tmp_path}/a.db"
+    assert load_settings(ScalerSettings, ["--db", url], env={}).db == url
+    assert load_settings(ScalerSettings, [], env={"TIDE_DB": url}).db == url
+    # The old flag still works until every caller says --db, but never against it.
+    assert load_settings(ScalerSettings, ["--database-url", url], env={}).db == url
+    with pytest.raises(ConfigError, match="database_url"):
+        ScalerSettings(db="sqlite:///b.db", database_url=url)
+    with pytest.raises(ConfigError, match="coordinator"):
+        ScalerSettings(actuator=f"local:{tmp_path}")
+    with pytest.raises(ConfigError, match="actuator"):
+        ScalerSettings(actuator="local:")
+    s = ScalerSettings(actuator=f"local:{tmp_path}", coordinator="127.0.0.1:9", total_gpus=3)
+    a = make_actuator(s, FakeClock(T0))
+    from services.local.actuator import LocalActuator
+
+    assert isinstance(a, LocalActuator)
+    assert (a.settings.state_dir, a.settings.total_gpus) == (tmp_path, 3)
+    assert a.settings.coordinator == "127.0.0.1:9"
 
 
 class FlakyCoordinator(InMemoryCoordinator):
