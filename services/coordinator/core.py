@@ -98,6 +98,9 @@ class HeartbeatInput:
     first_step_at: float | None = None
     startup: Breakdown = field(default_factory=Breakdown)
     free_port: int = 0
+    # The newest good checkpoint the member's worker wrote (periodic ones included); 0: none.
+    last_checkpoint_step: int = 0
+    last_checkpoint_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -496,18 +499,138 @@ class JobRuntime:
             m.samples_per_s = inp.samples_per_s
             m.first_step_at = inp.first_step_at
             m.startup = inp.startup
+            # Before any loss handling: a recovery this heartbeat triggers must name the
+            # checkpoint it reports.
+            if inp.last_checkpoint_step:
+                self._record_reported_checkpoint(
+                    m, inp.last_checkpoint_step, inp.last_checkpoint_digest, inp.generation
+                )
             if inp.phase == WorkerPhase.FAILED and prev_phase != WorkerPhase.FAILED:
                 self._lose(
                     [m], worker_failed=True, reason=f"worker of {m.member_id} reported FAILED"
                 )
+            elif inp.phase == WorkerPhase.IDLE and m.state == MemberState.ACTIVE:
+                self._finish(m)
             elif prev_phase != inp.phase:
                 self.notifier.notify()
         elif m.state == MemberState.STANDBY:
             m.phase = inp.phase
+        elif 0 < inp.generation < self.job.generation:
+            self._late_progress(m, inp)
         m.last_seen_mono = mono
         self._advance()
         self._commit()
         return self.job.generation
+
+    def _record_reported_checkpoint(
+        self, m: Member, step: int, digest: str, generation: int
+    ) -> None:
+        """A member's worker wrote the checkpoint of ``step`` and verified its manifest: it is
+        good, and the next recovery names it. Only a step newer than every good one counts, so
+        a heartbeat repeating it costs nothing."""
+        if step <= self.last_good_step():
+            return
+        ck = self._checkpoint(step, generation)
+        if ck is None:
+            ck = Checkpoint(
+                job_id=self.job.job_id,
+                step=step,
+                generation=generation,
+                digest=digest,
+                good=True,
+                write_s=0.0,
+                created_at=self._clock.now(),
+            )
+            self.checkpoints.append(ck)
+        else:
+            # A barrier's checkpoint that rank 0 reports once it is on disk: as good as
+            # promoted, since the workers restore it after a loss either way.
+            ck.good = True
+            ck.digest = ck.digest or digest
+        self._dirty(ck)
+        self._log.info(
+            "checkpoint of step %d reported good by member %s (generation %d)",
+            step,
+            m.member_id,
+            generation,
+        )
+
+    def _checkpoint(self, step: int, generation: int) -> Checkpoint | None:
+        for ck in self.checkpoints:
+            if ck.step == step and ck.generation == generation:
+                return ck
+        return None
+
+    def _late_progress(self, m: Member, inp: HeartbeatInput) -> None:
+        """The last word of a generation a loss broke: a survivor's launcher reports the step
+        its worker had reached when the RENDEZVOUS of the recovery arrived. Its heartbeats
+        before the loss can lag a step behind the peer that died, so the lost steps of the
+        recovery are raised to what it reports."""
+        gen = self.generations.get(inp.generation + 1)
+        if gen is None or gen.decision_id is not None:
+            return
+        reached = gen.restore_step + gen.lost_steps
+        if inp.step <= reached:
+            return
+        more = inp.step - reached
+        gen.lost_steps += more
+        self.job.lost_steps_total += more
+        self._metrics.lost_steps.inc(more)
+        self._dirty(gen)
+        self._touch_job()
+        self._log.warning(
+            "member %s reached step %d in generation %d: %d more step(s) lost (%d in all)",
+            m.member_id,
+            inp.step,
+            inp.generation,
+            more,
+            gen.lost_steps,
+        )
+
+    def _finish(self, m: Member) -> None:
+        """The member's worker ran the job's budget to its end and exited 0; its launcher
+        exits too. It leaves without a loss: GONE, keeping its rank as the mark of a finished
+        member (a lost one has none). When every member of the generation has finished, the
+        job is finished: nothing re-forms, and a resize in flight ends."""
+        transition_member(m, MemberState.GONE)
+        self._supersede(m)
+        self._dirty(m)
+        self._log.info(
+            "member %s finished at step %d in generation %d",
+            m.member_id,
+            m.step,
+            m.reported_generation,
+        )
+        if self.current_members():
+            return
+        self._log.info(
+            "job finished at step %d in generation %d", self.finished_step(), self.job.generation
+        )
+        r = self.active_resize()
+        if r is None:
+            return
+        message = f"the job finished at step {self.finished_step()}"
+        if r.phase in (ResizePhase.WAITING_FOR_MEMBERS, ResizePhase.CHECKPOINTING):
+            self._abort(r, message, resume=False)
+        elif r.phase == ResizePhase.RENDEZVOUS:
+            self._maybe_complete(r)
+            if not r.phase.final:
+                transition_resize(r, ResizePhase.FAILED, at=self._clock.now(), message=message)
+        else:
+            transition_resize(r, ResizePhase.FAILED, at=self._clock.now(), message=message)
+        self._dirty(r)
+
+    def finished_members(self) -> list[Member]:
+        """Members that finished the job in the current generation (GONE with a rank)."""
+        return [
+            m for m in self.members.values() if m.state == MemberState.GONE and m.rank is not None
+        ]
+
+    def finished(self) -> bool:
+        return bool(self.finished_members()) and not self.current_members()
+
+    def finished_step(self) -> int:
+        return max((m.step for m in self.finished_members()), default=0) or self.last_good_step()
 
     # --- Ack --------------------------------------------------------------------
 
@@ -776,16 +899,22 @@ class JobRuntime:
         )
 
     def _after_barrier(self, r: Resize) -> None:
-        ck = Checkpoint(
-            job_id=self.job.job_id,
-            step=r.checkpoint_step,
-            generation=self.job.generation,
-            digest=r.checkpoint_digest,
-            good=False,
-            write_s=r.checkpoint_write_s,
-            created_at=self._clock.now(),
-        )
-        self.checkpoints.append(ck)
+        ck = self._checkpoint(r.checkpoint_step, self.job.generation)
+        if ck is None:
+            ck = Checkpoint(
+                job_id=self.job.job_id,
+                step=r.checkpoint_step,
+                generation=self.job.generation,
+                digest=r.checkpoint_digest,
+                good=False,
+                write_s=r.checkpoint_write_s,
+                created_at=self._clock.now(),
+            )
+            self.checkpoints.append(ck)
+        else:
+            # Rank 0 already reported it in a heartbeat (and so it is good): add the ack's facts.
+            ck.digest = r.checkpoint_digest
+            ck.write_s = r.checkpoint_write_s
         self._dirty(ck)
         if r.leaving:
             transition_resize(r, ResizePhase.DRAINING, at=self._clock.now())
@@ -1024,9 +1153,8 @@ class JobRuntime:
             (m.step for m in self.members.values() if m.reported_generation == g), default=0
         )
         survivors = self._actives()
-        # Survivors restore the newest good checkpoint on disk (restore_step 0), which
-        # may be a periodic one the coordinator never heard of; the lost steps are
-        # counted from the newest one it knows, so they are an upper bound.
+        # Rank 0 reports every checkpoint it writes (periodic ones included), so the newest
+        # good one the coordinator knows is the one the survivors restore: named exactly.
         known = self.last_good_step()
         lost_steps = max(0, reached - known)
         if not survivors:
@@ -1034,13 +1162,14 @@ class JobRuntime:
                 "generation %d lost every member (%s); the next Resize forms a new one", g, reason
             )
             for m in self.members.values():
-                if m.rank is not None:
+                # A finished member keeps its rank: that is how a finished job shows.
+                if m.rank is not None and m.state != MemberState.GONE:
                     m.rank = None
                     self._dirty(m)
             return
         self._open_generation(
             survivors,
-            0,
+            known,
             reason=f"recovery: {reason}",
             decision_id=None,
             lost_steps=lost_steps,
@@ -1050,17 +1179,25 @@ class JobRuntime:
         self._metrics.lost_steps.inc(lost_steps)
         self._touch_job()
         self._log.warning(
-            "unplanned loss: generation %d re-formed with %d member(s) from the newest "
-            "checkpoint (known: step %d); at most %d step(s) lost",
+            "unplanned loss: generation %d re-formed with %d member(s) from the checkpoint of "
+            "step %d; %d step(s) lost (reached %d)",
             self.job.generation,
             len(survivors),
             known,
             lost_steps,
+            reached,
         )
 
-    def tick(self) -> None:
-        """Check heartbeat timeouts and deadlines; called periodically."""
+    def tick(self, stalled_s: float = 0.0) -> None:
+        """Check heartbeat timeouts and deadlines; called periodically.
+
+        ``stalled_s``: how much later than planned this tick runs (the event loop was
+        blocked or the process starved). Nobody could be heard during that time, so every
+        heartbeat timeout and deadline moves by it; otherwise a stall longer than
+        sync_timeout_s would declare every member lost at once."""
         now, mono = self._clock.now(), self._clock.monotonic()
+        if stalled_s > 0:
+            self._credit_stall(stalled_s, mono)
         silent = [
             m
             for m in self.members.values()
@@ -1084,6 +1221,24 @@ class JobRuntime:
             self._lose(overdue, worker_failed=False, reason="a directive was not acknowledged")
         self._advance()
         self._commit()
+
+    def _credit_stall(self, stalled_s: float, mono: float) -> None:
+        for m in self.members.values():
+            if m.state != MemberState.GONE:
+                # Never past now: a heartbeat handled just before this tick is simply recent.
+                m.last_seen_mono = min(mono, m.last_seen_mono + stalled_s)
+        for d in self.directives.values():
+            if d.pending and d.deadline_at is not None:
+                d.deadline_at += stalled_s
+                self._dirty(d)
+        r = self.active_resize()
+        if r is not None:
+            r.phase_started_at += stalled_s
+            self._dirty(r)
+        self._log.warning(
+            "the coordinator stalled %.2f s: heartbeat timeouts and deadlines moved by as much",
+            stalled_s,
+        )
 
     def _on_deadline(self, r: Resize) -> None:
         if r.phase == ResizePhase.WAITING_FOR_MEMBERS:
@@ -1179,6 +1334,9 @@ class JobRuntime:
     def status(self) -> JobView:
         current = self.current_members()
         running = [m for m in current if m.reported_generation == self.job.generation]
+        finished = {m.member_id for m in self.finished_members()}
+        # A finished member is listed (GONE, phase IDLE, its rank and final step): the
+        # convention that says the job ended rather than lost its members.
         members = tuple(
             MemberView(
                 member_id=m.member_id,
@@ -1188,22 +1346,26 @@ class JobRuntime:
                 host=m.host,
                 state=m.state,
                 rank=m.rank or 0,
-                phase=m.phase,
+                phase=WorkerPhase.IDLE if m.member_id in finished else m.phase,
                 step=m.step,
-                samples_per_s=m.samples_per_s,
+                samples_per_s=0.0 if m.member_id in finished else m.samples_per_s,
                 last_heartbeat_at=m.last_heartbeat_at,
             )
             for m in sorted(self.members.values(), key=lambda m: (m.pod_index, m.registered_at))
-            if m.state != MemberState.GONE
+            if m.state != MemberState.GONE or m.member_id in finished
         )
         lead = min(running, key=lambda m: m.step) if running else None
+        done = lead is None and self.finished()
+        if done:
+            lead = max(self.finished_members(), key=lambda m: m.step)
         r = self.active_resize()
         return JobView(
             job_id=self.job.job_id,
             generation=self.job.generation,
             world_size=len(current),
             members=members,
-            step=lead.step if lead else 0,
+            # After a restart a finished member's step is forgotten; its final checkpoint is not.
+            step=self.finished_step() if done else (lead.step if lead else 0),
             epoch=lead.epoch if lead else 0,
             samples_consumed=lead.samples_consumed if lead else 0,
             samples_per_s=sum(m.samples_per_s for m in running),
@@ -1323,19 +1485,28 @@ class Coordinator:
             raise UnknownResize(f"no resize {decision_id} for job {job_id!r}")
         return self.job(owner).abort_resize(decision_id, reason)
 
-    def tick(self) -> None:
+    def tick(self, stalled_s: float = 0.0) -> None:
         for job_id in list(self.jobs):
             try:
-                self.job(job_id).tick()
+                self.job(job_id).tick(stalled_s)
             except Exception:
                 # One job's failure (a store outage) must not stop the others' checks.
                 logger.exception("tick of job %s failed", job_id)
 
     async def run(self) -> None:
-        """Tick until cancelled."""
+        """Tick until cancelled, measuring how late each tick is.
+
+        A tick more than one interval late means the loop did not run (blocked, or the
+        process starved on a loaded machine); the lateness is handed to the tick, which
+        does not count it against anyone. Shorter jitter is ignored."""
+        interval = self.tuning.tick_interval_s
+        last = self._clock.monotonic()
         while True:
-            await self._clock.sleep(self.tuning.tick_interval_s)
-            self.tick()
+            await self._clock.sleep(interval)
+            now = self._clock.monotonic()
+            late = now - last - interval
+            self.tick(late if late > interval else 0.0)
+            last = self._clock.monotonic()
 
 
 def _validate_job_id(job_id: str) -> None:

@@ -224,6 +224,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     restore_s=s.restore_s,
                 ),
                 free_port=request.free_port,
+                last_checkpoint_step=request.last_checkpoint_step,
+                last_checkpoint_digest=request.last_checkpoint_digest,
             )
         )
         return pb.HeartbeatResponse(generation=generation)

@@ -34,6 +34,10 @@ def ts(seconds: float) -> Timestamp:
     return t
 
 
+def digest_of(job_id: str, step: int) -> str:
+    return hashlib.sha256(f"{job_id}:{step}".encode()).hexdigest()
+
+
 async def eventually(cond: Callable[[], Any], timeout_s: float = 5.0, what: str = "") -> Any:
     """Poll ``cond`` on the loop until it is truthy; fail after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -76,6 +80,8 @@ class FakeLauncher:
         self.step = 0
         self.phase = pb.WORKER_PHASE_IDLE
         self.first_step_at: float | None = None
+        # The newest checkpoint this member's worker wrote (rank 0 reports it); 0: none.
+        self.last_checkpoint = 0
         self.worker_starts = 0
         self.received: list[pb.Directive] = []
         self.handled: dict[str, pb.Directive] = {}
@@ -151,6 +157,10 @@ class FakeLauncher:
             samples_per_s=100.0,
             free_port=self.port,
             startup=pb.PauseBreakdown(worker_restart_s=0.02, group_init_s=0.4, restore_s=0.1),
+            last_checkpoint_step=self.last_checkpoint,
+            last_checkpoint_digest=digest_of(self.job_id, self.last_checkpoint)
+            if self.last_checkpoint
+            else "",
         )
         if self.first_step_at is not None:
             req.first_step_at.CopyFrom(ts(self.first_step_at))
@@ -195,10 +205,9 @@ class FakeLauncher:
             self.phase = pb.WORKER_PHASE_HOLDING
             fields: dict[str, Any] = {"ok": True, "held_at": ts(self.clock.now())}
             if self.rank == 0:
-                digest = hashlib.sha256(f"{self.job_id}:{d.checkpoint_step}".encode()).hexdigest()
                 fields.update(
                     checkpoint_step=d.checkpoint_step,
-                    checkpoint_digest=digest,
+                    checkpoint_digest=digest_of(self.job_id, d.checkpoint_step),
                     checkpoint_write_s=0.25,
                 )
             await self.ack(d, **fields)

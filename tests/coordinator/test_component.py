@@ -189,23 +189,66 @@ async def test_unplanned_loss_re_forms_from_last_checkpoint_and_counts_lost_step
     await env.heartbeat_all()
     ck = (await w.final()).checkpoint_step
 
-    # ls[1] dies; the others train on, heartbeating, until it times out (30 s).
+    # ls[1] dies; the others train on, heartbeating, until it times out (30 s). Rank 0's
+    # worker writes a periodic checkpoint on the way and its launcher reports it.
     await ls[1].disconnect()
     ls[1].exited = True
-    for _ in range(3):
+    for i in range(3):
         await env.heartbeat_all(steps=2, advance_s=8.0)
+        if i == 1:
+            ls[0].last_checkpoint = ls[0].step
         env.coordinator.tick()
+    periodic = ls[0].last_checkpoint
+    assert periodic > ck
     reached = max(ls[0].step, ls[2].step)
     await env.heartbeat_all(steps=0, advance_s=8.0)
     env.coordinator.tick()
 
     await eventually(lambda: ls[0].generation == 3 == ls[2].generation, what="generation 3")
     assert (ls[0].rank, ls[2].rank) == (0, 1)
-    assert ls[0].restore_step == 0  # the newest good checkpoint on disk, at least ck
+    assert ls[0].restore_step == ls[2].restore_step == periodic  # named exactly
     st = await env.status()
-    assert (st.generation, st.world_size) == (3, 2)
-    assert st.lost_steps_total == reached - ck > 0
+    assert (st.generation, st.world_size, st.last_checkpoint_step) == (3, 2, periodic)
+    assert st.lost_steps_total == reached - periodic > 0
     assert ls[1].member_id not in {m.member_id for m in st.members}
+
+
+async def test_failed_worker_names_the_reported_checkpoint_and_late_progress_counts(
+    env: Env,
+) -> None:
+    ls = await form(env, 2)
+    for _ in range(3):
+        await env.heartbeat_all(steps=4)  # step 13
+    ls[0].last_checkpoint = 10
+    await env.heartbeat_all(steps=1)  # step 14; rank 0 reports the checkpoint of step 10
+    ls[1].step += 2  # rank 1's worker reached 16 and died; its launcher says so at once
+    ls[1].phase = pb.WORKER_PHASE_FAILED
+    await ls[1].heartbeat(steps=0)
+    await eventually(lambda: ls[0].generation == 2 == ls[1].generation, what="recovery")
+    assert ls[0].restore_step == 10
+    st = await env.status()
+    assert st.lost_steps_total == 16 - 10
+
+    # Rank 0's launcher, replacing its worker, reports where the old one stopped: step 17
+    # (it finished a step the dead peer had not reported). The count follows.
+    rank0 = env.coordinator.jobs[JOB].members[ls[0].member_id]
+    await env.stub.Heartbeat(
+        pb.HeartbeatRequest(
+            member_id=rank0.member_id, generation=1, phase=pb.WORKER_PHASE_RUNNING, step=17
+        ),
+        timeout=TIMEOUT_S,
+    )
+    st = await env.status()
+    assert st.lost_steps_total == 17 - 10
+    assert env.coordinator.jobs[JOB].generations[2].lost_steps == 7
+    # An older or equal report changes nothing.
+    await env.stub.Heartbeat(
+        pb.HeartbeatRequest(
+            member_id=rank0.member_id, generation=1, phase=pb.WORKER_PHASE_RUNNING, step=15
+        ),
+        timeout=TIMEOUT_S,
+    )
+    assert (await env.status()).lost_steps_total == 7
 
 
 async def test_failed_worker_rejoins_with_a_new_worker(env: Env) -> None:
@@ -370,18 +413,106 @@ async def test_watch_job_streams_membership_and_generation_changes(env: Env) -> 
             await task
 
 
+class TickLoop:
+    """The coordinator's own tick loop on the fake clock, with each tick's stall recorded."""
+
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        self.stalls: list[float] = []
+        inner = env.coordinator.tick
+
+        def tick(stalled_s: float = 0.0) -> None:
+            self.stalls.append(stalled_s)
+            inner(stalled_s)
+
+        env.coordinator.tick = tick  # type: ignore[method-assign]
+        self.task = asyncio.create_task(env.coordinator.run())
+        self._started = False
+
+    async def advance(self, seconds: float) -> None:
+        """Move the clock by ``seconds`` at once and wait for the tick that wakes."""
+        if not self._started:
+            # Let the loop reach its first sleep, else this advance would not wake it.
+            await asyncio.sleep(0)
+            self._started = True
+        n = len(self.stalls)
+        self.env.clock.advance(seconds)
+        await eventually(lambda: len(self.stalls) > n, what="a tick")
+
+    async def run_for(self, seconds: float, heartbeat_every_s: float = 5.0) -> None:
+        """``seconds`` of a coordinator that keeps up: a tick every interval, heartbeats
+        from every launcher not marked exited every ``heartbeat_every_s``."""
+        step = TUNING.tick_interval_s
+        since_beat = 0.0
+        for _ in range(round(seconds / step)):
+            await self.advance(step)
+            since_beat += step
+            if since_beat >= heartbeat_every_s:
+                since_beat = 0.0
+                for fl in self.env.launchers:
+                    if not fl.exited and fl.member_id:
+                        await fl.heartbeat()
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
 async def test_tick_loop_runs_on_the_clock(env: Env) -> None:
     ls = await form(env, 2)
     ls[1].exited = True  # silent from now on
-    task = asyncio.create_task(env.coordinator.run())
+    loop = TickLoop(env)
     try:
-        for _ in range(4):
-            await env.heartbeat_all(advance_s=8.0)  # advancing wakes the loop's sleep
+        await loop.run_for(TUNING.sync_timeout_s - 2)
+        assert ls[0].generation == 1
+        await loop.run_for(4)
         await eventually(lambda: ls[0].generation == 2, what="recovery by the tick loop")
+        assert set(loop.stalls) == {0.0}
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await loop.stop()
+
+
+async def test_a_stall_longer_than_the_sync_timeout_loses_nobody(env: Env) -> None:
+    ls = await form(env, 2)
+    loop = TickLoop(env)
+    try:
+        await loop.run_for(2)
+        # The loop does not run for 45 s (sync timeout 30 s): nobody could be heard.
+        await loop.advance(45.0)
+        assert loop.stalls[-1] == pytest.approx(45.0 - TUNING.tick_interval_s)
+        st = await env.status()
+        assert (st.generation, st.world_size) == (1, 2)
+        assert [m.state for m in st.members] == [pb.MEMBER_STATE_ACTIVE] * 2
+        # Running again, a member that stays silent is still found out, after the full
+        # sync timeout of running time.
+        ls[1].exited = True
+        await loop.run_for(TUNING.sync_timeout_s - 6)
+        assert ls[0].generation == 1
+        await loop.run_for(8)
+        await eventually(lambda: ls[0].generation == 2, what="recovery after the stall")
+    finally:
+        await loop.stop()
+
+
+async def test_a_stall_moves_directive_and_phase_deadlines(env: Env) -> None:
+    ls = await form(env, 2)
+    await env.heartbeat_all()
+    ls[1].answer_checkpoint = False
+    w = ResizeWatch(env.stub, JOB, 2, 1, deadline_s=10.0)
+    await eventually(lambda: K.KIND_CHECKPOINT in ls[1].kinds(), what="barrier")
+    loop = TickLoop(env)
+    try:
+        await loop.advance(20.0)  # past both the ack deadline and the phase deadline
+        rt = env.coordinator.jobs[JOB]
+        assert rt.resizes[2].phase.name == "CHECKPOINTING"
+        assert ls[1].member_id in {m.member_id for m in rt.current_members()}
+        await loop.run_for(11)
+        final = await w.final()
+        assert final.phase == P.RESIZE_PHASE_ABORTED
+        assert "barrier deadline" in final.message
+    finally:
+        await loop.stop()
 
 
 class FlakyStore(MemoryStore):
@@ -467,3 +598,52 @@ async def test_zero_deadline_means_the_sync_timeout(env: Env) -> None:
     final = await w.final()
     assert final.phase == P.RESIZE_PHASE_ABORTED
     assert "barrier deadline (30.0 s)" in final.message
+
+
+async def test_job_that_finishes_its_budget_ends_without_loss(env: Env) -> None:
+    ls = await form(env, 2)
+    await env.heartbeat_all(steps=9)  # step 10
+    ls[0].last_checkpoint = 10  # the final checkpoint, written by session.finish()
+    w = ResizeWatch(env.stub, JOB, 2, 3, deadline_s=60.0)  # waits for a newcomer
+    await eventually(lambda: env.coordinator.jobs[JOB].active_resize() is not None)
+    # Both workers exit 0 after their last step; each launcher says so with phase IDLE in
+    # the current generation, then exits.
+    for fl in ls:
+        fl.phase = pb.WORKER_PHASE_IDLE
+        await fl.heartbeat(steps=0)
+        fl.exited = True
+    final = await w.final()
+    assert final.phase == P.RESIZE_PHASE_ABORTED and "finished at step 10" in final.message
+    for _ in range(5):  # far past the sync timeout: nothing is lost, nothing re-forms
+        await env.heartbeat_all(advance_s=8.0)
+        env.coordinator.tick()
+    st = await env.status()
+    assert (st.generation, st.world_size, st.step, st.last_checkpoint_step) == (1, 0, 10, 10)
+    assert st.lost_steps_total == 0
+    assert [(m.state, m.phase, m.rank, m.step) for m in st.members] == [
+        (pb.MEMBER_STATE_GONE, pb.WORKER_PHASE_IDLE, 0, 10),
+        (pb.MEMBER_STATE_GONE, pb.WORKER_PHASE_IDLE, 1, 10),
+    ]
+    assert not st.HasField("active_resize")
+    assert env.coordinator.metrics.registry.get_sample_value(
+        "tide_coordinator_members_lost_total"
+    ) in (None, 0.0)
+    # The launchers are gone for good: a heartbeat of theirs is refused.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await ls[0].heartbeat()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_one_member_finishing_first_is_not_a_loss_of_the_others(env: Env) -> None:
+    ls = await form(env, 2)
+    await env.heartbeat_all(steps=4)
+    ls[0].phase = pb.WORKER_PHASE_IDLE
+    await ls[0].heartbeat(steps=0)
+    ls[0].exited = True
+    st = await env.status()
+    assert (st.generation, st.world_size) == (1, 1)  # rank 1 still runs its last step
+    ls[1].phase = pb.WORKER_PHASE_IDLE
+    await ls[1].heartbeat(steps=0)
+    st = await env.status()
+    assert (st.generation, st.world_size, st.lost_steps_total) == (1, 0, 0)
+    assert env.coordinator.jobs[JOB].finished()

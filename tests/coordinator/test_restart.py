@@ -216,3 +216,24 @@ async def test_downtime_longer_than_the_deadlines_does_not_lose_members(senv: En
     await env.heartbeat_all()
     final = await ResizeWatch(env.stub, JOB, 2, 3).final()
     assert final.phase == P.RESIZE_PHASE_COMPLETED, final.message
+
+
+async def test_finished_job_and_reported_checkpoint_survive_a_restart(senv: Env) -> None:
+    env = senv
+    await _form(env, 2)
+    await env.heartbeat_all()
+    env.launchers[0].last_checkpoint = 2  # the final checkpoint, reported by rank 0
+    for fl in env.launchers:
+        fl.phase = pb.WORKER_PHASE_IDLE
+        await fl.heartbeat(steps=0)
+        fl.exited = True
+    await env.restart()
+    env.clock.advance(120.0)
+    env.coordinator.tick()
+    st = await env.status()
+    assert (st.generation, st.world_size, st.lost_steps_total) == (1, 0, 0)
+    assert st.last_checkpoint_step == st.step == 2
+    assert [(m.state, m.phase, m.rank) for m in st.members] == [
+        (pb.MEMBER_STATE_GONE, pb.WORKER_PHASE_IDLE, 0),
+        (pb.MEMBER_STATE_GONE, pb.WORKER_PHASE_IDLE, 1),
+    ]
