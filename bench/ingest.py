@@ -121,7 +121,7 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
         )
         await core.start()
         for j in range(jobs):
-            await core.upsert_job(f"bench/j{j}", {}, initial_replicas=2, gpus_per_replica=4)
+            await core.upsert_job(f"bench/j{j}", {}, gpus_per_replica=4)
         loop_task = asyncio.create_task(core.run())
         telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(core.engine), server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -2,7 +2,9 @@
 
 1. `tide up`'s control plane starts under the state dir (coordinator, scaler
    with the local actuator), with a synthetic GPU node the demo drives.
-2. The example model (trainer/examples/train_mlp.py) starts on 2 workers.
+2. The example model (trainer/examples/train_mlp.py) is registered with the
+   scaler at 2 replicas; the scaler starts it (a JOB_STARTED decision 0 → 2:
+   the local actuator starts the launchers, the coordinator forms generation 1).
 3. HIGH: every GPU of the job reports ~95 %; after the sustain window the
    scaler decides 2 → 4, newcomers start and warm up, the job checkpoints at
    one step and re-forms with 4 workers.
@@ -53,9 +55,6 @@ ROOT = Path(trainer.__file__).resolve().parent.parent
 EXAMPLE = ROOT / "trainer" / "examples" / "train_mlp.py"
 # Generous: on two shared cores a worker restart can starve the services for a while.
 RPC_TIMEOUT_S = 5.0
-# The coordinator's id for the resize that forms a demo job's first generation.
-# Negative, so it never meets a scaler decision id (those start at 1).
-START_DECISION_ID = -1
 
 
 @dataclass(frozen=True)
@@ -364,7 +363,7 @@ class Demo:
             # Typed for the sync API by the generator; on aio channels calls are awaitable.
             scaler: Any = scaler_pb2_grpc.ScalerStub(sch)
             coord: Any = coordinator_pb2_grpc.CoordinatorStub(cch)
-            await self._start_job(cluster, scaler, coord)
+            await self._start_job(cluster, scaler)
             node = cluster.add_node(
                 LoadSettings(node_name="demo-gpu-node", gpus=self.s.max_replicas),
                 pods_by_index(str(self.s.state_dir), self.job_id),
@@ -373,15 +372,13 @@ class Demo:
             await self._drive(scaler, coord, node)
             outcome.decisions = await self._details(scaler)
 
-    async def _start_job(
-        self,
-        cluster: LocalCluster,
-        scaler: Any,
-        coord: Any,
-    ) -> None:
+    async def _start_job(self, cluster: LocalCluster, scaler: Any) -> None:
         assert cluster.actuator is not None
         self.samples_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        # The spec first: the scaler's actuator reads it to start the pods. The scaler
+        # starts a new job itself: its JOB_STARTED decision asks the local actuator for
+        # the pods, then the coordinator forms generation 1 (STARTING waits for it).
         cluster.actuator.write_spec(self.job_id, self.job_spec())
         await scaler.UpsertJob(
             scaler_pb2.UpsertJobRequest(
@@ -392,21 +389,6 @@ class Demo:
             ),
             timeout=RPC_TIMEOUT_S,
         )
-        # The scaler records a new job at its initial size but does not start it;
-        # the demo asks for the pods and forms the first generation itself.
-        await cluster.actuator.set_replicas(self.job_id, self.s.start_replicas, decision_id=0)
-        req = coordinator_pb2.ResizeRequest(
-            decision_id=START_DECISION_ID,
-            job_id=self.job_id,
-            target_world_size=self.s.start_replicas,
-            deadline_s=120.0,
-        )
-        call: Any = coord.Resize(req, timeout=150.0)
-        async for p in call:
-            if p.phase >= coordinator_pb2.RESIZE_PHASE_COMPLETED:
-                if p.phase != coordinator_pb2.RESIZE_PHASE_COMPLETED:
-                    raise FailedPrecondition(f"the first generation did not form: {p.message}")
-                break
 
     async def _drive(self, scaler: Any, coord: Any, node: Any) -> None:
         s = self.s
@@ -424,6 +406,12 @@ class Demo:
                     f"timed out after {s.timeout_s:g} s in phase {self.phase.value}"
                     f" (last evaluation: {snap.last_evaluation})"
                 )
+            if self.phase is Phase.STARTING:
+                for d in snap.decisions:
+                    if d.reason == "JOB_STARTED" and d.state in ("ABORTED", "FAILED"):
+                        raise FailedPrecondition(
+                            f"the job did not start: decision {d.id} {d.state}: {d.error}"
+                        )
             if goal_at is None and goal_reached(self.phase, snap, s, earlier):
                 goal_at = now
             hold = 0.0 if self.phase is Phase.STARTING else s.hold_s

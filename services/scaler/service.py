@@ -22,7 +22,7 @@ from typing import Any
 from services.common.clock import Clock
 from services.common.config import CommonSettings, setting
 from services.common.db import utc_from_epoch
-from services.common.errors import ConfigError, NotFound, TideError
+from services.common.errors import ConfigError, InvalidArgument, NotFound, TideError
 from services.scaler import policy as pol
 from services.scaler.actuator import Actuator, InMemoryActuator
 from services.scaler.controller import Controller
@@ -238,7 +238,13 @@ class ScalerCore:
             self.actuator.seed(job.job_id, job.current_replicas)
             self.actuator.gpus_per_replica[job.job_id] = job.gpus_per_replica
         coord = self.coordinator
-        if isinstance(coord, InMemoryCoordinator) and coord.job(job.job_id)[1] == 0:
+        # A job recorded as running has a first generation; a starting one (0 replicas)
+        # gets its generation 1 from its JOB_STARTED decision's Resize.
+        if (
+            isinstance(coord, InMemoryCoordinator)
+            and job.current_replicas > 0
+            and coord.job(job.job_id)[1] == 0
+        ):
             coord.set_job(job.job_id, job.current_replicas)
 
     async def start(self) -> None:
@@ -281,6 +287,12 @@ class ScalerCore:
         base = self.policy_of(existing) if existing is not None else self.defaults
         # Validated in full before anything is written; ConfigError names the field.
         merged = base.with_overrides({**rest, **bounds})
+        if existing is None and initial_replicas > 0:
+            started = await self._start_job(
+                job_id, merged, rest, initial_replicas, gpus_per_replica or None
+            )
+            if started is not None:
+                return started
         job = await self.store.upsert_job(
             job_id,
             min_replicas=merged.min_replicas,
@@ -293,6 +305,49 @@ class ScalerCore:
         if job_id not in self.store.epochs or job_id in self.fenced:
             await self.store.acquire(job_id)
             self.fenced.discard(job_id)
+        return self.jobs[job_id]
+
+    async def _start_job(
+        self,
+        job_id: str,
+        p: pol.PolicySettings,
+        overrides: Mapping[str, Any],
+        replicas: int,
+        gpus_per_replica: int | None,
+    ) -> JobRecord | None:
+        """A new job asked to start at ``replicas``: the JOB_STARTED decision 0 -> replicas,
+        carried out like a grow (pods first, then the coordinator forms generation 1).
+        None when the job turned out to exist already (another scaler made it)."""
+        if not p.min_replicas <= replicas <= p.max_replicas:
+            # The store checks it too; here the message names the request's field.
+            raise InvalidArgument(
+                f"initial_replicas={replicas}: must be within [{p.min_replicas}, {p.max_replicas}]"
+            )
+        free = await self.actuator.free_gpus()
+        message = f"new job: start {replicas} replica(s) and form its first generation"
+        inputs: dict[str, Any] = {
+            "policy": dataclasses.asdict(p),
+            "current_replicas": 0,
+            "free_gpus": -1 if free is None else free,
+            "raw_target_replicas": replicas,
+        }
+        started = await self.store.create_started_job(
+            job_id,
+            min_replicas=p.min_replicas,
+            max_replicas=p.max_replicas,
+            initial_replicas=replicas,
+            gpus_per_replica=gpus_per_replica,
+            policy_overrides=overrides,
+            message=message,
+            inputs=inputs,
+        )
+        if started is None:
+            return None
+        job, record = started
+        self._adopt(job)
+        self.fenced.discard(job_id)
+        self._launch(record, message)
+        logger.info("job %s: decision %d: %s", job_id, record.id, message)
         return self.jobs[job_id]
 
     async def set_autoscaling(self, job_id: str, paused: bool, reason: str) -> JobRecord:
@@ -427,11 +482,15 @@ class ScalerCore:
             inputs=inputs,
             requested_by=requested_by,
         )
-        self.active[d.job_id] = record.id
-        self._publish(record, d.message)
-        self.controller.fault("decision:PENDING")
-        self.controller.start(record, deadline_s=self._deadline_of(d.job_id))
+        self._launch(record, d.message)
         return record
+
+    def _launch(self, record: DecisionRecord, message: str) -> None:
+        """Hand a committed PENDING decision to the controller."""
+        self.active[record.job_id] = record.id
+        self._publish(record, message)
+        self.controller.fault("decision:PENDING")
+        self.controller.start(record, deadline_s=self._deadline_of(record.job_id))
 
     async def request_resize(
         self, job_id: str, replicas: int, reason: str, requested_by: str

@@ -144,6 +144,64 @@ class DecisionStore:
             lambda s: repo.upsert_job(s, job_id, now=now, **kwargs), what=f"upsert job {job_id}"
         )
 
+    async def create_started_job(
+        self,
+        job_id: str,
+        *,
+        min_replicas: int,
+        max_replicas: int,
+        initial_replicas: int,
+        gpus_per_replica: int | None,
+        policy_overrides: Mapping[str, Any],
+        message: str,
+        inputs: Mapping[str, Any],
+    ) -> tuple[JobRecord, DecisionRecord] | None:
+        """Create a new job at 0 replicas, owned by this scaler, with its PENDING
+        JOB_STARTED decision 0 -> ``initial_replicas``; None (nothing written) when
+        the job exists. One transaction: a crash leaves either nothing or a job whose
+        start the restarted scaler resumes, never a job that nobody starts."""
+        now = self.now()
+
+        def fn(s: Session) -> tuple[JobRecord, int, DecisionRecord] | None:
+            try:
+                repo.get_job(s, job_id)
+                return None
+            except repo.JobNotFound:
+                pass
+            repo.upsert_job(
+                s,
+                job_id,
+                min_replicas=min_replicas,
+                max_replicas=max_replicas,
+                now=now,
+                initial_replicas=initial_replicas,
+                gpus_per_replica=gpus_per_replica,
+                policy_overrides=policy_overrides,
+            )
+            # Nothing runs yet: the decision's completion sets the replicas it reached.
+            repo.set_job_observed(s, job_id, now=now, current_replicas=0)
+            epoch = repo.acquire_job_ownership(s, job_id, self.owner_id, now=now)
+            d = repo.create_decision(
+                s,
+                job_id=job_id,
+                from_replicas=0,
+                to_replicas=initial_replicas,
+                reason="JOB_STARTED",
+                trigger="MANUAL",
+                message=message,
+                inputs=inputs,
+                epoch=epoch,
+                now=now,
+            )
+            return repo.get_job(s, job_id), epoch, d
+
+        out = await self._run(fn, what=f"start job {job_id}")
+        if out is None:
+            return None
+        job, epoch, d = out
+        self.epochs[job_id] = epoch
+        return job, d
+
     async def set_paused(self, job_id: str, paused: bool, reason: str) -> JobRecord:
         now = self.now()
         return await self._run(

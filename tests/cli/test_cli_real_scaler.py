@@ -41,7 +41,6 @@ def scaler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]
                 scaler_pb2.UpsertJobRequest(
                     job_id=JOB,
                     policy=scaler_pb2.Policy(min_replicas=2, max_replicas=6),
-                    initial_replicas=2,
                 ),
                 timeout=10,
                 metadata=(("authorization", f"Bearer {TOKEN}"),),

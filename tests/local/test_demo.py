@@ -38,8 +38,10 @@ def test_demo_scales_2_4_2_and_loses_nothing(tmp_path: Path) -> None:
     assert "[" in out and "phase high load: synthetic GPU load 95%" in out
     assert "phase low load: synthetic GPU load 15%" in out
     assert "\x1b[" not in out
-    assert "decision 1: 2 → 4 (SUSTAINED_HIGH_UTILIZATION) COMPLETED" in out
-    assert "decision 2: 4 → 2 (SUSTAINED_LOW_UTILIZATION) COMPLETED" in out
+    # The scaler started the job itself, then grew and shrank it.
+    assert "decision 1: 0 → 2 (JOB_STARTED) COMPLETED" in out
+    assert "decision 2: 2 → 4 (SUSTAINED_HIGH_UTILIZATION) COMPLETED" in out
+    assert "decision 3: 4 → 2 (SUSTAINED_LOW_UTILIZATION) COMPLETED" in out
     assert "lost steps: 0" in out
     assert "every sample consumed exactly once" in out and "g1×2, g2×4, g3×2" in out
     chart = state / "demo.png"
@@ -52,9 +54,12 @@ def test_demo_scales_2_4_2_and_loses_nothing(tmp_path: Path) -> None:
     assert [(d["from_replicas"], d["to_replicas"], d["state"]) for d in decisions] == [
         (4, 2, "COMPLETED"),
         (2, 4, "COMPLETED"),
+        (0, 2, "COMPLETED"),
     ]
-    assert all(d["pause_s"] > 0 and d["lost_steps"] == 0 for d in decisions)
-    explain = tide("explain", str(decisions[-1]["id"]), "--db", db, "-o", "json", timeout_s=60)
+    start = decisions[-1]
+    assert (start["reason"], start["trigger"], start["generation"]) == ("JOB_STARTED", "MANUAL", 1)
+    assert all(d["pause_s"] > 0 and d["lost_steps"] == 0 for d in decisions[:2])
+    explain = tide("explain", str(decisions[1]["id"]), "--db", db, "-o", "json", timeout_s=60)
     doc = json.loads(explain.stdout)
     assert doc["inputs"]["policy"]["sustain_s"] == 10.0
     assert all(b is None or b > 80 for b in doc["inputs"]["window"]["bucket_means_pct"])

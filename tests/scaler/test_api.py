@@ -112,7 +112,6 @@ async def test_jobs_decisions_history_and_watch(live: Live) -> None:
     job = await stub.UpsertJob(
         scaler_pb2.UpsertJobRequest(
             job_id="ns/a",
-            initial_replicas=2,
             gpus_per_replica=2,
             policy=scaler_pb2.Policy(max_replicas=6, cooldown_s=5.0),
         ),
@@ -214,15 +213,16 @@ def agent(live: Live, node: str, util: float, pods: list[str]) -> subprocess.Pop
 @pytest.mark.slow
 async def test_killed_agent_goes_stale_and_blocks_scale_down(live: Live) -> None:
     stub = live.stub
-    await stub.UpsertJob(
-        scaler_pb2.UpsertJobRequest(
-            job_id="ns/a",
-            initial_replicas=2,
-            gpus_per_replica=4,
-            policy=scaler_pb2.Policy(min_replicas=1, sustain_s=4.0),
-        ),
-        timeout=T,
-    )
+    # Recorded as running at 2 (no initial_replicas: nothing to start), then allowed down to 1.
+    for min_replicas in (2, 1):
+        await stub.UpsertJob(
+            scaler_pb2.UpsertJobRequest(
+                job_id="ns/a",
+                gpus_per_replica=4,
+                policy=scaler_pb2.Policy(min_replicas=min_replicas, sustain_s=4.0),
+            ),
+            timeout=T,
+        )
     a_pods = ["uid-a-0"] * 4
     b_pods = ["uid-a-1"] * 4
     agent_a = agent(live, "node-a", 10.0, a_pods)

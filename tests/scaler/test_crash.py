@@ -76,6 +76,7 @@ def test_sigkill_at_every_lifecycle_state(scaler_db_url: str, tmp_path: Path) ->
     proc = scaler(scaler_db_url, tmp_path, "")
     ch, stub = stub_of(proc)
     stub.UpsertJob(scaler_pb2.UpsertJobRequest(job_id=JOB, initial_replicas=2), timeout=T)
+    wait_for(lambda: settled(stub), timeout_s=30, what="the job's start")
     ch.close()
     proc.terminate()
     killed = 0
@@ -106,7 +107,9 @@ def test_sigkill_at_every_lifecycle_state(scaler_db_url: str, tmp_path: Path) ->
         job = wait_for(lambda: settled(stub), timeout_s=30, what="last decision to finish")
         assert job.current_replicas == 2
         page = stub.ListDecisions(scaler_pb2.ListDecisionsRequest(page_size=100), timeout=T)
-        assert len(page.decisions) == len(ROUNDS) == killed
+        # The job's start (JOB_STARTED 0 -> 2), then one manual resize per round.
+        assert len(page.decisions) == len(ROUNDS) + 1 and len(ROUNDS) == killed
+        assert page.decisions[-1].reason == common_pb2.DECISION_REASON_JOB_STARTED
         assert {d.state for d in page.decisions} == {common_pb2.DECISION_STATE_COMPLETED}
     finally:
         ch.close()
@@ -134,7 +137,7 @@ def check_actuator_history(url: str, path: Path) -> None:
     # Each decision changed the replicas exactly once (no abort here), and in sequence.
     assert sorted(c.decision_id for c, _ in real) == sorted(decisions)
     assert [c.decision_id for c, _ in real] == sorted(c.decision_id for c, _ in real)
-    replicas = 2
+    replicas = 0
     for c, line in real:
         assert c.old == replicas
         replicas = c.new

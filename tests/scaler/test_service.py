@@ -37,9 +37,14 @@ class Rig:
     store: DecisionStore
 
 
-def make_rig(url: str, clock: FakeClock, owner: str = "s1") -> Rig:
+def make_rig(
+    url: str, clock: FakeClock, owner: str = "s1", coordinator: InMemoryCoordinator | None = None
+) -> Rig:
+    """``coordinator``: one that outlived an earlier scaler; it now counts this one's pods."""
     actuator = InMemoryActuator(total_gpus=64)
-    coordinator = InMemoryCoordinator(available=lambda j: actuator.replicas.get(j))
+    if coordinator is None:
+        coordinator = InMemoryCoordinator()
+    coordinator.available = lambda j: actuator.replicas.get(j)
     store = DecisionStore(db.make_engine(url), owner, clock)
     core = ScalerCore(
         store=store,
@@ -55,7 +60,7 @@ def make_rig(url: str, clock: FakeClock, owner: str = "s1") -> Rig:
 async def rig(scaler_db_url: str) -> AsyncIterator[Rig]:
     r = make_rig(scaler_db_url, FakeClock(T0))
     await r.core.start()
-    await r.core.upsert_job("ns/a", FAST, initial_replicas=2, gpus_per_replica=4)
+    await r.core.upsert_job("ns/a", FAST, gpus_per_replica=4)
     await until(lambda: "uid-a-1" in r.core.registry.by_uid)
     yield r
     await r.core.close()
@@ -175,7 +180,7 @@ async def test_restart_resumes_a_committed_decision(scaler_db_url: str) -> None:
     clock = FakeClock(T0)
     a = make_rig(scaler_db_url, clock)
     await a.core.start()
-    await a.core.upsert_job("ns/a", FAST, initial_replicas=2)
+    await a.core.upsert_job("ns/a", FAST)
     await a.store.acquire("ns/a")
     # Committed but never acted on: what a crash right after the commit leaves.
     d = await a.store.create(
@@ -201,7 +206,7 @@ async def test_two_scalers_never_both_act_on_a_job(scaler_db_url: str) -> None:
     clock = FakeClock(T0)
     a = make_rig(scaler_db_url, clock, owner="a")
     await a.core.start()
-    await a.core.upsert_job("ns/a", FAST, initial_replicas=2)
+    await a.core.upsert_job("ns/a", FAST)
     b = make_rig(scaler_db_url, clock, owner="b")
     await b.core.start()  # takes the job: a's epoch is now stale
     with pytest.raises(StaleEpoch):
@@ -301,7 +306,7 @@ async def test_unreachable_coordinator_is_reattached(scaler_db_url: str) -> None
     store = DecisionStore(db.make_engine(scaler_db_url), "s", clock)
     core = ScalerCore(store=store, actuator=actuator, coordinator=coordinator, clock=clock)
     await core.start()
-    await core.upsert_job("ns/a", FAST, initial_replicas=2)
+    await core.upsert_job("ns/a", FAST)
     dec = await core.request_resize("ns/a", 1 + 2, "x", "t")
     task = core.controller.tasks[dec.id]
     while not task.done():
@@ -315,3 +320,83 @@ async def test_unreachable_coordinator_is_reattached(scaler_db_url: str) -> None
     assert len(coordinator.calls) == 1 and coordinator.failures == 0
     await core.close()
     store.engine.dispose()
+
+
+async def test_new_job_with_initial_replicas_is_started_by_a_decision(scaler_db_url: str) -> None:
+    r = make_rig(scaler_db_url, FakeClock(T0))
+    await r.core.start()
+    job = await r.core.upsert_job("ns/b", FAST, initial_replicas=3, gpus_per_replica=2)
+    # Recorded, committed and handed to the controller, but nothing runs yet.
+    assert job.current_replicas == 0
+    did = r.core.active["ns/b"]
+    assert await final(r, did) is DecisionState.COMPLETED
+    detail = await r.store.get_decision(did)
+    d = detail.decision
+    assert (d.reason, d.trigger, d.from_replicas, d.to_replicas) == ("JOB_STARTED", "MANUAL", 0, 3)
+    assert [e.state for e in detail.events] == [
+        DecisionState.PENDING,
+        DecisionState.PREPARING,
+        DecisionState.ACTUATING,
+        DecisionState.COMPLETED,
+    ]
+    assert d.inputs["policy"]["cooldown_s"] == 60.0 and d.inputs["free_gpus"] == 64
+    # Pods first, then the coordinator formed the first generation.
+    assert r.actuator.changes == [ReplicaChange("ns/b", 0, 3, did)]
+    assert r.coordinator.calls[0].target_world_size == 3
+    assert r.coordinator.job("ns/b") == (1, 3)
+    stored = await r.store.get_job("ns/b")
+    assert (stored.current_replicas, stored.generation) == (3, 1)
+    assert (r.core.jobs["ns/b"].current_replicas, r.core.jobs["ns/b"].generation) == (3, 1)
+    # Upserting it again changes its policy but starts nothing more.
+    await r.core.upsert_job("ns/b", {"cooldown_s": 30.0}, initial_replicas=4)
+    assert "ns/b" not in r.core.active
+    assert len((await r.store.list_decisions(job_id="ns/b")).decisions) == 1
+    await r.core.close()
+    r.store.engine.dispose()
+
+
+async def test_aborted_start_leaves_the_job_at_zero_and_a_manual_resize_retries(
+    scaler_db_url: str,
+) -> None:
+    r = make_rig(scaler_db_url, FakeClock(T0))
+    await r.core.start()
+    r.coordinator.fail_at["ns/b"] = Phase.WAITING_FOR_MEMBERS
+    await r.core.upsert_job("ns/b", FAST, initial_replicas=2)
+    first = r.core.active["ns/b"]
+    assert await final(r, first) is DecisionState.ABORTED
+    assert [(c.old, c.new) for c in r.actuator.changes] == [(0, 2), (2, 0)]
+    assert r.core.jobs["ns/b"].current_replicas == 0
+    again = await r.core.request_resize("ns/b", 2, "retry the start", "sre")
+    assert await final(r, again.id) is DecisionState.COMPLETED
+    assert r.coordinator.job("ns/b") == (1, 2)
+    await r.core.close()
+    r.store.engine.dispose()
+
+
+async def test_a_start_interrupted_by_a_restart_is_resumed(scaler_db_url: str) -> None:
+    clock = FakeClock(T0)
+    a = make_rig(scaler_db_url, clock)
+    await a.core.start()
+    # The controller never gets to run before the scaler goes: the start is only committed.
+    await a.core.upsert_job("ns/b", FAST, initial_replicas=2)
+    await a.core.close()
+    assert a.actuator.changes == []
+    b = make_rig(scaler_db_url, clock, owner="s2", coordinator=a.coordinator)
+    await b.core.start()
+    (d,) = (await b.store.list_decisions(job_id="ns/b")).decisions
+    assert d.reason == "JOB_STARTED"
+    assert await final(b, d.id) is DecisionState.COMPLETED
+    assert [(c.old, c.new) for c in b.actuator.changes] == [(0, 2)]
+    assert a.coordinator.job("ns/b") == (1, 2)
+    await b.core.close()
+    a.store.engine.dispose()
+    b.store.engine.dispose()
+
+
+async def test_start_outside_the_bounds_is_refused_and_writes_nothing(rig: Rig) -> None:
+    from services.common.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="initial_replicas=9"):
+        await rig.core.upsert_job("ns/b", FAST, initial_replicas=9)
+    assert "ns/b" not in rig.core.jobs
+    assert [j.job_id for j in await rig.store.list_jobs()] == ["ns/a"]
