@@ -58,6 +58,9 @@ from trainer.spawner import Spawner, SubprocessSpawner, WorkerHandle, ZygoteSpaw
 
 logger = logging.getLogger(__name__)
 
+# How long a dead worker's channel may take to deliver its last lines, seconds.
+CHANNEL_DRAIN_S = 0.5
+
 
 @dataclass(frozen=True)
 class LauncherSettings:
@@ -175,6 +178,10 @@ class Launcher:
         self.sync_timeout_s = 10.0
         self.exit_code = 0
         self.progress = _Progress()
+        # The newest checkpoint a worker of this launcher wrote and verified (rank 0 only):
+        # heartbeats report it so that the coordinator names it after a loss.
+        self.last_checkpoint_step = 0
+        self.last_checkpoint_digest = ""
         self._state_dir = Path(settings.state_dir or tempfile.mkdtemp(prefix="tide-launcher-"))
         self._sock_dir = tempfile.mkdtemp(prefix="tide-ctl-")
         self._sock_path = os.path.join(self._sock_dir, "ctl.sock")
@@ -182,6 +189,8 @@ class Launcher:
         self._stub: pb_grpc.CoordinatorAsyncStub | None = None
         self._worker: WorkerHandle | None = None
         self._conns: dict[int, asyncio.StreamWriter] = {}
+        # Set when a worker's channel is closed and every line it sent has been handled.
+        self._conn_closed: dict[int, asyncio.Event] = {}
         self._standby: WorkerHandle | None = None
         self._standby_seq = 0
         self._worker_expected_exit = False
@@ -339,6 +348,9 @@ class Launcher:
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            # Cleared before the beat, not after: a wake-up asked for while the beat is in
+            # flight (a checkpoint just written) must cause the next one at once.
+            self._wake_heartbeat.clear()
             try:
                 await self._heartbeat()
             except asyncio.CancelledError:
@@ -352,7 +364,6 @@ class Launcher:
             except Exception:
                 # A heartbeat loop must never die of one bad beat.
                 logger.exception("heartbeat of member %s failed", self.member_id)
-            self._wake_heartbeat.clear()
             # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that
             # races with the event, and the loop would then never stop.
             with contextlib.suppress(TimeoutError):
@@ -362,6 +373,17 @@ class Launcher:
     async def _heartbeat(self) -> None:
         if not self.member_id or self._stub is None:
             return
+        req = self._heartbeat_request()
+        resp = await self._stub.Heartbeat(req, timeout=self.s.rpc_timeout_s)
+        if resp.generation > self.generation and self.state is not State.STANDBY:
+            logger.info(
+                "member %s is in generation %d, the job in %d: waiting for RENDEZVOUS",
+                self.member_id,
+                self.generation,
+                resp.generation,
+            )
+
+    def _heartbeat_request(self) -> pb.HeartbeatRequest:
         p = self.progress
         req = pb.HeartbeatRequest(
             member_id=self.member_id,
@@ -377,17 +399,43 @@ class Launcher:
                 restore_s=p.restore_s,
             ),
             free_port=find_free_port(self.s.host),
+            last_checkpoint_step=self.last_checkpoint_step,
+            last_checkpoint_digest=self.last_checkpoint_digest,
         )
         if p.first_step_at:
             req.first_step_at.CopyFrom(_ts(p.first_step_at))
-        resp = await self._stub.Heartbeat(req, timeout=self.s.rpc_timeout_s)
-        if resp.generation > self.generation and self.state is not State.STANDBY:
-            logger.info(
-                "member %s is in generation %d, the job in %d: waiting for RENDEZVOUS",
-                self.member_id,
-                self.generation,
-                resp.generation,
-            )
+        return req
+
+    async def _send_heartbeat(self, req: pb.HeartbeatRequest) -> None:
+        """One heartbeat built earlier (the last word of a generation being left)."""
+        if self._stub is None:
+            return
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._stub.Heartbeat(req, timeout=self.s.rpc_timeout_s)
+
+    async def _final_heartbeat(self) -> None:
+        """Tell the coordinator the worker finished (phase IDLE in the current generation).
+        Retried for up to a sync timeout: if it never arrives, the member's silence reads
+        as a loss and the job re-forms to train nothing."""
+        deadline = time.monotonic() + self.sync_timeout_s
+        delay = self.s.backoff_initial_s
+        while True:
+            try:
+                await self._heartbeat()
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                    return  # the coordinator no longer counts this member: nothing to tell
+                if time.monotonic() + delay > deadline:
+                    logger.warning(
+                        "member %s (job %s): could not report completion: %s",
+                        self.member_id,
+                        self.s.job_id,
+                        exc.code().name,
+                    )
+                    return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.s.backoff_max_s)
 
     async def _ack(self, req: pb.AckRequest) -> None:
         assert self._stub is not None
@@ -536,12 +584,18 @@ class Launcher:
     async def _rendezvous(self, d: pb.Directive) -> None:
         rdv = d.rendezvous
         restart_started_at = time.time()
+        left = self.state
         self._set_state(State.STARTING)
         old = self._worker
         standby = self._standby
         use_standby = (
             standby is not None and standby.returncode is None and standby.pid in self._conns
         )
+        if old is not None and self.generation and left in (State.RUNNING, State.FAILED):
+            # Not held: a loss broke the old generation. Where its worker stopped may be a
+            # step past what the coordinator heard, and it counts the lost steps from it.
+            last_word = self._heartbeat_request()
+            self._tasks.append(asyncio.create_task(self._send_heartbeat(last_word)))
         self.generation = d.generation
         self.progress = _Progress()
         self._ready = asyncio.get_running_loop().create_future()
@@ -617,6 +671,13 @@ class Launcher:
 
     async def _watch_worker(self, worker: WorkerHandle) -> None:
         code = await worker.wait()
+        # What the worker said last (its final step, its last checkpoint, "done") may still
+        # be unread in the channel; decide and report only after it has been handled.
+        closed = self._conn_closed.get(worker.pid)
+        if closed is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CHANNEL_DRAIN_S):
+                    await closed.wait()
         if worker is not self._worker:
             return
         if self._ready is not None and not self._ready.done():
@@ -624,9 +685,16 @@ class Launcher:
         if self._worker_expected_exit:
             return
         if self._worker_done and code == 0:
-            logger.info("member %s: training finished; launcher exits", self.member_id)
+            logger.info(
+                "member %s (job %s): training finished at step %d; launcher exits",
+                self.member_id,
+                self.s.job_id,
+                self.progress.step,
+            )
             self._set_state(State.DONE)
-            await self._heartbeat_quietly()
+            # Phase IDLE in the current generation with the final step: the coordinator
+            # marks the member finished instead of waiting for its silence to look like a loss.
+            await self._final_heartbeat()
             self.stop(0)
             return
         logger.error(
@@ -673,6 +741,7 @@ class Launcher:
                         logger.warning("member %s: hello from stale pid %s", self.member_id, pid)
                         return
                     self._conns[pid] = writer
+                    self._conn_closed[pid] = asyncio.Event()
                     if self._worker is not None and pid == self._worker.pid:
                         pending, self._to_worker = self._to_worker, []
                         for m in pending:
@@ -686,6 +755,9 @@ class Launcher:
         finally:
             if self._conns.get(pid) is writer:
                 del self._conns[pid]
+            closed = self._conn_closed.pop(pid, None)
+            if closed is not None:
+                closed.set()
             writer.close()
 
     async def _on_worker_message(self, msg: Message) -> None:
@@ -731,6 +803,12 @@ class Launcher:
             if self.state is State.HOLDING:
                 self._set_state(State.RUNNING)
         elif kind == "checkpoint":
+            step = int(msg.get("step", 0))
+            if step > self.last_checkpoint_step and msg.get("digest"):
+                self.last_checkpoint_step = step
+                self.last_checkpoint_digest = str(msg["digest"])
+                # At once, not at the next beat: a loss right after this write must restore it.
+                self._wake_heartbeat.set()
             logger.info(
                 "member %s: checkpoint of step %s written (%s)",
                 self.member_id,

@@ -21,6 +21,9 @@ def main() -> int:
                 os.environ.update(msg["env"])
                 break
     step = int(os.environ.get("TIDE_RESTORE_STEP", "0") or 0)
+    # Like trainer.session: a periodic checkpoint every N steps, "done" after the budget.
+    ckpt_every = int(os.environ.get("FAKE_CKPT_EVERY", "0"))
+    max_steps = int(os.environ.get("FAKE_MAX_STEPS", "0"))
     ch.send({"type": "ready", "restored_step": step, "group_init_s": 0.01, "restore_s": 0.02})
     stop_at, ids = 0, []
     while True:
@@ -36,6 +39,19 @@ def main() -> int:
                 "first_step_at": time.time(),
             }
         )
+        if ckpt_every and step % ckpt_every == 0:
+            ch.send(
+                {
+                    "type": "checkpoint",
+                    "step": step,
+                    "digest": f"{step:064x}",
+                    "write_s": 0.01,
+                    "periodic": True,
+                }
+            )
+        if max_steps and step >= max_steps:
+            ch.send({"type": "done", "step": step})
+            return 0
         while (msg := ch.poll()) is not None:
             if msg["type"] == "exit":
                 return 0

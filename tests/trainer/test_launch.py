@@ -175,6 +175,55 @@ async def test_unknown_member_registers_again_and_reopens_its_stream(
     assert await asyncio.wait_for(run, 10) == 0
 
 
+async def test_heartbeats_report_checkpoints_and_the_finished_budget(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    coord, port = fake
+    coord.heartbeat_interval_s = 30.0  # only beats the launcher sends at once show up
+    monkeypatch.setenv("FAKE_CKPT_EVERY", "5")
+    monkeypatch.setenv("FAKE_MAX_STEPS", "12")
+    launcher = _launcher(port, tmp_path)
+    run = asyncio.create_task(launcher.run())
+    await wait_for(lambda: coord.members, 10, "registration")
+    (mid,) = coord.members
+    (rdv,) = coord.rendezvous([mid])
+    assert await asyncio.wait_for(run, 15) == 0  # the budget is done: the launcher exits 0
+    assert coord.ack_of(rdv) is not None and coord.ack_of(rdv).ok  # type: ignore[union-attr]
+    beats = coord.members[mid].heartbeats
+    reported = [(hb.last_checkpoint_step, hb.last_checkpoint_digest) for hb in beats]
+    # Each checkpoint is reported as soon as it is written, with its manifest digest.
+    assert (5, f"{5:064x}") in reported and (10, f"{10:064x}") in reported
+    assert reported.index((5, f"{5:064x}")) < reported.index((10, f"{10:064x}"))
+    last = beats[-1]
+    assert (last.phase, last.generation, last.step) == (pb.WORKER_PHASE_IDLE, 1, 12)
+    assert last.last_checkpoint_step == 10
+    assert not [hb for hb in beats if hb.phase == pb.WORKER_PHASE_FAILED]
+
+
+async def test_rendezvous_after_a_loss_reports_where_the_old_worker_stopped(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path
+) -> None:
+    coord, port = fake
+    coord.heartbeat_interval_s = 30.0
+    launcher = _launcher(port, tmp_path)
+    run = asyncio.create_task(launcher.run())
+    await wait_for(lambda: coord.members, 10, "registration")
+    (mid,) = coord.members
+    member = coord.members[mid]
+    coord.rendezvous([mid])
+    await wait_for(lambda: launcher.progress.step >= 10, 10, "step 10")
+    heard = max(hb.step for hb in member.heartbeats)
+    await wait_for(lambda: launcher.progress.step > heard, 10, "a step nobody heard of")
+    before = len(member.heartbeats)
+    # A peer died: the coordinator re-forms while this worker still trains.
+    (rdv2,) = coord.rendezvous([mid])
+    await wait_for(lambda: coord.ack_of(rdv2), 10, "second rendezvous ack")
+    last_words = [hb for hb in member.heartbeats[before:] if hb.generation == 1]
+    assert len(last_words) == 1 and last_words[0].step > heard
+    launcher.stop()
+    assert await asyncio.wait_for(run, 10) == 0
+
+
 def test_command_line() -> None:
     s = parse_args(
         ["--coordinator", "h:1", "--job", "a/b", "--pod-index", "2", "--", "python", "t.py", "--x"]
