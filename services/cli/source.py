@@ -9,7 +9,6 @@ questions asked when the scaler is down or gone (an incident review, a
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
@@ -30,6 +29,9 @@ PAGE_SIZE = 500
 
 #: The API's limit on GetDecision.context_minutes.
 MAX_CONTEXT_MINUTES = 1440
+
+#: The longest range one ListUtilization call may span (the API's bound: a week of minutes).
+UTILIZATION_CHUNK = timedelta(days=7)
 
 
 class HistorySource(Protocol):
@@ -184,20 +186,20 @@ class GrpcScaler:
     async def utilization(
         self, job_id: str, since: datetime, until: datetime
     ) -> list[scaler_pb2.UtilizationPoint]:
-        # The API serves rollups only around a decision (GetDecision), so the
-        # range is covered from the decisions inside it; minutes far from any
-        # decision stay empty. A ListUtilization RPC would remove this detour.
-        await self.get_job(job_id)  # NotFound for an unknown job, like the SQL source
-        span_min = math.ceil((until - since).total_seconds() / 60)
-        context = max(1, min(MAX_CONTEXT_MINUTES, span_min))
-        points: dict[datetime, scaler_pb2.UtilizationPoint] = {}
-        for d in await self.list_decisions(job_id, since, until, ()):
-            detail = await self.get_decision(d.id, context)
-            for p in detail.utilization:
-                minute = dt_of(p.minute)
-                if minute is not None and since - timedelta(minutes=1) < minute < until:
-                    points[minute] = p
-        return [points[k] for k in sorted(points)]
+        # A rollup is keyed by the start of its minute: include the one in progress at
+        # `since`, as the SQL source does. The API answers at most a week per call.
+        lo = since.replace(second=0, microsecond=0)
+        points: list[scaler_pb2.UtilizationPoint] = []
+        while True:
+            hi = min(until, lo + UTILIZATION_CHUNK)
+            resp = await self._call(
+                self.stub.ListUtilization,
+                scaler_pb2.ListUtilizationRequest(job_id=job_id, since=ts_of(lo), until=ts_of(hi)),
+            )
+            points.extend(resp.points)
+            if hi >= until:
+                return points
+            lo = hi
 
     async def request_resize(
         self, job_id: str, replicas: int, reason: str, requested_by: str

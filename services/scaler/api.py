@@ -15,11 +15,12 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
+from services.common.db import utc_from_epoch
 from services.common.errors import InvalidArgument
 from services.common.rpc import rpc_errors
 from services.scaler import policy as pol
 from services.scaler.lifecycle import state_from_proto, state_to_proto
-from services.scaler.repo import DecisionRecord, JobRecord
+from services.scaler.repo import DecisionRecord, JobRecord, RollupRecord
 from services.scaler.service import ScalerCore
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
@@ -32,6 +33,11 @@ ADMIN_METHODS = frozenset(
         "/tide.v1.Scaler/SetAutoscaling",
     }
 )
+
+#: ListUtilization: the range when `since` is unset, and the longest one call may span
+#: (one week of minutes, 10,080 points; proto/tide/v1/scaler.proto).
+DEFAULT_UTILIZATION_RANGE = timedelta(hours=24)
+MAX_UTILIZATION_RANGE = timedelta(days=7)
 
 _POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(pol.PolicySettings))
 
@@ -126,6 +132,17 @@ def inputs_to_proto(inputs: dict[str, Any]) -> scaler_pb2.DecisionInputs:
     if deadline is not None:
         msg.node_deadline.CopyFrom(deadline)
     return msg
+
+
+def point_to_proto(r: RollupRecord) -> scaler_pb2.UtilizationPoint:
+    return scaler_pb2.UtilizationPoint(
+        minute=_ts(r.minute),
+        mean_pct=r.mean_pct,
+        min_pct=r.min_pct,
+        max_pct=r.max_pct,
+        samples=r.samples,
+        replicas=r.replicas,
+    )
 
 
 class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
@@ -236,18 +253,36 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
                 )
                 for e in detail.events
             ],
-            utilization=[
-                scaler_pb2.UtilizationPoint(
-                    minute=_ts(r.minute),
-                    mean_pct=r.mean_pct,
-                    min_pct=r.min_pct,
-                    max_pct=r.max_pct,
-                    samples=r.samples,
-                    replicas=r.replicas,
-                )
-                for r in rollups
-            ],
+            utilization=[point_to_proto(r) for r in rollups],
         )
+
+    @rpc_errors
+    async def ListUtilization(
+        self, request: scaler_pb2.ListUtilizationRequest, context: Ctx
+    ) -> scaler_pb2.ListUtilizationResponse:
+        self.core._job(request.job_id)  # NotFound for a job the scaler does not know
+        until = (
+            request.until.ToDatetime(tzinfo=UTC)
+            if request.HasField("until")
+            else utc_from_epoch(self.core.clock.now())
+        )
+        since = (
+            request.since.ToDatetime(tzinfo=UTC)
+            if request.HasField("since")
+            else until - DEFAULT_UTILIZATION_RANGE
+        )
+        if not since < until:
+            raise InvalidArgument(
+                f"since={since.isoformat()} must be before until={until.isoformat()}"
+            )
+        if until - since > MAX_UTILIZATION_RANGE:
+            # At most one week of minutes per answer (the API's bound); a longer range
+            # is asked for in parts rather than cut short without a word.
+            raise InvalidArgument(
+                f"since..until spans {until - since}; at most {MAX_UTILIZATION_RANGE} per call"
+            )
+        rows = await self.core.store.rollups_between(request.job_id, since, until)
+        return scaler_pb2.ListUtilizationResponse(points=[point_to_proto(r) for r in rows])
 
     @rpc_errors
     async def RequestResize(

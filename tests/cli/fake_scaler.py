@@ -51,6 +51,7 @@ class FakeScaler(scaler_pb2_grpc.ScalerServicer):
         self.decisions: dict[int, StoredDecision] = {}
         self.rollups: dict[str, list[scaler_pb2.UtilizationPoint]] = {}
         self.list_calls = 0
+        self.utilization_calls: list[tuple[datetime, datetime]] = []
         self._next_id = 1
 
     # --- set-up helpers (called from the test thread before requests) ---
@@ -205,6 +206,24 @@ class FakeScaler(scaler_pb2_grpc.ScalerServicer):
             inputs=stored.inputs,
             events=stored.events,
             utilization=points,
+        )
+
+    @rpc_errors
+    async def ListUtilization(
+        self, request: scaler_pb2.ListUtilizationRequest, context: Any
+    ) -> scaler_pb2.ListUtilizationResponse:
+        self._job(request.job_id)
+        since, until = request.since.ToDatetime(), request.until.ToDatetime()
+        self.utilization_calls.append((since, until))
+        if not since < until or until - since > timedelta(days=7):
+            raise errors.InvalidArgument(f"bad range {since}..{until}")
+        points = [
+            p
+            for p in self.rollups.get(request.job_id, [])
+            if since <= p.minute.ToDatetime() < until
+        ]
+        return scaler_pb2.ListUtilizationResponse(
+            points=sorted(points, key=lambda p: p.minute.ToDatetime())
         )
 
     @rpc_errors

@@ -348,6 +348,26 @@ def test_chart_writes_a_png(served: Served, tmp_path: Path) -> None:
     assert code == 0, text
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "2 decisions" in text and "31 minutes" in text
+    # One ListUtilization call for the range, not one GetDecision per decision.
+    assert len(served.scaler.utilization_calls) == 1
+
+
+def test_chart_reads_minutes_far_from_any_decision_and_long_ranges(
+    served: Served, tmp_path: Path
+) -> None:
+    minute = (NOW - timedelta(days=10)).replace(second=0)
+    served.scaler.add_rollup("ml/idle", minute, 55.0, 2)
+    out = tmp_path / "idle.png"
+    code, text, _ = tide(
+        "chart", "ml/idle", "--since", "2w", "--out", str(out), "--scaler", served.target
+    )
+    assert code == 0, text
+    assert "(1 minutes, 1 decisions)" in text
+    # Two weeks in parts of at most a week, back to back.
+    calls = served.scaler.utilization_calls
+    assert len(calls) == 3
+    assert all(b - a <= timedelta(days=7) for a, b in calls)
+    assert all(calls[i][1] == calls[i + 1][0] for i in range(len(calls) - 1))
 
 
 @pytest.mark.parametrize(

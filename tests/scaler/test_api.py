@@ -266,3 +266,63 @@ async def test_killed_agent_goes_stale_and_blocks_scale_down(live: Live) -> None
         for p in (agent_a, agent_b):
             p.kill()
             p.wait(timeout=10)
+
+
+async def test_list_utilization_over_a_range(live: Live) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from services.scaler.repo import RollupRecord
+
+    stub = live.stub
+    await stub.UpsertJob(scaler_pb2.UpsertJobRequest(job_id="ns/a"), timeout=T)
+    now = datetime.now(tz=UTC).replace(second=0, microsecond=0)
+    ages_h = (30.0, 2.0, 1.0, 1 / 60)
+    await live.core.store.write_rollups(
+        [
+            RollupRecord("ns/a", now - timedelta(hours=h), 50.0 + i, 40.0, 60.0 + i, 10 + i, 2)
+            for i, h in enumerate(ages_h)
+        ]
+    )
+
+    def ts(dt: datetime) -> Timestamp:
+        t = Timestamp()
+        t.FromDatetime(dt)
+        return t
+
+    async def means(**kw: Timestamp) -> list[float]:
+        req = scaler_pb2.ListUtilizationRequest(job_id="ns/a", **kw)
+        resp = await stub.ListUtilization(req, timeout=T)
+        return [p.mean_pct for p in resp.points]
+
+    # Unset range: the last 24 hours, oldest first, every field carried.
+    assert await means() == [51.0, 52.0, 53.0]
+    resp = await stub.ListUtilization(
+        scaler_pb2.ListUtilizationRequest(job_id="ns/a", since=ts(now - timedelta(hours=2))),
+        timeout=T,
+    )
+    first = resp.points[0]
+    assert first.minute.ToDatetime(tzinfo=UTC) == now - timedelta(hours=2)
+    assert (first.min_pct, first.max_pct, first.samples, first.replicas) == (40.0, 61.0, 11, 2)
+    # Any range, far from decisions too; since inclusive, until exclusive.
+    assert await means(since=ts(now - timedelta(hours=31))) == [50.0, 51.0, 52.0, 53.0]
+    assert await means(since=ts(now - timedelta(hours=2)), until=ts(now - timedelta(hours=1))) == [
+        51.0
+    ]
+    assert await means(until=ts(now - timedelta(hours=29))) == [50.0]
+
+    async def code(req: scaler_pb2.ListUtilizationRequest) -> grpc.StatusCode:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ListUtilization(req, timeout=T)
+        return err.value.code()
+
+    assert await code(scaler_pb2.ListUtilizationRequest(job_id="ns/none")) == (
+        grpc.StatusCode.NOT_FOUND
+    )
+    backwards = scaler_pb2.ListUtilizationRequest(job_id="ns/a", since=ts(now), until=ts(now))
+    assert await code(backwards) == grpc.StatusCode.INVALID_ARGUMENT
+    too_long = scaler_pb2.ListUtilizationRequest(
+        job_id="ns/a", since=ts(now - timedelta(days=8)), until=ts(now)
+    )
+    assert await code(too_long) == grpc.StatusCode.INVALID_ARGUMENT
