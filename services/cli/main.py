@@ -198,12 +198,21 @@ def jobs_cmd(
             return await src.list_jobs()
 
     jobs = run(go())
+    offline = bool(db)
     if output is DocOutput.json:
-        typer.echo(render.envelope("tide.jobs", jobs=[render.job_doc(j) for j in jobs]))
+        typer.echo(
+            render.envelope(
+                "tide.jobs",
+                **render.jobs_envelope_fields(offline),
+                jobs=[render.job_doc(j) for j in jobs],
+            )
+        )
     elif not jobs:
         typer.echo("no jobs")
     else:
-        console().print(render.jobs_table(jobs))
+        console().print(render.jobs_table(jobs, offline=offline))
+        if offline:
+            typer.echo(render.OFFLINE_NOTE)
 
 
 @app.command("history")

@@ -189,7 +189,27 @@ def _pct(x: float | None) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{x:.0f}%"
 
 
-def jobs_table(jobs: Sequence[scaler_pb2.Job]) -> Table:
+#: `tide jobs --db`: what only a running scaler knows (its memory, not the store). The
+#: JSON keeps these keys with their zero/null values and names them in ``unavailable_fields``.
+OFFLINE_UNAVAILABLE = ("step", "samples_per_s", "utilization_pct", "coverage", "last_evaluation")
+OFFLINE_NOTE = (
+    "read from the store (--db): STEP, SAMPLES/S, UTIL and LAST EVALUATION are known only to"
+    " a running scaler (n/a); a job's policy here is its stored overrides and bounds, the"
+    " defaults being the scaler's configuration."
+)
+
+
+def jobs_envelope_fields(offline: bool) -> dict[str, Any]:
+    """What a `tide.jobs` document says about where it came from and what it lacks."""
+    return {
+        "source": "db" if offline else "scaler",
+        "unavailable_fields": list(OFFLINE_UNAVAILABLE) if offline else [],
+        # "effective": defaults merged with overrides; "overrides": only what is stored.
+        "policy_scope": "overrides" if offline else "effective",
+    }
+
+
+def jobs_table(jobs: Sequence[scaler_pb2.Job], *, offline: bool = False) -> Table:
     t = Table(title=None, show_edge=False, header_style="bold")
     for col in ("JOB", "REPLICAS", "MIN..MAX", "GEN", "STEP", "SAMPLES/S", "UTIL", "AUTOSCALING"):
         t.add_column(col)
@@ -199,16 +219,26 @@ def jobs_table(jobs: Sequence[scaler_pb2.Job]) -> Table:
         if j.active_decision_id:
             auto += f" (decision {j.active_decision_id} running)"
         ev = j.last_evaluation
+        live = (
+            ("n/a",) * 4
+            if offline
+            else (
+                str(j.step),
+                f"{j.samples_per_s:.1f}",
+                _pct(j.window.mean_pct) if j.HasField("window") else "-",
+                f"{reason_name(ev.reason)}: {ev.message}" if j.HasField("last_evaluation") else "-",
+            )
+        )
         t.add_row(
             j.job_id,
             str(j.current_replicas),
             f"{j.policy.min_replicas}..{j.policy.max_replicas}",
             str(j.generation),
-            str(j.step),
-            f"{j.samples_per_s:.1f}",
-            _pct(j.window.mean_pct) if j.HasField("window") else "-",
+            live[0],
+            live[1],
+            live[2],
             auto,
-            f"{reason_name(ev.reason)}: {ev.message}" if j.HasField("last_evaluation") else "-",
+            live[3],
         )
     return t
 

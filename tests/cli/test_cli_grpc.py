@@ -93,6 +93,11 @@ def test_jobs_json_is_the_documented_schema(served: Served) -> None:
     assert code == 0
     doc = json.loads(out)
     assert doc["schema_version"] == 1 and doc["kind"] == "tide.jobs"
+    assert (doc["source"], doc["unavailable_fields"], doc["policy_scope"]) == (
+        "scaler",
+        [],
+        "effective",
+    )
     by_id = {j["job_id"]: j for j in doc["jobs"]}
     assert by_id[JOB]["current_replicas"] == 4
     assert by_id[JOB]["min_replicas"] == 2 and by_id[JOB]["max_replicas"] == 8

@@ -89,6 +89,22 @@ def test_jobs_from_the_store(store: tuple[str, Seeded]) -> None:
     jobs = {j["job_id"]: j for j in json.loads(out)["jobs"]}
     assert jobs[JOB]["current_replicas"] == 2  # after the shrink; the abort kept it
     assert jobs[OTHER]["autoscaling_paused"] and jobs[OTHER]["active_decision_id"] == ids.running
+    # What only a running scaler knows is said to be missing, not shown as a zero.
+    doc = json.loads(out)
+    assert (doc["source"], doc["policy_scope"]) == ("db", "overrides")
+    assert set(doc["unavailable_fields"]) == {
+        "step",
+        "samples_per_s",
+        "utilization_pct",
+        "coverage",
+        "last_evaluation",
+    }
+    assert "sustain_s" not in jobs[JOB]["policy"]  # a default, not stored
+    code, out, _ = tide("jobs", "--db", url)
+    assert code == 0
+    row = next(line for line in out.splitlines() if line.strip().startswith(JOB))
+    assert row.count("n/a") == 4
+    assert "known only to a running scaler" in out and "stored overrides" in out
 
 
 def test_chart_from_the_store(store: tuple[str, Seeded], tmp_path: Path) -> None:

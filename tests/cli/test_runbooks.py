@@ -141,10 +141,56 @@ def test_what_scaling_cost_this_week(pg: tuple[Any, Seeded]) -> None:
     # 2.5 s with 4 GPUs, 1.75 s with 2, the abort paused nobody.
     assert j["pause_gpu_s"] == pytest.approx(2.5 * 4 + 1.75 * 2)
     assert rows[OTHER]["manual"] == 1 and rows[OTHER]["decisions"] == 2
+    assert j["starts"] == 0 and rows[OTHER]["starts"] == 0
     last_week = run(
         engine, "weekly_decisions.sql", since=WEEK["since"] - timedelta(days=7), until=WEEK["since"]
     )
     assert last_week == []
+
+
+def test_a_job_start_is_no_scaling_cost(pg: tuple[Any, Seeded]) -> None:
+    from services.common import db
+    from services.scaler import repo
+
+    engine, _ = pg
+    job, at = "ml/fresh", T0 + timedelta(hours=1)
+    with db.session_scope(db.make_session_factory(engine)) as s:
+        repo.upsert_job(s, job, min_replicas=2, max_replicas=8, now=at, initial_replicas=2)
+        repo.set_job_observed(s, job, now=at, current_replicas=0)
+        epoch = repo.acquire_job_ownership(s, job, "scaler-a", now=at)
+        d = repo.create_decision(
+            s,
+            job_id=job,
+            from_replicas=0,
+            to_replicas=2,
+            reason="JOB_STARTED",
+            trigger="MANUAL",
+            message="new job",
+            inputs={},
+            epoch=epoch,
+            now=at,
+        )
+        for state in ("PREPARING", "ACTUATING", "COMPLETED"):
+            repo.transition_decision(
+                s,
+                d.id,
+                repo.DecisionState(state),
+                detail=state,
+                epoch=epoch,
+                now=at,
+                pause_s=40.0 if state == "COMPLETED" else None,
+                generation=1 if state == "COMPLETED" else None,
+            )
+    rows = {r["job_id"]: r for r in run(engine, "weekly_decisions.sql", **WEEK)}
+    fresh = rows[job]
+    assert (fresh["decisions"], fresh["starts"], fresh["completed"]) == (1, 1, 1)
+    # Its 40 s start-up is neither a grow, a manual resize nor a pause of scaling.
+    assert (fresh["grows"], fresh["manual"], fresh["pause_s_total"], fresh["pause_gpu_s"]) == (
+        0,
+        0,
+        0,
+        0,
+    )
 
 
 def test_what_scaling_saved_this_week(pg: tuple[Any, Seeded]) -> None:
