@@ -52,6 +52,31 @@ async def _progress_past(job: LocalJob, step: int, timeout_s: float = 60.0) -> p
     return await job.wait_status(lambda s: s.step >= step, timeout_s, f"step {step}")
 
 
+async def _finished(
+    job: LocalJob, generation: int, lost_steps_total: int, *, hold: bool = False
+) -> pb.JobStatus:
+    """The coordinator's view of a job whose workers finished the budget: the members of the
+    last generation GONE in phase IDLE with the final step, no loss added, no new generation;
+    with ``hold``, still so past the sync timeout (the exited launchers are not lost)."""
+
+    def done(s: pb.JobStatus) -> bool:
+        return bool(s.members) and all(
+            (m.state, m.phase, m.step) == (pb.MEMBER_STATE_GONE, pb.WORKER_PHASE_IDLE, STEPS)
+            for m in s.members
+        )
+
+    st = await job.wait_status(done, 10, "the job finished")
+    if hold:
+        await asyncio.sleep(job.sync_timeout_s + 1)  # long enough for silence to be a loss
+    later = await job.status()
+    assert later is not None and done(later), later
+    for s in (st, later):
+        assert (s.generation, s.world_size, s.step) == (generation, 0, STEPS), s
+        assert s.lost_steps_total == lost_steps_total and s.last_checkpoint_step == STEPS, s
+        assert not s.HasField("active_resize")
+    return later
+
+
 async def test_resize_2_3_1_2_loses_nothing_and_matches_a_fixed_run(
     job: LocalJob, tmp_path: Path
 ) -> None:
@@ -82,6 +107,7 @@ async def test_resize_2_3_1_2_loses_nothing_and_matches_a_fixed_run(
     codes = await job.wait_pods_exit(120)
     # Pods 1 and 2 were drained by the 3 -> 1 shrink; all exit 0.
     assert codes == [0, 0, 0, 0], codes
+    await _finished(job, generation=4, lost_steps_total=0)
 
     log_dir = job.log_dir
     gens = steps_by_generation(log_dir)
@@ -141,6 +167,15 @@ async def test_sigkilled_worker_survivors_resume_from_the_last_periodic_checkpoi
     assert reached - restored < 10 + 2, "more than one checkpoint period was redone"
     redone = sorted(set(gens[1]) & set(gens[2]))
     assert redone == list(range(restored + 1, reached + 1)) and redone
+    # The coordinator knew the periodic checkpoint (rank 0 reports each one) and where the
+    # generation stopped, so the steps it counts lost are exactly the steps redone.
+    final = await _finished(job, generation=2, lost_steps_total=len(redone), hold=True)
+    restore_named = [
+        line
+        for line in (job.pods[0].state_dir / "launcher.log").read_text().splitlines()
+        if "generation 2 rank" in line
+    ]
+    assert restore_named and restore_named[0].endswith(f"restore {restored}"), restore_named
     per_step = samples_per_step(job.log_dir)
     for step in redone:
         # Redone steps used exactly the samples the lost ones had (the log shows which).
@@ -149,7 +184,7 @@ async def test_sigkilled_worker_survivors_resume_from_the_last_periodic_checkpoi
     check_exactly_once(job.log_dir, DATASET, STEPS, SPE)
     print(
         f"worker killed at step ~{reached}: re-formed in {reformed_s:.2f}s from step {restored}; "
-        f"{len(redone)} steps redone, coordinator reported {st.lost_steps_total} lost"
+        f"{len(redone)} steps redone, coordinator reported {final.lost_steps_total} lost"
     )
 
 
@@ -193,7 +228,10 @@ async def test_member_killed_during_the_barrier_aborts_and_the_others_resume(
     assert updates[-1].phase == pb.RESIZE_PHASE_ABORTED, updates[-1]
     st = await job.status()
     assert st is not None and st.generation == 1 and st.world_size == 2
-    assert st.last_checkpoint_step == before.last_checkpoint_step
+    # The abort promoted nothing: the barrier's step was not reached, so no report of it
+    # either (rank 0 reports checkpoints once written, periodic ones included).
+    aborted = updates[-1].checkpoint_step
+    assert before.last_checkpoint_step <= st.last_checkpoint_step < aborted, (st, aborted)
     step_at_abort = st.step
     await _progress_past(job, step_at_abort + 5)
     # Same worker processes: resumed in their generation without a restart.
