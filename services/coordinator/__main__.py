@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 async def _run(settings: CoordinatorSettings) -> None:
     clock = SystemClock()
+    if problem := settings.tuning().lead_problem():
+        logger.warning("%s", problem)
     db.upgrade(settings.db)
     engine = db.make_engine(settings.db)
     store = SqlStore(db.make_session_factory(engine), clock.now)

@@ -486,7 +486,9 @@ class JobRuntime:
         if inp.free_port:
             m.free_port = inp.free_port
         m.last_heartbeat_at = now
-        m.reported_generation = inp.generation
+        # Never backwards: a launcher's last word about the generation it is leaving can
+        # arrive after its first heartbeat in the next one.
+        m.reported_generation = max(m.reported_generation, inp.generation)
         in_current = m.rank is not None and inp.generation == self.job.generation > 0
         if in_current:
             if inp.step > m.step and m.last_seen_mono > 0 and mono > m.last_seen_mono:

@@ -46,6 +46,20 @@ class Tuning:
         if self.checkpoint_lead_s < 0:
             raise ConfigError(f"checkpoint_lead_s: must be >= 0, got {self.checkpoint_lead_s!r}")
 
+    def lead_problem(self) -> str:
+        """Why the checkpoint lead is too short for the heartbeat interval, or "".
+
+        Not a ConfigError: tests with fake launchers that report every step use short
+        leads on purpose. Real workers report steps up to one interval old, and with a lead
+        below it they pass the checkpoint step before they hear it, so barriers abort."""
+        if self.checkpoint_lead_s > self.heartbeat_interval_s:
+            return ""
+        return (
+            f"checkpoint_lead_s ({self.checkpoint_lead_s!r}) should exceed heartbeat_interval_s "
+            f"({self.heartbeat_interval_s!r}): workers would pass the checkpoint step before "
+            "hearing it and resizes would abort"
+        )
+
 
 @dataclass(frozen=True)
 class CoordinatorSettings(CommonSettings):

@@ -217,3 +217,9 @@ def test_bad_tuning_names_the_field(kwargs: dict[str, float], field: str) -> Non
         Tuning(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=field):
         CoordinatorSettings(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_lead_not_above_the_heartbeat_interval_is_flagged() -> None:
+    assert Tuning().lead_problem() == ""  # defaults: 6 s lead, 5 s interval
+    problem = Tuning(checkpoint_lead_s=5.0, heartbeat_interval_s=5.0).lead_problem()
+    assert "checkpoint_lead_s (5.0)" in problem and "heartbeat_interval_s (5.0)" in problem
