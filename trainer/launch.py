@@ -193,6 +193,7 @@ class Launcher:
         self._conn_closed: dict[int, asyncio.Event] = {}
         self._standby: WorkerHandle | None = None
         self._standby_seq = 0
+        self._standby_backoff_s = settings.backoff_initial_s
         self._worker_expected_exit = False
         self._worker_done = False
         self._to_worker: list[Message] = []
@@ -562,8 +563,35 @@ class Launcher:
         env = self._base_env()
         env[PREWARM_ENV] = "1"
         log_path = str(self._state_dir / f"worker-standby-{self._standby_seq}.log")
-        self._standby = await self.spawner.spawn(self.s.command, env, os.getcwd(), log_path)
-        logger.info("member %s prewarmed worker pid %d", self.member_id, self._standby.pid)
+        standby = await self.spawner.spawn(self.s.command, env, os.getcwd(), log_path)
+        self._standby = standby
+        self._tasks.append(asyncio.create_task(self._watch_standby(standby)))
+        logger.info("member %s prewarmed worker pid %d", self.member_id, standby.pid)
+
+    async def _watch_standby(self, standby: WorkerHandle) -> None:
+        """A prewarmed worker that dies before its rendezvous (its zygote was killed, or the
+        script failed while building) is replaced, with backoff: the next RENDEZVOUS should
+        find one ready, and the spawn restarts a dead zygote."""
+        code = await standby.wait()
+        if self._standby is not standby or self._stop.is_set():
+            return
+        self._standby = None
+        delay = self._standby_backoff_s
+        self._standby_backoff_s = min(delay * 2, self.s.backoff_max_s)
+        logger.warning(
+            "member %s (job %s): prewarmed worker pid %d exited with %d; another in %.2fs",
+            self.member_id,
+            self.s.job_id,
+            standby.pid,
+            code,
+            delay,
+        )
+        await asyncio.sleep(delay)
+        try:
+            await self._ensure_standby()
+        except Exception:
+            # The next RENDEZVOUS spawns a worker itself; a standby is only a head start.
+            logger.exception("member %s: could not fork a prewarmed worker", self.member_id)
 
     def _rendezvous_env(self, d: pb.Directive, restart_started_at: float) -> dict[str, str]:
         rdv = d.rendezvous
@@ -606,6 +634,7 @@ class Launcher:
         if use_standby and standby is not None:
             # The old worker leaves while the standby joins; they share nothing.
             self._standby = None
+            self._standby_backoff_s = self.s.backoff_initial_s
             self._worker = standby
             self._worker_expected_exit = False
             if old is not None:

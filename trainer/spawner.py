@@ -50,6 +50,10 @@ class Spawner(Protocol):
     async def close(self) -> None: ...
 
 
+class ZygoteExited(Unavailable):
+    """The zygote process ended; a new one can be started."""
+
+
 class _ZygoteChild:
     def __init__(self, pid: int) -> None:
         self._pid = pid
@@ -94,11 +98,33 @@ class ZygoteSpawner:
         self._early_exits: dict[int, int] = {}
         self._next_id = 0
         self._reader: asyncio.Task[None] | None = None
+        self._start_lock = asyncio.Lock()
         self.import_s = 0.0
 
+    @property
+    def pid(self) -> int | None:
+        """The zygote's pid while it runs."""
+        return self._proc.pid if self._proc is not None and self._reader_alive() else None
+
+    def _reader_alive(self) -> bool:
+        return self._reader is not None and not self._reader.done()
+
     async def start(self) -> None:
-        if self._proc is not None:
+        # One restart even when a standby spawn and a rendezvous spawn find the zygote dead.
+        async with self._start_lock:
+            await self._start()
+
+    async def _start(self) -> None:
+        if self._proc is not None and self._reader_alive():
             return
+        if self._proc is not None:
+            # The zygote died (killed, OOM): its children went with it and were reported as
+            # exited. Start a new one: a spawn pays the import once instead of failing.
+            code = await self._proc.wait()
+            logger.warning("zygote pid %d exited with %d; starting a new one", self._proc.pid, code)
+            self._proc = None
+            self._pending.clear()
+            self._early_exits.clear()
         args = [self._python, "-m", "trainer.zygote"]
         if self._preload is not None:
             args += ["--preload", self._preload]
@@ -133,7 +159,7 @@ class ZygoteSpawner:
                         fut.set_exception(Unavailable(f"zygote: {event.get('message')}"))
         finally:
             # The zygote is gone: its workers died with it (PDEATHSIG).
-            err = Unavailable("the zygote process exited")
+            err = ZygoteExited("the zygote process exited")
             if self._ready is not None and not self._ready.done():
                 self._ready.set_exception(err)
             for fut in self._pending.values():
@@ -154,6 +180,19 @@ class ZygoteSpawner:
     ) -> WorkerHandle:
         if not _is_python_command(argv):
             raise Unavailable(f"the zygote runs python scripts only, not {list(argv)!r}")
+        try:
+            return await self._spawn_once(argv, env, cwd, log_path)
+        except (ZygoteExited, BrokenPipeError, ConnectionResetError) as exc:
+            # It died under us (or just before, unnoticed): once more, on a new zygote. A
+            # zygote that cannot even start fails the second time too, and that is final.
+            logger.warning("zygote gone while spawning (%s); retrying on a new one", exc)
+            if self._reader is not None:
+                await self._reader
+            return await self._spawn_once(argv, env, cwd, log_path)
+
+    async def _spawn_once(
+        self, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: str
+    ) -> WorkerHandle:
         await self.wait_ready()
         assert self._proc is not None and self._proc.stdin is not None
         self._next_id += 1

@@ -15,6 +15,7 @@ from tide.v1 import coordinator_pb2 as pb
 from services.common.errors import ConfigError
 from tests.trainer.fake_coordinator import FakeCoordinator, start_fake, wait_for
 from trainer.launch import Launcher, LauncherSettings, State, parse_args
+from trainer.spawner import ZygoteSpawner
 
 WORKER = str(Path(__file__).with_name("fake_worker.py"))
 
@@ -220,6 +221,42 @@ async def test_rendezvous_after_a_loss_reports_where_the_old_worker_stopped(
     await wait_for(lambda: coord.ack_of(rdv2), 10, "second rendezvous ack")
     last_words = [hb for hb in member.heartbeats[before:] if hb.generation == 1]
     assert len(last_words) == 1 and last_words[0].step > heard
+    launcher.stop()
+    assert await asyncio.wait_for(run, 10) == 0
+
+
+async def test_a_killed_zygote_is_restarted_and_the_next_rendezvous_works(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path
+) -> None:
+    coord, port = fake
+    launcher = _launcher(port, tmp_path)
+    run = asyncio.create_task(launcher.run())
+    await wait_for(lambda: coord.members, 10, "registration")
+    (mid,) = coord.members
+    await wait_for(
+        lambda: launcher._standby is not None and launcher._standby.pid in launcher._conns,
+        10,
+        "a prewarmed worker",
+    )
+    spawner = launcher.spawner
+    assert isinstance(spawner, ZygoteSpawner) and launcher._standby is not None
+    zygote, standby = spawner.pid, launcher._standby.pid
+    assert zygote is not None
+    os.kill(zygote, signal.SIGKILL)
+    # A new zygote and a new prewarmed worker, without any directive asking for them.
+    await wait_for(
+        lambda: (
+            launcher._standby is not None
+            and launcher._standby.pid != standby
+            and launcher._standby.pid in launcher._conns
+        ),
+        15,
+        "a new prewarmed worker",
+    )
+    assert spawner.pid not in (None, zygote)
+    (rdv,) = coord.rendezvous([mid])
+    await wait_for(lambda: coord.ack_of(rdv), 10, "rendezvous ack")
+    assert coord.ack_of(rdv).ok  # type: ignore[union-attr]
     launcher.stop()
     assert await asyncio.wait_for(run, 10) == 0
 

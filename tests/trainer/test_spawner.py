@@ -99,3 +99,22 @@ async def test_default_zygote_has_paddle_and_never_grpc(tmp_path: Path) -> None:
         assert log.read_text().split() == ["True", "False"], import_s
     finally:
         await zygote.close()
+
+
+async def test_a_dead_zygote_is_replaced_on_the_next_spawn(child: Path, tmp_path: Path) -> None:
+    zygote = ZygoteSpawner(preload="")
+    try:
+        w = await zygote.spawn(
+            [sys.executable, str(child), "sleep"], dict(os.environ), str(tmp_path), ""
+        )
+        first = zygote.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        assert await asyncio.wait_for(w.wait(), 10) < 0  # its worker went with it
+        w2 = await zygote.spawn(
+            [sys.executable, str(child), "exit3"], dict(os.environ), str(tmp_path), ""
+        )
+        assert await asyncio.wait_for(w2.wait(), 10) == 3
+        assert zygote.pid not in (None, first)
+    finally:
+        await zygote.close()
