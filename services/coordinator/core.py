@@ -1237,10 +1237,7 @@ class JobRuntime:
         if r is not None:
             r.phase_started_at += stalled_s
             self._dirty(r)
-        self._log.warning(
-            "the coordinator stalled %.2f s: heartbeat timeouts and deadlines moved by as much",
-            stalled_s,
-        )
+        self._log.debug("stall of %.2f s credited to every timeout and deadline", stalled_s)
 
     def _on_deadline(self, r: Resize) -> None:
         if r.phase == ResizePhase.WAITING_FOR_MEMBERS:
@@ -1488,6 +1485,13 @@ class Coordinator:
         return self.job(owner).abort_resize(decision_id, reason)
 
     def tick(self, stalled_s: float = 0.0) -> None:
+        if stalled_s > 0:
+            logger.warning(
+                "the coordinator stalled %.2f s: heartbeat timeouts and deadlines of %d job(s) "
+                "moved by as much",
+                stalled_s,
+                len(self.jobs),
+            )
         for job_id in list(self.jobs):
             try:
                 self.job(job_id).tick(stalled_s)
