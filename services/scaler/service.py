@@ -63,8 +63,6 @@ class ScalerSettings(CommonSettings):
     db: str = setting(
         DEFAULT_DB, "SQLAlchemy URL of the store (SQLite file, its directory made if missing)"
     )
-    # The old name of `db`, accepted so callers can move at their pace; never in docs.
-    database_url: str = setting("", "deprecated: the old name of --db")
     coordinator: str = setting(
         "", "coordinator HOST:PORT; empty runs an in-memory coordinator (demo and tests)"
     )
@@ -99,13 +97,6 @@ class ScalerSettings(CommonSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.database_url:
-            if self.db not in (DEFAULT_DB, self.database_url):
-                raise ConfigError(
-                    f"database_url={self.database_url!r}: the old name of db, which is also"
-                    f" set ({self.db!r}); give only --db"
-                )
-            object.__setattr__(self, "db", self.database_url)
         if not self.db:
             raise ConfigError("db: a database URL is required, got ''")
         self.policy()

@@ -242,7 +242,7 @@ class RealScaler:
             "services.scaler",
             f"--listen=127.0.0.1:{self.port}",
             "--metrics-listen=127.0.0.1:0",
-            f"--database-url=sqlite:///{self.db}",
+            f"--db=sqlite:///{self.db}",
             "--report-interval-s=0",
             "--log-level=WARNING",
             cwd=ROOT,

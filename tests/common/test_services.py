@@ -63,7 +63,7 @@ def _health_watch(ch: grpc.Channel) -> Any:
 
 SERVICES: dict[str, tuple[Callable[[Path], list[str]], set[str], Callable[[grpc.Channel], Any]]] = {
     "scaler": (
-        lambda tmp: ["-m", "services.scaler", "--database-url", f"sqlite:///{tmp}/s.db"],
+        lambda tmp: ["-m", "services.scaler", "--db", f"sqlite:///{tmp}/s.db"],
         {"tide.v1.Scaler", "tide.v1.Telemetry"},
         _telemetry_stream,
     ),

@@ -267,10 +267,6 @@ def test_scaler_settings_db_and_local_actuator(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/a.db"
     assert load_settings(ScalerSettings, ["--db", url], env={}).db == url
     assert load_settings(ScalerSettings, [], env={"TIDE_DB": url}).db == url
-    # The old flag still works until every caller says --db, but never against it.
-    assert load_settings(ScalerSettings, ["--database-url", url], env={}).db == url
-    with pytest.raises(ConfigError, match="database_url"):
-        ScalerSettings(db="sqlite:///b.db", database_url=url)
     with pytest.raises(ConfigError, match="coordinator"):
         ScalerSettings(actuator=f"local:{tmp_path}")
     with pytest.raises(ConfigError, match="actuator"):

@@ -308,7 +308,10 @@ class UpsertJobRequest(_message.Message):
     GPUS_PER_REPLICA_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     initial_replicas: _builtins.int
-    """Replicas to start with when the job is new (>= min_replicas); ignored otherwise."""
+    """Replicas to start the new job with (min..max): the scaler starts it by a
+    JOB_STARTED decision (0 → N) that forms generation 1. 0: the job is
+    recorded as already running at min_replicas. Ignored for an existing job.
+    """
     gpus_per_replica: _builtins.int
     """GPUs each replica holds (>= 1); 0 keeps the current value (1 for a new job)."""
     @_builtins.property
