@@ -305,6 +305,10 @@ class Launcher:
         assert self._stub is not None
         backoff = self.s.backoff_initial_s
         while not self._stop.is_set():
+            if self.state in (State.DRAINING, State.DONE):
+                # Leaving (drained, or the job finished): the coordinator ended this member's
+                # stream on purpose, and registering again would add a member that never runs.
+                return
             try:
                 await self._register()
                 self._reregister.clear()
@@ -360,7 +364,11 @@ class Launcher:
                 logger.warning("heartbeat of member %s failed: %s", self.member_id, exc.code().name)
                 # Unknown (the coordinator lost it) or gone (declared dead while we were
                 # slow): the member must register again, which also reopens its stream.
-                if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                leaving = self.state in (State.DRAINING, State.DONE)
+                if not leaving and exc.code() in (
+                    grpc.StatusCode.NOT_FOUND,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                ):
                     self._reregister.set()
             except Exception:
                 # A heartbeat loop must never die of one bad beat.

@@ -22,7 +22,8 @@ from tide.v1 import coordinator_pb2_grpc as pb_grpc
 class FakeMember:
     member_id: str
     register: pb.RegisterRequest
-    queue: asyncio.Queue[pb.Directive] = field(default_factory=asyncio.Queue)
+    # None ends the member's stream, as the real coordinator does for a member that left.
+    queue: asyncio.Queue[pb.Directive | None] = field(default_factory=asyncio.Queue)
     heartbeats: list[pb.HeartbeatRequest] = field(default_factory=list)
     acks: list[pb.AckRequest] = field(default_factory=list)
     registrations: int = 1
@@ -46,6 +47,9 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
         self._ids = itertools.count(1)
         # Members whose next heartbeat is answered NOT_FOUND (a coordinator that lost them).
         self.forgotten: set[str] = set()
+        # Members that reported IDLE in the current generation (finished): like the real
+        # coordinator, their stream ends and later heartbeats get FAILED_PRECONDITION.
+        self.finished: set[str] = set()
 
     async def Register(self, request: pb.RegisterRequest, context: object) -> pb.RegisterResponse:
         member_id = f"m-{request.launcher_id[:8]}"
@@ -67,8 +71,8 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
     ) -> AsyncIterator[pb.Directive]:
         member = self.members[request.member_id]
         member.streams += 1
-        while True:
-            yield await member.queue.get()
+        while (d := await member.queue.get()) is not None:
+            yield d
 
     async def Ack(self, request: pb.AckRequest, context: object) -> pb.AckResponse:
         self.members[request.member_id].acks.append(request)
@@ -78,7 +82,13 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
         if request.member_id in self.forgotten:
             self.forgotten.discard(request.member_id)
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no member {request.member_id}")
-        self.members[request.member_id].heartbeats.append(request)
+        if request.member_id in self.finished:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "member finished")
+        member = self.members[request.member_id]
+        member.heartbeats.append(request)
+        if request.phase == pb.WORKER_PHASE_IDLE and request.generation == self.generation > 0:
+            self.finished.add(request.member_id)
+            member.queue.put_nowait(None)
         return pb.HeartbeatResponse(generation=self.generation)
 
     # -- test side ------------------------------------------------------------------------

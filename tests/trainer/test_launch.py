@@ -199,6 +199,8 @@ async def test_heartbeats_report_checkpoints_and_the_finished_budget(
     assert (last.phase, last.generation, last.step) == (pb.WORKER_PHASE_IDLE, 1, 12)
     assert last.last_checkpoint_step == 10
     assert not [hb for hb in beats if hb.phase == pb.WORKER_PHASE_FAILED]
+    # Its stream ended and a duplicate beat was refused, yet it did not register again.
+    assert coord.members[mid].registrations == 1 and list(coord.members) == [mid]
 
 
 async def test_rendezvous_after_a_loss_reports_where_the_old_worker_stopped(
