@@ -6,11 +6,15 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 from tide.v1 import coordinator_pb2 as pb
+from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 from services.common.errors import ConfigError
 from tests.trainer.fake_coordinator import FakeCoordinator, start_fake, wait_for
@@ -28,7 +32,7 @@ async def fake() -> AsyncIterator[tuple[FakeCoordinator, int]]:
     await server.stop(None)
 
 
-def _launcher(port: int, tmp_path: Path, index: int = 0) -> Launcher:
+def _launcher(port: int, tmp_path: Path, index: int = 0, **overrides: Any) -> Launcher:
     env_path = os.pathsep.join([str(Path(WORKER).parent), os.environ.get("PYTHONPATH", "")])
     os.environ["PYTHONPATH"] = env_path
     return Launcher(
@@ -41,6 +45,7 @@ def _launcher(port: int, tmp_path: Path, index: int = 0) -> Launcher:
             state_dir=str(tmp_path / f"l{index}"),
             zygote_preload="",
             exit_grace_s=0.5,
+            **overrides,
         )
     )
 
@@ -155,6 +160,47 @@ async def test_reconnects_and_reregisters_with_the_same_launcher_id(tmp_path: Pa
     assert coord.members[mid].register.launcher_id == launcher.s.launcher_id
     launcher.stop()
     await asyncio.wait_for(run, 10)
+    await server2.stop(None)
+
+
+async def _serve_on(coord: FakeCoordinator, port: int) -> grpc.aio.Server:
+    """The fake again on ``port`` (as a restarted coordinator), once the old socket is gone."""
+    deadline = time.monotonic() + 10
+    while True:
+        server = grpc.aio.server()
+        pb_grpc.add_CoordinatorServicer_to_server(coord, server)
+        try:
+            server.add_insecure_port(f"127.0.0.1:{port}")
+        except RuntimeError:
+            assert time.monotonic() < deadline, f"port {port} never became free"
+            await asyncio.sleep(0.05)
+            continue
+        await server.start()
+        return server
+
+
+async def test_a_coordinator_back_after_an_outage_is_reached_on_the_launchers_backoff(
+    tmp_path: Path,
+) -> None:
+    coord = FakeCoordinator()
+    server, port = await start_fake(coord)
+    launcher = _launcher(port, tmp_path, backoff_max_s=0.3)
+    run = asyncio.create_task(launcher.run())
+    await wait_for(lambda: coord.members, 10, "registration")
+    (mid,) = coord.members
+    first = launcher._channel
+    await server.stop(None)
+    # The outage itself (not a condition to poll): long enough that gRPC's own reconnect
+    # backoff (1 s, x1.6 each failure) has grown past the launcher's 0.3 s cap.
+    await asyncio.sleep(6.5)
+    server2 = await _serve_on(coord, port)
+    back = time.monotonic()
+    await wait_for(lambda: coord.members[mid].registrations >= 2, 10, "re-registration")
+    took = time.monotonic() - back
+    assert took < 1.5, f"re-registered {took:.2f}s after the coordinator was back"
+    assert launcher._channel is not first  # a fresh channel, without gRPC's backoff
+    launcher.stop()
+    assert await asyncio.wait_for(run, 10) == 0
     await server2.stop(None)
 
 
