@@ -6,17 +6,15 @@ docs/resize-protocol.md), then serves tide.v1.Coordinator until SIGTERM.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 
 from prometheus_client import REGISTRY
 from tide.v1 import coordinator_pb2_grpc
 
-from services.common import db, logs
+from services.common import db
 from services.common.clock import SystemClock
-from services.common.config import load_settings
-from services.common.errors import TideError
+from services.common.entry import run_service
 from services.common.server import ServiceSpec, serve
 from services.coordinator.core import Coordinator
 from services.coordinator.metrics import CoordinatorMetrics
@@ -55,24 +53,14 @@ async def _run(settings: CoordinatorSettings) -> None:
     )
 
 
-def main(argv: list[str]) -> int:
-    try:
-        settings = load_settings(
-            CoordinatorSettings,
-            argv,
-            prog="python -m services.coordinator",
-            description="Tide coordinator: membership, checkpoint barriers, rendezvous.",
-        )
-    except TideError as exc:
-        print(f"coordinator: {exc}", file=sys.stderr)
-        return 2
-    logs.configure(settings.log_level, settings.log_format)
-    try:
-        asyncio.run(_run(settings))
-    except TideError as exc:
-        logger.error("coordinator stopped: %s", exc)
-        return 1
-    return 0
+def main(argv: list[str] | None = None) -> int:
+    return run_service(
+        CoordinatorSettings,
+        _run,
+        name="coordinator",
+        description="Tide coordinator: membership, checkpoint barriers, rendezvous.",
+        argv=argv,
+    )
 
 
 if __name__ == "__main__":

@@ -10,11 +10,10 @@ from pathlib import Path
 from prometheus_client import REGISTRY
 from tide.v1 import scaler_pb2_grpc, telemetry_pb2_grpc
 
-from services.common import db, logs
+from services.common import db
 from services.common.client import open_channel
 from services.common.clock import Clock, SystemClock
-from services.common.config import load_settings
-from services.common.errors import ConfigError, TideError
+from services.common.entry import run_service
 from services.common.server import ServiceSpec, serve
 from services.scaler.actuator import Actuator, FileActuator, InMemoryActuator
 from services.scaler.api import ADMIN_METHODS, ScalerServicer
@@ -111,24 +110,13 @@ async def run(settings: ScalerSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        settings = load_settings(
-            ScalerSettings,
-            sys.argv[1:] if argv is None else argv,
-            prog="python -m services.scaler",
-            description="Tide scaler: GPU telemetry in, coordinated resize decisions out.",
-        )
-    except ConfigError as exc:
-        print(f"services.scaler: {exc}", file=sys.stderr)
-        return 2
-    logs.configure(settings.log_level, settings.log_format)
-    try:
-        asyncio.run(run(settings))
-    except TideError as exc:
-        # E.g. the store cannot be reached at start: one line, not a traceback.
-        logger.error("scaler stopped: %s", exc)
-        return 1
-    return 0
+    return run_service(
+        ScalerSettings,
+        run,
+        name="scaler",
+        description="Tide scaler: GPU telemetry in, coordinated resize decisions out.",
+        argv=argv,
+    )
 
 
 if __name__ == "__main__":
