@@ -2,9 +2,11 @@
 
 Tide's way: the real coordinator and one launcher per "pod" (each with a warm zygote), the MLP of
 trainer/examples/train_mlp.py on gloo; resizes 2 -> 4 and 4 -> 2 through ``Resize`` (the
-scaler's call). The pause is rank 0's last step of the old generation to its first step of the
-new one (from the loss log's wall times), split by the coordinator into barrier, checkpoint
-write, worker restart, group init and restore.
+scaler's call). The pause is the time training stood still: the gap between rank 0's last step of the
+old generation and its first step of the new one (from the loss log's wall times), less one
+ordinary step of the new generation (the median interval between its later steps), since the
+first new step does a step's work like any other. It is split by the coordinator into barrier,
+checkpoint write, worker restart, group init and restore. The raw gap is reported too.
 
 Paddle's way, in the same run: the job is killed and relaunched at the new size as fresh
 processes (import Paddle, init, restore the last periodic checkpoint); it is killed half a
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -67,6 +70,15 @@ class Measure:
     restore_s: float = 0.0
     unavoidable_s: float = 0.0
     coordinator_pause_s: float = 0.0
+    gap_s: float = 0.0
+    step_s: float = 0.0
+
+
+def _step_s(times: dict[tuple[int, int], float], gen: int) -> float:
+    """Median interval between consecutive steps of ``gen`` after its first step."""
+    steps = sorted(s for g, s in times if g == gen)[1:]
+    gaps = [times[(gen, b)] - times[(gen, a)] for a, b in itertools.pairwise(steps) if b == a + 1]
+    return statistics.median(gaps) if gaps else 0.0
 
 
 def _times(log_dir: Path) -> dict[tuple[int, int], float]:
@@ -117,13 +129,17 @@ async def tide_way(workdir: Path, reps: int, group_init: dict[int, float]) -> li
                 times = _times(job.log_dir)
                 # The old generation's last step, normally the coordinated checkpoint.
                 ckpt = max(s for g, s in times if g == gen - 1)
-                await _wait_step(job, ckpt + 2)
+                await _wait_step(job, ckpt + 8)
                 times = _times(job.log_dir)
                 restored = min(s for g, s in times if g == gen) - 1
-                pause = times[(gen, restored + 1)] - times[(gen - 1, ckpt)]
+                gap = times[(gen, restored + 1)] - times[(gen - 1, ckpt)]
+                step_s = _step_s(times, gen)
+                pause = gap - step_s
                 m = _breakdown(job.log_dir, gen, ckpt)
                 m.resize = f"{4 if target == 2 else 2}->{target}"
                 m.pause_s = pause
+                m.gap_s = gap
+                m.step_s = step_s
                 m.lost_steps = max(int(final.lost_steps), ckpt - restored)
                 m.unavoidable_s = m.checkpoint_write_s + m.restore_s + group_init[target]
                 m.coordinator_pause_s = final.pause_s
@@ -229,11 +245,15 @@ async def paddle_way(workdir: Path, old: int, new: int, zygote: ZygoteSpawner) -
         raise RuntimeError(f"relaunch failed with {codes}; see {workdir}")
     recs = [r for r in loss_records(workdir / "logs") if int(r["gen"]) == 2]
     first = recs[0]
+    gap = float(first["t"]) - float(last["t"])
+    step_s = _step_s(_times(workdir / "logs"), 2)
     return Measure(
         way="paddle",
         resize=f"{old}->{new}",
-        pause_s=float(first["t"]) - float(last["t"]),
+        pause_s=gap - step_s,
         lost_steps=reached - (int(first["step"]) - 1),
+        gap_s=gap,
+        step_s=step_s,
     )
 
 
@@ -328,17 +348,19 @@ async def run(quick: bool, workdir: Path) -> dict[str, Any]:
         await zygote.close()
     rows = [_median(measures, way, r) for way in ("tide", "paddle") for r in ("2->4", "4->2")]
     print(
-        f"{'way':7}{'resize':8}{'pause':>8}{'lost':>6}{'barrier':>9}{'write':>8}"
-        f"{'restart':>9}{'init':>7}{'restore':>9}{'unavoid.':>10}{'ratio':>7}"
+        f"{'way':7}{'resize':8}{'gap':>7}{'step':>7}{'pause':>8}{'lost':>6}{'barrier':>9}"
+        f"{'write':>8}{'restart':>9}{'init':>7}{'restore':>9}{'unavoid.':>10}{'ratio':>7}"
     )
     for m in rows:
         ratio = m.pause_s / m.unavoidable_s if m.unavoidable_s else float("nan")
         print(
-            f"{m.way:7}{m.resize:8}{m.pause_s:8.3f}{m.lost_steps:6d}{m.barrier_s:9.3f}"
+            f"{m.way:7}{m.resize:8}{m.gap_s:7.3f}{m.step_s:7.3f}{m.pause_s:8.3f}{m.lost_steps:6d}"
+            f"{m.barrier_s:9.3f}"
             f"{m.checkpoint_write_s:8.3f}{m.worker_restart_s:9.3f}{m.group_init_s:7.3f}"
             f"{m.restore_s:9.3f}{m.unavoidable_s:10.3f}{ratio:7.2f}"
         )
     print(f"pure gloo group init (pre-imported, started together): {group_init}")
+    print("pause = gap between the last old and the first new step, less one ordinary step")
     tide = [m for m in rows if m.way == "tide"]
     paddle = [m for m in rows if m.way == "paddle"]
     worst = max(tide, key=lambda m: m.pause_s / m.unavoidable_s)
