@@ -167,6 +167,7 @@ class JobView:
     last_checkpoint_step: int
     active_resize: ResizeView | None
     lost_steps_total: int
+    finished: bool = False
 
 
 class Notifier:
@@ -1371,6 +1372,7 @@ class JobRuntime:
             last_checkpoint_step=self.last_good_step(),
             active_resize=self._resize_view(r) if r is not None else None,
             lost_steps_total=self.job.lost_steps_total,
+            finished=done,
         )
 
 

@@ -114,6 +114,7 @@ def status_pb(v: JobView) -> pb.JobStatus:
         samples_per_s=v.samples_per_s,
         last_checkpoint_step=v.last_checkpoint_step,
         lost_steps_total=v.lost_steps_total,
+        finished=v.finished,
     )
     for m in v.members:
         member = out.members.add(

@@ -620,6 +620,7 @@ async def test_job_that_finishes_its_budget_ends_without_loss(env: Env) -> None:
     st = await env.status()
     assert (st.generation, st.world_size, st.step, st.last_checkpoint_step) == (1, 0, 10, 10)
     assert st.lost_steps_total == 0
+    assert st.finished
     assert [(m.state, m.phase, m.rank, m.step) for m in st.members] == [
         (pb.MEMBER_STATE_GONE, pb.WORKER_PHASE_IDLE, 0, 10),
         (pb.MEMBER_STATE_GONE, pb.WORKER_PHASE_IDLE, 1, 10),
@@ -642,6 +643,7 @@ async def test_one_member_finishing_first_is_not_a_loss_of_the_others(env: Env) 
     ls[0].exited = True
     st = await env.status()
     assert (st.generation, st.world_size) == (1, 1)  # rank 1 still runs its last step
+    assert not st.finished
     ls[1].phase = pb.WORKER_PHASE_IDLE
     await ls[1].heartbeat(steps=0)
     st = await env.status()

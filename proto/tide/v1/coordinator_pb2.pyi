@@ -769,6 +769,7 @@ class JobStatus(_message.Message):
     LAST_CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
     ACTIVE_RESIZE_FIELD_NUMBER: _builtins.int
     LOST_STEPS_TOTAL_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     world_size: _builtins.int
@@ -783,6 +784,11 @@ class JobStatus(_message.Message):
     """Latest checkpoint step known good."""
     lost_steps_total: _builtins.int
     """Steps lost to unplanned member losses since the job started."""
+    finished: _builtins.bool
+    """True once every member of the last generation finished its training
+    budget (its worker exited 0): the job will not re-form, nothing was lost,
+    and a scaler should stop resizing it. `step` is then the final step.
+    """
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___Member]: ...
     @_builtins.property
@@ -803,10 +809,11 @@ class JobStatus(_message.Message):
         last_checkpoint_step: _builtins.int = ...,
         active_resize: Global___ResizeProgress | None = ...,
         lost_steps_total: _builtins.int = ...,
+        finished: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["active_resize", b"active_resize"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_resize", b"active_resize", "epoch", b"epoch", "generation", b"generation", "job_id", b"job_id", "last_checkpoint_step", b"last_checkpoint_step", "lost_steps_total", b"lost_steps_total", "members", b"members", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_resize", b"active_resize", "epoch", b"epoch", "finished", b"finished", "generation", b"generation", "job_id", b"job_id", "last_checkpoint_step", b"last_checkpoint_step", "lost_steps_total", b"lost_steps_total", "members", b"members", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
