@@ -649,7 +649,9 @@ class JobRuntime:
                 f"ack of {d.directive_id} names generation {inp.generation}; "
                 f"the directive belongs to generation {d.generation}"
             )
-        if d.generation < self.job.generation:
+        # A DRAIN is never overtaken: on a shrink it goes out with the stayers' RENDEZVOUS,
+        # so the job is already in g+1 when the leaver (in g) acks it.
+        if d.generation < self.job.generation and d.kind != DirectiveKind.DRAIN:
             raise StaleGeneration(
                 f"directive {d.directive_id} of generation {d.generation} was overtaken: "
                 f"job {self.job.job_id} is in generation {self.job.generation}"
@@ -804,7 +806,9 @@ class JobRuntime:
                 if set(r.participants) <= set(r.acked):
                     self._after_barrier(r)
             elif r.phase == ResizePhase.DRAINING:
-                if all(self.members[i].state == MemberState.GONE for i in r.leaving):
+                # Only a resize persisted by a coordinator that drained before the
+                # rendezvous is here; this one opens g+1 together with the DRAIN.
+                if self._leavers_gone(r):
                     self._open_for_resize(r)
             elif r.phase == ResizePhase.RENDEZVOUS:
                 self._maybe_complete(r)
@@ -919,35 +923,40 @@ class JobRuntime:
             ck.digest = r.checkpoint_digest
             ck.write_s = r.checkpoint_write_s
         self._dirty(ck)
-        if r.leaving:
-            transition_resize(r, ResizePhase.DRAINING, at=self._clock.now())
-            self._dirty(r)
-            for mid in r.leaving:
-                m = self.members[mid]
-                if m.state == MemberState.ACTIVE:
-                    transition_member(m, MemberState.DRAINING)
-                    self._dirty(m)
-                    self._send(
-                        m,
-                        DirectiveKind.DRAIN,
-                        self.job.generation,
-                        reason=f"decision {r.decision_id}: leaving",
-                        deadline_s=r.deadline_s,
-                    )
-        else:
-            self._open_for_resize(r)
+        # A shrink sends DRAIN to the leavers and RENDEZVOUS to the stayers in one unit:
+        # g+1 has its own master port and store, so a leaver still holding in g cannot
+        # disturb it, and waiting for the leavers' acks only lengthened the pause. The
+        # resize completes once every leaver is GONE too (see _maybe_complete).
+        for mid in r.leaving:
+            m = self.members[mid]
+            if m.state == MemberState.ACTIVE:
+                transition_member(m, MemberState.DRAINING)
+                self._dirty(m)
+                self._send(
+                    m,
+                    DirectiveKind.DRAIN,
+                    self.job.generation,
+                    reason=f"decision {r.decision_id}: leaving",
+                    deadline_s=r.deadline_s,
+                )
+        self._open_for_resize(r)
+
+    def _drain_out(self, m: Member) -> None:
+        """A leaver past its drain deadline is GONE as if it had acked: not a loss, since it
+        is in no generation that needs it, so nothing re-forms."""
+        if m.state != MemberState.DRAINING:
+            return
+        self._log.warning("member %s did not confirm DRAIN in time; treated as gone", m.member_id)
+        transition_member(m, MemberState.GONE)
+        m.rank = None
+        self._supersede(m)
+        self._dirty(m)
+
+    def _leavers_gone(self, r: Resize) -> bool:
+        return all(self.members[i].state == MemberState.GONE for i in r.leaving)
 
     def _open_for_resize(self, r: Resize, newcomers: Sequence[Member] | None = None) -> None:
         now = self._clock.now()
-        # Leavers that neither acked nor timed out are past their drain deadline.
-        for mid in r.leaving:
-            m = self.members[mid]
-            if m.state != MemberState.GONE:
-                self._log.warning("member %s did not confirm DRAIN; treated as gone", mid)
-                transition_member(m, MemberState.GONE)
-                m.rank = None
-                self._supersede(m)
-                self._dirty(m)
         first = newcomers is not None
         if first:
             stayers: list[Member] = []
@@ -1056,6 +1065,10 @@ class JobRuntime:
             return
         ms = [self.members[i] for i in gen.member_ids]
         if any(m.first_step_at is None or m.reported_generation != gen.generation for m in ms):
+            return
+        # The scaler lowers the replicas right after COMPLETED: a leaver still draining
+        # would be killed before it acked.
+        if not self._leavers_gone(r):
             return
         pause, breakdown = measure_pause(
             held_at_latest=r.held_at_latest,
@@ -1212,6 +1225,20 @@ class JobRuntime:
                 worker_failed=False,
                 reason=f"no heartbeat for {self._tuning.sync_timeout_s:.1f} s",
             )
+        overdue_drains = [
+            self.members[d.member_id]
+            for d in self.directives.values()
+            if d.pending
+            and d.kind == DirectiveKind.DRAIN
+            and d.deadline_at is not None
+            and now > d.deadline_at
+        ]
+        for m in overdue_drains:
+            self._drain_out(m)
+        if overdue_drains:
+            # The last leaver gone may complete a resize whose g+1 already runs, before its
+            # phase deadline could fail it.
+            self._advance()
         r = self.active_resize()
         if r is not None and now >= r.phase_deadline_at:
             self._on_deadline(r)
@@ -1251,8 +1278,17 @@ class JobRuntime:
                 f"step {r.checkpoint_step} from {', '.join(missing)}",
             )
         elif r.phase == ResizePhase.DRAINING:
+            for mid in r.leaving:
+                self._drain_out(self.members[mid])
             self._open_for_resize(r)
         elif r.phase == ResizePhase.RENDEZVOUS:
+            # The leavers' DRAIN went out with the RENDEZVOUS, so their deadline is this
+            # one: a leaver that never acked must not fail a g+1 that runs.
+            for mid in r.leaving:
+                self._drain_out(self.members[mid])
+            self._maybe_complete(r)
+            if r.phase.final:
+                return
             gen = self.generations[r.to_generation]
             late = [
                 self.members[i] for i in gen.member_ids if self.members[i].first_step_at is None

@@ -88,11 +88,14 @@ RESIZE_TRANSITIONS: Mapping[ResizePhase, frozenset[ResizePhase]] = {
     ),
     ResizePhase.CHECKPOINTING: frozenset(
         {
-            ResizePhase.DRAINING,  # every participant acked and someone leaves
-            ResizePhase.RENDEZVOUS,  # every participant acked, nobody leaves
+            # Every participant acked. On a shrink the leavers get DRAIN at the same moment
+            # and drain while g+1 forms: RENDEZVOUS covers both.
+            ResizePhase.RENDEZVOUS,
             ResizePhase.ABORTED,  # deadline, nack, participant lost, AbortResize, restart
         }
     ),
+    # Nothing enters DRAINING any more: only a resize persisted by a coordinator that drained
+    # before the rendezvous is in it, and a restart carries it on along these edges.
     ResizePhase.DRAINING: frozenset(
         {
             ResizePhase.RENDEZVOUS,  # leavers acked DRAIN, are gone, or their deadline passed
@@ -101,7 +104,9 @@ RESIZE_TRANSITIONS: Mapping[ResizePhase, frozenset[ResizePhase]] = {
     ),
     ResizePhase.RENDEZVOUS: frozenset(
         {
-            ResizePhase.COMPLETED,  # every member of g+1 reported its first step
+            # Every member of g+1 reported its first step and every leaver is GONE (acked
+            # DRAIN or passed its drain deadline, which is this phase's deadline).
+            ResizePhase.COMPLETED,
             ResizePhase.FAILED,  # a member of g+1 was lost or g+1 missed the deadline
         }
     ),

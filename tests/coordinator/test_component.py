@@ -12,7 +12,7 @@ from tide.v1 import coordinator_pb2 as pb
 from services.common.errors import Unavailable
 from services.coordinator.store import MemoryStore, Unit
 from tests.coordinator.conftest import JOB, TUNING, Env, close_env, make_env
-from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch, eventually
+from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch, eventually, ts
 
 K = pb.Directive.Kind
 P = pb.ResizePhase
@@ -89,12 +89,89 @@ async def test_shrink_3_to_1_drains_the_highest_indexes(env: Env) -> None:
     final = await w.final()
 
     assert final.phase == P.RESIZE_PHASE_COMPLETED
-    assert P.RESIZE_PHASE_DRAINING in w.phases()
+    # The leavers drain while the stayer forms g+1: no separate DRAINING phase.
+    assert P.RESIZE_PHASE_DRAINING not in w.phases()
+    assert w.phases().index(P.RESIZE_PHASE_CHECKPOINTING) < w.phases().index(
+        P.RESIZE_PHASE_RENDEZVOUS
+    )
     assert (final.generation, final.world_size) == (2, 1)
     assert ls[0].rank == 0 and ls[0].restore_step == final.checkpoint_step
     assert ls[2].kinds() == [K.KIND_RENDEZVOUS, K.KIND_CHECKPOINT, K.KIND_DRAIN]
     st = await env.status()
     assert [m.pod_name for m in st.members] == ["job-trainer-0"]
+
+
+async def _shrink_2_to_1_with_a_silent_leaver(env: Env) -> tuple[list[FakeLauncher], ResizeWatch]:
+    """A 2 -> 1 shrink whose leaver receives DRAIN but does not act on it, so the test
+    decides when (or whether) its ack comes."""
+    ls = await form(env, 2)
+    await env.heartbeat_all()
+    ls[1].handle_directives = False
+    w = ResizeWatch(env.stub, JOB, 2, 1, deadline_s=10.0)
+    await eventually(lambda: K.KIND_CHECKPOINT in ls[1].kinds(), what="barrier")
+    ck = next(d for d in ls[1].received if d.kind == K.KIND_CHECKPOINT)
+    ls[1].phase = pb.WORKER_PHASE_HOLDING
+    await ls[1].ack(ck, ok=True, held_at=ts(env.clock.now()))
+    assert ls[1].ack_errors == []
+    return ls, w
+
+
+async def test_leaver_acks_drain_after_the_stayers_already_run(env: Env) -> None:
+    ls, w = await _shrink_2_to_1_with_a_silent_leaver(env)
+    # The stayer's RENDEZVOUS does not wait for the leaver's DRAIN ack.
+    await eventually(lambda: K.KIND_DRAIN in ls[1].kinds(), what="drain sent")
+    await eventually(lambda: ls[0].generation == 2, what="stayer in generation 2")
+    rt = env.coordinator.jobs[JOB]
+    assert rt.pending_directives(ls[1].member_id)[0].kind.name == "DRAIN"
+    await env.heartbeat_all()  # the stayer's first step in g+1; the leaver still holds in g
+    await eventually(lambda: w.last.phase == P.RESIZE_PHASE_RENDEZVOUS, what="rendezvous")
+    # Not COMPLETED while a leaver is still there: the scaler would kill its pod.
+    assert not rt.resizes[2].phase.final
+    assert P.RESIZE_PHASE_DRAINING not in w.phases()
+
+    drain = next(d for d in ls[1].received if d.kind == K.KIND_DRAIN)
+    assert drain.generation == 1
+    await ls[1].ack(drain, ok=True)  # the job is in generation 2 by now
+    assert ls[1].ack_errors == []
+    final = await w.final()
+    assert final.phase == P.RESIZE_PHASE_COMPLETED
+    assert (final.generation, final.world_size, final.lost_steps) == (2, 1, 0)
+    st = await env.status()
+    # No re-formation and no loss: the leaver simply left.
+    assert (st.generation, st.world_size, st.lost_steps_total) == (2, 1, 0)
+    assert [m.pod_name for m in st.members] == ["job-trainer-0"]
+    reg = env.coordinator.metrics.registry
+    assert (reg.get_sample_value("tide_coordinator_members_lost_total") or 0.0) == 0.0
+    assert ls[0].kinds().count(K.KIND_RENDEZVOUS) == 2  # g1 and g2 only
+
+
+async def test_leaver_that_never_acks_drain_leaves_at_its_deadline_without_re_forming(
+    env: Env,
+) -> None:
+    ls, w = await _shrink_2_to_1_with_a_silent_leaver(env)
+    await eventually(lambda: ls[0].generation == 2, what="stayer in generation 2")
+    await env.heartbeat_all()  # the stayer runs in g+1; the leaver heartbeats, holding in g
+    env.coordinator.tick()
+    rt = env.coordinator.jobs[JOB]
+    assert rt.resizes[2].phase.name == "RENDEZVOUS"
+    await env.heartbeat_all(advance_s=10.0)  # past the drain deadline (10 s)
+    env.coordinator.tick()
+    final = await w.final()
+    assert final.phase == P.RESIZE_PHASE_COMPLETED, final
+    st = await env.status()
+    assert (st.generation, st.world_size, st.lost_steps_total) == (2, 1, 0)
+    assert [m.pod_name for m in st.members] == ["job-trainer-0"]
+    assert ls[0].kinds().count(K.KIND_RENDEZVOUS) == 2
+    reg = env.coordinator.metrics.registry
+    assert (reg.get_sample_value("tide_coordinator_members_lost_total") or 0.0) == 0.0
+    # Its late heartbeat is told it has left; a late ack is accepted and changes nothing.
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await ls[1].heartbeat()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    drain = next(d for d in ls[1].received if d.kind == K.KIND_DRAIN)
+    await ls[1].ack(drain, ok=True)
+    assert ls[1].ack_errors == []
+    assert (await env.status()).generation == 2
 
 
 async def test_shrink_with_named_leaver_keeps_relative_rank_order(env: Env) -> None:

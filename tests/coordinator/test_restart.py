@@ -23,7 +23,7 @@ from services.coordinator.domain import JobRecord
 from services.coordinator.sql_store import SqlStore
 from services.coordinator.store import CoordinatorStore, MemoryStore, Unit
 from tests.coordinator.conftest import JOB, Env, close_env, make_env
-from tests.coordinator.fakes import ResizeWatch, eventually
+from tests.coordinator.fakes import ResizeWatch, eventually, ts
 
 K = pb.Directive.Kind
 P = pb.ResizePhase
@@ -167,6 +167,45 @@ async def test_restart_after_rendezvous_carries_the_resize_to_completion(senv: E
     assert (final.generation, final.world_size) == (2, 3)
     st = await env.status()
     assert st.last_checkpoint_step == final.checkpoint_step > 0
+
+
+async def test_restart_while_leavers_drain_and_stayers_form_carries_the_shrink_on(
+    senv: Env,
+) -> None:
+    env = senv
+    await _form(env, 2)
+    await env.heartbeat_all()
+    stayer, leaver = env.launchers
+    stayer.answer_rendezvous = False
+    leaver.handle_directives = False
+    ResizeWatch(env.stub, JOB, 2, 1, deadline_s=60.0)
+    await eventually(lambda: K.KIND_CHECKPOINT in leaver.kinds(), what="barrier")
+    ck = next(d for d in leaver.received if d.kind == K.KIND_CHECKPOINT)
+    leaver.phase = pb.WORKER_PHASE_HOLDING
+    await leaver.ack(ck, ok=True, held_at=ts(env.clock.now()))
+    # DRAIN and the stayer's RENDEZVOUS are out together; neither is acked.
+    await eventually(
+        lambda: K.KIND_DRAIN in leaver.kinds() and K.KIND_RENDEZVOUS in stayer.kinds()[1:],
+        what="drain and rendezvous sent",
+    )
+    sent = {fl.member_id: fl.received[-1].directive_id for fl in env.launchers}
+
+    await env.restart()
+    stayer.answer_rendezvous = True
+    leaver.handle_directives = True
+    await _reconnect_all(env)
+    assert [fl.state for fl in env.launchers] == [
+        pb.MEMBER_STATE_ACTIVE,
+        pb.MEMBER_STATE_DRAINING,
+    ]
+    await eventually(lambda: leaver.exited and stayer.generation == 2, what="re-sent, acked")
+    assert {fl.member_id: fl.received[-1].directive_id for fl in env.launchers} == sent
+    await env.heartbeat_all()
+    final = await ResizeWatch(env.stub, JOB, 2, 1).final()
+    assert final.phase == P.RESIZE_PHASE_COMPLETED, final
+    st = await env.status()
+    assert (st.generation, st.world_size, st.lost_steps_total) == (2, 1, 0)
+    assert [m.pod_name for m in st.members] == ["job-trainer-0"]
 
 
 async def test_directive_ids_stay_unique_across_restarts(senv: Env) -> None:
