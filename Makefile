@@ -2,18 +2,12 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: setup demo test test-fast lint proto proto-check bench clean
 
-setup: $(STAMP)
-
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[services,trainer,paddle-cpu,demo,dev]'
-	touch $(STAMP)
+setup:
+	PYTHON=$(PYTHON) scripts/setup.sh
 
 demo: setup
 	$(VENV)/bin/tide demo
