@@ -11,7 +11,7 @@ import getpass
 import importlib.util
 import os
 import sys
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from enum import IntEnum, StrEnum
 from pathlib import Path
@@ -148,6 +148,27 @@ def scaler_client(
     return GrpcScaler(
         scaler, token=token, timeout_s=timeout_s, ca_file=ca, cert_file=cert, key_file=key
     )
+
+
+def call_scaler(
+    scaler: str,
+    call: Callable[[GrpcScaler], Awaitable[T]],
+    *,
+    token: str = "",
+    timeout_s: float,
+    ca: str,
+    cert: str,
+    key: str,
+) -> T:
+    """Connect to the scaler, make one call, and close: the admin commands' whole I/O."""
+
+    async def go() -> T:
+        async with scaler_client(
+            scaler, token=token, timeout_s=timeout_s, ca=ca, cert=cert, key=key
+        ) as s:
+            return await call(s)
+
+    return run(go())
 
 
 def history_source(
@@ -387,13 +408,15 @@ def scale_cmd(
     """Resize a job by hand, through the same coordinated path as the policy's."""
     why = _need_reason(reason)
 
-    async def go() -> Any:
-        async with scaler_client(
-            scaler, token=token, timeout_s=timeout_s, ca=ca_file, cert=cert_file, key=key_file
-        ) as s:
-            return await s.request_resize(job, replicas, why, requested_by or _who())
-
-    d = run(go())
+    d = call_scaler(
+        scaler,
+        lambda s: s.request_resize(job, replicas, why, requested_by or _who()),
+        token=token,
+        timeout_s=timeout_s,
+        ca=ca_file,
+        cert=cert_file,
+        key=key_file,
+    )
     typer.echo(
         f"decision {d.id}: {d.job_id} {d.from_replicas} → {d.to_replicas} replicas"
         f" ({render.state_name(d.state)}); follow it with `tide explain {d.id}`"
@@ -414,13 +437,15 @@ def pause_cmd(
     """Freeze autoscaling of a job (manual `tide scale` still works)."""
     why = _need_reason(reason)
 
-    async def go() -> Any:
-        async with scaler_client(
-            scaler, token=token, timeout_s=timeout_s, ca=ca_file, cert=cert_file, key=key_file
-        ) as s:
-            return await s.set_autoscaling(job, True, why)
-
-    j = run(go())
+    j = call_scaler(
+        scaler,
+        lambda s: s.set_autoscaling(job, True, why),
+        token=token,
+        timeout_s=timeout_s,
+        ca=ca_file,
+        cert=cert_file,
+        key=key_file,
+    )
     typer.echo(f"autoscaling of {j.job_id} paused: {j.pause_reason}")
 
 
@@ -436,13 +461,15 @@ def resume_cmd(
 ) -> None:
     """Resume autoscaling of a job."""
 
-    async def go() -> Any:
-        async with scaler_client(
-            scaler, token=token, timeout_s=timeout_s, ca=ca_file, cert=cert_file, key=key_file
-        ) as s:
-            return await s.set_autoscaling(job, False, "")
-
-    j = run(go())
+    j = call_scaler(
+        scaler,
+        lambda s: s.set_autoscaling(job, False, ""),
+        token=token,
+        timeout_s=timeout_s,
+        ca=ca_file,
+        cert=cert_file,
+        key=key_file,
+    )
     typer.echo(f"autoscaling of {j.job_id} resumed")
 
 
