@@ -18,19 +18,20 @@ proto: setup
 proto-check: setup
 	$(PY) scripts/gen_protos.py --check
 
-LINT_PATHS := services trainer bench scripts tests
+LINT_PATHS := services trainer tidebase bench scripts tests
 
 lint: setup
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
-	$(VENV)/bin/mypy services trainer bench scripts
+	$(VENV)/bin/mypy services trainer tidebase bench scripts
+	$(VENV)/bin/lint-imports
 
 test: setup proto-check lint
 	scripts/ensure_postgres.sh
 	TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test $(PY) -m pytest
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "unit or component"
 
 bench: setup
 	$(PY) -m bench.ingest --quick

@@ -63,7 +63,7 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
     import grpc
     from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
-    from services.common.grpc_options import server_options
+    from tidebase.grpc_options import server_options
 
     server = grpc.aio.server(options=server_options())
     core: Any = None
@@ -87,7 +87,6 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
 
         telemetry_pb2_grpc.add_TelemetryServicer_to_server(Bare(), server)
     else:
-        from services.common import db
         from services.common.clock import SystemClock
         from services.scaler.actuator import InMemoryActuator
         from services.scaler.coordination import InMemoryCoordinator
@@ -96,6 +95,7 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
         from services.scaler.service import SWITCH_INTERVAL_S, ScalerCore
         from services.scaler.store import DecisionStore
         from services.scaler.telemetry_api import TelemetryServicer
+        from services.store import db
 
         # As python -m services.scaler does (see services/scaler/__main__.py).
         sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -199,7 +199,7 @@ async def _agents(
 ) -> None:
     import grpc
 
-    from services.common.grpc_options import client_options
+    from tidebase.grpc_options import client_options
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=client_options()) as ch:
         method = ch.stream_stream(

@@ -1,10 +1,31 @@
-"""Shared fixtures. Per-area fixtures live next to their tests."""
+"""Shared fixtures and the tier rule. Per-area fixtures live next to their tests;
+support code that tests import lives in tests/support, never in a conftest."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+# Every test module names exactly one tier in its ``pytestmark`` (docs/architecture.md):
+# unit (pure), component (in-process, fakes, a fake clock, sockets on loopback),
+# integration (real processes, PostgreSQL, Paddle) and e2e (the whole stack).
+TIERS = ("unit", "component", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wrong = sorted(
+        {
+            item.nodeid.split("::")[0]
+            for item in items
+            if sum(1 for t in TIERS if item.get_closest_marker(t)) != 1
+        }
+    )
+    if wrong:
+        raise pytest.UsageError(
+            "each test module needs exactly one tier marker "
+            f"({', '.join(TIERS)}) in its pytestmark: {', '.join(wrong)}"
+        )
 
 
 @pytest.fixture(scope="session")

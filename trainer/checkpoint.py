@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.errors import ConfigError, FailedPrecondition, NotFound
+from tidebase.errors import ConfigError, FailedPrecondition, NotFound
 
 logger = logging.getLogger(__name__)
 

@@ -44,9 +44,9 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
-from services.common.client import open_channel
-from services.common.errors import ConfigError, FailedPrecondition
-from services.common.grpc_options import DEFAULT_TIMEOUT_S
+from tidebase.client import open_channel
+from tidebase.errors import ConfigError, FailedPrecondition
+from tidebase.grpc_options import DEFAULT_TIMEOUT_S
 from trainer.channel import CONTROL_SOCKET_ENV, Message
 from trainer.session import (
     GENERATION_ENV,

@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 import numpy.typing as npt
 
-from services.common.errors import ConfigError
+from tidebase.errors import ConfigError
 
 IndexArray = npt.NDArray[np.int64]
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from services.common.errors import ConfigError, DeadlineExceeded
+from tidebase.errors import ConfigError, DeadlineExceeded
 from trainer.channel import CONTROL_SOCKET_ENV, Message, NullChannel, SocketChannel, WorkerChannel
 from trainer.checkpoint import (
     CheckpointNotFound,

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from services.common.errors import Unavailable
+from tidebase.errors import Unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any
 from services.common import logs
 from services.common.clock import SystemClock
 from services.common.config import CommonSettings, load_settings
-from services.common.errors import ConfigError
 from services.common.server import RunningServer, start_server
+from tidebase.errors import ConfigError
 
 from .agent import Agent
 from .attribution import PodResourcesClient

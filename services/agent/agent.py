@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 from services.common.clock import Clock, SystemClock
-from services.common.errors import Unavailable
+from tidebase.errors import Unavailable
 
 from .attribution import PodResourcesClient
 from .buffer import ReportBuffer

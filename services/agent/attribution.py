@@ -6,7 +6,7 @@ import logging
 
 import grpc
 
-from services.common.errors import Unavailable
+from tidebase.errors import Unavailable
 
 from .model import GpuReading, PodOwner
 from .podresources import api_pb2, api_pb2_grpc

@@ -26,7 +26,7 @@ import collections
 
 from tide.v1 import telemetry_pb2
 
-from services.common.errors import ConfigError
+from tidebase.errors import ConfigError
 
 
 class ReportBuffer:

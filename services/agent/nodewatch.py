@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.clock import Clock, SystemClock
+from tidebase.retry import Backoff
 
-from .backoff import Backoff
 from .model import NodeNotice, NoticeKind
 
 logger = logging.getLogger(__name__)

@@ -7,9 +7,9 @@ import os
 import socket
 from pathlib import Path
 
-from services.common import grpc_options
 from services.common.config import setting
-from services.common.errors import ConfigError
+from tidebase import grpc_options
+from tidebase.errors import ConfigError
 
 SOURCES = ("nvml", "replay", "synthetic")
 

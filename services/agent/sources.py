@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from services.common.clock import Clock
-from services.common.errors import ConfigError, Unavailable
+from tidebase.errors import ConfigError, Unavailable
 
 from .model import GpuReading, HealthFlag
 

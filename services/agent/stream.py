@@ -25,10 +25,10 @@ from typing import cast
 import grpc
 from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
-from services.common import grpc_options
 from services.common.clock import Clock, SystemClock
+from tidebase import grpc_options
+from tidebase.retry import Backoff
 
-from .backoff import Backoff
 from .buffer import ReportBuffer
 from .metrics import AgentMetrics
 

@@ -23,7 +23,7 @@ from rich.console import Console
 from services.cli import render
 from services.cli.source import GrpcScaler, SqlHistory
 from services.cli.timeparse import iso, parse_time
-from services.common import errors
+from tidebase import errors
 
 T = TypeVar("T")
 
@@ -69,7 +69,7 @@ def db_upgrade(
     revision: Annotated[str, typer.Option(help="target revision")] = "head",
 ) -> None:
     """Upgrade the schema to the latest (or the given) revision."""
-    from services.common import db as store
+    from services.store import db as store
 
     try:
         store.upgrade(db, revision)
@@ -84,7 +84,7 @@ def db_downgrade(
     db: Annotated[str, typer.Option("--db", envvar="TIDE_DB", help="SQLAlchemy URL")] = DEFAULT_DB,
 ) -> None:
     """Downgrade the schema (destroys data of the dropped tables)."""
-    from services.common import db as store
+    from services.store import db as store
 
     try:
         store.downgrade(db, revision)

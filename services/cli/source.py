@@ -19,8 +19,8 @@ from google.protobuf import json_format
 from google.protobuf.timestamp_pb2 import Timestamp
 from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
-from services.common import errors
-from services.common.client import bearer, domain_error, open_channel
+from tidebase import errors
+from tidebase.client import bearer, domain_error, open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class SqlHistory:
         from sqlalchemy import inspect
         from sqlalchemy.exc import DBAPIError
 
-        from services.common import db
+        from services.store import db
 
         engine = db.make_engine(self._url)
         where = db._safe(self._url)
@@ -278,7 +278,7 @@ class SqlHistory:
     def _read(self, fn: Any) -> Any:
         from sqlalchemy.exc import DBAPIError
 
-        from services.common import db
+        from services.store import db
 
         try:
             with db.session_scope(self._factory, write=False) as session:

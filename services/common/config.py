@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from services.common.errors import ConfigError
+from tidebase.errors import ConfigError
 
 T = TypeVar("T")
 

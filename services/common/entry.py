@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from services.common import logs
 from services.common.config import CommonSettings, load_settings
-from services.common.errors import ConfigError, TideError
+from tidebase.errors import ConfigError, TideError
 
 logger = logging.getLogger(__name__)
 

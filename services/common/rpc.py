@@ -10,7 +10,7 @@ from typing import Any, TypeVar, cast
 
 import grpc
 
-from services.common.errors import TideError, grpc_status_of
+from tidebase.errors import TideError, grpc_status_of
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 from services.common.config import CommonSettings
-from services.common.grpc_options import server_options
+from tidebase.grpc_options import server_options
 
 logger = logging.getLogger(__name__)
 

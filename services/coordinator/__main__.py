@@ -12,7 +12,6 @@ import sys
 from prometheus_client import REGISTRY
 from tide.v1 import coordinator_pb2_grpc
 
-from services.common import db
 from services.common.clock import SystemClock
 from services.common.entry import run_service
 from services.common.server import ServiceSpec, serve
@@ -21,6 +20,7 @@ from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.servicer import ADMIN_METHODS, SERVICE_NAME, CoordinatorServicer
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.sql_store import SqlStore
+from services.store import db
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from services.common.clock import Clock
-from services.common.errors import InvalidArgument, Unavailable
 from services.common.logs import with_context
 from services.coordinator.domain import (
     Breakdown,
@@ -56,6 +55,7 @@ from services.coordinator.errors import (
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.settings import Tuning
 from services.coordinator.store import CoordinatorStore, JobSnapshot, Unit
+from tidebase.errors import InvalidArgument, Unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from services.common.errors import TideError
+from tidebase.errors import TideError
 
 
 class InvalidTransition(TideError):

@@ -1,8 +1,8 @@
-"""Errors of the coordinator domain; services.common.errors maps them to gRPC codes."""
+"""Errors of the coordinator domain; tidebase.errors maps them to gRPC codes."""
 
 from __future__ import annotations
 
-from services.common.errors import FailedPrecondition, NotFound
+from tidebase.errors import FailedPrecondition, NotFound
 
 
 class UnknownJob(NotFound):

@@ -16,7 +16,6 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
-from services.common.errors import InvalidArgument
 from services.common.rpc import rpc_errors
 from services.coordinator.core import (
     AckInput,
@@ -28,6 +27,7 @@ from services.coordinator.core import (
     ResizeView,
 )
 from services.coordinator.domain import Breakdown, Directive, WorkerPhase
+from tidebase.errors import InvalidArgument
 
 SERVICE_NAME = "tide.v1.Coordinator"
 #: Scaler-facing calls that change a job; they need the admin token when one is set.

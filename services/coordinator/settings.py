@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import CommonSettings, setting
-from services.common.errors import ConfigError
+from tidebase.errors import ConfigError
 
 
 def _positive(name: str, value: float) -> None:

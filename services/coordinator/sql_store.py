@@ -1,7 +1,7 @@
 """The coordinator's store in SQL (SQLite or PostgreSQL).
 
 Repository functions take the session; :class:`SqlStore` opens one transaction
-per unit at the edge, through :func:`services.common.db.unit_of_work` (retried on
+per unit at the edge, through :func:`services.store.db.unit_of_work` (retried on
 dropped connections and lock timeouts). ORM rows never leave this module.
 
 Versioned rows (job, member, resize) are compare-and-set: a row whose stored
@@ -17,8 +17,6 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.common.db import unit_of_work, utc_from_epoch
-from services.common.errors import Conflict
 from services.coordinator.domain import (
     Breakdown,
     Checkpoint,
@@ -32,7 +30,9 @@ from services.coordinator.domain import (
     Resize,
     ResizePhase,
 )
-from services.coordinator.models import (
+from services.coordinator.store import JobSnapshot, Unit
+from services.store.db import unit_of_work, utc_from_epoch
+from services.store.models.coordinator import (
     CoordCheckpoint,
     CoordDirective,
     CoordGeneration,
@@ -40,7 +40,7 @@ from services.coordinator.models import (
     CoordMember,
     CoordResize,
 )
-from services.coordinator.store import JobSnapshot, Unit
+from tidebase.errors import Conflict
 
 
 def _dt(seconds: float) -> datetime:
@@ -398,7 +398,7 @@ def load_all(session: Session) -> list[JobSnapshot]:
 
 
 class SqlStore:
-    """CoordinatorStore over a session factory (see services.common.db)."""
+    """CoordinatorStore over a session factory (see services.store.db)."""
 
     def __init__(self, factory: sessionmaker[Session], now: Callable[[], float]) -> None:
         self._factory = factory

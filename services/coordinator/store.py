@@ -14,8 +14,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.common.errors import Conflict
 from services.coordinator.domain import Checkpoint, Directive, Generation, JobRecord, Member, Resize
+from tidebase.errors import Conflict
 
 
 @dataclass

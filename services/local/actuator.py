@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.clock import Clock, SystemClock
-from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
+from tidebase.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
 
 logger = logging.getLogger(__name__)
 

@@ -41,13 +41,13 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from tide.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, scaler_pb2, scaler_pb2_grpc
 
 import trainer
-from services.common.client import open_channel
-from services.common.errors import ConfigError, FailedPrecondition, TideError, Unavailable
 from services.local.actuator import JobSpec, job_dir_name
 from services.local.load import LoadSettings, pods_by_index
 from services.local.samples import SampleAudit, audit
 from services.local.up import LocalCluster, UpSettings
 from services.local.view import DecisionView, Snapshot
+from tidebase.client import open_channel
+from tidebase.errors import ConfigError, FailedPrecondition, TideError, Unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
-from services.common.client import open_channel
 from services.common.clock import Clock, SystemClock
-from services.common.errors import ConfigError
+from tidebase.client import open_channel
+from tidebase.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

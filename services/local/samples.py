@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.common.errors import InvalidArgument
+from tidebase.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from services.common.clock import Clock, SystemClock
-from services.common.errors import ConfigError, FailedPrecondition, Unavailable
+from tidebase.errors import ConfigError, FailedPrecondition, Unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -33,11 +33,11 @@ from typing import IO
 
 import grpc
 
-from services.common.errors import ConfigError, FailedPrecondition
 from services.local.actuator import LocalActuator, LocalActuatorSettings
 from services.local.kubelet import serve_pod_resources
 from services.local.load import LoadSettings, SyntheticNode
 from services.local.supervisor import Child, ChildSpec, Supervisor
+from tidebase.errors import ConfigError, FailedPrecondition
 
 logger = logging.getLogger(__name__)
 

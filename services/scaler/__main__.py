@@ -10,8 +10,6 @@ from pathlib import Path
 from prometheus_client import REGISTRY
 from tide.v1 import scaler_pb2_grpc, telemetry_pb2_grpc
 
-from services.common import db
-from services.common.client import open_channel
 from services.common.clock import Clock, SystemClock
 from services.common.entry import run_service
 from services.common.server import ServiceSpec, serve
@@ -27,6 +25,8 @@ from services.scaler.lifecycle import FaultPoint
 from services.scaler.service import SWITCH_INTERVAL_S, ScalerCore, ScalerSettings
 from services.scaler.store import DecisionStore
 from services.scaler.telemetry_api import TelemetryServicer
+from services.store import db
+from tidebase.client import open_channel
 
 logger = logging.getLogger("services.scaler")
 

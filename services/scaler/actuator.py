@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from services.common.errors import InvalidArgument
+from tidebase.errors import InvalidArgument
 
 
 class Actuator(Protocol):

@@ -15,13 +15,13 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
-from services.common.db import utc_from_epoch
-from services.common.errors import InvalidArgument
 from services.common.rpc import rpc_errors
 from services.scaler import policy as pol
 from services.scaler.lifecycle import state_from_proto, state_to_proto
 from services.scaler.repo import DecisionRecord, JobRecord, RollupRecord
 from services.scaler.service import ScalerCore
+from services.store.db import utc_from_epoch
+from tidebase.errors import InvalidArgument
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 

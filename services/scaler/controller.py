@@ -15,12 +15,12 @@ import logging
 from collections.abc import Callable
 
 from services.common.clock import Clock
-from services.common.errors import TideError, Unavailable
 from services.scaler.actuator import Actuator
 from services.scaler.coordination import CoordinatorClient, Phase, Progress, ResizeSpec
 from services.scaler.lifecycle import FaultPoint
 from services.scaler.repo import DecisionRecord, DecisionState, StaleEpoch
 from services.scaler.store import DecisionStore
+from tidebase.errors import TideError, Unavailable
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from typing import Protocol
 import grpc
 from tide.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-from services.common.client import domain_error
-from services.common.grpc_options import DEFAULT_TIMEOUT_S
 from services.scaler.members import Member
+from tidebase.client import domain_error
+from tidebase.grpc_options import DEFAULT_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -321,7 +321,7 @@ def _progress_from(d: dict[str, object]) -> Progress:
 
 
 class GrpcCoordinatorClient:
-    """The real client. Errors come back as TideErrors (services.common.client.domain_error)."""
+    """The real client. Errors come back as TideErrors (tidebase.client.domain_error)."""
 
     def __init__(self, channel: grpc.aio.Channel, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._stub = coordinator_pb2_grpc.CoordinatorStub(channel)

@@ -22,10 +22,10 @@ from prometheus_client.registry import Collector
 from tide.v1 import telemetry_pb2
 
 from services.common.clock import Clock
-from services.common.errors import ConfigError, InvalidArgument
 from services.scaler.members import MemberRegistry
 from services.scaler.policy import WindowView
 from services.scaler.windows import JobWindow, NodeGpus, Rollups, stagger_offset
+from tidebase.errors import ConfigError, InvalidArgument
 
 logger = logging.getLogger(__name__)
 

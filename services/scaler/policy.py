@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
+from tidebase.errors import ConfigError, FailedPrecondition, InvalidArgument
 
 
 class Reason(enum.Enum):

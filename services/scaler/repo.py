@@ -1,7 +1,7 @@
 """The scaler's repository: every read and write of jobs, decisions, events and rollups.
 
 Functions take an open Session first and never commit: the caller owns the
-transaction (``services.common.db.session_scope`` or ``unit_of_work``), so a
+transaction (``services.store.db.session_scope`` or ``unit_of_work``), so a
 state change, its event row and its fencing check commit together or not at
 all. They return frozen records; ORM objects never leave this module.
 
@@ -33,19 +33,19 @@ from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.exc import StaleDataError
 
-from services.common.db import StaleWrite, json_dumps
-from services.common.errors import (
-    Conflict,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-)
-from services.scaler.models import (
+from services.store.db import StaleWrite, json_dumps
+from services.store.models.scaler import (
     JOB_ID_LEN,
     Decision,
     DecisionEvent,
     Job,
     UtilizationRollup,
+)
+from tidebase.errors import (
+    Conflict,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
 )
 
 logger = logging.getLogger(__name__)

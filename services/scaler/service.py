@@ -21,8 +21,6 @@ from typing import Any
 
 from services.common.clock import Clock
 from services.common.config import CommonSettings, setting
-from services.common.db import utc_from_epoch
-from services.common.errors import ConfigError, InvalidArgument, NotFound, TideError
 from services.scaler import policy as pol
 from services.scaler.actuator import Actuator, InMemoryActuator
 from services.scaler.controller import Controller
@@ -39,6 +37,8 @@ from services.scaler.repo import (
     StaleEpoch,
 )
 from services.scaler.store import DecisionStore
+from services.store.db import utc_from_epoch
+from tidebase.errors import ConfigError, InvalidArgument, NotFound, TideError
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from services.common import db
 from services.common.clock import Clock
 from services.scaler import repo
 from services.scaler.repo import (
@@ -25,6 +24,7 @@ from services.scaler.repo import (
     JobRecord,
     RollupRecord,
 )
+from services.store import db
 
 logger = logging.getLogger(__name__)
 

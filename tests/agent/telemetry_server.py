@@ -22,7 +22,7 @@ from typing import IO, Any
 import grpc
 from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
-from services.common import grpc_options
+from tidebase import grpc_options
 
 
 @dataclass

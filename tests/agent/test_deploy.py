@@ -9,6 +9,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+pytestmark = pytest.mark.unit
+
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "agent"
 K8S_VERSION = "1.30"
 

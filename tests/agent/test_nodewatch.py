@@ -11,12 +11,14 @@ import pytest
 from kubernetes import client as k8s
 from tide.v1 import telemetry_pb2
 
-from services.agent.backoff import Backoff
 from services.agent.model import NodeNotice, NoticeKind
 from services.agent.nodewatch import NodeView, NodeWatcher, notices_between
+from tidebase.retry import Backoff
 
 from .conftest import RunAgent, Scaler, agent_settings, eventually
 from .kube_emulator import NodeApi
+
+pytestmark = pytest.mark.component
 
 NODE = "gpu-node-1"
 

@@ -13,6 +13,8 @@ from services.agent.sources import SourceError
 
 from .fake_nvml import FakeGpu, FakeNvml, eight_gpus
 
+pytestmark = pytest.mark.component
+
 
 def test_reads_every_gpu() -> None:
     nv = eight_gpus()

@@ -15,10 +15,12 @@ from services.agent.attribution import PodResourcesClient
 from services.agent.model import PodOwner
 from services.agent.nvml import NvmlSource
 from services.agent.podresources import api_pb2, api_pb2_grpc
-from services.common.errors import Unavailable
+from tidebase.errors import Unavailable
 
 from .conftest import RunAgent, Scaler, agent_settings, eventually
 from .fake_nvml import FakeGpu, FakeNvml
+
+pytestmark = pytest.mark.component
 
 
 def _pod(name: str, namespace: str, *containers: tuple[str, str, list[str]]) -> Any:

@@ -19,6 +19,8 @@ from tide.v1 import telemetry_pb2
 
 from .conftest import Scaler, eventually
 
+pytestmark = pytest.mark.integration
+
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 

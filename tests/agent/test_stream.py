@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from tide.v1 import telemetry_pb2
 
 from services.agent.model import GpuReading, NodeNotice, NoticeKind
 from services.agent.stream import StreamConfig
-from services.common import grpc_options
+from tidebase import grpc_options
 
 from .conftest import RunAgent, Scaler, agent_settings, eventually
 from .proxy import StallingProxy
+
+pytestmark = pytest.mark.component
 
 
 def _contiguous(seqs: list[int]) -> bool:

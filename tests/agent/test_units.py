@@ -11,15 +11,17 @@ from hypothesis import strategies as st
 from tide.v1 import telemetry_pb2
 
 from services.agent.attribution import owners_from_response
-from services.agent.backoff import Backoff
 from services.agent.buffer import ReportBuffer
 from services.agent.model import GpuReading, HealthFlag, NodeNotice, NoticeKind, PodOwner, Sample
 from services.agent.podresources import api_pb2
 from services.agent.report import build_report
 from services.agent.settings import AgentSettings
 from services.agent.sources import Profile, ReplaySource, SourceError, SyntheticSource
-from services.common.clock import FakeClock
-from services.common.errors import ConfigError
+from services.testing.clock import FakeClock
+from tidebase.errors import ConfigError
+from tidebase.retry import Backoff
+
+pytestmark = pytest.mark.component
 
 
 def _report(events: int = 0) -> telemetry_pb2.NodeReport:

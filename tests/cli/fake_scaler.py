@@ -18,10 +18,10 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
-from services.common import errors
 from services.common.config import CommonSettings
 from services.common.rpc import rpc_errors
 from services.common.server import RunningServer, ServiceSpec, start_server
+from tidebase import errors
 
 ADMIN = frozenset(
     {

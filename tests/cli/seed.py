@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from services.common import db
 from services.scaler import repo
+from services.store import db
 
 JOB = "ml/resnet"
 OTHER = "ml/bert"

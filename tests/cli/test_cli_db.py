@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from sqlalchemy import create_engine, inspect
 from typer.testing import CliRunner
 
 from services.cli.main import app
-from services.common import db
+from services.store import db
+
+pytestmark = pytest.mark.integration
 
 runner = CliRunner()
 

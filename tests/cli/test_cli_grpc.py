@@ -20,7 +20,9 @@ from services.cli import source
 from services.cli.main import app
 from services.cli.render import CSV_COLUMNS
 from tests.cli.fake_scaler import FakeScaler, Served, serve_in_thread
-from tests.helpers import ROOT
+from tests.support.procs import ROOT
+
+pytestmark = pytest.mark.component
 
 JOB = "ml/resnet"
 TOKEN = "s3cret"

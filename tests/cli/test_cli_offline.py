@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 from services.cli.main import app
 from tests.cli.seed import JOB, OTHER, T0, Seeded, seed
 
+pytestmark = pytest.mark.component
+
 runner = CliRunner()
 
 

@@ -13,7 +13,10 @@ from tide.v1 import scaler_pb2, scaler_pb2_grpc
 from typer.testing import CliRunner
 
 from services.cli.main import app
-from tests.helpers import ServiceProcess, start_service, wait_for
+from tests.support.poll import wait_for
+from tests.support.procs import ServiceProcess, start_service
+
+pytestmark = pytest.mark.integration
 
 TOKEN = "t0ken"
 JOB = "ml/real"

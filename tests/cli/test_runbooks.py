@@ -17,9 +17,9 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from tests.cli.seed import JOB, OTHER, T0, Seeded, seed
-from tests.helpers import ROOT
+from tests.support.procs import ROOT
 
-pytestmark = pytest.mark.postgres
+pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 
 SQL_DIR = ROOT / "docs" / "runbooks" / "sql"
 WEEK = {"since": T0.replace(hour=0, minute=0, second=0), "until": T0 + timedelta(days=7)}
@@ -149,8 +149,8 @@ def test_what_scaling_cost_this_week(pg: tuple[Any, Seeded]) -> None:
 
 
 def test_a_job_start_is_no_scaling_cost(pg: tuple[Any, Seeded]) -> None:
-    from services.common import db
     from services.scaler import repo
+    from services.store import db
 
     engine, _ = pg
     job, at = "ml/fresh", T0 + timedelta(hours=1)

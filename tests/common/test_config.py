@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from services.common.config import CommonSettings, load_settings, setting
-from services.common.errors import ConfigError
+from tidebase.errors import ConfigError
+
+pytestmark = pytest.mark.unit
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,11 +11,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
-from services.common import errors
-from services.common.client import domain_error, open_channel
 from services.common.config import CommonSettings
 from services.common.rpc import rpc_errors
 from services.common.server import ServiceSpec, start_server
+from tidebase import errors
+from tidebase.client import domain_error, open_channel
+
+pytestmark = pytest.mark.component
 
 
 class Failing(scaler_pb2_grpc.ScalerServicer):

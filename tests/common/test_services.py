@@ -18,7 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tide.v1 import coordinator_pb2, coordinator_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
-from tests.helpers import ServiceProcess, start_service
+from tests.support.procs import ServiceProcess, start_service
+
+pytestmark = pytest.mark.integration
 
 GRACE_S = 2.0
 

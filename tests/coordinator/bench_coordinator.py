@@ -23,7 +23,6 @@ import sqlalchemy as sa
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
-from services.common import db
 from services.common.clock import SystemClock
 from services.common.config import CommonSettings
 from services.common.server import ServiceSpec, start_server
@@ -31,6 +30,7 @@ from services.coordinator.core import Coordinator
 from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer
 from services.coordinator.settings import Tuning
 from services.coordinator.sql_store import SqlStore
+from services.store import db
 from tests.coordinator.fakes import FakeLauncher, ResizeWatch, eventually
 
 JOB = "bench/job"

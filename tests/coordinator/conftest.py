@@ -10,13 +10,13 @@ import pytest
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
-from services.common.clock import FakeClock
 from services.common.config import CommonSettings
 from services.common.server import RunningServer, ServiceSpec, start_server
 from services.coordinator.core import Coordinator
 from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer
 from services.coordinator.settings import Tuning
 from services.coordinator.store import CoordinatorStore, MemoryStore
+from services.testing.clock import FakeClock
 from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, eventually
 
 JOB = "ns/job"

@@ -9,10 +9,12 @@ import grpc
 import pytest
 from tide.v1 import coordinator_pb2 as pb
 
-from services.common.errors import Unavailable
 from services.coordinator.store import MemoryStore, Unit
 from tests.coordinator.conftest import JOB, TUNING, Env, close_env, make_env
 from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch, eventually, ts
+from tidebase.errors import Unavailable
+
+pytestmark = pytest.mark.component
 
 K = pb.Directive.Kind
 P = pb.ResizePhase

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.errors import ConfigError
 from services.coordinator.domain import (
     MEMBER_TRANSITIONS,
     RESIZE_TRANSITIONS,
@@ -23,6 +22,9 @@ from services.coordinator.domain import (
     transition_resize,
 )
 from services.coordinator.settings import CoordinatorSettings, Tuning
+from tidebase.errors import ConfigError
+
+pytestmark = pytest.mark.unit
 
 M = MemberState
 R = ResizePhase

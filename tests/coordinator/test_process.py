@@ -16,7 +16,9 @@ from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 from services.common.clock import SystemClock
 from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch, eventually
-from tests.helpers import ServiceProcess, start_service
+from tests.support.procs import ServiceProcess, start_service
+
+pytestmark = pytest.mark.integration
 
 JOB = "ns/proc"
 K = pb.Directive.Kind

@@ -16,14 +16,16 @@ import pytest
 import sqlalchemy as sa
 from tide.v1 import coordinator_pb2 as pb
 
-from services.common import db
-from services.common.clock import FakeClock
-from services.common.errors import Conflict
 from services.coordinator.domain import JobRecord
 from services.coordinator.sql_store import SqlStore
 from services.coordinator.store import CoordinatorStore, MemoryStore, Unit
+from services.store import db
+from services.testing.clock import FakeClock
 from tests.coordinator.conftest import JOB, Env, close_env, make_env
 from tests.coordinator.fakes import ResizeWatch, eventually, ts
+from tidebase.errors import Conflict
+
+pytestmark = pytest.mark.integration
 
 K = pb.Directive.Kind
 P = pb.ResizePhase

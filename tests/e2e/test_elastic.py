@@ -22,7 +22,7 @@ from tests.e2e.checks import (
 )
 from trainer.localjob import LocalJob, loss_records, read_jsonl, reference_run
 
-pytestmark = [pytest.mark.paddle, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 
 DATASET, BATCH = 1000, 64
 SPE = -(-DATASET // BATCH)  # 16 steps per epoch; the 16th takes the 40-sample tail

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import ConfigError, InvalidArgument, NotFound
 from services.local.actuator import (
     JobSpec,
     LocalActuator,
@@ -19,7 +18,10 @@ from services.local.actuator import (
     _proc_stat,
     is_running,
 )
-from tests.helpers import wait_for
+from tests.support.poll import wait_for
+from tidebase.errors import ConfigError, InvalidArgument, NotFound
+
+pytestmark = pytest.mark.component
 
 FAKE = str(Path(__file__).with_name("fake_launcher.py"))
 JOB = "ml/resnet"

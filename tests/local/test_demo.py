@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.support.procs import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.paddle]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.paddle]
 
 
 def tide(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:

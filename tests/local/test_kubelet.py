@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from services.agent.attribution import PodResourcesClient
 from services.local.kubelet import serve_pod_resources
+
+pytestmark = pytest.mark.component
 
 
 async def test_the_agent_client_sees_which_local_pod_holds_each_gpu(tmp_path: Path) -> None:

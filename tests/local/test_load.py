@@ -12,9 +12,11 @@ import pytest
 from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 from services.common.config import CommonSettings
-from services.common.errors import ConfigError
 from services.common.server import ServiceSpec, start_server
 from services.local.load import LoadSettings, SyntheticNode
+from tidebase.errors import ConfigError
+
+pytestmark = pytest.mark.component
 
 
 class Recorder(telemetry_pb2_grpc.TelemetryServicer):

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import InvalidArgument
 from services.local.samples import audit
+from tidebase.errors import InvalidArgument
 from trainer.sampler import ResumableSampler, SamplerConfig
+
+pytestmark = pytest.mark.unit
 
 SIZE, BATCH, SEED = 100, 16, 3  # 7 steps per epoch, the last one takes 4 samples
 SAMPLER = ResumableSampler(SamplerConfig(SIZE, BATCH, SEED))

@@ -10,9 +10,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.errors import ConfigError, Unavailable
 from services.local.supervisor import ChildSpec, ChildState, Supervisor
-from tests.helpers import ROOT
+from tests.support.procs import ROOT
+from tidebase.errors import ConfigError, Unavailable
+
+pytestmark = pytest.mark.component
 
 SERVICE = (sys.executable, "-m", "tests.common.sample_service", "--listen", "127.0.0.1:0")
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, wait_for
+from tests.support.poll import wait_for
+from tests.support.procs import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def processes_mentioning(text: str) -> list[int]:

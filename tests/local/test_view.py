@@ -8,7 +8,6 @@ import pytest
 from rich.console import Console
 from tide.v1 import common_pb2, scaler_pb2
 
-from services.common.errors import ConfigError, FailedPrecondition
 from services.local.demo import (
     DemoSettings,
     Outcome,
@@ -20,6 +19,9 @@ from services.local.demo import (
 )
 from services.local.samples import SampleAudit
 from services.local.view import DecisionView, PlainLines, Snapshot, render
+from tidebase.errors import ConfigError, FailedPrecondition
+
+pytestmark = pytest.mark.unit
 
 
 def snap(t: float, **kw: object) -> Snapshot:

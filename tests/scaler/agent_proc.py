@@ -10,7 +10,7 @@ import time
 import grpc
 from tide.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
 
-from services.common.grpc_options import client_options
+from tidebase.grpc_options import client_options
 
 
 async def main(target: str, node: str, util: float, interval_s: float, pods: list[str]) -> None:

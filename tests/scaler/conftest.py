@@ -15,10 +15,10 @@ import sqlalchemy as sa
 from tide.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
 
 from services.common.clock import SystemClock
-from services.common.grpc_options import server_options
 from services.scaler.ingest import IngestEngine, IngestSettings
 from services.scaler.members import InMemoryMemberRegistry
 from services.scaler.telemetry_api import TelemetryServicer
+from tidebase.grpc_options import server_options
 
 
 def report(
@@ -101,7 +101,7 @@ def _pg_reachable(url: str) -> sa.Engine | None:
 )
 def scaler_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A migrated, empty database on each engine (PostgreSQL: a schema of its own)."""
-    from services.common import db
+    from services.store import db
 
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'scaler.db'}"

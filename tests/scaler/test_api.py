@@ -13,10 +13,8 @@ import grpc
 import pytest
 from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2_grpc
 
-from services.common import db
 from services.common.clock import SystemClock
 from services.common.config import CommonSettings
-from services.common.grpc_options import client_options
 from services.common.server import RunningServer, ServiceSpec, start_server
 from services.scaler.actuator import InMemoryActuator
 from services.scaler.api import ADMIN_METHODS, ScalerServicer
@@ -26,7 +24,11 @@ from services.scaler.policy import PolicySettings
 from services.scaler.service import ScalerCore
 from services.scaler.store import DecisionStore
 from services.scaler.telemetry_api import TelemetryServicer
-from tests.helpers import ROOT
+from services.store import db
+from tests.support.procs import ROOT
+from tidebase.grpc_options import client_options
+
+pytestmark = pytest.mark.integration
 
 T = 10.0  # deadline of every call in these tests
 S = common_pb2

@@ -13,13 +13,15 @@ from prometheus_client import CollectorRegistry
 from tide.v1 import coordinator_pb2 as cpb
 from tide.v1 import coordinator_pb2_grpc
 
-from services.common.client import open_channel
 from services.common.clock import SystemClock
-from services.common.errors import NotFound
-from services.common.grpc_options import client_options, server_options
 from services.scaler.coordination import GrpcCoordinatorClient, Phase, ResizeSpec
 from services.scaler.ingest import IngestCollector, IngestEngine, IngestSettings, Rejection
 from services.scaler.members import CoordinatorMemberRegistry, InMemoryMemberRegistry
+from tidebase.client import open_channel
+from tidebase.errors import NotFound
+from tidebase.grpc_options import client_options, server_options
+
+pytestmark = pytest.mark.component
 
 
 class ScriptedCoordinator(coordinator_pb2_grpc.CoordinatorServicer):

@@ -17,10 +17,13 @@ import grpc
 import pytest
 from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
-from services.common import db
 from services.scaler import repo
 from services.scaler.actuator import read_changes
-from tests.helpers import ServiceProcess, start_service, wait_for
+from services.store import db
+from tests.support.poll import wait_for
+from tests.support.procs import ServiceProcess, start_service
+
+pytestmark = pytest.mark.integration
 
 JOB = "ns/crash"
 T = 10.0

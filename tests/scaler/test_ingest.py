@@ -6,10 +6,12 @@ import math
 
 import pytest
 
-from services.common.clock import FakeClock
 from services.scaler.ingest import IngestEngine, IngestSettings, InvalidStream, Rejection
 from services.scaler.members import InMemoryMemberRegistry, Member
+from services.testing.clock import FakeClock
 from tests.scaler.conftest import report
+
+pytestmark = pytest.mark.component
 
 T0 = 1_800_000_000.0  # FakeClock's start, a multiple of 30 s
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument
 from services.scaler.policy import (
     Decision,
     History,
@@ -20,6 +19,9 @@ from services.scaler.policy import (
     manual,
     proportional,
 )
+from tidebase.errors import ConfigError, FailedPrecondition, InvalidArgument
+
+pytestmark = pytest.mark.unit
 
 P = PolicySettings()  # 80/40, sustain 300 s of 30 s buckets, cooldown 300, 2..8, target 60
 NOW = 100_000.0  # a bucket boundary (100_000 / 30 is not whole, but the view sets end_s)

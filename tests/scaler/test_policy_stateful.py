@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from services.scaler.policy import History, JobState, PolicySettings, WindowView, decide
+
+pytestmark = pytest.mark.unit
 
 BUCKET_S = 30.0
 

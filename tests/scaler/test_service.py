@@ -11,9 +11,6 @@ from pathlib import Path
 import pytest
 from tide.v1 import telemetry_pb2
 
-from services.common import db
-from services.common.clock import FakeClock
-from services.common.errors import Unavailable
 from services.scaler.actuator import InMemoryActuator, ReplicaChange
 from services.scaler.coordination import InMemoryCoordinator, Phase, Progress, ResizeSpec
 from services.scaler.ingest import IngestSettings
@@ -21,7 +18,12 @@ from services.scaler.policy import Reason
 from services.scaler.repo import DecisionState, StaleEpoch
 from services.scaler.service import ScalerCore
 from services.scaler.store import DecisionStore
+from services.store import db
+from services.testing.clock import FakeClock
 from tests.scaler.conftest import report
+from tidebase.errors import Unavailable
+
+pytestmark = pytest.mark.component
 
 T0 = 1_800_000_000.0
 FAST = {"bucket_s": 10.0, "sustain_s": 30.0, "cooldown_s": 60.0, "scale_down_stabilization_s": 0.0}
@@ -244,8 +246,8 @@ async def test_store_warm_up_leaves_nothing_behind(scaler_db_url: str) -> None:
 
 
 def test_scaler_settings_validate_and_feed_the_policy() -> None:
-    from services.common.errors import ConfigError
     from services.scaler.service import ScalerSettings
+    from tidebase.errors import ConfigError
 
     s = ScalerSettings(sustain_s=60.0, bucket_s=10.0, max_replicas=16)
     assert (s.policy().buckets, s.policy().max_replicas) == (6, 16)
@@ -259,9 +261,9 @@ def test_scaler_settings_validate_and_feed_the_policy() -> None:
 
 def test_scaler_settings_db_and_local_actuator(tmp_path: Path) -> None:
     from services.common.config import load_settings
-    from services.common.errors import ConfigError
     from services.scaler.__main__ import make_actuator
     from services.scaler.service import DEFAULT_DB, ScalerSettings
+    from tidebase.errors import ConfigError
 
     assert ScalerSettings().db == DEFAULT_DB == "sqlite:///.tide/tide.db"
     url = f"sqlite:///{tmp_path}/a.db"
@@ -390,7 +392,7 @@ async def test_a_start_interrupted_by_a_restart_is_resumed(scaler_db_url: str) -
 
 
 async def test_start_outside_the_bounds_is_refused_and_writes_nothing(rig: Rig) -> None:
-    from services.common.errors import InvalidArgument
+    from tidebase.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match="initial_replicas=9"):
         await rig.core.upsert_job("ns/b", FAST, initial_replicas=9)

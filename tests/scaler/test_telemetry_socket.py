@@ -9,10 +9,12 @@ import grpc
 import pytest
 from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
-from services.common.grpc_options import client_options
 from services.scaler.ingest import Rejection
 from services.scaler.members import InMemoryMemberRegistry, Member
 from tests.scaler.conftest import TelemetryServer, report
+from tidebase.grpc_options import client_options
+
+pytestmark = pytest.mark.component
 
 
 async def stream_reports(

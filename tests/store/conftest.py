@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.common import db
+from services.store import db
 
 
 def _pg_admin(pg_url: str) -> sa.Engine:

@@ -20,9 +20,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.common import db
 from services.scaler import repo
 from services.scaler.repo import DecisionState as S
+from services.store import db
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
 

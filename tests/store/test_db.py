@@ -1,4 +1,4 @@
-"""services.common.db: engine settings, write transactions, and units of work that survive faults."""
+"""services.store.db: engine settings, write transactions, and units of work that survive faults."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.common import db
-from services.common.errors import ConfigError, Conflict, Unavailable
 from services.scaler import repo
-from services.scaler.models import Job
-from tests.helpers import wait_for
+from services.store import db
+from services.store.models.scaler import Job
+from tests.support.poll import wait_for
+from tidebase.errors import ConfigError, Conflict, Unavailable
+
+pytestmark = pytest.mark.integration
 
 T0 = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
 JOB = "ml/resnet"

@@ -11,10 +11,12 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 # The models of every service register on Base.metadata when imported.
-import services.coordinator.models
-import services.scaler.models  # noqa: F401
-from services.common import db
-from services.common.errors import InvalidArgument, Unavailable
+import services.store.models.coordinator
+import services.store.models.scaler  # noqa: F401
+from services.store import db
+from tidebase.errors import InvalidArgument, Unavailable
+
+pytestmark = pytest.mark.integration
 
 SCALER_TABLES = {"jobs", "decisions", "decision_events", "utilization_rollups"}
 

@@ -11,11 +11,13 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.common.db import is_retryable, session_scope
-from services.common.errors import Conflict, InvalidArgument, NotFound
 from services.scaler import repo
-from services.scaler.models import Decision, DecisionEvent, Job
 from services.scaler.repo import DecisionState as S
+from services.store.db import is_retryable, session_scope
+from services.store.models.scaler import Decision, DecisionEvent, Job
+from tidebase.errors import Conflict, InvalidArgument, NotFound
+
+pytestmark = pytest.mark.integration
 
 T0 = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
 JOB = "ml/resnet"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import ConfigError
+from tidebase.errors import ConfigError
 from trainer.checkpoint import (
     FAULT_ENV,
     FAULT_POINTS,
@@ -22,6 +22,8 @@ from trainer.checkpoint import (
     PeriodicSchedule,
     step_dir_name,
 )
+
+pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 

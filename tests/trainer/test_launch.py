@@ -16,10 +16,12 @@ import pytest
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
-from services.common.errors import ConfigError
 from tests.trainer.fake_coordinator import FakeCoordinator, start_fake, wait_for
+from tidebase.errors import ConfigError
 from trainer.launch import Launcher, LauncherSettings, State, parse_args
 from trainer.spawner import ZygoteSpawner
+
+pytestmark = pytest.mark.component
 
 WORKER = str(Path(__file__).with_name("fake_worker.py"))
 

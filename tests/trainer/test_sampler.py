@@ -7,8 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.errors import ConfigError
+from tidebase.errors import ConfigError
 from trainer.sampler import ResumableSampler, SamplerConfig, rank_slice
+
+pytestmark = pytest.mark.unit
 
 
 def test_world_size_changes_do_not_change_the_global_batch() -> None:

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from services.common.errors import ConfigError
+from tidebase.errors import ConfigError
 from trainer.channel import QueueChannel
 from trainer.checkpoint import CheckpointSettings, CheckpointStore
 from trainer.session import DistEnv, ElasticSession, SessionConfig, SessionExit
 
-pytestmark = pytest.mark.paddle
+pytestmark = [pytest.mark.integration, pytest.mark.paddle]
 
 
 def _train(session: ElasticSession, seed: int = 0) -> list[float]:

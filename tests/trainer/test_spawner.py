@@ -12,6 +12,8 @@ import pytest
 
 from trainer.spawner import SubprocessSpawner, ZygoteSpawner
 
+pytestmark = pytest.mark.integration
+
 CHILD = """
 import os, socket, sys, time
 s = socket.socket()

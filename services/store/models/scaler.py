@@ -2,7 +2,7 @@
 
 Only services.scaler.repo touches these classes; everything else gets the
 frozen records that repo returns. Each column is described in docs/store.md.
-Any change here needs a migration in services/common/migrations/versions/
+Any change here needs a migration in services/store/migrations/versions/
 (tests/store checks that the two agree).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from services.common.db import Base, UTCDateTime
+from services.store.db import Base, UTCDateTime
 
 # SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a bigint identity.
 BigIntPk = BigInteger().with_variant(Integer(), "sqlite")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import grpc
 
-from services.common import errors
-from services.common.grpc_options import KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S, client_options
+from tidebase import errors
+from tidebase.grpc_options import KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S, client_options
 
 
 def open_channel(

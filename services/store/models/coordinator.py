@@ -3,7 +3,7 @@ checkpoints, resizes and directives.
 
 Only services.coordinator.sql_store touches these classes; the core works on the
 dataclasses of services.coordinator.domain. Any change here needs the matching
-change in services/common/migrations/versions/0002_coordinator.py (tests/store
+change in services/store/migrations/versions/0002_coordinator.py (tests/store
 compares them).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Boolean, Double, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from services.common.db import Base, UTCDateTime
+from services.store.db import Base, UTCDateTime
 
 JOB_ID_LEN = 253
 MEMBER_ID_LEN = 300

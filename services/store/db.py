@@ -30,7 +30,7 @@ from sqlalchemy.orm.exc import StaleDataError
 from sqlalchemy.pool import ConnectionPoolEntry
 from sqlalchemy.types import TypeDecorator
 
-from services.common.errors import ConfigError, Conflict, InvalidArgument, Unavailable
+from tidebase.errors import ConfigError, Conflict, InvalidArgument, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -429,7 +429,7 @@ def unit_of_work(
 # --- migrations -----------------------------------------------------------------------------
 
 # Package-resource form, so that Alembic finds the scripts in an installed wheel too.
-_SCRIPT_LOCATION: Final = "services.common:migrations"
+_SCRIPT_LOCATION: Final = "services.store:migrations"
 
 
 def alembic_config(connection: Connection | None = None) -> Any:

@@ -1,4 +1,4 @@
-"""Alembic environment: runs on the connection that services.common.db hands over.
+"""Alembic environment: runs on the connection that services.store.db hands over.
 
 Without one (plain ``alembic`` CLI use), it builds its own from
 ``sqlalchemy.url`` or the TIDE_DB_URL environment variable.
@@ -12,9 +12,9 @@ from alembic import context
 from sqlalchemy.engine import Connection
 
 # Importing the model modules registers their tables on Base.metadata.
-import services.coordinator.models
-import services.scaler.models  # noqa: F401
-from services.common.db import Base, make_engine
+import services.store.models.coordinator
+import services.store.models.scaler  # noqa: F401
+from services.store.db import Base, make_engine
 
 target_metadata = Base.metadata
 

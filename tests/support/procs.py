@@ -1,37 +1,18 @@
-"""Helpers shared by the test tiers: polling instead of sleeping, service processes."""
+"""Tide services as real processes, their ports read from the LISTENING line."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
-T = TypeVar("T")
+from tidebase.listening import parse_listening
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_for(
-    condition: Callable[[], T | None],
-    timeout_s: float = 10.0,
-    interval_s: float = 0.02,
-    what: str = "",
-) -> T:
-    """Poll ``condition`` until it returns something truthy; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or condition}")
-        time.sleep(interval_s)
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 @dataclass
@@ -54,9 +35,6 @@ class ServiceProcess:
             self.proc.wait(timeout=10)
 
 
-_LISTENING = re.compile(r"LISTENING grpc=(\d+) metrics=(\d+|None)")
-
-
 def start_service(
     args: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = 30.0
 ) -> ServiceProcess:
@@ -76,10 +54,9 @@ def start_service(
         line = proc.stdout.readline()
         if not line:
             break
-        m = _LISTENING.search(line)
-        if m:
-            metrics = None if m.group(2) == "None" else int(m.group(2))
-            return ServiceProcess(proc, int(m.group(1)), metrics)
+        ports = parse_listening(line)
+        if ports is not None:
+            return ServiceProcess(proc, ports.grpc_port, ports.metrics_port)
     proc.kill()
     _, err = proc.communicate(timeout=10)
     raise AssertionError(f"service {args} did not start: {err[-2000:]}")

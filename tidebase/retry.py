@@ -1,10 +1,17 @@
-"""Jittered exponential backoff for reconnects."""
+"""Jittered exponential backoff for every reconnect loop in Tide.
+
+The agent's telemetry stream, the launcher's link to the coordinator and the
+launcher's respawn of a dead prewarmed worker all wait with :class:`Backoff`.
+These loops run for the life of the process and start over after a success,
+which a retry decorator around one call (tenacity, stamina) does not model; the
+bounded retry of a database unit of work does use tenacity (services/store/db.py).
+"""
 
 from __future__ import annotations
 
 import random
 
-from services.common.errors import ConfigError
+from tidebase.errors import ConfigError
 
 
 class Backoff:

@@ -1,0 +1,66 @@
+"""Protobuf Timestamp and Duration conversions, in one place.
+
+Tide keeps wall-clock times as float seconds since the epoch (domain code) or
+as aware UTC datetimes (the store); the API carries ``google.protobuf.Timestamp``.
+An unset message field means "unknown", never the epoch, so the readers take
+the parent message and the field name and return None when it is not set.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+
+def ts_from_seconds(seconds: float | None) -> Timestamp | None:
+    """A Timestamp for epoch seconds (nanosecond precision); None for None or non-finite."""
+    if seconds is None or not math.isfinite(seconds):
+        return None
+    ts = Timestamp()
+    whole = math.floor(seconds)
+    ts.seconds = int(whole)
+    ts.nanos = min(round((seconds - whole) * 1e9), 999_999_999)
+    return ts
+
+
+def ts_from_datetime(dt: datetime | None) -> Timestamp | None:
+    """A Timestamp for an aware datetime (a naive one is taken as UTC); None for None."""
+    if dt is None:
+        return None
+    ts = Timestamp()
+    ts.FromDatetime(dt.astimezone(UTC) if dt.tzinfo else dt.replace(tzinfo=UTC))
+    return ts
+
+
+def seconds_of(ts: Timestamp) -> float:
+    """Epoch seconds of a Timestamp."""
+    return ts.seconds + ts.nanos / 1e9
+
+
+def datetime_of(ts: Timestamp) -> datetime:
+    """An aware UTC datetime of a Timestamp."""
+    return ts.ToDatetime(tzinfo=UTC)
+
+
+def field_seconds(msg: Any, name: str) -> float | None:
+    """Epoch seconds of ``msg.<name>``, or None when the field is not set."""
+    return seconds_of(getattr(msg, name)) if msg.HasField(name) else None
+
+
+def field_datetime(msg: Any, name: str) -> datetime | None:
+    """An aware UTC datetime of ``msg.<name>``, or None when the field is not set."""
+    return datetime_of(getattr(msg, name)) if msg.HasField(name) else None
+
+
+def duration_from_seconds(seconds: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(round(seconds * 1e9))
+    return d
+
+
+def duration_seconds(d: Duration) -> float:
+    return d.seconds + d.nanos / 1e9
