@@ -175,7 +175,7 @@ class Launcher:
         self.generation = 0
         self.member_id = ""
         self.heartbeat_interval_s = 1.0
-        self.sync_timeout_s = 10.0
+        self.heartbeat_timeout_s = 10.0
         self.exit_code = 0
         self.progress = _Progress()
         # The newest checkpoint a worker of this launcher wrote and verified (rank 0 only):
@@ -294,8 +294,8 @@ class Launcher:
         self.member_id = resp.member_id
         if resp.heartbeat_interval_s > 0:
             self.heartbeat_interval_s = resp.heartbeat_interval_s
-        if resp.sync_timeout_s > 0:
-            self.sync_timeout_s = resp.sync_timeout_s
+        if resp.heartbeat_timeout_s > 0:
+            self.heartbeat_timeout_s = resp.heartbeat_timeout_s
         logger.info(
             "launcher %s registered with job %s as member %s (%s, job generation %d)",
             self.s.pod_name,
@@ -449,7 +449,7 @@ class Launcher:
         """Tell the coordinator the worker finished (phase IDLE in the current generation).
         Retried for up to a sync timeout: if it never arrives, the member's silence reads
         as a loss and the job re-forms to train nothing."""
-        deadline = time.monotonic() + self.sync_timeout_s
+        deadline = time.monotonic() + self.heartbeat_timeout_s
         delay = self.s.backoff_initial_s
         while True:
             try:

@@ -80,7 +80,7 @@ class LocalJob:
     workdir: Path
     train_args: Sequence[str]
     job_id: str = "ns/e2e"
-    sync_timeout_s: float = 4.0
+    heartbeat_timeout_s: float = 4.0
     heartbeat_interval_s: float = 0.5
     checkpoint_lead_s: float = 1.0
     use_zygote: bool = True
@@ -114,7 +114,7 @@ class LocalJob:
             "--db",
             f"sqlite:///{self.workdir / 'coordinator.db'}",
             "--sync-timeout-s",
-            str(self.sync_timeout_s),
+            str(self.heartbeat_timeout_s),
             "--heartbeat-interval-s",
             str(self.heartbeat_interval_s),
             "--checkpoint-lead-s",

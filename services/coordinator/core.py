@@ -83,7 +83,7 @@ class RegisterResult:
     generation: int
     state: MemberState
     heartbeat_interval_s: float
-    sync_timeout_s: float
+    heartbeat_timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -474,7 +474,7 @@ class JobRuntime:
             generation=self.job.generation,
             state=m.state,
             heartbeat_interval_s=self._tuning.heartbeat_interval_s,
-            sync_timeout_s=self._tuning.sync_timeout_s,
+            heartbeat_timeout_s=self._tuning.heartbeat_timeout_s,
         )
 
     # --- Heartbeat ------------------------------------------------------------
@@ -741,8 +741,8 @@ class JobRuntime:
             raise InvalidArgument(f"target_world_size: must be >= 1, got {inp.target_world_size}")
         if not 0 <= inp.deadline_s < float("inf"):
             raise InvalidArgument(f"deadline_s: must be >= 0 and finite, got {inp.deadline_s}")
-        # 0: the coordinator's own barrier timeout (DESIGN: sync_timeout is the barrier's).
-        deadline_s = inp.deadline_s or self._tuning.sync_timeout_s
+        # 0: the coordinator's own barrier timeout (DESIGN: heartbeat_timeout is the barrier's).
+        deadline_s = inp.deadline_s or self._tuning.heartbeat_timeout_s
         min_size = inp.min_world_size or inp.target_world_size
         if min_size > inp.target_world_size:
             raise InvalidArgument(
@@ -1105,7 +1105,7 @@ class JobRuntime:
                         DirectiveKind.RESUME,
                         self.job.generation,
                         reason=f"decision {r.decision_id} aborted",
-                        deadline_s=self._tuning.sync_timeout_s,
+                        deadline_s=self._tuning.heartbeat_timeout_s,
                     )
         transition_resize(r, ResizePhase.ABORTED, at=self._clock.now(), message=message)
         self._dirty(r)
@@ -1189,7 +1189,7 @@ class JobRuntime:
             reason=f"recovery: {reason}",
             decision_id=None,
             lost_steps=lost_steps,
-            deadline_s=self._tuning.sync_timeout_s,
+            deadline_s=self._tuning.heartbeat_timeout_s,
         )
         self.job.lost_steps_total += lost_steps
         self._metrics.lost_steps.inc(lost_steps)
@@ -1210,20 +1210,21 @@ class JobRuntime:
         ``stalled_s``: how much later than planned this tick runs (the event loop was
         blocked or the process starved). Nobody could be heard during that time, so every
         heartbeat timeout and deadline moves by it; otherwise a stall longer than
-        sync_timeout_s would declare every member lost at once."""
+        heartbeat_timeout_s would declare every member lost at once."""
         now, mono = self._clock.now(), self._clock.monotonic()
         if stalled_s > 0:
             self._credit_stall(stalled_s, mono)
         silent = [
             m
             for m in self.members.values()
-            if m.state != MemberState.GONE and mono - m.last_seen_mono > self._tuning.sync_timeout_s
+            if m.state != MemberState.GONE
+            and mono - m.last_seen_mono > self._tuning.heartbeat_timeout_s
         ]
         if silent:
             self._lose(
                 silent,
                 worker_failed=False,
-                reason=f"no heartbeat for {self._tuning.sync_timeout_s:.1f} s",
+                reason=f"no heartbeat for {self._tuning.heartbeat_timeout_s:.1f} s",
             )
         overdue_drains = [
             self.members[d.member_id]
@@ -1327,7 +1328,7 @@ class JobRuntime:
         # members' fault, so each pending directive gets a full timeout again.
         for d in self.directives.values():
             if d.pending and d.deadline_at is not None:
-                d.deadline_at = max(d.deadline_at, now + self._tuning.sync_timeout_s)
+                d.deadline_at = max(d.deadline_at, now + self._tuning.heartbeat_timeout_s)
                 self._dirty(d)
         r = self.active_resize()
         if r is not None and r.phase in (

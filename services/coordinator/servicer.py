@@ -167,7 +167,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             generation=res.generation,
             state=int(res.state),  # type: ignore[arg-type]
             heartbeat_interval_s=res.heartbeat_interval_s,
-            sync_timeout_s=res.sync_timeout_s,
+            heartbeat_timeout_s=res.heartbeat_timeout_s,
         )
 
     @rpc_errors

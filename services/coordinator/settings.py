@@ -19,8 +19,8 @@ class Tuning:
     """The timing rules of the coordinator core (see docs/coordinator.md)."""
 
     # A member without heartbeat this long is lost; also each member's ack deadline.
-    sync_timeout_s: float = 60.0
-    # Launchers heartbeat this often; a fifth of sync_timeout_s leaves four misses.
+    heartbeat_timeout_s: float = 60.0
+    # Launchers heartbeat this often; a fifth of heartbeat_timeout_s leaves four misses.
     heartbeat_interval_s: float = 5.0
     # The checkpoint step is at least this many steps past the highest reported one.
     checkpoint_min_lead_steps: int = 2
@@ -31,12 +31,12 @@ class Tuning:
     tick_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
-        _positive("sync_timeout_s", self.sync_timeout_s)
+        _positive("heartbeat_timeout_s", self.heartbeat_timeout_s)
         _positive("heartbeat_interval_s", self.heartbeat_interval_s)
         _positive("tick_interval_s", self.tick_interval_s)
-        if self.heartbeat_interval_s >= self.sync_timeout_s:
+        if self.heartbeat_interval_s >= self.heartbeat_timeout_s:
             raise ConfigError(
-                f"heartbeat_interval_s: must be below sync_timeout_s ({self.sync_timeout_s!r}), "
+                f"heartbeat_interval_s: must be below heartbeat_timeout_s ({self.heartbeat_timeout_s!r}), "
                 f"got {self.heartbeat_interval_s!r}"
             )
         if self.checkpoint_min_lead_steps < 1:
@@ -69,7 +69,7 @@ class CoordinatorSettings(CommonSettings):
         "sqlite:///tide-coordinator.db",
         "SQLAlchemy URL of the coordinator's database (SQLite file or PostgreSQL)",
     )
-    sync_timeout_s: float = setting(
+    heartbeat_timeout_s: float = setting(
         60.0, "barrier/heartbeat timeout: a member silent this long is lost, seconds"
     )
     heartbeat_interval_s: float = setting(5.0, "how often launchers heartbeat, seconds")
@@ -89,7 +89,7 @@ class CoordinatorSettings(CommonSettings):
 
     def tuning(self) -> Tuning:
         return Tuning(
-            sync_timeout_s=self.sync_timeout_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
             heartbeat_interval_s=self.heartbeat_interval_s,
             checkpoint_min_lead_steps=self.checkpoint_min_lead_steps,
             checkpoint_lead_s=self.checkpoint_lead_s,

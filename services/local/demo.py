@@ -307,7 +307,7 @@ class Demo:
             min_replicas=s.start_replicas,
             max_replicas=s.max_replicas,
             max_step=s.max_replicas,
-            sync_timeout_s=60.0,
+            phase_timeout_s=60.0,
         )
 
     async def run(self, stop: asyncio.Event) -> Outcome:

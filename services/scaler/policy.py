@@ -59,7 +59,7 @@ class PolicySettings:
     sustain_s: float = 300.0
     bucket_s: float = 30.0
     cooldown_s: float = 300.0
-    sync_timeout_s: float = 60.0
+    phase_timeout_s: float = 60.0
     min_replicas: int = 2
     max_replicas: int = 8
     min_coverage: float = 0.8
@@ -106,8 +106,8 @@ class PolicySettings:
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise bad(name, "must be >= 0")
-        if not (self.sync_timeout_s > 0 and math.isfinite(self.sync_timeout_s)):
-            raise bad("sync_timeout_s", "must be > 0")
+        if not (self.phase_timeout_s > 0 and math.isfinite(self.phase_timeout_s)):
+            raise bad("phase_timeout_s", "must be > 0")
         if self.min_replicas < 1:
             raise bad("min_replicas", "must be >= 1")
         if self.max_replicas < self.min_replicas:

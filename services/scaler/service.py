@@ -88,7 +88,7 @@ class ScalerSettings(CommonSettings):
     sustain_s: float = setting(300.0, "default policy")
     bucket_s: float = setting(30.0, "default policy")
     cooldown_s: float = setting(300.0, "default policy")
-    sync_timeout_s: float = setting(60.0, "default policy: barrier deadline")
+    phase_timeout_s: float = setting(60.0, "default policy: barrier deadline")
     min_replicas: int = setting(2, "default policy")
     max_replicas: int = setting(8, "default policy")
     min_coverage: float = setting(0.8, "default policy")
@@ -262,7 +262,7 @@ class ScalerCore:
             q.put_nowait(None)
 
     def _deadline_of(self, job_id: str) -> float:
-        return self.policies.get(job_id, self.defaults).sync_timeout_s
+        return self.policies.get(job_id, self.defaults).phase_timeout_s
 
     async def upsert_job(
         self,

@@ -65,7 +65,7 @@ class FakeScaler(scaler_pb2_grpc.ScalerServicer):
                 sustain_s=300,
                 bucket_s=30,
                 cooldown_s=300,
-                sync_timeout_s=60,
+                phase_timeout_s=60,
                 min_replicas=lo,
                 max_replicas=hi,
                 min_coverage=0.8,

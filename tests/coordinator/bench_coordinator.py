@@ -42,7 +42,7 @@ async def run(members: int, url: str, heartbeat_s: float) -> None:
     db.upgrade(url)
     engine = db.make_engine(url)
     store = SqlStore(db.make_session_factory(engine), clock.now)
-    coord = Coordinator(store, clock, Tuning(sync_timeout_s=60, heartbeat_interval_s=5))
+    coord = Coordinator(store, clock, Tuning(heartbeat_timeout_s=60, heartbeat_interval_s=5))
     coord.load()
     server = await start_server(
         CommonSettings(listen="127.0.0.1:0"),

@@ -21,7 +21,7 @@ from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, eventually
 
 JOB = "ns/job"
 TUNING = Tuning(
-    sync_timeout_s=30.0,
+    heartbeat_timeout_s=30.0,
     heartbeat_interval_s=5.0,
     checkpoint_min_lead_steps=2,
     checkpoint_lead_s=3.0,

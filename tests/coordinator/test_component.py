@@ -543,7 +543,7 @@ async def test_tick_loop_runs_on_the_clock(env: Env) -> None:
     ls[1].exited = True  # silent from now on
     loop = TickLoop(env)
     try:
-        await loop.run_for(TUNING.sync_timeout_s - 2)
+        await loop.run_for(TUNING.heartbeat_timeout_s - 2)
         assert ls[0].generation == 1
         await loop.run_for(4)
         await eventually(lambda: ls[0].generation == 2, what="recovery by the tick loop")
@@ -552,7 +552,7 @@ async def test_tick_loop_runs_on_the_clock(env: Env) -> None:
         await loop.stop()
 
 
-async def test_a_stall_longer_than_the_sync_timeout_loses_nobody(env: Env) -> None:
+async def test_a_stall_longer_than_the_heartbeat_timeout_loses_nobody(env: Env) -> None:
     ls = await form(env, 2)
     loop = TickLoop(env)
     try:
@@ -566,7 +566,7 @@ async def test_a_stall_longer_than_the_sync_timeout_loses_nobody(env: Env) -> No
         # Running again, a member that stays silent is still found out, after the full
         # sync timeout of running time.
         ls[1].exited = True
-        await loop.run_for(TUNING.sync_timeout_s - 6)
+        await loop.run_for(TUNING.heartbeat_timeout_s - 6)
         assert ls[0].generation == 1
         await loop.run_for(8)
         await eventually(lambda: ls[0].generation == 2, what="recovery after the stall")
@@ -663,13 +663,13 @@ async def test_metrics_count_outcomes_pauses_and_losses(env: Env) -> None:
     assert value("tide_coordinator_commit_seconds_count") > 5
 
 
-async def test_zero_deadline_means_the_sync_timeout(env: Env) -> None:
+async def test_zero_deadline_means_the_heartbeat_timeout(env: Env) -> None:
     await form(env, 2)
     await env.heartbeat_all()
     env.launchers[1].answer_checkpoint = False
     w = ResizeWatch(env.stub, JOB, 2, 1, deadline_s=0.0)
     await eventually(lambda: K.KIND_CHECKPOINT in env.launchers[1].kinds(), what="barrier")
-    await env.heartbeat_all(advance_s=TUNING.sync_timeout_s - 1)
+    await env.heartbeat_all(advance_s=TUNING.heartbeat_timeout_s - 1)
     env.coordinator.tick()
     assert env.coordinator.jobs[JOB].resizes[2].phase.name == "CHECKPOINTING"
     await env.heartbeat_all(advance_s=2)

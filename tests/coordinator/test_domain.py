@@ -206,9 +206,9 @@ def test_pause_runs_from_last_hold_to_last_first_step() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"sync_timeout_s": 0.0}, "sync_timeout_s"),
+        ({"heartbeat_timeout_s": 0.0}, "heartbeat_timeout_s"),
         ({"heartbeat_interval_s": -1.0}, "heartbeat_interval_s"),
-        ({"heartbeat_interval_s": 60.0, "sync_timeout_s": 30.0}, "heartbeat_interval_s"),
+        ({"heartbeat_interval_s": 60.0, "heartbeat_timeout_s": 30.0}, "heartbeat_interval_s"),
         ({"checkpoint_min_lead_steps": 0}, "checkpoint_min_lead_steps"),
         ({"checkpoint_lead_s": -1.0}, "checkpoint_lead_s"),
         ({"tick_interval_s": 0.0}, "tick_interval_s"),

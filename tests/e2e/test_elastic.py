@@ -42,7 +42,7 @@ SLOW = ["--step-delay-s", "0.05"]
 async def job(tmp_path: Path) -> AsyncIterator[LocalJob]:
     # A generous sync timeout: with 5 other engineers' tests on 2 cores the coordinator has
     # been starved for over 4 s, and then declares every member lost.
-    j = LocalJob(tmp_path / "job", [*TRAIN, *SLOW], sync_timeout_s=10.0)
+    j = LocalJob(tmp_path / "job", [*TRAIN, *SLOW], heartbeat_timeout_s=10.0)
     j.start_coordinator()
     yield j
     await j.close()
@@ -67,7 +67,7 @@ async def _finished(
 
     st = await job.wait_status(done, 10, "the job finished")
     if hold:
-        await asyncio.sleep(job.sync_timeout_s + 1)  # long enough for silence to be a loss
+        await asyncio.sleep(job.heartbeat_timeout_s + 1)  # long enough for silence to be a loss
     later = await job.status()
     assert later is not None and done(later), later
     for s in (st, later):
@@ -152,10 +152,10 @@ async def test_sigkilled_worker_survivors_resume_from_the_last_periodic_checkpoi
     killed_at = asyncio.get_running_loop().time()
     os.kill(victim, signal.SIGKILL)
     st = await job.wait_status(
-        lambda s: s.generation == 2 and s.world_size == 2, job.sync_timeout_s + 5, "re-formed"
+        lambda s: s.generation == 2 and s.world_size == 2, job.heartbeat_timeout_s + 5, "re-formed"
     )
     reformed_s = asyncio.get_running_loop().time() - killed_at
-    assert reformed_s < job.sync_timeout_s, f"re-rendezvous took {reformed_s:.2f}s"
+    assert reformed_s < job.heartbeat_timeout_s, f"re-rendezvous took {reformed_s:.2f}s"
     assert st.lost_steps_total > 0, "the loss was not reported"
 
     codes = await job.wait_pods_exit(120)
@@ -195,7 +195,7 @@ async def slow_barrier_job(tmp_path: Path) -> AsyncIterator[LocalJob]:
     j = LocalJob(
         tmp_path / "job",
         [*TRAIN, "--step-delay-s", "0.08"],
-        sync_timeout_s=3.0,
+        heartbeat_timeout_s=3.0,
         heartbeat_interval_s=0.3,
         checkpoint_lead_s=7.0,
     )

@@ -39,11 +39,11 @@ class FakeMember:
 
 
 class FakeCoordinator(pb_grpc.CoordinatorServicer):
-    def __init__(self, heartbeat_interval_s: float = 0.2, sync_timeout_s: float = 3.0) -> None:
+    def __init__(self, heartbeat_interval_s: float = 0.2, heartbeat_timeout_s: float = 3.0) -> None:
         self.members: dict[str, FakeMember] = {}
         self.generation = 0
         self.heartbeat_interval_s = heartbeat_interval_s
-        self.sync_timeout_s = sync_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self._ids = itertools.count(1)
         # Members whose next heartbeat is answered NOT_FOUND (a coordinator that lost them).
         self.forgotten: set[str] = set()
@@ -63,7 +63,7 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
             generation=self.generation,
             state=pb.MEMBER_STATE_STANDBY,
             heartbeat_interval_s=self.heartbeat_interval_s,
-            sync_timeout_s=self.sync_timeout_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
         )
 
     async def Directives(

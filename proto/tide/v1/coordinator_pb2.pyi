@@ -186,14 +186,14 @@ class RegisterResponse(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
-    SYNC_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     generation: _builtins.int
     """The job's current generation (0 before the first one)."""
     state: Global___MemberState.ValueType
     heartbeat_interval_s: _builtins.float
     """Heartbeat every this many seconds (> 0)."""
-    sync_timeout_s: _builtins.float
+    heartbeat_timeout_s: _builtins.float
     """A member without heartbeat for this long is declared dead, seconds."""
     def __init__(
         self,
@@ -202,11 +202,11 @@ class RegisterResponse(_message.Message):
         generation: _builtins.int = ...,
         state: Global___MemberState.ValueType = ...,
         heartbeat_interval_s: _builtins.float = ...,
-        sync_timeout_s: _builtins.float = ...,
+        heartbeat_timeout_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "heartbeat_interval_s", b"heartbeat_interval_s", "member_id", b"member_id", "state", b"state", "sync_timeout_s", b"sync_timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "heartbeat_interval_s", b"heartbeat_interval_s", "heartbeat_timeout_s", b"heartbeat_timeout_s", "member_id", b"member_id", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -527,7 +527,7 @@ class ResizeRequest(_message.Message):
     deadline_s: _builtins.float
     """Deadline of each phase (waiting for newcomers, barrier, drain,
     rendezvous), seconds (>= 0); a phase past it aborts (or, for
-    RENDEZVOUS, fails) the resize. 0 means the coordinator's sync_timeout_s.
+    RENDEZVOUS, fails) the resize. 0 means the coordinator's phase_timeout_s.
     """
     min_world_size: _builtins.int
     """Proceed with fewer newcomers than asked when the deadline passes, if at

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tide.v1 import common_pb2 as tide_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tide/v1/scaler.proto\x12\x07tide.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14tide/v1/common.proto\"\xe6\x04\n\x06Policy\x12%\n\x18scale_up_utilization_pct\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\'\n\x1ascale_down_utilization_pct\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\tsustain_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x15\n\x08\x62ucket_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x17\n\ncooldown_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1b\n\x0esync_timeout_s\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x19\n\x0cmin_replicas\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x19\n\x0cmax_replicas\x18\x08 \x01(\rH\x07\x88\x01\x01\x12\x19\n\x0cmin_coverage\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x15\n\x08max_step\x18\n \x01(\rH\t\x88\x01\x01\x12\'\n\x1ascale_down_stabilization_s\x18\x0b \x01(\x01H\n\x88\x01\x01\x12#\n\x16target_utilization_pct\x18\x0c \x01(\x01H\x0b\x88\x01\x01\x42\x1b\n\x19_scale_up_utilization_pctB\x1d\n\x1b_scale_down_utilization_pctB\x0c\n\n_sustain_sB\x0b\n\t_bucket_sB\r\n\x0b_cooldown_sB\x11\n\x0f_sync_timeout_sB\x0f\n\r_min_replicasB\x0f\n\r_max_replicasB\x0f\n\r_min_coverageB\x0b\n\t_max_stepB\x1d\n\x1b_scale_down_stabilization_sB\x19\n\x17_target_utilization_pct\"n\n\nEvaluation\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.tide.v1.DecisionReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12&\n\x02\x61t\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xa9\x03\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1f\n\x06policy\x18\x02 \x01(\x0b\x32\x0f.tide.v1.Policy\x12\x18\n\x10\x63urrent_replicas\x18\x03 \x01(\r\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x1a\n\x12\x61utoscaling_paused\x18\x05 \x01(\x08\x12\x14\n\x0cpause_reason\x18\x06 \x01(\t\x12$\n\x06window\x18\x07 \x01(\x0b\x32\x14.tide.v1.WindowStats\x12,\n\x0flast_evaluation\x18\x08 \x01(\x0b\x32\x13.tide.v1.Evaluation\x12\x1a\n\x12\x61\x63tive_decision_id\x18\t \x01(\x03\x12\x18\n\x10gpus_per_replica\x18\n \x01(\r\x12\x0c\n\x04step\x18\x0b \x01(\x04\x12\x15\n\rsamples_per_s\x18\x0c \x01(\x01\x12.\n\ncreated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0elast_resize_at\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x11\n\x0fListJobsRequest\".\n\x10ListJobsResponse\x12\x1a\n\x04jobs\x18\x01 \x03(\x0b\x32\x0c.tide.v1.Job\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"w\n\x10UpsertJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1f\n\x06policy\x18\x02 \x01(\x0b\x32\x0f.tide.v1.Policy\x12\x18\n\x10initial_replicas\x18\x03 \x01(\r\x12\x18\n\x10gpus_per_replica\x18\x04 \x01(\r\"\xe7\x01\n\x0e\x44\x65\x63isionInputs\x12$\n\x06window\x18\x01 \x01(\x0b\x32\x14.tide.v1.WindowStats\x12\x1f\n\x06policy\x18\x02 \x01(\x0b\x32\x0f.tide.v1.Policy\x12\x18\n\x10\x63urrent_replicas\x18\x03 \x01(\r\x12\x11\n\tfree_gpus\x18\x04 \x01(\x03\x12\x1b\n\x13raw_target_replicas\x18\x05 \x01(\r\x12\x11\n\tnode_name\x18\x06 \x01(\t\x12\x31\n\rnode_deadline\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x9c\x03\n\x08\x44\x65\x63ision\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x15\n\rfrom_replicas\x18\x03 \x01(\r\x12\x13\n\x0bto_replicas\x18\x04 \x01(\r\x12\'\n\x06reason\x18\x05 \x01(\x0e\x32\x17.tide.v1.DecisionReason\x12\x0f\n\x07message\x18\x06 \x01(\t\x12)\n\x07trigger\x18\x07 \x01(\x0e\x32\x18.tide.v1.DecisionTrigger\x12%\n\x05state\x18\x08 \x01(\x0e\x32\x16.tide.v1.DecisionState\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x0f\n\x07pause_s\x18\x0c \x01(\x01\x12\x12\n\nlost_steps\x18\r \x01(\x04\x12\x12\n\ngeneration\x18\x0e \x01(\x04\x12\x14\n\x0crequested_by\x18\x0f \x01(\t\"\xb8\x01\n\rDecisionEvent\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x01 \x01(\x03\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.tide.v1.DecisionState\x12&\n\x02\x61t\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12#\n\x08\x64\x65\x63ision\x18\x06 \x01(\x0b\x32\x11.tide.v1.Decision\"\x95\x01\n\x10UtilizationPoint\x12*\n\x06minute\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08mean_pct\x18\x02 \x01(\x01\x12\x0f\n\x07min_pct\x18\x03 \x01(\x01\x12\x0f\n\x07max_pct\x18\x04 \x01(\x01\x12\x0f\n\x07samples\x18\x05 \x01(\x04\x12\x10\n\x08replicas\x18\x06 \x01(\r\"\xcb\x01\n\x14ListDecisionsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12)\n\x05since\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12&\n\x06states\x18\x04 \x03(\x0e\x32\x16.tide.v1.DecisionState\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x12\n\npage_token\x18\x06 \x01(\t\"V\n\x15ListDecisionsResponse\x12$\n\tdecisions\x18\x01 \x03(\x0b\x32\x11.tide.v1.Decision\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"9\n\x12GetDecisionRequest\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x17\n\x0f\x63ontext_minutes\x18\x02 \x01(\r\"\xb6\x01\n\x0e\x44\x65\x63isionDetail\x12#\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x11.tide.v1.Decision\x12\'\n\x06inputs\x18\x02 \x01(\x0b\x32\x17.tide.v1.DecisionInputs\x12&\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x16.tide.v1.DecisionEvent\x12.\n\x0butilization\x18\x04 \x03(\x0b\x32\x19.tide.v1.UtilizationPoint\"^\n\x14RequestResizeRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x14\n\x0crequested_by\x18\x04 \x01(\t\"G\n\x15SetAutoscalingRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\'\n\x15WatchDecisionsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"~\n\x16ListUtilizationRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12)\n\x05since\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"D\n\x17ListUtilizationResponse\x12)\n\x06points\x18\x01 \x03(\x0b\x32\x19.tide.v1.UtilizationPoint2\xe9\x04\n\x06Scaler\x12?\n\x08ListJobs\x12\x18.tide.v1.ListJobsRequest\x1a\x19.tide.v1.ListJobsResponse\x12.\n\x06GetJob\x12\x16.tide.v1.GetJobRequest\x1a\x0c.tide.v1.Job\x12\x34\n\tUpsertJob\x12\x19.tide.v1.UpsertJobRequest\x1a\x0c.tide.v1.Job\x12N\n\rListDecisions\x12\x1d.tide.v1.ListDecisionsRequest\x1a\x1e.tide.v1.ListDecisionsResponse\x12\x43\n\x0bGetDecision\x12\x1b.tide.v1.GetDecisionRequest\x1a\x17.tide.v1.DecisionDetail\x12\x41\n\rRequestResize\x12\x1d.tide.v1.RequestResizeRequest\x1a\x11.tide.v1.Decision\x12>\n\x0eSetAutoscaling\x12\x1e.tide.v1.SetAutoscalingRequest\x1a\x0c.tide.v1.Job\x12J\n\x0eWatchDecisions\x12\x1e.tide.v1.WatchDecisionsRequest\x1a\x16.tide.v1.DecisionEvent0\x01\x12T\n\x0fListUtilization\x12\x1f.tide.v1.ListUtilizationRequest\x1a .tide.v1.ListUtilizationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tide/v1/scaler.proto\x12\x07tide.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14tide/v1/common.proto\"\xe8\x04\n\x06Policy\x12%\n\x18scale_up_utilization_pct\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\'\n\x1ascale_down_utilization_pct\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\tsustain_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x15\n\x08\x62ucket_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x17\n\ncooldown_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1c\n\x0fphase_timeout_s\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x19\n\x0cmin_replicas\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x19\n\x0cmax_replicas\x18\x08 \x01(\rH\x07\x88\x01\x01\x12\x19\n\x0cmin_coverage\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x15\n\x08max_step\x18\n \x01(\rH\t\x88\x01\x01\x12\'\n\x1ascale_down_stabilization_s\x18\x0b \x01(\x01H\n\x88\x01\x01\x12#\n\x16target_utilization_pct\x18\x0c \x01(\x01H\x0b\x88\x01\x01\x42\x1b\n\x19_scale_up_utilization_pctB\x1d\n\x1b_scale_down_utilization_pctB\x0c\n\n_sustain_sB\x0b\n\t_bucket_sB\r\n\x0b_cooldown_sB\x12\n\x10_phase_timeout_sB\x0f\n\r_min_replicasB\x0f\n\r_max_replicasB\x0f\n\r_min_coverageB\x0b\n\t_max_stepB\x1d\n\x1b_scale_down_stabilization_sB\x19\n\x17_target_utilization_pct\"n\n\nEvaluation\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.tide.v1.DecisionReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12&\n\x02\x61t\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xa9\x03\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1f\n\x06policy\x18\x02 \x01(\x0b\x32\x0f.tide.v1.Policy\x12\x18\n\x10\x63urrent_replicas\x18\x03 \x01(\r\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x1a\n\x12\x61utoscaling_paused\x18\x05 \x01(\x08\x12\x14\n\x0cpause_reason\x18\x06 \x01(\t\x12$\n\x06window\x18\x07 \x01(\x0b\x32\x14.tide.v1.WindowStats\x12,\n\x0flast_evaluation\x18\x08 \x01(\x0b\x32\x13.tide.v1.Evaluation\x12\x1a\n\x12\x61\x63tive_decision_id\x18\t \x01(\x03\x12\x18\n\x10gpus_per_replica\x18\n \x01(\r\x12\x0c\n\x04step\x18\x0b \x01(\x04\x12\x15\n\rsamples_per_s\x18\x0c \x01(\x01\x12.\n\ncreated_at\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0elast_resize_at\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x11\n\x0fListJobsRequest\".\n\x10ListJobsResponse\x12\x1a\n\x04jobs\x18\x01 \x03(\x0b\x32\x0c.tide.v1.Job\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"w\n\x10UpsertJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1f\n\x06policy\x18\x02 \x01(\x0b\x32\x0f.tide.v1.Policy\x12\x18\n\x10initial_replicas\x18\x03 \x01(\r\x12\x18\n\x10gpus_per_replica\x18\x04 \x01(\r\"\xe7\x01\n\x0e\x44\x65\x63isionInputs\x12$\n\x06window\x18\x01 \x01(\x0b\x32\x14.tide.v1.WindowStats\x12\x1f\n\x06policy\x18\x02 \x01(\x0b\x32\x0f.tide.v1.Policy\x12\x18\n\x10\x63urrent_replicas\x18\x03 \x01(\r\x12\x11\n\tfree_gpus\x18\x04 \x01(\x03\x12\x1b\n\x13raw_target_replicas\x18\x05 \x01(\r\x12\x11\n\tnode_name\x18\x06 \x01(\t\x12\x31\n\rnode_deadline\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x9c\x03\n\x08\x44\x65\x63ision\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x15\n\rfrom_replicas\x18\x03 \x01(\r\x12\x13\n\x0bto_replicas\x18\x04 \x01(\r\x12\'\n\x06reason\x18\x05 \x01(\x0e\x32\x17.tide.v1.DecisionReason\x12\x0f\n\x07message\x18\x06 \x01(\t\x12)\n\x07trigger\x18\x07 \x01(\x0e\x32\x18.tide.v1.DecisionTrigger\x12%\n\x05state\x18\x08 \x01(\x0e\x32\x16.tide.v1.DecisionState\x12.\n\ncreated_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x0f\n\x07pause_s\x18\x0c \x01(\x01\x12\x12\n\nlost_steps\x18\r \x01(\x04\x12\x12\n\ngeneration\x18\x0e \x01(\x04\x12\x14\n\x0crequested_by\x18\x0f \x01(\t\"\xb8\x01\n\rDecisionEvent\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x01 \x01(\x03\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12%\n\x05state\x18\x03 \x01(\x0e\x32\x16.tide.v1.DecisionState\x12&\n\x02\x61t\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12#\n\x08\x64\x65\x63ision\x18\x06 \x01(\x0b\x32\x11.tide.v1.Decision\"\x95\x01\n\x10UtilizationPoint\x12*\n\x06minute\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08mean_pct\x18\x02 \x01(\x01\x12\x0f\n\x07min_pct\x18\x03 \x01(\x01\x12\x0f\n\x07max_pct\x18\x04 \x01(\x01\x12\x0f\n\x07samples\x18\x05 \x01(\x04\x12\x10\n\x08replicas\x18\x06 \x01(\r\"\xcb\x01\n\x14ListDecisionsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12)\n\x05since\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12&\n\x06states\x18\x04 \x03(\x0e\x32\x16.tide.v1.DecisionState\x12\x11\n\tpage_size\x18\x05 \x01(\r\x12\x12\n\npage_token\x18\x06 \x01(\t\"V\n\x15ListDecisionsResponse\x12$\n\tdecisions\x18\x01 \x03(\x0b\x32\x11.tide.v1.Decision\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"9\n\x12GetDecisionRequest\x12\n\n\x02id\x18\x01 \x01(\x03\x12\x17\n\x0f\x63ontext_minutes\x18\x02 \x01(\r\"\xb6\x01\n\x0e\x44\x65\x63isionDetail\x12#\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0b\x32\x11.tide.v1.Decision\x12\'\n\x06inputs\x18\x02 \x01(\x0b\x32\x17.tide.v1.DecisionInputs\x12&\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x16.tide.v1.DecisionEvent\x12.\n\x0butilization\x18\x04 \x03(\x0b\x32\x19.tide.v1.UtilizationPoint\"^\n\x14RequestResizeRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x14\n\x0crequested_by\x18\x04 \x01(\t\"G\n\x15SetAutoscalingRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\'\n\x15WatchDecisionsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"~\n\x16ListUtilizationRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12)\n\x05since\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"D\n\x17ListUtilizationResponse\x12)\n\x06points\x18\x01 \x03(\x0b\x32\x19.tide.v1.UtilizationPoint2\xe9\x04\n\x06Scaler\x12?\n\x08ListJobs\x12\x18.tide.v1.ListJobsRequest\x1a\x19.tide.v1.ListJobsResponse\x12.\n\x06GetJob\x12\x16.tide.v1.GetJobRequest\x1a\x0c.tide.v1.Job\x12\x34\n\tUpsertJob\x12\x19.tide.v1.UpsertJobRequest\x1a\x0c.tide.v1.Job\x12N\n\rListDecisions\x12\x1d.tide.v1.ListDecisionsRequest\x1a\x1e.tide.v1.ListDecisionsResponse\x12\x43\n\x0bGetDecision\x12\x1b.tide.v1.GetDecisionRequest\x1a\x17.tide.v1.DecisionDetail\x12\x41\n\rRequestResize\x12\x1d.tide.v1.RequestResizeRequest\x1a\x11.tide.v1.Decision\x12>\n\x0eSetAutoscaling\x12\x1e.tide.v1.SetAutoscalingRequest\x1a\x0c.tide.v1.Job\x12J\n\x0eWatchDecisions\x12\x1e.tide.v1.WatchDecisionsRequest\x1a\x16.tide.v1.DecisionEvent0\x01\x12T\n\x0fListUtilization\x12\x1f.tide.v1.ListUtilizationRequest\x1a .tide.v1.ListUtilizationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,45 +34,45 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tide.v1.scaler_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_POLICY']._serialized_start=89
-  _globals['_POLICY']._serialized_end=703
-  _globals['_EVALUATION']._serialized_start=705
-  _globals['_EVALUATION']._serialized_end=815
-  _globals['_JOB']._serialized_start=818
-  _globals['_JOB']._serialized_end=1243
-  _globals['_LISTJOBSREQUEST']._serialized_start=1245
-  _globals['_LISTJOBSREQUEST']._serialized_end=1262
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1264
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1310
-  _globals['_GETJOBREQUEST']._serialized_start=1312
-  _globals['_GETJOBREQUEST']._serialized_end=1343
-  _globals['_UPSERTJOBREQUEST']._serialized_start=1345
-  _globals['_UPSERTJOBREQUEST']._serialized_end=1464
-  _globals['_DECISIONINPUTS']._serialized_start=1467
-  _globals['_DECISIONINPUTS']._serialized_end=1698
-  _globals['_DECISION']._serialized_start=1701
-  _globals['_DECISION']._serialized_end=2113
-  _globals['_DECISIONEVENT']._serialized_start=2116
-  _globals['_DECISIONEVENT']._serialized_end=2300
-  _globals['_UTILIZATIONPOINT']._serialized_start=2303
-  _globals['_UTILIZATIONPOINT']._serialized_end=2452
-  _globals['_LISTDECISIONSREQUEST']._serialized_start=2455
-  _globals['_LISTDECISIONSREQUEST']._serialized_end=2658
-  _globals['_LISTDECISIONSRESPONSE']._serialized_start=2660
-  _globals['_LISTDECISIONSRESPONSE']._serialized_end=2746
-  _globals['_GETDECISIONREQUEST']._serialized_start=2748
-  _globals['_GETDECISIONREQUEST']._serialized_end=2805
-  _globals['_DECISIONDETAIL']._serialized_start=2808
-  _globals['_DECISIONDETAIL']._serialized_end=2990
-  _globals['_REQUESTRESIZEREQUEST']._serialized_start=2992
-  _globals['_REQUESTRESIZEREQUEST']._serialized_end=3086
-  _globals['_SETAUTOSCALINGREQUEST']._serialized_start=3088
-  _globals['_SETAUTOSCALINGREQUEST']._serialized_end=3159
-  _globals['_WATCHDECISIONSREQUEST']._serialized_start=3161
-  _globals['_WATCHDECISIONSREQUEST']._serialized_end=3200
-  _globals['_LISTUTILIZATIONREQUEST']._serialized_start=3202
-  _globals['_LISTUTILIZATIONREQUEST']._serialized_end=3328
-  _globals['_LISTUTILIZATIONRESPONSE']._serialized_start=3330
-  _globals['_LISTUTILIZATIONRESPONSE']._serialized_end=3398
-  _globals['_SCALER']._serialized_start=3401
-  _globals['_SCALER']._serialized_end=4018
+  _globals['_POLICY']._serialized_end=705
+  _globals['_EVALUATION']._serialized_start=707
+  _globals['_EVALUATION']._serialized_end=817
+  _globals['_JOB']._serialized_start=820
+  _globals['_JOB']._serialized_end=1245
+  _globals['_LISTJOBSREQUEST']._serialized_start=1247
+  _globals['_LISTJOBSREQUEST']._serialized_end=1264
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1266
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1312
+  _globals['_GETJOBREQUEST']._serialized_start=1314
+  _globals['_GETJOBREQUEST']._serialized_end=1345
+  _globals['_UPSERTJOBREQUEST']._serialized_start=1347
+  _globals['_UPSERTJOBREQUEST']._serialized_end=1466
+  _globals['_DECISIONINPUTS']._serialized_start=1469
+  _globals['_DECISIONINPUTS']._serialized_end=1700
+  _globals['_DECISION']._serialized_start=1703
+  _globals['_DECISION']._serialized_end=2115
+  _globals['_DECISIONEVENT']._serialized_start=2118
+  _globals['_DECISIONEVENT']._serialized_end=2302
+  _globals['_UTILIZATIONPOINT']._serialized_start=2305
+  _globals['_UTILIZATIONPOINT']._serialized_end=2454
+  _globals['_LISTDECISIONSREQUEST']._serialized_start=2457
+  _globals['_LISTDECISIONSREQUEST']._serialized_end=2660
+  _globals['_LISTDECISIONSRESPONSE']._serialized_start=2662
+  _globals['_LISTDECISIONSRESPONSE']._serialized_end=2748
+  _globals['_GETDECISIONREQUEST']._serialized_start=2750
+  _globals['_GETDECISIONREQUEST']._serialized_end=2807
+  _globals['_DECISIONDETAIL']._serialized_start=2810
+  _globals['_DECISIONDETAIL']._serialized_end=2992
+  _globals['_REQUESTRESIZEREQUEST']._serialized_start=2994
+  _globals['_REQUESTRESIZEREQUEST']._serialized_end=3088
+  _globals['_SETAUTOSCALINGREQUEST']._serialized_start=3090
+  _globals['_SETAUTOSCALINGREQUEST']._serialized_end=3161
+  _globals['_WATCHDECISIONSREQUEST']._serialized_start=3163
+  _globals['_WATCHDECISIONSREQUEST']._serialized_end=3202
+  _globals['_LISTUTILIZATIONREQUEST']._serialized_start=3204
+  _globals['_LISTUTILIZATIONREQUEST']._serialized_end=3330
+  _globals['_LISTUTILIZATIONRESPONSE']._serialized_start=3332
+  _globals['_LISTUTILIZATIONRESPONSE']._serialized_end=3400
+  _globals['_SCALER']._serialized_start=3403
+  _globals['_SCALER']._serialized_end=4020
 # @@protoc_insertion_point(module_scope)

@@ -33,7 +33,7 @@ class Policy(_message.Message):
     SUSTAIN_S_FIELD_NUMBER: _builtins.int
     BUCKET_S_FIELD_NUMBER: _builtins.int
     COOLDOWN_S_FIELD_NUMBER: _builtins.int
-    SYNC_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    PHASE_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     MIN_REPLICAS_FIELD_NUMBER: _builtins.int
     MAX_REPLICAS_FIELD_NUMBER: _builtins.int
     MIN_COVERAGE_FIELD_NUMBER: _builtins.int
@@ -50,8 +50,11 @@ class Policy(_message.Message):
     """Sub-window whose mean must clear the threshold, seconds (> 0)."""
     cooldown_s: _builtins.float
     """After any resize ends, no new one for this long (emergencies aside), seconds (>= 0)."""
-    sync_timeout_s: _builtins.float
-    """Barrier and heartbeat timeout, seconds (> 0)."""
+    phase_timeout_s: _builtins.float
+    """Deadline of each resize phase the coordinator runs for this job (waiting
+    for newcomers, checkpoint barrier, drain, rendezvous), seconds (> 0).
+    Sent as ResizeRequest.deadline_s. (Named sync_timeout_s before 0.2.)
+    """
     min_replicas: _builtins.int
     """Lower bound of the replica count (>= 1)."""
     max_replicas: _builtins.int
@@ -72,7 +75,7 @@ class Policy(_message.Message):
         sustain_s: _builtins.float | None = ...,
         bucket_s: _builtins.float | None = ...,
         cooldown_s: _builtins.float | None = ...,
-        sync_timeout_s: _builtins.float | None = ...,
+        phase_timeout_s: _builtins.float | None = ...,
         min_replicas: _builtins.int | None = ...,
         max_replicas: _builtins.int | None = ...,
         min_coverage: _builtins.float | None = ...,
@@ -80,9 +83,9 @@ class Policy(_message.Message):
         scale_down_stabilization_s: _builtins.float | None = ...,
         target_utilization_pct: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s", "_cooldown_s", b"_cooldown_s", "_max_replicas", b"_max_replicas", "_max_step", b"_max_step", "_min_coverage", b"_min_coverage", "_min_replicas", b"_min_replicas", "_scale_down_stabilization_s", b"_scale_down_stabilization_s", "_scale_down_utilization_pct", b"_scale_down_utilization_pct", "_scale_up_utilization_pct", b"_scale_up_utilization_pct", "_sustain_s", b"_sustain_s", "_sync_timeout_s", b"_sync_timeout_s", "_target_utilization_pct", b"_target_utilization_pct", "bucket_s", b"bucket_s", "cooldown_s", b"cooldown_s", "max_replicas", b"max_replicas", "max_step", b"max_step", "min_coverage", b"min_coverage", "min_replicas", b"min_replicas", "scale_down_stabilization_s", b"scale_down_stabilization_s", "scale_down_utilization_pct", b"scale_down_utilization_pct", "scale_up_utilization_pct", b"scale_up_utilization_pct", "sustain_s", b"sustain_s", "sync_timeout_s", b"sync_timeout_s", "target_utilization_pct", b"target_utilization_pct"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s", "_cooldown_s", b"_cooldown_s", "_max_replicas", b"_max_replicas", "_max_step", b"_max_step", "_min_coverage", b"_min_coverage", "_min_replicas", b"_min_replicas", "_phase_timeout_s", b"_phase_timeout_s", "_scale_down_stabilization_s", b"_scale_down_stabilization_s", "_scale_down_utilization_pct", b"_scale_down_utilization_pct", "_scale_up_utilization_pct", b"_scale_up_utilization_pct", "_sustain_s", b"_sustain_s", "_target_utilization_pct", b"_target_utilization_pct", "bucket_s", b"bucket_s", "cooldown_s", b"cooldown_s", "max_replicas", b"max_replicas", "max_step", b"max_step", "min_coverage", b"min_coverage", "min_replicas", b"min_replicas", "phase_timeout_s", b"phase_timeout_s", "scale_down_stabilization_s", b"scale_down_stabilization_s", "scale_down_utilization_pct", b"scale_down_utilization_pct", "scale_up_utilization_pct", b"scale_up_utilization_pct", "sustain_s", b"sustain_s", "target_utilization_pct", b"target_utilization_pct"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s", "_cooldown_s", b"_cooldown_s", "_max_replicas", b"_max_replicas", "_max_step", b"_max_step", "_min_coverage", b"_min_coverage", "_min_replicas", b"_min_replicas", "_scale_down_stabilization_s", b"_scale_down_stabilization_s", "_scale_down_utilization_pct", b"_scale_down_utilization_pct", "_scale_up_utilization_pct", b"_scale_up_utilization_pct", "_sustain_s", b"_sustain_s", "_sync_timeout_s", b"_sync_timeout_s", "_target_utilization_pct", b"_target_utilization_pct", "bucket_s", b"bucket_s", "cooldown_s", b"cooldown_s", "max_replicas", b"max_replicas", "max_step", b"max_step", "min_coverage", b"min_coverage", "min_replicas", b"min_replicas", "scale_down_stabilization_s", b"scale_down_stabilization_s", "scale_down_utilization_pct", b"scale_down_utilization_pct", "scale_up_utilization_pct", b"scale_up_utilization_pct", "sustain_s", b"sustain_s", "sync_timeout_s", b"sync_timeout_s", "target_utilization_pct", b"target_utilization_pct"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s", "_cooldown_s", b"_cooldown_s", "_max_replicas", b"_max_replicas", "_max_step", b"_max_step", "_min_coverage", b"_min_coverage", "_min_replicas", b"_min_replicas", "_phase_timeout_s", b"_phase_timeout_s", "_scale_down_stabilization_s", b"_scale_down_stabilization_s", "_scale_down_utilization_pct", b"_scale_down_utilization_pct", "_scale_up_utilization_pct", b"_scale_up_utilization_pct", "_sustain_s", b"_sustain_s", "_target_utilization_pct", b"_target_utilization_pct", "bucket_s", b"bucket_s", "cooldown_s", b"cooldown_s", "max_replicas", b"max_replicas", "max_step", b"max_step", "min_coverage", b"min_coverage", "min_replicas", b"min_replicas", "phase_timeout_s", b"phase_timeout_s", "scale_down_stabilization_s", b"scale_down_stabilization_s", "scale_down_utilization_pct", b"scale_down_utilization_pct", "scale_up_utilization_pct", b"scale_up_utilization_pct", "sustain_s", b"sustain_s", "target_utilization_pct", b"target_utilization_pct"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bucket_s: _TypeAlias = _typing.Literal["bucket_s"]  # noqa: Y015
     _WhichOneofArgType__bucket_s: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s"]  # noqa: Y015
@@ -96,6 +99,8 @@ class Policy(_message.Message):
     _WhichOneofArgType__min_coverage: _TypeAlias = _typing.Literal["_min_coverage", b"_min_coverage"]  # noqa: Y015
     _WhichOneofReturnType__min_replicas: _TypeAlias = _typing.Literal["min_replicas"]  # noqa: Y015
     _WhichOneofArgType__min_replicas: _TypeAlias = _typing.Literal["_min_replicas", b"_min_replicas"]  # noqa: Y015
+    _WhichOneofReturnType__phase_timeout_s: _TypeAlias = _typing.Literal["phase_timeout_s"]  # noqa: Y015
+    _WhichOneofArgType__phase_timeout_s: _TypeAlias = _typing.Literal["_phase_timeout_s", b"_phase_timeout_s"]  # noqa: Y015
     _WhichOneofReturnType__scale_down_stabilization_s: _TypeAlias = _typing.Literal["scale_down_stabilization_s"]  # noqa: Y015
     _WhichOneofArgType__scale_down_stabilization_s: _TypeAlias = _typing.Literal["_scale_down_stabilization_s", b"_scale_down_stabilization_s"]  # noqa: Y015
     _WhichOneofReturnType__scale_down_utilization_pct: _TypeAlias = _typing.Literal["scale_down_utilization_pct"]  # noqa: Y015
@@ -104,8 +109,6 @@ class Policy(_message.Message):
     _WhichOneofArgType__scale_up_utilization_pct: _TypeAlias = _typing.Literal["_scale_up_utilization_pct", b"_scale_up_utilization_pct"]  # noqa: Y015
     _WhichOneofReturnType__sustain_s: _TypeAlias = _typing.Literal["sustain_s"]  # noqa: Y015
     _WhichOneofArgType__sustain_s: _TypeAlias = _typing.Literal["_sustain_s", b"_sustain_s"]  # noqa: Y015
-    _WhichOneofReturnType__sync_timeout_s: _TypeAlias = _typing.Literal["sync_timeout_s"]  # noqa: Y015
-    _WhichOneofArgType__sync_timeout_s: _TypeAlias = _typing.Literal["_sync_timeout_s", b"_sync_timeout_s"]  # noqa: Y015
     _WhichOneofReturnType__target_utilization_pct: _TypeAlias = _typing.Literal["target_utilization_pct"]  # noqa: Y015
     _WhichOneofArgType__target_utilization_pct: _TypeAlias = _typing.Literal["_target_utilization_pct", b"_target_utilization_pct"]  # noqa: Y015
     @_typing.overload
@@ -121,6 +124,8 @@ class Policy(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_replicas) -> _WhichOneofReturnType__min_replicas | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__phase_timeout_s) -> _WhichOneofReturnType__phase_timeout_s | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__scale_down_stabilization_s) -> _WhichOneofReturnType__scale_down_stabilization_s | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__scale_down_utilization_pct) -> _WhichOneofReturnType__scale_down_utilization_pct | None: ...
@@ -128,8 +133,6 @@ class Policy(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__scale_up_utilization_pct) -> _WhichOneofReturnType__scale_up_utilization_pct | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sustain_s) -> _WhichOneofReturnType__sustain_s | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__sync_timeout_s) -> _WhichOneofReturnType__sync_timeout_s | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__target_utilization_pct) -> _WhichOneofReturnType__target_utilization_pct | None: ...
 
