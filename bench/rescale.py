@@ -97,7 +97,7 @@ async def tide_way(workdir: Path, reps: int, group_init: dict[int, float]) -> li
         [*TRAIN, "--steps", str(steps)],
         # A long sync timeout: a coordinator starved of CPU by 6 processes on 2 cores must
         # not declare members lost (it happened with 4 s).
-        phase_timeout_s=15.0,
+        heartbeat_timeout_s=15.0,
         heartbeat_interval_s=0.5,
         checkpoint_lead_s=1.5,
     )
