@@ -407,7 +407,7 @@ class SqlHistory:
         self, decision_id: int, context_minutes: int
     ) -> scaler_pb2.DecisionDetail:
         from services.scaler import repo
-        from services.scaler.api import inputs_to_proto
+        from services.scaler.convert import inputs_to_proto
 
         def q(s: Any) -> scaler_pb2.DecisionDetail:
             rec = repo.get_decision(s, decision_id)

@@ -1,27 +1,32 @@
 """The Scaler gRPC API: a thin servicer over :class:`ScalerCore` and the store.
 
-Conversions between records and tide.v1 messages live here and nowhere else.
+Conversions between records and tide.v1 messages are services.scaler.convert's.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, timedelta
 from typing import Any
 
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
 from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
 from services.common.rpc import rpc_errors
-from services.scaler import policy as pol
+from services.scaler.convert import (
+    decision_to_proto,
+    inputs_to_proto,
+    point_to_proto,
+    policy_from_proto,
+    policy_to_proto,
+    window_to_proto,
+)
 from services.scaler.lifecycle import state_from_proto, state_to_proto
-from services.scaler.repo import DecisionRecord, JobRecord, RollupRecord
+from services.scaler.repo import JobRecord
 from services.scaler.service import ScalerCore
 from services.store.db import utc_from_epoch
 from tidebase.errors import InvalidArgument
+from tidebase.timeconv import ts_from_datetime, ts_from_seconds
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
@@ -38,111 +43,6 @@ ADMIN_METHODS = frozenset(
 #: (one week of minutes, 10,080 points; proto/tide/v1/scaler.proto).
 DEFAULT_UTILIZATION_RANGE = timedelta(hours=24)
 MAX_UTILIZATION_RANGE = timedelta(days=7)
-
-_POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(pol.PolicySettings))
-
-
-def _ts(dt: datetime | None) -> Timestamp | None:
-    if dt is None:
-        return None
-    t = Timestamp()
-    t.FromDatetime(dt)
-    return t
-
-
-def _ts_s(seconds: float | None) -> Timestamp | None:
-    if seconds is None or not math.isfinite(seconds):
-        return None
-    t = Timestamp()
-    t.FromNanoseconds(int(seconds * 1e9))
-    return t
-
-
-def policy_to_proto(p: pol.PolicySettings) -> scaler_pb2.Policy:
-    return scaler_pb2.Policy(**{n: getattr(p, n) for n in _POLICY_FIELDS})
-
-
-def policy_from_proto(msg: scaler_pb2.Policy) -> dict[str, Any]:
-    """Only the fields the caller set."""
-    return {n: getattr(msg, n) for n in _POLICY_FIELDS if msg.HasField(n)}  # type: ignore[arg-type]
-
-
-def window_to_proto(w: pol.WindowView, at_s: float) -> common_pb2.WindowStats:
-    return common_pb2.WindowStats(
-        bucket_s=w.bucket_s,
-        bucket_means_pct=list(w.bucket_means),
-        coverage=w.coverage,
-        gpus_expected=w.gpus_expected,
-        gpus_fresh=w.gpus_fresh,
-        mean_pct=w.mean_pct,
-        computed_at=_ts_s(at_s),
-    )
-
-
-def _nan(v: Any) -> float:
-    return math.nan if v is None else float(v)
-
-
-def decision_to_proto(d: DecisionRecord) -> scaler_pb2.Decision:
-    return scaler_pb2.Decision(
-        id=d.id,
-        job_id=d.job_id,
-        from_replicas=d.from_replicas,
-        to_replicas=d.to_replicas,
-        reason=common_pb2.DecisionReason.Value(f"DECISION_REASON_{d.reason}"),
-        message=d.message,
-        trigger=common_pb2.DecisionTrigger.Value(f"DECISION_TRIGGER_{d.trigger}"),
-        state=state_to_proto(d.state),
-        created_at=_ts(d.created_at),
-        updated_at=_ts(d.updated_at),
-        error=d.error,
-        pause_s=d.pause_s,
-        lost_steps=d.lost_steps,
-        generation=d.generation,
-        requested_by=d.requested_by,
-    )
-
-
-def inputs_to_proto(inputs: dict[str, Any]) -> scaler_pb2.DecisionInputs:
-    msg = scaler_pb2.DecisionInputs(
-        current_replicas=int(inputs.get("current_replicas", 0)),
-        free_gpus=int(inputs.get("free_gpus", -1)),
-        raw_target_replicas=max(0, int(inputs.get("raw_target_replicas", 0))),
-        node_name=str(inputs.get("node_name", "") or ""),
-    )
-    w = inputs.get("window")
-    if w:
-        msg.window.CopyFrom(
-            common_pb2.WindowStats(
-                bucket_s=float(w.get("bucket_s", 0.0)),
-                bucket_means_pct=[_nan(v) for v in w.get("bucket_means_pct", [])],
-                coverage=float(w.get("coverage", 0.0)),
-                gpus_expected=int(w.get("gpus_expected", 0)),
-                gpus_fresh=int(w.get("gpus_fresh", 0)),
-                mean_pct=_nan(w.get("mean_pct")),
-                computed_at=_ts_s(w.get("computed_at_s")),
-            )
-        )
-    p = inputs.get("policy")
-    if p:
-        msg.policy.CopyFrom(
-            scaler_pb2.Policy(**{k: v for k, v in p.items() if k in _POLICY_FIELDS})
-        )
-    deadline = _ts_s(inputs.get("node_deadline_s"))
-    if deadline is not None:
-        msg.node_deadline.CopyFrom(deadline)
-    return msg
-
-
-def point_to_proto(r: RollupRecord) -> scaler_pb2.UtilizationPoint:
-    return scaler_pb2.UtilizationPoint(
-        minute=_ts(r.minute),
-        mean_pct=r.mean_pct,
-        min_pct=r.min_pct,
-        max_pct=r.max_pct,
-        samples=r.samples,
-        replicas=r.replicas,
-    )
 
 
 class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
@@ -163,8 +63,8 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
             window=window_to_proto(core.window_of(job.job_id, now), now),
             active_decision_id=core.active.get(job.job_id, 0),
             gpus_per_replica=job.gpus_per_replica,
-            created_at=_ts(job.created_at),
-            last_resize_at=_ts(job.last_resize_ended_at),
+            created_at=ts_from_datetime(job.created_at),
+            last_resize_at=ts_from_datetime(job.last_resize_ended_at),
         )
         status = core.coordinator.latest_status(job.job_id)
         if status is not None:
@@ -177,7 +77,7 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
                 scaler_pb2.Evaluation(
                     reason=common_pb2.DecisionReason.ValueType(ev.decision.reason.value),
                     message=ev.decision.message,
-                    at=_ts_s(ev.at_s),
+                    at=ts_from_seconds(ev.at_s),
                 )
             )
         return msg
@@ -248,7 +148,7 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
                     decision_id=e.decision_id,
                     job_id=d.job_id,
                     state=state_to_proto(e.state),
-                    at=_ts(e.at),
+                    at=ts_from_datetime(e.at),
                     detail=e.detail,
                 )
                 for e in detail.events
@@ -318,7 +218,7 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
                     decision_id=d.id,
                     job_id=d.job_id,
                     state=state_to_proto(d.state),
-                    at=_ts(d.updated_at),
+                    at=ts_from_datetime(d.updated_at),
                     detail=item.detail,
                     decision=decision_to_proto(d),
                 )

@@ -1,0 +1,107 @@
+"""Records of the scaler's store to tide.v1 messages and back: the only copy.
+
+The servicer encodes with these, and so does the CLI when it reads history
+straight from the database (``tide history --db``), so both show the same thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from tide.v1 import common_pb2, scaler_pb2
+
+from services.scaler import policy as pol
+from services.scaler.lifecycle import state_to_proto
+from services.scaler.repo import DecisionRecord, RollupRecord
+from tidebase.timeconv import ts_from_datetime, ts_from_seconds
+
+_POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(pol.PolicySettings))
+
+
+def policy_to_proto(p: pol.PolicySettings) -> scaler_pb2.Policy:
+    return scaler_pb2.Policy(**{n: getattr(p, n) for n in _POLICY_FIELDS})
+
+
+def policy_from_proto(msg: scaler_pb2.Policy) -> dict[str, Any]:
+    """Only the fields the caller set."""
+    return {n: getattr(msg, n) for n in _POLICY_FIELDS if msg.HasField(n)}  # type: ignore[arg-type]
+
+
+def window_to_proto(w: pol.WindowView, at_s: float) -> common_pb2.WindowStats:
+    return common_pb2.WindowStats(
+        bucket_s=w.bucket_s,
+        bucket_means_pct=list(w.bucket_means),
+        coverage=w.coverage,
+        gpus_expected=w.gpus_expected,
+        gpus_fresh=w.gpus_fresh,
+        mean_pct=w.mean_pct,
+        computed_at=ts_from_seconds(at_s),
+    )
+
+
+def _nan(v: Any) -> float:
+    return math.nan if v is None else float(v)
+
+
+def decision_to_proto(d: DecisionRecord) -> scaler_pb2.Decision:
+    return scaler_pb2.Decision(
+        id=d.id,
+        job_id=d.job_id,
+        from_replicas=d.from_replicas,
+        to_replicas=d.to_replicas,
+        reason=common_pb2.DecisionReason.Value(f"DECISION_REASON_{d.reason}"),
+        message=d.message,
+        trigger=common_pb2.DecisionTrigger.Value(f"DECISION_TRIGGER_{d.trigger}"),
+        state=state_to_proto(d.state),
+        created_at=ts_from_datetime(d.created_at),
+        updated_at=ts_from_datetime(d.updated_at),
+        error=d.error,
+        pause_s=d.pause_s,
+        lost_steps=d.lost_steps,
+        generation=d.generation,
+        requested_by=d.requested_by,
+    )
+
+
+def inputs_to_proto(inputs: dict[str, Any]) -> scaler_pb2.DecisionInputs:
+    msg = scaler_pb2.DecisionInputs(
+        current_replicas=int(inputs.get("current_replicas", 0)),
+        free_gpus=int(inputs.get("free_gpus", -1)),
+        raw_target_replicas=max(0, int(inputs.get("raw_target_replicas", 0))),
+        node_name=str(inputs.get("node_name", "") or ""),
+    )
+    w = inputs.get("window")
+    if w:
+        msg.window.CopyFrom(
+            common_pb2.WindowStats(
+                bucket_s=float(w.get("bucket_s", 0.0)),
+                bucket_means_pct=[_nan(v) for v in w.get("bucket_means_pct", [])],
+                coverage=float(w.get("coverage", 0.0)),
+                gpus_expected=int(w.get("gpus_expected", 0)),
+                gpus_fresh=int(w.get("gpus_fresh", 0)),
+                mean_pct=_nan(w.get("mean_pct")),
+                computed_at=ts_from_seconds(w.get("computed_at_s")),
+            )
+        )
+    p = inputs.get("policy")
+    if p:
+        msg.policy.CopyFrom(
+            scaler_pb2.Policy(**{k: v for k, v in p.items() if k in _POLICY_FIELDS})
+        )
+    deadline = ts_from_seconds(inputs.get("node_deadline_s"))
+    if deadline is not None:
+        msg.node_deadline.CopyFrom(deadline)
+    return msg
+
+
+def point_to_proto(r: RollupRecord) -> scaler_pb2.UtilizationPoint:
+    return scaler_pb2.UtilizationPoint(
+        minute=ts_from_datetime(r.minute),
+        mean_pct=r.mean_pct,
+        min_pct=r.min_pct,
+        max_pct=r.max_pct,
+        samples=r.samples,
+        replicas=r.replicas,
+    )
