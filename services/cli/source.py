@@ -253,7 +253,7 @@ class SqlHistory:
         from services.store import db
 
         engine = db.make_engine(self._url)
-        where = db._safe(self._url)
+        where = db.redact_url(self._url)
         try:
             tables = set(inspect(engine).get_table_names())
         except DBAPIError as exc:

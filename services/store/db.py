@@ -535,4 +535,3 @@ def redact_url(url: str) -> str:
 
 
 # The CLI used the private name first.
-_safe = redact_url
