@@ -532,6 +532,3 @@ def redact_url(url: str) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except Exception:
         return "<unparseable url>"
-
-
-# The CLI used the private name first.
