@@ -1,8 +1,9 @@
 """gRPC channel and server options, chosen together so both ends agree.
 
-Keepalive is configured on both sides at once (reliability-and-pitfalls.md,
-grpcio #7): a client that pings more often than the server permits is sent
-GOAWAY(too_many_pings) and loses its stream. So the server's minimum ping
+Keepalive is configured on both sides at once: gRPC's server by default
+expects at least 5 min between pings without data and, after two such "ping
+strikes", sends GOAWAY(too_many_pings), so a client that pings more often than
+the server permits loses its stream (grpc/grpc doc/keepalive.md). So the server's minimum ping
 interval is derived from the client's keepalive time, never set on its own.
 """
 
