@@ -42,7 +42,8 @@ from typing import Any
 
 from tide.v1 import coordinator_pb2 as pb
 
-from trainer.localjob import EXAMPLE, ROOT, LocalJob, _free_port, loss_records, read_jsonl
+from services.testing.localjob import EXAMPLE, ROOT, LocalJob, loss_records, read_jsonl
+from services.testing.localjob import free_port as _free_port
 from trainer.spawner import ZygoteSpawner
 
 CKPT_EVERY = 10

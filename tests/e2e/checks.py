@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.localjob import loss_records, sample_records
+from services.testing.localjob import loss_records, sample_records
 
 
 def steps_by_generation(log_dir: Path) -> dict[int, list[int]]:

@@ -12,6 +12,7 @@ import grpc
 import pytest
 from tide.v1 import coordinator_pb2 as pb
 
+from services.testing.localjob import LocalJob, loss_records, read_jsonl, reference_run
 from tests.e2e.checks import (
     check_exactly_once,
     final_losses,
@@ -20,7 +21,6 @@ from tests.e2e.checks import (
     samples_per_step,
     steps_by_generation,
 )
-from trainer.localjob import LocalJob, loss_records, read_jsonl, reference_run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 

@@ -1,6 +1,7 @@
 """Run an elastic job on this machine: a coordinator process and launcher processes.
 
-Used by the end-to-end tests and bench/rescale.py. It plays the scaler's part (``Resize``) and
+A test double (it plays the scaler and the actuator), used by the end-to-end tests and
+bench/rescale.py. It plays the scaler's part (``Resize``) and
 the actuator's (starting and killing launchers as "pods"), and reads the logs that
 trainer/examples/train_mlp.py writes.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -24,10 +24,11 @@ import grpc
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+from tidebase.listening import parse_listening
+
+ROOT = Path(__file__).resolve().parent.parent.parent
 EXAMPLE = str(ROOT / "trainer" / "examples" / "train_mlp.py")
 RPC_TIMEOUT_S = 5.0
-_LISTENING = re.compile(r"LISTENING grpc=(\d+)")
 FINAL_PHASES = (
     pb.RESIZE_PHASE_COMPLETED,
     pb.RESIZE_PHASE_ABORTED,
@@ -113,7 +114,7 @@ class LocalJob:
             f"127.0.0.1:{port}",
             "--db",
             f"sqlite:///{self.workdir / 'coordinator.db'}",
-            "--sync-timeout-s",
+            "--heartbeat-timeout-s",
             str(self.heartbeat_timeout_s),
             "--heartbeat-interval-s",
             str(self.heartbeat_interval_s),
@@ -140,9 +141,9 @@ class LocalJob:
             line = proc.stdout.readline()
             if not line:
                 break
-            m = _LISTENING.search(line)
-            if m:
-                self.port = int(m.group(1))
+            listening = parse_listening(line)
+            if listening is not None:
+                self.port = listening.grpc_port
                 self.coordinator = proc
                 # Keep draining stdout so the coordinator never blocks on a full pipe.
                 asyncio.get_running_loop().run_in_executor(None, _drain, proc.stdout)
@@ -318,7 +319,7 @@ def reference_run(
 ) -> Path:
     """A fixed-size run without any coordinator (Paddle's plain way): the parity baseline."""
     log_dir = workdir / "logs"
-    ports = [_free_port() for _ in range(world_size)]
+    ports = [free_port() for _ in range(world_size)]
     endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
     procs = []
     for rank in range(world_size):
@@ -357,7 +358,7 @@ def reference_run(
     return log_dir
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
