@@ -1,4 +1,4 @@
-"""``python -m services.agent``: the node agent's entry point."""
+"""``python -m services.agent``: the node agent's entry point: builds the real parts and runs them."""
 
 from __future__ import annotations
 
@@ -9,17 +9,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from services.common import logs
 from services.common.clock import SystemClock
-from services.common.config import CommonSettings, load_settings
-from services.common.server import RunningServer, start_server
-from tidebase.errors import ConfigError
+from services.common.entry import run_service
 
 from .agent import Agent
 from .attribution import PodResourcesClient
+from .errors import SourceError
 from .metrics import AgentMetrics
+from .servicer import start_edge
 from .settings import AgentSettings
-from .sources import Profile, ReplaySource, Source, SourceError, SyntheticSource
+from .sources import Profile, ReplaySource, Source, SyntheticSource
 
 logger = logging.getLogger("services.agent")
 
@@ -70,23 +69,10 @@ def make_kube_api(settings: AgentSettings) -> Any | None:
     return client.CoreV1Api(client.ApiClient(configuration))
 
 
-async def run(settings: AgentSettings) -> int:
+async def run(settings: AgentSettings, stop: asyncio.Event | None = None) -> int:
+    """Run the agent until SIGTERM/SIGINT (or ``stop``); the process's exit code."""
     metrics = AgentMetrics()
-    runtime: RunningServer | None = None
-    if settings.listen:
-        # The agent serves no API, only what every Tide service serves: gRPC
-        # health and reflection (for the kubelet's gRPC probe) and /metrics.
-        runtime = await start_server(
-            CommonSettings(listen=settings.listen, metrics_listen=settings.metrics_listen),
-            [],
-            registry=metrics.registry,
-        )
-        print(f"LISTENING grpc={runtime.port} metrics={runtime.metrics_port}", flush=True)
-    elif settings.metrics_listen:
-        from prometheus_client import start_http_server
-
-        host, _, port = settings.metrics_listen.rpartition(":")
-        start_http_server(int(port), host, registry=metrics.registry)
+    edge = await start_edge(settings, metrics)
     pod_resources = (
         PodResourcesClient(settings.pod_resources_socket, settings.gpu_resource_name)
         if settings.pod_resources_socket
@@ -99,10 +85,16 @@ async def run(settings: AgentSettings) -> int:
         kube_api=make_kube_api(settings),
         metrics=metrics,
     )
-    stop = asyncio.Event()
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+
+    async def not_serving_on_stop() -> None:
+        await stop.wait()
+        await edge.enter_shutdown()
+
+    draining = asyncio.create_task(not_serving_on_stop(), name="health-shutdown")
     try:
         await agent.run(stop)
     except SourceError as exc:
@@ -110,23 +102,22 @@ async def run(settings: AgentSettings) -> int:
         logger.error("node %s: %s", settings.node_name, exc)
         return 1
     finally:
-        if runtime is not None:
-            await runtime.stop(1.0)
+        draining.cancel()
+        await edge.stop(settings.grace_period_s)
     # A task that died is a failure even though the final report went out: let
     # the kubelet restart us.
     return 1 if agent.failure is not None else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        settings = load_settings(
-            AgentSettings, argv, prog="python -m services.agent", description=DESCRIPTION
-        )
-    except ConfigError as exc:
-        print(f"tide-agent: {exc}", file=sys.stderr)
-        return 2
-    logs.configure(settings.log_level, settings.log_format)
-    return asyncio.run(run(settings))
+    return run_service(
+        AgentSettings,
+        run,
+        name="agent",
+        description=DESCRIPTION,
+        error_prefix="tide-agent",
+        argv=argv,
+    )
 
 
 if __name__ == "__main__":

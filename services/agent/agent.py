@@ -16,10 +16,11 @@ import contextlib
 import enum
 import logging
 import uuid
-from typing import Any
+from typing import Any, Final
 
 from services.common.clock import Clock, SystemClock
 from tidebase.errors import Unavailable
+from tidebase.lifecycle import TransitionTable
 
 from .attribution import PodResourcesClient
 from .buffer import ReportBuffer
@@ -39,7 +40,7 @@ MAX_INTERVAL_S = 300.0
 
 
 class AgentState(enum.Enum):
-    """CREATED → STARTING → RUNNING → DRAINING → STOPPED; any state → STOPPED on failure."""
+    """CREATED → STARTING → RUNNING → DRAINING → STOPPED; STARTING or RUNNING → STOPPED on failure."""
 
     CREATED = "created"
     STARTING = "starting"  # opening the source
@@ -48,21 +49,21 @@ class AgentState(enum.Enum):
     STOPPED = "stopped"
 
 
-VALID_TRANSITIONS: dict[AgentState, frozenset[AgentState]] = {
-    # run() was called.
-    AgentState.CREATED: frozenset({AgentState.STARTING}),
-    # The source opened (or failed to: straight to STOPPED).
-    AgentState.STARTING: frozenset({AgentState.RUNNING, AgentState.STOPPED}),
-    # Stop was requested (SIGTERM), or a task failed.
-    AgentState.RUNNING: frozenset({AgentState.DRAINING, AgentState.STOPPED}),
-    # Flushed, or the flush deadline passed.
-    AgentState.DRAINING: frozenset({AgentState.STOPPED}),
-    AgentState.STOPPED: frozenset(),
-}
-
-
-class InvalidTransition(Exception):
-    pass
+#: The agent's one lifecycle table; an edge it lacks is a bug (tidebase.lifecycle.InvalidTransition).
+AGENT_LIFECYCLE: Final = TransitionTable[AgentState](
+    "agent",
+    {
+        # run() was called.
+        AgentState.CREATED: {AgentState.STARTING},
+        # The source opened (or failed to: straight to STOPPED).
+        AgentState.STARTING: {AgentState.RUNNING, AgentState.STOPPED},
+        # Stop was requested (SIGTERM), or a task failed.
+        AgentState.RUNNING: {AgentState.DRAINING, AgentState.STOPPED},
+        # Flushed, or the flush deadline passed.
+        AgentState.DRAINING: {AgentState.STOPPED},
+        AgentState.STOPPED: (),
+    },
+)
 
 
 class Agent:
@@ -120,8 +121,7 @@ class Agent:
         self.failure: BaseException | None = None
 
     def _transition(self, new: AgentState) -> None:
-        if new not in VALID_TRANSITIONS[self.state]:
-            raise InvalidTransition(f"agent {self.state.value} -> {new.value}")
+        AGENT_LIFECYCLE.check(self.state, new, what=f"of node {self.settings.node_name}")
         logger.info("node %s: agent %s -> %s", self.settings.node_name, self.state.value, new.value)
         self.state = new
 

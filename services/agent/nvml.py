@@ -11,8 +11,8 @@ import logging
 from types import ModuleType
 from typing import Any
 
+from .errors import SourceError
 from .model import GpuProcess, GpuReading, HealthFlag
-from .sources import SourceError
 
 logger = logging.getLogger(__name__)
 

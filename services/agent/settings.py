@@ -1,4 +1,10 @@
-"""Agent settings: flags (--interval-s), TIDE_* environment, or a YAML file."""
+"""Agent settings: flags (--interval-s), TIDE_* environment, or a YAML file.
+
+The process-wide ones (settings file, logs, /metrics, the shutdown grace period)
+are services.common.config.ProcessSettings', written there once. The agent serves
+no API: its ``listen`` is optional (gRPC health for probes), and its TLS files
+are a client's, for the connection to the scaler.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import os
 import socket
 from pathlib import Path
 
-from services.common.config import setting
+from services.common.config import ProcessSettings, check_hostport, setting
 from tidebase import grpc_options
 from tidebase.errors import ConfigError
 
@@ -20,7 +26,7 @@ def _default_node_name() -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class AgentSettings:
+class AgentSettings(ProcessSettings):
     scaler: str = setting("127.0.0.1:50051", "scaler Telemetry address, HOST:PORT")
     node_name: str = setting("", "Kubernetes node name; default $NODE_NAME, then the hostname")
     source: str = setting("nvml", "where readings come from: nvml, replay or synthetic")
@@ -69,23 +75,18 @@ class AgentSettings:
     tls_ca_file: str = setting("", "CA bundle (PEM) to verify the scaler; enables TLS")
     tls_cert_file: str = setting("", "client certificate (PEM) for mTLS to the scaler")
     tls_key_file: str = setting("", "client private key (PEM) for mTLS to the scaler")
-    metrics_listen: str = setting("", "Prometheus /metrics HTTP address HOST:PORT; empty: off")
     listen: str = setting(
         "",
         "gRPC health and reflection address HOST:PORT, for Kubernetes gRPC probes; empty: off",
     )
-    config: str = setting("", "YAML settings file; its keys are the flag names")
-    log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
-    log_format: str = setting("text", "text or json")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.node_name:
             object.__setattr__(self, "node_name", _default_node_name())
-        _check_hostport("scaler", self.scaler)
-        if self.metrics_listen:
-            _check_hostport("metrics_listen", self.metrics_listen)
+        check_hostport("scaler", self.scaler)
         if self.listen:
-            _check_hostport("listen", self.listen)
+            check_hostport("listen", self.listen)
         if self.source not in SOURCES:
             raise ConfigError(f"source: expected one of {', '.join(SOURCES)}, got {self.source!r}")
         if self.source == "replay" and not self.replay_path:
@@ -130,15 +131,3 @@ class AgentSettings:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name}: no such file {path!r}")
-        if self.log_format not in ("text", "json"):
-            raise ConfigError(f"log_format: expected text or json, got {self.log_format!r}")
-        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
-            raise ConfigError(
-                f"log_level: expected DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"
-            )
-
-
-def _check_hostport(name: str, value: str) -> None:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{name}: expected HOST:PORT, got {value!r}")

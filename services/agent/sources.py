@@ -16,17 +16,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from services.common.clock import Clock
-from tidebase.errors import ConfigError, Unavailable
+from tidebase.errors import ConfigError
 
+from .errors import SourceError
 from .model import GpuReading, HealthFlag
 
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
-
-
-class SourceError(Unavailable):
-    """The source cannot produce readings at all (NVML missing, trace unreadable)."""
 
 
 class Source(Protocol):

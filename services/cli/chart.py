@@ -1,39 +1,17 @@
-"""One PNG of a job: GPU utilization, replicas, and where decisions happened.
+"""`tide chart`'s data: a job's history (rollups and decisions) as the chart's series.
 
-Used by `tide chart` (per-minute rollups from the store) and `tide demo`
-(per-second samples it watched). Matplotlib runs on the Agg backend: no
-display is needed, in CI or over SSH.
-"""
+The drawing is services/local/chart.py's, shared with `tide demo`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 
 from tide.v1 import common_pb2, scaler_pb2
 
 from services.cli.render import reason_name, state_name
-from services.cli.source import dt_of
-
-
-@dataclass(frozen=True)
-class Marker:
-    """A decision on the time axis."""
-
-    at: datetime
-    label: str
-    final_state: str
-
-
-@dataclass(frozen=True)
-class Series:
-    utilization: Sequence[tuple[datetime, float]]
-    #: Mean ± spread of each point, when known (per-minute min and max).
-    utilization_band: Sequence[tuple[datetime, float, float]]
-    replicas: Sequence[tuple[datetime, int]]
-    markers: Sequence[Marker]
+from services.local.chart import Marker, Series
+from tidebase.timeconv import field_datetime
 
 
 def series_from_history(
@@ -43,7 +21,7 @@ def series_from_history(
     band: list[tuple[datetime, float, float]] = []
     reps: list[tuple[datetime, int]] = []
     for p in points:
-        t = dt_of(p.minute)
+        t = field_datetime(p, "minute")
         if t is None:
             continue
         util.append((t, p.mean_pct))
@@ -51,7 +29,7 @@ def series_from_history(
         reps.append((t, p.replicas))
     markers = []
     for d in sorted(decisions, key=lambda d: (d.created_at.seconds, d.id)):
-        t = dt_of(d.created_at)
+        t = field_datetime(d, "created_at")
         if t is None:
             continue
         markers.append(
@@ -64,75 +42,7 @@ def series_from_history(
         # The rollups say replicas at the end of each minute; the decisions say
         # exactly when they changed, which matters on a short chart.
         if d.state == common_pb2.DECISION_STATE_COMPLETED:
-            end = dt_of(d.updated_at) or t
+            end = field_datetime(d, "updated_at") or t
             reps.append((end, d.to_replicas))
     reps.sort(key=lambda r: r[0])
     return Series(util, band, reps, markers)
-
-
-_STATE_COLOR = {"COMPLETED": "tab:green", "ABORTED": "tab:orange", "FAILED": "tab:red"}
-
-
-def draw(
-    series: Series,
-    out: Path,
-    *,
-    title: str,
-    scale_up_pct: float | None = None,
-    scale_down_pct: float | None = None,
-) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.dates as mdates
-    import matplotlib.pyplot as plt
-
-    fig, (ax_u, ax_r) = plt.subplots(
-        2, 1, figsize=(10, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
-    )
-    try:
-        if series.utilization:
-            ts, us = zip(*series.utilization, strict=True)
-            ax_u.plot(ts, us, color="tab:blue", label="GPU utilization (mean)")
-        if series.utilization_band:
-            bt, lo, hi = zip(*series.utilization_band, strict=True)
-            ax_u.fill_between(bt, lo, hi, color="tab:blue", alpha=0.15, label="min..max")
-        if scale_up_pct is not None:
-            ax_u.axhline(scale_up_pct, color="tab:red", ls="--", lw=0.8, label="scale up above")
-        if scale_down_pct is not None:
-            ax_u.axhline(
-                scale_down_pct, color="tab:purple", ls="--", lw=0.8, label="scale down below"
-            )
-        ax_u.set_ylim(0, 105)
-        ax_u.set_ylabel("utilization %")
-        ax_u.set_title(title)
-
-        if series.replicas:
-            rt, rv = zip(*series.replicas, strict=True)
-            ax_r.step(rt, rv, where="post", color="black", label="replicas")
-            ax_r.set_ylim(0, max(rv) + 1)
-        ax_r.set_ylabel("replicas")
-        ax_r.yaxis.get_major_locator().set_params(integer=True)
-
-        for m in series.markers:
-            color = _STATE_COLOR.get(m.final_state, "tab:gray")
-            for ax in (ax_u, ax_r):
-                ax.axvline(m.at, color=color, lw=1, alpha=0.8)
-            ax_u.annotate(
-                f"{m.label} ({m.final_state.lower()})",
-                xy=(m.at, 102),
-                fontsize=7,
-                rotation=90,
-                va="top",
-                ha="right",
-                color=color,
-            )
-        ax_r.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))  # type: ignore[no-untyped-call]
-        ax_r.set_xlabel("time (UTC)")
-        ax_u.legend(loc="lower left", fontsize=7)
-        fig.tight_layout()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=100)
-    finally:
-        plt.close(fig)
-    return out

@@ -343,6 +343,7 @@ def chart_cmd(
     if importlib.util.find_spec("matplotlib") is None:
         fail(Exit.USAGE, "tide chart needs matplotlib: pip install 'tide[demo]'")
     from services.cli import chart
+    from services.local.chart import draw
 
     lo = _time_option("--since", since)
     hi = _time_option("--until", until) or now_utc()
@@ -362,7 +363,7 @@ def chart_cmd(
     j, points, decisions = run(go())
     series = chart.series_from_history(points, decisions)
     try:
-        chart.draw(
+        draw(
             series,
             out,
             title=f"{job}  {iso(lo)} .. {iso(hi)}",

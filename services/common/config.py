@@ -33,17 +33,18 @@ def setting(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
-def _parse_hostport(name: str, value: str) -> None:
+def check_hostport(name: str, value: str) -> None:
+    """Raise ConfigError naming ``name`` unless ``value`` is HOST:PORT."""
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"{name}: expected HOST:PORT, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
-class CommonSettings:
-    """What every Tide service accepts."""
+class ProcessSettings:
+    """What every long-running Tide process accepts, the node agent included:
+    its settings file, logs, metrics and how long a shutdown may drain."""
 
-    listen: str = setting("127.0.0.1:50051", "gRPC listen address, HOST:PORT (port 0 picks one)")
     metrics_listen: str = setting(
         "", "Prometheus /metrics HTTP address, HOST:PORT; empty disables it"
     )
@@ -53,6 +54,27 @@ class CommonSettings:
     grace_period_s: float = setting(
         10.0, "on SIGTERM, how long in-flight RPCs may finish before they are cancelled"
     )
+
+    def __post_init__(self) -> None:
+        if self.metrics_listen:
+            check_hostport("metrics_listen", self.metrics_listen)
+        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ConfigError(
+                f"log_level: expected DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"
+            )
+        if self.log_format not in {"text", "json"}:
+            raise ConfigError(f"log_format: expected text or json, got {self.log_format!r}")
+        if self.grace_period_s < 0:
+            raise ConfigError(f"grace_period_s: must be >= 0, got {self.grace_period_s!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommonSettings(ProcessSettings):
+    """What every Tide gRPC API service (scaler, coordinator) accepts on top: where it
+    listens, its server certificate, and the admin token. The agent serves no API and
+    dials out with a client certificate, so it builds on :class:`ProcessSettings`."""
+
+    listen: str = setting("127.0.0.1:50051", "gRPC listen address, HOST:PORT (port 0 picks one)")
     tls_cert_file: str = setting("", "server certificate (PEM); enables TLS")
     tls_key_file: str = setting("", "server private key (PEM)")
     tls_client_ca_file: str = setting(
@@ -63,17 +85,8 @@ class CommonSettings:
     )
 
     def __post_init__(self) -> None:
-        _parse_hostport("listen", self.listen)
-        if self.metrics_listen:
-            _parse_hostport("metrics_listen", self.metrics_listen)
-        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
-            raise ConfigError(
-                f"log_level: expected DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}"
-            )
-        if self.log_format not in {"text", "json"}:
-            raise ConfigError(f"log_format: expected text or json, got {self.log_format!r}")
-        if self.grace_period_s < 0:
-            raise ConfigError(f"grace_period_s: must be >= 0, got {self.grace_period_s!r}")
+        check_hostport("listen", self.listen)
+        super().__post_init__()
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("tls_cert_file and tls_key_file must be given together")
         if self.tls_client_ca_file and not self.tls_cert_file:

@@ -1,7 +1,8 @@
-"""The entry point every gRPC service shares: settings, logging, run, exit code.
+"""The entry point every Tide service shares: settings, logging, run, exit code.
 
 Exit codes: 0 after a clean shutdown, 2 for a bad setting (one line naming it),
-1 when the service stops on a TideError (a store it cannot reach at start...).
+1 when the service stops on a TideError (a store it cannot reach at start...),
+or whatever non-zero code ``run`` returns (the agent: a task of it died).
 """
 
 from __future__ import annotations
@@ -13,34 +14,38 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from services.common import logs
-from services.common.config import CommonSettings, load_settings
+from services.common.config import ProcessSettings, load_settings
 from tidebase.errors import ConfigError, TideError
 
 logger = logging.getLogger(__name__)
 
-S = TypeVar("S", bound=CommonSettings)
+S = TypeVar("S", bound=ProcessSettings)
 
 
 def run_service(
     settings_cls: type[S],
-    run: Callable[[S], Coroutine[Any, Any, None]],
+    run: Callable[[S], Coroutine[Any, Any, int | None]],
     *,
     name: str,
     description: str,
     argv: Sequence[str] | None = None,
+    error_prefix: str = "",
 ) -> int:
+    """Load ``settings_cls`` (``python -m services.<name>``), configure logs, run.
+
+    ``error_prefix`` starts the one line of a bad setting (default: ``name``)."""
     try:
         settings = load_settings(
             settings_cls, argv, prog=f"python -m services.{name}", description=description
         )
     except ConfigError as exc:
-        print(f"{name}: {exc}", file=sys.stderr)
+        print(f"{error_prefix or name}: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
     try:
-        asyncio.run(run(settings))
+        code = asyncio.run(run(settings))
     except TideError as exc:
         # One line, not a traceback: this is the environment, not a bug.
         logger.error("%s stopped: %s", name, exc)
         return 1
-    return 0
+    return code or 0

@@ -24,6 +24,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 from services.common.config import CommonSettings
 from tidebase.grpc_options import server_options
+from tidebase.listening import listening_line
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ async def serve(
     work; ``on_shutdown`` hooks run last (flush, close the database)."""
     running = await start_server(settings, services, admin_methods=admin_methods)
     # Printed on stdout so scripts and tests can find the bound ports.
-    print(f"LISTENING grpc={running.port} metrics={running.metrics_port}", flush=True)
+    print(listening_line(running.port, running.metrics_port), flush=True)
     tasks: list[asyncio.Task[None]] = [asyncio.create_task(fn()) for fn in background]
     try:
         await wait_for_signal()

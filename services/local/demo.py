@@ -34,20 +34,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
 from tide.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, scaler_pb2, scaler_pb2_grpc
 
 import trainer
-from services.local.actuator import JobSpec, job_dir_name
+from services.local.chart import Marker, Series, draw
 from services.local.load import LoadSettings, pods_by_index
 from services.local.samples import SampleAudit, audit
 from services.local.up import LocalCluster, UpSettings
 from services.local.view import DecisionView, Snapshot
+from services.scaler.actuators.local import JobSpec, job_dir_name
 from tidebase.client import open_channel
 from tidebase.errors import ConfigError, FailedPrecondition, TideError, Unavailable
+from tidebase.lifecycle import TransitionTable
+from tidebase.timeconv import datetime_of, ts_from_datetime
 
 logger = logging.getLogger(__name__)
 
@@ -122,16 +124,19 @@ class Phase(enum.Enum):
     FAILED = "failed"
 
 
-_PHASE_EDGES: dict[Phase, frozenset[Phase]] = {
-    # The first generation runs: drive the load up.
-    Phase.STARTING: frozenset({Phase.HIGH, Phase.FAILED}),
-    # The grow completed: drive it down.
-    Phase.HIGH: frozenset({Phase.LOW, Phase.FAILED}),
-    # The shrink completed: another cycle, or the end.
-    Phase.LOW: frozenset({Phase.HIGH, Phase.DONE, Phase.FAILED}),
-    Phase.DONE: frozenset(),
-    Phase.FAILED: frozenset(),
-}
+DEMO_LIFECYCLE: Final = TransitionTable[Phase](
+    "demo phase",
+    {
+        # The first generation runs: drive the load up.
+        Phase.STARTING: {Phase.HIGH, Phase.FAILED},
+        # The grow completed: drive it down.
+        Phase.HIGH: {Phase.LOW, Phase.FAILED},
+        # The shrink completed: another cycle, or the end.
+        Phase.LOW: {Phase.HIGH, Phase.DONE, Phase.FAILED},
+        Phase.DONE: (),
+        Phase.FAILED: (),
+    },
+)
 
 
 def next_job_id(state_dir: Path) -> str:
@@ -235,8 +240,7 @@ class Demo:
         return time.monotonic() - self.t0
 
     def _move(self, new: Phase) -> None:
-        if new not in _PHASE_EDGES[self.phase]:
-            raise FailedPrecondition(f"demo phase {self.phase.value} -> {new.value}")
+        DEMO_LIFECYCLE.check(self.phase, new, what=self.job_id)
         logger.info("demo %s: phase %s -> %s", self.job_id, self.phase.value, new.value)
         self.phase = new
 
@@ -263,7 +267,7 @@ class Demo:
                 "1",
                 "--checkpoint-lead-s",
                 "1.5",
-                "--sync-timeout-s",
+                "--heartbeat-timeout-s",
                 "60",
             ),
         )
@@ -440,10 +444,10 @@ class Demo:
             job = await scaler.GetJob(
                 scaler_pb2.GetJobRequest(job_id=self.job_id), timeout=RPC_TIMEOUT_S
             )
-            since = Timestamp()
-            since.FromDatetime(self.started_at)
             resp = await scaler.ListDecisions(
-                scaler_pb2.ListDecisionsRequest(job_id=self.job_id, since=since, page_size=100),
+                scaler_pb2.ListDecisionsRequest(
+                    job_id=self.job_id, since=ts_from_datetime(self.started_at), page_size=100
+                ),
                 timeout=RPC_TIMEOUT_S,
             )
             self._job = job
@@ -522,11 +526,9 @@ class Demo:
     def _chart(self, outcome: Outcome) -> Path | None:
         if not self.timeline:
             return None
-        from services.cli.chart import Marker, Series, draw
-
         markers = []
         for d in outcome.decisions:
-            created = d.decision.created_at.ToDatetime(tzinfo=UTC)
+            created = datetime_of(d.decision.created_at)
             markers.append(
                 Marker(
                     created,
@@ -560,9 +562,9 @@ def summary_lines(outcome: Outcome, state_dir: Path) -> list[str]:
     ]
     for detail in outcome.decisions:
         d = detail.decision
-        t0 = d.created_at.ToDatetime(tzinfo=UTC)
+        t0 = datetime_of(d.created_at)
         trail = " → ".join(
-            f"{_state(e.state)} +{(e.at.ToDatetime(tzinfo=UTC) - t0).total_seconds():.1f}s"
+            f"{_state(e.state)} +{(datetime_of(e.at) - t0).total_seconds():.1f}s"
             for e in detail.events
         )
         lines.append(

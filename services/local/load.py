@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
 from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 from services.common.clock import Clock, SystemClock
 from tidebase.client import open_channel
 from tidebase.errors import ConfigError
+from tidebase.retry import Backoff
+from tidebase.timeconv import ts_from_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,10 @@ class LoadSettings:
     interval_s: float = 1.0
     # Uniform noise added to every reading, percentage points (kept within 0..100).
     noise_pct: float = 2.0
+    # Reconnect delays after a broken stream: tidebase's jittered backoff from
+    # reconnect_s up to reconnect_max_s, starting small again once acks come.
     reconnect_s: float = 0.5
+    reconnect_max_s: float = 5.0
     # Unacknowledged reports kept for resending after a reconnect.
     buffer_reports: int = 120
 
@@ -53,6 +57,11 @@ class LoadSettings:
             raise ConfigError(f"interval_s: must be > 0, got {self.interval_s}")
         if not 0 <= self.noise_pct <= 20:
             raise ConfigError(f"noise_pct: must be 0..20, got {self.noise_pct}")
+        if not 0 < self.reconnect_s <= self.reconnect_max_s:
+            raise ConfigError(
+                f"reconnect_s: must be > 0 and <= reconnect_max_s ({self.reconnect_max_s}),"
+                f" got {self.reconnect_s}"
+            )
         if self.buffer_reports < 1:
             raise ConfigError(f"buffer_reports: must be >= 1, got {self.buffer_reports}")
         if not self.node_name:
@@ -80,6 +89,7 @@ class SyntheticNode:
         self.acked_seq = 0
         self.reports_sent = 0
         self.last_error = ""
+        self._backoff = Backoff(self.settings.reconnect_s, self.settings.reconnect_max_s)
         # Sent but not acknowledged, oldest first; bounded like the agent's buffer.
         self._unacked: collections.deque[telemetry_pb2.NodeReport] = collections.deque(
             maxlen=self.settings.buffer_reports
@@ -91,9 +101,12 @@ class SyntheticNode:
         s = self.settings
         owners = self.attribution()
         r = telemetry_pb2.NodeReport(
-            node_name=s.node_name, boot_id=self.boot_id, seq=self.seq, gpu_capacity=s.gpus
+            node_name=s.node_name,
+            boot_id=self.boot_id,
+            seq=self.seq,
+            gpu_capacity=s.gpus,
+            sampled_at=ts_from_seconds(self.clock.now()),
         )
-        r.sampled_at.CopyFrom(_ts(self.clock.now()))
         for i in range(s.gpus):
             owner = owners.get(i)
             base = self.level_pct if owner is not None else 0.0
@@ -127,7 +140,7 @@ class SyntheticNode:
                     self.last_error,
                 )
             if not stop.is_set():
-                await self._sleep_or_stop(stop, self.settings.reconnect_s)
+                await self._sleep_or_stop(stop, self._backoff.next_delay_s())
 
     async def _stream(self, stub: telemetry_pb2_grpc.TelemetryStub, stop: asyncio.Event) -> None:
         async def reports() -> AsyncIterator[telemetry_pb2.NodeReport]:
@@ -144,6 +157,7 @@ class SyntheticNode:
         # call takes and returns async iterators.
         call: Any = stub.Stream(cast(Any, reports()))
         async for ack in call:
+            self._backoff.reset()  # a scaler that answers: the next outage starts small
             if ack.boot_id == self.boot_id:
                 self.acked_seq = max(self.acked_seq, ack.acked_seq)
                 while self._unacked and self._unacked[0].seq <= self.acked_seq:
@@ -159,17 +173,11 @@ class SyntheticNode:
             stopper.cancel()
 
 
-def _ts(seconds: float) -> Timestamp:
-    t = Timestamp()
-    t.FromNanoseconds(int(seconds * 1e9))
-    return t
-
-
 def pods_by_index(state_dir: str, job_id: str) -> Attribution:
     """GPU i → the local pod of ``job_id`` with index i, read from the actuator's pid files."""
     from pathlib import Path
 
-    from services.local.actuator import LocalActuator, LocalActuatorSettings
+    from services.scaler.actuators.local import LocalActuator, LocalActuatorSettings
 
     # Only pods() is used, which reads the state dir; the coordinator address is unused.
     reader = LocalActuator(LocalActuatorSettings(Path(state_dir), "127.0.0.1:1"))

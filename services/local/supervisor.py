@@ -20,14 +20,14 @@ import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Final
 
 from services.common.clock import Clock, SystemClock
 from tidebase.errors import ConfigError, FailedPrecondition, Unavailable
+from tidebase.lifecycle import TransitionTable
+from tidebase.listening import parse_listening
 
 logger = logging.getLogger(__name__)
-
-_LISTENING = re.compile(r"LISTENING grpc=(\d+) metrics=(\d+|None)")
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,17 @@ class ChildState(enum.Enum):
     EXITED = "exited"
 
 
-_TRANSITIONS: dict[ChildState, frozenset[ChildState]] = {
-    # It printed LISTENING (or needs not), or it died during start-up.
-    ChildState.STARTING: frozenset({ChildState.READY, ChildState.STOPPING, ChildState.EXITED}),
-    # We asked it to stop, or it died on its own.
-    ChildState.READY: frozenset({ChildState.STOPPING, ChildState.EXITED}),
-    ChildState.STOPPING: frozenset({ChildState.EXITED}),
-    ChildState.EXITED: frozenset(),
-}
+CHILD_LIFECYCLE: Final = TransitionTable[ChildState](
+    "child",
+    {
+        # It printed LISTENING (or needs not), or it died during start-up.
+        ChildState.STARTING: {ChildState.READY, ChildState.STOPPING, ChildState.EXITED},
+        # We asked it to stop, or it died on its own.
+        ChildState.READY: {ChildState.STOPPING, ChildState.EXITED},
+        ChildState.STOPPING: {ChildState.EXITED},
+        ChildState.EXITED: (),
+    },
+)
 
 
 @dataclass
@@ -89,8 +92,7 @@ class Child:
     def move(self, new: ChildState) -> None:
         if new is self.state:
             return
-        if new not in _TRANSITIONS[self.state]:
-            raise FailedPrecondition(f"child {self.name}: {self.state.value} -> {new.value}")
+        CHILD_LIFECYCLE.check(self.state, new, what=self.name)
         logger.debug("child %s: %s -> %s", self.name, self.state.value, new.value)
         self.state = new
 
@@ -176,10 +178,10 @@ class Supervisor:
                 f.write(line)
                 f.flush()
                 if not child.ready.is_set():
-                    m = _LISTENING.search(line.decode(errors="replace"))
-                    if m:
-                        child.port = int(m.group(1))
-                        child.metrics_port = None if m.group(2) == "None" else int(m.group(2))
+                    ports = parse_listening(line)
+                    if ports is not None:
+                        child.port = ports.grpc_port
+                        child.metrics_port = ports.metrics_port
                         child.ready.set()
         finally:
             f.close()

@@ -13,25 +13,15 @@ from tide.v1 import telemetry_pb2
 
 from services.agent.model import NodeNotice, NoticeKind
 from services.agent.nodewatch import NodeView, NodeWatcher, notices_between
+from tests.support.poll import eventually, wait_for
 from tidebase.retry import Backoff
 
-from .conftest import RunAgent, Scaler, agent_settings, eventually
 from .kube_emulator import NodeApi
+from .support import RunAgent, Scaler, agent_settings
 
 pytestmark = pytest.mark.component
 
 NODE = "gpu-node-1"
-
-
-def wait_until(condition: Any, timeout_s: float = 10.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or condition}")
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -81,19 +71,19 @@ def test_cordon_termination_taint_and_uncordon(
     api: NodeApi, watched: tuple[NodeWatcher, Collector]
 ) -> None:
     _, got = watched
-    wait_until(lambda: api.watches >= 1, what="first watch")
+    wait_for(lambda: api.watches >= 1, what="first watch")
     assert got.kinds() == []  # a schedulable, untainted node says nothing
     api.update_spec(unschedulable=True)
-    wait_until(lambda: got.kinds() == [NoticeKind.CORDONED], what="cordon")
+    wait_for(lambda: got.kinds() == [NoticeKind.CORDONED], what="cordon")
     before = time.time()
     api.update_spec(taints=[SPOT])
-    wait_until(lambda: len(got.kinds()) == 2, what="spot notice")
+    wait_for(lambda: len(got.kinds()) == 2, what="spot notice")
     notice = got.notices[1]
     assert notice.kind is NoticeKind.TERMINATION_NOTICE
     assert "spot-itn" in notice.detail
     assert notice.deadline is not None and before + 119 <= notice.deadline <= time.time() + 121
     api.update_spec(unschedulable=False, taints=[])
-    wait_until(lambda: len(got.kinds()) == 3, what="uncordon")
+    wait_for(lambda: len(got.kinds()) == 3, what="uncordon")
     assert got.kinds()[2] is NoticeKind.UNCORDONED
 
 
@@ -101,17 +91,17 @@ def test_relists_after_410_and_misses_nothing(
     api: NodeApi, watched: tuple[NodeWatcher, Collector]
 ) -> None:
     watcher, got = watched
-    wait_until(lambda: api.watches >= 1, what="first watch")
+    wait_for(lambda: api.watches >= 1, what="first watch")
     api.update_spec(unschedulable=True)
-    wait_until(lambda: got.kinds() == [NoticeKind.CORDONED], what="cordon")
+    wait_for(lambda: got.kinds() == [NoticeKind.CORDONED], what="cordon")
     # History is compacted and the watch is cut: resuming from the old
     # resourceVersion gets 410 Gone, and the watcher must list again.
     api.compact()
     api.update_spec(taints=[{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}])
     api.compact()
     api.drop_watches()
-    wait_until(lambda: watcher.relists_on_gone >= 1, what="re-list on 410")
-    wait_until(lambda: NoticeKind.TERMINATION_NOTICE in got.kinds(), what="notice after relist")
+    wait_for(lambda: watcher.relists_on_gone >= 1, what="re-list on 410")
+    wait_for(lambda: NoticeKind.TERMINATION_NOTICE in got.kinds(), what="notice after relist")
     # The relist shows the same cordon: no second CORDONED.
     assert got.kinds() == [NoticeKind.CORDONED, NoticeKind.TERMINATION_NOTICE]
     assert api.lists >= 2
@@ -121,15 +111,15 @@ def test_a_silent_watch_is_abandoned_by_the_client_timeout(
     api: NodeApi, watched: tuple[NodeWatcher, Collector]
 ) -> None:
     _, got = watched
-    wait_until(lambda: api.watches >= 1, what="first watch")
+    wait_for(lambda: api.watches >= 1, what="first watch")
     api.blackhole = True
     api.drop_watches()  # the next watch connects and then hears nothing
-    wait_until(lambda: api.watches >= 2, what="blackholed watch")
+    wait_for(lambda: api.watches >= 2, what="blackholed watch")
     stuck_at = time.monotonic()
     api.blackhole = False
     api.update_spec(unschedulable=True)
     # Read timeout = timeout_s (2) + slack (1): the client gives up and reconnects.
-    wait_until(lambda: got.kinds() == [NoticeKind.CORDONED], timeout_s=10, what="recovery")
+    wait_for(lambda: got.kinds() == [NoticeKind.CORDONED], timeout_s=10, what="recovery")
     assert time.monotonic() - stuck_at <= 2 + 1 + 2
 
 
@@ -139,10 +129,10 @@ def test_already_cordoned_at_start_and_deleted_node(api: NodeApi) -> None:
     watcher = NodeWatcher(core_v1(api), NODE, got, timeout_s=2, backoff=Backoff(0.05, 0.2))
     watcher.start()
     try:
-        wait_until(lambda: got.kinds() == [NoticeKind.CORDONED], what="cordon at start")
-        wait_until(lambda: api.watches >= 1, what="watch")
+        wait_for(lambda: got.kinds() == [NoticeKind.CORDONED], what="cordon at start")
+        wait_for(lambda: api.watches >= 1, what="watch")
         api.delete()
-        wait_until(lambda: len(got.kinds()) == 2, what="deleted")
+        wait_for(lambda: len(got.kinds()) == 2, what="deleted")
         assert got.notices[1].kind is NoticeKind.TERMINATION_NOTICE
         assert got.notices[1].detail == "node deleted"
     finally:

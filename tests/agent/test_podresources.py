@@ -15,10 +15,11 @@ from services.agent.attribution import PodResourcesClient
 from services.agent.model import PodOwner
 from services.agent.nvml import NvmlSource
 from services.agent.podresources import api_pb2, api_pb2_grpc
+from tests.support.poll import eventually
 from tidebase.errors import Unavailable
 
-from .conftest import RunAgent, Scaler, agent_settings, eventually
 from .fake_nvml import FakeGpu, FakeNvml
+from .support import RunAgent, Scaler, agent_settings
 
 pytestmark = pytest.mark.component
 

@@ -14,14 +14,19 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tide.v1 import telemetry_pb2
 
-from .conftest import Scaler, eventually
+from tests.support.poll import eventually
+from tests.support.procs import ROOT, start_service
+from tidebase.listening import parse_listening
+
+from .support import Scaler
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 
 
@@ -229,7 +234,8 @@ def test_bench_prints_a_result_line() -> None:
 
 
 class RealScaler:
-    """``python -m services.scaler`` (the scaler engineer's), killed with -9 and restarted."""
+    """The production scaler's Telemetry path (``python -m services.testing.scaler``, with the
+    in-memory coordinator and actuator: no job moves here), killed with -9 and restarted."""
 
     def __init__(self, db: Path, port: int = 0) -> None:
         self.db = db
@@ -241,7 +247,9 @@ class RealScaler:
         self.proc = await asyncio.create_subprocess_exec(
             PY,
             "-m",
-            "services.scaler",
+            "services.testing.scaler",
+            "--coordinator=memory",
+            "--actuator=memory",
             f"--listen=127.0.0.1:{self.port}",
             "--metrics-listen=127.0.0.1:0",
             f"--db=sqlite:///{self.db}",
@@ -255,9 +263,10 @@ class RealScaler:
         while True:
             line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
             assert line, "scaler exited before listening"
-            match = re.match(rb"LISTENING grpc=(\d+) metrics=(\d+)", line)
-            if match:
-                self.port, self.metrics_port = int(match.group(1)), int(match.group(2))
+            ports = parse_listening(line)
+            if ports is not None:
+                assert ports.metrics_port is not None
+                self.port, self.metrics_port = ports.grpc_port, ports.metrics_port
                 return
 
     async def counters(self) -> dict[str, float]:
@@ -341,3 +350,38 @@ async def test_against_the_real_scaler_killed_and_restarted(tmp_path: Path) -> N
         accepted_first,
         since_look,
     )
+
+
+def test_sigterm_turns_health_off_and_drains_for_the_grace_period() -> None:
+    """The agent inherits grace_period_s: on SIGTERM its health says NOT_SERVING at once,
+    and an RPC in flight (a probe's Watch) may run for the grace period, no longer."""
+    grace_s = 2.0
+    svc = start_service(
+        [
+            *_agent_cmd(_free_port())[1:],
+            "--listen=127.0.0.1:0",
+            f"--grace-period-s={grace_s}",
+            # Nothing listens at --scaler: do not wait for the final report's ack.
+            "--shutdown-flush-s=0",
+        ],
+        timeout_s=60,
+    )
+    try:
+        with grpc.insecure_channel(svc.target) as ch:
+            watch = health_pb2_grpc.HealthStub(ch).Watch(
+                health_pb2.HealthCheckRequest(service=""), timeout=30
+            )
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            t0 = time.monotonic()
+            svc.proc.send_signal(signal.SIGTERM)
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            not_serving_s = time.monotonic() - t0
+            rc = svc.proc.wait(timeout=30)
+            elapsed = time.monotonic() - t0
+            watch.cancel()
+    finally:
+        svc.kill()
+    assert rc == 0
+    assert not_serving_s < 1.0, not_serving_s
+    # Held open for the grace period, then cancelled (plus interpreter exit on 2 cores).
+    assert grace_s - 0.2 <= elapsed < grace_s + 5.0, elapsed

@@ -9,10 +9,11 @@ from tide.v1 import telemetry_pb2
 
 from services.agent.model import GpuReading, NodeNotice, NoticeKind
 from services.agent.stream import StreamConfig
+from tests.support.poll import eventually
 from tidebase import grpc_options
 
-from .conftest import RunAgent, Scaler, agent_settings, eventually
 from .proxy import StallingProxy
+from .support import RunAgent, Scaler, agent_settings
 
 pytestmark = pytest.mark.component
 

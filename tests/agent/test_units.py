@@ -1,4 +1,4 @@
-"""Buffer, backoff, sources and report building, without the network."""
+"""Buffer, backoff, sources, report building, settings and the lifecycle, without the network."""
 
 from __future__ import annotations
 
@@ -10,15 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tide.v1 import telemetry_pb2
 
+from services.agent.agent import AGENT_LIFECYCLE, Agent, AgentState
 from services.agent.attribution import owners_from_response
 from services.agent.buffer import ReportBuffer
+from services.agent.errors import SourceError
 from services.agent.model import GpuReading, HealthFlag, NodeNotice, NoticeKind, PodOwner, Sample
 from services.agent.podresources import api_pb2
 from services.agent.report import build_report
 from services.agent.settings import AgentSettings
-from services.agent.sources import Profile, ReplaySource, SourceError, SyntheticSource
+from services.agent.sources import Profile, ReplaySource, SyntheticSource
+from services.common.config import ProcessSettings, load_settings
 from services.testing.clock import FakeClock
 from tidebase.errors import ConfigError
+from tidebase.lifecycle import InvalidTransition
 from tidebase.retry import Backoff
 
 pytestmark = pytest.mark.component
@@ -235,9 +239,40 @@ def test_owners_from_pod_resources_skip_other_resources_and_strip_replicas() -> 
         ("scaler", "nohost", "scaler: expected HOST:PORT, got 'nohost'"),
         ("max_in_flight_reports", 600, "max_in_flight_reports: must be in 1..599, got 600"),
         ("backoff_max_s", 0.1, "backoff_max_s: must be >= backoff_initial_s"),
+        ("grace_period_s", -1.0, "grace_period_s: must be >= 0, got -1.0"),
+        ("log_format", "xml", "log_format: expected text or json, got 'xml'"),
     ],
 )
 def test_settings_name_the_bad_field(field: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         AgentSettings(**{field: value})  # type: ignore[arg-type]
     assert message in str(info.value)
+
+
+def test_settings_inherit_the_process_settings_and_keep_the_agent_flags() -> None:
+    """grace_period_s, logs, /metrics and --config are the common ones, written once."""
+    assert issubclass(AgentSettings, ProcessSettings)
+    s = load_settings(
+        AgentSettings,
+        ["--grace-period-s=3", "--listen=127.0.0.1:0", "--tls-ca-file=", "--no-watch-node"],
+        env={"TIDE_LOG_FORMAT": "json"},
+    )
+    assert (s.grace_period_s, s.listen, s.watch_node, s.log_format) == (
+        3.0,
+        "127.0.0.1:0",
+        False,
+        "json",
+    )
+    assert AgentSettings().listen == "", "the health server stays off unless asked for"
+
+
+def test_lifecycle_is_one_table_and_a_missing_edge_is_a_bug() -> None:
+    assert AGENT_LIFECYCLE.final_states == {AgentState.STOPPED}
+    assert (AgentState.RUNNING, AgentState.DRAINING) in AGENT_LIFECYCLE.edges()
+    agent = Agent(
+        AgentSettings(watch_node=False, pod_resources_socket=""),
+        SyntheticSource(Profile.parse("steady:50"), 1, FakeClock()),
+    )
+    with pytest.raises(InvalidTransition, match="CREATED -> DRAINING"):
+        agent._transition(AgentState.DRAINING)
+    assert agent.state is AgentState.CREATED

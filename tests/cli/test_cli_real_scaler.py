@@ -1,5 +1,6 @@
-"""Every `tide` command against the real `python -m services.scaler` (in-memory actuator
-and coordinator), over its socket, with its admin token."""
+"""Every `tide` command against the real scaler process (`python -m services.testing.scaler`:
+the production code with the in-memory actuator and coordinator), over its socket, with
+its admin token."""
 
 from __future__ import annotations
 
@@ -29,7 +30,11 @@ def scaler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]
     svc = start_service(
         [
             "-m",
-            "services.scaler",
+            "services.testing.scaler",
+            "--coordinator",
+            "memory",
+            "--actuator",
+            "memory",
             "--listen",
             "127.0.0.1:0",
             "--db",

@@ -65,7 +65,18 @@ def _health_watch(ch: grpc.Channel) -> Any:
 
 SERVICES: dict[str, tuple[Callable[[Path], list[str]], set[str], Callable[[grpc.Channel], Any]]] = {
     "scaler": (
-        lambda tmp: ["-m", "services.scaler", "--db", f"sqlite:///{tmp}/s.db"],
+        # The production scaler's code with the in-memory coordinator and actuator:
+        # this test is about the runtime every service shares, not about resizing.
+        lambda tmp: [
+            "-m",
+            "services.testing.scaler",
+            "--coordinator",
+            "memory",
+            "--actuator",
+            "memory",
+            "--db",
+            f"sqlite:///{tmp}/s.db",
+        ],
         {"tide.v1.Scaler", "tide.v1.Telemetry"},
         _telemetry_stream,
     ),
@@ -85,6 +96,9 @@ SERVICES: dict[str, tuple[Callable[[Path], list[str]], set[str], Callable[[grpc.
             f"127.0.0.1:{_free_port()}",
             "--node-name",
             "n1",
+            # Nothing listens at --scaler: do not wait for the final report's ack.
+            "--shutdown-flush-s",
+            "0",
         ],
         set(),
         _health_watch,
@@ -97,8 +111,11 @@ def service(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[st
     name = request.param
     args = SERVICES[name][0](tmp_path)
     svc = start_service(
-        [*args, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"]
-        + (["--grace-period-s", str(GRACE_S)] if name != "agent" else []),
+        [
+            *args,
+            *("--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"),
+            *("--grace-period-s", str(GRACE_S)),
+        ],
         timeout_s=60,
     )
     yield name, svc

@@ -14,6 +14,7 @@ from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 from services.common.config import CommonSettings
 from services.common.server import ServiceSpec, start_server
 from services.local.load import LoadSettings, SyntheticNode
+from tests.support.poll import eventually
 from tidebase.errors import ConfigError
 
 pytestmark = pytest.mark.component
@@ -38,13 +39,6 @@ class Recorder(telemetry_pb2_grpc.TelemetryServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "scaler restarting")
 
 
-async def wait_until(cond: Any, timeout_s: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_reports_attribute_gpus_and_survive_a_broken_stream() -> None:
     rec = Recorder(break_after=3)
     running = await start_server(
@@ -62,10 +56,10 @@ async def test_reports_attribute_gpus_and_survive_a_broken_stream() -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(node.run(stop))
     try:
-        await wait_until(lambda: len(rec.reports) >= 8)
+        await eventually(lambda: len(rec.reports) >= 8, what="reports")
         node.level_pct = 15.0
         owners[2] = ("ml", "resnet-trainer-2")
-        await wait_until(lambda: len(rec.reports) >= 12)
+        await eventually(lambda: len(rec.reports) >= 12, what="reports after the break")
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)
