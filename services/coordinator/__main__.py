@@ -1,4 +1,4 @@
-"""`python -m services.coordinator --listen HOST:PORT --db URL --sync-timeout-s S`
+"""`python -m services.coordinator --listen HOST:PORT --db URL --heartbeat-timeout-s S`
 
 Migrates the database, reloads every job (applying the restart rules of
 docs/resize-protocol.md), then serves tide.v1.Coordinator until SIGTERM.
@@ -15,7 +15,7 @@ from tide.v1 import coordinator_pb2_grpc
 from services.common.clock import SystemClock
 from services.common.entry import run_service
 from services.common.server import ServiceSpec, serve
-from services.coordinator.core import Coordinator
+from services.coordinator.engine import Coordinator
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.servicer import ADMIN_METHODS, SERVICE_NAME, CoordinatorServicer
 from services.coordinator.settings import CoordinatorSettings

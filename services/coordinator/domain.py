@@ -2,7 +2,7 @@
 resizes, their lifecycles as transition tables, and the pure rules (which step to
 checkpoint at, who leaves, rank order, how long the pause was).
 
-No I/O, no clock reads and no gRPC here: :mod:`services.coordinator.core` drives
+No I/O, no clock reads and no gRPC here: :mod:`services.coordinator.engine` drives
 these objects and :mod:`services.coordinator.store` persists them. The enum values
 equal the proto's, so the servicer converts by value.
 """
@@ -10,15 +10,11 @@ equal the proto's, so the servicer converts by value.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from tidebase.errors import TideError
-
-
-class InvalidTransition(TideError):
-    """A lifecycle was asked to take an edge its table does not have: a bug, not bad input."""
+from tidebase.lifecycle import TransitionTable
 
 
 class MemberState(IntEnum):
@@ -36,35 +32,42 @@ class MemberState(IntEnum):
     GONE = 4
 
 
-MEMBER_TRANSITIONS: Mapping[MemberState, frozenset[MemberState]] = {
-    MemberState.STANDBY: frozenset(
-        {
-            MemberState.ACTIVE,  # a generation (first, grow, recovery) includes it
-            MemberState.GONE,  # heartbeat timeout, or its pod was replaced
-        }
-    ),
-    MemberState.ACTIVE: frozenset(
-        {
-            MemberState.DRAINING,  # chosen to leave in a shrink, after the barrier
-            MemberState.GONE,  # heartbeat timeout, replaced, or never started in g+1
-            MemberState.STANDBY,  # left out of a generation while its launcher lives
-        }
-    ),
-    MemberState.DRAINING: frozenset(
-        {
-            MemberState.GONE,  # acked DRAIN, timed out, or drain deadline passed
-        }
-    ),
-    MemberState.GONE: frozenset(),
-}
+MEMBER_TRANSITIONS: TransitionTable[MemberState] = TransitionTable(
+    "member",
+    {
+        MemberState.STANDBY: frozenset(
+            {
+                MemberState.ACTIVE,  # a generation (first, grow, recovery) includes it
+                MemberState.GONE,  # heartbeat timeout, or its pod was replaced
+            }
+        ),
+        MemberState.ACTIVE: frozenset(
+            {
+                MemberState.DRAINING,  # chosen to leave in a shrink, after the barrier
+                MemberState.GONE,  # heartbeat timeout, replaced, or never started in g+1
+                MemberState.STANDBY,  # left out of a generation while its launcher lives
+            }
+        ),
+        MemberState.DRAINING: frozenset(
+            {
+                MemberState.GONE,  # acked DRAIN, timed out, or drain deadline passed
+            }
+        ),
+        MemberState.GONE: frozenset(),
+    },
+)
 
 
 class ResizePhase(IntEnum):
-    """Lifecycle of one resize (one scaler decision) of one job."""
+    """Lifecycle of one resize (one scaler decision) of one job.
+
+    The values are the proto's. Its RESIZE_PHASE_DRAINING (3) is not one of them: a
+    shrink sends DRAIN to the leavers together with the stayers' RENDEZVOUS, so the
+    leavers drain inside RENDEZVOUS and no resize waits in a phase of its own for them.
+    """
 
     WAITING_FOR_MEMBERS = 1
     CHECKPOINTING = 2
-    DRAINING = 3
     RENDEZVOUS = 4
     COMPLETED = 5
     ABORTED = 6
@@ -72,48 +75,41 @@ class ResizePhase(IntEnum):
 
     @property
     def final(self) -> bool:
-        return self in _FINAL_PHASES
+        return RESIZE_TRANSITIONS.is_final(self)
 
 
-_FINAL_PHASES = frozenset({ResizePhase.COMPLETED, ResizePhase.ABORTED, ResizePhase.FAILED})
-
-RESIZE_TRANSITIONS: Mapping[ResizePhase, frozenset[ResizePhase]] = {
-    ResizePhase.WAITING_FOR_MEMBERS: frozenset(
-        {
-            ResizePhase.CHECKPOINTING,  # enough members (or deadline with >= min): barrier
-            ResizePhase.RENDEZVOUS,  # no generation yet: nothing to checkpoint
-            ResizePhase.COMPLETED,  # already at the target size
-            ResizePhase.ABORTED,  # deadline below min, AbortResize, member lost, restart
-        }
-    ),
-    ResizePhase.CHECKPOINTING: frozenset(
-        {
-            # Every participant acked. On a shrink the leavers get DRAIN at the same moment
-            # and drain while g+1 forms: RENDEZVOUS covers both.
-            ResizePhase.RENDEZVOUS,
-            ResizePhase.ABORTED,  # deadline, nack, participant lost, AbortResize, restart
-        }
-    ),
-    # Nothing enters DRAINING any more: only a resize persisted by a coordinator that drained
-    # before the rendezvous is in it, and a restart carries it on along these edges.
-    ResizePhase.DRAINING: frozenset(
-        {
-            ResizePhase.RENDEZVOUS,  # leavers acked DRAIN, are gone, or their deadline passed
-            ResizePhase.FAILED,  # nobody is left to form the next generation
-        }
-    ),
-    ResizePhase.RENDEZVOUS: frozenset(
-        {
-            # Every member of g+1 reported its first step and every leaver is GONE (acked
-            # DRAIN or passed its drain deadline, which is this phase's deadline).
-            ResizePhase.COMPLETED,
-            ResizePhase.FAILED,  # a member of g+1 was lost or g+1 missed the deadline
-        }
-    ),
-    ResizePhase.COMPLETED: frozenset(),
-    ResizePhase.ABORTED: frozenset(),
-    ResizePhase.FAILED: frozenset(),
-}
+RESIZE_TRANSITIONS: TransitionTable[ResizePhase] = TransitionTable(
+    "resize",
+    {
+        ResizePhase.WAITING_FOR_MEMBERS: frozenset(
+            {
+                ResizePhase.CHECKPOINTING,  # enough members (or deadline with >= min): barrier
+                ResizePhase.RENDEZVOUS,  # no generation yet: nothing to checkpoint
+                ResizePhase.COMPLETED,  # already at the target size
+                ResizePhase.ABORTED,  # deadline below min, AbortResize, member lost, restart
+            }
+        ),
+        ResizePhase.CHECKPOINTING: frozenset(
+            {
+                # Every participant acked. On a shrink the leavers get DRAIN at the same
+                # moment and drain while g+1 forms: RENDEZVOUS covers both.
+                ResizePhase.RENDEZVOUS,
+                ResizePhase.ABORTED,  # deadline, nack, participant lost, AbortResize, restart
+            }
+        ),
+        ResizePhase.RENDEZVOUS: frozenset(
+            {
+                # Every member of g+1 reported its first step and every leaver is GONE
+                # (acked DRAIN or passed its drain deadline, which is this phase's deadline).
+                ResizePhase.COMPLETED,
+                ResizePhase.FAILED,  # a member of g+1 was lost or g+1 missed the deadline
+            }
+        ),
+        ResizePhase.COMPLETED: frozenset(),
+        ResizePhase.ABORTED: frozenset(),
+        ResizePhase.FAILED: frozenset(),
+    },
+)
 
 
 class WorkerPhase(IntEnum):
@@ -194,12 +190,9 @@ class Member:
 def transition_member(member: Member, new: MemberState) -> None:
     if new == member.state:
         return
-    if new not in MEMBER_TRANSITIONS[member.state]:
-        raise InvalidTransition(
-            f"member {member.member_id} of job {member.job_id}: "
-            f"{member.state.name} -> {new.name} is not allowed"
-        )
-    member.state = new
+    member.state = MEMBER_TRANSITIONS.check(
+        member.state, new, what=f"member {member.member_id} of job {member.job_id}"
+    )
 
 
 @dataclass
@@ -288,12 +281,9 @@ class Resize:
 
 
 def transition_resize(resize: Resize, new: ResizePhase, *, at: float, message: str = "") -> None:
-    if new not in RESIZE_TRANSITIONS[resize.phase]:
-        raise InvalidTransition(
-            f"resize {resize.decision_id} of job {resize.job_id}: "
-            f"{resize.phase.name} -> {new.name} is not allowed"
-        )
-    resize.phase = new
+    resize.phase = RESIZE_TRANSITIONS.check(
+        resize.phase, new, what=f"resize {resize.decision_id} of job {resize.job_id}"
+    )
     resize.phase_started_at = at
     resize.acked = ()
     if message:

@@ -17,7 +17,8 @@ from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 from services.common.rpc import rpc_errors
-from services.coordinator.core import (
+from services.coordinator.domain import Breakdown, Directive, WorkerPhase
+from services.coordinator.engine import (
     AckInput,
     Coordinator,
     HeartbeatInput,
@@ -26,7 +27,6 @@ from services.coordinator.core import (
     ResizeInput,
     ResizeView,
 )
-from services.coordinator.domain import Breakdown, Directive, WorkerPhase
 from tidebase.errors import InvalidArgument
 
 SERVICE_NAME = "tide.v1.Coordinator"

@@ -3,7 +3,7 @@ that the domain core takes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from services.common.config import CommonSettings, setting
 from tidebase.errors import ConfigError
@@ -20,6 +20,9 @@ class Tuning:
 
     # A member without heartbeat this long is lost; also each member's ack deadline.
     heartbeat_timeout_s: float = 60.0
+    # Each phase's deadline of a resize whose request says deadline_s 0. Not the member
+    # silence above: a barrier over slow checkpoints may need longer than a heartbeat gap.
+    phase_timeout_s: float = 60.0
     # Launchers heartbeat this often; a fifth of heartbeat_timeout_s leaves four misses.
     heartbeat_interval_s: float = 5.0
     # The checkpoint step is at least this many steps past the highest reported one.
@@ -32,6 +35,7 @@ class Tuning:
 
     def __post_init__(self) -> None:
         _positive("heartbeat_timeout_s", self.heartbeat_timeout_s)
+        _positive("phase_timeout_s", self.phase_timeout_s)
         _positive("heartbeat_interval_s", self.heartbeat_interval_s)
         _positive("tick_interval_s", self.tick_interval_s)
         if self.heartbeat_interval_s >= self.heartbeat_timeout_s:
@@ -61,25 +65,40 @@ class Tuning:
         )
 
 
+_DEFAULT = Tuning()
+#: The README's store, shared with the scaler and the CLI; make_engine creates .tide/.
+DEFAULT_DB = "sqlite:///.tide/tide.db"
+
+
 @dataclass(frozen=True)
 class CoordinatorSettings(CommonSettings):
-    """Everything `python -m services.coordinator` accepts."""
+    """Everything `python -m services.coordinator` accepts; the timing defaults are Tuning's."""
 
     db: str = setting(
-        "sqlite:///tide-coordinator.db",
-        "SQLAlchemy URL of the coordinator's database (SQLite file or PostgreSQL)",
+        DEFAULT_DB, "SQLAlchemy URL of the coordinator's database (SQLite file or PostgreSQL)"
     )
     heartbeat_timeout_s: float = setting(
-        60.0, "barrier/heartbeat timeout: a member silent this long is lost, seconds"
+        _DEFAULT.heartbeat_timeout_s,
+        "a member silent this long is lost (also its ack deadline), seconds",
     )
-    heartbeat_interval_s: float = setting(5.0, "how often launchers heartbeat, seconds")
+    phase_timeout_s: float = setting(
+        _DEFAULT.phase_timeout_s,
+        "deadline of each resize phase when a Resize asks for deadline_s 0, seconds",
+    )
+    heartbeat_interval_s: float = setting(
+        _DEFAULT.heartbeat_interval_s, "how often launchers heartbeat, seconds"
+    )
     checkpoint_min_lead_steps: int = setting(
-        2, "the coordinated checkpoint step is at least this far past the highest reported step"
+        _DEFAULT.checkpoint_min_lead_steps,
+        "the coordinated checkpoint step is at least this far past the highest reported step",
     )
     checkpoint_lead_s: float = setting(
-        6.0, "seconds of training the checkpoint step is placed ahead (converted with step rate)"
+        _DEFAULT.checkpoint_lead_s,
+        "seconds of training the checkpoint step is placed ahead (converted with step rate)",
     )
-    tick_interval_s: float = setting(0.5, "how often deadlines and timeouts are checked, seconds")
+    tick_interval_s: float = setting(
+        _DEFAULT.tick_interval_s, "how often deadlines and timeouts are checked, seconds"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -88,10 +107,4 @@ class CoordinatorSettings(CommonSettings):
         self.tuning()
 
     def tuning(self) -> Tuning:
-        return Tuning(
-            heartbeat_timeout_s=self.heartbeat_timeout_s,
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            checkpoint_min_lead_steps=self.checkpoint_min_lead_steps,
-            checkpoint_lead_s=self.checkpoint_lead_s,
-            tick_interval_s=self.tick_interval_s,
-        )
+        return Tuning(**{f.name: getattr(self, f.name) for f in fields(Tuning)})

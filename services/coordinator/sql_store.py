@@ -269,6 +269,12 @@ def _member(row: CoordMember) -> Member:
     )
 
 
+def _phase(name: str) -> ResizePhase:
+    # A coordinator before the one-step shrink persisted leavers draining before g+1 opened,
+    # as phase DRAINING. That resize cannot be carried on; it ends, FAILED, at load.
+    return ResizePhase.FAILED if name == "DRAINING" else ResizePhase[name]
+
+
 def _resize(row: CoordResize) -> Resize:
     b = row.breakdown or {}
     return Resize(
@@ -278,7 +284,7 @@ def _resize(row: CoordResize) -> Resize:
         min_world_size=row.min_world_size,
         leaving_pods=tuple(row.leaving_pods),
         deadline_s=row.deadline_s,
-        phase=ResizePhase[row.phase],
+        phase=_phase(row.phase),
         from_generation=row.from_generation,
         started_at=_secs(row.started_at),
         phase_started_at=_secs(row.phase_started_at),

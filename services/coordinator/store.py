@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from services.coordinator.domain import Checkpoint, Directive, Generation, JobRecord, Member, Resize
 from tidebase.errors import Conflict
@@ -29,6 +29,24 @@ class Unit:
     resizes: list[Resize] = field(default_factory=list)
     directives: list[Directive] = field(default_factory=list)
 
+    def add(self, obj: JobRecord | Member | Generation | Checkpoint | Resize | Directive) -> None:
+        """Include ``obj`` in the unit (once; the list keeps the order of first change)."""
+        if isinstance(obj, JobRecord):
+            self.job = obj
+            return
+        rows: list[Any]
+        if isinstance(obj, Member):
+            rows = self.members
+        elif isinstance(obj, Generation):
+            rows = self.generations
+        elif isinstance(obj, Checkpoint):
+            rows = self.checkpoints
+        elif isinstance(obj, Resize):
+            rows = self.resizes
+        else:
+            rows = self.directives
+        _add_once(rows, obj)
+
     def empty(self) -> bool:
         return not (
             self.job
@@ -38,6 +56,11 @@ class Unit:
             or self.resizes
             or self.directives
         )
+
+
+def _add_once(rows: list[Any], obj: object) -> None:
+    if not any(x is obj for x in rows):
+        rows.append(obj)
 
 
 @dataclass

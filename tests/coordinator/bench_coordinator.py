@@ -26,12 +26,13 @@ from tide.v1 import coordinator_pb2_grpc as pb_grpc
 from services.common.clock import SystemClock
 from services.common.config import CommonSettings
 from services.common.server import ServiceSpec, start_server
-from services.coordinator.core import Coordinator
+from services.coordinator.engine import Coordinator
 from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer
 from services.coordinator.settings import Tuning
 from services.coordinator.sql_store import SqlStore
 from services.store import db
-from tests.coordinator.fakes import FakeLauncher, ResizeWatch, eventually
+from tests.coordinator.fakes import FakeLauncher, ResizeWatch
+from tests.support.poll import eventually
 
 JOB = "bench/job"
 K = pb.Directive.Kind

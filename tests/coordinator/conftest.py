@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 import grpc
 import pytest
+import sqlalchemy as sa
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 from services.common.config import CommonSettings
 from services.common.server import RunningServer, ServiceSpec, start_server
-from services.coordinator.core import Coordinator
+from services.coordinator.engine import Coordinator
 from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer
 from services.coordinator.settings import Tuning
 from services.coordinator.store import CoordinatorStore, MemoryStore
 from services.testing.clock import FakeClock
-from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, eventually
+from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher
 
 JOB = "ns/job"
 TUNING = Tuning(
     heartbeat_timeout_s=30.0,
+    # Apart from the heartbeat timeout, so a test can tell which one a deadline came from.
+    phase_timeout_s=40.0,
     heartbeat_interval_s=5.0,
     checkpoint_min_lead_steps=2,
     checkpoint_lead_s=3.0,
@@ -107,10 +113,35 @@ async def close_env(env: Env) -> None:
 
 
 @pytest.fixture
+def pg_schema_url(pg_url: str) -> Iterator[str]:
+    """A schema of its own in the shared test database, dropped afterwards."""
+    admin = sa.create_engine(pg_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+    except sa.exc.OperationalError as exc:
+        admin.dispose()
+        if os.environ.get("TIDE_TEST_PG_URL"):
+            # `make test` promised a database: its absence is a failure, not a skip.
+            raise
+        pytest.skip(f"PostgreSQL not reachable at {pg_url}: {exc.orig}")
+    schema = f"coord_{uuid.uuid4().hex[:10]}"
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    sep = "&" if "?" in pg_url else "?"
+    try:
+        yield f"{pg_url}{sep}options={quote(f'-csearch_path={schema}')}"
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.dispose()
+
+
+@pytest.fixture
 async def env() -> AsyncIterator[Env]:
     e = await make_env(MemoryStore())
     yield e
     await close_env(e)
 
 
-__all__ = ["JOB", "TUNING", "Env", "FakeLauncher", "close_env", "eventually", "make_env"]
+__all__ = ["JOB", "TUNING", "Env", "FakeLauncher", "close_env", "make_env"]

@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -36,18 +34,6 @@ def ts(seconds: float) -> Timestamp:
 
 def digest_of(job_id: str, step: int) -> str:
     return hashlib.sha256(f"{job_id}:{step}".encode()).hexdigest()
-
-
-async def eventually(cond: Callable[[], Any], timeout_s: float = 5.0, what: str = "") -> Any:
-    """Poll ``cond`` on the loop until it is truthy; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or cond}")
-        await asyncio.sleep(0.01)
 
 
 class FakeLauncher:

@@ -11,7 +11,8 @@ from tide.v1 import coordinator_pb2 as pb
 
 from services.coordinator.store import MemoryStore, Unit
 from tests.coordinator.conftest import JOB, TUNING, Env, close_env, make_env
-from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch, eventually, ts
+from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch, ts
+from tests.support.poll import eventually
 from tidebase.errors import Unavailable
 
 pytestmark = pytest.mark.component
@@ -557,14 +558,14 @@ async def test_a_stall_longer_than_the_heartbeat_timeout_loses_nobody(env: Env) 
     loop = TickLoop(env)
     try:
         await loop.run_for(2)
-        # The loop does not run for 45 s (sync timeout 30 s): nobody could be heard.
+        # The loop does not run for 45 s (heartbeat timeout 30 s): nobody could be heard.
         await loop.advance(45.0)
         assert loop.stalls[-1] == pytest.approx(45.0 - TUNING.tick_interval_s)
         st = await env.status()
         assert (st.generation, st.world_size) == (1, 2)
         assert [m.state for m in st.members] == [pb.MEMBER_STATE_ACTIVE] * 2
         # Running again, a member that stays silent is still found out, after the full
-        # sync timeout of running time.
+        # heartbeat timeout of running time.
         ls[1].exited = True
         await loop.run_for(TUNING.heartbeat_timeout_s - 6)
         assert ls[0].generation == 1
@@ -663,20 +664,21 @@ async def test_metrics_count_outcomes_pauses_and_losses(env: Env) -> None:
     assert value("tide_coordinator_commit_seconds_count") > 5
 
 
-async def test_zero_deadline_means_the_heartbeat_timeout(env: Env) -> None:
+async def test_zero_deadline_means_the_phase_timeout_not_the_heartbeat_timeout(env: Env) -> None:
+    assert TUNING.phase_timeout_s > TUNING.heartbeat_timeout_s
     await form(env, 2)
     await env.heartbeat_all()
     env.launchers[1].answer_checkpoint = False
     w = ResizeWatch(env.stub, JOB, 2, 1, deadline_s=0.0)
     await eventually(lambda: K.KIND_CHECKPOINT in env.launchers[1].kinds(), what="barrier")
-    await env.heartbeat_all(advance_s=TUNING.heartbeat_timeout_s - 1)
+    await env.heartbeat_all(advance_s=TUNING.phase_timeout_s - 1)
     env.coordinator.tick()
     assert env.coordinator.jobs[JOB].resizes[2].phase.name == "CHECKPOINTING"
     await env.heartbeat_all(advance_s=2)
     env.coordinator.tick()
     final = await w.final()
     assert final.phase == P.RESIZE_PHASE_ABORTED
-    assert "barrier deadline (30.0 s)" in final.message
+    assert "barrier deadline (40.0 s)" in final.message
 
 
 async def test_job_that_finishes_its_budget_ends_without_loss(env: Env) -> None:
@@ -693,7 +695,7 @@ async def test_job_that_finishes_its_budget_ends_without_loss(env: Env) -> None:
         fl.exited = True
     final = await w.final()
     assert final.phase == P.RESIZE_PHASE_ABORTED and "finished at step 10" in final.message
-    for _ in range(5):  # far past the sync timeout: nothing is lost, nothing re-forms
+    for _ in range(5):  # far past the heartbeat timeout: nothing is lost, nothing re-forms
         await env.heartbeat_all(advance_s=8.0)
         env.coordinator.tick()
     st = await env.status()

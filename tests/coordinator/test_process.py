@@ -15,7 +15,8 @@ from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 from services.common.clock import SystemClock
-from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch, eventually
+from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch
+from tests.support.poll import eventually
 from tests.support.procs import ServiceProcess, start_service
 
 pytestmark = pytest.mark.integration
@@ -69,7 +70,7 @@ def _start(db: Path, port: int = 0) -> ServiceProcess:
             f"127.0.0.1:{port}",
             "--db",
             f"sqlite:///{db}",
-            "--sync-timeout-s",
+            "--heartbeat-timeout-s",
             "10",
             "--heartbeat-interval-s",
             "1",
@@ -127,7 +128,7 @@ async def test_sigkill_mid_resize_ends_in_one_generation(tmp_path: Path, kill_in
                 ll.fl.answer_rendezvous = False
         ResizeWatch(stub, JOB, 2, 3, deadline_s=60.0)
         if kill_in == "barrier":
-            await eventually(lambda: K.KIND_CHECKPOINT in old[1].fl.kinds(), 20.0, "barrier")
+            await eventually(lambda: K.KIND_CHECKPOINT in old[1].fl.kinds(), 20.0, what="barrier")
         else:
             await eventually(
                 lambda: (
@@ -135,7 +136,7 @@ async def test_sigkill_mid_resize_ends_in_one_generation(tmp_path: Path, kill_in
                     and newcomer.fl.kinds() == [K.KIND_RENDEZVOUS]
                 ),
                 20.0,
-                "rendezvous sent",
+                what="rendezvous sent",
             )
 
         svc.proc.send_signal(signal.SIGKILL)
@@ -163,12 +164,14 @@ async def test_sigkill_mid_resize_ends_in_one_generation(tmp_path: Path, kill_in
         assert sorted(m.rank for m in active) == list(range(want_world))
         in_job = [ll for ll in launchers if ll.fl.rank is not None]
         await eventually(
-            lambda: {ll.fl.generation for ll in in_job} == {want_gen}, 10.0, "launchers agree"
+            lambda: {ll.fl.generation for ll in in_job} == {want_gen}, 10.0, what="launchers agree"
         )
-        await eventually(lambda: all(ll.reconnects >= 1 for ll in launchers), 10.0, "reconnects")
+        await eventually(
+            lambda: all(ll.reconnects >= 1 for ll in launchers), 10.0, what="reconnects"
+        )
         if kill_in == "barrier":
             await eventually(
-                lambda: all(K.KIND_RESUME in ll.fl.kinds() for ll in old), 10.0, "RESUME"
+                lambda: all(K.KIND_RESUME in ll.fl.kinds() for ll in old), 10.0, what="RESUME"
             )
             assert [ll.fl.worker_starts for ll in old] == [1, 1]
             assert newcomer.fl.generation == 0

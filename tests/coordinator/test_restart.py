@@ -7,13 +7,10 @@ versions), not only for round trips.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from urllib.parse import quote
 
 import pytest
-import sqlalchemy as sa
 from tide.v1 import coordinator_pb2 as pb
 
 from services.coordinator.domain import JobRecord
@@ -22,34 +19,14 @@ from services.coordinator.store import CoordinatorStore, MemoryStore, Unit
 from services.store import db
 from services.testing.clock import FakeClock
 from tests.coordinator.conftest import JOB, Env, close_env, make_env
-from tests.coordinator.fakes import ResizeWatch, eventually, ts
+from tests.coordinator.fakes import ResizeWatch, ts
+from tests.support.poll import eventually
 from tidebase.errors import Conflict
 
 pytestmark = pytest.mark.integration
 
 K = pb.Directive.Kind
 P = pb.ResizePhase
-
-
-@pytest.fixture
-def pg_schema_url(pg_url: str) -> Iterator[str]:
-    admin = sa.create_engine(pg_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
-    try:
-        with admin.connect() as conn:
-            conn.exec_driver_sql("SELECT 1")
-    except sa.exc.OperationalError as exc:
-        admin.dispose()
-        pytest.skip(f"PostgreSQL not reachable at {pg_url}: {exc.orig}")
-    schema = f"coord_{uuid.uuid4().hex[:10]}"
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    sep = "&" if "?" in pg_url else "?"
-    try:
-        yield f"{pg_url}{sep}options={quote(f'-csearch_path={schema}')}"
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
-        admin.dispose()
 
 
 @pytest.fixture(

@@ -1,0 +1,171 @@
+"""The coordinator of every job: the registry of job runtimes, the indexes from member
+and decision ids to jobs, the reload of a job whose commit failed, and the tick loop."""
+
+from __future__ import annotations
+
+import logging
+
+from services.common.clock import Clock
+from services.coordinator.domain import JobRecord, ResizePhase
+from services.coordinator.engine.job import JobRuntime
+from services.coordinator.engine.messages import (
+    AckInput,
+    HeartbeatInput,
+    RegisterInput,
+    RegisterResult,
+    ResizeInput,
+)
+from services.coordinator.errors import UnknownJob, UnknownMember, UnknownResize
+from services.coordinator.metrics import CoordinatorMetrics
+from services.coordinator.settings import Tuning
+from services.coordinator.store import CoordinatorStore
+from tidebase.errors import InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+
+class Coordinator:
+    """Every job's runtime, the indexes from member and decision ids to jobs, and
+    the periodic tick."""
+
+    def __init__(
+        self,
+        store: CoordinatorStore,
+        clock: Clock,
+        tuning: Tuning,
+        metrics: CoordinatorMetrics | None = None,
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self.tuning = tuning
+        self.metrics = metrics or CoordinatorMetrics()
+        self.jobs: dict[str, JobRuntime] = {}
+        self._member_job: dict[str, str] = {}
+        self._decision_job: dict[int, str] = {}
+
+    def load(self) -> None:
+        """Reload every job from the store and apply the restart rules."""
+        for snap in self._store.load_all():
+            self._install(
+                JobRuntime.from_snapshot(snap, self._store, self._clock, self.tuning, self.metrics)
+            )
+        for rt in self.jobs.values():
+            rt.recover_after_restart()
+        logger.info("loaded %d job(s) from the store", len(self.jobs))
+
+    def _install(self, rt: JobRuntime) -> None:
+        self.jobs[rt.job.job_id] = rt
+        for mid in rt.members:
+            self._member_job[mid] = rt.job.job_id
+        for did in rt.resizes:
+            self._decision_job[did] = rt.job.job_id
+
+    def _reload(self, job_id: str) -> JobRuntime | None:
+        old = self.jobs.pop(job_id, None)
+        for snap in self._store.load_all():
+            if snap.job.job_id == job_id:
+                rt = JobRuntime.from_snapshot(
+                    snap, self._store, self._clock, self.tuning, self.metrics
+                )
+                rt.recover_after_restart()
+                self._install(rt)
+                if old is not None:
+                    old.notifier.notify()  # ends streams bound to the discarded runtime
+                return rt
+        if old is not None:
+            old.notifier.notify()
+        return None
+
+    def job(self, job_id: str, *, create: bool = False) -> JobRuntime:
+        rt = self.jobs.get(job_id)
+        if rt is not None and rt.broken:
+            rt = self._reload(job_id)
+        if rt is None:
+            if not create:
+                raise UnknownJob(f"job {job_id!r} is not known to the coordinator")
+            _validate_job_id(job_id)
+            rt = JobRuntime(
+                JobRecord(job_id=job_id), self._store, self._clock, self.tuning, self.metrics
+            )
+            self.jobs[job_id] = rt
+        return rt
+
+    def job_of_member(self, member_id: str) -> JobRuntime:
+        job_id = self._member_job.get(member_id)
+        if job_id is None:
+            raise UnknownMember(f"member {member_id!r} is not known; register first")
+        return self.job(job_id)
+
+    def register(self, inp: RegisterInput) -> RegisterResult:
+        for name, value in (
+            ("pod_name", inp.pod_name),
+            ("host", inp.host),
+            ("launcher_id", inp.launcher_id),
+        ):
+            if not value:
+                raise InvalidArgument(f"{name}: required, got ''")
+        if not 0 < inp.free_port <= 65535:
+            raise InvalidArgument(f"free_port: must be in 1..65535, got {inp.free_port}")
+        rt = self.job(inp.job_id, create=True)
+        res = rt.register(inp)
+        self._member_job[res.member_id] = inp.job_id
+        return res
+
+    def heartbeat(self, inp: HeartbeatInput) -> int:
+        return self.job_of_member(inp.member_id).heartbeat(inp)
+
+    def ack(self, inp: AckInput) -> None:
+        self.job_of_member(inp.member_id).ack(inp)
+
+    def start_resize(self, inp: ResizeInput) -> JobRuntime:
+        owner = self._decision_job.get(inp.decision_id)
+        if owner is not None and owner != inp.job_id:
+            raise InvalidArgument(
+                f"decision_id {inp.decision_id} belongs to job {owner}, not {inp.job_id}"
+            )
+        rt = self.job(inp.job_id, create=True)
+        rt.start_resize(inp)
+        self._decision_job[inp.decision_id] = inp.job_id
+        return rt
+
+    def abort_resize(self, decision_id: int, job_id: str, reason: str) -> ResizePhase:
+        owner = self._decision_job.get(decision_id)
+        if owner is None or (job_id and owner != job_id):
+            raise UnknownResize(f"no resize {decision_id} for job {job_id!r}")
+        return self.job(owner).abort_resize(decision_id, reason)
+
+    def tick(self, stalled_s: float = 0.0) -> None:
+        if stalled_s > 0:
+            logger.warning(
+                "the coordinator stalled %.2f s: heartbeat timeouts and deadlines of %d job(s) "
+                "moved by as much",
+                stalled_s,
+                len(self.jobs),
+            )
+        for job_id in list(self.jobs):
+            try:
+                self.job(job_id).tick(stalled_s)
+            except Exception:
+                # One job's failure (a store outage) must not stop the others' checks.
+                logger.exception("tick of job %s failed", job_id)
+
+    async def run(self) -> None:
+        """Tick until cancelled, measuring how late each tick is.
+
+        A tick more than one interval late means the loop did not run (blocked, or the
+        process starved on a loaded machine); the lateness is handed to the tick, which
+        does not count it against anyone. Shorter jitter is ignored."""
+        interval = self.tuning.tick_interval_s
+        last = self._clock.monotonic()
+        while True:
+            await self._clock.sleep(interval)
+            now = self._clock.monotonic()
+            late = now - last - interval
+            self.tick(late if late > interval else 0.0)
+            last = self._clock.monotonic()
+
+
+def _validate_job_id(job_id: str) -> None:
+    ns, sep, name = job_id.partition("/")
+    if not sep or not ns or not name or "/" in name or len(job_id) > 253:
+        raise InvalidArgument(f"job_id: expected 'namespace/name', got {job_id!r}")
