@@ -18,8 +18,8 @@ from services.coordinator.sql_store import SqlStore
 from services.coordinator.store import CoordinatorStore, MemoryStore, Unit
 from services.store import db
 from services.testing.clock import FakeClock
-from tests.coordinator.conftest import JOB, Env, close_env, make_env
 from tests.coordinator.fakes import ResizeWatch, ts
+from tests.coordinator.support import JOB, Env, close_env, make_env
 from tests.support.poll import eventually
 from tidebase.errors import Conflict
 
