@@ -1,15 +1,23 @@
-"""`tide chart`'s data: a job's history (rollups and decisions) as the chart's series.
+"""`tide chart`: a job's history (rollups and decisions) drawn to a PNG.
 
-The drawing is services/local/chart.py's, shared with `tide demo`."""
+The drawing is services/local/chart.py's, shared with `tide demo`; this module
+turns what the scaler (or the store) answers into its series."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any
 
+import typer
 from tide.v1 import common_pb2, scaler_pb2
 
+from services.cli.app import Exit, fail, now_utc, time_option
+from services.cli.connection import Connection, connection_options
 from services.cli.render import reason_name, state_name
+from services.cli.timeparse import iso
 from services.local.chart import Marker, Series
 from tidebase.timeconv import field_datetime
 
@@ -46,3 +54,42 @@ def series_from_history(
             reps.append((end, d.to_replicas))
     reps.sort(key=lambda r: r[0])
     return Series(util, band, reps, markers)
+
+
+@connection_options(db=True)
+def chart_cmd(
+    conn: Connection,
+    job: Annotated[str, typer.Argument(help="NAMESPACE/NAME")],
+    out: Annotated[Path, typer.Option("--out", help="PNG file to write")],
+    since: Annotated[str, typer.Option(help="24h, 7d, or an ISO time")] = "24h",
+    until: Annotated[str | None, typer.Option(help="end of the range; default now")] = None,
+) -> None:
+    """Draw utilization, replicas and decision markers of a job to a PNG."""
+    if importlib.util.find_spec("matplotlib") is None:
+        fail(Exit.USAGE, "tide chart needs matplotlib: pip install 'tide[demo]'")
+    from services.local.chart import draw
+
+    lo = time_option("--since", since)
+    hi = time_option("--until", until) or now_utc()
+    assert lo is not None  # since always has a value
+    if lo >= hi:
+        fail(Exit.USAGE, f"--since ({since}) must be before --until ({until})")
+    if out.suffix.lower() != ".png":
+        fail(Exit.USAGE, f"--out: expected a .png file, got {str(out)!r}")
+
+    async def go(src: Any) -> tuple[Any, list[Any], list[Any]]:
+        j = await src.get_job(job)
+        return j, await src.utilization(job, lo, hi), await src.list_decisions(job, lo, hi, ())
+
+    j, points, decisions = conn.read(go)
+    try:
+        draw(
+            series_from_history(points, decisions),
+            out,
+            title=f"{job}  {iso(lo)} .. {iso(hi)}",
+            scale_up_pct=j.policy.scale_up_utilization_pct or None,
+            scale_down_pct=j.policy.scale_down_utilization_pct or None,
+        )
+    except OSError as exc:
+        fail(Exit.USAGE, f"--out: cannot write {str(out)!r}: {exc.strerror}")
+    typer.echo(f"wrote {out} ({len(points)} minutes, {len(decisions)} decisions)")

@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.table import Table
 from tide.v1 import common_pb2, scaler_pb2
 
-from services.cli.source import dt_of
 from services.cli.timeparse import iso, short
+from tidebase.timeconv import field_datetime
 
 SCHEMA_VERSION = 1
 
@@ -78,8 +78,8 @@ def decision_doc(d: scaler_pb2.Decision) -> dict[str, Any]:
         "state": state_name(d.state),
         "message": d.message,
         "error": d.error,
-        "created_at": iso(dt_of(d.created_at)),
-        "updated_at": iso(dt_of(d.updated_at)),
+        "created_at": iso(field_datetime(d, "created_at")),
+        "updated_at": iso(field_datetime(d, "updated_at")),
         "pause_s": d.pause_s,
         "lost_steps": d.lost_steps,
         "generation": d.generation,
@@ -99,7 +99,7 @@ def window_doc(w: common_pb2.WindowStats) -> dict[str, Any]:
         "gpus_expected": w.gpus_expected,
         "gpus_fresh": w.gpus_fresh,
         "mean_pct": _num(w.mean_pct),
-        "computed_at": iso(dt_of(w.computed_at)),
+        "computed_at": iso(field_datetime(w, "computed_at")),
     }
 
 
@@ -126,23 +126,27 @@ def job_doc(j: scaler_pb2.Job) -> dict[str, Any]:
         "pause_reason": j.pause_reason,
         "active_decision_id": j.active_decision_id or None,
         "last_evaluation": (
-            {"reason": reason_name(ev.reason), "message": ev.message, "at": iso(dt_of(ev.at))}
+            {
+                "reason": reason_name(ev.reason),
+                "message": ev.message,
+                "at": iso(field_datetime(ev, "at")),
+            }
             if j.HasField("last_evaluation")
             else None
         ),
-        "last_resize_at": iso(dt_of(j.last_resize_at)),
-        "created_at": iso(dt_of(j.created_at)),
+        "last_resize_at": iso(field_datetime(j, "last_resize_at")),
+        "created_at": iso(field_datetime(j, "created_at")),
         "policy": policy_doc(j.policy),
     }
 
 
 def event_doc(e: scaler_pb2.DecisionEvent) -> dict[str, Any]:
-    return {"state": state_name(e.state), "at": iso(dt_of(e.at)), "detail": e.detail}
+    return {"state": state_name(e.state), "at": iso(field_datetime(e, "at")), "detail": e.detail}
 
 
 def point_doc(p: scaler_pb2.UtilizationPoint) -> dict[str, Any]:
     return {
-        "minute": iso(dt_of(p.minute)),
+        "minute": iso(field_datetime(p, "minute")),
         "mean_pct": p.mean_pct,
         "min_pct": p.min_pct,
         "max_pct": p.max_pct,
@@ -162,7 +166,7 @@ def explain_doc(detail: scaler_pb2.DecisionDetail) -> dict[str, Any]:
             "free_gpus": i.free_gpus,
             "raw_target_replicas": i.raw_target_replicas,
             "node_name": i.node_name,
-            "node_deadline": iso(dt_of(i.node_deadline)),
+            "node_deadline": iso(field_datetime(i, "node_deadline")),
         },
         "events": [event_doc(e) for e in detail.events],
         "utilization": [point_doc(p) for p in detail.utilization],
@@ -251,7 +255,7 @@ def history_table(decisions: Sequence[scaler_pb2.Decision]) -> Table:
     for d in decisions:
         t.add_row(
             str(d.id),
-            short(dt_of(d.created_at)),
+            short(field_datetime(d, "created_at")),
             d.job_id,
             f"{d.from_replicas}→{d.to_replicas}",
             reason_name(d.reason),
@@ -274,7 +278,7 @@ def print_explain(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
     console.print(f"  message  {d.message}")
     if d.requested_by:
         console.print(f"  by       {d.requested_by}")
-    console.print(f"  created  {short(dt_of(d.created_at))} UTC")
+    console.print(f"  created  {short(field_datetime(d, 'created_at'))} UTC")
     if d.error:
         console.print(f"  [red]error    {d.error}[/red]")
 
@@ -294,7 +298,9 @@ def print_explain(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
         f" free GPUs {'unknown' if i.free_gpus < 0 else i.free_gpus}"
     )
     if i.node_name:
-        console.print(f"  node     {i.node_name}, leaving by {short(dt_of(i.node_deadline))} UTC")
+        console.print(
+            f"  node     {i.node_name}, leaving by {short(field_datetime(i, 'node_deadline'))} UTC"
+        )
     console.print("\n[bold]Thresholds[/bold]")
     console.print(
         f"  scale up above {p.scale_up_utilization_pct:g}%, down below"
@@ -306,9 +312,9 @@ def print_explain(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
     )
 
     console.print("\n[bold]States[/bold]")
-    start = dt_of(d.created_at)
+    start = field_datetime(d, "created_at")
     for e in detail.events:
-        at = dt_of(e.at)
+        at = field_datetime(e, "at")
         offset = f"+{(at - start).total_seconds():7.2f}s" if at and start else ""
         console.print(f"  {short(at)}  {offset}  {state_name(e.state):<10} {e.detail}")
     if d.state in FINAL_STATES:
@@ -321,7 +327,7 @@ def print_explain(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
         console.print("  no rollups recorded")
     created_minute = start.replace(second=0, microsecond=0) if start else None
     for u in detail.utilization:
-        minute = dt_of(u.minute)
+        minute = field_datetime(u, "minute")
         mark = "  ◀ decision" if minute == created_minute else ""
         console.print(
             f"  {short(minute)}  mean {u.mean_pct:5.1f}%  min {u.min_pct:5.1f}%"

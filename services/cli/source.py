@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import grpc
 from google.protobuf import json_format
-from google.protobuf.timestamp_pb2 import Timestamp
-from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
+from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
 from tidebase import errors
 from tidebase.client import bearer, domain_error, open_channel
+from tidebase.timeconv import ts_from_datetime
 
 logger = logging.getLogger(__name__)
 
@@ -32,48 +32,6 @@ MAX_CONTEXT_MINUTES = 1440
 
 #: The longest range one ListUtilization call may span (the API's bound: a week of minutes).
 UTILIZATION_CHUNK = timedelta(days=7)
-
-
-class HistorySource(Protocol):
-    """Read side of the scaler, as the CLI needs it."""
-
-    async def list_jobs(self) -> list[scaler_pb2.Job]: ...
-
-    async def get_job(self, job_id: str) -> scaler_pb2.Job: ...
-
-    async def list_decisions(
-        self,
-        job_id: str,
-        since: datetime | None,
-        until: datetime | None,
-        states: Sequence[int],
-    ) -> list[scaler_pb2.Decision]:
-        """Every matching decision, newest first (all pages)."""
-        ...
-
-    async def get_decision(
-        self, decision_id: int, context_minutes: int
-    ) -> scaler_pb2.DecisionDetail: ...
-
-    async def utilization(
-        self, job_id: str, since: datetime, until: datetime
-    ) -> list[scaler_pb2.UtilizationPoint]:
-        """Per-minute rollups of ``job_id`` in [since, until), oldest first."""
-        ...
-
-
-def ts_of(dt: datetime | None) -> Timestamp:
-    ts = Timestamp()
-    if dt is not None:
-        ts.FromDatetime(dt.astimezone(UTC))
-    return ts
-
-
-def dt_of(ts: Timestamp) -> datetime | None:
-    """None for an unset timestamp (seconds and nanos both 0)."""
-    if ts.seconds == 0 and ts.nanos == 0:
-        return None
-    return ts.ToDatetime(tzinfo=UTC)
 
 
 # --- gRPC -----------------------------------------------------------------------------------
@@ -161,13 +119,13 @@ class GrpcScaler:
         token = ""
         while True:
             req = scaler_pb2.ListDecisionsRequest(
-                job_id=job_id, page_size=PAGE_SIZE, page_token=token
+                job_id=job_id,
+                page_size=PAGE_SIZE,
+                page_token=token,
+                since=ts_from_datetime(since),
+                until=ts_from_datetime(until),
             )
             req.states.extend(cast(Any, states))
-            if since is not None:
-                req.since.CopyFrom(ts_of(since))
-            if until is not None:
-                req.until.CopyFrom(ts_of(until))
             resp = await self._call(self.stub.ListDecisions, req)
             out.extend(resp.decisions)
             token = resp.next_page_token
@@ -194,7 +152,9 @@ class GrpcScaler:
             hi = min(until, lo + UTILIZATION_CHUNK)
             resp = await self._call(
                 self.stub.ListUtilization,
-                scaler_pb2.ListUtilizationRequest(job_id=job_id, since=ts_of(lo), until=ts_of(hi)),
+                scaler_pb2.ListUtilizationRequest(
+                    job_id=job_id, since=ts_from_datetime(lo), until=ts_from_datetime(hi)
+                ),
             )
             points.extend(resp.points)
             if hi >= until:
@@ -222,24 +182,13 @@ class GrpcScaler:
         return job
 
 
-# --- SQL (offline) --------------------------------------------------------------------------
-
-
-def enum_value(enum: Any, prefix: str, stored: str) -> Any:
-    """The API enum value of a name stored in SQL (``COMPLETED`` or ``DECISION_STATE_COMPLETED``)."""
-    name = stored if stored.startswith(prefix) else prefix + stored
-    try:
-        return int(enum.Value(name))
-    except ValueError:
-        return 0
-
-
-def _state(stored: str) -> Any:
-    return enum_value(common_pb2.DecisionState, "DECISION_STATE_", stored)
+# --- SQL (offline) ---------------------------------------------------------------------------
 
 
 class SqlHistory:
-    """Reads the scaler's tables through services.scaler.repo; never writes. Use as ``async with``."""
+    """Reads the scaler's tables through services.scaler.store and encodes the records with
+    the scaler's own converters (services/scaler/convert.py), so ``--db`` prints what the
+    scaler would; never writes. Use as ``async with``."""
 
     def __init__(self, url: str) -> None:
         self._url = url
@@ -286,32 +235,11 @@ class SqlHistory:
         except DBAPIError as exc:
             raise errors.Unavailable(f"database read failed: {exc.orig}") from None
 
-    # Record → message converters, field by field: the records may hold more
-    # than the API shows (epochs, versions).
-
-    @staticmethod
-    def _decision(r: Any) -> scaler_pb2.Decision:
-        d: Any = scaler_pb2.Decision(
-            id=r.id,
-            job_id=r.job_id,
-            from_replicas=r.from_replicas,
-            to_replicas=r.to_replicas,
-            reason=enum_value(common_pb2.DecisionReason, "DECISION_REASON_", r.reason),
-            message=r.message,
-            trigger=enum_value(common_pb2.DecisionTrigger, "DECISION_TRIGGER_", r.trigger),
-            state=_state(str(r.state)),
-            error=r.error,
-            pause_s=r.pause_s,
-            lost_steps=r.lost_steps,
-            generation=r.generation,
-            requested_by=r.requested_by,
-        )
-        d.created_at.CopyFrom(ts_of(r.created_at))
-        d.updated_at.CopyFrom(ts_of(r.updated_at))
-        return cast(scaler_pb2.Decision, d)
-
     @staticmethod
     def _job(r: Any, active_id: int) -> scaler_pb2.Job:
+        """The offline Job: unlike the scaler's, its policy holds only the stored overrides
+        and bounds (the defaults are the scaler's configuration, which an offline reader
+        does not have), and it has no live window, step or evaluation (docs/cli.md)."""
         job = scaler_pb2.Job(
             job_id=r.job_id,
             current_replicas=r.current_replicas,
@@ -320,36 +248,21 @@ class SqlHistory:
             pause_reason=r.pause_reason,
             gpus_per_replica=r.gpus_per_replica,
             active_decision_id=active_id,
+            created_at=ts_from_datetime(r.created_at),
+            last_resize_at=ts_from_datetime(r.last_resize_ended_at),
         )
-        # Only the operator's overrides are stored; the defaults are the
-        # scaler's configuration, which an offline reader does not have.
         json_format.ParseDict(dict(r.policy_overrides), job.policy, ignore_unknown_fields=True)
         job.policy.min_replicas = r.min_replicas
         job.policy.max_replicas = r.max_replicas
-        job.created_at.CopyFrom(ts_of(r.created_at))
-        if r.last_resize_ended_at is not None:
-            job.last_resize_at.CopyFrom(ts_of(r.last_resize_ended_at))
         return job
 
-    @staticmethod
-    def _point(r: Any) -> scaler_pb2.UtilizationPoint:
-        p = scaler_pb2.UtilizationPoint(
-            mean_pct=r.mean_pct,
-            min_pct=r.min_pct,
-            max_pct=r.max_pct,
-            samples=r.samples,
-            replicas=r.replicas,
-        )
-        p.minute.CopyFrom(ts_of(r.minute))
-        return p
-
     async def list_jobs(self) -> list[scaler_pb2.Job]:
-        from services.scaler import repo
+        from services.scaler import store
 
         def q(s: Any) -> list[scaler_pb2.Job]:
             out = []
-            for r in repo.list_jobs(s):
-                active = repo.active_decision(s, r.job_id)
+            for r in store.list_jobs(s):
+                active = store.active_decision(s, r.job_id)
                 out.append(self._job(r, active.id if active else 0))
             return out
 
@@ -357,11 +270,11 @@ class SqlHistory:
         return result
 
     async def get_job(self, job_id: str) -> scaler_pb2.Job:
-        from services.scaler import repo
+        from services.scaler import store
 
         def q(s: Any) -> scaler_pb2.Job:
-            active = repo.active_decision(s, job_id)
-            return self._job(repo.get_job(s, job_id), active.id if active else 0)
+            active = store.active_decision(s, job_id)
+            return self._job(store.get_job(s, job_id), active.id if active else 0)
 
         result: scaler_pb2.Job = self._read(q)
         return result
@@ -373,20 +286,17 @@ class SqlHistory:
         until: datetime | None,
         states: Sequence[int],
     ) -> list[scaler_pb2.Decision]:
-        from services.scaler import repo
+        from services.scaler import store
+        from services.scaler.convert import decision_to_proto
+        from services.scaler.lifecycle import state_from_proto
 
-        wanted = [
-            repo.DecisionState(
-                str(common_pb2.DecisionState.Name(cast(Any, v))).removeprefix("DECISION_STATE_")
-            )
-            for v in states
-        ]
+        wanted = [state_from_proto(v) for v in states]
 
         def q(s: Any) -> list[scaler_pb2.Decision]:
             out: list[scaler_pb2.Decision] = []
             token = ""
             while True:
-                page = repo.list_decisions(
+                page = store.list_decisions(
                     s,
                     job_id=job_id,
                     since=since,
@@ -395,7 +305,7 @@ class SqlHistory:
                     page_size=PAGE_SIZE,
                     page_token=token,
                 )
-                out.extend(self._decision(r) for r in page.decisions)
+                out.extend(decision_to_proto(r) for r in page.decisions)
                 token = page.next_page_token
                 if not token:
                     return out
@@ -406,26 +316,17 @@ class SqlHistory:
     async def get_decision(
         self, decision_id: int, context_minutes: int
     ) -> scaler_pb2.DecisionDetail:
-        from services.scaler import repo
-        from services.scaler.convert import inputs_to_proto
+        from services.scaler import store
+        from services.scaler.convert import detail_to_proto
 
         def q(s: Any) -> scaler_pb2.DecisionDetail:
-            rec = repo.get_decision(s, decision_id)
+            rec = store.get_decision(s, decision_id)
             d = rec.decision
-            detail = scaler_pb2.DecisionDetail(decision=self._decision(d))
-            # The scaler's own reading of its stored inputs: one mapping for both paths.
-            detail.inputs.CopyFrom(inputs_to_proto(d.inputs))
-            for e in rec.events:
-                ev = detail.events.add(decision_id=d.id, job_id=d.job_id, detail=e.detail)
-                ev.state = _state(str(e.state))
-                ev.at.CopyFrom(ts_of(e.at))
             span = timedelta(minutes=context_minutes or 10)
+            # Include the minute in progress when the decision was made.
             lo = d.created_at.replace(second=0, microsecond=0) - span
             hi = (d.ended_at or d.updated_at) + span
-            detail.utilization.extend(
-                self._point(r) for r in repo.rollups_between(s, d.job_id, lo, hi)
-            )
-            return detail
+            return detail_to_proto(rec, store.rollups_between(s, d.job_id, lo, hi))
 
         result: scaler_pb2.DecisionDetail = self._read(q)
         return result
@@ -433,14 +334,15 @@ class SqlHistory:
     async def utilization(
         self, job_id: str, since: datetime, until: datetime
     ) -> list[scaler_pb2.UtilizationPoint]:
-        from services.scaler import repo
+        from services.scaler import store
+        from services.scaler.convert import point_to_proto
 
         # A rollup is keyed by the start of its minute: include the one in progress at `since`.
         lo = since.replace(second=0, microsecond=0)
 
         def q(s: Any) -> list[scaler_pb2.UtilizationPoint]:
-            repo.get_job(s, job_id)
-            return [self._point(r) for r in repo.rollups_between(s, job_id, lo, until)]
+            store.get_job(s, job_id)
+            return [point_to_proto(r) for r in store.rollups_between(s, job_id, lo, until)]
 
         result: list[scaler_pb2.UtilizationPoint] = self._read(q)
         return result

@@ -1,0 +1,98 @@
+"""The `tide` typer app and what every command shares: exit codes, one-line failures,
+running a command's coroutine, output formats, the console and time options.
+
+Exit codes, for every command: 0 ok, 1 not found, 2 bad usage or bad input,
+3 server or database unreachable. A failure prints one line saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Coroutine
+from datetime import UTC, datetime
+from enum import IntEnum, StrEnum
+from typing import Any, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+
+from services.cli.timeparse import parse_time
+from tidebase import errors
+
+T = TypeVar("T")
+
+
+class Exit(IntEnum):
+    OK = 0
+    NOT_FOUND = 1
+    USAGE = 2
+    UNREACHABLE = 3
+
+
+app = typer.Typer(
+    name="tide",
+    help="Tide: elastic training for PaddlePaddle. Operate the services, read the scaling history.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+
+
+class Output(StrEnum):
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
+class DocOutput(StrEnum):
+    table = "table"
+    json = "json"
+
+
+def fail(code: Exit, message: str) -> NoReturn:
+    """Print one line to stderr and exit with ``code``."""
+    # Driver errors (psycopg's) span lines; the convention is one line per failure.
+    typer.echo(f"tide: {' '.join(message.split())}", err=True)
+    raise typer.Exit(int(code))
+
+
+def exit_code_of(exc: errors.TideError) -> Exit:
+    if isinstance(exc, errors.NotFound):
+        return Exit.NOT_FOUND
+    if isinstance(exc, (errors.Unavailable, errors.DeadlineExceeded)):
+        return Exit.UNREACHABLE
+    return Exit.USAGE
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run one command's coroutine; a TideError becomes its exit code and one line."""
+    try:
+        return asyncio.run(coro)
+    except errors.TideError as exc:
+        fail(exit_code_of(exc), str(exc))
+
+
+def console() -> Console:
+    # Piped output keeps whole rows: a pager or grep should not see folded cells.
+    return Console(width=None if sys.stdout.isatty() else 200, soft_wrap=False)
+
+
+def echo(line: str) -> None:
+    typer.echo(line)
+
+
+def now_utc() -> datetime:
+    return datetime.now(tz=UTC)
+
+
+def time_option(name: str, text: str | None) -> datetime | None:
+    """The time a --since/--until option names, or exit 2 with one line."""
+    if text is None:
+        return None
+    try:
+        return parse_time(text, now_utc())
+    except errors.InvalidArgument as exc:
+        fail(Exit.USAGE, f"{name}: {exc}")

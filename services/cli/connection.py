@@ -1,0 +1,178 @@
+"""The connection options, defined once: how a command reaches the scaler (or the store).
+
+A command that talks to the scaler takes ``conn: Connection`` and is decorated
+with :func:`connection_options`; the decorator adds the flags below to its
+signature (after the command's own), and builds the :class:`Connection` from
+them. Read commands also get ``--db`` (read the SQL store instead), admin
+commands ``--token``. Every flag, env var and default is written here only.
+
+| flag | env | default |
+| --- | --- | --- |
+| ``--scaler HOST:PORT`` | TIDE_SCALER | 127.0.0.1:50051 |
+| ``--db URL`` (read commands) | | (ask the scaler) |
+| ``--token T`` (admin commands) | TIDE_ADMIN_TOKEN | |
+| ``--timeout-s S`` | | 5 |
+| ``--ca-file``, ``--cert-file``, ``--key-file`` | TIDE_CA_FILE, TIDE_CERT_FILE, TIDE_KEY_FILE | |
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from services.cli.app import run
+from services.cli.source import GrpcScaler, SqlHistory
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_SCALER = "127.0.0.1:50051"
+DEFAULT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Connection:
+    scaler: str = DEFAULT_SCALER
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    #: Admin commands only: the bearer token of admin calls.
+    token: str = ""
+    #: Read commands only: read this SQL store instead of asking the scaler.
+    db: str = ""
+
+    @property
+    def offline(self) -> bool:
+        return bool(self.db)
+
+    def scaler_client(self) -> GrpcScaler:
+        return GrpcScaler(
+            self.scaler,
+            token=self.token,
+            timeout_s=self.timeout_s,
+            ca_file=self.ca_file,
+            cert_file=self.cert_file,
+            key_file=self.key_file,
+        )
+
+    def history(self) -> GrpcScaler | SqlHistory:
+        """Where the read commands read: the store with ``--db``, else the scaler."""
+        return SqlHistory(self.db) if self.db else self.scaler_client()
+
+    def call(self, fn: Callable[[GrpcScaler], Awaitable[T]]) -> T:
+        """Connect to the scaler, make one call, and close: an admin command's whole I/O."""
+
+        async def go() -> T:
+            async with self.scaler_client() as s:
+                return await fn(s)
+
+        return run(go())
+
+    def read(self, fn: Callable[[GrpcScaler | SqlHistory], Awaitable[T]]) -> T:
+        """Open the history source, run ``fn`` on it, and close."""
+
+        async def go() -> T:
+            async with self.history() as src:
+                return await fn(src)
+
+        return run(go())
+
+
+def _option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation
+    )
+
+
+_SCALER = _option(
+    "scaler",
+    Annotated[
+        str, typer.Option("--scaler", envvar="TIDE_SCALER", help="scaler gRPC address HOST:PORT")
+    ],
+    DEFAULT_SCALER,
+)
+_DB = _option(
+    "db",
+    Annotated[
+        str,
+        typer.Option(
+            "--db",
+            help="read the SQL store at this SQLAlchemy URL instead of asking the scaler (offline)",
+        ),
+    ],
+    "",
+)
+_TOKEN = _option(
+    "token",
+    Annotated[
+        str,
+        typer.Option(
+            "--token", envvar="TIDE_ADMIN_TOKEN", help="admin bearer token", show_default=False
+        ),
+    ],
+    "",
+)
+_TIMEOUT = _option(
+    "timeout_s",
+    Annotated[float, typer.Option("--timeout-s", min=0.1, help="deadline of each call")],
+    DEFAULT_TIMEOUT_S,
+)
+_TLS = (
+    _option(
+        "ca_file",
+        Annotated[str, typer.Option("--ca-file", envvar="TIDE_CA_FILE", help="CA (PEM): use TLS")],
+        "",
+    ),
+    _option(
+        "cert_file",
+        Annotated[
+            str,
+            typer.Option("--cert-file", envvar="TIDE_CERT_FILE", help="client certificate (mTLS)"),
+        ],
+        "",
+    ),
+    _option(
+        "key_file",
+        Annotated[
+            str, typer.Option("--key-file", envvar="TIDE_KEY_FILE", help="client key (mTLS)")
+        ],
+        "",
+    ),
+)
+
+
+def connection_options(*, db: bool = False, token: bool = False) -> Callable[[F], F]:
+    """Give a command the connection flags and call it with ``conn=Connection(...)``.
+
+    ``db``: the command reads history and accepts ``--db``; ``token``: it makes
+    admin calls and accepts ``--token``."""
+    options = (_SCALER, *((_DB,) if db else ()), *((_TOKEN,) if token else ()), _TIMEOUT, *_TLS)
+    names = tuple(o.name for o in options)
+
+    def wrap(fn: F) -> F:
+        sig = inspect.signature(fn, eval_str=True)
+        if "conn" not in sig.parameters:
+            raise TypeError(f"{fn.__name__}: a command with connection options takes `conn`")
+        own = [p for p in sig.parameters.values() if p.name != "conn"]
+
+        @functools.wraps(fn)
+        def command(*args: Any, **kwargs: Any) -> Any:
+            values = {n: kwargs.pop(n) for n in names}
+            return fn(*args, conn=Connection(**values), **kwargs)
+
+        # typer reads the parameters from the signature: the command's own, then ours.
+        command.__signature__ = sig.replace(parameters=[*own, *options])  # type: ignore[attr-defined]
+        command.__annotations__ = {
+            **{p.name: p.annotation for p in own},
+            **{o.name: o.annotation for o in options},
+            "return": sig.return_annotation,
+        }
+        return command  # type: ignore[return-value]
+
+    return wrap

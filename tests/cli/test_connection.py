@@ -1,0 +1,80 @@
+"""The connection options are one group, defined once (services/cli/connection.py), and
+every command that reaches the scaler has exactly it: same flags, env vars and defaults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import typer
+
+from services.cli.connection import Connection, connection_options
+from services.cli.main import app
+
+pytestmark = pytest.mark.unit
+
+READ = ("jobs", "history", "explain", "chart")
+ADMIN = ("scale", "pause", "resume")
+
+COMMON = {
+    "--scaler": ("TIDE_SCALER", "127.0.0.1:50051"),
+    "--timeout-s": (None, 5.0),
+    "--ca-file": ("TIDE_CA_FILE", ""),
+    "--cert-file": ("TIDE_CERT_FILE", ""),
+    "--key-file": ("TIDE_KEY_FILE", ""),
+}
+
+
+def _options(name: str) -> dict[str, Any]:
+    # typer's own click types: read them by duck typing.
+    group: Any = typer.main.get_command(app)
+    command = group.commands[name]
+    return {
+        p.opts[0]: (p.envvar, p.default)
+        for p in command.params
+        if p.param_type_name == "option" and p.opts[0] != "--help"
+    }
+
+
+@pytest.mark.parametrize("name", READ)
+def test_read_commands_have_the_group_and_db(name: str) -> None:
+    opts = _options(name)
+    assert {k: opts[k] for k in COMMON} == COMMON
+    assert opts["--db"] == (None, "")
+    assert "--token" not in opts
+
+
+@pytest.mark.parametrize("name", ADMIN)
+def test_admin_commands_have_the_group_and_token(name: str) -> None:
+    opts = _options(name)
+    assert {k: opts[k] for k in COMMON} == COMMON
+    assert opts["--token"] == ("TIDE_ADMIN_TOKEN", "")
+    assert "--db" not in opts
+
+
+def test_the_decorator_builds_one_connection_from_the_flags() -> None:
+    seen: list[Connection] = []
+
+    @connection_options(db=True, token=True)
+    def cmd(conn: Connection, job: str) -> str:
+        seen.append(conn)
+        return job
+
+    out = cmd(
+        job="ns/a",
+        scaler="h:1",
+        db="sqlite://",
+        token="t",
+        timeout_s=2.0,
+        ca_file="ca",
+        cert_file="",
+        key_file="",
+    )
+    assert out == "ns/a"
+    assert seen == [Connection("h:1", 2.0, "ca", "", "", token="t", db="sqlite://")]
+    assert seen[0].offline
+
+
+def test_a_command_without_conn_is_refused() -> None:
+    with pytest.raises(TypeError, match="takes `conn`"):
+        connection_options()(lambda job: job)
