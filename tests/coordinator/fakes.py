@@ -252,8 +252,10 @@ class ResizeWatch:
         self.task = asyncio.create_task(self._run(stub, req))
 
     async def _run(self, stub: pb_grpc.CoordinatorStub, req: pb.ResizeRequest) -> None:
+        # The generated stub is typed for the sync API; on an aio channel it is a stream.
+        call: Any = stub.Resize(req, timeout=60)
         try:
-            async for p in stub.Resize(req, timeout=60):
+            async for p in call:
                 self.updates.append(p)
         except grpc.aio.AioRpcError as exc:
             self.error = exc

@@ -1,21 +1,27 @@
 """How much the coordinator itself adds to a resize, and how many heartbeats it takes.
 
-    .venv/bin/python -m tests.coordinator.bench_coordinator --members 16 --db sqlite
-    .venv/bin/python -m tests.coordinator.bench_coordinator --members 16 --db pg
+    python -m bench.coordinator                  # 16 members: in memory, then SQLite
+    python -m bench.coordinator --quick          # 8 members, 1 s of heartbeats
+    python -m bench.coordinator --db pg          # PostgreSQL (a schema of its own) instead
 
 Server and fake launchers share one process and event loop (so one core): the
-figures are an upper bound of the coordinator's own cost. Not collected by pytest.
+figures are an upper bound of the coordinator's own cost. The in-memory store runs
+first as the baseline: the difference is what the database adds. The last line is
+``RESULT {json}`` with one entry per store (register_ms, heartbeats_per_s,
+resize_to_all_checkpoint_ms, last_ack_to_all_rendezvous_ms, commit_p50_ms).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import grpc
@@ -30,6 +36,7 @@ from services.coordinator.engine import Coordinator
 from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer
 from services.coordinator.settings import Tuning
 from services.coordinator.sql_store import SqlStore
+from services.coordinator.store import CoordinatorStore, MemoryStore
 from services.store import db
 from tests.coordinator.fakes import FakeLauncher, ResizeWatch
 from tests.support.poll import eventually
@@ -38,11 +45,16 @@ JOB = "bench/job"
 K = pb.Directive.Kind
 
 
-async def run(members: int, url: str, heartbeat_s: float) -> None:
+async def run(members: int, url: str, heartbeat_s: float) -> dict[str, Any]:
     clock = SystemClock()
-    db.upgrade(url)
-    engine = db.make_engine(url)
-    store = SqlStore(db.make_session_factory(engine), clock.now)
+    engine: sa.Engine | None = None
+    store: CoordinatorStore
+    if url == "memory":
+        store = MemoryStore()
+    else:
+        db.upgrade(url)
+        engine = db.make_engine(url)
+        store = SqlStore(db.make_session_factory(engine), clock.now)
     coord = Coordinator(store, clock, Tuning(heartbeat_timeout_s=60, heartbeat_interval_s=5))
     coord.load()
     server = await start_server(
@@ -107,44 +119,40 @@ async def run(members: int, url: str, heartbeat_s: float) -> None:
         for fl in ls:
             await fl.heartbeat()
         final = await w.final(60)
-        print(
-            f"members={members} db={url.split(':')[0]} register={register_s * 1e3:.2f} ms/call "
-            f"heartbeats={hb_rate:.0f}/s "
-            f"resize->all CHECKPOINT={1e3 * (t_ck - t_resize):.1f} ms "
-            f"last CHECKPOINT ack->all RENDEZVOUS={1e3 * (t_rdv - acks_done):.1f} ms "
-            f"phase={pb.ResizePhase.Name(final.phase)} "
-            f"commit p50={1e3 * _p50(coord):.2f} ms"
-        )
+        result = {
+            "db": url.split(":")[0],
+            "members": members,
+            "register_ms": round(register_s * 1e3, 2),
+            "heartbeats_per_s": round(hb_rate),
+            "resize_to_all_checkpoint_ms": round(1e3 * (t_ck - t_resize), 1),
+            "last_ack_to_all_rendezvous_ms": round(1e3 * (t_rdv - acks_done), 1),
+            "phase": pb.ResizePhase.Name(final.phase),
+            "commit_p50_ms": round(1e3 * _p50(coord), 3),
+        }
+        print(" ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+        return result
     finally:
         for fl in ls:
             await fl.close()
         await channel.close()
         await server.stop(0)
-        engine.dispose()
+        if engine is not None:
+            engine.dispose()
 
 
 def _p50(coord: Coordinator) -> float:
-    # Histogram buckets do not give a median; re-time a few empty-ish commits instead.
+    # Histogram buckets do not give a median; re-time a few commits of the job row instead.
     rt = coord.jobs[JOB]
     samples = []
     for _ in range(50):
-        rt._touch_job()
+        rt.outbox.touch_job()
         t = time.perf_counter()
-        rt._commit()
+        rt.outbox.commit()
         samples.append(time.perf_counter() - t)
     return statistics.median(samples)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--members", type=int, default=16)
-    p.add_argument("--db", choices=["sqlite", "pg"], default="sqlite")
-    p.add_argument("--heartbeat-s", type=float, default=3.0)
-    args = p.parse_args()
-    if args.db == "sqlite":
-        with tempfile.TemporaryDirectory() as tmp:
-            asyncio.run(run(args.members, f"sqlite:///{Path(tmp) / 'bench.db'}", args.heartbeat_s))
-        return
+def _pg(members: int, heartbeat_s: float) -> dict[str, Any]:
     # A schema of its own: tide_test is shared with everyone else's tests.
     base = "postgresql+psycopg://postgres@127.0.0.1:5432/tide_test"
     schema = f"coord_bench_{uuid.uuid4().hex[:8]}"
@@ -153,12 +161,32 @@ def main() -> None:
         conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
     try:
         url = f"{base}?options={quote(f'-csearch_path={schema}')}"
-        asyncio.run(run(args.members, url, args.heartbeat_s))
+        return asyncio.run(run(members, url, heartbeat_s))
     finally:
         with admin.connect() as conn:
             conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
         admin.dispose()
 
 
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--members", type=int, default=0, help="default 16, 8 with --quick")
+    p.add_argument("--db", choices=["sqlite", "pg"], default="sqlite")
+    p.add_argument("--heartbeat-s", type=float, default=0.0, help="default 3, 1 with --quick")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    members = args.members or (8 if args.quick else 16)
+    heartbeat_s = args.heartbeat_s or (1.0 if args.quick else 3.0)
+    results = [asyncio.run(run(members, "memory", heartbeat_s))]
+    if args.db == "pg":
+        results.append(_pg(members, heartbeat_s))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            url = f"sqlite:///{Path(tmp) / 'bench.db'}"
+            results.append(asyncio.run(run(members, url, heartbeat_s)))
+    print("RESULT " + json.dumps({r["db"]: r for r in results}))
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
