@@ -33,10 +33,10 @@ from typing import IO
 
 import grpc
 
-from services.local.actuator import LocalActuator, LocalActuatorSettings
 from services.local.kubelet import serve_pod_resources
 from services.local.load import LoadSettings, SyntheticNode
 from services.local.supervisor import Child, ChildSpec, Supervisor
+from services.scaler.actuators.local import LocalActuator, LocalActuatorSettings
 from tidebase.errors import ConfigError, FailedPrecondition
 
 logger = logging.getLogger(__name__)

@@ -15,11 +15,11 @@ import logging
 from collections.abc import Callable
 
 from services.common.clock import Clock
-from services.scaler.actuator import Actuator
+from services.scaler.actuators import Actuator
 from services.scaler.coordination import CoordinatorClient, Phase, Progress, ResizeSpec
-from services.scaler.lifecycle import FaultPoint
-from services.scaler.repo import DecisionRecord, DecisionState, StaleEpoch
-from services.scaler.store import DecisionStore
+from services.scaler.errors import StaleEpoch
+from services.scaler.lifecycle import FaultHook
+from services.scaler.store import DecisionRecord, DecisionState, DecisionStore
 from tidebase.errors import TideError, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -27,6 +27,16 @@ logger = logging.getLogger(__name__)
 S = DecisionState
 
 EventSink = Callable[[DecisionRecord, str], None]
+
+
+def _no_fault(point: str) -> None:
+    return None
+
+
+def _with_message(detail: str, p: Progress) -> str:
+    """An event's detail with the coordinator's own word on the outcome, if it adds one
+    (the in-memory coordinator's says that nothing moved)."""
+    return f"{detail}: {p.message}" if p.message and p.message not in detail else detail
 
 
 class Controller:
@@ -37,7 +47,7 @@ class Controller:
         coordinator: CoordinatorClient,
         clock: Clock,
         *,
-        fault: FaultPoint | None = None,
+        fault: FaultHook | None = None,
         on_event: EventSink | None = None,
         on_final: Callable[[DecisionRecord], None] | None = None,
         retry_s: float = 0.5,
@@ -46,7 +56,7 @@ class Controller:
         self.actuator = actuator
         self.coordinator = coordinator
         self.clock = clock
-        self.fault = fault or FaultPoint("")
+        self.fault: FaultHook = fault or _no_fault
         self.on_event = on_event
         self.on_final = on_final
         self.retry_s = retry_s
@@ -59,7 +69,7 @@ class Controller:
         point quiet (a crash test kills once per decision, not again during recovery)."""
         task = self.tasks.get(d.id)
         if task is None or task.done():
-            fault = self.fault if armed else FaultPoint("")
+            fault = self.fault if armed else _no_fault
             task = asyncio.create_task(self._drive(d, deadline_s, fault), name=f"decision-{d.id}")
             self.tasks[d.id] = task
             did = d.id
@@ -77,9 +87,16 @@ class Controller:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _step(
-        self, d: DecisionRecord, state: DecisionState, detail: str, fault: FaultPoint, **kw: object
+        self,
+        d: DecisionRecord,
+        state: DecisionState,
+        detail: str,
+        fault: FaultHook,
+        *,
+        check_state: bool = True,
+        **kw: object,
     ) -> DecisionRecord:
-        d = await self.store.transition(d, state, detail, **kw)
+        d = await self.store.transition(d, state, detail, check_state=check_state, **kw)
         if self.on_event is not None:
             self.on_event(d, detail)
         fault(f"decision:{state.value}")
@@ -88,7 +105,7 @@ class Controller:
         return d
 
     async def _drive(
-        self, d: DecisionRecord, deadline_s: float, fault: FaultPoint
+        self, d: DecisionRecord, deadline_s: float, fault: FaultHook
     ) -> DecisionRecord | None:
         log = logger.getChild("decision")
         try:
@@ -104,14 +121,15 @@ class Controller:
         except Exception as exc:
             log.exception("decision %d of job %s failed", d.id, d.job_id)
             try:
-                return await self._step(d, S.FAILED, "internal error", fault, error=str(exc))
+                # From wherever the decision got to: ``d`` is the state it started in.
+                return await self._step(
+                    d, S.FAILED, "internal error", fault, check_state=False, error=str(exc)
+                )
             except Exception:
                 log.exception("decision %d: could not record FAILED; recovery will", d.id)
                 return None
 
-    async def _grow(
-        self, d: DecisionRecord, deadline_s: float, fault: FaultPoint
-    ) -> DecisionRecord:
+    async def _grow(self, d: DecisionRecord, deadline_s: float, fault: FaultHook) -> DecisionRecord:
         if d.state is S.PENDING:
             d = await self._step(
                 d, S.PREPARING, f"asking the actuator for {d.to_replicas} replica(s)", fault
@@ -132,7 +150,9 @@ class Controller:
             return await self._step(
                 d,
                 S.COMPLETED,
-                f"generation {result.generation} runs with {world} member(s)",
+                _with_message(
+                    f"generation {result.generation} runs with {world} member(s)", result
+                ),
                 fault,
                 pause_s=result.pause_s,
                 generation=result.generation,
@@ -143,11 +163,15 @@ class Controller:
         await self.actuator.set_replicas(d.job_id, d.from_replicas, decision_id=d.id)
         final = S.ABORTED if result.phase is Phase.ABORTED else S.FAILED
         return await self._step(
-            d, final, f"coordinator: {result.phase.name}", fault, error=result.message or "aborted"
+            d,
+            final,
+            f"coordinator: {result.phase.name}",
+            fault,
+            error=result.message or "aborted",
         )
 
     async def _shrink(
-        self, d: DecisionRecord, deadline_s: float, fault: FaultPoint
+        self, d: DecisionRecord, deadline_s: float, fault: FaultHook
     ) -> DecisionRecord:
         if d.state is S.PENDING:
             d = await self._step(
@@ -171,7 +195,11 @@ class Controller:
             d = await self._step(
                 d,
                 S.ACTUATING,
-                f"generation {result.generation} runs with {result.world_size}; lowering replicas",
+                _with_message(
+                    f"generation {result.generation} runs with {result.world_size};"
+                    " lowering replicas",
+                    result,
+                ),
                 fault,
                 pause_s=result.pause_s,
                 generation=result.generation,
@@ -216,10 +244,39 @@ class Controller:
             phase = await self.coordinator.abort_resize(d.id, d.job_id, "scaler gave up waiting")
         except TideError:
             phase = Phase.FAILED
-        if phase is Phase.COMPLETED:
-            # Too late to abort: it finished; take it as done (the status tells the numbers).
-            return Progress(d.id, Phase.COMPLETED, world_size=d.to_replicas)
+        if phase is Phase.COMPLETED or not phase.final:
+            # Too late to abort (it finished, or is in RENDEZVOUS and will): the
+            # outcome is the coordinator's, which may be fewer members than asked.
+            return await self._late_outcome(spec)
         return Progress(d.id, phase, message=f"coordinator unreachable: {last_err}")
+
+    async def _late_outcome(self, spec: ResizeSpec) -> Progress:
+        """What a resize that could no longer be aborted really did: its own final
+        progress (Resize re-attaches by decision id; the coordinator answered the
+        abort, so it is reachable), else the job's status after it."""
+        try:
+            async for p in self.coordinator.resize(spec):
+                if p.phase.final:
+                    return p
+        except TideError as exc:
+            logger.warning(
+                "decision %d of job %s: no final progress after a late abort (%s);"
+                " reading the job's status",
+                spec.decision_id,
+                spec.job_id,
+                exc,
+            )
+        try:
+            st = await self.coordinator.job_status(spec.job_id)
+        except TideError as exc:
+            return Progress(spec.decision_id, Phase.FAILED, message=f"outcome unknown: {exc}")
+        return Progress(
+            spec.decision_id,
+            Phase.COMPLETED,
+            generation=st.generation,
+            world_size=st.world_size,
+            message="too late to abort; outcome read from the job's status",
+        )
 
     async def recover(
         self, deadline_of: Callable[[str], float]

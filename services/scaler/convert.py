@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from tide.v1 import common_pb2, scaler_pb2
 
 from services.scaler import policy as pol
 from services.scaler.lifecycle import state_to_proto
-from services.scaler.repo import DecisionRecord, RollupRecord
+from services.scaler.store import (
+    DecisionDetailRecord,
+    DecisionEventRecord,
+    DecisionRecord,
+    RollupRecord,
+)
 from tidebase.timeconv import ts_from_datetime, ts_from_seconds
 
 _POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(pol.PolicySettings))
@@ -104,4 +110,27 @@ def point_to_proto(r: RollupRecord) -> scaler_pb2.UtilizationPoint:
         max_pct=r.max_pct,
         samples=r.samples,
         replicas=r.replicas,
+    )
+
+
+def event_to_proto(e: DecisionEventRecord, job_id: str) -> scaler_pb2.DecisionEvent:
+    return scaler_pb2.DecisionEvent(
+        decision_id=e.decision_id,
+        job_id=job_id,
+        state=state_to_proto(e.state),
+        at=ts_from_datetime(e.at),
+        detail=e.detail,
+    )
+
+
+def detail_to_proto(
+    detail: DecisionDetailRecord, rollups: Sequence[RollupRecord]
+) -> scaler_pb2.DecisionDetail:
+    """A decision with its inputs, its events (oldest first) and the given rollups."""
+    d = detail.decision
+    return scaler_pb2.DecisionDetail(
+        decision=decision_to_proto(d),
+        inputs=inputs_to_proto(d.inputs),
+        events=[event_to_proto(e, d.job_id) for e in detail.events],
+        utilization=[point_to_proto(r) for r in rollups],
     )

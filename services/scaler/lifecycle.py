@@ -1,7 +1,8 @@
 """The decision lifecycle: states, the legal edges, and what each state authorizes.
 
-The edge table is the store's (``repo.DECISION_TRANSITIONS``), so the
-database refuses exactly what this module would. What a state *means*
+The edge table is the store's (``store.DECISION_LIFECYCLE``, a
+tidebase.lifecycle.TransitionTable), so the database refuses exactly what
+this module describes. What a state *means*
 depends on the direction of the resize (docs/scaler.md has the diagram):
 
 ======================  ===============================  ================================
@@ -24,34 +25,31 @@ Resize on the same decision_id).
 
 from __future__ import annotations
 
-import logging
-import os
-import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from tide.v1 import common_pb2
 
-from services.scaler.repo import DECISION_TRANSITIONS, FINAL_STATES, DecisionState
-
-logger = logging.getLogger(__name__)
+from services.scaler.store.records import DECISION_LIFECYCLE, FINAL_STATES, DecisionState
 
 __all__ = [
-    "DECISION_TRANSITIONS",
+    "DECISION_LIFECYCLE",
     "FINAL_STATES",
     "DecisionState",
-    "FaultPoint",
-    "can_transition",
+    "FaultHook",
+    "state_from_proto",
     "state_to_proto",
 ]
+
+#: Called with the name of each point a decision passes: ``decision:<STATE>`` right
+#: after that state is committed, ``decision:<STATE>+effect`` right after the side
+#: effect it authorizes. Production passes none; the crash tests' hook
+#: (services.testing.faults) kills the process at one of them.
+FaultHook = Callable[[str], None]
 
 _PROTO: Mapping[DecisionState, common_pb2.DecisionState.ValueType] = {
     s: common_pb2.DecisionState.Value(f"DECISION_STATE_{s.value}") for s in DecisionState
 }
 _FROM_PROTO: Mapping[int, DecisionState] = {v: k for k, v in _PROTO.items()}
-
-
-def can_transition(old: DecisionState, new: DecisionState) -> bool:
-    return new in DECISION_TRANSITIONS[old]
 
 
 def state_to_proto(state: DecisionState) -> common_pb2.DecisionState.ValueType:
@@ -60,22 +58,3 @@ def state_to_proto(state: DecisionState) -> common_pb2.DecisionState.ValueType:
 
 def state_from_proto(value: int) -> DecisionState:
     return _FROM_PROTO[value]
-
-
-#: Environment variable that arms a fault point, e.g. ``decision:PREPARING`` (right
-#: after PREPARING is committed, before its side effect) or ``decision:PREPARING+effect``
-#: (right after the side effect, before the next commit).
-FAULT_ENV = "TIDE_FAULT"
-
-
-class FaultPoint:
-    """Kills this process with SIGKILL when the armed point is reached (crash tests)."""
-
-    def __init__(self, armed: str | None = None) -> None:
-        self.armed = armed if armed is not None else os.environ.get(FAULT_ENV, "")
-
-    def __call__(self, point: str) -> None:
-        if self.armed and point == self.armed:
-            logger.error("fault point %s reached: SIGKILL", point)
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)

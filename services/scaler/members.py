@@ -1,9 +1,12 @@
 """Which pod belongs to which job: the coordinator's member registry.
 
 The ingest hot path looks pods up in two plain dicts (by uid, and by
-"namespace/name"), so attribution costs one dict lookup per GPU sample. The
-real registry fills them from the coordinator's WatchJob streams; the
-in-memory one is filled by tests and by the local actuator.
+"namespace/name"), so attribution costs one dict lookup per GPU sample. Only
+ACTIVE members (in the job's current generation) are in them: a STANDBY
+newcomer or a DRAINING leaver holds a GPU the job's world does not use, and
+counting it would skew the job's utilization window. :class:`MemberIndex`
+holds the dicts; the real registry fills it from the coordinator's WatchJob
+streams, tests fill one directly (services.testing.members).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.clock import Clock, SystemClock
+from tidebase.retry import Backoff
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +54,7 @@ def _namespace(job_id: str) -> str:
     return ns if sep else ""
 
 
-class InMemoryMemberRegistry:
+class MemberIndex:
     """The registry as data; ``set_members`` replaces one job's members."""
 
     def __init__(self) -> None:
@@ -64,6 +68,8 @@ class InMemoryMemberRegistry:
         self._members[job_id] = ms
         ns = _namespace(job_id)
         for m in ms:
+            if not m.active:
+                continue
             if m.pod_uid:
                 self.by_uid[m.pod_uid] = job_id
             if m.pod_name:
@@ -92,7 +98,7 @@ class InMemoryMemberRegistry:
         return self._members.get(job_id, ())
 
 
-class CoordinatorMemberRegistry(InMemoryMemberRegistry):
+class CoordinatorMemberRegistry(MemberIndex):
     """Follows the coordinator's WatchJob stream of each tracked job and mirrors
     its members. A broken stream is retried with backoff; meanwhile the last
     known members stay (a coordinator restart must not unattribute every GPU)."""
@@ -107,12 +113,6 @@ class CoordinatorMemberRegistry(InMemoryMemberRegistry):
         if job_id not in self._tasks:
             self._tasks[job_id] = asyncio.create_task(self._follow(job_id))
 
-    def untrack(self, job_id: str) -> None:
-        task = self._tasks.pop(job_id, None)
-        if task is not None:
-            task.cancel()
-        self.remove_job(job_id)
-
     async def close(self) -> None:
         tasks = list(self._tasks.values())
         self._tasks.clear()
@@ -123,15 +123,14 @@ class CoordinatorMemberRegistry(InMemoryMemberRegistry):
                 await t
 
     async def _follow(self, job_id: str) -> None:
-        backoff = 0.2
+        backoff = Backoff(0.2, 5.0)
         while True:
             try:
                 async for members in self._watch(job_id):
-                    backoff = 0.2
+                    backoff.reset()
                     self.set_members(job_id, members)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 logger.warning("job %s: member watch broke (%s); retrying", job_id, exc)
-            await self._clock.sleep(backoff)
-            backoff = min(5.0, backoff * 2)
+            await self._clock.sleep(backoff.next_delay_s())

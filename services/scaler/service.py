@@ -11,141 +11,38 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
-import os
-import socket
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from services.common.clock import Clock
-from services.common.config import CommonSettings, setting
 from services.scaler import policy as pol
-from services.scaler.actuator import Actuator, InMemoryActuator
+from services.scaler.actuators import Actuator
 from services.scaler.controller import Controller
-from services.scaler.coordination import CoordinatorClient, InMemoryCoordinator
+from services.scaler.coordination import CoordinatorClient
+from services.scaler.errors import DecisionInProgress, StaleEpoch
+from services.scaler.feed import DecisionFeed, Watched
+from services.scaler.history import RollupHistory
 from services.scaler.ingest import IngestEngine, IngestSettings
-from services.scaler.lifecycle import FaultPoint
+from services.scaler.lifecycle import FaultHook
 from services.scaler.members import CoordinatorMemberRegistry
-from services.scaler.repo import (
-    DecisionInProgress,
-    DecisionRecord,
-    DecisionState,
-    JobRecord,
-    RollupRecord,
-    StaleEpoch,
-)
-from services.scaler.store import DecisionStore
-from services.store.db import utc_from_epoch
-from tidebase.errors import ConfigError, InvalidArgument, NotFound, TideError
+from services.scaler.store import DecisionRecord, DecisionState, DecisionStore, JobRecord
+from tidebase.errors import InvalidArgument, NotFound, TideError
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_POLICY = pol.PolicySettings()
-#: The store every Tide service shares when run from one directory (`tide up` uses its own).
-DEFAULT_DB = "sqlite:///.tide/tide.db"
+__all__ = ["Evaluation", "ScalerCore", "Watched"]
 
-#: GIL switch interval of the scaler process, seconds. SQL runs in worker threads
-#: so ingestion never waits on the database; with the loop thread busy, each time
-#: such a thread wants the GIL back it waits up to this long (default 5 ms), and a
-#: transaction takes it back a dozen times: that, not SQL, was most of the decision
-#: latency under load (bench/ingest).
-SWITCH_INTERVAL_S = 0.0005
+_DEFAULT_POLICY = pol.PolicySettings()
 #: PolicySettings fields stored as job columns rather than overrides.
 _BOUNDS = ("min_replicas", "max_replicas")
-
-
-@dataclass(frozen=True)
-class ScalerSettings(CommonSettings):
-    """Settings of `python -m services.scaler` (flags, TIDE_* env, YAML file)."""
-
-    db: str = setting(
-        DEFAULT_DB, "SQLAlchemy URL of the store (SQLite file, its directory made if missing)"
-    )
-    coordinator: str = setting(
-        "", "coordinator HOST:PORT; empty runs an in-memory coordinator (demo and tests)"
-    )
-    coordinator_state_file: str = setting(
-        "", "with the in-memory coordinator: a file that keeps its state across restarts"
-    )
-    actuator: str = setting(
-        "memory",
-        "memory; file:PATH (replica log that survives crashes); local:DIR (trainer launchers"
-        " on this machine, state under DIR; needs --coordinator)",
-    )
-    total_gpus: int = setting(0, "GPUs the memory, file or local actuator offers; 0 means unknown")
-    owner_id: str = setting("", "this scaler's name in the fencing record; default host:pid")
-    evaluate_interval_s: float = setting(1.0, "every job is evaluated at least this often")
-    rollup_flush_interval_s: float = setting(15.0, "how often finished minutes go to SQL")
-    stale_after_s: float = setting(10.0, "a GPU without a sample for this long is stale")
-    max_gpus_per_node: int = setting(64, "reports with more GPUs end their stream")
-    max_clock_skew_s: float = setting(5.0, "reports further in the future are dropped")
-    report_interval_s: float = setting(0.0, "asked of agents in acks; 0 keeps theirs")
-    scale_up_utilization_pct: float = setting(80.0, "default policy: see docs/policy.md")
-    scale_down_utilization_pct: float = setting(40.0, "default policy")
-    target_utilization_pct: float = setting(60.0, "default policy")
-    sustain_s: float = setting(300.0, "default policy")
-    bucket_s: float = setting(30.0, "default policy")
-    cooldown_s: float = setting(300.0, "default policy")
-    phase_timeout_s: float = setting(60.0, "default policy: barrier deadline")
-    min_replicas: int = setting(2, "default policy")
-    max_replicas: int = setting(8, "default policy")
-    min_coverage: float = setting(0.8, "default policy")
-    max_step: int = setting(4, "default policy")
-    scale_down_stabilization_s: float = setting(60.0, "default policy")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.db:
-            raise ConfigError("db: a database URL is required, got ''")
-        self.policy()
-        self.ingest()
-        if not (self.evaluate_interval_s > 0 and math.isfinite(self.evaluate_interval_s)):
-            raise ConfigError(f"evaluate_interval_s={self.evaluate_interval_s!r}: must be > 0")
-        if not (self.rollup_flush_interval_s > 0):
-            raise ConfigError(
-                f"rollup_flush_interval_s={self.rollup_flush_interval_s!r}: must be > 0"
-            )
-        if self.total_gpus < 0:
-            raise ConfigError(f"total_gpus={self.total_gpus!r}: must be >= 0")
-        kind, sep, arg = self.actuator.partition(":")
-        if not (self.actuator == "memory" or (sep and arg and kind in ("file", "local"))):
-            raise ConfigError(
-                f"actuator={self.actuator!r}: expected memory, file:PATH or local:DIR"
-            )
-        if kind == "local" and not self.coordinator:
-            raise ConfigError(
-                f"actuator={self.actuator!r}: local pods register with a coordinator;"
-                " --coordinator HOST:PORT is required"
-            )
-
-    def policy(self) -> pol.PolicySettings:
-        names = {f.name for f in dataclasses.fields(pol.PolicySettings)}
-        return pol.PolicySettings(**{n: getattr(self, n) for n in names})
-
-    def ingest(self) -> IngestSettings:
-        return IngestSettings(
-            max_gpus_per_node=self.max_gpus_per_node,
-            max_clock_skew_s=self.max_clock_skew_s,
-            stale_after_s=self.stale_after_s,
-            report_interval_s=self.report_interval_s,
-        )
-
-    def owner(self) -> str:
-        return self.owner_id or f"{socket.gethostname()}:{os.getpid()}"
 
 
 @dataclass(frozen=True)
 class Evaluation:
     decision: pol.Decision
     at_s: float
-
-
-@dataclass(frozen=True)
-class Watched:
-    decision: DecisionRecord
-    detail: str
 
 
 class ScalerCore:
@@ -158,9 +55,10 @@ class ScalerCore:
         clock: Clock,
         defaults: pol.PolicySettings = _DEFAULT_POLICY,
         ingest: IngestSettings | None = None,
-        fault: FaultPoint | None = None,
+        fault: FaultHook | None = None,
         evaluate_interval_s: float = 1.0,
         rollup_flush_interval_s: float = 15.0,
+        rollup_retention_days: float = 30.0,
     ) -> None:
         self.store = store
         self.actuator = actuator
@@ -186,6 +84,10 @@ class ScalerCore:
         )
         self.evaluate_interval_s = evaluate_interval_s
         self.rollup_flush_interval_s = rollup_flush_interval_s
+        self.feed = DecisionFeed()
+        self.history = RollupHistory(
+            store, self.engine.rollups, clock, retention_days=rollup_retention_days
+        )
         self.jobs: dict[str, JobRecord] = {}
         self.policies: dict[str, pol.PolicySettings] = {}
         self.evaluations: dict[str, Evaluation] = {}
@@ -200,7 +102,6 @@ class ScalerCore:
         self._last_dir: dict[str, int] = {}
         self._dirty: dict[str, float] = {}
         self._wake: asyncio.Event | None = None
-        self._watchers: list[tuple[str, asyncio.Queue[Watched | None]]] = []
         self._eval_lock: dict[str, asyncio.Lock] = {}
         #: Jobs another scaler took (StaleEpoch): no longer evaluated here.
         self.fenced: set[str] = set()
@@ -224,19 +125,10 @@ class ScalerCore:
         self.policies[job.job_id] = p
         if old is not None and (old.bucket_s, old.sustain_s) != (p.bucket_s, p.sustain_s):
             self.engine.reshape(job.job_id)
+        self.actuator.adopt(
+            job.job_id, replicas=job.current_replicas, gpus_per_replica=job.gpus_per_replica
+        )
         self.registry.track(job.job_id)
-        if isinstance(self.actuator, InMemoryActuator):
-            self.actuator.seed(job.job_id, job.current_replicas)
-            self.actuator.gpus_per_replica[job.job_id] = job.gpus_per_replica
-        coord = self.coordinator
-        # A job recorded as running has a first generation; a starting one (0 replicas)
-        # gets its generation 1 from its JOB_STARTED decision's Resize.
-        if (
-            isinstance(coord, InMemoryCoordinator)
-            and job.current_replicas > 0
-            and coord.job(job.job_id)[1] == 0
-        ):
-            coord.set_job(job.job_id, job.current_replicas)
 
     async def start(self) -> None:
         """Load jobs, take ownership of them, derive cooldowns from the database and
@@ -258,8 +150,7 @@ class ScalerCore:
     async def close(self) -> None:
         await self.controller.close()
         await self.registry.close()
-        for _, q in self._watchers:
-            q.put_nowait(None)
+        self.feed.close()
 
     def _deadline_of(self, job_id: str) -> float:
         return self.policies.get(job_id, self.defaults).phase_timeout_s
@@ -565,50 +456,17 @@ class ScalerCore:
                 next_flush = mono + self.rollup_flush_interval_s
 
     async def flush_rollups(self, *, final: bool = False) -> int:
-        now = self.clock.now() + (120.0 if final else 0.0)
+        """Finished minutes of every known job to SQL, then retention (history.py)."""
         replicas = {j: r.current_replicas for j, r in self.jobs.items()}
-        rows = self.engine.rollups.take_complete(now, replicas)
-        records = [
-            RollupRecord(
-                job_id=r.job_id,
-                minute=utc_from_epoch(r.minute_s),
-                mean_pct=r.mean_pct,
-                min_pct=r.min_pct,
-                max_pct=r.max_pct,
-                samples=r.samples,
-                replicas=r.replicas,
-            )
-            for r in rows
-            if r.job_id in self.jobs and r.samples > 0
-        ]
-        if not records:
-            return 0
-        try:
-            return await self.store.write_rollups(records)
-        except TideError as exc:
-            logger.warning("rollups not written (%s); kept for the next flush", exc)
-            self.engine.rollups.put_back(rows)
-            return 0
+        return await self.history.flush(replicas, final=final)
 
     # -- watchers ----------------------------------------------------------------------------
 
     def subscribe(self, job_id: str) -> asyncio.Queue[Watched | None]:
-        q: asyncio.Queue[Watched | None] = asyncio.Queue(maxsize=1000)
-        self._watchers.append((job_id, q))
-        return q
+        return self.feed.subscribe(job_id)
 
     def unsubscribe(self, q: asyncio.Queue[Watched | None]) -> None:
-        self._watchers = [(j, w) for j, w in self._watchers if w is not q]
+        self.feed.unsubscribe(q)
 
     def _publish(self, d: DecisionRecord, detail: str) -> None:
-        for job_id, q in list(self._watchers):
-            if job_id and job_id != d.job_id:
-                continue
-            try:
-                q.put_nowait(Watched(d, detail))
-            except asyncio.QueueFull:
-                # A watcher that does not read must not hold memory or the loop.
-                logger.warning("decision watcher fell behind; dropping it")
-                self.unsubscribe(q)
-                q.get_nowait()
-                q.put_nowait(None)
+        self.feed.publish(d, detail)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from services.scaler import repo
+from services.scaler import store as repo
 from services.store import db
 
 JOB = "ml/resnet"

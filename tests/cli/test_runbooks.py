@@ -149,7 +149,7 @@ def test_what_scaling_cost_this_week(pg: tuple[Any, Seeded]) -> None:
 
 
 def test_a_job_start_is_no_scaling_cost(pg: tuple[Any, Seeded]) -> None:
-    from services.scaler import repo
+    from services.scaler import store as repo
     from services.store import db
 
     engine, _ = pg

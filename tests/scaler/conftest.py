@@ -16,8 +16,8 @@ from tide.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
 
 from services.common.clock import SystemClock
 from services.scaler.ingest import IngestEngine, IngestSettings
-from services.scaler.members import InMemoryMemberRegistry
-from services.scaler.telemetry_api import TelemetryServicer
+from services.scaler.servicer import TelemetryServicer
+from services.testing.members import InMemoryMemberRegistry
 from tidebase.grpc_options import server_options
 
 

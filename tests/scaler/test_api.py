@@ -16,15 +16,15 @@ from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2_grpc
 from services.common.clock import SystemClock
 from services.common.config import CommonSettings
 from services.common.server import RunningServer, ServiceSpec, start_server
-from services.scaler.actuator import InMemoryActuator
-from services.scaler.api import ADMIN_METHODS, ScalerServicer
-from services.scaler.coordination import InMemoryCoordinator
 from services.scaler.ingest import IngestSettings
-from services.scaler.policy import PolicySettings
+from services.scaler.policy import PolicySettings, Reason
 from services.scaler.service import ScalerCore
+from services.scaler.servicer import ADMIN_METHODS, ScalerServicer, TelemetryServicer
 from services.scaler.store import DecisionStore
-from services.scaler.telemetry_api import TelemetryServicer
 from services.store import db
+from services.testing.actuators import InMemoryActuator
+from services.testing.coordinator import InMemoryCoordinator, follow_actuator
+from tests.support.poll import eventually
 from tests.support.procs import ROOT
 from tidebase.grpc_options import client_options
 
@@ -52,7 +52,8 @@ async def live(tmp_path: Path) -> AsyncIterator[Live]:
     db.upgrade(url)
     clock = SystemClock()
     actuator = InMemoryActuator()
-    coordinator = InMemoryCoordinator(available=lambda j: actuator.replicas.get(j), step_s=0.02)
+    coordinator = InMemoryCoordinator(step_s=0.02)
+    follow_actuator(coordinator, actuator)
     store = DecisionStore(db.make_engine(url), "api-test", clock)
     core = ScalerCore(
         store=store,
@@ -95,18 +96,6 @@ async def live(tmp_path: Path) -> AsyncIterator[Live]:
         await asyncio.gather(loop_task, return_exceptions=True)
         await core.close()
         store.engine.dispose()
-
-
-async def eventually(fn: object, timeout_s: float = 15.0) -> object:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        value = await fn()  # type: ignore[operator]
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"not true within {timeout_s}s")
-        await asyncio.sleep(0.05)
 
 
 async def test_jobs_decisions_history_and_watch(live: Live) -> None:
@@ -230,12 +219,13 @@ async def test_killed_agent_goes_stale_and_blocks_scale_down(live: Live) -> None
     agent_a = agent(live, "node-a", 10.0, a_pods)
     agent_b = agent(live, "node-b", 10.0, b_pods)
     try:
+        core = live.core
 
-        async def fresh(n: int) -> bool:
-            job = await stub.GetJob(scaler_pb2.GetJobRequest(job_id="ns/a"), timeout=T)
-            return job.window.gpus_fresh == n
+        def fresh(n: int) -> bool:
+            # What GetJob's window reports, read in-process.
+            return core.window_of("ns/a", core.clock.now()).gpus_fresh == n
 
-        await eventually(lambda: fresh(8))
+        await eventually(lambda: fresh(8), timeout_s=15)
         agent_b.kill()
         agent_b.wait(timeout=10)
         # Stale within the limit (1.5 s) plus one evaluation interval.
@@ -244,10 +234,12 @@ async def test_killed_agent_goes_stale_and_blocks_scale_down(live: Live) -> None
         await eventually(lambda: fresh(4), timeout_s=5)
         assert loop.time() - t_kill < 1.5 + 1.0
 
-        async def blocked() -> bool:
-            job = await stub.GetJob(scaler_pb2.GetJobRequest(job_id="ns/a"), timeout=T)
-            return job.last_evaluation.reason == S.DECISION_REASON_INSUFFICIENT_COVERAGE and (
-                "partial data never scales down" in job.last_evaluation.message
+        def blocked() -> bool:
+            ev = core.evaluations.get("ns/a")
+            return (
+                ev is not None
+                and ev.decision.reason is Reason.INSUFFICIENT_COVERAGE
+                and "partial data never scales down" in ev.decision.message
             )
 
         # Every bucket is low, yet with half the GPUs silent nothing shrinks.
@@ -255,15 +247,20 @@ async def test_killed_agent_goes_stale_and_blocks_scale_down(live: Live) -> None
         page = await stub.ListDecisions(scaler_pb2.ListDecisionsRequest(), timeout=T)
         assert list(page.decisions) == []
         # The control: with the node back, the same load does scale down.
+        decisions = core.subscribe("ns/a")
         agent_b = agent(live, "node-b", 10.0, b_pods)
+        reasons: list[str] = []
 
-        async def shrunk() -> bool:
-            page = await stub.ListDecisions(scaler_pb2.ListDecisionsRequest(), timeout=T)
-            return any(
-                d.reason == S.DECISION_REASON_SUSTAINED_LOW_UTILIZATION for d in page.decisions
-            )
+        def shrunk() -> bool:
+            while not decisions.empty():
+                w = decisions.get_nowait()
+                if w is not None:
+                    reasons.append(w.decision.reason)
+            return Reason.SUSTAINED_LOW_UTILIZATION.name in reasons
 
         await eventually(shrunk, timeout_s=15)
+        page = await stub.ListDecisions(scaler_pb2.ListDecisionsRequest(), timeout=T)
+        assert any(d.reason == S.DECISION_REASON_SUSTAINED_LOW_UTILIZATION for d in page.decisions)
     finally:
         for p in (agent_a, agent_b):
             p.kill()
@@ -275,7 +272,7 @@ async def test_list_utilization_over_a_range(live: Live) -> None:
 
     from google.protobuf.timestamp_pb2 import Timestamp
 
-    from services.scaler.repo import RollupRecord
+    from services.scaler.store import RollupRecord
 
     stub = live.stub
     await stub.UpsertJob(scaler_pb2.UpsertJobRequest(job_id="ns/a"), timeout=T)

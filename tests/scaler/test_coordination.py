@@ -16,7 +16,9 @@ from tide.v1 import coordinator_pb2_grpc
 from services.common.clock import SystemClock
 from services.scaler.coordination import GrpcCoordinatorClient, Phase, ResizeSpec
 from services.scaler.ingest import IngestCollector, IngestEngine, IngestSettings, Rejection
-from services.scaler.members import CoordinatorMemberRegistry, InMemoryMemberRegistry
+from services.scaler.members import CoordinatorMemberRegistry
+from services.testing.members import InMemoryMemberRegistry
+from tests.support.poll import eventually
 from tidebase.client import open_channel
 from tidebase.errors import NotFound
 from tidebase.grpc_options import client_options, server_options
@@ -104,20 +106,24 @@ async def test_member_registry_follows_watch_job(
                 cpb.Member(pod_name="a-2", pod_uid="u2", state=cpb.MEMBER_STATE_GONE),
             ]
         )
-        for _ in range(500):
-            if "u1" in reg.by_uid:
-                break
-            await asyncio.sleep(0.01)
-        assert reg.by_uid == {"u0": "ns/a", "u1": "ns/a"}
-        assert client.latest_status("ns/a") is not None
-        assert reg.by_name["ns/a-0"] == "ns/a"
-        assert reg.member_count("ns/a") == 1
-        servicer.members.put_nowait([cpb.Member(pod_name="a-0", pod_uid="u0")])
-        for _ in range(500):
-            if "u1" not in reg.by_uid:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: len(reg.members("ns/a")) == 2, what="the first status")
+        # A STANDBY newcomer's GPUs are not the job's yet: only ACTIVE members attribute.
         assert reg.by_uid == {"u0": "ns/a"}
+        assert client.latest_status("ns/a") is not None
+        assert reg.by_name["ns/a-0"] == "ns/a" and "ns/a-1" not in reg.by_name
+        assert reg.member_count("ns/a") == 1
+        servicer.members.put_nowait(
+            [
+                cpb.Member(pod_name="a-0", pod_uid="u0", state=cpb.MEMBER_STATE_ACTIVE),
+                cpb.Member(pod_name="a-1", pod_uid="u1", state=cpb.MEMBER_STATE_ACTIVE),
+            ]
+        )
+        await eventually(lambda: "u1" in reg.by_uid, what="the newcomer in the generation")
+        assert reg.by_uid == {"u0": "ns/a", "u1": "ns/a"}
+        servicer.members.put_nowait(
+            [cpb.Member(pod_name="a-0", pod_uid="u0", state=cpb.MEMBER_STATE_DRAINING)]
+        )
+        await eventually(lambda: not reg.by_uid, what="the leaver dropped")
         await reg.close()
 
 

@@ -5,7 +5,8 @@ happened at most once, and nothing acted before its decision was committed.
 One scaler process per round: it recovers the previous round's decision
 (recovery runs unarmed), then takes a new manual decision that dies at the
 round's fault point. The actuator (a file) and the in-memory coordinator's
-state file outlive the processes, like a cluster and a coordinator would.
+state file outlive the processes, like a cluster and a coordinator would; the
+test entry point (``python -m services.testing.scaler``) injects them.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import grpc
 import pytest
 from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
-from services.scaler import repo
-from services.scaler.actuator import read_changes
+from services.scaler import store as repo
 from services.store import db
+from services.testing.actuators import read_changes
 from tests.support.poll import wait_for
 from tests.support.procs import ServiceProcess, start_service
 
@@ -46,7 +47,9 @@ def scaler(url: str, tmp: Path, fault: str) -> ServiceProcess:
     return start_service(
         [
             "-m",
-            "services.scaler",
+            "services.testing.scaler",
+            "--coordinator",
+            "memory",
             "--listen",
             "127.0.0.1:0",
             "--db",

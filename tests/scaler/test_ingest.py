@@ -7,8 +7,9 @@ import math
 import pytest
 
 from services.scaler.ingest import IngestEngine, IngestSettings, InvalidStream, Rejection
-from services.scaler.members import InMemoryMemberRegistry, Member
+from services.scaler.members import Member
 from services.testing.clock import FakeClock
+from services.testing.members import InMemoryMemberRegistry
 from tests.scaler.conftest import report
 
 pytestmark = pytest.mark.component

@@ -11,16 +11,17 @@ from pathlib import Path
 import pytest
 from tide.v1 import telemetry_pb2
 
-from services.scaler.actuator import InMemoryActuator, ReplicaChange
-from services.scaler.coordination import InMemoryCoordinator, Phase, Progress, ResizeSpec
+from services.scaler.coordination import Phase, Progress, ResizeSpec
 from services.scaler.ingest import IngestSettings
-from services.scaler.policy import Reason
-from services.scaler.repo import DecisionState, StaleEpoch
+from services.scaler.policy import PolicySettings, Reason
 from services.scaler.service import ScalerCore
-from services.scaler.store import DecisionStore
+from services.scaler.store import DecisionState, DecisionStore, StaleEpoch
 from services.store import db
+from services.testing.actuators import InMemoryActuator, ReplicaChange
 from services.testing.clock import FakeClock
+from services.testing.coordinator import InMemoryCoordinator, follow_actuator
 from tests.scaler.conftest import report
+from tests.support.poll import eventually
 from tidebase.errors import Unavailable
 
 pytestmark = pytest.mark.component
@@ -28,6 +29,8 @@ pytestmark = pytest.mark.component
 T0 = 1_800_000_000.0
 FAST = {"bucket_s": 10.0, "sustain_s": 30.0, "cooldown_s": 60.0, "scale_down_stabilization_s": 0.0}
 PODS = ["uid-a-0"] * 4 + ["uid-a-1"] * 4
+#: A real coordinator and actuator named, as ScalerSettings requires.
+REAL: dict[str, Any] = {"coordinator": "127.0.0.1:9", "actuator": "local:/nonexistent"}
 
 
 @dataclass
@@ -46,7 +49,7 @@ def make_rig(
     actuator = InMemoryActuator(total_gpus=64)
     if coordinator is None:
         coordinator = InMemoryCoordinator()
-    coordinator.available = lambda j: actuator.replicas.get(j)
+    follow_actuator(coordinator, actuator)
     store = DecisionStore(db.make_engine(url), owner, clock)
     core = ScalerCore(
         store=store,
@@ -63,19 +66,10 @@ async def rig(scaler_db_url: str) -> AsyncIterator[Rig]:
     r = make_rig(scaler_db_url, FakeClock(T0))
     await r.core.start()
     await r.core.upsert_job("ns/a", FAST, gpus_per_replica=4)
-    await until(lambda: "uid-a-1" in r.core.registry.by_uid)
+    await eventually(lambda: "uid-a-1" in r.core.registry.by_uid)
     yield r
     await r.core.close()
     r.store.engine.dispose()
-
-
-async def until(cond: object, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():  # type: ignore[operator]
-        if loop.time() > deadline:
-            raise AssertionError(f"condition not met in {timeout_s}s")
-        await asyncio.sleep(0.01)
 
 
 def feed(rig: Rig, seconds: int, util: float, *, node: str = "n1", start_seq: int = 1) -> int:
@@ -214,7 +208,7 @@ async def test_two_scalers_never_both_act_on_a_job(scaler_db_url: str) -> None:
     with pytest.raises(StaleEpoch):
         await a.core.request_resize("ns/a", 4, "from a", "a")
     # Its policy loop stops deciding for the job instead of failing every tick.
-    await until(lambda: "uid-a-1" in a.core.registry.by_uid)
+    await eventually(lambda: "uid-a-1" in a.core.registry.by_uid)
     feed(a, 35, 95.0)
     await a.core.tick()
     assert a.core.fenced == {"ns/a"}
@@ -246,36 +240,47 @@ async def test_store_warm_up_leaves_nothing_behind(scaler_db_url: str) -> None:
 
 
 def test_scaler_settings_validate_and_feed_the_policy() -> None:
-    from services.scaler.service import ScalerSettings
+    from services.scaler.settings import ScalerSettings
     from tidebase.errors import ConfigError
 
-    s = ScalerSettings(sustain_s=60.0, bucket_s=10.0, max_replicas=16)
+    s = ScalerSettings(**REAL, sustain_s=60.0, bucket_s=10.0, max_replicas=16)
     assert (s.policy().buckets, s.policy().max_replicas) == (6, 16)
     with pytest.raises(ConfigError, match=r"sustain_s=100\.0"):
-        ScalerSettings(sustain_s=100.0)
+        ScalerSettings(**REAL, sustain_s=100.0)
     with pytest.raises(ConfigError, match="actuator"):
-        ScalerSettings(actuator="kubernetes")
+        ScalerSettings(coordinator="127.0.0.1:9", actuator="kubernetes")
     with pytest.raises(ConfigError, match="stale_after_s"):
-        ScalerSettings(stale_after_s=0.0)
+        ScalerSettings(**REAL, stale_after_s=0.0)
+    with pytest.raises(ConfigError, match="rollup_retention_days"):
+        ScalerSettings(**REAL, rollup_retention_days=0.0)
+    # Each policy default is PolicySettings' own.
+    assert s.policy() == PolicySettings(sustain_s=60.0, bucket_s=10.0, max_replicas=16)
 
 
 def test_scaler_settings_db_and_local_actuator(tmp_path: Path) -> None:
     from services.common.config import load_settings
-    from services.scaler.__main__ import make_actuator
-    from services.scaler.service import DEFAULT_DB, ScalerSettings
+    from services.scaler.actuators import make_actuator
+    from services.scaler.settings import DEFAULT_DB, ScalerSettings
     from tidebase.errors import ConfigError
 
-    assert ScalerSettings().db == DEFAULT_DB == "sqlite:///.tide/tide.db"
+    assert ScalerSettings(**REAL).db == DEFAULT_DB == "sqlite:///.tide/tide.db"
     url = f"sqlite:///{tmp_path}/a.db"
-    assert load_settings(ScalerSettings, ["--db", url], env={}).db == url
-    assert load_settings(ScalerSettings, [], env={"TIDE_DB": url}).db == url
-    with pytest.raises(ConfigError, match="coordinator"):
+    flags = ["--coordinator", "127.0.0.1:9", "--actuator", f"local:{tmp_path}"]
+    assert load_settings(ScalerSettings, [*flags, "--db", url], env={}).db == url
+    assert load_settings(ScalerSettings, flags, env={"TIDE_DB": url}).db == url
+    with pytest.raises(ConfigError, match="coordinator: required; pass --coordinator HOST:PORT"):
         ScalerSettings(actuator=f"local:{tmp_path}")
+    with pytest.raises(ConfigError, match="pass --actuator local:DIR"):
+        ScalerSettings(coordinator="127.0.0.1:9")
     with pytest.raises(ConfigError, match="actuator"):
-        ScalerSettings(actuator="local:")
+        ScalerSettings(coordinator="127.0.0.1:9", actuator="local:")
+    with pytest.raises(ConfigError, match="actuator"):
+        ScalerSettings(coordinator="127.0.0.1:9", actuator="memory")
     s = ScalerSettings(actuator=f"local:{tmp_path}", coordinator="127.0.0.1:9", total_gpus=3)
-    a = make_actuator(s, FakeClock(T0))
-    from services.local.actuator import LocalActuator
+    a = make_actuator(
+        s.actuator, coordinator=s.coordinator, total_gpus=s.total_gpus, clock=FakeClock(T0)
+    )
+    from services.scaler.actuators.local import LocalActuator
 
     assert isinstance(a, LocalActuator)
     assert (a.settings.state_dir, a.settings.total_gpus) == (tmp_path, 3)
@@ -300,7 +305,8 @@ class FlakyCoordinator(InMemoryCoordinator):
 async def test_unreachable_coordinator_is_reattached(scaler_db_url: str) -> None:
     clock = FakeClock(T0)
     actuator = InMemoryActuator()
-    coordinator = FlakyCoordinator(3, available=lambda j: actuator.replicas.get(j))
+    coordinator = FlakyCoordinator(3)
+    follow_actuator(coordinator, actuator)
     store = DecisionStore(db.make_engine(scaler_db_url), "s", clock)
     core = ScalerCore(store=store, actuator=actuator, coordinator=coordinator, clock=clock)
     await core.start()

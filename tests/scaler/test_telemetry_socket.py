@@ -10,7 +10,8 @@ import pytest
 from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 from services.scaler.ingest import Rejection
-from services.scaler.members import InMemoryMemberRegistry, Member
+from services.scaler.members import Member
+from services.testing.members import InMemoryMemberRegistry
 from tests.scaler.conftest import TelemetryServer, report
 from tidebase.grpc_options import client_options
 

@@ -20,8 +20,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.scaler import repo
-from services.scaler.repo import DecisionState as S
+from services.scaler import store as repo
+from services.scaler.store import DecisionState as S
 from services.store import db
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)

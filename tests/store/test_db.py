@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.scaler import repo
+from services.scaler import store as repo
 from services.store import db
 from services.store.models.scaler import Job
 from tests.support.poll import wait_for

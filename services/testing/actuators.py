@@ -1,9 +1,9 @@
-"""How the scaler changes a job's pod count: the Actuator interface and its fakes.
+"""Actuator doubles (services.scaler.actuators.Actuator) for tests and benchmarks.
 
-The Kubernetes (PaddleJob patch) and local (launcher processes) actuators
-come in their own issues. Here: an in-memory actuator that records every
-change, and a file-backed one whose state and change log survive a SIGKILL of
-the scaler (the crash tests count changes across restarts with it).
+An in-memory actuator that records every change, and a file-backed one whose
+state and change log survive a SIGKILL of the scaler (the crash tests count
+changes across restarts with it). Both pass the same contract suite as the
+real actuators (tests/scaler/test_actuator_contract.py).
 
 ``set_replicas`` is idempotent: asking for the count a job already has is not
 a change and is not recorded, so a resumed decision may repeat it safely.
@@ -14,25 +14,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from tidebase.errors import InvalidArgument
 
-
-class Actuator(Protocol):
-    async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
-        """Ask for ``replicas`` pods of the job; returns once the request is accepted."""
-        ...
-
-    async def get_replicas(self, job_id: str) -> int | None:
-        """Replicas the job is asked to run; None when the actuator does not know the job."""
-        ...
-
-    async def free_gpus(self) -> int | None:
-        """GPUs free for growth in the cluster; None when unknown."""
-        ...
+#: Told of each job the actuator adopts: (job id, its recorded replicas).
+AdoptListener = Callable[[str, int], None]
 
 
 @dataclass(frozen=True)
@@ -56,6 +45,15 @@ class InMemoryActuator:
         self.replicas: dict[str, int] = {}
         self.gpus_per_replica: dict[str, int] = {}
         self.changes: list[ReplicaChange] = []
+        # The in-memory coordinator learns a running job's first generation here
+        # (services.testing.scaler wires it), as a real one would from its pods.
+        self.on_adopt: list[AdoptListener] = []
+
+    def adopt(self, job_id: str, *, replicas: int, gpus_per_replica: int) -> None:
+        self.seed(job_id, replicas)
+        self.gpus_per_replica[job_id] = gpus_per_replica
+        for listener in self.on_adopt:
+            listener(job_id, self.replicas[job_id])
 
     def seed(self, job_id: str, replicas: int) -> None:
         """Set a job's starting count without recording a change (the job's creation)."""

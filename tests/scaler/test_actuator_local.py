@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.local.actuator import (
+from services.scaler.actuators.local import (
     JobSpec,
     LocalActuator,
     LocalActuatorSettings,
@@ -19,11 +19,12 @@ from services.local.actuator import (
     is_running,
 )
 from tests.support.poll import wait_for
+from tests.support.procs import ROOT
 from tidebase.errors import ConfigError, InvalidArgument, NotFound
 
 pytestmark = pytest.mark.component
 
-FAKE = str(Path(__file__).with_name("fake_launcher.py"))
+FAKE = str(ROOT / "tests" / "local" / "fake_launcher.py")
 JOB = "ml/resnet"
 
 Factory = Callable[..., LocalActuator]

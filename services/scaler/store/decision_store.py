@@ -1,4 +1,4 @@
-"""The scaler's unit-of-work layer over services.scaler.repo: one transaction per
+"""The scaler's unit-of-work layer over the repository functions: one transaction per
 call, run in a worker thread so the event loop (and with it ingestion) never
 waits on SQL, and the fencing epoch of every job this scaler owns."""
 
@@ -15,8 +15,9 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from services.common.clock import Clock
-from services.scaler import repo
-from services.scaler.repo import (
+from services.scaler.errors import JobNotFound
+from services.scaler.store import decisions, jobs, pages, rollups
+from services.scaler.store.records import (
     DecisionDetailRecord,
     DecisionPage,
     DecisionRecord,
@@ -80,14 +81,16 @@ class DecisionStore:
     def _warm_up(self) -> None:
         job_id = "tide-warmup/job"
         now = self.now()
-        repo_log = logging.getLogger(repo.__name__)
-        was = repo_log.disabled
-        repo_log.disabled = True  # its INFO lines would describe rows that never exist
+        # Their INFO lines would describe rows that never exist.
+        quiet = [logging.getLogger(m.__name__) for m in (jobs, decisions)]
+        was = [q.disabled for q in quiet]
+        for q in quiet:
+            q.disabled = True
         session = self.factory()
         try:
-            repo.upsert_job(session, job_id, min_replicas=1, max_replicas=2, now=now)
-            epoch = repo.acquire_job_ownership(session, job_id, self.owner_id, now=now)
-            d = repo.create_decision(
+            jobs.upsert_job(session, job_id, min_replicas=1, max_replicas=2, now=now)
+            epoch = jobs.acquire_job_ownership(session, job_id, self.owner_id, now=now)
+            d = decisions.create_decision(
                 session,
                 job_id=job_id,
                 from_replicas=1,
@@ -100,8 +103,8 @@ class DecisionStore:
                 now=now,
             )
             for state in (DecisionState.PREPARING, DecisionState.ACTUATING):
-                repo.transition_decision(session, d.id, state, detail="", epoch=epoch, now=now)
-            repo.transition_decision(
+                decisions.transition_decision(session, d.id, state, detail="", epoch=epoch, now=now)
+            decisions.transition_decision(
                 session,
                 d.id,
                 DecisionState.COMPLETED,
@@ -113,35 +116,36 @@ class DecisionStore:
                 to_replicas=2,
                 lost_steps=0,
             )
-            repo.list_decisions(session, job_id=job_id, page_size=1)
+            pages.list_decisions(session, job_id=job_id, page_size=1)
         except Exception:
             logger.debug("store warm-up failed; the first decisions compile instead", exc_info=True)
         finally:
             session.rollback()
             session.close()
-            repo_log.disabled = was
+            for q, w in zip(quiet, was, strict=True):
+                q.disabled = w
 
     # -- jobs ----------------------------------------------------------------------
 
     async def acquire(self, job_id: str) -> int:
         now = self.now()
         epoch = await self._run(
-            lambda s: repo.acquire_job_ownership(s, job_id, self.owner_id, now=now),
+            lambda s: jobs.acquire_job_ownership(s, job_id, self.owner_id, now=now),
             what=f"acquire job {job_id}",
         )
         self.epochs[job_id] = epoch
         return epoch
 
     async def list_jobs(self) -> list[JobRecord]:
-        return await self._run(repo.list_jobs, write=False)
+        return await self._run(jobs.list_jobs, write=False)
 
     async def get_job(self, job_id: str) -> JobRecord:
-        return await self._run(lambda s: repo.get_job(s, job_id), write=False)
+        return await self._run(lambda s: jobs.get_job(s, job_id), write=False)
 
     async def upsert_job(self, job_id: str, **kwargs: Any) -> JobRecord:
         now = self.now()
         return await self._run(
-            lambda s: repo.upsert_job(s, job_id, now=now, **kwargs), what=f"upsert job {job_id}"
+            lambda s: jobs.upsert_job(s, job_id, now=now, **kwargs), what=f"upsert job {job_id}"
         )
 
     async def create_started_job(
@@ -164,11 +168,11 @@ class DecisionStore:
 
         def fn(s: Session) -> tuple[JobRecord, int, DecisionRecord] | None:
             try:
-                repo.get_job(s, job_id)
+                jobs.get_job(s, job_id)
                 return None
-            except repo.JobNotFound:
+            except JobNotFound:
                 pass
-            repo.upsert_job(
+            jobs.upsert_job(
                 s,
                 job_id,
                 min_replicas=min_replicas,
@@ -179,9 +183,9 @@ class DecisionStore:
                 policy_overrides=policy_overrides,
             )
             # Nothing runs yet: the decision's completion sets the replicas it reached.
-            repo.set_job_observed(s, job_id, now=now, current_replicas=0)
-            epoch = repo.acquire_job_ownership(s, job_id, self.owner_id, now=now)
-            d = repo.create_decision(
+            jobs.set_job_observed(s, job_id, now=now, current_replicas=0)
+            epoch = jobs.acquire_job_ownership(s, job_id, self.owner_id, now=now)
+            d = decisions.create_decision(
                 s,
                 job_id=job_id,
                 from_replicas=0,
@@ -193,7 +197,7 @@ class DecisionStore:
                 epoch=epoch,
                 now=now,
             )
-            return repo.get_job(s, job_id), epoch, d
+            return jobs.get_job(s, job_id), epoch, d
 
         out = await self._run(fn, what=f"start job {job_id}")
         if out is None:
@@ -205,17 +209,7 @@ class DecisionStore:
     async def set_paused(self, job_id: str, paused: bool, reason: str) -> JobRecord:
         now = self.now()
         return await self._run(
-            lambda s: repo.set_paused(s, job_id, paused=paused, reason=reason, now=now)
-        )
-
-    async def set_observed(
-        self, job_id: str, *, current_replicas: int | None = None, generation: int | None = None
-    ) -> JobRecord:
-        now = self.now()
-        return await self._run(
-            lambda s: repo.set_job_observed(
-                s, job_id, now=now, current_replicas=current_replicas, generation=generation
-            )
+            lambda s: jobs.set_paused(s, job_id, paused=paused, reason=reason, now=now)
         )
 
     # -- decisions -----------------------------------------------------------------
@@ -235,7 +229,7 @@ class DecisionStore:
         epoch = self.epochs[job_id]
         now = self.now()
         return await self._run_inline(
-            lambda s: repo.create_decision(
+            lambda s: decisions.create_decision(
                 s,
                 job_id=job_id,
                 from_replicas=from_replicas,
@@ -252,25 +246,35 @@ class DecisionStore:
         )
 
     async def transition(
-        self, d: DecisionRecord, state: DecisionState, detail: str, **kwargs: Any
+        self,
+        d: DecisionRecord,
+        state: DecisionState,
+        detail: str,
+        *,
+        check_state: bool = True,
+        **kwargs: Any,
     ) -> DecisionRecord:
+        """Move ``d`` to ``state``; with ``check_state`` the row must still be in
+        ``d.state`` (DecisionChanged otherwise). Recording a failure from wherever
+        the decision got to passes False."""
         epoch = self.epochs[d.job_id]
         now = self.now()
+        expected = d.state if check_state else None
         return await self._run(
-            lambda s: repo.transition_decision(
-                s, d.id, state, detail=detail, epoch=epoch, now=now, **kwargs
+            lambda s: decisions.transition_decision(
+                s, d.id, state, detail=detail, epoch=epoch, now=now, expected=expected, **kwargs
             ),
             what=f"decision {d.id} -> {state}",
         )
 
     async def non_final(self) -> list[DecisionRecord]:
-        return await self._run(repo.non_final_decisions, write=False)
+        return await self._run(decisions.non_final_decisions, write=False)
 
     async def get_decision(self, decision_id: int) -> DecisionDetailRecord:
-        return await self._run(lambda s: repo.get_decision(s, decision_id), write=False)
+        return await self._run(lambda s: decisions.get_decision(s, decision_id), write=False)
 
     async def list_decisions(self, **kwargs: Any) -> DecisionPage:
-        return await self._run(lambda s: repo.list_decisions(s, **kwargs), write=False)
+        return await self._run(lambda s: pages.list_decisions(s, **kwargs), write=False)
 
     async def last_completed(self, job_id: str) -> DecisionRecord | None:
         page = await self.list_decisions(
@@ -281,7 +285,12 @@ class DecisionStore:
     # -- rollups -------------------------------------------------------------------
 
     async def write_rollups(self, rows: Sequence[RollupRecord]) -> int:
-        return await self._run(lambda s: repo.write_rollups(s, rows), what="write rollups")
+        return await self._run(lambda s: rollups.write_rollups(s, rows), what="write rollups")
 
     async def rollups_between(self, job_id: str, t0: datetime, t1: datetime) -> list[RollupRecord]:
-        return await self._run(lambda s: repo.rollups_between(s, job_id, t0, t1), write=False)
+        return await self._run(lambda s: rollups.rollups_between(s, job_id, t0, t1), write=False)
+
+    async def delete_rollups_before(self, before: datetime) -> int:
+        return await self._run(
+            lambda s: rollups.delete_rollups_before(s, before), what="rollup retention"
+        )

@@ -1,6 +1,6 @@
 """The local actuator: a job's "pods" are trainer launcher processes on this machine.
 
-Same contract as the Kubernetes actuator (services.scaler.actuator.Actuator):
+Same contract as every actuator (services.scaler.actuators.base.Actuator):
 
 - pod ``i`` of job ``ns/name`` is a launcher named ``name-trainer-i`` started
   with ``--pod-index i``; a job with n replicas runs pods 0..n-1, so a shrink
@@ -143,7 +143,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 class LocalActuator:
-    """Implements services.scaler.actuator.Actuator with launcher processes."""
+    """Implements services.scaler.actuators.Actuator with launcher processes."""
 
     def __init__(self, settings: LocalActuatorSettings, clock: Clock | None = None) -> None:
         self.settings = settings
@@ -226,6 +226,11 @@ class LocalActuator:
                 del self._children[pid]
 
     # --- the Actuator protocol ---
+
+    def adopt(self, job_id: str, *, replicas: int, gpus_per_replica: int) -> None:
+        # The job's spec file and replicas file under the state dir are this
+        # actuator's own record (they outlive the scaler); nothing to learn.
+        return None
 
     async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
         if replicas < 0:

@@ -1,0 +1,36 @@
+"""The scaler's actuators: the interface (``base``) and one module per real one.
+
+Adding an actuator (Kubernetes, say) is one new module implementing
+:class:`Actuator`, one branch in :func:`make_actuator` (and its kind in
+ScalerSettings.check_actuator), and a parameter of the contract suite
+(tests/scaler/test_actuator_contract.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.common.clock import Clock
+from services.scaler.actuators.base import Actuator
+from tidebase.errors import ConfigError
+
+__all__ = ["KINDS", "Actuator", "make_actuator"]
+
+#: The kinds ``--actuator KIND:ARG`` accepts.
+KINDS = ("local",)
+
+
+def make_actuator(spec: str, *, coordinator: str, total_gpus: int | None, clock: Clock) -> Actuator:
+    """The actuator ``spec`` (``--actuator``) names."""
+    kind, _, arg = spec.partition(":")
+    if kind == "local" and arg:
+        # Imported here: a scaler deployed with another actuator never loads local mode.
+        from services.scaler.actuators.local import LocalActuator, LocalActuatorSettings
+
+        return LocalActuator(
+            LocalActuatorSettings(
+                state_dir=Path(arg), coordinator=coordinator, total_gpus=total_gpus
+            ),
+            clock,
+        )
+    raise ConfigError(f"actuator: expected local:DIR, got {spec!r}; pass --actuator local:DIR")

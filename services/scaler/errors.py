@@ -1,0 +1,29 @@
+"""The scaler's errors: subclasses of tidebase.errors, so gRPC maps each to its status.
+
+A move its lifecycle table does not have is not here: that is a bug, and raises
+tidebase.lifecycle.InvalidTransition (INTERNAL)."""
+
+from __future__ import annotations
+
+from tidebase.errors import Conflict, FailedPrecondition, NotFound
+
+
+class JobNotFound(NotFound):
+    pass
+
+
+class DecisionNotFound(NotFound):
+    pass
+
+
+class StaleEpoch(Conflict):
+    """Another scaler took the job since this one acquired it; this one must stop acting on it."""
+
+
+class DecisionChanged(Conflict):
+    """A decision's state changed under the writer (it read one state, the row holds
+    another): a race with another writer, not a bug; re-read and decide again."""
+
+
+class DecisionInProgress(FailedPrecondition):
+    """The job already has a decision that is not final."""

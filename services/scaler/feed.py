@@ -1,0 +1,54 @@
+"""Decision events to the WatchDecisions streams: one bounded queue per watcher."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from services.scaler.store import DecisionRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Watched:
+    decision: DecisionRecord
+    detail: str
+
+
+class DecisionFeed:
+    """Fans each decision event out to the watchers of its job (or of every job).
+    None in a queue ends that watch (the scaler stops, or the watcher fell behind)."""
+
+    def __init__(self, max_queued: int = 1000) -> None:
+        self.max_queued = max_queued
+        self._watchers: list[tuple[str, asyncio.Queue[Watched | None]]] = []
+
+    def subscribe(self, job_id: str) -> asyncio.Queue[Watched | None]:
+        q: asyncio.Queue[Watched | None] = asyncio.Queue(maxsize=self.max_queued)
+        self._watchers.append((job_id, q))
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[Watched | None]) -> None:
+        self._watchers = [(j, w) for j, w in self._watchers if w is not q]
+
+    def publish(self, d: DecisionRecord, detail: str) -> None:
+        for job_id, q in list(self._watchers):
+            if job_id and job_id != d.job_id:
+                continue
+            try:
+                q.put_nowait(Watched(d, detail))
+            except asyncio.QueueFull:
+                # A watcher that does not read must not hold memory or the loop.
+                logger.warning(
+                    "decision watcher fell behind; dropping it",
+                    extra={"job_id": d.job_id, "decision_id": d.id},
+                )
+                self.unsubscribe(q)
+                q.get_nowait()
+                q.put_nowait(None)
+
+    def close(self) -> None:
+        for _, q in self._watchers:
+            q.put_nowait(None)

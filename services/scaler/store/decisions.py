@@ -1,0 +1,256 @@
+"""Decisions: create one, move it along the lifecycle with its event row, read them back."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import case, select, update
+from sqlalchemy.orm import Session
+
+from services.scaler.errors import (
+    DecisionChanged,
+    DecisionInProgress,
+    DecisionNotFound,
+    JobNotFound,
+)
+from services.scaler.store.jobs import check_epoch
+from services.scaler.store.records import (
+    DECISION_LIFECYCLE,
+    FINAL_STATES,
+    DecisionDetailRecord,
+    DecisionRecord,
+    DecisionState,
+)
+from services.scaler.store.rows import (
+    JOBS,
+    aware,
+    decision_record,
+    event_record,
+    execute,
+    flush,
+    json_copy,
+)
+from services.store.models.scaler import Decision, DecisionEvent, Job
+from tidebase.errors import InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+
+def create_decision(
+    session: Session,
+    *,
+    job_id: str,
+    from_replicas: int,
+    to_replicas: int,
+    reason: str,
+    trigger: str,
+    message: str,
+    inputs: Mapping[str, Any],
+    epoch: int,
+    now: datetime,
+    requested_by: str = "",
+    exclusive: bool = True,
+) -> DecisionRecord:
+    """Persist a PENDING decision and its first event, if ``epoch`` still owns the job.
+
+    With ``exclusive`` (the default) it refuses while the job has a decision
+    that is not final: one resize at a time per job. The check is race-free
+    because the fencing UPDATE serialises writers of the job.
+    """
+    aware("now", now)
+    if from_replicas < 0 or to_replicas < 0:
+        raise InvalidArgument(f"replicas must be >= 0, got from={from_replicas} to={to_replicas}")
+    if not reason:
+        raise InvalidArgument("reason must not be empty")
+    if not trigger:
+        raise InvalidArgument("trigger must not be empty")
+    check_epoch(session, job_id, epoch)
+    if exclusive:
+        active = active_decision(session, job_id)
+        if active is not None:
+            raise DecisionInProgress(
+                f"job {job_id} has decision {active.id} in state {active.state}"
+            )
+    row = Decision(
+        job_id=job_id,
+        from_replicas=from_replicas,
+        to_replicas=to_replicas,
+        reason=reason,
+        trigger=trigger,
+        message=message,
+        inputs=json_copy(inputs, f"inputs of a decision for job {job_id}"),
+        state=DecisionState.PENDING.value,
+        error="",
+        pause_s=0.0,
+        lost_steps=0,
+        generation=0,
+        requested_by=requested_by,
+        created_at=now,
+        updated_at=now,
+        ended_at=None,
+    )
+    session.add(row)
+    flush(session, f"create decision for job {job_id}")
+    session.add(DecisionEvent(decision_id=row.id, state=row.state, at=now, detail=message))
+    flush(session, f"create decision event for job {job_id}")
+    logger.info(
+        "decision %d for job %s: %d -> %d (%s, %s)",
+        row.id,
+        job_id,
+        from_replicas,
+        to_replicas,
+        reason,
+        trigger,
+    )
+    return decision_record(row)
+
+
+def transition_decision(
+    session: Session,
+    decision_id: int,
+    new_state: DecisionState,
+    *,
+    detail: str,
+    epoch: int,
+    now: datetime,
+    error: str | None = None,
+    pause_s: float | None = None,
+    lost_steps: int | None = None,
+    generation: int | None = None,
+    to_replicas: int | None = None,
+    expected: DecisionState | None = None,
+) -> DecisionRecord:
+    """Move a decision along one edge of DECISION_LIFECYCLE and record the event.
+
+    ``expected`` is the state the caller read: a row found in another state
+    changed under it (a race) and raises :class:`DecisionChanged`; an edge the
+    table does not have, from the state the row really holds, is a bug and
+    raises tidebase.lifecycle.InvalidTransition.
+
+    Reaching a final state stamps ``ended_at`` and the job's
+    ``last_resize_ended_at`` (cooldown counts from any ending, aborts too);
+    COMPLETED also sets the job's current replicas to ``to_replicas`` and
+    its generation. ``to_replicas`` may be lowered on the way (a grow that
+    proceeds with the newcomers that arrived).
+    """
+    aware("now", now)
+    new_state = DecisionState(new_state)
+    row = session.get(Decision, decision_id)
+    if row is None:
+        raise DecisionNotFound(f"decision {decision_id} not found")
+    check_epoch(session, row.job_id, epoch)
+    # The fencing UPDATE may have waited for another writer of this job; re-read.
+    session.refresh(row)
+    old_state = DecisionState(row.state)
+    if expected is not None and DecisionState(expected) is not old_state:
+        raise DecisionChanged(
+            f"decision {decision_id} of job {row.job_id}: expected {DecisionState(expected)},"
+            f" found {old_state}"
+        )
+    DECISION_LIFECYCLE.check(old_state, new_state, what=f"{decision_id} of job {row.job_id}")
+    if pause_s is not None and (not math.isfinite(pause_s) or pause_s < 0):
+        raise InvalidArgument(f"pause_s must be finite and >= 0, got {pause_s}")
+    if lost_steps is not None and lost_steps < 0:
+        raise InvalidArgument(f"lost_steps must be >= 0, got {lost_steps}")
+    if generation is not None and generation < 0:
+        raise InvalidArgument(f"generation must be >= 0, got {generation}")
+    if to_replicas is not None and to_replicas < 0:
+        raise InvalidArgument(f"to_replicas must be >= 0, got {to_replicas}")
+    row.state = new_state.value
+    row.updated_at = now
+    if error is not None:
+        row.error = error
+    if pause_s is not None:
+        row.pause_s = pause_s
+    if lost_steps is not None:
+        row.lost_steps = lost_steps
+    if generation is not None:
+        row.generation = generation
+    if to_replicas is not None:
+        row.to_replicas = to_replicas
+    if new_state in FINAL_STATES:
+        row.ended_at = now
+    session.add(DecisionEvent(decision_id=row.id, state=row.state, at=now, detail=detail))
+    flush(session, f"transition decision {decision_id}")
+    if new_state in FINAL_STATES:
+        _update_job_on_end(session, row, new_state, now)
+    logger.info(
+        "decision %d of job %s: %s -> %s (%s)",
+        decision_id,
+        row.job_id,
+        old_state,
+        new_state,
+        detail,
+    )
+    return decision_record(row)
+
+
+def _update_job_on_end(
+    session: Session, row: Decision, state: DecisionState, now: datetime
+) -> None:
+    table = JOBS
+    values: dict[str, Any] = {
+        "last_resize_ended_at": now,
+        "updated_at": now,
+        "version": table.c.version + 1,
+    }
+    if state is DecisionState.COMPLETED:
+        values["current_replicas"] = row.to_replicas
+        # A generation only moves forward, whoever reported it first.
+        values["generation"] = case(
+            (table.c.generation < row.generation, row.generation), else_=table.c.generation
+        )
+    execute(session, update(table).where(table.c.job_id == row.job_id).values(**values))
+    # Core bypassed the identity map; reload the job if this session holds it.
+    session.get(Job, row.job_id, populate_existing=True)
+
+
+def active_decision(session: Session, job_id: str) -> DecisionRecord | None:
+    """The job's decision that is not final yet, if any (the newest if, wrongly, several)."""
+    row = session.scalars(
+        select(Decision)
+        .where(Decision.job_id == job_id, Decision.state.not_in(_final_values()))
+        .order_by(Decision.created_at.desc(), Decision.id.desc())
+        .limit(1)
+    ).first()
+    return None if row is None else decision_record(row)
+
+
+def _final_values() -> list[str]:
+    return [s.value for s in FINAL_STATES]
+
+
+def get_decision(session: Session, decision_id: int) -> DecisionDetailRecord:
+    row = session.get(Decision, decision_id)
+    if row is None:
+        raise DecisionNotFound(f"decision {decision_id} not found")
+    events = session.scalars(
+        select(DecisionEvent)
+        .where(DecisionEvent.decision_id == decision_id)
+        .order_by(DecisionEvent.at, DecisionEvent.id)
+    )
+    return DecisionDetailRecord(
+        decision=decision_record(row), events=tuple(event_record(e) for e in events)
+    )
+
+
+def non_final_decisions(session: Session) -> list[DecisionRecord]:
+    """Every decision a restarted scaler must resume or abort, oldest first."""
+    rows = session.scalars(
+        select(Decision)
+        .where(Decision.state.not_in(_final_values()))
+        .order_by(Decision.created_at, Decision.id)
+    )
+    return [decision_record(r) for r in rows]
+
+
+def last_resize_end(session: Session, job_id: str) -> datetime | None:
+    """When the job's last decision reached a final state; None if none ever did."""
+    value = session.scalar(select(Job.last_resize_ended_at).where(Job.job_id == job_id))
+    if value is None and session.get(Job, job_id) is None:
+        raise JobNotFound(f"job {job_id!r} not found")
+    return value

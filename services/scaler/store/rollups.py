@@ -1,0 +1,142 @@
+"""Per-minute utilization rollups: merge-on-write, range reads, retention."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import CursorResult
+from sqlalchemy.orm import Session
+
+from services.scaler.store.records import RollupRecord
+from services.scaler.store.rows import ROLLUPS, aware, rollup_record, validate_job_id
+from services.store.models.scaler import UtilizationRollup
+from tidebase.errors import FailedPrecondition, InvalidArgument
+
+
+def _validate_rollup(r: RollupRecord) -> None:
+    validate_job_id(r.job_id)
+    aware("minute", r.minute)
+    if r.minute.second or r.minute.microsecond:
+        raise InvalidArgument(
+            f"rollup of job {r.job_id}: minute must be the start of a minute, "
+            f"got {r.minute.isoformat()}"
+        )
+    values = (r.mean_pct, r.min_pct, r.max_pct)
+    if not all(math.isfinite(v) and 0.0 <= v <= 100.0 for v in values):
+        raise InvalidArgument(
+            f"rollup of job {r.job_id} at {r.minute.isoformat()}: percentages must be "
+            f"finite in 0..100, got mean={r.mean_pct} min={r.min_pct} max={r.max_pct}"
+        )
+    if not (r.min_pct <= r.mean_pct <= r.max_pct):
+        raise InvalidArgument(
+            f"rollup of job {r.job_id} at {r.minute.isoformat()}: need min <= mean <= max, "
+            f"got {r.min_pct} / {r.mean_pct} / {r.max_pct}"
+        )
+    if r.samples < 1:
+        raise InvalidArgument(f"rollup of job {r.job_id}: samples must be >= 1, got {r.samples}")
+    if r.replicas < 0:
+        raise InvalidArgument(f"rollup of job {r.job_id}: replicas must be >= 0, got {r.replicas}")
+
+
+def merge_rollups(a: RollupRecord, b: RollupRecord) -> RollupRecord:
+    """Two partial rollups of the same job and minute as one; ``b`` is the later write."""
+    samples = a.samples + b.samples
+    return RollupRecord(
+        job_id=a.job_id,
+        minute=a.minute,
+        mean_pct=(a.mean_pct * a.samples + b.mean_pct * b.samples) / samples,
+        min_pct=min(a.min_pct, b.min_pct),
+        max_pct=max(a.max_pct, b.max_pct),
+        samples=samples,
+        replicas=b.replicas,
+    )
+
+
+def write_rollups(session: Session, rows: Iterable[RollupRecord]) -> int:
+    """Add per-minute rollups; a minute already stored merges with the new part.
+
+    Each write carries the samples that arrived since the previous write of
+    that minute (a delta, not a running total): means combine weighted by
+    samples, min and max widen, replicas take the newest value. Returns the
+    number of (job, minute) rows written.
+    """
+    merged: dict[tuple[str, datetime], RollupRecord] = {}
+    for r in rows:
+        _validate_rollup(r)
+        key = (r.job_id, r.minute)
+        merged[key] = merge_rollups(merged[key], r) if key in merged else r
+    if not merged:
+        return 0
+    values = [
+        {
+            "job_id": r.job_id,
+            "minute": r.minute,
+            "mean_pct": r.mean_pct,
+            "min_pct": r.min_pct,
+            "max_pct": r.max_pct,
+            "samples": r.samples,
+            "replicas": r.replicas,
+        }
+        for r in merged.values()
+    ]
+    table = ROLLUPS
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        pg_stmt = postgresql.insert(table)
+        ex = pg_stmt.excluded
+        least, greatest = "least", "greatest"
+        base: Any = pg_stmt
+    elif dialect == "sqlite":
+        lite_stmt = sqlite.insert(table)
+        ex = lite_stmt.excluded
+        # SQLite's multi-argument min()/max() are scalar, like LEAST/GREATEST.
+        least, greatest = "min", "max"
+        base = lite_stmt
+    else:
+        raise FailedPrecondition(f"rollup upsert is not implemented for {dialect}")
+    c = table.c
+    total = c.samples + ex.samples
+    stmt = base.on_conflict_do_update(
+        index_elements=[c.job_id, c.minute],
+        set_={
+            "mean_pct": (c.mean_pct * c.samples + ex.mean_pct * ex.samples) / total,
+            "min_pct": getattr(func, least)(c.min_pct, ex.min_pct),
+            "max_pct": getattr(func, greatest)(c.max_pct, ex.max_pct),
+            "samples": total,
+            "replicas": ex.replicas,
+        },
+    )
+    session.connection().execute(stmt, values)
+    return len(values)
+
+
+def rollups_between(
+    session: Session, job_id: str, t0: datetime, t1: datetime
+) -> list[RollupRecord]:
+    """The job's rollups with t0 <= minute < t1, oldest first."""
+    aware("t0", t0)
+    aware("t1", t1)
+    rows = session.scalars(
+        select(UtilizationRollup)
+        .where(
+            UtilizationRollup.job_id == job_id,
+            UtilizationRollup.minute >= t0,
+            UtilizationRollup.minute < t1,
+        )
+        .order_by(UtilizationRollup.minute)
+    )
+    return [rollup_record(r) for r in rows]
+
+
+def delete_rollups_before(session: Session, before: datetime) -> int:
+    """Retention: drop every rollup older than ``before``; returns how many."""
+    aware("before", before)
+    table = ROLLUPS
+    result = session.connection().execute(table.delete().where(table.c.minute < before))
+    assert isinstance(result, CursorResult)
+    return result.rowcount
