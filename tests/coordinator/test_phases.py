@@ -42,6 +42,7 @@ from services.coordinator.engine.effects import (
     Send,
     Supersede,
 )
+from services.coordinator.engine.membership import check_heartbeat
 from services.coordinator.engine.outbox import MAX_PHASE_CHANGES
 from services.coordinator.engine.phases import (
     PHASES,
@@ -52,6 +53,7 @@ from services.coordinator.engine.phases import (
     rules,
 )
 from services.coordinator.engine.state import JobState
+from services.coordinator.errors import StaleGeneration
 from services.coordinator.settings import Tuning
 
 pytestmark = pytest.mark.unit
@@ -389,3 +391,35 @@ def test_rank_0_without_the_checkpoint_aborts_the_barrier() -> None:
 def test_the_phase_loop_is_bounded_by_the_longest_path_of_the_table() -> None:
     # WAITING_FOR_MEMBERS -> CHECKPOINTING -> RENDEZVOUS -> COMPLETED
     assert longest_chain() == MAX_PHASE_CHANGES == 3
+
+
+@pytest.mark.parametrize(
+    ("reported", "generation", "stale"),
+    [
+        (3, 3, False),  # the current one
+        (3, 2, False),  # the one before: its RENDEZVOUS of 3 was in flight, or its last word
+        (3, 1, True),  # left twice since
+        (0, 0, False),  # a newcomer that never ran
+    ],
+)
+def test_a_heartbeat_is_stale_only_for_a_generation_left_twice(
+    reported: int, generation: int, stale: bool
+) -> None:
+    s = _job()
+    for g in (2, 3):
+        s.generations[g] = _generation(g, ("m0", "m1"))
+    m = s.members["m0"]
+    m.reported_generation = reported
+    if stale:
+        with pytest.raises(StaleGeneration, match=f"generation {generation}"):
+            check_heartbeat(s, m, generation)
+    else:
+        check_heartbeat(s, m, generation)
+
+
+def test_a_standby_that_ran_long_ago_may_report_that_generation() -> None:
+    s = _job()  # s0 ran in generation 1 only, then waited as a standby through 2 and 3
+    s.generations[1] = _generation(1, ("m0", "m1", "s0"))
+    s.generations[3] = _generation(3, ("m0", "m1"))
+    s.members["s0"].reported_generation = 1
+    check_heartbeat(s, s.members["s0"], 1)

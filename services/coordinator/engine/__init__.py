@@ -7,9 +7,11 @@
 - :mod:`.effects`: what the rules decide, as data;
 - :mod:`.outbox`: the one place that performs effects and commits them;
 - :mod:`.state` and :mod:`.views`: the job's state and its read-only views;
-- :mod:`.messages`: the inputs and views the servicer converts.
+- :mod:`.messages`: the inputs and views the servicer converts;
+- :mod:`.streams`: Directives, Resize and WatchJob as async iterators.
 """
 
+from services.coordinator.engine import streams
 from services.coordinator.engine.coordinator import Coordinator
 from services.coordinator.engine.job import JobRuntime
 from services.coordinator.engine.messages import (
@@ -34,4 +36,5 @@ __all__ = [
     "RegisterResult",
     "ResizeInput",
     "ResizeView",
+    "streams",
 ]
