@@ -1,6 +1,6 @@
 """A small Kubernetes API emulator for Nodes, over real HTTP.
 
-kmock (installed) serves lists and watches, but its emulator has no
+kmock (an off-the-shelf emulator, tried and dropped) serves lists and watches, but has no
 resourceVersion semantics, no 410 Gone and no timeoutSeconds, which are the
 parts of the watch protocol the agent must get right. This one speaks them:
 
