@@ -8,8 +8,8 @@ spawned processes pinned to the other CPU:
 
 1. ceiling: a Telemetry server that only parses and counts (and acks like the
    scaler does), saturated;
-2. scaler: the real scaler (ingest, windows, policy, SQLite decisions, fake
-   coordinator and actuator), saturated: reports/s and samples/s accepted;
+2. scaler: the real scaler (ingest, windows, policy, SQLite decisions) with the
+   in-memory coordinator and actuator of services.testing, saturated: reports/s and samples/s accepted;
 3. paced: the real scaler at the target rate (5,000 reports/s), where the
    agents flip utilization between 95 % and 10 % so that jobs keep crossing the
    thresholds: the time from the tipping sample (its sampled_at) to the
@@ -88,22 +88,25 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
         telemetry_pb2_grpc.add_TelemetryServicer_to_server(Bare(), server)
     else:
         from services.common.clock import SystemClock
-        from services.scaler.actuator import InMemoryActuator
-        from services.scaler.coordination import InMemoryCoordinator
         from services.scaler.ingest import IngestSettings
         from services.scaler.policy import PolicySettings
-        from services.scaler.service import SWITCH_INTERVAL_S, ScalerCore
+        from services.scaler.service import ScalerCore
+        from services.scaler.servicer import TelemetryServicer
+        from services.scaler.settings import SWITCH_INTERVAL_S
         from services.scaler.store import DecisionStore
-        from services.scaler.telemetry_api import TelemetryServicer
         from services.store import db
+        from services.testing.actuators import InMemoryActuator
+        from services.testing.coordinator import InMemoryCoordinator, follow_actuator
 
-        # As python -m services.scaler does (see services/scaler/__main__.py).
+        # As the scaler process does (services/scaler/app.py); the core is built here,
+        # not through python -m services.testing.scaler, to read its latencies in-process.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         url = f"sqlite:///{tmp}/bench.db"
         db.upgrade(url)
         clock = SystemClock()
         actuator = InMemoryActuator()
-        coordinator = InMemoryCoordinator(available=lambda j: actuator.replicas.get(j))
+        coordinator = InMemoryCoordinator()
+        follow_actuator(coordinator, actuator)
         core = ScalerCore(
             store=DecisionStore(db.make_engine(url), "bench", clock),
             actuator=actuator,

@@ -1,9 +1,8 @@
-"""Scaler fixtures: report builders, a telemetry server on a real socket, databases."""
+"""Scaler fixtures: a telemetry server on a real socket, databases (helpers: support.py)."""
 
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -12,51 +11,14 @@ from urllib.parse import quote
 import grpc
 import pytest
 import sqlalchemy as sa
-from tide.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
+from tide.v1 import telemetry_pb2_grpc
 
 from services.common.clock import SystemClock
 from services.scaler.ingest import IngestEngine, IngestSettings
 from services.scaler.servicer import TelemetryServicer
 from services.testing.members import InMemoryMemberRegistry
+from tests.scaler.support import TelemetryServer
 from tidebase.grpc_options import server_options
-
-
-def report(
-    node: str = "n1",
-    seq: int = 1,
-    *,
-    boot: str = "b1",
-    utils: list[float] | None = None,
-    pods: list[str] | None = None,
-    t: float | None = None,
-    capacity: int = 8,
-    namespace: str = "ns",
-) -> telemetry_pb2.NodeReport:
-    """A report of len(utils) GPUs; GPU i is held by pods[i] (uid and name) when given."""
-    utils = [50.0] * 8 if utils is None else utils
-    r = telemetry_pb2.NodeReport(node_name=node, boot_id=boot, seq=seq, gpu_capacity=capacity)
-    r.sampled_at.FromNanoseconds(int((time.time() if t is None else t) * 1e9))
-    for i, u in enumerate(utils):
-        g = r.gpus.add(
-            index=i,
-            uuid=f"GPU-{node}-{i}",
-            utilization_pct=u,
-            memory_used_bytes=1 << 30,
-            memory_total_bytes=16 << 30,
-            power_w=200.0,
-            temperature_c=60.0,
-        )
-        if pods and pods[i]:
-            g.pod.CopyFrom(common_pb2.PodRef(namespace=namespace, name=pods[i], uid=pods[i]))
-    return r
-
-
-class TelemetryServer:
-    def __init__(self, engine: IngestEngine, server: grpc.aio.Server, port: int) -> None:
-        self.engine = engine
-        self.server = server
-        self.port = port
-        self.target = f"127.0.0.1:{port}"
 
 
 @pytest.fixture

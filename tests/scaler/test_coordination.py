@@ -139,7 +139,7 @@ def test_telemetry_limits_match_the_agents_channel() -> None:
 
 
 def test_metrics_export_counters_by_reason() -> None:
-    from tests.scaler.conftest import report
+    from tests.scaler.support import report
 
     engine = IngestEngine(IngestSettings(), InMemoryMemberRegistry(), SystemClock())
     reg = CollectorRegistry()

@@ -10,7 +10,7 @@ from services.scaler.ingest import IngestEngine, IngestSettings, InvalidStream, 
 from services.scaler.members import Member
 from services.testing.clock import FakeClock
 from services.testing.members import InMemoryMemberRegistry
-from tests.scaler.conftest import report
+from tests.scaler.support import report
 
 pytestmark = pytest.mark.component
 

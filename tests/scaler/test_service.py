@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tide.v1 import telemetry_pb2
@@ -20,7 +21,7 @@ from services.store import db
 from services.testing.actuators import InMemoryActuator, ReplicaChange
 from services.testing.clock import FakeClock
 from services.testing.coordinator import InMemoryCoordinator, follow_actuator
-from tests.scaler.conftest import report
+from tests.scaler.support import report
 from tests.support.poll import eventually
 from tidebase.errors import Unavailable
 

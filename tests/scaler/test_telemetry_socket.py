@@ -12,7 +12,7 @@ from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 from services.scaler.ingest import Rejection
 from services.scaler.members import Member
 from services.testing.members import InMemoryMemberRegistry
-from tests.scaler.conftest import TelemetryServer, report
+from tests.scaler.support import TelemetryServer, report
 from tidebase.grpc_options import client_options
 
 pytestmark = pytest.mark.component
