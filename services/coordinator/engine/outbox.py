@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from typing import assert_never
 
 from services.common.clock import Clock
 from services.coordinator.domain import (
@@ -167,6 +168,7 @@ class Outbox:
             self._apply(e)
 
     def _apply(self, e: fx.Effect) -> None:
+        """Perform one effect; the larger ones have a method of their own below."""
         s = self.state
         match e:
             case fx.Send():
@@ -259,6 +261,9 @@ class Outbox:
                     if d.pending and d.deadline_at is not None:
                         d.deadline_at = max(d.deadline_at, now + e.timeout_s)
                         self._changed(d)
+            case _:
+                # mypy proves every member of fx.Effect has a case above.
+                assert_never(e)
 
     def _send(
         self,
