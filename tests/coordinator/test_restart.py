@@ -14,6 +14,7 @@ import pytest
 from tide.v1 import coordinator_pb2 as pb
 
 from services.coordinator.domain import JobRecord
+from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.sql_store import SqlStore
 from services.coordinator.store import CoordinatorStore, MemoryStore, Unit
 from services.store import db
@@ -255,3 +256,19 @@ async def test_finished_job_and_reported_checkpoint_survive_a_restart(senv: Env)
         (pb.MEMBER_STATE_GONE, pb.WORKER_PHASE_IDLE, 0),
         (pb.MEMBER_STATE_GONE, pb.WORKER_PHASE_IDLE, 1),
     ]
+
+
+def test_the_default_store_is_created_under_dot_tide(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    url = CoordinatorSettings().db
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    try:
+        store = SqlStore(db.make_session_factory(engine), FakeClock().now)
+        store.save(Unit(job=JobRecord(job_id=JOB)))
+        assert [s.job.job_id for s in store.load_all()] == [JOB]
+    finally:
+        engine.dispose()
+    assert (tmp_path / ".tide" / "tide.db").is_file()
