@@ -11,6 +11,7 @@ from typing import Any
 
 from services.common.clock import SystemClock
 from services.common.entry import run_service
+from services.common.logs import with_context
 
 from .agent import Agent
 from .attribution import PodResourcesClient
@@ -60,9 +61,8 @@ def make_kube_api(settings: AgentSettings) -> Any | None:
             config.load_incluster_config()  # type: ignore[no-untyped-call]
             configuration = client.Configuration.get_default_copy()
     except (config.ConfigException, OSError) as exc:
-        logger.warning(
-            "node %s: node watch off, no Kubernetes config (%s); pass --no-watch-node to silence",
-            settings.node_name,
+        with_context(logger, node=settings.node_name).warning(
+            "node watch off, no Kubernetes config (%s); pass --no-watch-node to silence",
             exc,
         )
         return None
@@ -99,7 +99,7 @@ async def run(settings: AgentSettings, stop: asyncio.Event | None = None) -> int
         await agent.run(stop)
     except SourceError as exc:
         # One line, no traceback: this is an environment problem, not a bug.
-        logger.error("node %s: %s", settings.node_name, exc)
+        with_context(logger, node=settings.node_name).error("%s", exc)
         return 1
     finally:
         draining.cancel()

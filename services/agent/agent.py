@@ -19,6 +19,7 @@ import uuid
 from typing import Any, Final
 
 from services.common.clock import Clock, SystemClock
+from services.common.logs import with_context
 from tidebase.errors import Unavailable
 from tidebase.lifecycle import TransitionTable
 
@@ -79,6 +80,8 @@ class Agent:
         boot_id: str | None = None,
     ) -> None:
         self.settings = settings
+        # Every line names the node as a field (JSON logs) and a prefix (text).
+        self._log = with_context(logger, node=settings.node_name)
         self.source = source
         self.pod_resources = pod_resources
         self.kube_api = kube_api
@@ -122,15 +125,14 @@ class Agent:
 
     def _transition(self, new: AgentState) -> None:
         AGENT_LIFECYCLE.check(self.state, new, what=f"of node {self.settings.node_name}")
-        logger.info("node %s: agent %s -> %s", self.settings.node_name, self.state.value, new.value)
+        self._log.info("agent %s -> %s", self.state.value, new.value)
         self.state = new
 
     def _set_interval(self, interval_s: float) -> None:
         bounded = min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, interval_s))
         if bounded != self.interval_s:
-            logger.info(
-                "node %s: report interval %.3g s -> %.3g s (asked by the scaler)",
-                self.settings.node_name,
+            self._log.info(
+                "report interval %.3g s -> %.3g s (asked by the scaler)",
                 self.interval_s,
                 bounded,
             )
@@ -188,12 +190,12 @@ class Agent:
         except Exception as exc:
             self.metrics.samples_failed.inc()
             if not self._source_failing:
-                logger.exception("node %s: sampling failed: %s", self.settings.node_name, exc)
+                self._log.exception("sampling failed: %s", exc)
             self._source_failing = True
             notices, self._notices = self._notices, []
             return Sample(self.clock.now(), [], self.gpu_capacity, notices)
         if self._source_failing:
-            logger.info("node %s: sampling works again", self.settings.node_name)
+            self._log.info("sampling works again")
         self._source_failing = False
         return sample
 
@@ -218,15 +220,13 @@ class Agent:
             try:
                 self.owners = await self.pod_resources.gpu_owners()
                 if not healthy:
-                    logger.info(
-                        "node %s: kubelet PodResources reachable again", self.settings.node_name
-                    )
+                    self._log.info("kubelet PodResources reachable again")
                 healthy = True
             except Unavailable as exc:
                 self.metrics.pod_resources_errors.inc()
                 # Keep the last known owners: pods outlive a kubelet restart.
                 if healthy:
-                    logger.warning("node %s: %s; keeping last owners", self.settings.node_name, exc)
+                    self._log.warning("%s; keeping last owners", exc)
                 healthy = False
             if await self._wait(stop, self.settings.pod_resources_refresh_s):
                 return
@@ -242,9 +242,8 @@ class Agent:
             self._sampler.shutdown(wait=False)
             raise
         self._transition(AgentState.RUNNING)
-        logger.info(
-            "node %s: agent up, boot %s, %d GPUs, every %.3g s to %s",
-            self.settings.node_name,
+        self._log.info(
+            "agent up, boot %s, %d GPUs, every %.3g s to %s",
             self.boot_id,
             self.gpu_capacity,
             self.interval_s,
@@ -273,9 +272,8 @@ class Agent:
             if not done & {beat, stopped}:
                 failed = next(iter(done))
                 self.failure = failed.exception() or RuntimeError(f"{failed.get_name()} ended")
-                logger.error(
-                    "node %s: %s stopped unexpectedly: %r",
-                    self.settings.node_name,
+                self._log.error(
+                    "%s stopped unexpectedly: %r",
                     failed.get_name(),
                     self.failure,
                 )
@@ -317,9 +315,8 @@ class Agent:
             sample = Sample(self.clock.now(), [], self.gpu_capacity, notices)
         self._enqueue(sample)
         flushed = await self.stream.flush(self.settings.shutdown_flush_s)
-        logger.info(
-            "node %s: final report %s; %d sampled, %d dropped, %d unacked at exit, last seq %d",
-            self.settings.node_name,
+        self._log.info(
+            "final report %s; %d sampled, %d dropped, %d unacked at exit, last seq %d",
             "acked" if flushed else "NOT acked",
             self.buffer.added_total,
             self.buffer.dropped_total,

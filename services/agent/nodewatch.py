@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.clock import Clock, SystemClock
+from services.common.logs import with_context
 from tidebase.retry import Backoff
 
 from .model import NodeNotice, NoticeKind
@@ -97,6 +98,7 @@ class NodeWatcher:
         """``api`` is a kubernetes.client.CoreV1Api."""
         self._api = api
         self._node = node_name
+        self._log = with_context(logger, node=node_name)
         self._on_notice = on_notice
         self._timeout_s = timeout_s
         self._read_slack_s = read_slack_s
@@ -135,7 +137,7 @@ class NodeWatcher:
             notices = notices_between(self._view, cur, now)
             self._view = cur
         for notice in notices:
-            logger.warning("node %s: %s (%s)", self._node, notice.kind.name, notice.detail)
+            self._log.warning("%s (%s)", notice.kind.name, notice.detail)
             self._on_notice(notice)
 
     def _list(self) -> str:
@@ -188,7 +190,7 @@ class NodeWatcher:
                 if exc.status == 410:
                     # Our resourceVersion is older than what the API server keeps.
                     self.relists_on_gone += 1
-                    logger.info("node %s: watch expired (410 Gone); re-listing", self._node)
+                    self._log.info("watch expired (410 Gone); re-listing")
                     rv = None
                     continue
                 self._retry(f"API error {exc.status} {exc.reason}")
@@ -199,7 +201,5 @@ class NodeWatcher:
 
     def _retry(self, why: str) -> None:
         delay = self._backoff.next_delay_s()
-        logger.warning(
-            "node %s: node watch failed (%s); retrying in %.1f s", self._node, why, delay
-        )
+        self._log.warning("node watch failed (%s); retrying in %.1f s", why, delay)
         self._stop.wait(delay)

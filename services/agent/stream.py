@@ -26,6 +26,7 @@ import grpc
 from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 from services.common.clock import Clock, SystemClock
+from services.common.logs import with_context
 from tidebase import grpc_options
 from tidebase.retry import Backoff
 
@@ -107,6 +108,7 @@ class TelemetryStream:
         on_interval: Callable[[float], None] | None = None,
     ) -> None:
         self.config = config
+        self._log = with_context(logger, node=config.node_name)
         self.buffer = buffer
         self.metrics = metrics or AgentMetrics()
         self.state = StreamState()
@@ -134,10 +136,9 @@ class TelemetryStream:
                 )
                 self.metrics.disconnects.labels(reason.split(":", 1)[0]).inc()
                 delay = self._backoff.next_delay_s()
-                logger.warning(
-                    "node %s: telemetry stream to %s ended (%s) after %.1f s; %d reports held;"
+                self._log.warning(
+                    "telemetry stream to %s ended (%s) after %.1f s; %d reports held;"
                     " reconnecting in %.2f s",
-                    cfg.node_name,
                     cfg.target,
                     reason,
                     connected_s,
@@ -180,15 +181,14 @@ class TelemetryStream:
             return "closed by scaler"
         if isinstance(exc, grpc.aio.AioRpcError):
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                logger.error(
-                    "node %s: the scaler rejected a report: %s",
-                    self.config.node_name,
+                self._log.error(
+                    "the scaler rejected a report: %s",
                     exc.details(),
                 )
             return f"{exc.code().name}: {exc.details()}"
         if isinstance(exc, _AckTimeout):
             return f"ACK_TIMEOUT: {exc}"
-        logger.error("node %s: telemetry stream failed", self.config.node_name, exc_info=exc)
+        self._log.error("telemetry stream failed", exc_info=exc)
         return f"ERROR: {exc!r}"
 
     async def _receive(self, call: _Call) -> None:
@@ -197,18 +197,15 @@ class TelemetryStream:
                 self.state.connected = True
                 self.state.connects += 1
                 self.metrics.connected.set(1)
-                logger.info(
-                    "node %s: telemetry stream to %s up; resuming at seq %d",
-                    self.config.node_name,
+                self._log.info(
+                    "telemetry stream to %s up; resuming at seq %d",
                     self.config.target,
                     self._resume_at,
                 )
             # A scaler that answers is a healthy scaler: the next outage starts small.
             self._backoff.reset()
             if ack.boot_id and ack.boot_id != self.config.boot_id:
-                logger.debug(
-                    "node %s: ack for another boot id %s", self.config.node_name, ack.boot_id
-                )
+                self._log.debug("ack for another boot id %s", ack.boot_id)
                 continue
             released = self.buffer.ack(ack.acked_seq)
             if released:
