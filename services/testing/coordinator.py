@@ -79,6 +79,7 @@ class InMemoryCoordinator:
         self._running: dict[int, asyncio.Task[Progress]] = {}
         self._abort: dict[int, str] = {}
         self._phase: dict[int, Phase] = {}
+        self._entered: dict[int, list[Phase]] = {}
         self._watchers: dict[str, list[asyncio.Queue[list[Member]]]] = {}
         self._members: dict[str, list[Member]] = {}
         for job_id, job in self._state.jobs.items():
@@ -142,12 +143,15 @@ class InMemoryCoordinator:
         if task is None:
             task = asyncio.create_task(self._run(spec))
             self._running[spec.decision_id] = task
-        last: Phase | None = None
-        while not task.done():
-            phase = self._phase.get(spec.decision_id)
-            if phase is not None and phase != last:
-                last = phase
-                yield Progress(spec.decision_id, phase)
+        # Every phase entered is reported, however fast the phases pass.
+        entered = self._entered.setdefault(spec.decision_id, [])
+        sent = 0
+        while True:
+            while sent < len(entered):
+                yield Progress(spec.decision_id, entered[sent])
+                sent += 1
+            if task.done():
+                break
             await asyncio.wait({task}, timeout=0.01)
         yield task.result()
 
@@ -165,11 +169,15 @@ class InMemoryCoordinator:
                 result = self._aborted(did, job, f"aborted: {self._abort.pop(did)}")
                 break
             self._phase[did] = phase
+            self._entered.setdefault(did, []).append(phase)
             if fail is phase:
                 result = self._aborted(did, job, f"barrier missed its deadline in {phase.name}")
                 break
             if phase is Phase.WAITING_FOR_MEMBERS and self.available is not None:
                 have = await self._wait_members(spec, world)
+                if did in self._abort:
+                    result = self._aborted(did, job, f"aborted: {self._abort.pop(did)}")
+                    break
                 if have < world:
                     if have < (spec.min_world_size or world):
                         result = self._aborted(did, job, f"only {have} of {world} members arrived")
@@ -192,6 +200,7 @@ class InMemoryCoordinator:
         self._state.finished[str(did)] = _progress_doc(result)
         self._save()
         self._phase.pop(did, None)
+        self._entered.pop(did, None)
         return result
 
     async def _wait_members(self, spec: ResizeSpec, world: int) -> int:
@@ -199,9 +208,11 @@ class InMemoryCoordinator:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + spec.deadline_s
         # The pod count has no event to wait on; polling it is the model.
-        while (self.available(spec.job_id) or 0) < world and loop.time() < deadline:  # noqa: ASYNC110
+        while True:
+            have = self.available(spec.job_id) or 0
+            if have >= world or loop.time() >= deadline or spec.decision_id in self._abort:
+                return have
             await asyncio.sleep(0.01)
-        return self.available(spec.job_id) or 0
 
     @staticmethod
     def _aborted(did: int, job: _Job, why: str) -> Progress:

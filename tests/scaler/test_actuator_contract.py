@@ -1,0 +1,151 @@
+"""One contract for services.scaler.actuators.Actuator, run over the in-memory and
+file doubles (services.testing.actuators) and the real local actuator (launcher
+processes; tests/local/fake_launcher.py stands in for trainer.launch). A new
+actuator (Kubernetes) joins by adding a world here."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+import pytest
+
+from services.scaler.actuators import Actuator
+from services.scaler.actuators.local import JobSpec, LocalActuator, LocalActuatorSettings
+from services.testing.actuators import FileActuator, InMemoryActuator, read_changes
+from tests.support.procs import ROOT
+from tidebase.errors import InvalidArgument
+
+pytestmark = pytest.mark.component
+
+JOB = "ml/contract"
+FAKE_LAUNCHER = str(ROOT / "tests" / "local" / "fake_launcher.py")
+
+
+class World(Protocol):
+    actuator: Actuator
+
+    def define(self, job_id: str, gpus_per_replica: int) -> None:
+        """The job exists for this actuator (a PaddleJob, a local spec file)."""
+
+    def running(self, job_id: str) -> int:
+        """Pods of the job that run now, as the actuator's world sees them."""
+
+
+class MemoryWorld:
+    def __init__(self, actuator: InMemoryActuator) -> None:
+        self.actuator: Actuator = actuator
+        self.mem = actuator
+
+    def define(self, job_id: str, gpus_per_replica: int) -> None:
+        self.mem.gpus_per_replica[job_id] = gpus_per_replica
+
+    def running(self, job_id: str) -> int:
+        return self.mem.replicas.get(job_id, 0)
+
+
+class LocalWorld:
+    def __init__(self, actuator: LocalActuator) -> None:
+        self.actuator: Actuator = actuator
+        self.local = actuator
+
+    def define(self, job_id: str, gpus_per_replica: int) -> None:
+        self.local.write_spec(
+            job_id, JobSpec(command=("train",), gpus_per_replica=gpus_per_replica)
+        )
+
+    def running(self, job_id: str) -> int:
+        return len(self.local.pods(job_id))
+
+
+@pytest.fixture(params=["memory", "file", "local"])
+def world(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[World]:
+    if request.param == "memory":
+        yield MemoryWorld(InMemoryActuator(total_gpus=8))
+        return
+    if request.param == "file":
+        yield MemoryWorld(FileActuator(tmp_path / "changes.jsonl", total_gpus=8))
+        return
+    log = tmp_path / "launches.log"
+    log.touch()
+    monkeypatch.setenv("FAKE_LAUNCHER_LOG", str(log))
+    settings = LocalActuatorSettings(
+        state_dir=tmp_path / "state",
+        coordinator="127.0.0.1:1",
+        launcher=(sys.executable, FAKE_LAUNCHER),
+        total_gpus=8,
+        stop_grace_s=5.0,
+    )
+    local = LocalActuator(settings)
+    try:
+        yield LocalWorld(local)
+    finally:
+        # Never leave a process behind, whatever the test did.
+        for job in local.jobs():
+            for pod in local.pods(job):
+                os.killpg(pod.pid, signal.SIGKILL)
+        for proc in local._children.values():
+            proc.wait(10)
+
+
+async def test_set_replicas_is_what_runs_and_is_idempotent(world: World) -> None:
+    world.define(JOB, 1)
+    a = world.actuator
+    await a.set_replicas(JOB, 3, decision_id=1)
+    assert await a.get_replicas(JOB) == 3 and world.running(JOB) == 3
+    # Asking again for the count the job has changes nothing (a resumed decision).
+    await a.set_replicas(JOB, 3, decision_id=1)
+    assert await a.get_replicas(JOB) == 3 and world.running(JOB) == 3
+    await a.set_replicas(JOB, 1, decision_id=2)
+    assert await a.get_replicas(JOB) == 1 and world.running(JOB) == 1
+    await a.set_replicas(JOB, 0, decision_id=3)
+    assert await a.get_replicas(JOB) == 0 and world.running(JOB) == 0
+
+
+async def test_adopt_changes_no_pod(world: World) -> None:
+    world.define(JOB, 1)
+    a = world.actuator
+    await a.set_replicas(JOB, 2, decision_id=1)
+    # The scaler's record says 2 already; adopting the job, even with another count,
+    # only informs: pods change through set_replicas alone.
+    a.adopt(JOB, replicas=2, gpus_per_replica=1)
+    a.adopt(JOB, replicas=5, gpus_per_replica=1)
+    assert world.running(JOB) == 2 and await a.get_replicas(JOB) == 2
+
+
+async def test_an_unknown_job_has_no_replicas(world: World) -> None:
+    assert await world.actuator.get_replicas("ml/unknown") is None
+
+
+async def test_negative_replicas_are_refused(world: World) -> None:
+    world.define(JOB, 1)
+    with pytest.raises(InvalidArgument):
+        await world.actuator.set_replicas(JOB, -1, decision_id=1)
+    assert world.running(JOB) == 0
+
+
+async def test_free_gpus_count_the_replicas_asked_for(world: World) -> None:
+    world.define(JOB, 2)
+    world.actuator.adopt(JOB, replicas=0, gpus_per_replica=2)
+    await world.actuator.set_replicas(JOB, 3, decision_id=1)
+    assert await world.actuator.free_gpus() == 8 - 3 * 2
+
+
+def test_the_file_double_survives_a_restart(tmp_path: Path) -> None:
+    """What the crash tests rely on: a new FileActuator reads the state back."""
+    path = tmp_path / "changes.jsonl"
+    first = FileActuator(path)
+    first.seed(JOB, 2)
+    asyncio.run(first.set_replicas(JOB, 4, decision_id=9))
+    again = FileActuator(path)
+    assert again.replicas == {JOB: 4}
+    assert [(c.old, c.new, c.decision_id) for c in read_changes(path) if c.old != c.new] == [
+        (2, 4, 9)
+    ]
