@@ -173,6 +173,8 @@ class AddLostSteps:
 
     generation: int
     steps: int
+    # The member whose last word of the broken generation raised the count; "" at first.
+    last_word_of: str = ""
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ def heartbeat(
     elif m.state == MemberState.STANDBY:
         m.phase = inp.phase
     elif 0 < inp.generation < s.job.generation:
-        more = late_progress(s, inp.generation, inp.step)
+        more = late_progress(s, m.member_id, inp.generation, inp.step)
         if more is not None:
             out.append(more)
     m.last_seen_mono = mono

@@ -489,10 +489,11 @@ class Outbox:
         self.state.job.lost_steps_total += e.steps
         self._metrics.lost_steps.inc(e.steps)
         self._changed(gen, self.state.job)
-        if gen.lost_steps > e.steps:  # a last word raised what the recovery counted
+        if e.last_word_of:
             self._log.warning(
-                "generation %d: %d more step(s) lost (%d in all)",
-                e.generation,
+                "member %s reached a later step in generation %d: %d more step(s) lost (%d in all)",
+                e.last_word_of,
+                e.generation - 1,
                 e.steps,
                 gen.lost_steps,
             )

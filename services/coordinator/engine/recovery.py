@@ -56,7 +56,7 @@ def plan_recovery(s: JobState, tuning: Tuning, reason: str) -> RecoveryPlan:
     return RecoveryPlan(effects, g, len(survivors), known, lost_steps, reached)
 
 
-def late_progress(s: JobState, generation: int, step: int) -> AddLostSteps | None:
+def late_progress(s: JobState, member_id: str, generation: int, step: int) -> AddLostSteps | None:
     """The last word of a generation a loss broke: a survivor's launcher reports the step
     its worker had reached when the RENDEZVOUS of the recovery arrived. Its heartbeats
     before the loss can lag a step behind the peer that died, so the lost steps of the
@@ -67,7 +67,7 @@ def late_progress(s: JobState, generation: int, step: int) -> AddLostSteps | Non
     reached = gen.restore_step + gen.lost_steps
     if step <= reached:
         return None
-    return AddLostSteps(gen.generation, step - reached)
+    return AddLostSteps(gen.generation, step - reached, last_word_of=member_id)
 
 
 def silent(s: JobState, mono: float, tuning: Tuning) -> list[Member]:
