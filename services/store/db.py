@@ -29,6 +29,7 @@ from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.orm.exc import StaleDataError
 from sqlalchemy.pool import ConnectionPoolEntry
 from sqlalchemy.types import TypeDecorator
+from tenacity import RetryCallState, RetryError, Retrying, retry_if_exception, stop_after_attempt
 
 from tidebase.errors import ConfigError, Conflict, InvalidArgument, Unavailable
 
@@ -339,7 +340,7 @@ def is_retryable(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Bounded, jittered exponential backoff for units of work."""
+    """Bounded, jittered exponential backoff for units of work (run by tenacity)."""
 
     attempts: int = 5
     base_delay_s: float = 0.05
@@ -394,36 +395,54 @@ def unit_of_work(
     once. ``what`` names the work in logs, e.g. "create decision for job ns/a".
     """
     rng = rng or random.Random()
-    for attempt in range(retry.attempts):
-        last = attempt + 1 >= retry.attempts
-        try:
-            with session_scope(factory, write=write, isolation_level=isolation_level) as session:
-                return fn(session)
-        except (StaleDataError, StaleWrite) as exc:
-            if last:
-                if isinstance(exc, StaleWrite):
-                    raise
-                raise StaleWrite(f"{what}: a concurrent writer changed the row first") from exc
-            cause = type(exc).__name__
-        except DBAPIError as exc:
-            if not is_retryable(exc):
-                raise
-            if last:
-                raise Unavailable(
-                    f"{what}: database unavailable after {retry.attempts} attempts: {exc.orig}"
-                ) from exc
-            cause = type(exc.orig).__name__
-        delay = retry.delay_s(attempt, rng)
+
+    def log_retry(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        cause = type(exc.orig if isinstance(exc, DBAPIError) else exc).__name__
+        delay = state.next_action.sleep if state.next_action is not None else 0.0
         logger.warning(
             "%s: attempt %d/%d failed (%s), retrying in %.3f s",
             what,
-            attempt + 1,
+            state.attempt_number,
             retry.attempts,
             cause,
             delay,
         )
-        sleep(delay)
-    raise AssertionError("unreachable: the loop returns or raises")
+
+    retrying = Retrying(
+        stop=stop_after_attempt(retry.attempts),
+        # Full jitter from the policy, with the caller's random source.
+        wait=lambda state: retry.delay_s(state.attempt_number - 1, rng),
+        retry=retry_if_exception(_retryable_work_error),
+        sleep=sleep,
+        before_sleep=log_retry,
+        reraise=False,
+    )
+
+    def once() -> T:
+        with session_scope(factory, write=write, isolation_level=isolation_level) as session:
+            return fn(session)
+
+    try:
+        return retrying(once)
+    except RetryError as gave_up:
+        exc = gave_up.last_attempt.exception()
+        if isinstance(exc, StaleWrite):
+            raise exc from None
+        if isinstance(exc, StaleDataError):
+            raise StaleWrite(f"{what}: a concurrent writer changed the row first") from exc
+        assert isinstance(exc, DBAPIError)
+        raise Unavailable(
+            f"{what}: database unavailable after {retry.attempts} attempts: {exc.orig}"
+        ) from exc
+
+
+def _retryable_work_error(exc: BaseException) -> bool:
+    """What :func:`unit_of_work` runs again: a lost version race, or a database error
+    that left no effect (:func:`is_retryable`)."""
+    if isinstance(exc, (StaleDataError, StaleWrite)):
+        return True
+    return isinstance(exc, DBAPIError) and is_retryable(exc)
 
 
 # --- migrations -----------------------------------------------------------------------------
