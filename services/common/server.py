@@ -186,7 +186,7 @@ async def serve(
 ) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully within the grace period.
 
-    ``background`` coroutines (the scaler's control loop, the agent's sampler)
+    ``background`` coroutines (the scaler's control loop, say)
     run beside the server and are cancelled after it has stopped accepting
     work; ``on_shutdown`` hooks run last (flush, close the database)."""
     running = await start_server(settings, services, admin_methods=admin_methods)

@@ -91,3 +91,17 @@ def test_daemonset_args_are_agent_flags() -> None:
     (container,) = by_kind("DaemonSet")["spec"]["template"]["spec"]["containers"]
     settings = load_settings(AgentSettings, container["args"], env={"NODE_NAME": "n"})
     assert settings.source == "nvml" and settings.metrics_listen == "0.0.0.0:9102"
+
+
+def test_the_pod_grace_covers_the_agent_drain() -> None:
+    """SIGTERM: the last sample (at most 1 s), the final flush, then, when the agent
+    serves health on --listen, the grace period for RPCs in flight; the kubelet must
+    not SIGKILL it before that."""
+    from services.agent.settings import AgentSettings
+    from services.common.config import load_settings
+
+    pod = by_kind("DaemonSet")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    s = load_settings(AgentSettings, container["args"], env={"NODE_NAME": "n"})
+    drain_s = 1.0 + s.shutdown_flush_s + (s.grace_period_s if s.listen else 0.0)
+    assert pod["terminationGracePeriodSeconds"] >= drain_s
