@@ -15,13 +15,9 @@ from services.coordinator.domain import (
     Breakdown,
     Directive,
     DirectiveKind,
-    Generation,
-    JobRecord,
-    Member,
     MemberState,
     Resize,
     ResizePhase,
-    WorkerPhase,
 )
 from services.coordinator.engine.effects import (
     Abort,
@@ -55,6 +51,7 @@ from services.coordinator.engine.phases import (
 from services.coordinator.engine.state import JobState
 from services.coordinator.errors import StaleGeneration
 from services.coordinator.settings import Tuning
+from tests.coordinator.builders import generation, job, resize
 
 pytestmark = pytest.mark.unit
 
@@ -69,62 +66,19 @@ NOW = 100.0
 CKPT = frozenset({K.CHECKPOINT})
 
 
-def _member(mid: str, index: int, state: MemberState, rank: int | None) -> Member:
-    return Member(
-        member_id=mid,
-        job_id="ns/j",
-        pod_name=f"p-{index}",
-        pod_index=index,
-        pod_uid="",
-        host="h",
-        launcher_id=f"l-{mid}",
-        free_port=1000 + index,
-        state=state,
-        registered_at=0.0,
-        rank=rank,
-        reported_generation=1 if rank is not None else 0,
-        phase=WorkerPhase.RUNNING if rank is not None else WorkerPhase.IDLE,
-        step=10,
-        steps_per_s=1.0,
-    )
-
-
-def _job(actives: int = 2, standby: int = 1) -> JobState:
-    """Generation 1 of m0..m{actives-1} at step 10, 1 step/s, and standby members s0..."""
-    s = JobState(JobRecord(job_id="ns/j", generation=1))
-    for i in range(actives):
-        s.members[f"m{i}"] = _member(f"m{i}", i, MemberState.ACTIVE, i)
-    for j in range(standby):
-        s.members[f"s{j}"] = _member(f"s{j}", 10 + j, MemberState.STANDBY, None)
-    s.generations[1] = _generation(1, tuple(f"m{i}" for i in range(actives)))
-    return s
-
-
-def _generation(g: int, ids: tuple[str, ...], decision_id: int | None = None) -> Generation:
-    return Generation("ns/j", g, len(ids), ids, "h:1000", ("h:1000",), 0, 0.0, "", decision_id)
-
-
-def _resize(s: JobState, phase: ResizePhase, target: int = 3, **fields: object) -> Resize:
-    r = Resize(1, "ns/j", target, target, (), 40.0, phase, 1, 0.0, 0.0)
-    for k, v in fields.items():
-        setattr(r, k, v)
-    s.resizes[1] = r
-    return r
-
-
 def _barrier(s: JobState, **fields: object) -> Resize:
     base: dict[str, object] = {
         "participants": ("m0", "m1"),
         "newcomers": ("s0",),
         "checkpoint_step": 13,
     }
-    return _resize(s, P.CHECKPOINTING, **{**base, **fields})
+    return resize(s, P.CHECKPOINTING, **{**base, **fields})
 
 
 def _rendezvous(s: JobState, *, started: bool = True, leaver: bool = False) -> Resize:
     """g+1 = 2 of m0, m1, s0 sent; every member stepped in it when ``started``."""
     s.job.generation = 2
-    s.generations[2] = _generation(2, ("m0", "m1", "s0"), decision_id=1)
+    s.generations[2] = generation(2, ("m0", "m1", "s0"), decision_id=1)
     for rank, mid in enumerate(("m0", "m1", "s0")):
         m = s.members[mid]
         m.state, m.rank = MemberState.ACTIVE, rank
@@ -132,7 +86,7 @@ def _rendezvous(s: JobState, *, started: bool = True, leaver: bool = False) -> R
             m.reported_generation, m.first_step_at = 2, 95.0
     if leaver:
         s.members["m2"].state, s.members["m2"].rank = MemberState.DRAINING, None
-    return _resize(
+    return resize(
         s,
         P.RENDEZVOUS,
         participants=("m0", "m1", "m2") if leaver else ("m0", "m1"),
@@ -179,8 +133,8 @@ Case = Callable[[], tuple[list[Effect], list[Effect]]]
 
 
 def waiting(event: ResizeEvent) -> tuple[list[Effect], list[Effect]]:
-    s = _job()
-    r = _resize(s, P.WAITING_FOR_MEMBERS)
+    s = job()
+    r = resize(s, P.WAITING_FOR_MEMBERS)
     c, h = _ctx(s), PHASES[P.WAITING_FOR_MEMBERS]
     aborted = "the coordinator restarted before the barrier completed"
     match event:
@@ -209,7 +163,7 @@ def waiting(event: ResizeEvent) -> tuple[list[Effect], list[Effect]]:
 
 
 def checkpointing(event: ResizeEvent) -> tuple[list[Effect], list[Effect]]:
-    s = _job()
+    s = job()
     r = _barrier(s)
     c, h = _ctx(s), PHASES[P.CHECKPOINTING]
     match event:
@@ -259,7 +213,7 @@ def checkpointing(event: ResizeEvent) -> tuple[list[Effect], list[Effect]]:
 
 
 def rendezvous(event: ResizeEvent) -> tuple[list[Effect], list[Effect]]:
-    s = _job(actives=3)
+    s = job(actives=3)
     r = _rendezvous(s, started=event != E.DEADLINE, leaver=True)
     c, h = _ctx(s), PHASES[P.RENDEZVOUS]
     match event:
@@ -303,8 +257,8 @@ def _any_ack(event: ResizeEvent) -> AckEvent:
 
 def final(phase: ResizePhase, event: ResizeEvent) -> tuple[list[Effect], list[Effect]]:
     """A final phase ignores every event; a loss of the generation re-forms it."""
-    s = _job()
-    r = _resize(s, phase)
+    s = job()
+    r = resize(s, phase)
     c, h = _ctx(s), PHASES[phase]
     got: list[Effect] = {
         E.ADVANCE: lambda: h.advance(c, r),
@@ -342,8 +296,8 @@ def test_phase_event(phase: ResizePhase, event: ResizeEvent) -> None:
 
 
 def test_first_generation_opens_from_standby_members_without_a_barrier() -> None:
-    s = _job(actives=0, standby=2)
-    r = _resize(s, P.WAITING_FOR_MEMBERS, target=2)
+    s = job(actives=0, standby=2)
+    r = resize(s, P.WAITING_FOR_MEMBERS, target=2)
     assert PHASES[r.phase].advance(_ctx(s), r) == [
         OpenGeneration(("s0", "s1"), 0, "decision 1", 40.0, decision_id=1),
         EnterRendezvous(1, newcomers=("s0", "s1")),
@@ -351,15 +305,15 @@ def test_first_generation_opens_from_standby_members_without_a_barrier() -> None
 
 
 def test_a_resize_to_the_current_size_completes_at_once() -> None:
-    s = _job()
-    r = _resize(s, P.WAITING_FOR_MEMBERS, target=2)
+    s = job()
+    r = resize(s, P.WAITING_FOR_MEMBERS, target=2)
     done = Complete(1, "already at world size 2", to_generation=1)
     assert PHASES[r.phase].advance(_ctx(s), r) == [done]
 
 
 def test_a_shrink_drains_the_leavers_and_opens_g_plus_1_in_one_step() -> None:
-    s = _job(actives=3, standby=0)
-    r = _resize(s, P.WAITING_FOR_MEMBERS, target=2)
+    s = job(actives=3, standby=0)
+    r = resize(s, P.WAITING_FOR_MEMBERS, target=2)
     begin = PHASES[r.phase].advance(_ctx(s), r)[0]
     assert begin == BeginBarrier(1, 13, ("m0", "m1", "m2"), (), ("m2",))
     r = _barrier(s, participants=("m0", "m1", "m2"), newcomers=(), leaving=("m2",))
@@ -373,7 +327,7 @@ def test_a_shrink_drains_the_leavers_and_opens_g_plus_1_in_one_step() -> None:
 
 
 def test_a_barrier_waits_for_every_participant_and_ignores_an_older_barriers_ack() -> None:
-    s = _job()
+    s = job()
     r = _barrier(s, acked=("m0",))
     h = PHASES[r.phase]
     assert h.advance(_ctx(s), r) == []
@@ -381,7 +335,7 @@ def test_a_barrier_waits_for_every_participant_and_ignores_an_older_barriers_ack
 
 
 def test_rank_0_without_the_checkpoint_aborts_the_barrier() -> None:
-    s = _job()
+    s = job()
     r = _barrier(s)
     got = PHASES[r.phase].on_ack(_ctx(s), r, _ack("m0", K.CHECKPOINT, directive_step=13))
     msg = "rank 0 (m0) acked without the checkpoint of step 13 (got step 0)"
@@ -394,7 +348,7 @@ def test_the_phase_loop_is_bounded_by_the_longest_path_of_the_table() -> None:
 
 
 @pytest.mark.parametrize(
-    ("reported", "generation", "stale"),
+    ("reported", "named", "stale"),
     [
         (3, 3, False),  # the current one
         (3, 2, False),  # the one before: its RENDEZVOUS of 3 was in flight, or its last word
@@ -403,23 +357,23 @@ def test_the_phase_loop_is_bounded_by_the_longest_path_of_the_table() -> None:
     ],
 )
 def test_a_heartbeat_is_stale_only_for_a_generation_left_twice(
-    reported: int, generation: int, stale: bool
+    reported: int, named: int, stale: bool
 ) -> None:
-    s = _job()
+    s = job()
     for g in (2, 3):
-        s.generations[g] = _generation(g, ("m0", "m1"))
+        s.generations[g] = generation(g, ("m0", "m1"))
     m = s.members["m0"]
     m.reported_generation = reported
     if stale:
-        with pytest.raises(StaleGeneration, match=f"generation {generation}"):
-            check_heartbeat(s, m, generation)
+        with pytest.raises(StaleGeneration, match=f"generation {named}"):
+            check_heartbeat(s, m, named)
     else:
-        check_heartbeat(s, m, generation)
+        check_heartbeat(s, m, named)
 
 
 def test_a_standby_that_ran_long_ago_may_report_that_generation() -> None:
-    s = _job()  # s0 ran in generation 1 only, then waited as a standby through 2 and 3
-    s.generations[1] = _generation(1, ("m0", "m1", "s0"))
-    s.generations[3] = _generation(3, ("m0", "m1"))
+    s = job()  # s0 ran in generation 1 only, then waited as a standby through 2 and 3
+    s.generations[1] = generation(1, ("m0", "m1", "s0"))
+    s.generations[3] = generation(3, ("m0", "m1"))
     s.members["s0"].reported_generation = 1
     check_heartbeat(s, s.members["s0"], 1)

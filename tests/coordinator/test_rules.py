@@ -1,0 +1,122 @@
+"""Recovery rules and the outbox without gRPC: what a loss re-forms, what a last word
+adds, and that a directive is visible only once the unit it depends on is committed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from services.coordinator.domain import Checkpoint, DirectiveKind, MemberState, ResizePhase
+from services.coordinator.engine import effects as fx
+from services.coordinator.engine.outbox import Outbox
+from services.coordinator.engine.recovery import late_progress, overdue, plan_recovery
+from services.coordinator.engine.state import JobState
+from services.coordinator.metrics import CoordinatorMetrics
+from services.coordinator.settings import Tuning
+from services.coordinator.store import MemoryStore, Unit
+from services.testing.clock import FakeClock
+from tests.coordinator.builders import generation, job, resize
+from tidebase.errors import Unavailable
+
+pytestmark = pytest.mark.unit
+
+TUNING = Tuning(heartbeat_timeout_s=30.0)
+
+
+def _good(s: JobState, step: int) -> None:
+    s.checkpoints.append(Checkpoint("ns/j", step, 1, "d", True, 0.0, 0.0))
+
+
+def test_a_loss_re_forms_the_survivors_from_the_newest_good_checkpoint() -> None:
+    s = job()
+    _good(s, 6)
+    s.members["m1"].state, s.members["m1"].rank = MemberState.GONE, None
+    plan = plan_recovery(s, TUNING, "gone")
+    assert plan.effects == [
+        fx.OpenGeneration(("m0",), 6, "recovery: gone", 30.0),
+        fx.AddLostSteps(2, 4),  # reached step 10, restores 6
+    ]
+    assert (plan.survivors, plan.restore_step, plan.lost_steps) == (1, 6, 4)
+
+
+def test_a_loss_of_everyone_clears_the_ranks_and_forms_nothing() -> None:
+    s = job(standby=0)
+    for m in s.members.values():
+        m.state, m.rank = MemberState.GONE, None
+    assert plan_recovery(s, TUNING, "gone").effects == [fx.ClearRanks()]
+
+
+@pytest.mark.parametrize(
+    ("step", "decision_id", "more"),
+    [(12, None, 2), (10, None, 0), (12, 7, 0)],
+    ids=["past-what-was-heard", "nothing-new", "g+1-of-a-resize"],
+)
+def test_a_last_word_raises_only_a_recoverys_lost_steps(
+    step: int, decision_id: int | None, more: int
+) -> None:
+    s = job()
+    g2 = generation(2, ("m0",), decision_id=decision_id)
+    g2.restore_step, g2.lost_steps = 6, 4  # the recovery counted up to step 10
+    s.generations[2] = g2
+    got = late_progress(s, "m0", 1, step)
+    assert got == (fx.AddLostSteps(2, more, last_word_of="m0") if more else None)
+
+
+def _outbox(s: JobState, store: MemoryStore) -> Outbox:
+    log = logging.LoggerAdapter(logging.getLogger("test"), {})
+    return Outbox(s, store, FakeClock(), TUNING, CoordinatorMetrics(), log)
+
+
+class FailingStore(MemoryStore):
+    def save(self, unit: Unit) -> None:
+        raise OSError("disk gone")
+
+
+def test_a_directive_is_visible_only_after_its_unit_is_committed() -> None:
+    s, store = job(), MemoryStore()
+    out = _outbox(s, store)
+    out.apply([fx.Send("m0", DirectiveKind.HOLD, 1, "why", 5.0)])
+    assert s.pending_directives("m0") == []  # queued, not yet durable
+    out.commit()
+    (d,) = s.pending_directives("m0")
+    assert (d.directive_id, d.kind, s.job.directive_seq) == ("d1", DirectiveKind.HOLD, 1)
+    (snap,) = store.load_all()
+    assert [x.directive_id for x in snap.directives] == ["d1"] and snap.job.directive_seq == 1
+
+
+def test_a_failed_commit_sends_nothing_and_marks_the_job_for_a_reload() -> None:
+    s = job()
+    out = _outbox(s, FailingStore())
+    out.apply([fx.Send("m0", DirectiveKind.HOLD, 1, "why", 5.0)])
+    with pytest.raises(Unavailable, match="disk gone"):
+        out.commit()
+    assert out.broken and s.pending_directives("m0") == []
+
+
+def test_the_unit_holds_exactly_what_the_effects_changed() -> None:
+    s, store = job(), MemoryStore()
+    r = resize(s, ResizePhase.WAITING_FOR_MEMBERS)
+    out = _outbox(s, store)
+    out.apply([fx.Abort(r.decision_id, "no")])
+    saved: list[Unit] = []
+    store.save = saved.append  # type: ignore[method-assign]
+    out.commit()
+    (unit,) = saved
+    assert unit.resizes == [r] and r.phase == ResizePhase.ABORTED
+    assert (unit.job, unit.members, unit.directives) == (None, [], [])
+
+
+def test_a_directive_past_its_deadline_names_its_member_once() -> None:
+    s, store = job(), MemoryStore()
+    out = _outbox(s, store)
+    out.apply(
+        [
+            fx.Send("m0", DirectiveKind.HOLD, 1, "a", 5.0),
+            fx.Send("m0", DirectiveKind.RESUME, 1, "b", 5.0),
+            fx.Send("m1", DirectiveKind.HOLD, 1, "c", 50.0),
+        ]
+    )
+    out.commit()
+    now = next(iter(s.directives.values())).created_at
+    assert overdue(s, now + 10.0) == ("m0",)
