@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from services.coordinator.domain import (
     Generation,
     JobRecord,
@@ -50,7 +52,7 @@ def generation(g: int, ids: tuple[str, ...], decision_id: int | None = None) -> 
     return Generation("ns/j", g, len(ids), ids, "h:1000", ("h:1000",), 0, 0.0, "", decision_id)
 
 
-def resize(s: JobState, phase: ResizePhase, target: int = 3, **fields: object) -> Resize:
+def resize(s: JobState, phase: ResizePhase, target: int = 3, **fields: Any) -> Resize:
     r = Resize(1, "ns/j", target, target, (), 40.0, phase, 1, 0.0, 0.0)
     for k, v in fields.items():
         setattr(r, k, v)

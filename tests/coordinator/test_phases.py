@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -66,8 +67,8 @@ NOW = 100.0
 CKPT = frozenset({K.CHECKPOINT})
 
 
-def _barrier(s: JobState, **fields: object) -> Resize:
-    base: dict[str, object] = {
+def _barrier(s: JobState, **fields: Any) -> Resize:
+    base: dict[str, Any] = {
         "participants": ("m0", "m1"),
         "newcomers": ("s0",),
         "checkpoint_step": 13,
@@ -129,10 +130,12 @@ def _resumes(*ids: str, why: str = "decision 1 aborted") -> list[Effect]:
     return out
 
 
-Case = Callable[[], tuple[list[Effect], list[Effect]]]
+# (what the handler returned, what it should have): compared as lists.
+Result = tuple[list[Effect], list[Any]]
+Case = Callable[[], Result]
 
 
-def waiting(event: ResizeEvent) -> tuple[list[Effect], list[Effect]]:
+def waiting(event: ResizeEvent) -> Result:
     s = job()
     r = resize(s, P.WAITING_FOR_MEMBERS)
     c, h = _ctx(s), PHASES[P.WAITING_FOR_MEMBERS]
@@ -162,7 +165,7 @@ def waiting(event: ResizeEvent) -> tuple[list[Effect], list[Effect]]:
     return h.on_ack(c, r, _any_ack(event)), []
 
 
-def checkpointing(event: ResizeEvent) -> tuple[list[Effect], list[Effect]]:
+def checkpointing(event: ResizeEvent) -> Result:
     s = job()
     r = _barrier(s)
     c, h = _ctx(s), PHASES[P.CHECKPOINTING]
@@ -212,7 +215,7 @@ def checkpointing(event: ResizeEvent) -> tuple[list[Effect], list[Effect]]:
     return h.on_ack(c, r, _any_ack(event)), []
 
 
-def rendezvous(event: ResizeEvent) -> tuple[list[Effect], list[Effect]]:
+def rendezvous(event: ResizeEvent) -> Result:
     s = job(actives=3)
     r = _rendezvous(s, started=event != E.DEADLINE, leaver=True)
     c, h = _ctx(s), PHASES[P.RENDEZVOUS]
@@ -255,19 +258,20 @@ def _any_ack(event: ResizeEvent) -> AckEvent:
     return _ack("m0", kind, ok=event != E.NACK_CHECKPOINT, directive_step=13)
 
 
-def final(phase: ResizePhase, event: ResizeEvent) -> tuple[list[Effect], list[Effect]]:
+def final(phase: ResizePhase, event: ResizeEvent) -> Result:
     """A final phase ignores every event; a loss of the generation re-forms it."""
     s = job()
     r = resize(s, phase)
     c, h = _ctx(s), PHASES[phase]
-    got: list[Effect] = {
+    calls: dict[ResizeEvent, Callable[[], list[Effect]]] = {
         E.ADVANCE: lambda: h.advance(c, r),
         E.DEADLINE: lambda: h.on_deadline(c, r),
         E.MEMBER_LOST: lambda: h.on_loss(c, r, ["m1"], True, "gone"),
         E.ABORT_REQUEST: lambda: h.on_abort_request(c, r, "x"),
         E.JOB_FINISHED: lambda: h.on_job_finished(c, r),
         E.RESTART: lambda: h.on_restart(c, r),
-    }.get(event, lambda: h.on_ack(c, r, _any_ack(event)))()
+    }
+    got = calls.get(event, lambda: h.on_ack(c, r, _any_ack(event)))()
     return got, [Recover("gone")] if event == E.MEMBER_LOST else []
 
 
@@ -276,8 +280,15 @@ HANDLERS = {
     P.CHECKPOINTING: checkpointing,
     P.RENDEZVOUS: rendezvous,
 }
+
+
+def _case(p: ResizePhase, e: ResizeEvent) -> Case:
+    handler = HANDLERS.get(p)
+    return (lambda: handler(e)) if handler is not None else (lambda: final(p, e))
+
+
 CASES: dict[tuple[ResizePhase, ResizeEvent], Case] = {
-    (p, e): ((lambda p=p, e=e: HANDLERS[p](e)) if p in HANDLERS else (lambda p=p, e=e: final(p, e)))
+    (p, e): _case(p, e)
     for p, e in itertools.product([*HANDLERS, P.COMPLETED, P.ABORTED, P.FAILED], list(ResizeEvent))
 }
 

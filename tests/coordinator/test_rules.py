@@ -68,6 +68,16 @@ def _outbox(s: JobState, store: MemoryStore) -> Outbox:
     return Outbox(s, store, FakeClock(), TUNING, CoordinatorMetrics(), log)
 
 
+class RecordingStore(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved: list[Unit] = []
+
+    def save(self, unit: Unit) -> None:
+        self.saved.append(unit)
+        super().save(unit)
+
+
 class FailingStore(MemoryStore):
     def save(self, unit: Unit) -> None:
         raise OSError("disk gone")
@@ -95,14 +105,12 @@ def test_a_failed_commit_sends_nothing_and_marks_the_job_for_a_reload() -> None:
 
 
 def test_the_unit_holds_exactly_what_the_effects_changed() -> None:
-    s, store = job(), MemoryStore()
+    s, store = job(), RecordingStore()
     r = resize(s, ResizePhase.WAITING_FOR_MEMBERS)
     out = _outbox(s, store)
     out.apply([fx.Abort(r.decision_id, "no")])
-    saved: list[Unit] = []
-    store.save = saved.append  # type: ignore[method-assign]
     out.commit()
-    (unit,) = saved
+    (unit,) = store.saved
     assert unit.resizes == [r] and r.phase == ResizePhase.ABORTED
     assert (unit.job, unit.members, unit.directives) == (None, [], [])
 
