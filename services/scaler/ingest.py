@@ -26,6 +26,7 @@ from services.scaler.members import MemberRegistry
 from services.scaler.policy import WindowView
 from services.scaler.windows import JobWindow, NodeGpus, Rollups, stagger_offset
 from tidebase.errors import ConfigError, InvalidArgument
+from tidebase.timeconv import field_seconds, seconds_of
 
 logger = logging.getLogger(__name__)
 
@@ -260,8 +261,7 @@ class IngestEngine:
                 node.pending.clear()
         node.acked = acked
 
-        ts = r.sampled_at
-        t = ts.seconds + ts.nanos * 1e-9
+        t = seconds_of(r.sampled_at)
         now = self.clock.now()
         if t <= 0.0:
             return self._drop(Rejection.TIMESTAMP_MISSING, boot, acked)
@@ -375,9 +375,7 @@ class IngestEngine:
         for ev in events:
             kind = ev.kind
             if kind in (_EVENT.KIND_TERMINATION_NOTICE, _EVENT.KIND_CORDONED):
-                deadline = None
-                if ev.HasField("deadline"):
-                    deadline = ev.deadline.seconds + ev.deadline.nanos * 1e-9
+                deadline = field_seconds(ev, "deadline")
                 if node.notice != _EVENT.KIND_TERMINATION_NOTICE:
                     node.notice = kind
                 node.notice_deadline_s = deadline or node.notice_deadline_s

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from datetime import UTC, timedelta
+from datetime import timedelta
 from typing import Any
 
 import grpc
@@ -26,7 +26,7 @@ from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2, tele
 from services.common.rpc import rpc_errors
 from services.scaler.convert import (
     decision_to_proto,
-    inputs_to_proto,
+    detail_to_proto,
     point_to_proto,
     policy_from_proto,
     policy_to_proto,
@@ -38,7 +38,7 @@ from services.scaler.service import ScalerCore
 from services.scaler.store import JobRecord
 from services.store.db import utc_from_epoch
 from tidebase.errors import InvalidArgument
-from tidebase.timeconv import ts_from_datetime, ts_from_seconds
+from tidebase.timeconv import field_datetime, ts_from_datetime, ts_from_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +128,8 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
             raise InvalidArgument(f"unknown decision state in {list(request.states)}") from None
         page = await self.core.store.list_decisions(
             job_id=request.job_id,
-            since=request.since.ToDatetime(tzinfo=UTC) if request.HasField("since") else None,
-            until=request.until.ToDatetime(tzinfo=UTC) if request.HasField("until") else None,
+            since=field_datetime(request, "since"),
+            until=field_datetime(request, "until"),
             states=states,
             page_size=request.page_size or 100,
             page_token=request.page_token,
@@ -154,37 +154,15 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
             d.created_at - timedelta(minutes=minutes),
             end + timedelta(minutes=minutes),
         )
-        return scaler_pb2.DecisionDetail(
-            decision=decision_to_proto(d),
-            inputs=inputs_to_proto(d.inputs),
-            events=[
-                scaler_pb2.DecisionEvent(
-                    decision_id=e.decision_id,
-                    job_id=d.job_id,
-                    state=state_to_proto(e.state),
-                    at=ts_from_datetime(e.at),
-                    detail=e.detail,
-                )
-                for e in detail.events
-            ],
-            utilization=[point_to_proto(r) for r in rollups],
-        )
+        return detail_to_proto(detail, rollups)
 
     @rpc_errors
     async def ListUtilization(
         self, request: scaler_pb2.ListUtilizationRequest, context: Ctx
     ) -> scaler_pb2.ListUtilizationResponse:
         self.core._job(request.job_id)  # NotFound for a job the scaler does not know
-        until = (
-            request.until.ToDatetime(tzinfo=UTC)
-            if request.HasField("until")
-            else utc_from_epoch(self.core.clock.now())
-        )
-        since = (
-            request.since.ToDatetime(tzinfo=UTC)
-            if request.HasField("since")
-            else until - DEFAULT_UTILIZATION_RANGE
-        )
+        until = field_datetime(request, "until") or utc_from_epoch(self.core.clock.now())
+        since = field_datetime(request, "since") or until - DEFAULT_UTILIZATION_RANGE
         if not since < until:
             raise InvalidArgument(
                 f"since={since.isoformat()} must be before until={until.isoformat()}"

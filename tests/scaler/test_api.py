@@ -27,6 +27,7 @@ from services.testing.coordinator import InMemoryCoordinator, follow_actuator
 from tests.support.poll import eventually
 from tests.support.procs import ROOT
 from tidebase.grpc_options import client_options
+from tidebase.timeconv import datetime_of, ts_from_datetime
 
 pytestmark = pytest.mark.integration
 
@@ -286,8 +287,8 @@ async def test_list_utilization_over_a_range(live: Live) -> None:
     )
 
     def ts(dt: datetime) -> Timestamp:
-        t = Timestamp()
-        t.FromDatetime(dt)
+        t = ts_from_datetime(dt)
+        assert t is not None
         return t
 
     async def means(**kw: Timestamp) -> list[float]:
@@ -302,7 +303,7 @@ async def test_list_utilization_over_a_range(live: Live) -> None:
         timeout=T,
     )
     first = resp.points[0]
-    assert first.minute.ToDatetime(tzinfo=UTC) == now - timedelta(hours=2)
+    assert datetime_of(first.minute) == now - timedelta(hours=2)
     assert (first.min_pct, first.max_pct, first.samples, first.replicas) == (40.0, 61.0, 11, 2)
     # Any range, far from decisions too; since inclusive, until exclusive.
     assert await means(since=ts(now - timedelta(hours=31))) == [50.0, 51.0, 52.0, 53.0]
