@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from tide.v1 import common_pb2, telemetry_pb2
 
+from tidebase.timeconv import ts_from_seconds
+
 from .attribution import owner_of
 from .model import NodeNotice, PodOwner, Sample
 
@@ -16,11 +18,13 @@ _KINDS = {
 
 
 def node_event(notice: NodeNotice) -> telemetry_pb2.NodeEvent:
-    event = telemetry_pb2.NodeEvent(kind=_KINDS[notice.kind.name], detail=notice.detail)
-    event.observed_at.FromNanoseconds(int(notice.observed_at * 1e9))
-    if notice.deadline is not None:
-        event.deadline.FromNanoseconds(int(notice.deadline * 1e9))
-    return event
+    return telemetry_pb2.NodeEvent(
+        kind=_KINDS[notice.kind.name],
+        detail=notice.detail,
+        observed_at=ts_from_seconds(notice.observed_at),
+        # Unset when the node gave no deadline: unknown, not the epoch.
+        deadline=ts_from_seconds(notice.deadline),
+    )
 
 
 def build_report(
@@ -28,9 +32,11 @@ def build_report(
 ) -> telemetry_pb2.NodeReport:
     """The report without its seq: the buffer numbers it when it is first sent."""
     report = telemetry_pb2.NodeReport(
-        node_name=node_name, boot_id=boot_id, gpu_capacity=sample.gpu_capacity
+        node_name=node_name,
+        boot_id=boot_id,
+        gpu_capacity=sample.gpu_capacity,
+        sampled_at=ts_from_seconds(sample.sampled_at),
     )
-    report.sampled_at.FromNanoseconds(int(sample.sampled_at * 1e9))
     for r in sample.gpus:
         gpu = report.gpus.add(
             index=r.index,
