@@ -19,8 +19,8 @@ from services.common.clock import Clock
 from services.common.server import ServiceSpec, serve
 from services.scaler.actuators import Actuator
 from services.scaler.coordination import CoordinatorClient
-from services.scaler.ingest import IngestCollector
 from services.scaler.lifecycle import FaultHook
+from services.scaler.metrics import IngestCollector
 from services.scaler.service import ScalerCore
 from services.scaler.servicer import ADMIN_METHODS, ScalerServicer, TelemetryServicer
 from services.scaler.settings import SWITCH_INTERVAL_S, ScalerSettings

@@ -15,8 +15,9 @@ from tide.v1 import coordinator_pb2_grpc
 
 from services.common.clock import SystemClock
 from services.scaler.coordination import GrpcCoordinatorClient, Phase, ResizeSpec
-from services.scaler.ingest import IngestCollector, IngestEngine, IngestSettings, Rejection
+from services.scaler.ingest import IngestEngine, IngestSettings, Rejection
 from services.scaler.members import CoordinatorMemberRegistry
+from services.scaler.metrics import IngestCollector
 from services.testing.members import InMemoryMemberRegistry
 from tests.support.poll import eventually
 from tidebase.client import open_channel
