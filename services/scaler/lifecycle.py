@@ -10,7 +10,7 @@ state (committed)       grow N → M authorizes            shrink N → M author
 ======================  ===============================  ================================
 PENDING                 nothing (persisted intent)       nothing
 PREPARING               actuator.set_replicas(M):        coordinator Resize(M): checkpoint
-                        newcomers schedule and warm up   barrier, DRAIN, re-rendezvous
+                        newcomers schedule and warm up   barrier, then DRAIN + RENDEZVOUS
 ACTUATING               coordinator Resize(M): wait for  actuator.set_replicas(M): the
                         newcomers, checkpoint, switch    drained pods go
 COMPLETED / ABORTED /   nothing more (an abort of a grow restored N before it was recorded)

@@ -2,8 +2,7 @@
 
 No I/O and no clock reads: everything the policy looks at is an argument, so
 the same inputs always give the same answer and `tide explain` can replay it.
-The table it implements is DESIGN.md's "Policy" section; docs/policy.md spells
-out every rule and its order.
+docs/policy.md spells out every rule, its order and the defaults.
 """
 
 from __future__ import annotations
@@ -52,7 +51,8 @@ class Trigger(enum.Enum):
 
 @dataclass(frozen=True)
 class PolicySettings:
-    """Effective policy of one job. Defaults are DESIGN.md's table."""
+    """Effective policy of one job. Each default is written here only (ScalerSettings
+    takes them as its flags' defaults); docs/policy.md lists them."""
 
     scale_up_utilization_pct: float = 80.0
     scale_down_utilization_pct: float = 40.0

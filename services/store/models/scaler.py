@@ -1,6 +1,6 @@
 """SQL tables of the scaler: jobs, decisions, their state changes, per-minute utilization.
 
-Only services.scaler.repo touches these classes; everything else gets the
+Only services.scaler.store touches these classes; everything else gets the
 frozen records that repo returns. Each column is described in docs/store.md.
 Any change here needs a migration in services/store/migrations/versions/
 (tests/store checks that the two agree).
