@@ -3,12 +3,37 @@ admin token, and the one place where a gRPC error becomes a domain error."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from tidebase import errors
 from tidebase.grpc_options import KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S, client_options
+
+
+def channel_options(
+    *,
+    keepalive_time_s: float | None = None,
+    keepalive_timeout_s: float | None = None,
+    own_subchannels: bool = False,
+    extra_options: Mapping[str, Any] | None = None,
+) -> list[tuple[str, Any]]:
+    """The channel arguments ``open_channel`` uses: the shared ones of
+    tidebase.grpc_options, then ``extra_options``, which override them by name."""
+    options = client_options(
+        keepalive_time_s=KEEPALIVE_TIME_S if keepalive_time_s is None else keepalive_time_s,
+        keepalive_timeout_s=(
+            KEEPALIVE_TIMEOUT_S if keepalive_timeout_s is None else keepalive_timeout_s
+        ),
+    )
+    if own_subchannels:
+        options.append(("grpc.use_local_subchannel_pool", 1))
+    if extra_options:
+        options = [(k, v) for k, v in options if k not in extra_options]
+        options += list(extra_options.items())
+    return options
 
 
 def open_channel(
@@ -19,14 +44,22 @@ def open_channel(
     key_file: str = "",
     keepalive_time_s: float | None = None,
     keepalive_timeout_s: float | None = None,
+    own_subchannels: bool = False,
+    extra_options: Mapping[str, Any] | None = None,
 ) -> grpc.aio.Channel:
     """An aio channel to ``target`` (HOST:PORT). With ``ca_file`` it uses TLS,
-    and with ``cert_file``/``key_file`` it presents a client certificate (mTLS)."""
-    options = client_options(
-        keepalive_time_s=KEEPALIVE_TIME_S if keepalive_time_s is None else keepalive_time_s,
-        keepalive_timeout_s=(
-            KEEPALIVE_TIMEOUT_S if keepalive_timeout_s is None else keepalive_timeout_s
-        ),
+    and with ``cert_file``/``key_file`` it presents a client certificate (mTLS).
+
+    ``own_subchannels``: gRPC shares connections, and their reconnect backoff,
+    between channels with equal options (its global subchannel pool), so a new
+    channel opened to replace one in backoff would inherit that backoff; with
+    this set it starts with a connection of its own. ``extra_options``: more
+    gRPC channel arguments, overriding the shared ones by name."""
+    options = channel_options(
+        keepalive_time_s=keepalive_time_s,
+        keepalive_timeout_s=keepalive_timeout_s,
+        own_subchannels=own_subchannels,
+        extra_options=extra_options,
     )
     if not ca_file:
         return grpc.aio.insecure_channel(target, options=options)

@@ -17,10 +17,9 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import cast
+from typing import Any, ClassVar, cast
 
 import grpc
 from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
@@ -28,6 +27,7 @@ from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 from services.common.clock import Clock, SystemClock
 from services.common.logs import with_context
 from tidebase import grpc_options
+from tidebase.client import channel_options, open_channel
 from tidebase.retry import Backoff
 
 from .buffer import ReportBuffer
@@ -51,28 +51,27 @@ class StreamConfig:
     tls_cert_file: str = ""
     tls_key_file: str = ""
 
-    def open_channel(self) -> grpc.aio.Channel:
-        if not self.tls_ca_file:
-            return grpc.aio.insecure_channel(self.target, options=self.channel_options())
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=Path(self.tls_ca_file).read_bytes(),
-            private_key=Path(self.tls_key_file).read_bytes() if self.tls_key_file else None,
-            certificate_chain=Path(self.tls_cert_file).read_bytes() if self.tls_cert_file else None,
-        )
-        return grpc.aio.secure_channel(self.target, creds, options=self.channel_options())
+    # BDP probing is off: reports are tiny, and an outstanding BDP ping holds back
+    # the keepalive ping that detects a stalled path.
+    _EXTRA_OPTIONS: ClassVar[Mapping[str, Any]] = {"grpc.http2.bdp_probe": 0}
 
-    def channel_options(self) -> list[tuple[str, object]]:
-        options = grpc_options.client_options(
-            keepalive_time_s=self.keepalive_time_s, keepalive_timeout_s=self.keepalive_timeout_s
+    def open_channel(self) -> grpc.aio.Channel:
+        return open_channel(
+            self.target,
+            ca_file=self.tls_ca_file,
+            cert_file=self.tls_cert_file,
+            key_file=self.tls_key_file,
+            keepalive_time_s=self.keepalive_time_s,
+            keepalive_timeout_s=self.keepalive_timeout_s,
+            extra_options=self._EXTRA_OPTIONS,
         )
-        # grpcio 1.85 times out every HTTP/2 ping, keepalive pings included, after
-        # http2.ping_timeout_ms (default 60 s); keepalive_timeout_ms alone does not
-        # shorten it (seen with GRPC_TRACE=http2_ping), so a stalled path would go
-        # unnoticed for a minute. BDP probing is off: reports are tiny, and an
-        # outstanding BDP ping holds back the keepalive ping.
-        ping_timeout_ms = int(self.keepalive_timeout_s * 1000)
-        ours = {"grpc.http2.bdp_probe": 0, "grpc.http2.ping_timeout_ms": ping_timeout_ms}
-        return [(k, v) for k, v in options if k not in ours] + list(ours.items())
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        return channel_options(
+            keepalive_time_s=self.keepalive_time_s,
+            keepalive_timeout_s=self.keepalive_timeout_s,
+            extra_options=self._EXTRA_OPTIONS,
+        )
 
 
 @dataclass
