@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tide.v1 import telemetry_pb2
 
 from tests.support.poll import eventually
-from tests.support.procs import ROOT, start_service
+from tests.support.procs import ROOT, free_port, start_service
 from tidebase.listening import parse_listening
 
 from .support import Scaler
@@ -89,12 +88,6 @@ def test_nvml_init_failure_is_one_clear_error_line() -> None:
     assert "Traceback" not in out.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _scrape(port: int) -> str:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
@@ -104,7 +97,7 @@ async def _scrape(port: int) -> str:
 
 
 async def test_sigterm_sends_a_final_report_and_exits(scaler: Scaler) -> None:
-    metrics_port = _free_port()
+    metrics_port = free_port()
     proc = await asyncio.create_subprocess_exec(
         *_agent_cmd(scaler.port, f"--metrics-listen=127.0.0.1:{metrics_port}"),
         cwd=ROOT,
@@ -358,7 +351,7 @@ def test_sigterm_turns_health_off_and_drains_for_the_grace_period() -> None:
     grace_s = 2.0
     svc = start_service(
         [
-            *_agent_cmd(_free_port())[1:],
+            *_agent_cmd(free_port())[1:],
             "--listen=127.0.0.1:0",
             f"--grace-period-s={grace_s}",
             # Nothing listens at --scaler: do not wait for the final report's ack.

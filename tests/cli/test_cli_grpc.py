@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from services.cli import source
 from services.cli.main import app
 from services.cli.render import CSV_COLUMNS
 from tests.cli.fake_scaler import FakeScaler, Served, serve_in_thread
-from tests.support.procs import ROOT
+from tests.support.procs import ROOT, free_port
 
 pytestmark = pytest.mark.component
 
@@ -58,10 +57,7 @@ def served() -> Iterator[Served]:
 @pytest.fixture
 def dead_target() -> str:
     """An address where nothing listens: bound, then closed."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"127.0.0.1:{port}"
+    return f"127.0.0.1:{free_port()}"
 
 
 runner = CliRunner()

@@ -5,7 +5,6 @@ answers the gRPC health check, lists its services through reflection, serves
 from __future__ import annotations
 
 import signal
-import socket
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -18,17 +17,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tide.v1 import coordinator_pb2, coordinator_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
-from tests.support.procs import ServiceProcess, start_service
+from tests.support.procs import ServiceProcess, free_port, start_service
 
 pytestmark = pytest.mark.integration
 
 GRACE_S = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _telemetry_stream(ch: grpc.Channel) -> Any:
@@ -51,7 +44,7 @@ def _watch_job_stream(ch: grpc.Channel) -> Any:
             pod_name="job-trainer-0",
             host="127.0.0.1",
             launcher_id="l-0",
-            free_port=_free_port(),
+            free_port=free_port(),
         ),
         timeout=10,
     )
@@ -93,7 +86,7 @@ SERVICES: dict[str, tuple[Callable[[Path], list[str]], set[str], Callable[[grpc.
             "synthetic",
             "--no-watch-node",
             "--scaler",
-            f"127.0.0.1:{_free_port()}",
+            f"127.0.0.1:{free_port()}",
             "--node-name",
             "n1",
             # Nothing listens at --scaler: do not wait for the final report's ack.

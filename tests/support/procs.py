@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -60,3 +61,11 @@ def start_service(
     proc.kill()
     _, err = proc.communicate(timeout=10)
     raise AssertionError(f"service {args} did not start: {err[-2000:]}")
+
+
+def free_port() -> int:
+    """A port that was free a moment ago, for a process that must be told its port
+    before it starts (prefer port 0 and the LISTENING line where the process allows)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
