@@ -1,42 +1,36 @@
-"""The local channel between a launcher and its worker: JSON lines over a unix socket.
+"""The worker's end of the control socket to its launcher: typed messages over a unix socket.
 
-The launcher listens; the worker connects at start (path in ``TIDE_CONTROL_SOCKET``). Messages are
-small dicts with a ``type``. The worker reads on a background thread and its training loop polls
-at step boundaries, so a directive never interrupts a collective.
-
-Launcher → worker: ``checkpoint`` (directive_id, step), ``hold`` (directive_id), ``resume``
-(directive_id), ``exit``.
-
-Worker → launcher: ``hello`` (pid), ``ready`` (restored_step, timings), ``progress`` (step,
-epoch, cursor, samples_per_s, first_step_at), ``held`` (step, held_at, directive_ids,
-checkpoint), ``resumed``, ``checkpoint`` (a periodic one: step, digest), ``done``.
+The launcher listens (trainer/launcher/control.py); the worker connects at start (path in
+``TIDE_CONTROL_SOCKET``). What travels is in :mod:`trainer.messages`. The worker reads on a
+background thread and its training loop polls at step boundaries, so a directive never
+interrupts a collective.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import socket
 import threading
-from typing import Any, Protocol
+from typing import Protocol
+
+from trainer.messages import MessageError, ToLauncher, ToWorker, decode_to_worker, encode
 
 logger = logging.getLogger(__name__)
 
-Message = dict[str, Any]
 CONTROL_SOCKET_ENV = "TIDE_CONTROL_SOCKET"
 
 
 class WorkerChannel(Protocol):
-    """The worker's end of the channel."""
+    """The worker's end of the channel (a test double lives in tests/trainer)."""
 
-    def send(self, message: Message) -> None: ...
+    def send(self, message: ToLauncher) -> None: ...
 
-    def poll(self) -> Message | None:
+    def poll(self) -> ToWorker | None:
         """The next message if one has arrived, else None; never blocks."""
         ...
 
-    def wait(self, timeout_s: float) -> Message | None:
+    def wait(self, timeout_s: float) -> ToWorker | None:
         """The next message, waiting up to timeout_s; None on timeout."""
         ...
 
@@ -49,49 +43,18 @@ class WorkerChannel(Protocol):
 class NullChannel:
     """No launcher: a standalone run that nobody steers."""
 
-    def send(self, message: Message) -> None:
+    def send(self, message: ToLauncher) -> None:
         pass
 
-    def poll(self) -> Message | None:
+    def poll(self) -> ToWorker | None:
         return None
 
-    def wait(self, timeout_s: float) -> Message | None:
+    def wait(self, timeout_s: float) -> ToWorker | None:
         return None
 
     @property
     def closed(self) -> bool:
         return False
-
-
-class QueueChannel:
-    """In-memory channel for tests: ``inbox`` feeds the worker, ``outbox`` collects what it sent."""
-
-    def __init__(self) -> None:
-        self.inbox: queue.Queue[Message] = queue.Queue()
-        self.outbox: queue.Queue[Message] = queue.Queue()
-        self._closed = False
-
-    def close(self) -> None:
-        self._closed = True
-
-    def send(self, message: Message) -> None:
-        self.outbox.put(message)
-
-    def poll(self) -> Message | None:
-        try:
-            return self.inbox.get_nowait()
-        except queue.Empty:
-            return None
-
-    def wait(self, timeout_s: float) -> Message | None:
-        try:
-            return self.inbox.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
-
-    @property
-    def closed(self) -> bool:
-        return self._closed and self.inbox.empty()
 
 
 class SocketChannel:
@@ -101,7 +64,7 @@ class SocketChannel:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
         self._send_lock = threading.Lock()
-        self._inbox: queue.Queue[Message] = queue.Queue()
+        self._inbox: queue.Queue[ToWorker] = queue.Queue()
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, name="tide-channel", daemon=True)
         self._reader.start()
@@ -116,29 +79,34 @@ class SocketChannel:
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    if line.strip():
-                        self._inbox.put(json.loads(line))
-        except (OSError, ValueError) as exc:
+                    if not line.strip():
+                        continue
+                    try:
+                        self._inbox.put(decode_to_worker(line))
+                    except MessageError as exc:
+                        # One line this worker does not understand is not worth its job.
+                        logger.warning("control channel: ignoring a line: %s", exc)
+        except OSError as exc:
             logger.warning("control channel read failed: %s", exc)
         finally:
             self._closed.set()
 
-    def send(self, message: Message) -> None:
-        data = (json.dumps(message) + "\n").encode()
+    def send(self, message: ToLauncher) -> None:
+        data = encode(message)
         with self._send_lock:
             try:
                 self._sock.sendall(data)
             except OSError as exc:
-                logger.warning("control channel send of %s failed: %s", message.get("type"), exc)
+                logger.warning("control channel send of %s failed: %s", message.TYPE, exc)
                 self._closed.set()
 
-    def poll(self) -> Message | None:
+    def poll(self) -> ToWorker | None:
         try:
             return self._inbox.get_nowait()
         except queue.Empty:
             return None
 
-    def wait(self, timeout_s: float) -> Message | None:
+    def wait(self, timeout_s: float) -> ToWorker | None:
         try:
             return self._inbox.get(timeout=timeout_s)
         except queue.Empty:

@@ -9,6 +9,12 @@ Commit protocol (a SIGKILL between any two lines leaves the previous checkpoint 
 3. the directory is renamed to ``step-N`` and the root fsynced: only now is it visible;
 4. all but the newest ``keep`` checkpoints are deleted.
 
+A writer holds an exclusive lock on ``.lock`` in the root for the whole write, so writers of
+one store take turns (an old generation's rank 0 that is still finishing and the new one's),
+and :meth:`CheckpointStore.cleanup_tmp` removes the ``.tmp-`` directories of crashed writers
+only when it gets that lock without waiting: a temp directory a live writer is filling is
+never deleted. A SIGKILLed writer's lock goes with its process.
+
 A directory without a manifest that verifies is never loaded; :meth:`CheckpointStore.load_latest`
 walks back to the newest one that does. The file layer deals in bytes so it can be tested without
 Paddle; :mod:`trainer.session` serialises Paddle state into it.
@@ -16,6 +22,8 @@ Paddle; :mod:`trainer.session` serialises Paddle state into it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -25,7 +33,7 @@ import secrets
 import shutil
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +43,7 @@ from tidebase.errors import ConfigError, FailedPrecondition, NotFound
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+LOCK = ".lock"
 FORMAT_VERSION = 1
 # Env var naming a fault point at which the writing process SIGKILLs itself (crash tests).
 FAULT_ENV = "TIDE_CKPT_FAULT"
@@ -160,6 +169,31 @@ class CheckpointStore:
                 raise ValueError(f"bad checkpoint file name {name!r}")
         started = time.monotonic()
         self.root.mkdir(parents=True, exist_ok=True)
+        with self._writer_lock(wait=True):
+            final, digest = self._write_locked(step, files, meta)
+        written = WrittenCheckpoint(step, final, digest, time.monotonic() - started)
+        logger.info("checkpoint of step %d written to %s in %.3fs", step, final, written.write_s)
+        return written
+
+    @contextlib.contextmanager
+    def _writer_lock(self, wait: bool) -> Iterator[bool]:
+        """Holds the store's writer lock; yields False (holding nothing) when ``wait`` is
+        False and another process holds it."""
+        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _write_locked(
+        self, step: int, files: Mapping[str, bytes], meta: Mapping[str, Any]
+    ) -> tuple[Path, str]:
+        """The commit protocol of the module docstring; the caller holds the writer lock."""
         tmp = self.root / f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
         tmp.mkdir()
         _fault("after_mkdir")
@@ -185,10 +219,7 @@ class CheckpointStore:
         _fault("after_dir_rename")
         _fsync_dir(self.root)
         self._prune()
-        digest = hashlib.sha256(manifest_bytes).hexdigest()
-        written = WrittenCheckpoint(step, final, digest, time.monotonic() - started)
-        logger.info("checkpoint of step %d written to %s in %.3fs", step, final, written.write_s)
-        return written
+        return final, hashlib.sha256(manifest_bytes).hexdigest()
 
     def _prune(self) -> None:
         steps = self.list_steps()
@@ -208,15 +239,27 @@ class CheckpointStore:
         return sorted(steps)
 
     def cleanup_tmp(self) -> int:
-        """Delete directories left by interrupted writes; returns how many."""
+        """Delete the temporary directories of interrupted writes; returns how many.
+
+        Only when no writer is running (the writer lock is free): a live writer's temporary
+        directory is not a leftover. Then it does nothing and the next call tries again."""
         if not self.root.is_dir():
             return 0
-        n = 0
-        for entry in self.root.iterdir():
-            if _TMP_DIR.match(entry.name):
+        with self._writer_lock(wait=False) as free:
+            if not free:
+                logger.info("checkpoint store %s: a writer is running; leftovers stay", self.root)
+                return 0
+            leftovers = [e for e in self.root.iterdir() if _TMP_DIR.match(e.name)]
+            for entry in leftovers:
                 shutil.rmtree(entry, ignore_errors=True)
-                n += 1
-        return n
+        if leftovers:
+            logger.warning(
+                "checkpoint store %s: removed %d directories of interrupted writes: %s",
+                self.root,
+                len(leftovers),
+                ", ".join(sorted(e.name for e in leftovers)),
+            )
+        return len(leftovers)
 
     def verify(self, step: int) -> tuple[dict[str, Any], str]:
         """The manifest of ``step`` and its digest, if every file matches it."""

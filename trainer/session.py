@@ -24,22 +24,18 @@ after the same step S, and all hold at one boundary.
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import os
-import random
-import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tidebase.errors import ConfigError, DeadlineExceeded
-from trainer.channel import CONTROL_SOCKET_ENV, Message, NullChannel, SocketChannel, WorkerChannel
+from tidebase.errors import ConfigError
+from trainer import paddle_state
+from trainer.channel import NullChannel, SocketChannel, WorkerChannel
 from trainer.checkpoint import (
     CheckpointNotFound,
     CheckpointSettings,
@@ -48,61 +44,50 @@ from trainer.checkpoint import (
     PeriodicSchedule,
     WrittenCheckpoint,
 )
+from trainer.distenv import (
+    GENERATION_ENV,
+    PREWARM_ENV,
+    RESTART_STARTED_AT_ENV,
+    RESTORE_STEP_ENV,
+    DistEnv,
+    wait_for_port,
+)
+from trainer.messages import (
+    CheckpointAt,
+    CheckpointInfo,
+    CheckpointWritten,
+    Done,
+    Exit,
+    Held,
+    Hello,
+    Hold,
+    Progress,
+    Ready,
+    Rendezvous,
+    Resume,
+    Resumed,
+    ToWorker,
+)
 from trainer.sampler import ResumableSampler, SamplerConfig, StepPlan
+from trainer.steplog import StepLog
 
 logger = logging.getLogger(__name__)
 
-GENERATION_ENV = "TIDE_GENERATION"
-RESTORE_STEP_ENV = "TIDE_RESTORE_STEP"
-RESTART_STARTED_AT_ENV = "TIDE_RESTART_STARTED_AT"
-# Set for a worker forked ahead of time: it learns its generation over the channel.
-PREWARM_ENV = "TIDE_PREWARM"
+# Re-exported: scripts and older callers import them from here.
+__all__ = [
+    "GENERATION_ENV",
+    "PREWARM_ENV",
+    "RESTART_STARTED_AT_ENV",
+    "RESTORE_STEP_ENV",
+    "DistEnv",
+    "ElasticSession",
+    "SessionConfig",
+    "SessionExit",
+]
 
 
 class SessionExit(SystemExit):
     """Raised out of the training loop when the launcher asks the worker to exit."""
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """Where this worker sits, from the PADDLE_* and TIDE_* environment."""
-
-    rank: int = 0
-    world_size: int = 1
-    master: str = ""
-    generation: int = 0
-    # Step the rendezvous names; None: the newest good checkpoint (or scratch).
-    restore_step: int | None = None
-    control_socket: str = ""
-    # Wall time at which the launcher began replacing the previous worker; 0 if unknown.
-    restart_started_at: float = 0.0
-    # Forked ahead of time: rank and generation come later, in a "rendezvous" message.
-    prewarm: bool = False
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ConfigError(f"PADDLE_TRAINERS_NUM must be >= 1, got {self.world_size}")
-        if not 0 <= self.rank < self.world_size:
-            raise ConfigError(
-                f"PADDLE_TRAINER_ID must be in [0, {self.world_size}), got {self.rank}"
-            )
-        if self.world_size > 1 and ":" not in self.master:
-            raise ConfigError(f"PADDLE_MASTER must be host:port, got {self.master!r}")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> DistEnv:
-        e = os.environ if env is None else env
-        restore = e.get(RESTORE_STEP_ENV, "")
-        return cls(
-            rank=int(e.get("PADDLE_TRAINER_ID", "0")),
-            world_size=int(e.get("PADDLE_TRAINERS_NUM", "1")),
-            master=e.get("PADDLE_MASTER", ""),
-            generation=int(e.get(GENERATION_ENV, "0")),
-            restore_step=int(restore) if restore not in ("", "0") else None,
-            control_socket=e.get(CONTROL_SOCKET_ENV, ""),
-            restart_started_at=float(e.get(RESTART_STARTED_AT_ENV, "0") or 0),
-            prewarm=e.get(PREWARM_ENV, "0") == "1",
-        )
 
 
 @dataclass(frozen=True)
@@ -136,23 +121,6 @@ class Timings:
     first_step_at: float = 0.0
 
 
-def wait_for_port(endpoint: str, timeout_s: float) -> None:
-    """Connect-and-close until ``host:port`` listens: Paddle's TCPStore client otherwise
-    sleeps a hard-coded 3 s before its retry when it connects too early."""
-    host, port = endpoint.rsplit(":", 1)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise DeadlineExceeded(
-                    f"master {endpoint} not listening after {timeout_s}s"
-                ) from None
-            time.sleep(0.005)
-
-
 class ElasticSession:
     def __init__(self, config: SessionConfig, env: DistEnv, channel: WorkerChannel) -> None:
         self.config = config
@@ -182,11 +150,10 @@ class ElasticSession:
         self._samples_per_s = 0.0
         self._first_step_started = 0.0
         self._last_reduce_s = 0.0
-        self._sample_log: Any = None
-        self._loss_log: Any = None
+        self._log = StepLog(config.log_dir)
         if not env.prewarm:
             self._joined()
-        self.channel.send({"type": "hello", "pid": os.getpid(), "generation": env.generation})
+        self.channel.send(Hello(pid=os.getpid(), generation=env.generation))
 
     @classmethod
     def from_env(
@@ -210,13 +177,7 @@ class ElasticSession:
 
     def _joined(self) -> None:
         """This worker knows its generation and rank: open its logs, note its restart time."""
-        if self.config.log_dir:
-            d = Path(self.config.log_dir)
-            d.mkdir(parents=True, exist_ok=True)
-            name = f"samples-rank{self.env.rank}-g{self.env.generation}.jsonl"
-            self._sample_log = open(d / name, "a")  # noqa: SIM115
-            if self.env.rank == 0:
-                self._loss_log = open(d / "loss.jsonl", "a")  # noqa: SIM115
+        self._log.open(self.env.rank, self.env.generation)
         if self.env.restart_started_at:
             self.timings.worker_restart_s = max(0.0, time.time() - self.env.restart_started_at)
 
@@ -242,15 +203,14 @@ class ElasticSession:
                 if self.channel.closed:
                     self._exit()
                 continue
-            if msg.get("type") == "exit":
+            if isinstance(msg, Exit):
                 self._exit()
-            if msg.get("type") == "rendezvous":
-                env = {str(k): str(v) for k, v in msg["env"].items()}
-                os.environ.update(env)
+            if isinstance(msg, Rendezvous):
+                os.environ.update(msg.env)
                 self.env = DistEnv.from_env({**os.environ, PREWARM_ENV: "0"})
                 self._joined()
                 return
-            logger.warning("prewarmed worker: ignoring %r before its rendezvous", msg.get("type"))
+            logger.warning("prewarmed worker: ignoring %s before its rendezvous", msg.TYPE)
 
     def init_process_group(self, warmup: Callable[[], None] | None = None) -> None:
         """Join the generation's process group (a prewarmed worker first waits to be told
@@ -293,6 +253,10 @@ class ElasticSession:
         agree on the step, so a checkpoint committed between two ranks' listings cannot split
         them."""
         started = time.monotonic()
+        if self.rank == 0:
+            # Rank 0 is the only writer, and a new generation starts here: what a crashed
+            # writer left is garbage now (a writer still running keeps its directory).
+            self.store.cleanup_tmp()
         try:
             loaded: LoadedCheckpoint | None = self.store.load_latest()
         except CheckpointNotFound:
@@ -320,7 +284,7 @@ class ElasticSession:
             loaded = self.store.load_latest(at_most=lowest) if lowest else None
         load_started = time.monotonic()
         if loaded is not None:
-            self._load_state(loaded.files)
+            paddle_state.load_state(loaded.files, self._model, self._optimizer, self._lr)
             self.step_done = loaded.step
         read_s += time.monotonic() - load_started
         self.restored_step = self.step_done
@@ -333,68 +297,16 @@ class ElasticSession:
             self.timings.restore_s,
         )
         self.channel.send(
-            {
-                "type": "ready",
-                "restored_step": self.step_done,
-                "generation": self.env.generation,
-                "worker_restart_s": self.timings.worker_restart_s,
-                "group_init_s": self.timings.group_init_s,
-                "restore_s": self.timings.restore_s,
-            }
+            Ready(
+                restored_step=self.step_done,
+                generation=self.env.generation,
+                worker_restart_s=self.timings.worker_restart_s,
+                group_init_s=self.timings.group_init_s,
+                restore_s=self.timings.restore_s,
+            )
         )
         self._report_progress()
         return self.step_done
-
-    def _load_state(self, files: Mapping[str, bytes]) -> None:
-        import paddle
-
-        self._model.set_state_dict(paddle.load(io.BytesIO(files["model.pdparams"])))
-        if self._optimizer is not None and "optimizer.pdopt" in files:
-            saved = paddle.load(io.BytesIO(files["optimizer.pdopt"]))
-            self._optimizer.set_state_dict(self._rename_optimizer_state(saved, to_positions=False))
-        if self._lr is not None and "lr.pdstate" in files:
-            self._lr.set_state_dict(paddle.load(io.BytesIO(files["lr.pdstate"])))
-        if "rng.pdstate" in files:
-            rng = paddle.load(io.BytesIO(files["rng.pdstate"]), return_numpy=False)
-            paddle.set_rng_state(rng["paddle"])
-            random.setstate(_as_tuple(rng["python"]))
-
-    def _rename_optimizer_state(self, state: dict[str, Any], to_positions: bool) -> dict[str, Any]:
-        """Optimizer accumulators are keyed by parameter name (``linear_3.w_0_moment1_0``),
-        and names come from a per-process counter; a checkpoint keys them by the parameter's
-        position instead, so any process that builds the same model can load it."""
-        names = [p.name for p in self._model.parameters()]
-        positional = [f"@param{i}" for i in range(len(names))]
-        src, dst = (names, positional) if to_positions else (positional, names)
-        # Longest first: "linear_1.w_0" must not match a key of "linear_1.w_00".
-        order = sorted(range(len(src)), key=lambda i: -len(src[i]))
-        out: dict[str, Any] = {}
-        for key, value in state.items():
-            for i in order:
-                if key.startswith(src[i] + "_"):
-                    key = dst[i] + key[len(src[i]) :]
-                    break
-            out[key] = value
-        return out
-
-    def _state_files(self) -> dict[str, bytes]:
-        import paddle
-
-        def dump(obj: Any) -> bytes:
-            buf = io.BytesIO()
-            paddle.save(obj, buf)
-            return buf.getvalue()
-
-        files = {"model.pdparams": dump(self._model.state_dict())}
-        if self._optimizer is not None:
-            state = self._rename_optimizer_state(self._optimizer.state_dict(), to_positions=True)
-            files["optimizer.pdopt"] = dump(state)
-        if self._lr is not None:
-            files["lr.pdstate"] = dump(self._lr.state_dict())
-        files["rng.pdstate"] = dump(
-            {"paddle": paddle.get_rng_state(), "python": list(random.getstate())}
-        )
-        return files
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -449,8 +361,10 @@ class ElasticSession:
         now = time.monotonic()
         if self.timings.first_step_at == 0.0:
             self.timings.first_step_at = time.time()
-            self._timing_event(
+            self._log.timing(
                 "first_step",
+                self.env.generation,
+                self.rank,
                 step=plan.step,
                 pid=os.getpid(),
                 first_step_s=time.monotonic() - self._first_step_started,
@@ -462,35 +376,15 @@ class ElasticSession:
         if now - self._rate_t0 >= 1.0:
             self._samples_per_s = self._rate_samples / (now - self._rate_t0)
             self._rate_t0, self._rate_samples = now, 0
-        if self._sample_log is not None:
-            self._sample_log.write(
-                json.dumps(
-                    {
-                        "step": plan.step,
-                        "epoch": plan.epoch,
-                        "gen": self.env.generation,
-                        "rank": self.rank,
-                        "world": self.world_size,
-                        "ids": [int(i) for i in plan.local_indices],
-                    }
-                )
-                + "\n"
-            )
-            self._sample_log.flush()
-        if self._loss_log is not None:
-            self._loss_log.write(
-                json.dumps(
-                    {
-                        "step": plan.step,
-                        "loss": self._global_loss,
-                        "gen": self.env.generation,
-                        "world": self.world_size,
-                        "t": time.time(),
-                    }
-                )
-                + "\n"
-            )
-            self._loss_log.flush()
+        self._log.step(
+            plan.step,
+            plan.epoch,
+            self.env.generation,
+            self.rank,
+            self.world_size,
+            [int(i) for i in plan.local_indices],
+            self._global_loss,
+        )
         self._report_progress()
         if self.rank == 0 and self._periodic.due(plan.step, now):
             self._write_checkpoint(plan.step, periodic=True)
@@ -504,14 +398,13 @@ class ElasticSession:
     def _report_progress(self) -> None:
         pos = self.sampler.position(self.step_done)
         self.channel.send(
-            {
-                "type": "progress",
-                "step": self.step_done,
-                "epoch": pos.epoch,
-                "cursor": pos.cursor,
-                "samples_per_s": self._samples_per_s,
-                "first_step_at": self.timings.first_step_at,
-            }
+            Progress(
+                step=self.step_done,
+                epoch=pos.epoch,
+                cursor=pos.cursor,
+                samples_per_s=self._samples_per_s,
+                first_step_at=self.timings.first_step_at,
+            )
         )
 
     def _write_checkpoint(self, step: int, periodic: bool) -> WrittenCheckpoint:
@@ -528,40 +421,35 @@ class ElasticSession:
             "global_batch": self.config.global_batch,
             "periodic": periodic,
         }
-        written = self.store.write(step, self._state_files(), meta)
+        files = paddle_state.state_files(self._model, self._optimizer, self._lr)
+        written = self.store.write(step, files, meta)
         self._periodic.mark(step, time.monotonic())
         self._last_written = written
         self.channel.send(
-            {
-                "type": "checkpoint",
-                "step": step,
-                "digest": written.digest,
-                "write_s": written.write_s,
-                "periodic": periodic,
-            }
+            CheckpointWritten(
+                step=step, digest=written.digest, write_s=written.write_s, periodic=periodic
+            )
         )
         return written
 
-    def _handle(self, msg: Message) -> None:
-        kind = msg.get("type")
-        if kind == "checkpoint":
-            step = int(msg["step"])
-            self._stop_at = step if not self._stop_at else min(self._stop_at, step)
+    def _handle(self, msg: ToWorker) -> None:
+        if isinstance(msg, CheckpointAt):
+            self._stop_at = msg.step if not self._stop_at else min(self._stop_at, msg.step)
             self._want_checkpoint = True
-            self._directive_ids.append(str(msg.get("directive_id", "")))
-        elif kind == "hold":
+            self._directive_ids.append(msg.directive_id)
+        elif isinstance(msg, Hold):
             # The current step: every rank is at the same boundary when they agree.
             self._stop_at = self._stop_at or max(self.step_done, 1)
-            self._directive_ids.append(str(msg.get("directive_id", "")))
-        elif kind == "resume":
+            self._directive_ids.append(msg.directive_id)
+        elif isinstance(msg, Resume):
             # Only meaningful for a stop that is pending (a barrier aborted before its step):
             # the ranks still stop together at that step, then carry on at once.
             if self._stop_at:
                 self._resume_pending = True
-        elif kind == "exit":
+        elif isinstance(msg, Exit):
             self._want_exit = True
         else:
-            logger.warning("rank %d: unknown control message %r", self.rank, kind)
+            logger.warning("rank %d: unexpected control message %s", self.rank, msg.TYPE)
 
     def _drain_channel(self) -> None:
         while (msg := self.channel.poll()) is not None:
@@ -602,48 +490,39 @@ class ElasticSession:
                 if self.channel.closed:
                     self._exit()
                 continue
-            kind = msg.get("type")
-            if kind == "exit":
+            if isinstance(msg, Exit):
                 self._exit()
-            elif kind == "resume":
+            elif isinstance(msg, Resume):
                 break
-            elif kind == "checkpoint" and int(msg["step"]) > step:
+            elif isinstance(msg, CheckpointAt) and msg.step > step:
                 # Train on to the later step: every rank gets the same directive.
                 self._handle(msg)
                 break
-            elif kind in ("checkpoint", "hold"):
+            elif isinstance(msg, CheckpointAt | Hold):
                 # Already holding at a boundary every rank shares: answer from here.
-                ids = [str(msg.get("directive_id", ""))]
-                self._send_held(step, held_at, kind == "checkpoint", ids)
+                self._send_held(step, held_at, isinstance(msg, CheckpointAt), [msg.directive_id])
             else:
-                logger.warning("rank %d: unknown control message %r", self.rank, kind)
+                logger.warning("rank %d: unexpected control message %s", self.rank, msg.TYPE)
         self._resume_pending = False
         self._rate_t0, self._rate_samples = time.monotonic(), 0
-        self.channel.send({"type": "resumed", "step": step})
+        self.channel.send(Resumed(step=step))
 
     def _send_held(self, step: int, held_at: float, checkpoint: bool, ids: list[str]) -> None:
-        info: dict[str, Any] | None = None
+        info: CheckpointInfo | None = None
         if checkpoint and self.rank == 0:
             written = self._write_checkpoint(step, periodic=False)
-            info = {"step": step, "digest": written.digest, "write_s": written.write_s}
-        self._timing_event("held", step=step, held_at=held_at, checkpoint=info)
-        self.channel.send(
-            {
-                "type": "held",
-                "step": step,
-                "held_at": held_at,
-                "directive_ids": ids,
-                "checkpoint": info,
-            }
+            info = CheckpointInfo(step=step, digest=written.digest, write_s=written.write_s)
+        self._log.timing(
+            "held",
+            self.env.generation,
+            self.rank,
+            step=step,
+            held_at=held_at,
+            checkpoint=asdict(info) if info is not None else None,
         )
-
-    def _timing_event(self, event: str, **fields: Any) -> None:
-        """One line of timings.jsonl: where a pause went, seen from this rank (benchmarks)."""
-        if not self.config.log_dir:
-            return
-        record = {"event": event, "gen": self.env.generation, "rank": self.rank, **fields}
-        with open(Path(self.config.log_dir) / "timings.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.channel.send(
+            Held(step=step, held_at=held_at, directive_ids=tuple(ids), checkpoint=info)
+        )
 
     def _exit(self) -> None:
         logger.info(
@@ -652,24 +531,12 @@ class ElasticSession:
             self.env.generation,
             self.step_done,
         )
-        self._close_logs()
+        self._log.close()
         raise SessionExit(0)
-
-    def _close_logs(self) -> None:
-        for f in (self._sample_log, self._loss_log):
-            if f is not None:
-                f.close()
-        self._sample_log = self._loss_log = None
 
     def finish(self) -> None:
         """The budget is done: write a final checkpoint and tell the launcher."""
         if self.rank == 0 and self.step_done > 0:
             self._write_checkpoint(self.step_done, periodic=True)
-        self._close_logs()
-        self.channel.send({"type": "done", "step": self.step_done})
-
-
-def _as_tuple(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_as_tuple(v) for v in value)
-    return value
+        self._log.close()
+        self.channel.send(Done(step=self.step_done))

@@ -1,15 +1,14 @@
 """A minimal coordinator over a real gRPC socket, steered by the test (no barrier logic).
 
 It records registrations, heartbeats and acks, and lets the test push directives to a member's
-stream. Polling helpers wait for a condition with a deadline instead of sleeping.
+stream. Tests poll it with tests.support.poll.eventually.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +49,10 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
         # Members that reported IDLE in the current generation (finished): like the real
         # coordinator, their stream ends and later heartbeats get FAILED_PRECONDITION.
         self.finished: set[str] = set()
+        # Fence as the proto says: a heartbeat of a member that was in a generation, naming
+        # an older one than the job's, is refused with FAILED_PRECONDITION.
+        self.reject_stale = False
+        self.refused: list[pb.HeartbeatRequest] = []
 
     async def Register(self, request: pb.RegisterRequest, context: object) -> pb.RegisterResponse:
         member_id = f"m-{request.launcher_id[:8]}"
@@ -84,12 +87,33 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no member {request.member_id}")
         if request.member_id in self.finished:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "member finished")
+        if self.reject_stale and 0 < request.generation < self.generation:
+            self.refused.append(request)
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"generation {request.generation} is stale (job in {self.generation})",
+            )
         member = self.members[request.member_id]
         member.heartbeats.append(request)
         if request.phase == pb.WORKER_PHASE_IDLE and request.generation == self.generation > 0:
             self.finished.add(request.member_id)
             member.queue.put_nowait(None)
         return pb.HeartbeatResponse(generation=self.generation)
+
+    # The scaler's side is not modelled: the launcher never calls it.
+    async def Resize(self, request: Any, context: Any) -> AsyncIterator[pb.ResizeProgress]:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "fake")
+        yield pb.ResizeProgress()
+
+    async def AbortResize(self, request: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "fake")
+
+    async def GetJobStatus(self, request: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "fake")
+
+    async def WatchJob(self, request: Any, context: Any) -> AsyncIterator[pb.JobStatus]:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "fake")
+        yield pb.JobStatus()
 
     # -- test side ------------------------------------------------------------------------
 
@@ -99,9 +123,16 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
         return d
 
     def rendezvous(
-        self, member_ids: list[str], host: str = "127.0.0.1", restore_step: int = 0
+        self,
+        member_ids: list[str],
+        host: str = "127.0.0.1",
+        restore_step: int = 0,
+        new_generation: bool = True,
     ) -> list[pb.Directive]:
-        self.generation += 1
+        """RENDEZVOUS to ``member_ids`` for the next generation (or, with
+        ``new_generation=False``, for one the test already moved the job to)."""
+        if new_generation:
+            self.generation += 1
         endpoints = [f"{host}:{self.members[m].free_port}" for m in member_ids]
         out = []
         for rank, m in enumerate(member_ids):
@@ -122,14 +153,6 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
                 if ack.directive_id == directive.directive_id:
                     return ack
         return None
-
-
-async def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def start_fake(coordinator: FakeCoordinator) -> tuple[grpc.aio.Server, int]:

@@ -6,76 +6,68 @@ import os
 import time
 
 from trainer.channel import SocketChannel
+from trainer.messages import (
+    CheckpointAt,
+    CheckpointInfo,
+    CheckpointWritten,
+    Done,
+    Exit,
+    Held,
+    Hello,
+    Progress,
+    Ready,
+    Rendezvous,
+    Resume,
+    Resumed,
+)
 
 
 def main() -> int:
     ch = SocketChannel(os.environ["TIDE_CONTROL_SOCKET"])
-    ch.send({"type": "hello", "pid": os.getpid()})
+    ch.send(Hello(pid=os.getpid()))
     if os.environ.get("TIDE_PREWARM") == "1":
         # Forked ahead of time: wait to be told the generation, as trainer.session does.
         while True:
             msg = ch.wait(0.1)
-            if ch.closed or (msg is not None and msg["type"] == "exit"):
+            if ch.closed or isinstance(msg, Exit):
                 return 0
-            if msg is not None and msg["type"] == "rendezvous":
-                os.environ.update(msg["env"])
+            if isinstance(msg, Rendezvous):
+                os.environ.update(msg.env)
                 break
     step = int(os.environ.get("TIDE_RESTORE_STEP", "0") or 0)
     # Like trainer.session: a periodic checkpoint every N steps, "done" after the budget.
     ckpt_every = int(os.environ.get("FAKE_CKPT_EVERY", "0"))
     max_steps = int(os.environ.get("FAKE_MAX_STEPS", "0"))
-    ch.send({"type": "ready", "restored_step": step, "group_init_s": 0.01, "restore_s": 0.02})
-    stop_at, ids = 0, []
+    ch.send(Ready(restored_step=step, group_init_s=0.01, restore_s=0.02))
+    stop_at, ids = 0, tuple[str, ...]()
     while True:
         step += 1
         time.sleep(0.02)
-        ch.send(
-            {
-                "type": "progress",
-                "step": step,
-                "epoch": 0,
-                "cursor": step,
-                "samples_per_s": 50.0,
-                "first_step_at": time.time(),
-            }
-        )
+        ch.send(Progress(step=step, cursor=step, samples_per_s=50.0, first_step_at=time.time()))
         if ckpt_every and step % ckpt_every == 0:
             ch.send(
-                {
-                    "type": "checkpoint",
-                    "step": step,
-                    "digest": f"{step:064x}",
-                    "write_s": 0.01,
-                    "periodic": True,
-                }
+                CheckpointWritten(step=step, digest=f"{step:064x}", write_s=0.01, periodic=True)
             )
         if max_steps and step >= max_steps:
-            ch.send({"type": "done", "step": step})
+            ch.send(Done(step=step))
             return 0
         while (msg := ch.poll()) is not None:
-            if msg["type"] == "exit":
+            if isinstance(msg, Exit):
                 return 0
-            if msg["type"] == "checkpoint":
-                stop_at, ids = int(msg["step"]), [msg["directive_id"]]
+            if isinstance(msg, CheckpointAt):
+                stop_at, ids = msg.step, (msg.directive_id,)
         if ch.closed:
             return 0
         if stop_at and step >= stop_at:
-            ch.send(
-                {
-                    "type": "held",
-                    "step": step,
-                    "held_at": time.time(),
-                    "directive_ids": ids,
-                    "checkpoint": {"step": step, "digest": "ab" * 32, "write_s": 0.01},
-                }
-            )
+            info = CheckpointInfo(step=step, digest="ab" * 32, write_s=0.01)
+            ch.send(Held(step=step, held_at=time.time(), directive_ids=ids, checkpoint=info))
             stop_at = 0
             while True:
                 msg = ch.wait(1.0)
-                if msg is not None and msg["type"] == "exit":
+                if isinstance(msg, Exit):
                     return 0
-                if msg is not None and msg["type"] == "resume":
-                    ch.send({"type": "resumed", "step": step})
+                if isinstance(msg, Resume):
+                    ch.send(Resumed(step=step))
                     break
 
 

@@ -14,6 +14,7 @@ from tidebase.errors import ConfigError
 from trainer.checkpoint import (
     FAULT_ENV,
     FAULT_POINTS,
+    LOCK,
     MANIFEST,
     CheckpointCorrupt,
     CheckpointNotFound,
@@ -63,7 +64,7 @@ def test_rewriting_a_step_replaces_it(tmp_path: Path) -> None:
     store.write(3, {"a": b"old"}, {})
     store.write(3, {"a": b"new"}, {})
     assert store.load(3).files == {"a": b"new"}
-    assert [p.name for p in tmp_path.iterdir()] == [step_dir_name(3)]
+    assert [p.name for p in tmp_path.iterdir() if p.name != LOCK] == [step_dir_name(3)]
 
 
 def _damage(directory: Path, kind: str) -> None:
@@ -152,6 +153,40 @@ def test_sigkill_at_every_write_step_leaves_a_loadable_checkpoint(
     assert dict(loaded.files) == _files(loaded.step)
     store.cleanup_tmp()
     assert all(".tmp-" not in p.name for p in tmp_path.iterdir())
+
+
+_LOCK_HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_cleanup_removes_crash_leftovers_but_never_a_live_writers_directory(
+    tmp_path: Path,
+) -> None:
+    store = CheckpointStore(tmp_path)
+    store.write(1, _files(1), {"n": 1})
+    filling = tmp_path / f"{step_dir_name(2)}.tmp-0a1b2c3d"
+    filling.mkdir()
+    (filling / "model.pdparams.part").write_bytes(b"half")
+    # Another process is writing (it holds the store's writer lock, as CheckpointStore.write
+    # does for the whole write): its temporary directory is not a leftover.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _LOCK_HOLDER, str(tmp_path / LOCK)], stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"locked\n"
+        assert store.cleanup_tmp() == 0
+        assert filling.is_dir()
+    finally:
+        holder.kill()  # the writer crashes: SIGKILL releases its lock
+        holder.wait(timeout=10)
+    assert store.cleanup_tmp() == 1
+    assert not filling.exists() and store.list_steps() == [1]
+    assert store.load_latest().step == 1
 
 
 def test_periodic_schedule_by_steps_and_by_time() -> None:

@@ -16,7 +16,8 @@ import pytest
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
-from tests.trainer.fake_coordinator import FakeCoordinator, start_fake, wait_for
+from tests.support.poll import eventually
+from tests.trainer.fake_coordinator import FakeCoordinator, start_fake
 from tidebase.errors import ConfigError
 from trainer.launch import Launcher, LauncherSettings, State, parse_args
 from trainer.spawner import ZygoteSpawner
@@ -58,27 +59,27 @@ async def test_rendezvous_checkpoint_resume_drain(
     coord, port = fake
     launcher = _launcher(port, tmp_path)
     run = asyncio.create_task(launcher.run())
-    await wait_for(lambda: coord.members, 10, "registration")
+    await eventually(lambda: coord.members, 10, what="registration")
     (mid,) = coord.members
     member = coord.members[mid]
     assert member.register.free_port > 0 and member.register.job_id == "ns/job"
-    await wait_for(lambda: member.heartbeats, 5, "a standby heartbeat")
+    await eventually(lambda: member.heartbeats, 5, what="a standby heartbeat")
     assert member.last is not None and member.last.phase == pb.WORKER_PHASE_IDLE
 
-    await wait_for(lambda: launcher._standby is not None, 10, "a prewarmed worker")
-    assert launcher._standby is not None
-    prewarmed = launcher._standby.pid
+    await eventually(lambda: launcher.workers.standby is not None, 10, what="a prewarmed worker")
+    assert launcher.workers.standby is not None
+    prewarmed = launcher.workers.standby.pid
     (rdv,) = coord.rendezvous([mid], restore_step=7)
-    await wait_for(lambda: coord.ack_of(rdv), 10, "rendezvous ack")
+    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack")
     assert coord.ack_of(rdv).ok  # type: ignore[union-attr]
     # The rendezvous woke the worker forked ahead of time instead of starting one.
-    assert launcher._worker is not None and launcher._worker.pid == prewarmed
-    await wait_for(
+    assert launcher.workers.worker is not None and launcher.workers.worker.pid == prewarmed
+    await eventually(
         lambda: (
             member.last and member.last.phase == pb.WORKER_PHASE_RUNNING and member.last.step > 7
         ),
         5,
-        "running past the restored step",
+        what="running past the restored step",
     )
     hb = member.last
     assert hb is not None and hb.generation == 1 and hb.first_step_at.seconds > 0
@@ -86,22 +87,22 @@ async def test_rendezvous_checkpoint_resume_drain(
 
     target = hb.step + 5
     ckpt = coord.send(mid, kind=pb.Directive.KIND_CHECKPOINT, checkpoint_step=target)
-    await wait_for(lambda: coord.ack_of(ckpt), 5, "checkpoint ack")
+    await eventually(lambda: coord.ack_of(ckpt), 5, what="checkpoint ack")
     ack = coord.ack_of(ckpt)
     assert ack is not None and ack.ok and ack.checkpoint_step == target
     assert ack.checkpoint_digest == "ab" * 32 and ack.held_at.seconds > 0
-    await wait_for(lambda: launcher.state is State.HOLDING, 5, "holding")
+    await eventually(lambda: launcher.state is State.HOLDING, 5, what="holding")
     held_step = launcher.progress.step
 
     # A directive re-sent after a reconnect is acked again, not redone.
     member.queue.put_nowait(ckpt)
-    await wait_for(
-        lambda: sum(a.directive_id == ckpt.directive_id for a in member.acks) == 2, 5, "re-ack"
+    await eventually(
+        lambda: sum(a.directive_id == ckpt.directive_id for a in member.acks) == 2, 5, what="re-ack"
     )
     assert launcher.state is State.HOLDING and launcher.progress.step == held_step
 
     resume = coord.send(mid, kind=pb.Directive.KIND_RESUME)
-    await wait_for(lambda: launcher.progress.step > held_step, 5, "training after RESUME")
+    await eventually(lambda: launcher.progress.step > held_step, 5, what="training after RESUME")
     assert coord.ack_of(resume) is not None
 
     drain = coord.send(mid, kind=pb.Directive.KIND_DRAIN)
@@ -116,19 +117,21 @@ async def test_worker_death_is_reported_at_once(
     coord.heartbeat_interval_s = 30.0  # only an immediate report can pass this test
     launcher = _launcher(port, tmp_path)
     run = asyncio.create_task(launcher.run())
-    await wait_for(lambda: coord.members, 10, "registration")
+    await eventually(lambda: coord.members, 10, what="registration")
     (mid,) = coord.members
     (rdv,) = coord.rendezvous([mid])
-    await wait_for(lambda: coord.ack_of(rdv), 10, "rendezvous ack")
-    assert launcher._worker is not None
-    os.kill(launcher._worker.pid, signal.SIGKILL)
+    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack")
+    assert launcher.workers.worker is not None
+    os.kill(launcher.workers.worker.pid, signal.SIGKILL)
     member = coord.members[mid]
-    await wait_for(
-        lambda: member.last and member.last.phase == pb.WORKER_PHASE_FAILED, 2, "FAILED heartbeat"
+    await eventually(
+        lambda: member.last and member.last.phase == pb.WORKER_PHASE_FAILED,
+        2,
+        what="FAILED heartbeat",
     )
     # The launcher stays up and rejoins with a new worker.
     (rdv2,) = coord.rendezvous([mid])
-    await wait_for(lambda: coord.ack_of(rdv2), 10, "second rendezvous ack")
+    await eventually(lambda: coord.ack_of(rdv2), 10, what="second rendezvous ack")
     assert launcher.state in (State.STARTING, State.RUNNING)
     launcher.stop()
     assert await asyncio.wait_for(run, 10) == 0
@@ -139,7 +142,7 @@ async def test_reconnects_and_reregisters_with_the_same_launcher_id(tmp_path: Pa
     server, port = await start_fake(coord)
     launcher = _launcher(port, tmp_path)
     run = asyncio.create_task(launcher.run())
-    await wait_for(lambda: coord.members, 10, "registration")
+    await eventually(lambda: coord.members, 10, what="registration")
     (mid,) = coord.members
     await server.stop(None)
     # A restarted coordinator on the same port: the launcher finds it again by itself.
@@ -157,7 +160,7 @@ async def test_reconnects_and_reregisters_with_the_same_launcher_id(tmp_path: Pa
             await asyncio.sleep(0.1)
     assert server2 is not None
     await server2.start()
-    await wait_for(lambda: coord.members[mid].registrations >= 2, 15, "re-registration")
+    await eventually(lambda: coord.members[mid].registrations >= 2, 15, what="re-registration")
     assert list(coord.members) == [mid]
     assert coord.members[mid].register.launcher_id == launcher.s.launcher_id
     launcher.stop()
@@ -188,19 +191,19 @@ async def test_a_coordinator_back_after_an_outage_is_reached_on_the_launchers_ba
     server, port = await start_fake(coord)
     launcher = _launcher(port, tmp_path, backoff_max_s=0.3)
     run = asyncio.create_task(launcher.run())
-    await wait_for(lambda: coord.members, 10, "registration")
+    await eventually(lambda: coord.members, 10, what="registration")
     (mid,) = coord.members
-    first = launcher._channel
+    first = launcher.link.channel
     await server.stop(None)
     # The outage itself (not a condition to poll): long enough that gRPC's own reconnect
     # backoff (1 s, x1.6 each failure) has grown past the launcher's 0.3 s cap.
     await asyncio.sleep(6.5)
     server2 = await _serve_on(coord, port)
     back = time.monotonic()
-    await wait_for(lambda: coord.members[mid].registrations >= 2, 10, "re-registration")
+    await eventually(lambda: coord.members[mid].registrations >= 2, 10, what="re-registration")
     took = time.monotonic() - back
     assert took < 1.5, f"re-registered {took:.2f}s after the coordinator was back"
-    assert launcher._channel is not first  # a fresh channel, without gRPC's backoff
+    assert launcher.link.channel is not first  # a fresh channel, without gRPC's backoff
     launcher.stop()
     assert await asyncio.wait_for(run, 10) == 0
     await server2.stop(None)
@@ -212,14 +215,16 @@ async def test_unknown_member_registers_again_and_reopens_its_stream(
     coord, port = fake
     launcher = _launcher(port, tmp_path)
     run = asyncio.create_task(launcher.run())
-    await wait_for(lambda: any(m.streams for m in coord.members.values()), 10, "a stream")
+    await eventually(lambda: any(m.streams for m in coord.members.values()), 10, what="a stream")
     (mid,) = coord.members
     member = coord.members[mid]
     coord.forgotten.add(mid)
-    await wait_for(lambda: member.registrations >= 2 and member.streams >= 2, 10, "re-registration")
+    await eventually(
+        lambda: member.registrations >= 2 and member.streams >= 2, 10, what="re-registration"
+    )
     # The reopened stream works: a directive on it is handled.
     (rdv,) = coord.rendezvous([mid])
-    await wait_for(lambda: coord.ack_of(rdv), 10, "rendezvous ack on the new stream")
+    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack on the new stream")
     launcher.stop()
     assert await asyncio.wait_for(run, 10) == 0
 
@@ -233,7 +238,7 @@ async def test_heartbeats_report_checkpoints_and_the_finished_budget(
     monkeypatch.setenv("FAKE_MAX_STEPS", "12")
     launcher = _launcher(port, tmp_path)
     run = asyncio.create_task(launcher.run())
-    await wait_for(lambda: coord.members, 10, "registration")
+    await eventually(lambda: coord.members, 10, what="registration")
     (mid,) = coord.members
     (rdv,) = coord.rendezvous([mid])
     assert await asyncio.wait_for(run, 15) == 0  # the budget is done: the launcher exits 0
@@ -258,17 +263,17 @@ async def test_rendezvous_after_a_loss_reports_where_the_old_worker_stopped(
     coord.heartbeat_interval_s = 30.0
     launcher = _launcher(port, tmp_path)
     run = asyncio.create_task(launcher.run())
-    await wait_for(lambda: coord.members, 10, "registration")
+    await eventually(lambda: coord.members, 10, what="registration")
     (mid,) = coord.members
     member = coord.members[mid]
     coord.rendezvous([mid])
-    await wait_for(lambda: launcher.progress.step >= 10, 10, "step 10")
+    await eventually(lambda: launcher.progress.step >= 10, 10, what="step 10")
     heard = max(hb.step for hb in member.heartbeats)
-    await wait_for(lambda: launcher.progress.step > heard, 10, "a step nobody heard of")
+    await eventually(lambda: launcher.progress.step > heard, 10, what="a step nobody heard of")
     before = len(member.heartbeats)
     # A peer died: the coordinator re-forms while this worker still trains.
     (rdv2,) = coord.rendezvous([mid])
-    await wait_for(lambda: coord.ack_of(rdv2), 10, "second rendezvous ack")
+    await eventually(lambda: coord.ack_of(rdv2), 10, what="second rendezvous ack")
     last_words = [hb for hb in member.heartbeats[before:] if hb.generation == 1]
     assert len(last_words) == 1 and last_words[0].step > heard
     launcher.stop()
@@ -281,32 +286,90 @@ async def test_a_killed_zygote_is_restarted_and_the_next_rendezvous_works(
     coord, port = fake
     launcher = _launcher(port, tmp_path)
     run = asyncio.create_task(launcher.run())
-    await wait_for(lambda: coord.members, 10, "registration")
+    await eventually(lambda: coord.members, 10, what="registration")
     (mid,) = coord.members
-    await wait_for(
-        lambda: launcher._standby is not None and launcher._standby.pid in launcher._conns,
+    await eventually(
+        lambda: launcher.workers.standby_ready(),
         10,
-        "a prewarmed worker",
+        what="a prewarmed worker",
     )
-    spawner = launcher.spawner
-    assert isinstance(spawner, ZygoteSpawner) and launcher._standby is not None
-    zygote, standby = spawner.pid, launcher._standby.pid
+    spawner = launcher.workers.spawner
+    assert isinstance(spawner, ZygoteSpawner) and launcher.workers.standby is not None
+    zygote, standby = spawner.pid, launcher.workers.standby.pid
     assert zygote is not None
     os.kill(zygote, signal.SIGKILL)
     # A new zygote and a new prewarmed worker, without any directive asking for them.
-    await wait_for(
+    await eventually(
         lambda: (
-            launcher._standby is not None
-            and launcher._standby.pid != standby
-            and launcher._standby.pid in launcher._conns
+            launcher.workers.standby_ready()
+            and launcher.workers.standby is not None
+            and launcher.workers.standby.pid != standby
         ),
         15,
-        "a new prewarmed worker",
+        what="a new prewarmed worker",
     )
     assert spawner.pid not in (None, zygote)
     (rdv,) = coord.rendezvous([mid])
-    await wait_for(lambda: coord.ack_of(rdv), 10, "rendezvous ack")
+    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack")
     assert coord.ack_of(rdv).ok  # type: ignore[union-attr]
+    launcher.stop()
+    assert await asyncio.wait_for(run, 10) == 0
+
+
+async def _running_in_generation_1(
+    coord: FakeCoordinator, port: int, tmp_path: Path
+) -> tuple[Launcher, asyncio.Task[int], str]:
+    launcher = _launcher(port, tmp_path)
+    run = asyncio.create_task(launcher.run())
+    await eventually(lambda: coord.members, 10, what="registration")
+    (mid,) = coord.members
+    (rdv,) = coord.rendezvous([mid])
+    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack")
+    await eventually(lambda: launcher.state is State.RUNNING, 10, what="running")
+    return launcher, run, mid
+
+
+async def test_a_heartbeat_refused_as_stale_waits_for_the_streams_rendezvous(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path
+) -> None:
+    coord, port = fake
+    coord.reject_stale = True
+    launcher, run, mid = await _running_in_generation_1(coord, port, tmp_path)
+    member = coord.members[mid]
+    # The job moved on (a peer was lost) and this member's RENDEZVOUS is not sent yet: its
+    # heartbeats of generation 1 are fenced off with FAILED_PRECONDITION.
+    coord.generation += 1
+    await eventually(lambda: len(coord.refused) >= 5, 10, what="refused heartbeats")
+    # Not fatal, and no re-registration storm: the worker trains on, same member, same stream.
+    assert not run.done() and launcher.state is State.RUNNING
+    assert (member.registrations, member.streams) == (1, 1)
+    (rdv,) = coord.rendezvous([mid], new_generation=False)
+    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack on the same stream")
+    await eventually(
+        lambda: member.last is not None and member.last.generation == 2,
+        5,
+        what="a heartbeat of generation 2 accepted",
+    )
+    assert (member.registrations, member.streams) == (1, 1)
+    launcher.stop()
+    assert await asyncio.wait_for(run, 10) == 0
+
+
+async def test_refusals_that_last_a_heartbeat_timeout_register_again_once_per_timeout(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path
+) -> None:
+    coord, port = fake
+    coord.reject_stale = True
+    coord.heartbeat_interval_s, coord.heartbeat_timeout_s = 0.1, 1.0
+    launcher, run, mid = await _running_in_generation_1(coord, port, tmp_path)
+    member = coord.members[mid]
+    coord.generation += 1  # and no RENDEZVOUS ever comes
+    await eventually(lambda: member.registrations >= 2, 10, what="a safety-net registration")
+    refused_then = len(coord.refused)
+    await eventually(lambda: len(coord.refused) >= refused_then + 10, 10, what="more refusals")
+    # About one registration per second of refusals, not one per refused beat.
+    assert member.registrations <= 1 + len(coord.refused) // 5
+    assert not run.done()
     launcher.stop()
     assert await asyncio.wait_for(run, 10) == 0
 

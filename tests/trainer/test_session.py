@@ -5,13 +5,23 @@ from __future__ import annotations
 import queue
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.trainer.queue_channel import QueueChannel
 from tidebase.errors import ConfigError
-from trainer.channel import QueueChannel
 from trainer.checkpoint import CheckpointSettings, CheckpointStore
+from trainer.messages import (
+    CheckpointAt,
+    Exit,
+    Held,
+    Hold,
+    Progress,
+    Resume,
+    Resumed,
+    ToLauncher,
+    ToWorker,
+)
 from trainer.session import DistEnv, ElasticSession, SessionConfig, SessionExit
 
 pytestmark = [pytest.mark.integration, pytest.mark.paddle]
@@ -52,20 +62,18 @@ def _config(tmp_path: Path, steps: int, every: int = 0) -> SessionConfig:
     )
 
 
-def _next(outbox: queue.Queue[dict[str, Any]], kind: str) -> dict[str, Any]:
+def _next_held(outbox: queue.Queue[ToLauncher]) -> Held:
     while True:
         msg = outbox.get(timeout=30)
-        if msg["type"] == kind:
+        if isinstance(msg, Held):
             return msg
 
 
-def _drive(
-    channel: QueueChannel, then: dict[str, Any], seen: list[dict[str, Any]]
-) -> threading.Thread:
+def _drive(channel: QueueChannel, then: ToWorker, seen: list[Held]) -> threading.Thread:
     """Paddle's dygraph mode is per thread: train on the main thread, steer from this one."""
 
     def run() -> None:
-        seen.append(_next(channel.outbox, "held"))
+        seen.append(_next_held(channel.outbox))
         channel.inbox.put(then)
 
     t = threading.Thread(target=run, daemon=True)
@@ -76,24 +84,25 @@ def _drive(
 def test_checkpoint_directive_holds_at_the_step_then_resumes(tmp_path: Path) -> None:
     channel = QueueChannel()
     session = ElasticSession(_config(tmp_path, 20), DistEnv(), channel)
-    channel.inbox.put({"type": "checkpoint", "directive_id": "d1", "step": 6})
-    seen: list[dict[str, Any]] = []
-    driver = _drive(channel, {"type": "resume", "directive_id": "d2"}, seen)
+    channel.inbox.put(CheckpointAt(directive_id="d1", step=6))
+    seen: list[Held] = []
+    driver = _drive(channel, Resume(directive_id="d2"), seen)
     losses = _train(session)
     driver.join(timeout=30)
     (held,) = seen
-    assert held["step"] == 6 and held["directive_ids"] == ["d1"]
-    assert held["checkpoint"]["step"] == 6 and len(held["checkpoint"]["digest"]) == 64
+    assert held.step == 6 and held.directive_ids == ("d1",)
+    assert held.checkpoint is not None
+    assert held.checkpoint.step == 6 and len(held.checkpoint.digest) == 64
     store = CheckpointStore(tmp_path / "ckpt")
-    assert store.verify(6)[1] == held["checkpoint"]["digest"]
+    assert store.verify(6)[1] == held.checkpoint.digest
     assert len(losses) == 20
     # "resumed" comes after "held" and before any later step's progress.
     after = []
     while not channel.outbox.empty():
         after.append(channel.outbox.get())
-    kinds = [m["type"] for m in after]
-    assert kinds.index("resumed") < next(
-        i for i, m in enumerate(after) if m["type"] == "progress" and m["step"] == 7
+    kinds = [m.TYPE for m in after]
+    assert kinds.index(Resumed.TYPE) < next(
+        i for i, m in enumerate(after) if isinstance(m, Progress) and m.step == 7
     )
     assert kinds[-1] == "done"
 
@@ -107,18 +116,28 @@ def test_restart_from_checkpoint_continues_the_same_trajectory(tmp_path: Path) -
     assert first + rest == pytest.approx(straight, rel=1e-6)
 
 
+def test_rank_0_removes_what_a_crashed_writer_left_when_it_restores(tmp_path: Path) -> None:
+    leftover = tmp_path / "ckpt" / "step-00000004.tmp-deadbeef"
+    leftover.mkdir(parents=True)
+    (leftover / "model.pdparams.part").write_bytes(b"torn")
+    session = ElasticSession(_config(tmp_path, 3, every=2), DistEnv(), QueueChannel())
+    _train(session)
+    assert not leftover.exists()
+    assert CheckpointStore(tmp_path / "ckpt").list_steps() == [2, 3]
+
+
 def test_exit_while_holding_raises_session_exit(tmp_path: Path) -> None:
     channel = QueueChannel()
     session = ElasticSession(_config(tmp_path, 20), DistEnv(), channel)
-    channel.inbox.put({"type": "hold", "directive_id": "h"})
-    seen: list[dict[str, Any]] = []
-    driver = _drive(channel, {"type": "exit"}, seen)
+    channel.inbox.put(Hold(directive_id="h"))
+    seen: list[Held] = []
+    driver = _drive(channel, Exit(), seen)
     with pytest.raises(SessionExit) as info:
         _train(session)
     driver.join(timeout=30)
     assert info.value.code == 0
     (held,) = seen
-    assert held["checkpoint"] is None and held["step"] == 1
+    assert held.checkpoint is None and held.step == 1
 
 
 def test_env_and_config_validation() -> None:

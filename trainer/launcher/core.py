@@ -1,0 +1,410 @@
+"""The launcher: one per pod, stays up while Paddle worker processes come and go.
+
+It registers with the coordinator (STANDBY) and on each directive drives its worker
+(docs/resize-protocol.md):
+
+- RENDEZVOUS: the worker of the new generation (the prewarmed one, woken with the
+  generation's environment, or a fresh one) replaces the current one; acked once it has
+  its process group and has restored.
+- CHECKPOINT / HOLD / RESUME: relayed to the worker; acked when it holds (with rank 0's
+  checkpoint digest) or at once for RESUME.
+- DRAIN: the worker exits cleanly, the launcher acks and exits 0. STOP: kill and exit.
+
+A worker that dies unasked is reported at once with a heartbeat in phase FAILED.
+
+The pieces: :mod:`trainer.launcher.link` (the coordinator, the only gRPC code),
+:mod:`trainer.launcher.supervisor` (worker processes) and
+:mod:`trainer.launcher.control` (the control socket); this module decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import tempfile
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from trainer.distenv import GENERATION_ENV, RESTART_STARTED_AT_ENV, RESTORE_STEP_ENV
+from trainer.launcher.link import CoordinatorLink
+from trainer.launcher.model import (
+    LEAVING,
+    LIFECYCLE,
+    Ack,
+    Beat,
+    Directive,
+    DirectiveKind,
+    State,
+    WorkerProgress,
+)
+from trainer.launcher.settings import LauncherSettings
+from trainer.launcher.supervisor import WorkerSupervisor
+from trainer.messages import (
+    CheckpointAt,
+    CheckpointWritten,
+    Done,
+    Exit,
+    Held,
+    Hold,
+    Progress,
+    Ready,
+    Resume,
+    Resumed,
+    ToLauncher,
+)
+from trainer.spawner import Spawner, SubprocessSpawner, WorkerHandle, ZygoteSpawner
+
+logger = logging.getLogger(__name__)
+
+
+def rendezvous_env(d: Directive, restart_started_at: float) -> dict[str, str]:
+    """The PADDLE_*/TIDE_* environment of the worker of a RENDEZVOUS."""
+    rdv = d.rendezvous
+    assert rdv is not None
+    endpoints = list(rdv.trainer_endpoints)
+    return {
+        "PADDLE_DISTRI_BACKEND": "gloo",
+        "PADDLE_MASTER": rdv.master_endpoint,
+        "PADDLE_TRAINER_ID": str(rdv.rank),
+        "PADDLE_TRAINERS_NUM": str(rdv.world_size),
+        "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
+        "PADDLE_CURRENT_ENDPOINT": endpoints[rdv.rank] if endpoints else "",
+        "PADDLE_RANK_IN_NODE": "0",
+        GENERATION_ENV: str(d.generation),
+        RESTORE_STEP_ENV: str(rdv.restore_step),
+        RESTART_STARTED_AT_ENV: repr(restart_started_at),
+    }
+
+
+class Launcher:
+    def __init__(self, settings: LauncherSettings, spawner: Spawner | None = None) -> None:
+        self.s = settings
+        self.state = State.STANDBY
+        self.generation = 0
+        self.exit_code = 0
+        self.progress = WorkerProgress()
+        # The newest checkpoint a worker of this launcher wrote and verified (rank 0 only):
+        # heartbeats report it so that the coordinator names it after a loss.
+        self.last_checkpoint_step = 0
+        self.last_checkpoint_digest = ""
+        self._state_dir = Path(settings.state_dir or tempfile.mkdtemp(prefix="tide-launcher-"))
+        self.link = CoordinatorLink(settings, self._beat)
+        self.workers = WorkerSupervisor(
+            settings,
+            spawner
+            or (
+                ZygoteSpawner(settings.zygote_preload)
+                if settings.use_zygote
+                else SubprocessSpawner()
+            ),
+            self._state_dir,
+            may_prewarm=lambda: self.state not in LEAVING,
+            on_exit=self._on_worker_exit,
+            on_message=self._on_worker_message,
+            member_id=lambda: self.link.member_id,
+        )
+        self._worker_done = False
+        self._ready: asyncio.Future[Ready] | None = None
+        self._handled: dict[str, Ack] = {}
+        self._pending_acks: dict[str, Directive] = {}
+        self._rendezvous_task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @property
+    def member_id(self) -> str:
+        return self.link.member_id
+
+    def _spawn_task(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _beat(self) -> Beat:
+        return Beat(
+            generation=self.generation,
+            state=self.state,
+            progress=dataclasses.replace(self.progress),
+            last_checkpoint_step=self.last_checkpoint_step,
+            last_checkpoint_digest=self.last_checkpoint_digest,
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def _set_state(self, new: State) -> None:
+        LIFECYCLE.check(self.state, new, what=f"of member {self.member_id}")
+        if new is not self.state:
+            logger.info(
+                "launcher %s (job %s, member %s): %s -> %s",
+                self.s.pod_name,
+                self.s.job_id,
+                self.member_id,
+                self.state.name,
+                new.name,
+            )
+        self.state = new
+        self.link.wake_heartbeat()
+
+    async def run(self) -> int:
+        self._state_dir.mkdir(parents=True, exist_ok=True)
+        # Register only once warm: the coordinator starts a barrier as soon as the newcomers
+        # are STANDBY, and a cold newcomer would put its Paddle import inside the pause.
+        warmup_s = await self.workers.start()
+        logger.info("launcher %s warm after %.2fs", self.s.pod_name, warmup_s)
+        await self.workers.ensure_standby()
+        self.link.start()
+        self._spawn_task(self._directive_loop(), "handle")
+        try:
+            await self._stop.wait()
+        finally:
+            await self._shutdown()
+        return self.exit_code
+
+    async def _shutdown(self) -> None:
+        tasks = list(self._tasks)
+        if self._rendezvous_task is not None:
+            tasks.append(self._rendezvous_task)
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.link.close()
+        await self.workers.close()
+
+    def stop(self, code: int = 0) -> None:
+        self.exit_code = code
+        self._stop.set()
+
+    async def _ack(self, ack: Ack) -> None:
+        self._handled[ack.directive_id] = ack
+        await self.link.ack(ack)
+
+    @staticmethod
+    def _ack_of(d: Directive, ok: bool = True, message: str = "") -> Ack:
+        return Ack(directive_id=d.directive_id, generation=d.generation, ok=ok, message=message)
+
+    # -- directives -----------------------------------------------------------------------
+
+    async def _directive_loop(self) -> None:
+        while True:
+            d = await self.link.directives.get()
+            try:
+                await self._on_directive(d)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.exception("member %s failed directive %s", self.member_id, d.directive_id)
+                await self._ack(self._ack_of(d, ok=False, message=str(exc)))
+
+    async def _on_directive(self, d: Directive) -> None:
+        if d.directive_id in self._handled:
+            logger.info("member %s: directive %s again, re-acking", self.member_id, d.directive_id)
+            await self.link.ack(self._handled[d.directive_id])
+            return
+        if d.directive_id in self._pending_acks:
+            return
+        logger.info(
+            "member %s (job %s) got %s %s for generation %d",
+            self.member_id,
+            self.s.job_id,
+            d.kind_name,
+            d.directive_id,
+            d.generation,
+        )
+        if d.kind is DirectiveKind.RENDEZVOUS:
+            await self._cancel_rendezvous()
+            self._rendezvous_task = asyncio.create_task(self._rendezvous(d))
+        elif d.kind is DirectiveKind.CHECKPOINT:
+            self._pending_acks[d.directive_id] = d
+            self.workers.send(CheckpointAt(directive_id=d.directive_id, step=d.checkpoint_step))
+            self._fail_pending_if_no_worker()
+        elif d.kind is DirectiveKind.HOLD:
+            self._pending_acks[d.directive_id] = d
+            self.workers.send(Hold(directive_id=d.directive_id))
+            self._fail_pending_if_no_worker()
+        elif d.kind is DirectiveKind.RESUME:
+            self.workers.send(Resume(directive_id=d.directive_id))
+            if self.state is State.HOLDING:
+                self._set_state(State.RUNNING)
+            await self._ack(self._ack_of(d))
+        elif d.kind is DirectiveKind.DRAIN:
+            await self._cancel_rendezvous()
+            self._set_state(State.DRAINING)
+            # The worker is holding after the checkpoint, so it has nothing left to lose: ack
+            # first, the others' rendezvous need not wait for this process to exit.
+            if self.workers.worker is not None:
+                self.workers.expect_exit()
+                self.workers.send(Exit())
+            await self._ack(self._ack_of(d))
+            await self.workers.stop()
+            self._set_state(State.DONE)
+            self.stop(0)
+        elif d.kind is DirectiveKind.STOP:
+            await self._cancel_rendezvous()
+            self.workers.kill()
+            await self._ack(self._ack_of(d))
+            self._set_state(State.DONE)
+            self.stop(0)
+        else:
+            await self._ack(self._ack_of(d, ok=False, message=f"unknown kind {d.kind_name}"))
+
+    def _fail_pending_if_no_worker(self) -> None:
+        if not self.workers.current_alive():
+            for did, d in list(self._pending_acks.items()):
+                self._pending_acks.pop(did)
+                self._spawn_task(self._ack(self._ack_of(d, False, "no running worker")), "nack")
+
+    async def _cancel_rendezvous(self) -> None:
+        task, self._rendezvous_task = self._rendezvous_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _rendezvous(self, d: Directive) -> None:
+        rdv = d.rendezvous
+        assert rdv is not None
+        restart_started_at = time.time()
+        left = self.state
+        self._set_state(State.STARTING)
+        if (
+            self.workers.worker is not None
+            and self.generation
+            and left
+            in (
+                State.RUNNING,
+                State.FAILED,
+            )
+        ):
+            # Not held: a loss broke the old generation. Where its worker stopped may be a
+            # step past what the coordinator heard, and it counts the lost steps from it.
+            self.link.send_last_word(self._beat())
+        self.generation = d.generation
+        self.progress = WorkerProgress()
+        self._ready = asyncio.get_running_loop().create_future()
+        self.workers.forget_queued()
+        self._worker_done = False
+        env = rendezvous_env(d, restart_started_at)
+        worker, woke = await self.workers.start_generation(env, d.generation, rdv.rank)
+        logger.info(
+            "member %s %s worker pid %d: generation %d rank %d/%d restore %d",
+            self.member_id,
+            "woke prewarmed" if woke else "started",
+            worker.pid,
+            d.generation,
+            rdv.rank,
+            rdv.world_size,
+            rdv.restore_step,
+        )
+        try:
+            async with asyncio.timeout(self.s.start_timeout_s):
+                ready = await asyncio.shield(self._ready)
+        except (TimeoutError, RuntimeError) as exc:
+            await self._ack(self._ack_of(d, ok=False, message=f"worker did not start: {exc}"))
+            return
+        logger.info(
+            "member %s worker ready in generation %d at step %d",
+            self.member_id,
+            d.generation,
+            ready.restored_step,
+        )
+        await self._ack(self._ack_of(d))
+
+    # -- the worker -------------------------------------------------------------------------
+
+    async def _on_worker_exit(self, worker: WorkerHandle, code: int, expected: bool) -> None:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(RuntimeError(f"worker exited with {code}"))
+        if expected:
+            return
+        if self._worker_done and code == 0:
+            logger.info(
+                "member %s (job %s): training finished at step %d; launcher exits",
+                self.member_id,
+                self.s.job_id,
+                self.progress.step,
+            )
+            self._set_state(State.DONE)
+            # Phase IDLE in the current generation with the final step: the coordinator
+            # marks the member finished instead of waiting for its silence to look like a loss.
+            await self.link.final_heartbeat()
+            self.stop(0)
+            return
+        logger.error(
+            "member %s (job %s): worker pid %d died with %d in generation %d",
+            self.member_id,
+            self.s.job_id,
+            worker.pid,
+            code,
+            self.generation,
+        )
+        self._set_state(State.FAILED)
+        self._fail_pending_if_no_worker()
+        await self.link.heartbeat_quietly()
+
+    async def _on_worker_message(self, msg: ToLauncher) -> None:
+        p = self.progress
+        if isinstance(msg, Ready):
+            p.worker_restart_s = msg.worker_restart_s
+            p.group_init_s = msg.group_init_s
+            p.restore_s = msg.restore_s
+            p.step = msg.restored_step
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(msg)
+            self.link.wake_heartbeat()
+        elif isinstance(msg, Progress):
+            first = p.first_step_at
+            p.step, p.epoch, p.cursor = msg.step, msg.epoch, msg.cursor
+            p.samples_per_s = msg.samples_per_s
+            p.first_step_at = msg.first_step_at
+            if p.first_step_at and not first:
+                if self.state is State.STARTING:
+                    self._set_state(State.RUNNING)
+                self.link.wake_heartbeat()
+                # The next generation's worker warms up while this one trains.
+                self.workers.ensure_standby_soon()
+        elif isinstance(msg, Held):
+            await self._on_held(msg)
+        elif isinstance(msg, Resumed):
+            if self.state is State.HOLDING:
+                self._set_state(State.RUNNING)
+        elif isinstance(msg, CheckpointWritten):
+            if msg.step > self.last_checkpoint_step and msg.digest:
+                self.last_checkpoint_step = msg.step
+                self.last_checkpoint_digest = msg.digest
+                # At once, not at the next beat: a loss right after this write must restore it.
+                self.link.wake_heartbeat()
+            logger.info(
+                "member %s: checkpoint of step %d written (%s)",
+                self.member_id,
+                msg.step,
+                "periodic" if msg.periodic else "coordinated",
+            )
+        elif isinstance(msg, Done):
+            self._worker_done = True
+        else:
+            logger.warning("member %s: unexpected worker message %s", self.member_id, msg.TYPE)
+
+    async def _on_held(self, msg: Held) -> None:
+        if self.state in (State.RUNNING, State.STARTING):
+            self._set_state(State.HOLDING)
+        ckpt = msg.checkpoint
+        for did in msg.directive_ids:
+            d = self._pending_acks.pop(did, None)
+            if d is None:
+                continue
+            await self._ack(
+                Ack(
+                    directive_id=d.directive_id,
+                    generation=d.generation,
+                    held_at=msg.held_at,
+                    checkpoint_step=msg.step,
+                    checkpoint_digest=ckpt.digest if ckpt else "",
+                    checkpoint_write_s=ckpt.write_s if ckpt else 0.0,
+                )
+            )

@@ -1,0 +1,109 @@
+"""The launcher's own vocabulary: its lifecycle, and the directives, acks and heartbeats it
+exchanges with the coordinator, as plain values. Only trainer/launcher/link.py turns these
+into protobuf and back, so the rest of the launcher never sees gRPC."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from tidebase.lifecycle import TransitionTable
+
+
+class State(enum.Enum):
+    STANDBY = "standby"  # no worker; waiting for a generation
+    STARTING = "starting"  # a worker is starting (process, group init, restore)
+    RUNNING = "running"
+    HOLDING = "holding"  # held at a step boundary after CHECKPOINT/HOLD
+    FAILED = "failed"  # the worker died unasked; waiting for the next RENDEZVOUS
+    DRAINING = "draining"
+    DONE = "done"  # the launcher is exiting
+
+
+LIFECYCLE: TransitionTable[State] = TransitionTable(
+    "launcher",
+    {
+        State.STANDBY: {State.STARTING, State.DRAINING, State.DONE},
+        # STARTING again: a RENDEZVOUS that replaces one still starting.
+        State.STARTING: {State.STARTING, State.RUNNING, State.FAILED, State.DRAINING, State.DONE},
+        State.RUNNING: {State.STARTING, State.HOLDING, State.FAILED, State.DRAINING, State.DONE},
+        State.HOLDING: {State.STARTING, State.RUNNING, State.FAILED, State.DRAINING, State.DONE},
+        State.FAILED: {State.STARTING, State.DRAINING, State.DONE},
+        State.DRAINING: {State.DONE},
+        State.DONE: set(),
+    },
+)
+
+# A launcher in these states is leaving: it never registers again.
+LEAVING = frozenset({State.DRAINING, State.DONE})
+
+
+class DirectiveKind(enum.Enum):
+    RENDEZVOUS = "rendezvous"
+    CHECKPOINT = "checkpoint"
+    HOLD = "hold"
+    RESUME = "resume"
+    DRAIN = "drain"
+    STOP = "stop"
+    UNKNOWN = "unknown"  # a kind this launcher does not know (a newer coordinator)
+
+
+@dataclass(frozen=True)
+class RendezvousPlan:
+    """Where this member sits in the generation a RENDEZVOUS forms."""
+
+    rank: int
+    world_size: int
+    master_endpoint: str
+    trainer_endpoints: tuple[str, ...]
+    restore_step: int
+
+
+@dataclass(frozen=True)
+class Directive:
+    directive_id: str
+    generation: int
+    kind: DirectiveKind
+    # The coordinator's name of the kind, for logs (and for an UNKNOWN one).
+    kind_name: str
+    checkpoint_step: int = 0
+    rendezvous: RendezvousPlan | None = None
+
+
+@dataclass(frozen=True)
+class Ack:
+    directive_id: str
+    generation: int
+    ok: bool = True
+    message: str = ""
+    # A CHECKPOINT/HOLD ack: when the ranks held, at which step, rank 0's checkpoint.
+    held_at: float | None = None
+    checkpoint_step: int = 0
+    checkpoint_digest: str = ""
+    checkpoint_write_s: float = 0.0
+
+
+@dataclass
+class WorkerProgress:
+    """What the current worker said last about its training (zero for a new generation)."""
+
+    step: int = 0
+    epoch: int = 0
+    cursor: int = 0
+    samples_per_s: float = 0.0
+    first_step_at: float = 0.0
+    worker_restart_s: float = 0.0
+    group_init_s: float = 0.0
+    restore_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat's content, taken when it is sent."""
+
+    generation: int
+    state: State
+    progress: WorkerProgress
+    # The newest checkpoint a worker of this launcher wrote and verified (rank 0 only).
+    last_checkpoint_step: int = 0
+    last_checkpoint_digest: str = ""

@@ -1,0 +1,53 @@
+"""What one launcher is told: its coordinator, job, pod, command, and how it restarts things."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from tidebase.errors import ConfigError
+from tidebase.grpc_options import DEFAULT_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class LauncherSettings:
+    coordinator: str
+    job_id: str
+    command: tuple[str, ...]
+    pod_name: str = ""
+    pod_index: int = 0
+    host: str = "127.0.0.1"
+    state_dir: str = ""
+    launcher_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Fork workers from a process that has imported Paddle (False: fresh processes).
+    use_zygote: bool = True
+    # Keep a worker forked ahead of time, waiting for the next RENDEZVOUS.
+    prewarm: bool = True
+    # Modules the zygote imports; None for its default (numpy, paddle, paddle.distributed).
+    zygote_preload: str | None = None
+    # How long a worker asked to exit gets before SIGKILL, seconds.
+    exit_grace_s: float = 1.0
+    # How long a new worker may take to have its group and restore, seconds.
+    start_timeout_s: float = 120.0
+    # The one backoff (tidebase.retry.Backoff) of the directive stream's reconnects, the
+    # completion report's retries and the respawn of a dying prewarmed worker, seconds.
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 5.0
+    rpc_timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if ":" not in self.coordinator:
+            raise ConfigError(f"coordinator must be HOST:PORT, got {self.coordinator!r}")
+        if self.job_id.count("/") != 1 or not all(self.job_id.split("/")):
+            raise ConfigError(f"job must be NAMESPACE/NAME, got {self.job_id!r}")
+        if not self.command:
+            raise ConfigError("command must be given after --, got nothing")
+        if self.pod_index < 0:
+            raise ConfigError(f"pod_index must be >= 0, got {self.pod_index}")
+        for name in ("exit_grace_s", "start_timeout_s", "backoff_initial_s", "rpc_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ConfigError(
+                f"backoff_max_s must be >= backoff_initial_s, got {self.backoff_max_s}"
+            )

@@ -1,0 +1,250 @@
+"""Worker supervision: the zygote, the prewarmed worker, starting, stopping and watching.
+
+The launcher core decides when a generation starts and what an exit means; this module
+does the process work:
+
+- **Spawning** through a :class:`~trainer.spawner.Spawner` (the warm zygote, or fresh
+  processes).
+- **The prewarmed worker** (the *standby*): one worker forked ahead of time that imports,
+  builds its model and waits for a :class:`~trainer.messages.Rendezvous`. One that dies
+  before its rendezvous (its zygote was killed, the script failed while building) is
+  replaced after a :class:`tidebase.retry.Backoff` delay, and the spawn restarts a dead
+  zygote, so the next RENDEZVOUS finds one ready.
+- **Stopping**: ask the worker to :class:`~trainer.messages.Exit`, SIGKILL after the grace
+  (it may be blocked in a collective with a dead peer).
+- **Watching**: when the current worker exits, the core hears it only after the worker's
+  connection has been read to its end (its last step, its last checkpoint, "done").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from pathlib import Path
+from typing import Any
+
+from tidebase.retry import Backoff
+from trainer.channel import CONTROL_SOCKET_ENV
+from trainer.distenv import PREWARM_ENV
+from trainer.launcher.control import ControlServer
+from trainer.launcher.settings import LauncherSettings
+from trainer.messages import Exit, Rendezvous, ToLauncher, ToWorker
+from trainer.spawner import Spawner, WorkerHandle
+
+logger = logging.getLogger(__name__)
+
+# How long a dead worker's connection may take to deliver its last lines, seconds.
+CHANNEL_DRAIN_S = 0.5
+
+
+class WorkerSupervisor:
+    def __init__(
+        self,
+        settings: LauncherSettings,
+        spawner: Spawner,
+        state_dir: Path,
+        may_prewarm: Callable[[], bool],
+        on_exit: Callable[[WorkerHandle, int, bool], Awaitable[None]],
+        on_message: Callable[[ToLauncher], Awaitable[None]],
+        member_id: Callable[[], str] = lambda: "",
+    ) -> None:
+        # on_exit(worker, code, expected) runs when the current worker has exited and its
+        # connection is drained; on_message(msg) for each message of the current worker.
+        self.s = settings
+        self.spawner = spawner
+        self._state_dir = state_dir
+        self._may_prewarm = may_prewarm
+        self._on_exit = on_exit
+        self._on_current_message = on_message
+        self.control = ControlServer(self._accept, self._on_message, self._on_hello)
+        self.worker: WorkerHandle | None = None
+        self.standby: WorkerHandle | None = None
+        self._standby_seq = 0
+        self._standby_backoff = Backoff(settings.backoff_initial_s, settings.backoff_max_s)
+        # The current worker's exit was asked for (stop, drain): not a failure.
+        self._expected_exit = False
+        # For the current worker until it has connected.
+        self._queued: list[ToWorker] = []
+        self._closing = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._member_id = member_id
+
+    @property
+    def member_id(self) -> str:
+        """For logs: the member this launcher is (empty until it has registered)."""
+        return self._member_id()
+
+    def _spawn_task(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self) -> float:
+        """Open the control socket and wait for the spawner; returns its warm-up, seconds."""
+        await self.control.start()
+        return await self.spawner.wait_ready()
+
+    async def close(self) -> None:
+        self._closing = True
+        for t in list(self._tasks):
+            t.cancel()
+        if self.worker is not None and self.worker.returncode is None:
+            await self.stop(self.worker)
+        if self.standby is not None:
+            self.standby.kill()
+        await self.spawner.close()
+        self.control.close()
+
+    def base_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env[CONTROL_SOCKET_ENV] = self.control.path
+        return env
+
+    # -- the control socket, seen from the current worker ---------------------------------
+
+    def _accept(self, pid: int) -> bool:
+        return pid in [w.pid for w in (self.worker, self.standby) if w is not None]
+
+    def _on_hello(self, pid: int) -> None:
+        if self.worker is not None and pid == self.worker.pid:
+            pending, self._queued = self._queued, []
+            for m in pending:
+                self.send(m)
+
+    async def _on_message(self, pid: int, msg: ToLauncher) -> None:
+        # Only the current worker speaks for this member; a standby only waits.
+        if self.worker is not None and pid == self.worker.pid:
+            await self._on_current_message(msg)
+
+    def send(self, msg: ToWorker) -> None:
+        """To the current worker; queued until it has connected."""
+        if self.worker is None or not self.control.send(self.worker.pid, msg):
+            self._queued.append(msg)
+
+    def forget_queued(self) -> None:
+        """Nothing queued for the old worker may reach the new one."""
+        self._queued = []
+
+    # -- the prewarmed worker -------------------------------------------------------------
+
+    def standby_ready(self) -> bool:
+        s = self.standby
+        return s is not None and s.returncode is None and self.control.connected(s.pid)
+
+    async def ensure_standby(self) -> None:
+        """Fork the next generation's worker ahead of time: it imports, builds its model and
+        waits in init_process_group for a RENDEZVOUS, so a restart costs no start-up."""
+        if not self.s.prewarm or self._closing or not self._may_prewarm():
+            return
+        if self.standby is not None and self.standby.returncode is None:
+            return
+        self._standby_seq += 1
+        env = self.base_env()
+        env[PREWARM_ENV] = "1"
+        log_path = str(self._state_dir / f"worker-standby-{self._standby_seq}.log")
+        standby = await self.spawner.spawn(self.s.command, env, os.getcwd(), log_path)
+        self.standby = standby
+        self._spawn_task(self._watch_standby(standby), "watch-standby")
+        logger.info("member %s prewarmed worker pid %d", self.member_id, standby.pid)
+
+    def ensure_standby_soon(self) -> None:
+        self._spawn_task(self.ensure_standby(), "prewarm")
+
+    async def _watch_standby(self, standby: WorkerHandle) -> None:
+        code = await standby.wait()
+        if self.standby is not standby or self._closing:
+            return
+        self.standby = None
+        delay = self._standby_backoff.next_delay_s()
+        logger.warning(
+            "member %s (job %s): prewarmed worker pid %d exited with %d; another in %.2fs",
+            self.member_id,
+            self.s.job_id,
+            standby.pid,
+            code,
+            delay,
+        )
+        await asyncio.sleep(delay)
+        try:
+            await self.ensure_standby()
+        except Exception:
+            # The next RENDEZVOUS spawns a worker itself; a standby is only a head start.
+            logger.exception("member %s: could not fork a prewarmed worker", self.member_id)
+
+    # -- a generation's worker ------------------------------------------------------------
+
+    async def start_generation(
+        self, env: Mapping[str, str], generation: int, rank: int
+    ) -> tuple[WorkerHandle, bool]:
+        """The worker of a new generation, and whether it is the woken standby. The old
+        worker is asked to exit: alongside when the standby takes over (they share
+        nothing), before the spawn otherwise."""
+        old = self.worker
+        if self.standby_ready():
+            standby = self.standby
+            assert standby is not None
+            self.standby = None
+            self._standby_backoff.reset()
+            self.worker = standby
+            self._expected_exit = False
+            if old is not None:
+                self._spawn_task(self.stop(old), "stop-old-worker")
+            self.send(Rendezvous(env=dict(env)))
+            woke = True
+        else:
+            if old is not None:
+                await self.stop(old)
+            self._expected_exit = False
+            log_path = str(self._state_dir / f"worker-g{generation}-r{rank}.log")
+            self.worker = await self.spawner.spawn(
+                self.s.command, {**self.base_env(), **env}, os.getcwd(), log_path
+            )
+            woke = False
+        worker = self.worker
+        self._spawn_task(self._watch(worker), "watch-worker")
+        return worker, woke
+
+    def expect_exit(self) -> None:
+        """The current worker's next exit is asked for (a drain or stop)."""
+        self._expected_exit = True
+
+    def current_alive(self) -> bool:
+        return self.worker is not None and self.worker.returncode is None
+
+    async def stop(self, worker: WorkerHandle | None = None) -> None:
+        """Ask ``worker`` (default: the current one) to exit; SIGKILL it after the grace."""
+        worker = worker or self.worker
+        if worker is None or worker.returncode is not None:
+            return
+        if worker is self.worker:
+            self._expected_exit = True
+        self.control.send(worker.pid, Exit())
+        try:
+            async with asyncio.timeout(self.s.exit_grace_s):
+                await worker.wait()
+        except TimeoutError:
+            logger.warning(
+                "member %s: worker pid %d ignored exit for %.1fs; SIGKILL",
+                self.member_id,
+                worker.pid,
+                self.s.exit_grace_s,
+            )
+            worker.kill(signal.SIGKILL)
+            await worker.wait()
+
+    def kill(self) -> None:
+        """SIGKILL the current worker (a STOP directive); its exit is expected."""
+        self._expected_exit = True
+        if self.worker is not None:
+            self.worker.kill()
+
+    async def _watch(self, worker: WorkerHandle) -> None:
+        code = await worker.wait()
+        # What the worker said last may still be unread; judge only after it was handled.
+        await self.control.drained(worker.pid, CHANNEL_DRAIN_S)
+        if worker is not self.worker:
+            return
+        await self._on_exit(worker, code, self._expected_exit)

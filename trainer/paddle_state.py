@@ -1,0 +1,77 @@
+"""A training process's state as checkpoint files, and back: model, optimizer, LR, RNG.
+
+The checkpoint store deals in bytes (trainer/checkpoint.py); this module is the only one
+that turns Paddle objects into those bytes. Paddle is imported inside the functions, so the
+session module stays importable without it.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from collections.abc import Mapping
+from typing import Any
+
+MODEL = "model.pdparams"
+OPTIMIZER = "optimizer.pdopt"
+LR = "lr.pdstate"
+RNG = "rng.pdstate"
+
+
+def _positional(model: Any, state: dict[str, Any], to_positions: bool) -> dict[str, Any]:
+    """Optimizer accumulators are keyed by parameter name (``linear_3.w_0_moment1_0``),
+    and names come from a per-process counter; a checkpoint keys them by the parameter's
+    position instead, so any process that builds the same model can load it."""
+    names = [p.name for p in model.parameters()]
+    positional = [f"@param{i}" for i in range(len(names))]
+    src, dst = (names, positional) if to_positions else (positional, names)
+    # Longest first: "linear_1.w_0" must not match a key of "linear_1.w_00".
+    order = sorted(range(len(src)), key=lambda i: -len(src[i]))
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        for i in order:
+            if key.startswith(src[i] + "_"):
+                key = dst[i] + key[len(src[i]) :]
+                break
+        out[key] = value
+    return out
+
+
+def state_files(model: Any, optimizer: Any, lr: Any) -> dict[str, bytes]:
+    """The files of a checkpoint of this process's training state."""
+    import paddle
+
+    def dump(obj: Any) -> bytes:
+        buf = io.BytesIO()
+        paddle.save(obj, buf)
+        return buf.getvalue()
+
+    files = {MODEL: dump(model.state_dict())}
+    if optimizer is not None:
+        files[OPTIMIZER] = dump(_positional(model, optimizer.state_dict(), to_positions=True))
+    if lr is not None:
+        files[LR] = dump(lr.state_dict())
+    files[RNG] = dump({"paddle": paddle.get_rng_state(), "python": list(random.getstate())})
+    return files
+
+
+def load_state(files: Mapping[str, bytes], model: Any, optimizer: Any, lr: Any) -> None:
+    """Put a checkpoint's files back into the model, optimizer, LR scheduler and RNGs."""
+    import paddle
+
+    model.set_state_dict(paddle.load(io.BytesIO(files[MODEL])))
+    if optimizer is not None and OPTIMIZER in files:
+        saved = paddle.load(io.BytesIO(files[OPTIMIZER]))
+        optimizer.set_state_dict(_positional(model, saved, to_positions=False))
+    if lr is not None and LR in files:
+        lr.set_state_dict(paddle.load(io.BytesIO(files[LR])))
+    if RNG in files:
+        rng = paddle.load(io.BytesIO(files[RNG]), return_numpy=False)
+        paddle.set_rng_state(rng["paddle"])
+        random.setstate(_as_tuple(rng["python"]))
+
+
+def _as_tuple(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_as_tuple(v) for v in value)
+    return value
