@@ -1,9 +1,9 @@
 """A warm parent that has imported Paddle and forks each new worker from itself.
 
 Starting a process and importing Paddle costs about 2 s on the project machine; forking a parent
-that has already imported it takes about 20 ms (measured-limits.md §4.5). The zygote must never
-import gRPC, which is not fork-safe: the launcher (which speaks gRPC) runs it as a child process
-and talks to it over its stdin/stdout with JSON lines:
+that has already imported it takes about 20 ms there. The zygote must never import gRPC, which
+is not fork-safe: the launcher (which speaks gRPC) runs it as a child process and talks to it
+over its stdin/stdout with JSON lines:
 
 - launcher → zygote: ``{"cmd": "spawn", "id": N, "argv": [...], "env": {...}, "cwd": "...",
   "log": "path or null"}``
