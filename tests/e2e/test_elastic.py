@@ -21,6 +21,7 @@ from tests.e2e.checks import (
     samples_per_step,
     steps_by_generation,
 )
+from tests.support.poll import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 
@@ -40,7 +41,7 @@ SLOW = ["--step-delay-s", "0.05"]
 
 @pytest.fixture
 async def job(tmp_path: Path) -> AsyncIterator[LocalJob]:
-    # A generous sync timeout: with 5 other engineers' tests on 2 cores the coordinator has
+    # A generous heartbeat timeout: with 5 other engineers' tests on 2 cores the coordinator has
     # been starved for over 4 s, and then declares every member lost.
     j = LocalJob(tmp_path / "job", [*TRAIN, *SLOW], heartbeat_timeout_s=10.0)
     j.start_coordinator()
@@ -57,7 +58,7 @@ async def _finished(
 ) -> pb.JobStatus:
     """The coordinator's view of a job whose workers finished the budget: the members of the
     last generation GONE in phase IDLE with the final step, no loss added, no new generation;
-    with ``hold``, still so past the sync timeout (the exited launchers are not lost)."""
+    with ``hold``, still so past the heartbeat timeout (the exited launchers are not lost)."""
 
     def done(s: pb.JobStatus) -> bool:
         return bool(s.members) and all(
@@ -139,10 +140,12 @@ async def test_sigkilled_worker_survivors_resume_from_the_last_periodic_checkpoi
     assert (await job.resize(2))[-1].phase == pb.RESIZE_PHASE_COMPLETED
     await _progress_past(job, 25)
     # Kill mid-period (checkpoints every 10 steps), watching rank 0's log, not heartbeats.
-    deadline = asyncio.get_running_loop().time() + 30
-    while not any(r["step"] >= 33 for r in loss_records(job.log_dir)):
-        assert asyncio.get_running_loop().time() < deadline, "step 33 never came"
-        await asyncio.sleep(0.005)
+    await eventually(
+        lambda: any(r["step"] >= 33 for r in loss_records(job.log_dir)),
+        30,
+        interval_s=0.005,
+        what="step 33",
+    )
     (victim,) = [
         e["pid"]
         for e in read_jsonl(job.log_dir / "timings.jsonl")
