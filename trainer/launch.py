@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -22,6 +23,11 @@ from tidebase.errors import ConfigError
 from trainer.launcher import Launcher, LauncherSettings, State
 
 __all__ = ["Launcher", "LauncherSettings", "State", "main", "parse_args"]
+
+
+def _default(name: str) -> object:
+    """A LauncherSettings default, so that it is written once (in the dataclass)."""
+    return next(f.default for f in dataclasses.fields(LauncherSettings) if f.name == name)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
@@ -41,7 +47,12 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
     p.add_argument("--state-dir", default="", help="worker logs (default: a temp dir)")
     p.add_argument("--no-zygote", action="store_true", help="start fresh worker processes")
     p.add_argument("--no-prewarm", action="store_true", help="no worker waiting ahead of time")
-    p.add_argument("--exit-grace-s", type=float, default=1.0)
+    p.add_argument(
+        "--exit-grace-s",
+        type=float,
+        default=_default("exit_grace_s"),
+        help="how long a worker asked to exit gets before SIGKILL, seconds",
+    )
     p.add_argument("--log-level", default="INFO")
     ns = p.parse_args(args)
     logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
