@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +27,7 @@ from services.testing.coordinator import NOTHING_MOVED, InMemoryCoordinator, fol
 from services.testing.members import InMemoryMemberRegistry
 from tests.scaler.support import report
 from tests.support.procs import ROOT
-from tidebase.errors import Unavailable
+from tidebase.errors import ConfigError, Unavailable
 
 pytestmark = pytest.mark.component
 
@@ -200,3 +201,17 @@ def test_the_production_scaler_needs_a_real_coordinator_and_actuator(
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("scaler: ") and says in lines[0], lines
+
+
+def test_the_test_entry_point_accepts_the_doubles_and_nothing_else(tmp_path: Path) -> None:
+    from services.testing.scaler import TestScalerSettings
+
+    assert TestScalerSettings(coordinator="memory", actuator="memory").coordinator == "memory"
+    TestScalerSettings(coordinator="memory", actuator=f"file:{tmp_path / 'log'}")
+    TestScalerSettings(coordinator="127.0.0.1:9", actuator=f"local:{tmp_path}")
+    with pytest.raises(ConfigError, match="--coordinator HOST:PORT is required"):
+        TestScalerSettings(coordinator="memory", actuator=f"local:{tmp_path}")
+    with pytest.raises(ConfigError, match="expected memory, file:PATH or local:DIR"):
+        TestScalerSettings(coordinator="memory", actuator="file:")
+    with pytest.raises(ConfigError, match="coordinator: required"):
+        TestScalerSettings(actuator="memory")
