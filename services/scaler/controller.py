@@ -114,19 +114,34 @@ class Controller:
             return await self._shrink(d, deadline_s, fault)
         except StaleEpoch as exc:
             # Another scaler took the job: it resumes the decision; we only stop.
-            log.warning("decision %d of job %s: fenced off (%s)", d.id, d.job_id, exc)
+            log.warning(
+                "decision %d of job %s: fenced off (%s)",
+                d.id,
+                d.job_id,
+                exc,
+                extra={"job_id": d.job_id, "decision_id": d.id},
+            )
             return None
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("decision %d of job %s failed", d.id, d.job_id)
+            log.exception(
+                "decision %d of job %s failed",
+                d.id,
+                d.job_id,
+                extra={"job_id": d.job_id, "decision_id": d.id},
+            )
             try:
                 # From wherever the decision got to: ``d`` is the state it started in.
                 return await self._step(
                     d, S.FAILED, "internal error", fault, check_state=False, error=str(exc)
                 )
             except Exception:
-                log.exception("decision %d: could not record FAILED; recovery will", d.id)
+                log.exception(
+                    "decision %d: could not record FAILED; recovery will",
+                    d.id,
+                    extra={"job_id": d.job_id, "decision_id": d.id},
+                )
                 return None
 
     async def _grow(self, d: DecisionRecord, deadline_s: float, fault: FaultHook) -> DecisionRecord:
@@ -238,6 +253,7 @@ class Controller:
                 d.id,
                 d.job_id,
                 last_err,
+                extra={"job_id": d.job_id, "decision_id": d.id},
             )
             await self.clock.sleep(self.retry_s)
         try:
@@ -265,6 +281,7 @@ class Controller:
                 spec.decision_id,
                 spec.job_id,
                 exc,
+                extra={"job_id": spec.job_id, "decision_id": spec.decision_id},
             )
         try:
             st = await self.coordinator.job_status(spec.job_id)
@@ -290,7 +307,13 @@ class Controller:
                 try:
                     await self.store.acquire(d.job_id)
                 except TideError as exc:
-                    logger.warning("decision %d: cannot take job %s: %s", d.id, d.job_id, exc)
+                    logger.warning(
+                        "decision %d: cannot take job %s: %s",
+                        d.id,
+                        d.job_id,
+                        exc,
+                        extra={"job_id": d.job_id, "decision_id": d.id},
+                    )
                     continue
             logger.info(
                 "resuming decision %d of job %s from %s (%d -> %d)",
@@ -299,6 +322,7 @@ class Controller:
                 d.state.value,
                 d.from_replicas,
                 d.to_replicas,
+                extra={"job_id": d.job_id, "decision_id": d.id},
             )
             tasks.append(self.start(d, deadline_s=deadline_of(d.job_id), armed=False))
         return tasks

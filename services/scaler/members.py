@@ -132,5 +132,10 @@ class CoordinatorMemberRegistry(MemberIndex):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                logger.warning("job %s: member watch broke (%s); retrying", job_id, exc)
+                logger.warning(
+                    "job %s: member watch broke (%s); retrying",
+                    job_id,
+                    exc,
+                    extra={"job_id": job_id},
+                )
             await self._clock.sleep(backoff.next_delay_s())

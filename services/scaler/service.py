@@ -229,7 +229,13 @@ class ScalerCore:
         self._adopt(job)
         self.fenced.discard(job_id)
         self._launch(record, message)
-        logger.info("job %s: decision %d: %s", job_id, record.id, message)
+        logger.info(
+            "job %s: decision %d: %s",
+            job_id,
+            record.id,
+            message,
+            extra={"job_id": job_id, "decision_id": record.id},
+        )
         return self.jobs[job_id]
 
     async def set_autoscaling(self, job_id: str, paused: bool, reason: str) -> JobRecord:
@@ -322,7 +328,13 @@ class ScalerCore:
             done = self.clock.now()
             self.latencies_s.append(done - tipping_s)
             self.latency_parts.append((seen - tipping_s, now - seen, done - now))
-        logger.info("job %s: decision %d: %s", job_id, record.id, d.message)
+        logger.info(
+            "job %s: decision %d: %s",
+            job_id,
+            record.id,
+            d.message,
+            extra={"job_id": job_id, "decision_id": record.id},
+        )
         return d
 
     def _inputs(
@@ -423,11 +435,16 @@ class ScalerCore:
         except StaleEpoch as exc:
             # Another scaler took the job; stop deciding for it (once, not every tick).
             self.fenced.add(job_id)
-            logger.warning("job %s: fenced off, no longer deciding for it: %s", job_id, exc)
+            logger.warning(
+                "job %s: fenced off, no longer deciding for it: %s",
+                job_id,
+                exc,
+                extra={"job_id": job_id},
+            )
         except TideError as exc:
-            logger.warning("job %s: evaluation failed: %s", job_id, exc)
+            logger.warning("job %s: evaluation failed: %s", job_id, exc, extra={"job_id": job_id})
         except Exception:
-            logger.exception("job %s: evaluation failed", job_id)
+            logger.exception("job %s: evaluation failed", job_id, extra={"job_id": job_id})
 
     async def run(self) -> None:
         """Evaluate a job as soon as one of its buckets closes, every job once per
