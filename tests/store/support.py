@@ -1,0 +1,23 @@
+"""Helpers shared by the store tests (import these, never the conftest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.store import db
+
+
+def sqlite_factory(tmp_path: Path, busy_timeout_s: float = 5.0) -> sessionmaker[Session]:
+    """A migrated SQLite file under ``tmp_path`` and a session factory over it."""
+    url = f"sqlite:///{tmp_path / 'tide.db'}"
+    db.upgrade(url)
+    return db.make_session_factory(
+        db.make_engine(url, db.DbSettings(busy_timeout_s=busy_timeout_s))
+    )
+
+
+def no_sleep(seconds: float) -> None:
+    """A unit of work's sleep that fails the test: it must not have retried."""
+    raise AssertionError(f"unit of work retried (backoff {seconds} s) but must not")
