@@ -21,6 +21,7 @@ from services.scaler.errors import StaleEpoch
 from services.scaler.lifecycle import FaultHook
 from services.scaler.store import DecisionRecord, DecisionState, DecisionStore
 from tidebase.errors import TideError, Unavailable
+from tidebase.retry import Backoff
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class Controller:
         on_event: EventSink | None = None,
         on_final: Callable[[DecisionRecord], None] | None = None,
         retry_s: float = 0.5,
+        retry_max_s: float = 5.0,
     ) -> None:
         self.store = store
         self.actuator = actuator
@@ -60,6 +62,7 @@ class Controller:
         self.on_event = on_event
         self.on_final = on_final
         self.retry_s = retry_s
+        self.retry_max_s = retry_max_s
         self.tasks: dict[int, asyncio.Task[DecisionRecord | None]] = {}
 
     def start(
@@ -236,6 +239,7 @@ class Controller:
             leaving_pods=leaving,
         )
         give_up = self.clock.monotonic() + deadline_s * 3 + 30.0
+        backoff = Backoff(self.retry_s, self.retry_max_s)
         last_err: Exception | None = None
         while self.clock.monotonic() < give_up:
             try:
@@ -255,7 +259,7 @@ class Controller:
                 last_err,
                 extra={"job_id": d.job_id, "decision_id": d.id},
             )
-            await self.clock.sleep(self.retry_s)
+            await self.clock.sleep(backoff.next_delay_s())
         try:
             phase = await self.coordinator.abort_resize(d.id, d.job_id, "scaler gave up waiting")
         except TideError:
