@@ -102,7 +102,10 @@ async def run(settings: AgentSettings, stop: asyncio.Event | None = None) -> int
         with_context(logger, node=settings.node_name).error("%s", exc)
         return 1
     finally:
+        # The agent may stop before the task above ran (a quick final flush), so
+        # NOT_SERVING is entered here too (it is idempotent) before the grace period.
         draining.cancel()
+        await edge.enter_shutdown()
         await edge.stop(settings.grace_period_s)
     # A task that died is a failure even though the final report went out: let
     # the kubelet restart us.
