@@ -36,6 +36,7 @@ test-fast: setup
 bench: setup
 	$(PY) -m bench.ingest --quick
 	$(PY) -m bench.agent --quick
+	$(PY) -m bench.coordinator --quick
 	$(PY) -m bench.rescale --quick
 
 clean:

@@ -11,13 +11,13 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import quote
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.store import db
+from tests.store.support import with_search_path
 
 
 def _pg_admin(pg_url: str) -> sa.Engine:
@@ -39,11 +39,6 @@ def pg_admin(pg_url: str) -> Iterator[sa.Engine]:
     engine = _pg_admin(pg_url)
     yield engine
     engine.dispose()
-
-
-def with_search_path(url: str, schema: str) -> str:
-    sep = "&" if "?" in url else "?"
-    return f"{url}{sep}options={quote(f'-csearch_path={schema}')}"
 
 
 @pytest.fixture(

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from services.scaler import store as repo
 from services.store import db
-from tests.store.support import no_sleep, sqlite_factory
+from tests.store.support import no_sleep, sqlite_factory, with_search_path
 from tests.support.poll import wait_for
 from tidebase.errors import Unavailable
 
@@ -31,8 +31,6 @@ JOB = "ml/resnet"
 
 @pytest.fixture
 def pg_factory(pg_admin: sa.Engine, pg_url: str) -> Iterator[sessionmaker[Session]]:
-    from tests.store.conftest import with_search_path
-
     schema = f"store_uow_{random.getrandbits(48):012x}"
     with pg_admin.connect() as conn:
         conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
