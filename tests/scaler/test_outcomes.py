@@ -104,6 +104,38 @@ async def test_a_too_late_abort_records_the_real_world_size(
     core.store.engine.dispose()
 
 
+class ReattachCoordinator(LateAbortCoordinator):
+    """Unreachable until the abort; then Resize, re-attached by decision id, streams
+    the resize's own final progress (generation 5), which differs from what the
+    job's status would say (generation 7)."""
+
+    async def resize(self, spec: ResizeSpec) -> AsyncIterator[Progress]:  # type: ignore[override]
+        if not self.aborts:
+            raise Unavailable("coordinator unreachable")
+        yield Progress(spec.decision_id, Phase.RENDEZVOUS, generation=5, world_size=3)
+        yield Progress(spec.decision_id, Phase.COMPLETED, generation=5, world_size=3)
+
+
+async def test_a_too_late_abort_prefers_the_resizes_own_final_progress(
+    scaler_db_url: str,
+) -> None:
+    """After a too-late abort the scaler re-attaches to the resize: its final
+    progress is the outcome; the job's status is only the fallback."""
+    clock = FakeClock(T0)
+    coordinator = ReattachCoordinator(world=3, abort_answer=Phase.RENDEZVOUS)
+    core = await _core(scaler_db_url, clock, coordinator)
+    actuator = core.actuator
+    assert isinstance(actuator, InMemoryActuator)
+    d = await core.request_resize(JOB, 4, "grow", "t")
+    await _drive(core, clock, d.id)
+    rec = (await core.store.get_decision(d.id)).decision
+    assert rec.state is DecisionState.COMPLETED and coordinator.aborts == 1
+    assert (rec.to_replicas, rec.generation) == (3, 5)
+    assert actuator.changes == [ReplicaChange(JOB, 2, 4, d.id), ReplicaChange(JOB, 4, 3, d.id)]
+    await core.close()
+    core.store.engine.dispose()
+
+
 async def test_every_in_memory_outcome_says_nothing_moved(scaler_db_url: str) -> None:
     clock = FakeClock(T0)
     coordinator = InMemoryCoordinator()
