@@ -1,4 +1,4 @@
-"""Protobuf Timestamp and Duration conversions, in one place.
+"""Protobuf Timestamp conversions, in one place.
 
 Tide keeps wall-clock times as float seconds since the epoch (domain code) or
 as aware UTC datetimes (the store); the API carries ``google.protobuf.Timestamp``.
@@ -12,7 +12,6 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
-from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
 
@@ -54,13 +53,3 @@ def field_seconds(msg: Any, name: str) -> float | None:
 def field_datetime(msg: Any, name: str) -> datetime | None:
     """An aware UTC datetime of ``msg.<name>``, or None when the field is not set."""
     return datetime_of(getattr(msg, name)) if msg.HasField(name) else None
-
-
-def duration_from_seconds(seconds: float) -> Duration:
-    d = Duration()
-    d.FromNanoseconds(round(seconds * 1e9))
-    return d
-
-
-def duration_seconds(d: Duration) -> float:
-    return d.seconds + d.nanos / 1e9

@@ -1,0 +1,83 @@
+"""tidebase: the time conversions, the LISTENING line and lifecycle tables everyone shares."""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+
+import grpc
+import pytest
+from tide.v1 import coordinator_pb2
+
+from tidebase.errors import grpc_status_of
+from tidebase.lifecycle import InvalidTransition, TransitionTable
+from tidebase.listening import Listening, listening_line, parse_listening
+from tidebase.timeconv import (
+    datetime_of,
+    field_datetime,
+    field_seconds,
+    seconds_of,
+    ts_from_datetime,
+    ts_from_seconds,
+)
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("seconds", [0.0, 1.5, 1_800_000_000.123456, -2.25])
+def test_seconds_round_trip_to_the_microsecond(seconds: float) -> None:
+    ts = ts_from_seconds(seconds)
+    assert ts is not None and 0 <= ts.nanos < 1_000_000_000
+    assert seconds_of(ts) == pytest.approx(seconds, abs=1e-6)
+
+
+def test_unknown_times_stay_unknown() -> None:
+    assert ts_from_seconds(None) is None
+    assert ts_from_seconds(float("nan")) is None
+    assert ts_from_datetime(None) is None
+    msg = coordinator_pb2.Directive()
+    assert field_seconds(msg, "deadline") is None
+    assert field_datetime(msg, "deadline") is None
+
+
+def test_datetimes_are_utc_and_naive_ones_are_taken_as_utc() -> None:
+    aware = datetime(2026, 12, 2, 12, 0, 30, 250_000, tzinfo=UTC)
+    ts = ts_from_datetime(aware)
+    assert ts is not None and datetime_of(ts) == aware
+    naive = ts_from_datetime(aware.replace(tzinfo=None))
+    assert naive == ts
+    msg = coordinator_pb2.Directive()
+    msg.deadline.CopyFrom(ts)
+    assert field_datetime(msg, "deadline") == aware
+    assert field_seconds(msg, "deadline") == pytest.approx(aware.timestamp())
+
+
+def test_the_listening_line_parses_back() -> None:
+    assert parse_listening(listening_line(4321, 9090)) == Listening(4321, 9090)
+    assert parse_listening(listening_line(4321, None).encode()) == Listening(4321, None)
+    assert parse_listening("LISTENING grpc=7") == Listening(7, None)
+    assert parse_listening("starting up") is None
+
+
+class Light(enum.Enum):
+    RED = 1
+    GREEN = 2
+    OFF = 3
+
+
+def test_a_table_moves_only_along_its_edges_and_a_wrong_move_is_a_bug() -> None:
+    table = TransitionTable(
+        "light", {Light.RED: {Light.GREEN, Light.OFF}, Light.GREEN: {Light.RED}, Light.OFF: ()}
+    )
+    assert table.check(Light.RED, Light.GREEN) is Light.GREEN
+    assert table.final_states == {Light.OFF} and table.is_final(Light.OFF)
+    assert (Light.GREEN, Light.RED) in table.edges()
+    with pytest.raises(InvalidTransition, match=r"light door: OFF -> RED"):
+        table.check(Light.OFF, Light.RED, what="door")
+    # Not a user's mistake: the gRPC edge answers INTERNAL.
+    assert grpc_status_of(InvalidTransition("x")) is grpc.StatusCode.INTERNAL
+
+
+def test_a_table_must_list_every_state() -> None:
+    with pytest.raises(ValueError, match="OFF"):
+        TransitionTable("light", {Light.RED: {Light.GREEN}, Light.GREEN: {Light.RED}})
