@@ -38,8 +38,8 @@ class RollupHistory:
         self._next_retention_s: float | None = None
 
     async def flush(self, replicas: Mapping[str, int], *, final: bool = False) -> int:
-        """Write the finished minutes of the jobs in ``replicas`` (all of them when
-        ``final``: the scaler is stopping); returns the rows written."""
+        """Write the finished minutes of the jobs in ``replicas`` (with ``final``, the
+        scaler is stopping: the current minute too); returns the rows written."""
         now = self.clock.now() + (120.0 if final else 0.0)
         rows = self.rollups.take_complete(now, dict(replicas))
         records = [
@@ -66,10 +66,10 @@ class RollupHistory:
             await self.apply_retention()
         return written
 
-    async def apply_retention(self, *, force: bool = False) -> int:
-        """Delete rollups older than the retention, if due (or ``force``); returns how many."""
+    async def apply_retention(self) -> int:
+        """Delete rollups older than the retention, if due; returns how many."""
         mono = self.clock.monotonic()
-        if not force and self._next_retention_s is not None and mono < self._next_retention_s:
+        if self._next_retention_s is not None and mono < self._next_retention_s:
             return 0
         self._next_retention_s = mono + RETENTION_EVERY_S
         before = utc_from_epoch(self.clock.now()) - self.retention

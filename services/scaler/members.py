@@ -76,10 +76,6 @@ class MemberIndex:
                 self.by_name[f"{ns}/{m.pod_name}"] = job_id
                 self.by_name.setdefault(m.pod_name, job_id)
 
-    def remove_job(self, job_id: str) -> None:
-        self._drop_keys(job_id)
-        self._members.pop(job_id, None)
-
     def _drop_keys(self, job_id: str) -> None:
         for m in self._members.get(job_id, ()):
             if self.by_uid.get(m.pod_uid) == job_id:

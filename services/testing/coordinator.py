@@ -241,10 +241,10 @@ class InMemoryCoordinator:
         return (await task).phase
 
     async def job_status(self, job_id: str) -> JobStatusView:
-        if job_id not in self._state.jobs:
+        st = self.latest_status(job_id)
+        if st is None:
             raise NotFound(f"job {job_id!r} not found")
-        g, w = self.job(job_id)
-        return JobStatusView(job_id, g, w, tuple(self._members.get(job_id, [])))
+        return st
 
     def latest_status(self, job_id: str) -> JobStatusView | None:
         if job_id not in self._state.jobs:

@@ -7,4 +7,4 @@ from services.scaler.members import MemberIndex
 
 class InMemoryMemberRegistry(MemberIndex):
     """services.scaler.members.MemberRegistry as plain data: ``set_members`` replaces
-    one job's members, ``remove_job`` forgets it; nothing follows a coordinator."""
+    one job's members; nothing follows a coordinator."""

@@ -8,6 +8,7 @@ import grpc
 from tide.v1 import common_pb2, telemetry_pb2
 
 from services.scaler.ingest import IngestEngine
+from tidebase.timeconv import ts_from_seconds
 
 
 def report(
@@ -24,7 +25,7 @@ def report(
     """A report of len(utils) GPUs; GPU i is held by pods[i] (uid and name) when given."""
     utils = [50.0] * 8 if utils is None else utils
     r = telemetry_pb2.NodeReport(node_name=node, boot_id=boot, seq=seq, gpu_capacity=capacity)
-    r.sampled_at.FromNanoseconds(int((time.time() if t is None else t) * 1e9))
+    r.sampled_at.CopyFrom(ts_from_seconds(time.time() if t is None else t))
     for i, u in enumerate(utils):
         g = r.gpus.add(
             index=i,

@@ -11,6 +11,7 @@ from services.scaler.members import Member
 from services.testing.clock import FakeClock
 from services.testing.members import InMemoryMemberRegistry
 from tests.scaler.support import report
+from tidebase.timeconv import ts_from_seconds
 
 pytestmark = pytest.mark.component
 
@@ -190,7 +191,7 @@ def test_termination_notice_marks_the_jobs_replicas(engine: IngestEngine) -> Non
     st = engine.open_stream()
     r = report(seq=1, t=T0, pods=PODS)
     ev = r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
-    ev.deadline.FromSeconds(int(T0) + 120)
+    ev.deadline.CopyFrom(ts_from_seconds(T0 + 120))
     engine.process(st, r)
     assert engine.terminating("ns/a") == (2, "n1", T0 + 120)
     r2 = report(seq=2, t=T0)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.scaler.coordination import JobStatusView, Phase, Progress, ResizeSpec
+from services.scaler.coordination import Phase, Progress, ResizeSpec
 from services.scaler.history import RETENTION_EVERY_S, RollupHistory
 from services.scaler.ingest import IngestEngine, IngestSettings
 from services.scaler.members import Member
@@ -53,9 +53,6 @@ class LateAbortCoordinator(InMemoryCoordinator):
         self.aborts += 1
         self.set_job(job_id, self.world, generation=7)
         return self.abort_answer
-
-    async def job_status(self, job_id: str) -> JobStatusView:
-        return await super().job_status(job_id)
 
 
 async def _core(url: str, clock: FakeClock, coordinator: InMemoryCoordinator) -> ScalerCore:
