@@ -269,10 +269,17 @@ def _member(row: CoordMember) -> Member:
     )
 
 
+#: What a coordinator before the one-step shrink stored while its leavers drained after
+#: the barrier and before g+1 opened. Loaded as CHECKPOINTING, such a resize meets the
+#: restart rule of a resize whose generation had not opened: it is aborted with a
+#: message, the stayers resume in g, and leavers already gone are lost and the job
+#: re-forms without them from the barrier's checkpoint. Marking it FAILED at load
+#: (as before) left the stayers holding at the barrier with nothing to release them.
+_LEGACY_DRAINING = "DRAINING"
+
+
 def _phase(name: str) -> ResizePhase:
-    # A coordinator before the one-step shrink persisted leavers draining before g+1 opened,
-    # as phase DRAINING. That resize cannot be carried on; it ends, FAILED, at load.
-    return ResizePhase.FAILED if name == "DRAINING" else ResizePhase[name]
+    return ResizePhase.CHECKPOINTING if name == _LEGACY_DRAINING else ResizePhase[name]
 
 
 def _resize(row: CoordResize) -> Resize:

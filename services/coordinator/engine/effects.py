@@ -95,7 +95,6 @@ class OpenGeneration:
     reason: str
     deadline_s: float
     decision_id: int | None = None
-    lost_steps: int = 0
 
 
 @dataclass(frozen=True)

@@ -397,7 +397,6 @@ class Outbox:
             created_at=self._clock.now(),
             reason=e.reason,
             decision_id=e.decision_id,
-            lost_steps=e.lost_steps,
         )
         s.generations[g] = gen
         s.job.generation = g

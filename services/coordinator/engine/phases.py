@@ -390,7 +390,7 @@ class Rendezvous(PhaseHandler):
             return []
         # The scaler lowers the replicas right after COMPLETED: a leaver still draining
         # would be killed before it acked.
-        if any(s.members[i].state != MemberState.GONE and i not in gone for i in r.leaving):
+        if not s.leavers_gone(r, besides=gone):
             return []
         pause, breakdown = measure_pause(
             held_at_latest=r.held_at_latest,
@@ -469,13 +469,14 @@ def _finished_message(c: Context) -> str:
 
 _FINAL = Final()
 
+# Each live handler names its phase once (its ``phase``); every final phase shares Final.
 PHASES: Mapping[ResizePhase, PhaseHandler] = {
-    ResizePhase.WAITING_FOR_MEMBERS: WaitingForMembers(),
-    ResizePhase.CHECKPOINTING: Checkpointing(),
-    ResizePhase.RENDEZVOUS: Rendezvous(),
-    ResizePhase.COMPLETED: _FINAL,
-    ResizePhase.ABORTED: _FINAL,
-    ResizePhase.FAILED: _FINAL,
+    **{
+        h.phase: h
+        for h in (WaitingForMembers(), Checkpointing(), Rendezvous())
+        if h.phase is not None
+    },
+    **{p: _FINAL for p in ResizePhase if p.final},
 }
 
 _missing = [p.name for p in ResizePhase if p not in PHASES]

@@ -7,6 +7,7 @@ heartbeat's in-memory progress aside, which is never persisted).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.coordinator.domain import (
@@ -94,8 +95,9 @@ class JobState:
         ds = [d for d in self.directives.values() if d.member_id == member_id and d.pending]
         return sorted(ds, key=lambda d: d.seq)
 
-    def leavers_gone(self, r: Resize) -> bool:
-        return all(self.members[i].state == MemberState.GONE for i in r.leaving)
+    def leavers_gone(self, r: Resize, besides: Sequence[str] = ()) -> bool:
+        """Every leaver of ``r`` is GONE, or about to be (``besides``: leaving in this unit)."""
+        return all(self.members[i].state == MemberState.GONE or i in besides for i in r.leaving)
 
     def finished_members(self) -> list[Member]:
         """Members that finished the job in the current generation (GONE with a rank)."""
