@@ -22,7 +22,6 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import grpc
 import sqlalchemy as sa
@@ -39,6 +38,7 @@ from services.coordinator.sql_store import SqlStore
 from services.coordinator.store import CoordinatorStore, MemoryStore
 from services.store import db
 from tests.coordinator.fakes import FakeLauncher, ResizeWatch
+from tests.support.pg import with_search_path
 from tests.support.poll import eventually
 
 JOB = "bench/job"
@@ -160,7 +160,7 @@ def _pg(members: int, heartbeat_s: float) -> dict[str, Any]:
     with admin.connect() as conn:
         conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
     try:
-        url = f"{base}?options={quote(f'-csearch_path={schema}')}"
+        url = with_search_path(base, schema)
         return asyncio.run(run(members, url, heartbeat_s))
     finally:
         with admin.connect() as conn:

@@ -4,8 +4,12 @@ support code that tests import lives in tests/support, never in a conftest."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
+import sqlalchemy as sa
+
+from tests.support.pg import admin_engine
 
 # Every test module names exactly one tier in its ``pytestmark`` (docs/architecture.md):
 # unit (pure), component (in-process, fakes, a fake clock, sockets on loopback),
@@ -26,6 +30,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "each test module needs exactly one tier marker "
             f"({', '.join(TIERS)}) in its pytestmark: {', '.join(wrong)}"
         )
+
+
+@pytest.fixture(scope="session")
+def pg_admin(pg_url: str) -> Iterator[sa.Engine]:
+    """An autocommit engine on the test database (tests/support/pg.py: skip or fail)."""
+    engine = admin_engine(pg_url)
+    yield engine
+    engine.dispose()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ the tide_test database) and the history is written by the store's repository.
 from __future__ import annotations
 
 import re
-import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from tests.cli.seed import JOB, OTHER, T0, Seeded, seed
+from tests.support.pg import schema_url
 from tests.support.procs import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
@@ -26,21 +26,12 @@ WEEK = {"since": T0.replace(hour=0, minute=0, second=0), "until": T0 + timedelta
 
 
 @pytest.fixture(scope="module")
-def pg(pg_url: str) -> Iterator[tuple[Any, Seeded]]:
-    schema = f"runbooks_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(pg_url)
-    with admin.begin() as conn:
-        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
-    url = f"{pg_url}?options=-csearch_path%3D{schema}"
-    try:
+def pg(pg_url: str, pg_admin: Any) -> Iterator[tuple[Any, Seeded]]:
+    with schema_url(pg_admin, pg_url, "runbooks") as url:
         ids = seed(url)
         engine = create_engine(url)
         yield engine, ids
         engine.dispose()
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
-        admin.dispose()
 
 
 def run(engine: Any, name: str, **params: Any) -> list[dict[str, Any]]:

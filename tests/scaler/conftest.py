@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from urllib.parse import quote
 
 import grpc
 import pytest
@@ -18,6 +15,7 @@ from services.scaler.ingest import IngestEngine, IngestSettings
 from services.scaler.servicer import TelemetryServicer
 from services.testing.members import InMemoryMemberRegistry
 from tests.scaler.support import TelemetryServer
+from tests.support.pg import schema_url
 from tidebase.grpc_options import server_options
 
 
@@ -42,19 +40,6 @@ async def telemetry_server(registry: InMemoryMemberRegistry) -> AsyncIterator[Te
 # --- databases --------------------------------------------------------------------------------
 
 
-def _pg_reachable(url: str) -> sa.Engine | None:
-    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
-    try:
-        with engine.connect() as conn:
-            conn.exec_driver_sql("SELECT 1")
-    except sa.exc.OperationalError:
-        engine.dispose()
-        if os.environ.get("TIDE_TEST_PG_URL"):
-            raise
-        return None
-    return engine
-
-
 @pytest.fixture(
     params=[
         pytest.param("sqlite", id="sqlite"),
@@ -71,18 +56,7 @@ def scaler_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[st
         yield url
         return
     pg_url: str = request.getfixturevalue("pg_url")
-    admin = _pg_reachable(pg_url)
-    if admin is None:
-        pytest.skip(f"PostgreSQL not reachable at {pg_url}")
-    schema = f"scaler_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    sep = "&" if "?" in pg_url else "?"
-    url = f"{pg_url}{sep}options={quote(f'-csearch_path={schema}')}"
-    try:
+    admin: sa.Engine = request.getfixturevalue("pg_admin")
+    with schema_url(admin, pg_url, "scaler") as url:
         db.upgrade(url)
         yield url
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
-        admin.dispose()

@@ -7,8 +7,6 @@ areas sharing ``tide_test`` never see it.
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,28 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.store import db
-from tests.store.support import with_search_path
-
-
-def _pg_admin(pg_url: str) -> sa.Engine:
-    engine = sa.create_engine(pg_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
-    try:
-        with engine.connect() as conn:
-            conn.exec_driver_sql("SELECT 1")
-    except sa.exc.OperationalError as exc:
-        engine.dispose()
-        if os.environ.get("TIDE_TEST_PG_URL"):
-            # `make test` promised a database: its absence is a failure, not a skip.
-            raise
-        pytest.skip(f"PostgreSQL not reachable at {pg_url}: {exc.orig}")
-    return engine
-
-
-@pytest.fixture(scope="session")
-def pg_admin(pg_url: str) -> Iterator[sa.Engine]:
-    engine = _pg_admin(pg_url)
-    yield engine
-    engine.dispose()
+from tests.support.pg import schema_url
 
 
 @pytest.fixture(
@@ -54,14 +31,8 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         return
     admin: sa.Engine = request.getfixturevalue("pg_admin")
     pg_url: str = request.getfixturevalue("pg_url")
-    schema = f"store_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    try:
-        yield with_search_path(pg_url, schema)
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+    with schema_url(admin, pg_url, "store") as url:
+        yield url
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import quote
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -22,9 +21,3 @@ def sqlite_factory(tmp_path: Path, busy_timeout_s: float = 5.0) -> sessionmaker[
 def no_sleep(seconds: float) -> None:
     """A unit of work's sleep that fails the test: it must not have retried."""
     raise AssertionError(f"unit of work retried (backoff {seconds} s) but must not")
-
-
-def with_search_path(url: str, schema: str) -> str:
-    """``url`` with PostgreSQL's search_path set to ``schema``: one schema per test."""
-    sep = "&" if "?" in url else "?"
-    return f"{url}{sep}options={quote(f'-csearch_path={schema}')}"

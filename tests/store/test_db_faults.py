@@ -16,7 +16,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from services.scaler import store as repo
 from services.store import db
-from tests.store.support import no_sleep, sqlite_factory, with_search_path
+from tests.store.support import no_sleep, sqlite_factory
+from tests.support.pg import with_search_path
 from tests.support.poll import wait_for
 from tidebase.errors import Unavailable
 
