@@ -116,3 +116,43 @@ def test_services_starting_together_both_upgrade(db_url: str) -> None:
     assert errors == []
     assert db.current_revision(db_url) == _script().get_current_head()
     assert _diff(db_url) == []
+
+
+def test_0003_renames_a_stored_sync_timeout_override_and_back(db_url: str) -> None:
+    """Overrides stored before the rename keep working after an upgrade; where both
+    names are stored, phase_timeout_s was written later and wins."""
+    db.upgrade(db_url, "0002_coordinator")
+    engine = db.make_engine(db_url)
+    jobs = sa.table("jobs", sa.column("job_id"), sa.column("policy_overrides", sa.JSON()))
+    rows = {
+        "ns/old": {"sync_timeout_s": 90.0, "cooldown_s": 10.0},
+        "ns/both": {"sync_timeout_s": 90.0, "phase_timeout_s": 30.0},
+        "ns/none": {"cooldown_s": 5.0},
+    }
+    try:
+        with engine.begin() as conn:
+            for job_id, overrides in rows.items():
+                conn.execute(
+                    sa.text(
+                        "INSERT INTO jobs (job_id, min_replicas, max_replicas, current_replicas,"
+                        " gpus_per_replica, policy_overrides, autoscaling_paused, pause_reason,"
+                        " generation, owner_epoch, owner_id, created_at, updated_at, version)"
+                        " VALUES (:j, 1, 8, 2, 1, :o, false, '', 0, 0, '', :t, :t, 1)"
+                    ).bindparams(sa.bindparam("o", type_=sa.JSON())),
+                    {"j": job_id, "o": overrides, "t": db.utc_from_epoch(1_800_000_000)},
+                )
+        db.upgrade(db_url)
+
+        def stored() -> dict[str, object]:
+            with engine.connect() as conn:
+                return dict(conn.execute(sa.select(jobs.c.job_id, jobs.c.policy_overrides)).all())
+
+        assert stored() == {
+            "ns/old": {"phase_timeout_s": 90.0, "cooldown_s": 10.0},
+            "ns/both": {"phase_timeout_s": 30.0},
+            "ns/none": {"cooldown_s": 5.0},
+        }
+        db.downgrade(db_url, "0002_coordinator")
+        assert stored()["ns/old"] == {"sync_timeout_s": 90.0, "cooldown_s": 10.0}
+    finally:
+        engine.dispose()

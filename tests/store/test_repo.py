@@ -345,28 +345,6 @@ def test_a_decision_moved_under_the_writer_is_a_race_not_a_bug(factory: Factory)
     assert move(factory, d.id, S.ACTUATING, epoch, expected=S.PREPARING).state is S.ACTUATING
 
 
-def test_a_stored_sync_timeout_override_reads_as_phase_timeout(factory: Factory) -> None:
-    """Overrides stored before the rename keep working after an upgrade."""
-    make_job(factory)
-    with session_scope(factory) as s:
-        s.get(Job, JOB).policy_overrides = {"sync_timeout_s": 90.0, "cooldown_s": 10.0}
-    job = tx(factory, lambda s: repo.get_job(s, JOB))
-    assert job.policy_overrides == {"phase_timeout_s": 90.0, "cooldown_s": 10.0}
-    # The next write stores the new name only, and a newer phase_timeout_s wins.
-    tx(
-        factory,
-        lambda s: repo.upsert_job(
-            s, JOB, min_replicas=1, max_replicas=8, now=T0, policy_overrides={"max_step": 2}
-        ),
-    )
-    with session_scope(factory, write=False) as s:
-        stored = dict(s.get(Job, JOB).policy_overrides)
-    assert stored == {"phase_timeout_s": 90.0, "cooldown_s": 10.0, "max_step": 2}
-    with session_scope(factory) as s:
-        s.get(Job, JOB).policy_overrides = {"sync_timeout_s": 90.0, "phase_timeout_s": 30.0}
-    assert tx(factory, lambda s: repo.get_job(s, JOB)).policy_overrides == {"phase_timeout_s": 30.0}
-
-
 def test_one_active_decision_per_job(factory: Factory) -> None:
     make_job(factory)
     make_job(factory, "ml/other")

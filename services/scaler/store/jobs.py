@@ -28,7 +28,6 @@ from services.scaler.store.rows import (
     flush,
     job_record,
     json_copy,
-    upgrade_overrides,
     validate_job_id,
 )
 from services.store.models.scaler import Job
@@ -101,7 +100,7 @@ def upsert_job(
             row.gpus_per_replica = gpus_per_replica
         if policy_overrides:
             row.policy_overrides = json_copy(
-                _merge_overrides(upgrade_overrides(row.policy_overrides), policy_overrides),
+                _merge_overrides(row.policy_overrides, policy_overrides),
                 f"policy overrides of job {job_id}",
             )
         row.updated_at = now

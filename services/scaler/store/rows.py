@@ -35,21 +35,6 @@ JOBS: Final = cast(Table, Job.__table__)
 ROLLUPS: Final = cast(Table, UtilizationRollup.__table__)
 
 
-#: Policy override keys renamed since they were first stored: old name -> new name.
-RENAMED_OVERRIDES: Final = {"sync_timeout_s": "phase_timeout_s"}
-
-
-def upgrade_overrides(stored: Mapping[str, Any]) -> dict[str, Any]:
-    """Stored overrides under today's names, so an upgraded scaler keeps a job's
-    override; where both names are stored, the new one was written later and wins."""
-    out = dict(stored)
-    for old, new in RENAMED_OVERRIDES.items():
-        if old in out:
-            value = out.pop(old)
-            out.setdefault(new, value)
-    return out
-
-
 def job_record(row: Job) -> JobRecord:
     return JobRecord(
         job_id=row.job_id,
@@ -57,7 +42,7 @@ def job_record(row: Job) -> JobRecord:
         max_replicas=row.max_replicas,
         current_replicas=row.current_replicas,
         gpus_per_replica=row.gpus_per_replica,
-        policy_overrides=upgrade_overrides(row.policy_overrides),
+        policy_overrides=dict(row.policy_overrides),
         autoscaling_paused=row.autoscaling_paused,
         pause_reason=row.pause_reason,
         paused_at=row.paused_at,
