@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass
 
 from services.common.config import CommonSettings, setting
-from services.scaler.actuators import KINDS
+from services.scaler.actuators import parse_actuator
 from services.scaler.ingest import IngestSettings
 from services.scaler.policy import PolicySettings
 from tidebase.errors import ConfigError
@@ -118,11 +118,7 @@ class ScalerSettings(CommonSettings):
     def check_actuator(self) -> None:
         # No default: an actuator that changes nothing must never be the one a
         # production scaler runs with by accident.
-        kind, sep, arg = self.actuator.partition(":")
-        if kind not in KINDS or not sep or not arg:
-            raise ConfigError(
-                f"actuator: expected local:DIR, got {self.actuator!r}; pass --actuator local:DIR"
-            )
+        parse_actuator(self.actuator)
 
     def policy(self) -> PolicySettings:
         names = {f.name for f in dataclasses.fields(PolicySettings)}

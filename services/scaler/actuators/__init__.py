@@ -14,16 +14,24 @@ from services.common.clock import Clock
 from services.scaler.actuators.base import Actuator
 from tidebase.errors import ConfigError
 
-__all__ = ["KINDS", "Actuator", "make_actuator"]
+__all__ = ["KINDS", "Actuator", "make_actuator", "parse_actuator"]
 
 #: The kinds ``--actuator KIND:ARG`` accepts.
 KINDS = ("local",)
 
 
+def parse_actuator(spec: str) -> tuple[str, str]:
+    """``--actuator KIND:ARG`` as (kind, arg); a ConfigError saying what to pass otherwise."""
+    kind, sep, arg = spec.partition(":")
+    if kind not in KINDS or not sep or not arg:
+        raise ConfigError(f"actuator: expected local:DIR, got {spec!r}; pass --actuator local:DIR")
+    return kind, arg
+
+
 def make_actuator(spec: str, *, coordinator: str, total_gpus: int | None, clock: Clock) -> Actuator:
     """The actuator ``spec`` (``--actuator``) names."""
-    kind, _, arg = spec.partition(":")
-    if kind == "local" and arg:
+    kind, arg = parse_actuator(spec)
+    if kind == "local":
         # Imported here: a scaler deployed with another actuator never loads local mode.
         from services.scaler.actuators.local import LocalActuator, LocalActuatorSettings
 
@@ -33,4 +41,4 @@ def make_actuator(spec: str, *, coordinator: str, total_gpus: int | None, clock:
             ),
             clock,
         )
-    raise ConfigError(f"actuator: expected local:DIR, got {spec!r}; pass --actuator local:DIR")
+    raise AssertionError(f"actuator kind {kind!r} is in KINDS but has no branch here")
