@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test test-fast lint proto proto-check bench clean
+.PHONY: setup demo test test-fast lint proto proto-check chart-schema bench clean
 
 setup:
 	PYTHON=$(PYTHON) scripts/setup.sh
@@ -17,6 +17,10 @@ proto: setup
 
 proto-check: setup
 	$(PY) scripts/gen_protos.py --check
+
+# The settings maps of deploy/helm/tide/values.schema.json, from the services' settings.
+chart-schema: setup
+	$(PY) scripts/gen_chart_schema.py
 
 LINT_PATHS := services trainer tidebase bench scripts tests
 

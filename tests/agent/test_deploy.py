@@ -1,50 +1,39 @@
-"""deploy/agent: valid against the Kubernetes schemas, and in the device-plugin posture."""
+"""The agent's DaemonSet as the Helm chart renders it: the device-plugin posture, its
+health probe on --listen, and a termination grace that covers its drain. (The schema
+validation of every rendered object is tests/deploy/test_chart.py's.)"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import kubernetes_validate
 import pytest
-import yaml
 
-pytestmark = pytest.mark.unit
+from tests.support.chart import EXAMPLES, Rendered, render
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "agent"
-K8S_VERSION = "1.30"
+pytestmark = pytest.mark.component
 
 
-def documents() -> list[dict[str, Any]]:
-    docs: list[dict[str, Any]] = []
-    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
-    for name in kustomization["resources"]:
-        docs += [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
-    return docs
+def agent(values: Path) -> tuple[Rendered, dict[str, Any]]:
+    rendered = render(values)
+    return rendered, rendered.pod("DaemonSet", "tide-agent")
 
 
-def by_kind(kind: str) -> dict[str, Any]:
-    (doc,) = [d for d in documents() if d["kind"] == kind]
-    return doc
+def agent_settings(rendered: Rendered, tmp_path: Path) -> Any:
+    """The agent's settings from its rendered flags and settings file."""
+    from services.agent.settings import AgentSettings
+    from services.common.config import load_settings
+
+    (container,) = rendered.pod("DaemonSet", "tide-agent")["containers"]
+    config = tmp_path / "agent.yaml"
+    config.write_text(rendered.one("ConfigMap", "tide-agent")["data"]["agent.yaml"])
+    args = [f"--config={config}" if a.startswith("--config=") else a for a in container["args"]]
+    return load_settings(AgentSettings, args, env={"NODE_NAME": "n"})
 
 
-@pytest.mark.parametrize("doc", documents(), ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
-def test_valid_against_the_kubernetes_schema(doc: dict[str, Any]) -> None:
-    # strict: unknown fields (a typo like readOnlyRootFileSystem) are errors too.
-    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-
-
-def test_schema_validation_catches_a_typo() -> None:
-    ds = by_kind("DaemonSet")
-    ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["readOnlyRootFileSystem"] = (
-        True
-    )
-    with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(ds, K8S_VERSION, strict=True)
-
-
-def test_daemonset_posture() -> None:
-    pod = by_kind("DaemonSet")["spec"]["template"]["spec"]
+@pytest.mark.parametrize("values", EXAMPLES.values(), ids=EXAMPLES.keys())
+def test_daemonset_posture(values: Path) -> None:
+    _, pod = agent(values)
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
     assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
@@ -54,54 +43,40 @@ def test_daemonset_posture() -> None:
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"] == {"drop": ["ALL"]}
     assert sc.get("privileged") is False
-    # Exactly one host mount, the PodResources socket directory, read-only.
+    # Exactly one host mount, the PodResources socket directory, read-only; beside it
+    # only the settings file.
     host_volumes = [v for v in pod["volumes"] if "hostPath" in v]
     assert [v["hostPath"]["path"] for v in host_volumes] == ["/var/lib/kubelet/pod-resources"]
-    assert len(pod["volumes"]) == 1
-    (mount,) = container["volumeMounts"]
-    assert mount["mountPath"] == "/var/lib/kubelet/pod-resources" and mount["readOnly"] is True
+    assert all("hostPath" in v or "configMap" in v for v in pod["volumes"])
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/var/lib/kubelet/pod-resources"]["readOnly"] is True
+    assert all(m["readOnly"] for m in mounts.values())
     assert "nvidia.com/gpu.present" in pod["nodeSelector"]
     assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
-    limits = container["resources"]["limits"]
-    assert {"cpu", "memory"} <= set(limits)
+    assert {"cpu", "memory"} <= set(container["resources"]["limits"])
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
 
 
-def test_rbac_reads_nodes_only() -> None:
-    role = by_kind("ClusterRole")
-    assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}
-    ]
-    binding = by_kind("ClusterRoleBinding")
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    sa = by_kind("ServiceAccount")
-    assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "tide-system"}
-    ]
-    pod = by_kind("DaemonSet")["spec"]["template"]["spec"]
-    assert pod["serviceAccountName"] == sa["metadata"]["name"]
+@pytest.mark.parametrize("values", EXAMPLES.values(), ids=EXAMPLES.keys())
+def test_the_health_probe_asks_the_agents_listen_port(values: Path, tmp_path: Path) -> None:
+    rendered, pod = agent(values)
+    settings = agent_settings(rendered, tmp_path)
+    assert settings.source == "nvml"
+    (container,) = pod["containers"]
+    health = {p["name"]: p["containerPort"] for p in container["ports"]}["health"]
+    assert settings.listen == f"0.0.0.0:{health}"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": health}
 
 
-def test_daemonset_args_are_agent_flags() -> None:
-    """Every flag in the manifest is one the agent accepts (a renamed flag breaks here)."""
-    from services.agent.settings import AgentSettings
-    from services.common.config import load_settings
-
-    (container,) = by_kind("DaemonSet")["spec"]["template"]["spec"]["containers"]
-    settings = load_settings(AgentSettings, container["args"], env={"NODE_NAME": "n"})
-    assert settings.source == "nvml" and settings.metrics_listen == "0.0.0.0:9102"
-
-
-def test_the_pod_grace_covers_the_agent_drain() -> None:
-    """SIGTERM: the last sample (at most 1 s), the final flush, then, when the agent
+@pytest.mark.parametrize("values", EXAMPLES.values(), ids=EXAMPLES.keys())
+def test_the_pod_grace_covers_the_agent_drain(values: Path, tmp_path: Path) -> None:
+    """SIGTERM: the last sample (at most 1 s), the final flush, then, since the agent
     serves health on --listen, the grace period for RPCs in flight; the kubelet must
     not SIGKILL it before that."""
-    from services.agent.settings import AgentSettings
-    from services.common.config import load_settings
-
-    pod = by_kind("DaemonSet")["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    s = load_settings(AgentSettings, container["args"], env={"NODE_NAME": "n"})
-    drain_s = 1.0 + s.shutdown_flush_s + (s.grace_period_s if s.listen else 0.0)
+    rendered, pod = agent(values)
+    s = agent_settings(rendered, tmp_path)
+    assert s.listen
+    drain_s = 1.0 + s.shutdown_flush_s + s.grace_period_s
     assert pod["terminationGracePeriodSeconds"] >= drain_s

@@ -1,0 +1,121 @@
+{{/*
+The Deployment of one control-plane service (the scaler or the coordinator):
+one replica, Recreate, probed over grpc.health.v1, its settings file from
+its ConfigMap, its store from TIDE_DB. Call with (dict "root" $ "component"
+"scaler" "values" .Values.scaler "args" (list ...) "apiAccess" true "adminToken" true).
+*/}}
+{{- define "tide.deployment" -}}
+{{- $root := .root -}}
+{{- $c := .component -}}
+{{- $v := .values -}}
+{{- $name := printf "%s-%s" (include "tide.fullname" $root) $c -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ $name }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "tide.labels" (dict "root" $root "component" $c) | nindent 4 }}
+spec:
+  # One replica, and an update stops the old pod before the new one starts:
+  # two of them side by side would split the agents' streams (scaler) or the
+  # trainers' rendezvous (coordinator) between two authorities.
+  replicas: 1
+  strategy:
+    type: Recreate
+  selector:
+    matchLabels:
+      {{- include "tide.selectorLabels" (dict "root" $root "component" $c) | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "tide.labels" (dict "root" $root "component" $c) | nindent 8 }}
+      annotations:
+        checksum/config: {{ toYaml $v.settings | sha256sum }}
+        {{- with $v.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    spec:
+      serviceAccountName: {{ $name }}
+      automountServiceAccountToken: {{ .apiAccess }}
+      # Service links would put TIDE_*-named variables of this namespace's
+      # Services into the environment, where settings are read from.
+      enableServiceLinks: false
+      terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
+      securityContext:
+        {{- include "tide.podSecurityContext" $root | nindent 8 }}
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.priorityClassName }}
+      priorityClassName: {{ . }}
+      {{- end }}
+      {{- with $v.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: {{ $c }}
+          image: {{ include "tide.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          command: ["python", "-m", "services.{{ $c }}"]
+          args:
+            - --config=/etc/tide/{{ $c }}.yaml
+            - --listen=0.0.0.0:{{ $v.grpcPort }}
+            - --metrics-listen=0.0.0.0:{{ $v.metricsPort }}
+            {{- range .args }}
+            - {{ . }}
+            {{- end }}
+          env:
+            {{- include "tide.dbEnv" (dict "root" $root "file" (printf "%s.db" $c)) | nindent 12 }}
+            {{- if and .adminToken $root.Values.adminToken.existingSecret }}
+            - name: TIDE_ADMIN_TOKEN
+              valueFrom:
+                secretKeyRef:
+                  name: {{ $root.Values.adminToken.existingSecret }}
+                  key: {{ $root.Values.adminToken.key }}
+            {{- end }}
+          ports:
+            - name: grpc
+              containerPort: {{ $v.grpcPort }}
+              protocol: TCP
+            - name: metrics
+              containerPort: {{ $v.metricsPort }}
+              protocol: TCP
+          {{- include "tide.grpcProbes" (dict "port" $v.grpcPort) | nindent 10 }}
+          resources:
+            {{- toYaml $v.resources | nindent 12 }}
+          securityContext:
+            {{- include "tide.containerSecurityContext" $root | nindent 12 }}
+          volumeMounts:
+            - name: config
+              mountPath: /etc/tide
+              readOnly: true
+            - name: tmp
+              mountPath: /tmp
+            {{- if eq $root.Values.store.type "sqlite" }}
+            - name: data
+              mountPath: /var/lib/tide
+            {{- end }}
+      volumes:
+        - name: config
+          configMap:
+            name: {{ $name }}
+        - name: tmp
+          emptyDir:
+            sizeLimit: 64Mi
+        {{- if eq $root.Values.store.type "sqlite" }}
+        - name: data
+          persistentVolumeClaim:
+            claimName: {{ $name }}-data
+        {{- end }}
+{{- end -}}
