@@ -32,6 +32,9 @@ spec:
         {{- include "tide.labels" (dict "root" $root "component" $c) | nindent 8 }}
       annotations:
         checksum/config: {{ toYaml $v.settings | sha256sum }}
+        # Its emptyDir is scratch (SQLite's temporary files), so the cluster
+        # autoscaler may evict it to remove a node; the state is in the store.
+        cluster-autoscaler.kubernetes.io/safe-to-evict: "true"
         {{- with $v.podAnnotations }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -110,6 +113,7 @@ spec:
         - name: config
           configMap:
             name: {{ $name }}
+        # The root filesystem is read-only; SQLite puts temporary files in /tmp.
         - name: tmp
           emptyDir:
             sizeLimit: 64Mi
