@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import logging
 import os
 import signal
 import socket
 import sys
 from collections.abc import Sequence
 
+from tidebase import logs
 from tidebase.errors import ConfigError
 from trainer.launcher import Launcher, LauncherSettings, State
 
@@ -53,9 +53,17 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         default=_default("exit_grace_s"),
         help="how long a worker asked to exit gets before SIGKILL, seconds",
     )
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default=os.environ.get("TIDE_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default=os.environ.get("TIDE_LOG_FORMAT", "text"),
+        help="text, or json with job_id and member as fields (env TIDE_LOG_FORMAT)",
+    )
     ns = p.parse_args(args)
-    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.configure(ns.log_level, ns.log_format)
+    # Every line of this launcher is about its job; the member id joins once registered.
+    logs.bind_process(job_id=ns.job)
     return LauncherSettings(
         coordinator=ns.coordinator,
         job_id=ns.job,

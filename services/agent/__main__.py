@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from services.common import logs
 from services.common.clock import SystemClock
 from services.common.entry import run_service
 from services.common.logs import with_context
@@ -71,6 +72,8 @@ def make_kube_api(settings: AgentSettings) -> Any | None:
 
 async def run(settings: AgentSettings, stop: asyncio.Event | None = None) -> int:
     """Run the agent until SIGTERM/SIGINT (or ``stop``); the process's exit code."""
+    # One node per agent: every line of the process (NVML, the stream, the watch) names it.
+    logs.bind_process(node=settings.node_name)
     metrics = AgentMetrics()
     edge = await start_edge(settings, metrics)
     pod_resources = (

@@ -28,6 +28,10 @@ class Exit(IntEnum):
     NOT_FOUND = 1
     USAGE = 2
     UNREACHABLE = 3
+    #: `tide demo` ran and failed its checks (or was stopped); `tide up` lost a service.
+    FAILED = 4
+    #: `tide scale --wait`: the decision ended ABORTED or FAILED.
+    DECISION_NOT_COMPLETED = 5
 
 
 app = typer.Typer(

@@ -53,6 +53,9 @@ def up_cmd(
         typer.Option(help="extra scaler flags, e.g. --scaler-flag '--sustain-s 10' (repeat)"),
     ] = None,
     log_level: Annotated[str, typer.Option(help="services' log level")] = "INFO",
+    log_format: Annotated[
+        str, typer.Option(help="services' and launchers' log lines: text or json")
+    ] = "text",
 ) -> None:
     """Run the scaler, the coordinator and optional synthetic agents here, until Ctrl-C."""
     from services.local import up
@@ -67,12 +70,13 @@ def up_cmd(
             load_pct=load_pct,
             total_gpus=total_gpus,
             log_level=log_level,
+            log_format=log_format,
             scaler_flags=up.split_flags(scaler_flag or []),
         )
     except errors.ConfigError as exc:
         fail(Exit.USAGE, str(exc))
     code = _run_until_signal(lambda stop: up.up(settings, echo, stop))
-    raise typer.Exit(code)
+    raise typer.Exit(int(Exit.FAILED) if code else 0)
 
 
 def demo_cmd(
@@ -93,6 +97,9 @@ def demo_cmd(
         bool | None,
         typer.Option("--live/--plain", help="live view or plain lines (default: live on a tty)"),
     ] = None,
+    log_format: Annotated[
+        str, typer.Option(help="log lines under STATE_DIR/logs: text or json")
+    ] = "text",
 ) -> None:
     """Scale the example Paddle job 2 → 4 → 2 with synthetic GPU load, and prove nothing was lost."""
     for module, extra in (("paddle", "paddle-cpu"), ("matplotlib", "demo"), ("numpy", "trainer")):
@@ -110,6 +117,7 @@ def demo_cmd(
             sustain_s=sustain_s,
             cooldown_s=cooldown_s,
             chart=chart,
+            log_format=log_format,
         )
     except errors.ConfigError as exc:
         fail(Exit.USAGE, str(exc))
@@ -136,6 +144,6 @@ def demo_cmd(
             outcome = await d.run(stop)
         for line in demo.summary_lines(outcome, settings.state_dir):
             typer.echo(line)
-        return 0 if outcome.ok else 1
+        return int(Exit.OK if outcome.ok else Exit.FAILED)
 
     raise typer.Exit(_run_until_signal(go))

@@ -83,6 +83,8 @@ class DemoSettings:
     seed: int = 0
     poll_interval_s: float = 0.5
     chart: Path | None = None
+    # Format of the services' and launchers' logs under STATE_DIR/logs.
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         if not 1 <= self.start_replicas < self.max_replicas <= 16:
@@ -252,6 +254,7 @@ class Demo:
             coordinator_listen="127.0.0.1:0",
             total_gpus=s.max_replicas,
             log_level="INFO",
+            log_format=s.log_format,
             # Fast evaluation and short staleness, so the short windows act promptly.
             scaler_flags=(
                 "--evaluate-interval-s",

@@ -63,6 +63,8 @@ class UpSettings:
     # GPUs the local actuator offers (0: unknown, no capacity limit).
     total_gpus: int = 0
     log_level: str = "INFO"
+    # text or json, for the services and (through TIDE_LOG_FORMAT) the local pods' launchers.
+    log_format: str = "text"
     # Extra flags, e.g. the default policy: ("--sustain-s", "10", ...).
     scaler_flags: tuple[str, ...] = ()
     coordinator_flags: tuple[str, ...] = ()
@@ -78,6 +80,8 @@ class UpSettings:
             raise ConfigError(f"load_pct: must be 0..100, got {self.load_pct}")
         if self.total_gpus < 0:
             raise ConfigError(f"total_gpus: must be >= 0, got {self.total_gpus}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format: expected text or json, got {self.log_format!r}")
         LoadSettings(gpus=self.gpus_per_agent)
 
     @property
@@ -149,6 +153,8 @@ class LocalCluster:
                     s.db_url,
                     "--log-level",
                     s.log_level,
+                    "--log-format",
+                    s.log_format,
                     *s.coordinator_flags,
                 ),
                 ready_timeout_s=s.ready_timeout_s,
@@ -181,8 +187,12 @@ class LocalCluster:
                     str(s.total_gpus),
                     "--log-level",
                     s.log_level,
+                    "--log-format",
+                    s.log_format,
                     *s.scaler_flags,
                 ),
+                # The local actuator's launchers inherit the scaler's environment.
+                env={"TIDE_LOG_FORMAT": s.log_format},
                 ready_timeout_s=s.ready_timeout_s,
                 stop_grace_s=s.stop_grace_s,
             )
@@ -222,6 +232,8 @@ class LocalCluster:
                     "--no-watch-node",
                     "--log-level",
                     s.log_level,
+                    "--log-format",
+                    s.log_format,
                 ),
                 wait_listening=False,
                 stop_grace_s=s.stop_grace_s,

@@ -14,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from services.common import logs
 from services.common.clock import Clock
 from services.scaler.actuators import Actuator
 from services.scaler.coordination import CoordinatorClient, Phase, Progress, ResizeSpec
@@ -111,6 +112,9 @@ class Controller:
         self, d: DecisionRecord, deadline_s: float, fault: FaultHook
     ) -> DecisionRecord | None:
         log = logger.getChild("decision")
+        # This task works on one decision for its whole life: every line it (and the
+        # store, the actuator, the coordinator client under it) logs carries both ids.
+        logs.bind(job_id=d.job_id, decision_id=d.id)
         try:
             if d.to_replicas >= d.from_replicas:
                 return await self._grow(d, deadline_s, fault)

@@ -232,7 +232,9 @@ class IngestEngine:
                 Rejection.NODE_CHANGED, f"stream of node {node.name} sent a report for {name}"
             )
         if node.boot_id != boot:
-            logger.info("node %s: new boot id %s (was %s)", name, boot, node.boot_id)
+            logger.info(
+                "node %s: new boot id %s (was %s)", name, boot, node.boot_id, extra={"node": name}
+            )
             node.reset(boot, seq)
 
         # Sequence: a number at or below the ack, or already held, is a replay.
@@ -382,6 +384,7 @@ class IngestEngine:
                     node.name,
                     _EVENT.Kind.Name(kind),
                     ev.detail,
+                    extra={"node": node.name},
                 )
                 jobs = {j for j in node.gpus.job if j is not None}
                 if self.on_bucket_closed is not None:
@@ -390,9 +393,13 @@ class IngestEngine:
             elif kind == _EVENT.KIND_UNCORDONED:
                 node.notice = 0
                 node.notice_deadline_s = None
-                logger.info("node %s: uncordoned", node.name)
+                logger.info("node %s: uncordoned", node.name, extra={"node": node.name})
             elif kind == _EVENT.KIND_AGENT_SHUTDOWN:
-                logger.info("node %s: agent shutting down; its samples stop", node.name)
+                logger.info(
+                    "node %s: agent shutting down; its samples stop",
+                    node.name,
+                    extra={"node": node.name},
+                )
 
     # -- what the policy loop reads -------------------------------------------
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from services.common import logs
 from services.common.clock import Clock
 from services.scaler import policy as pol
 from services.scaler.actuators import Actuator
@@ -431,7 +432,8 @@ class ScalerCore:
         self, job_id: str, tipping_s: float | None, fresh: Mapping[str, int] | None = None
     ) -> None:
         try:
-            await self.evaluate(job_id, tipping_s=tipping_s, fresh=fresh)
+            with logs.bound(job_id=job_id):
+                await self.evaluate(job_id, tipping_s=tipping_s, fresh=fresh)
         except StaleEpoch as exc:
             # Another scaler took the job; stop deciding for it (once, not every tick).
             self.fenced.add(job_id)

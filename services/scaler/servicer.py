@@ -290,7 +290,7 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
             await send()
         except InvalidStream as exc:
             node = stream.node.name if stream.node is not None else "?"
-            logger.warning("node %s: telemetry stream refused: %s", node, exc)
+            logger.warning("node %s: telemetry stream refused: %s", node, exc, extra={"node": node})
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
             flush_task.cancel()

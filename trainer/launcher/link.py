@@ -33,6 +33,7 @@ import grpc
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
+from tidebase import logs
 from tidebase.client import domain_error, open_channel
 from tidebase.errors import FailedPrecondition, NotFound, TideError
 from tidebase.retry import Backoff
@@ -164,6 +165,7 @@ class CoordinatorLink:
             timeout=self.s.rpc_timeout_s,
         )
         self.member_id = resp.member_id
+        logs.bind_process(member=self.member_id)
         if resp.heartbeat_interval_s > 0:
             self.heartbeat_interval_s = resp.heartbeat_interval_s
         if resp.heartbeat_timeout_s > 0:

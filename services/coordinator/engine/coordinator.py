@@ -147,7 +147,7 @@ class Coordinator:
                 self.job(job_id).tick(stalled_s)
             except Exception:
                 # One job's failure (a store outage) must not stop the others' checks.
-                logger.exception("tick of job %s failed", job_id)
+                logger.exception("tick of job %s failed", job_id, extra={"job_id": job_id})
 
     async def run(self) -> None:
         """Tick until cancelled, measuring how late each tick is.

@@ -185,6 +185,7 @@ class JobRuntime:
             m.state.name,
             inp.last_generation,
             self.job.generation,
+            extra={"member": m.member_id},
         )
         self._finish_operation()
         return RegisterResult(
@@ -286,6 +287,7 @@ class JobRuntime:
             len(self.state.actives()),
             r.target_world_size,
             r.deadline_s,
+            extra={"decision_id": r.decision_id},
         )
         self._finish_operation()
         return r

@@ -207,10 +207,20 @@ class Outbox:
                 self._complete(e)
             case fx.Abort():
                 self._finish_resize(e.decision_id, ResizePhase.ABORTED, e.message)
-                self._log.warning("resize %d aborted: %s", e.decision_id, e.message)
+                self._log.warning(
+                    "resize %d aborted: %s",
+                    e.decision_id,
+                    e.message,
+                    extra={"decision_id": e.decision_id},
+                )
             case fx.Fail():
                 self._finish_resize(e.decision_id, ResizePhase.FAILED, e.message)
-                self._log.warning("resize %d failed: %s", e.decision_id, e.message)
+                self._log.warning(
+                    "resize %d failed: %s",
+                    e.decision_id,
+                    e.message,
+                    extra={"decision_id": e.decision_id},
+                )
             case fx.AckedLeaver():
                 r = s.resizes[e.decision_id]
                 r.acked = (*r.acked, e.member_id)
@@ -220,7 +230,10 @@ class Outbox:
                 r.phase_started_at = max(r.phase_started_at, e.at)
                 self._changed(r)
                 self._log.info(
-                    "resize %d: carried on after restart in phase %s", r.decision_id, r.phase.name
+                    "resize %d: carried on after restart in phase %s",
+                    r.decision_id,
+                    r.phase.name,
+                    extra={"decision_id": r.decision_id},
                 )
             case fx.Lose():
                 self._lose(e)
@@ -244,7 +257,9 @@ class Outbox:
                     transition_member(m, MemberState.GONE)
                     m.rank = None
                     self._changed(m)
-                self._log.info("member %s drained and left", m.member_id)
+                self._log.info(
+                    "member %s drained and left", m.member_id, extra={"member": m.member_id}
+                )
             case fx.AddMember():
                 s.members[e.member.member_id] = e.member
                 self._changed(e.member)
@@ -301,6 +316,7 @@ class Outbox:
             m.member_id,
             generation,
             reason,
+            extra={"member": m.member_id, "generation": generation},
         )
 
     def _supersede(self, member_id: str, kinds: frozenset[DirectiveKind] = frozenset()) -> None:
@@ -322,6 +338,7 @@ class Outbox:
             len(e.participants),
             len(e.newcomers),
             len(e.leaving),
+            extra={"decision_id": r.decision_id},
         )
 
     def _record_hold(self, e: fx.RecordHold) -> None:
@@ -361,7 +378,11 @@ class Outbox:
     def _drain_out(self, m: Member) -> None:
         if m.state != MemberState.DRAINING:
             return
-        self._log.warning("member %s did not confirm DRAIN in time; treated as gone", m.member_id)
+        self._log.warning(
+            "member %s did not confirm DRAIN in time; treated as gone",
+            m.member_id,
+            extra={"member": m.member_id},
+        )
         transition_member(m, MemberState.GONE)
         m.rank = None
         self._supersede(m.member_id)
@@ -408,6 +429,7 @@ class Outbox:
             gen.master_endpoint,
             e.restore_step,
             e.reason,
+            extra={"generation": g},
         )
 
     def _enter_rendezvous(self, e: fx.EnterRendezvous) -> None:
@@ -432,6 +454,7 @@ class Outbox:
             r.to_generation,
             r.pause_s,
             e.message,
+            extra={"decision_id": r.decision_id, "generation": r.to_generation},
         )
 
     def _finish_resize(self, decision_id: int, phase: ResizePhase, message: str) -> None:
@@ -457,7 +480,9 @@ class Outbox:
             self._changed(m)
             lost.append(m.member_id)
             self._metrics.members_lost.inc()
-            self._log.warning("member %s lost: %s", m.member_id, e.reason)
+            self._log.warning(
+                "member %s lost: %s", m.member_id, e.reason, extra={"member": m.member_id}
+            )
         if lost:
             r = self.state.active_resize()
             self.apply(rules(r).on_loss(self.context(), r, lost, gen_broken, e.reason))
@@ -495,6 +520,7 @@ class Outbox:
                 e.generation - 1,
                 e.steps,
                 gen.lost_steps,
+                extra={"member": e.last_word_of},
             )
 
     def _report_checkpoint(self, e: fx.ReportCheckpoint) -> None:
@@ -522,6 +548,7 @@ class Outbox:
             e.step,
             e.member_id,
             e.generation,
+            extra={"member": e.member_id, "generation": e.generation},
         )
 
     def _finish_member(self, m: Member) -> None:
@@ -537,6 +564,7 @@ class Outbox:
             m.member_id,
             m.step,
             m.reported_generation,
+            extra={"member": m.member_id},
         )
         if s.current_members():
             return

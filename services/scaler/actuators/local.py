@@ -209,13 +209,25 @@ class LocalActuator:
                     job_id, int(doc["index"]), doc["name"], int(doc["pid"]), int(doc["start"])
                 )
             except (OSError, ValueError, KeyError) as exc:
-                logger.warning("job %s: ignoring damaged pid file %s: %s", job_id, f, exc)
+                logger.warning(
+                    "job %s: ignoring damaged pid file %s: %s",
+                    job_id,
+                    f,
+                    exc,
+                    extra={"job_id": job_id},
+                )
                 f.unlink(missing_ok=True)
                 continue
             if is_running(pod.pid, pod.start_ticks):
                 out.append(pod)
             else:
-                logger.info("job %s: pod %s (pid %d) is gone", job_id, pod.name, pod.pid)
+                logger.info(
+                    "job %s: pod %s (pid %d) is gone",
+                    job_id,
+                    pod.name,
+                    pod.pid,
+                    extra={"job_id": job_id},
+                )
                 f.unlink(missing_ok=True)
         return sorted(out, key=lambda p: p.index)
 
@@ -274,7 +286,11 @@ class LocalActuator:
         except FileNotFoundError:
             return None
         except ValueError:
-            logger.warning("job %s: unreadable replicas file; counting live pods", job_id)
+            logger.warning(
+                "job %s: unreadable replicas file; counting live pods",
+                job_id,
+                extra={"job_id": job_id},
+            )
             return len(self.pods(job_id))
 
     async def free_gpus(self) -> int | None:
@@ -330,7 +346,12 @@ class LocalActuator:
         doc = {"index": index, "name": name, "pid": proc.pid, "start": start, "log": str(log_path)}
         _write_atomic(self._pid_file(job_id, index), json.dumps(doc))
         logger.info(
-            "job %s: started pod %s (pid %d) for decision %d", job_id, name, proc.pid, decision_id
+            "job %s: started pod %s (pid %d) for decision %d",
+            job_id,
+            name,
+            proc.pid,
+            decision_id,
+            extra={"job_id": job_id, "decision_id": decision_id or None},
         )
         return Pod(job_id, index, name, proc.pid, start)
 
@@ -339,7 +360,13 @@ class LocalActuator:
 
         Like a kubelet, only the launcher is asked: it stops its worker in
         order. Whatever is left of its process group afterwards is killed."""
-        logger.info("job %s: stopping pod %s (pid %d)", pod.job_id, pod.name, pod.pid)
+        logger.info(
+            "job %s: stopping pod %s (pid %d)",
+            pod.job_id,
+            pod.name,
+            pod.pid,
+            extra={"job_id": pod.job_id},
+        )
         if is_running(pod.pid, pod.start_ticks):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pod.pid, signal.SIGTERM)
@@ -349,6 +376,7 @@ class LocalActuator:
                 pod.job_id,
                 pod.name,
                 self.settings.stop_grace_s,
+                extra={"job_id": pod.job_id},
             )
             self._kill_group(pod)
             await self._wait_gone(pod, 30.0)
