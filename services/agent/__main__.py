@@ -13,6 +13,7 @@ from services.common import logs
 from services.common.clock import SystemClock
 from services.common.entry import run_service
 from services.common.logs import with_context
+from services.common.metrics import register_build_info
 
 from .agent import Agent
 from .attribution import PodResourcesClient
@@ -75,6 +76,7 @@ async def run(settings: AgentSettings, stop: asyncio.Event | None = None) -> int
     # One node per agent: every line of the process (NVML, the stream, the watch) names it.
     logs.bind_process(node=settings.node_name)
     metrics = AgentMetrics()
+    register_build_info(metrics.registry, "agent")
     edge = await start_edge(settings, metrics)
     pod_resources = (
         PodResourcesClient(settings.pod_resources_socket, settings.gpu_resource_name)

@@ -140,7 +140,7 @@ class Agent:
 
     def post_notice(self, notice: NodeNotice) -> None:
         """Queue a notice for the next report. Event-loop thread only."""
-        self.metrics.node_events.labels(notice.kind.name).inc()
+        self.metrics.node_events.labels(notice.kind.name.lower()).inc()
         self._notices.append(notice)
 
     def post_notice_threadsafe(self, notice: NodeNotice) -> None:

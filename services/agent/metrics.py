@@ -41,7 +41,7 @@ class AgentMetrics:
             "tide_agent_gpus_unhealthy", "GPUs with a health flag in the last sample.", registry=r
         )
         self.sample_seconds = Histogram(
-            "tide_agent_sample_seconds",
+            "tide_agent_sample_duration_seconds",
             "Time to read all GPUs once.",
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0),
             registry=r,
@@ -57,7 +57,10 @@ class AgentMetrics:
             registry=r,
         )
         self.node_events = Counter(
-            "tide_agent_node_events_total", "Node notices observed, by kind.", ["kind"], registry=r
+            "tide_agent_node_events_total",
+            "Node notices observed, by kind (cordoned, ...).",
+            ["kind"],
+            registry=r,
         )
         self.pod_resources_errors = Counter(
             "tide_agent_pod_resources_errors_total",

@@ -133,7 +133,9 @@ class TelemetryStream:
                 self.state.disconnects.append(
                     Disconnect(reason, self._clock.monotonic(), connected_s)
                 )
-                self.metrics.disconnects.labels(reason.split(":", 1)[0]).inc()
+                # snake_case label: closed_by_scaler, unavailable, ack_timeout, error, ...
+                label = reason.split(":", 1)[0].strip().lower().replace(" ", "_")
+                self.metrics.disconnects.labels(label).inc()
                 delay = self._backoff.next_delay_s()
                 self._log.warning(
                     "telemetry stream to %s ended (%s) after %.1f s; %d reports held;"

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 from services.common.config import CommonSettings
+from services.common.metrics import grpc_server_metrics
 from tidebase.grpc_options import server_options
 from tidebase.listening import listening_line
 
@@ -111,7 +112,8 @@ async def start_server(
     registry: CollectorRegistry = REGISTRY,
     options: Sequence[tuple[str, Any]] | None = None,
 ) -> RunningServer:
-    interceptors: list[grpc.aio.ServerInterceptor] = []
+    # First, so that refused admin calls are counted with their UNAUTHENTICATED.
+    interceptors: list[grpc.aio.ServerInterceptor] = [grpc_server_metrics(registry)]
     if settings.admin_token:
         interceptors.append(_AdminTokenInterceptor(settings.admin_token, admin_methods))
     elif admin_methods:

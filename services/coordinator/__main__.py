@@ -14,6 +14,7 @@ from tide.v1 import coordinator_pb2_grpc
 
 from services.common.clock import SystemClock
 from services.common.entry import run_service
+from services.common.metrics import register_build_info
 from services.common.server import ServiceSpec, serve
 from services.coordinator.engine import Coordinator
 from services.coordinator.metrics import CoordinatorMetrics
@@ -33,6 +34,7 @@ async def _run(settings: CoordinatorSettings) -> None:
     engine = db.make_engine(settings.db)
     store = SqlStore(db.make_session_factory(engine), clock.now)
     coordinator = Coordinator(store, clock, settings.tuning(), CoordinatorMetrics(REGISTRY))
+    register_build_info(REGISTRY, "coordinator")
     coordinator.load()
 
     async def close_db() -> None:

@@ -1,4 +1,6 @@
-"""The coordinator's Prometheus metrics, in a registry of its own unless given one."""
+"""The coordinator's Prometheus metrics, in a registry of its own unless given one.
+
+Label values are snake_case; ``job_id`` is bounded by the number of jobs."""
 
 from __future__ import annotations
 
@@ -11,12 +13,12 @@ class CoordinatorMetrics:
         r = self.registry
         self.resizes = Counter(
             "tide_coordinator_resizes_total",
-            "Resizes that reached a final phase, by phase (COMPLETED, ABORTED, FAILED).",
+            "Resizes that reached a final phase, by phase (completed, aborted, failed).",
             ["phase"],
             registry=r,
         )
         self.pause_seconds = Histogram(
-            "tide_coordinator_resize_pause_seconds",
+            "tide_coordinator_resize_pause_duration_seconds",
             "Training pause of completed resizes: last hold to last first step.",
             buckets=(0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120),
             registry=r,
@@ -29,16 +31,18 @@ class CoordinatorMetrics:
         )
         self.members_lost = Counter(
             "tide_coordinator_members_lost_total",
-            "Members (or their workers) declared lost.",
+            "Members (or their workers) declared lost, by job.",
+            ["job_id"],
             registry=r,
         )
         self.lost_steps = Counter(
             "tide_coordinator_lost_steps_total",
-            "Training steps lost to unplanned losses (upper bound).",
+            "Training steps lost to unplanned losses (upper bound), by job.",
+            ["job_id"],
             registry=r,
         )
         self.commit_seconds = Histogram(
-            "tide_coordinator_commit_seconds",
+            "tide_coordinator_commit_duration_seconds",
             "Time to commit one unit of coordinator state.",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
             registry=r,

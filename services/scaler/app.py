@@ -16,11 +16,13 @@ from prometheus_client import REGISTRY
 from tide.v1 import scaler_pb2_grpc, telemetry_pb2_grpc
 
 from services.common.clock import Clock
+from services.common.metrics import register_build_info
 from services.common.server import ServiceSpec, serve
 from services.scaler.actuators import Actuator
+from services.scaler.actuators.counted import CountedActuator
 from services.scaler.coordination import CoordinatorClient
 from services.scaler.lifecycle import FaultHook
-from services.scaler.metrics import IngestCollector
+from services.scaler.metrics import IngestCollector, ScalerMetrics
 from services.scaler.service import ScalerCore
 from services.scaler.servicer import ADMIN_METHODS, ScalerServicer, TelemetryServicer
 from services.scaler.settings import SWITCH_INTERVAL_S, ScalerSettings
@@ -43,9 +45,10 @@ async def serve_scaler(
     await asyncio.to_thread(db.upgrade, settings.db)
     engine = db.make_engine(settings.db)
     store = DecisionStore(engine, settings.owner(), clock)
+    metrics = ScalerMetrics(REGISTRY)
     core = ScalerCore(
         store=store,
-        actuator=actuator,
+        actuator=CountedActuator(actuator, metrics.actuator_errors),
         coordinator=coordinator,
         clock=clock,
         defaults=settings.policy(),
@@ -54,8 +57,10 @@ async def serve_scaler(
         evaluate_interval_s=settings.evaluate_interval_s,
         rollup_flush_interval_s=settings.rollup_flush_interval_s,
         rollup_retention_days=settings.rollup_retention_days,
+        metrics=metrics,
     )
     REGISTRY.register(IngestCollector(core.engine))
+    register_build_info(REGISTRY, "scaler")
     await core.start()
 
     async def shutdown() -> None:

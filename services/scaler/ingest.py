@@ -49,6 +49,43 @@ class Rejection(enum.Enum):
     NODE_CHANGED = "node_changed"
     MALFORMED = "malformed"
 
+    @property
+    def scope(self) -> str:
+        """What was refused: one ``sample``, a whole ``report``, or the ``stream``."""
+        return _SCOPES[self]
+
+
+_SCOPES: dict[Rejection, str] = {
+    **dict.fromkeys(
+        (
+            Rejection.NON_FINITE,
+            Rejection.UTILIZATION_OUT_OF_RANGE,
+            Rejection.MEMORY_USED_EXCEEDS_TOTAL,
+            Rejection.GPU_INDEX_OUT_OF_RANGE,
+            Rejection.DUPLICATE_GPU_INDEX,
+        ),
+        "sample",
+    ),
+    **dict.fromkeys(
+        (
+            Rejection.TIMESTAMP_MISSING,
+            Rejection.TIMESTAMP_IN_FUTURE,
+            Rejection.TIMESTAMP_OUT_OF_ORDER,
+        ),
+        "report",
+    ),
+    **dict.fromkeys(
+        (
+            Rejection.TOO_MANY_GPUS,
+            Rejection.MISSING_IDENTITY,
+            Rejection.BAD_SEQUENCE,
+            Rejection.NODE_CHANGED,
+            Rejection.MALFORMED,
+        ),
+        "stream",
+    ),
+}
+
 
 class InvalidStream(InvalidArgument):
     """The stream itself is broken (identity, sequence, impossible GPU count): it ends."""
@@ -428,6 +465,14 @@ class IngestEngine:
                 if job is not None and seen >= horizon:
                     out[job] = out.get(job, 0) + 1
         return out
+
+    def node_freshness(self, now_s: float) -> tuple[int, int]:
+        """(nodes whose last report is fresh, nodes whose last report is stale). Read by
+        the /metrics thread: ``list`` copies the values in one step under the GIL."""
+        horizon = now_s - self.settings.stale_after_s
+        last = [n.last_sampled_s for n in list(self.nodes.values())]
+        fresh = sum(1 for t in last if t >= horizon)
+        return fresh, len(last) - fresh
 
     def terminating(self, job_id: str) -> tuple[int, str, float | None]:
         """(replicas of the job on noticed nodes, one such node, earliest deadline)."""

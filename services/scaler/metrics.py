@@ -1,17 +1,54 @@
-"""The scaler's Prometheus metrics: the ingest counters, read at scrape time.
+"""The scaler's Prometheus metrics (docs/observability.md lists each, and its alert).
 
-The hot path keeps plain ints (services/scaler/ingest.py); this collector turns
-them into metric families only when Prometheus asks.
+Two kinds:
+
+- :class:`IngestCollector` reads the ingest engine's plain ints at scrape time:
+  the telemetry hot path (services/scaler/ingest.py) never touches a metric
+  object per sample.
+- :class:`ScalerMetrics` holds what the control loop updates as it goes: per
+  job (labels bounded by the number of jobs, never one per decision, node or
+  member), the decisions, the evaluation and decision latency, the actuator's
+  errors. It is updated on the event loop only; the /metrics thread just reads.
+
+Label values are snake_case (``sustained_high_utilization``, ``completed``).
+Utilization and coverage are ratios 0..1, Prometheus's base unit.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from typing import Final
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from services.scaler.ingest import IngestEngine
+from services.scaler.ingest import IngestEngine, Rejection
+from services.scaler.policy import PolicySettings, WindowView
+from services.scaler.store import DecisionRecord, JobRecord
+
+#: Evaluation and decision latency, seconds: an evaluation takes microseconds
+#: (a no-op) to tens of milliseconds (a committed decision on a busy SQLite).
+LATENCY_BUCKETS_S: Final = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+#: Parts of the decision latency (``tide_scaler_decision_latency_stage_seconds``).
+STAGES: Final = ("transport", "queue", "evaluate")
 
 
 class IngestCollector(Collector):
@@ -23,36 +60,228 @@ class IngestCollector(Collector):
     def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
         e = self.engine
         reports = CounterMetricFamily(
-            "tide_scaler_telemetry_reports", "Node reports by outcome", labels=["result"]
+            "tide_scaler_telemetry_reports",
+            "Node reports by result: accepted, duplicate (a resend), dropped (refused, see"
+            " tide_scaler_telemetry_reports_rejected_total).",
+            labels=["result"],
         )
         reports.add_metric(["accepted"], e.reports_accepted)
         reports.add_metric(["duplicate"], e.reports_duplicate)
         reports.add_metric(["dropped"], e.reports_dropped)
         yield reports
         samples = CounterMetricFamily(
-            "tide_scaler_telemetry_samples_accepted", "GPU samples that reached the node view"
+            "tide_scaler_telemetry_samples_accepted", "GPU samples that reached the node view."
         )
         samples.add_metric([], e.samples_accepted)
         yield samples
         unattributed = CounterMetricFamily(
             "tide_scaler_telemetry_samples_unattributed",
-            "Accepted GPU samples of GPUs that belong to no job",
+            "Accepted GPU samples of GPUs that belong to no job.",
         )
         unattributed.add_metric([], e.samples_unattributed)
         yield unattributed
-        rejected = CounterMetricFamily(
-            "tide_scaler_telemetry_rejected",
-            "Samples, reports or streams refused, by reason",
-            labels=["reason"],
-        )
-        for reason, count in e.rejected.items():
-            rejected.add_metric([reason.value], count)
-        yield rejected
+        # One family per scope: a sample, a report and a stream are different things
+        # to count, and summing them would mean nothing.
+        for scope, what in (
+            ("sample", "GPU samples refused (the rest of their report counts)"),
+            ("report", "Reports acknowledged but kept out of the windows"),
+            ("stream", "Telemetry streams ended with INVALID_ARGUMENT"),
+        ):
+            family = CounterMetricFamily(
+                f"tide_scaler_telemetry_{scope}s_rejected", f"{what}, by reason.", labels=["reason"]
+            )
+            for reason, count in e.rejected.items():
+                if reason.scope == scope:
+                    family.add_metric([reason.value], count)
+            yield family
         gaps = CounterMetricFamily(
-            "tide_scaler_telemetry_seq_gaps", "Reports skipped in agents' sequence numbers"
+            "tide_scaler_telemetry_seq_gaps", "Reports skipped in agents' sequence numbers."
         )
         gaps.add_metric([], e.seq_gaps)
         yield gaps
-        streams = GaugeMetricFamily("tide_scaler_telemetry_streams", "Open agent streams")
+        streams = GaugeMetricFamily(
+            "tide_scaler_telemetry_streams", "Open agent telemetry streams (agents connected)."
+        )
         streams.add_metric([], e.streams_open)
         yield streams
+        nodes = GaugeMetricFamily(
+            "tide_scaler_telemetry_nodes",
+            "Nodes the scaler has heard of, by whether their last report is fresh"
+            " (newer than the staleness limit) or stale.",
+            labels=["freshness"],
+        )
+        fresh, stale = e.node_freshness(e.clock.now())
+        nodes.add_metric(["fresh"], fresh)
+        nodes.add_metric(["stale"], stale)
+        yield nodes
+
+
+class ScalerMetrics:
+    """What the control loop records; one per ScalerCore (its own registry unless given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        job = ("job_id",)
+        self.replicas = Gauge(
+            "tide_scaler_job_replicas", "Replicas the job runs with now.", job, registry=r
+        )
+        self.desired_replicas = Gauge(
+            "tide_scaler_job_desired_replicas",
+            "Replicas the job is being resized to (its active decision's target), else its"
+            " current replicas.",
+            job,
+            registry=r,
+        )
+        self.min_replicas = Gauge(
+            "tide_scaler_job_min_replicas", "The job's lower bound.", job, registry=r
+        )
+        self.max_replicas = Gauge(
+            "tide_scaler_job_max_replicas", "The job's upper bound.", job, registry=r
+        )
+        self.paused = Gauge(
+            "tide_scaler_job_autoscaling_paused",
+            "1 while autoscaling of the job is paused (sum() is the paused jobs).",
+            job,
+            registry=r,
+        )
+        self.utilization = Gauge(
+            "tide_scaler_job_window_utilization_ratio",
+            "Mean GPU utilization over the job's sustain window at its last evaluation,"
+            " 0..1; absent while the window holds no sample.",
+            job,
+            registry=r,
+        )
+        self.coverage = Gauge(
+            "tide_scaler_job_window_coverage_ratio",
+            "Fraction of the job's GPUs with a fresh sample at its last evaluation, 0..1.",
+            job,
+            registry=r,
+        )
+        self.scale_up = Gauge(
+            "tide_scaler_job_scale_up_threshold_ratio",
+            "The job's scale-up utilization threshold, 0..1.",
+            job,
+            registry=r,
+        )
+        self.scale_down = Gauge(
+            "tide_scaler_job_scale_down_threshold_ratio",
+            "The job's scale-down utilization threshold, 0..1.",
+            job,
+            registry=r,
+        )
+        self.min_coverage = Gauge(
+            "tide_scaler_job_min_coverage_ratio",
+            "Coverage below which the policy decides nothing for the job, 0..1.",
+            job,
+            registry=r,
+        )
+        self.active_since = Gauge(
+            "tide_scaler_job_active_decision_created_timestamp_seconds",
+            "When the job's decision that is not final yet was created (Unix time);"
+            " absent when none.",
+            job,
+            registry=r,
+        )
+        self.last_pause = Gauge(
+            "tide_scaler_job_last_pause_seconds",
+            "Training pause of the job's last completed resize, seconds.",
+            job,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "tide_scaler_decisions_total",
+            "Decisions that reached a final state, by job, reason, trigger and state"
+            " (completed, aborted, failed).",
+            ("job_id", "reason", "trigger", "state"),
+            registry=r,
+        )
+        self.lost_steps = Counter(
+            "tide_scaler_decision_lost_steps_total",
+            "Steps of work lost by the job's decisions (0 on a planned resize).",
+            job,
+            registry=r,
+        )
+        self.pause = Histogram(
+            "tide_scaler_resize_pause_duration_seconds",
+            "Training pause of completed resizes, seconds.",
+            buckets=(0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120),
+            registry=r,
+        )
+        self.evaluation = Histogram(
+            "tide_scaler_evaluation_duration_seconds",
+            "One policy evaluation of one job, its decision's commit included.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.decision_latency = Histogram(
+            "tide_scaler_decision_latency_seconds",
+            "From the sample that tipped a job's window to its committed decision.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.decision_stage = Histogram(
+            "tide_scaler_decision_latency_stage_seconds",
+            "Parts of the decision latency: transport (sample to ingest), queue (ingest to"
+            " evaluation), evaluate (evaluation to commit).",
+            ("stage",),
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.actuator_errors = Counter(
+            "tide_scaler_actuator_errors_total",
+            "Actuator calls that raised, by operation (set_replicas, get_replicas, free_gpus).",
+            ("operation",),
+            registry=r,
+        )
+        self._stages = tuple(self.decision_stage.labels(s) for s in STAGES)
+
+    # -- per job ------------------------------------------------------------------------------
+
+    def job(self, job: JobRecord, policy: PolicySettings, *, resizing: bool) -> None:
+        j = job.job_id
+        self.replicas.labels(j).set(job.current_replicas)
+        if not resizing:
+            self.desired_replicas.labels(j).set(job.current_replicas)
+        self.min_replicas.labels(j).set(job.min_replicas)
+        self.max_replicas.labels(j).set(job.max_replicas)
+        self.paused.labels(j).set(1 if job.autoscaling_paused else 0)
+        self.scale_up.labels(j).set(policy.scale_up_utilization_pct / 100.0)
+        self.scale_down.labels(j).set(policy.scale_down_utilization_pct / 100.0)
+        self.min_coverage.labels(j).set(policy.min_coverage)
+
+    def window(self, job_id: str, view: WindowView) -> None:
+        mean = view.mean_pct
+        if math.isnan(mean):
+            # No sample in the window: no value, rather than a NaN a graph draws as 0.
+            self.utilization.remove(job_id)
+        else:
+            self.utilization.labels(job_id).set(mean / 100.0)
+        self.coverage.labels(job_id).set(view.coverage)
+
+    def decision_started(self, d: DecisionRecord) -> None:
+        self.desired_replicas.labels(d.job_id).set(d.to_replicas)
+        self.active_since.labels(d.job_id).set(d.created_at.timestamp())
+
+    def decision_finished(self, d: DecisionRecord, current_replicas: int) -> None:
+        j = d.job_id
+        state = d.state.name.lower()
+        self.decisions.labels(j, d.reason.lower(), d.trigger.lower(), state).inc()
+        self.desired_replicas.labels(j).set(current_replicas)
+        self.replicas.labels(j).set(current_replicas)
+        self.active_since.remove(j)
+        if d.lost_steps:
+            self.lost_steps.labels(j).inc(d.lost_steps)
+        if state == "completed" and d.pause_s > 0:
+            self.pause.observe(d.pause_s)
+            self.last_pause.labels(j).set(d.pause_s)
+
+    # -- latency ------------------------------------------------------------------------------
+
+    def observe_decision(self, total_s: float, parts: tuple[float, float, float]) -> None:
+        """A policy decision's latency from its tipping sample, and its three stages."""
+        self.decision_latency.observe(total_s)
+        for child, value in zip(self._stages, parts, strict=True):
+            child.observe(max(0.0, value))
+
+
+__all__ = ["STAGES", "IngestCollector", "Rejection", "ScalerMetrics"]

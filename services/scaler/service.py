@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from services.scaler.history import RollupHistory
 from services.scaler.ingest import IngestEngine, IngestSettings
 from services.scaler.lifecycle import FaultHook
 from services.scaler.members import CoordinatorMemberRegistry
+from services.scaler.metrics import ScalerMetrics
 from services.scaler.store import DecisionRecord, DecisionState, DecisionStore, JobRecord
 from tidebase.errors import InvalidArgument, NotFound, TideError
 
@@ -60,8 +60,10 @@ class ScalerCore:
         evaluate_interval_s: float = 1.0,
         rollup_flush_interval_s: float = 15.0,
         rollup_retention_days: float = 30.0,
+        metrics: ScalerMetrics | None = None,
     ) -> None:
         self.store = store
+        self.metrics = metrics or ScalerMetrics()
         self.actuator = actuator
         self.coordinator = coordinator
         self.clock = clock
@@ -93,11 +95,6 @@ class ScalerCore:
         self.policies: dict[str, pol.PolicySettings] = {}
         self.evaluations: dict[str, Evaluation] = {}
         self.active: dict[str, int] = {}
-        # The latest policy decisions' latency from the tipping sample to the commit,
-        # and its parts (tipping sample -> seen by ingest, seen -> evaluation starts,
-        # evaluation -> committed), seconds; bench/ingest prints them.
-        self.latencies_s: deque[float] = deque(maxlen=10_000)
-        self.latency_parts: deque[tuple[float, float, float]] = deque(maxlen=10_000)
         self._seen_at: dict[str, float] = {}
         self._recs: dict[str, list[tuple[float, int]]] = {}
         self._last_dir: dict[str, int] = {}
@@ -130,6 +127,7 @@ class ScalerCore:
             job.job_id, replicas=job.current_replicas, gpus_per_replica=job.gpus_per_replica
         )
         self.registry.track(job.job_id)
+        self.metrics.job(job, p, resizing=job.job_id in self.active)
 
     async def start(self) -> None:
         """Load jobs, take ownership of them, derive cooldowns from the database and
@@ -146,6 +144,7 @@ class ScalerCore:
                 )
         for d in await self.store.non_final():
             self.active[d.job_id] = d.id
+            self.metrics.decision_started(d)
         await self.controller.recover(self._deadline_of)
 
     async def close(self) -> None:
@@ -289,7 +288,8 @@ class ScalerCore:
     ) -> pol.Decision:
         lock = self._eval_lock.setdefault(job_id, asyncio.Lock())
         async with lock:
-            return await self._evaluate(job_id, tipping_s, fresh)
+            with self.metrics.evaluation.time():
+                return await self._evaluate(job_id, tipping_s, fresh)
 
     async def _evaluate(
         self, job_id: str, tipping_s: float | None, fresh: Mapping[str, int] | None
@@ -303,6 +303,7 @@ class ScalerCore:
         free = await self.actuator.free_gpus()
         state = self.job_state(job_id, free)
         view = self.window_of(job_id, at, fresh)
+        self.metrics.window(job_id, view)
         last_end = job.last_resize_ended_at.timestamp() if job.last_resize_ended_at else None
         recs = self._recs.setdefault(job_id, [])
         hist = pol.History(last_end, self._last_dir.get(job_id, 0), tuple(recs))
@@ -327,8 +328,9 @@ class ScalerCore:
             return d
         if tipping_s is not None:
             done = self.clock.now()
-            self.latencies_s.append(done - tipping_s)
-            self.latency_parts.append((seen - tipping_s, now - seen, done - now))
+            self.metrics.observe_decision(
+                done - tipping_s, (seen - tipping_s, now - seen, done - now)
+            )
         logger.info(
             "job %s: decision %d: %s",
             job_id,
@@ -383,6 +385,7 @@ class ScalerCore:
     def _launch(self, record: DecisionRecord, message: str) -> None:
         """Hand a committed PENDING decision to the controller."""
         self.active[record.job_id] = record.id
+        self.metrics.decision_started(record)
         self._publish(record, message)
         self.controller.fault("decision:PENDING")
         self.controller.start(record, deadline_s=self._deadline_of(record.job_id))
@@ -417,6 +420,7 @@ class ScalerCore:
                     d.to_replicas < d.from_replicas
                 )
             self.jobs[d.job_id] = dataclasses.replace(job, **changes)
+            self.metrics.decision_finished(d, self.jobs[d.job_id].current_replicas)
         self._recs.pop(d.job_id, None)
 
     # -- the loop ---------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from sqlalchemy.pool import ConnectionPoolEntry
 from sqlalchemy.types import TypeDecorator
 from tenacity import RetryCallState, RetryError, Retrying, retry_if_exception, stop_after_attempt
 
+from services.store import metrics as store_metrics
 from tidebase.errors import ConfigError, Conflict, InvalidArgument, Unavailable
 
 logger = logging.getLogger(__name__)
@@ -398,6 +399,7 @@ def unit_of_work(
 
     def log_retry(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome is not None else None
+        store_metrics.RETRIES.labels(failure_cause(exc)).inc()
         cause = type(exc.orig if isinstance(exc, DBAPIError) else exc).__name__
         delay = state.next_action.sleep if state.next_action is not None else 0.0
         logger.warning(
@@ -427,6 +429,7 @@ def unit_of_work(
         return retrying(once)
     except RetryError as gave_up:
         exc = gave_up.last_attempt.exception()
+        store_metrics.FAILURES.labels(failure_cause(exc)).inc()
         if isinstance(exc, StaleWrite):
             raise exc from None
         if isinstance(exc, StaleDataError):
@@ -435,6 +438,25 @@ def unit_of_work(
         raise Unavailable(
             f"{what}: database unavailable after {retry.attempts} attempts: {exc.orig}"
         ) from exc
+
+
+def failure_cause(exc: BaseException | None) -> str:
+    """The ``cause`` label of a retried or failed unit of work (services/store/metrics.py)."""
+    if isinstance(exc, (StaleDataError, StaleWrite)):
+        return "stale_write"
+    if not isinstance(exc, DBAPIError):
+        return "other"
+    if exc.connection_invalidated:
+        return "connection_lost"
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    if sqlstate == "40001":
+        return "serialization_failure"
+    if sqlstate == "40P01":
+        return "deadlock"
+    code = getattr(exc.orig, "sqlite_errorcode", None)
+    if isinstance(code, int) and code & 0xFF == 5:
+        return "busy"
+    return "other"
 
 
 def _retryable_work_error(exc: BaseException) -> bool:

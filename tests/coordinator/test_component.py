@@ -127,7 +127,9 @@ async def test_leaver_acks_drain_after_the_stayers_already_run(env: Env) -> None
     assert (st.generation, st.world_size, st.lost_steps_total) == (2, 1, 0)
     assert [m.pod_name for m in st.members] == ["job-trainer-0"]
     reg = env.coordinator.metrics.registry
-    assert (reg.get_sample_value("tide_coordinator_members_lost_total") or 0.0) == 0.0
+    assert (
+        reg.get_sample_value("tide_coordinator_members_lost_total", {"job_id": JOB}) or 0.0
+    ) == 0.0
     assert ls[0].kinds().count(K.KIND_RENDEZVOUS) == 2  # g1 and g2 only
 
 
@@ -149,7 +151,9 @@ async def test_leaver_that_never_acks_drain_leaves_at_its_deadline_without_re_fo
     assert [m.pod_name for m in st.members] == ["job-trainer-0"]
     assert ls[0].kinds().count(K.KIND_RENDEZVOUS) == 2
     reg = env.coordinator.metrics.registry
-    assert (reg.get_sample_value("tide_coordinator_members_lost_total") or 0.0) == 0.0
+    assert (
+        reg.get_sample_value("tide_coordinator_members_lost_total", {"job_id": JOB}) or 0.0
+    ) == 0.0
     # Its late heartbeat is told it has left; a late ack is accepted and changes nothing.
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await ls[1].heartbeat()
@@ -446,12 +450,12 @@ async def test_metrics_count_outcomes_pauses_and_losses(env: Env) -> None:
     def value(name: str, **labels: str) -> float:
         return reg.get_sample_value(name, labels) or 0.0
 
-    assert value("tide_coordinator_resizes_total", phase="COMPLETED") == 2
-    assert value("tide_coordinator_resize_pause_seconds_count") == 1
+    assert value("tide_coordinator_resizes_total", phase="completed") == 2
+    assert value("tide_coordinator_resize_pause_duration_seconds_count") == 1
     assert value("tide_coordinator_generations_total", cause="resize") == 2
     assert value("tide_coordinator_generations_total", cause="recovery") == 1
-    assert value("tide_coordinator_members_lost_total") == 1
-    assert value("tide_coordinator_commit_seconds_count") > 5
+    assert value("tide_coordinator_members_lost_total", job_id=JOB) == 1
+    assert value("tide_coordinator_commit_duration_seconds_count") > 5
 
 
 async def test_zero_deadline_means_the_phase_timeout_not_the_heartbeat_timeout(env: Env) -> None:
@@ -498,7 +502,7 @@ async def test_job_that_finishes_its_budget_ends_without_loss(env: Env) -> None:
     ]
     assert not st.HasField("active_resize")
     assert env.coordinator.metrics.registry.get_sample_value(
-        "tide_coordinator_members_lost_total"
+        "tide_coordinator_members_lost_total", {"job_id": JOB}
     ) in (None, 0.0)
     # The launchers are gone for good: a heartbeat of theirs is refused.
     with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -151,7 +151,14 @@ def test_metrics_export_counters_by_reason() -> None:
     engine.process(st, r)
     assert engine.rejected[Rejection.UTILIZATION_OUT_OF_RANGE] == 1
     get = reg.get_sample_value
-    assert get("tide_scaler_telemetry_rejected_total", {"reason": "utilization_out_of_range"}) == 1
+    assert (
+        get("tide_scaler_telemetry_samples_rejected_total", {"reason": "utilization_out_of_range"})
+        == 1
+    )
+    # A reason is counted in its own scope only: a sample is not a report nor a stream.
+    assert get("tide_scaler_telemetry_reports_rejected_total", {"reason": "non_finite"}) is None
+    assert get("tide_scaler_telemetry_streams_rejected_total", {"reason": "malformed"}) == 0
+    assert get("tide_scaler_telemetry_nodes", {"freshness": "fresh"}) == 1
     assert get("tide_scaler_telemetry_reports_total", {"result": "duplicate"}) == 1
     assert get("tide_scaler_telemetry_samples_accepted_total") == 1
     assert get("tide_scaler_telemetry_streams") == 1

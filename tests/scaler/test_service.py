@@ -405,3 +405,53 @@ async def test_start_outside_the_bounds_is_refused_and_writes_nothing(rig: Rig) 
         await rig.core.upsert_job("ns/b", FAST, initial_replicas=9)
     assert "ns/b" not in rig.core.jobs
     assert [j.job_id for j in await rig.store.list_jobs()] == ["ns/a"]
+
+
+async def test_metrics_follow_the_decisions_of_a_job(rig: Rig) -> None:
+    get = rig.core.metrics.registry.get_sample_value
+    job = {"job_id": "ns/a"}
+    assert get("tide_scaler_job_replicas", job) == 2
+    assert get("tide_scaler_job_scale_up_threshold_ratio", job) == 0.8
+    feed(rig, 35, 95.0)
+    await rig.core.evaluate("ns/a")
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert get("tide_scaler_job_desired_replicas", job) == 4
+    created = get("tide_scaler_job_active_decision_created_timestamp_seconds", job)
+    assert created == dec.created_at.timestamp()
+    assert get("tide_scaler_job_window_utilization_ratio", job) == pytest.approx(0.95)
+    assert get("tide_scaler_job_window_coverage_ratio", job) == 1.0
+    await final(rig, dec.id)
+    labels = {**job, "reason": "sustained_high_utilization", "trigger": "policy"}
+    assert get("tide_scaler_decisions_total", {**labels, "state": "completed"}) == 1
+    assert get("tide_scaler_job_replicas", job) == 4
+    assert get("tide_scaler_job_desired_replicas", job) == 4
+    # Final: no active decision, so nothing for the stuck-decision alert to see.
+    assert get("tide_scaler_job_active_decision_created_timestamp_seconds", job) is None
+    assert get("tide_scaler_evaluation_duration_seconds_count") == 1
+    rig.clock.advance(60)
+    await rig.core.evaluate("ns/a")
+    # An empty window has no utilization rather than a NaN drawn as 0.
+    assert get("tide_scaler_job_window_utilization_ratio", job) is None
+    assert get("tide_scaler_job_window_coverage_ratio", job) == 0.0
+    await rig.core.set_autoscaling("ns/a", True, "maintenance")
+    assert get("tide_scaler_job_autoscaling_paused", job) == 1
+
+
+async def test_actuator_errors_are_counted_by_operation() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from services.scaler.actuators.counted import CountedActuator
+    from services.scaler.metrics import ScalerMetrics
+
+    class Broken(InMemoryActuator):
+        async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
+            raise Unavailable("API server down")
+
+    metrics = ScalerMetrics(CollectorRegistry())
+    actuator = CountedActuator(Broken(), metrics.actuator_errors)
+    with pytest.raises(Unavailable):
+        await actuator.set_replicas("ns/a", 3, decision_id=1)
+    assert await actuator.free_gpus() is None
+    get = metrics.registry.get_sample_value
+    assert get("tide_scaler_actuator_errors_total", {"operation": "set_replicas"}) == 1
+    assert get("tide_scaler_actuator_errors_total", {"operation": "free_gpus"}) is None

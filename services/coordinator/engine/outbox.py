@@ -133,7 +133,7 @@ class Outbox:
         for r in unit.resizes:
             if r.phase.final and r.decision_id not in self._counted:
                 self._counted.add(r.decision_id)
-                self._metrics.resizes.labels(r.phase.name).inc()
+                self._metrics.resizes.labels(r.phase.name.lower()).inc()
                 if r.phase == ResizePhase.COMPLETED and r.pause_s > 0:
                     self._metrics.pause_seconds.observe(r.pause_s)
         for g in unit.generations:
@@ -479,7 +479,7 @@ class Outbox:
                 self._supersede(m.member_id)
             self._changed(m)
             lost.append(m.member_id)
-            self._metrics.members_lost.inc()
+            self._metrics.members_lost.labels(self.state.job_id).inc()
             self._log.warning(
                 "member %s lost: %s", m.member_id, e.reason, extra={"member": m.member_id}
             )
@@ -511,7 +511,7 @@ class Outbox:
         gen = self.state.generations[e.generation]
         gen.lost_steps += e.steps
         self.state.job.lost_steps_total += e.steps
-        self._metrics.lost_steps.inc(e.steps)
+        self._metrics.lost_steps.labels(self.state.job_id).inc(e.steps)
         self._changed(gen, self.state.job)
         if e.last_word_of:
             self._log.warning(

@@ -1,0 +1,23 @@
+"""The store's Prometheus metrics: units of work retried, and units that gave up.
+
+Module-level, in the default registry: :func:`services.store.db.unit_of_work` is
+a function every stateful service calls, and each process has one store.
+``cause`` is bounded: connection_lost, serialization_failure, deadlock, busy
+(SQLite), stale_write (a version counter moved), other.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+RETRIES = Counter(
+    "tide_store_retries_total",
+    "Units of work run again after a failure that left no effect, by cause.",
+    ("cause",),
+)
+FAILURES = Counter(
+    "tide_store_failures_total",
+    "Units of work that gave up after their last attempt, by cause (the caller got"
+    " Unavailable, or StaleWrite for stale_write).",
+    ("cause",),
+)
