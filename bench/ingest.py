@@ -61,9 +61,8 @@ def server_main(mode: str, jobs: int, conn: Connection) -> None:
 
 async def _serve(mode: str, jobs: int, conn: Connection) -> None:
     import grpc
-    from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
-
     from prometheus_client import CollectorRegistry
+    from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
     from services.common.metrics import grpc_server_metrics
     from tidebase.grpc_options import server_options
