@@ -32,6 +32,7 @@ lint: setup
 
 test: setup proto-check lint
 	scripts/ensure_postgres.sh
+	scripts/ensure_prometheus.sh
 	TIDE_TEST_STRICT=1 TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test $(PY) -m pytest
 
 test-fast: setup

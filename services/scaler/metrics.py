@@ -47,6 +47,18 @@ LATENCY_BUCKETS_S: Final = (
     10.0,
 )
 
+#: (reason, trigger) of the decisions the scaler makes; each job's series of these
+#: exist at 0 from its adoption, so increase() sees its first decision (and the
+#: TideDecisionFailed alert its first failure) instead of a series born at 1.
+DECISION_KINDS: Final = (
+    ("sustained_high_utilization", "policy"),
+    ("sustained_low_utilization", "policy"),
+    ("node_termination", "emergency"),
+    ("manual", "manual"),
+    ("job_started", "manual"),
+)
+FINAL_STATES: Final = ("completed", "aborted", "failed")
+
 #: Parts of the decision latency (``tide_scaler_decision_latency_stage_seconds``).
 STAGES: Final = ("transport", "queue", "evaluate")
 
@@ -234,6 +246,9 @@ class ScalerMetrics:
             registry=r,
         )
         self._stages = tuple(self.decision_stage.labels(s) for s in STAGES)
+        # Present at 0 from the start: an increase() alert needs a sample before the error.
+        for operation in ("set_replicas", "get_replicas", "free_gpus"):
+            self.actuator_errors.labels(operation)
 
     # -- per job ------------------------------------------------------------------------------
 
@@ -248,6 +263,10 @@ class ScalerMetrics:
         self.scale_up.labels(j).set(policy.scale_up_utilization_pct / 100.0)
         self.scale_down.labels(j).set(policy.scale_down_utilization_pct / 100.0)
         self.min_coverage.labels(j).set(policy.min_coverage)
+        self.lost_steps.labels(j)
+        for reason, trigger in DECISION_KINDS:
+            for state in FINAL_STATES:
+                self.decisions.labels(j, reason, trigger, state)
 
     def window(self, job_id: str, view: WindowView) -> None:
         mean = view.mean_pct
@@ -271,9 +290,9 @@ class ScalerMetrics:
         self.active_since.remove(j)
         if d.lost_steps:
             self.lost_steps.labels(j).inc(d.lost_steps)
-        if state == "completed" and d.pause_s > 0:
-            self.pause.observe(d.pause_s)
+        if state == "completed":
             self.last_pause.labels(j).set(d.pause_s)
+            self.pause.observe(d.pause_s)
 
     # -- latency ------------------------------------------------------------------------------
 

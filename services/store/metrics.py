@@ -21,3 +21,10 @@ FAILURES = Counter(
     " Unavailable, or StaleWrite for stale_write).",
     ("cause",),
 )
+
+#: Every cause, so that each series exists (at 0) before its first increment: an
+#: alert on ``increase()`` needs a sample before the failure to see it.
+CAUSES = ("connection_lost", "serialization_failure", "deadlock", "busy", "stale_write", "other")
+for _cause in CAUSES:
+    RETRIES.labels(_cause)
+    FAILURES.labels(_cause)

@@ -55,6 +55,9 @@ class Coordinator:
 
     def _install(self, rt: JobRuntime) -> None:
         self.jobs[rt.job.job_id] = rt
+        # The job's series exist at 0 from now on, so a first loss shows as an increase.
+        self.metrics.lost_steps.labels(rt.job.job_id)
+        self.metrics.members_lost.labels(rt.job.job_id)
         for mid in rt.members:
             self._member_job[mid] = rt.job.job_id
         for did in rt.resizes:
