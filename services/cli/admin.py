@@ -8,10 +8,12 @@ import os
 from typing import Annotated
 
 import typer
+from tide.v1 import common_pb2, scaler_pb2
 
 from services.cli import render
-from services.cli.app import Exit, fail
+from services.cli.app import Exit, duration_option, fail
 from services.cli.connection import Connection, connection_options
+from services.cli.follow import request_and_wait
 
 
 def _who() -> str:
@@ -36,14 +38,39 @@ def scale_cmd(
     requested_by: Annotated[
         str, typer.Option("--as", help="who asks (default: your user name)")
     ] = "",
+    wait: Annotated[
+        bool,
+        typer.Option(
+            "--wait",
+            help="follow the decision (WatchDecisions) until it is final; exit 5 unless COMPLETED",
+        ),
+    ] = False,
+    wait_timeout: Annotated[
+        str, typer.Option("--wait-timeout", help="with --wait: give up after this long (1h30m)")
+    ] = "15m",
 ) -> None:
     """Resize a job by hand, through the same coordinated path as the policy's."""
     why = _need_reason(reason)
-    d = conn.call(lambda s: s.request_resize(job, replicas, why, requested_by or _who()))
-    typer.echo(
-        f"decision {d.id}: {d.job_id} {d.from_replicas} → {d.to_replicas} replicas"
-        f" ({render.state_name(d.state)}); follow it with `tide explain {d.id}`"
+    who = requested_by or _who()
+
+    def created(d: scaler_pb2.Decision) -> None:
+        typer.echo(
+            f"decision {d.id}: {d.job_id} {d.from_replicas} → {d.to_replicas} replicas"
+            f" ({render.state_name(d.state)}); follow it with `tide explain {d.id}`"
+        )
+
+    if not wait:
+        created(conn.call(lambda s: s.request_resize(job, replicas, why, who)))
+        return
+    limit_s = duration_option("--wait-timeout", wait_timeout)
+    final = request_and_wait(
+        conn, job, lambda s: s.request_resize(job, replicas, why, who), limit_s, created
     )
+    state = render.state_name(final.state)
+    detail = f"generation {final.generation}, pause {final.pause_s:.2f} s"
+    if final.state != common_pb2.DECISION_STATE_COMPLETED:
+        fail(Exit.DECISION_NOT_COMPLETED, f"decision {final.id} {state}: {final.error}")
+    typer.echo(f"decision {final.id} {state}: {final.job_id} runs {final.to_replicas} ({detail})")
 
 
 @connection_options(token=True)

@@ -2,7 +2,9 @@
 running a command's coroutine, output formats, the console and time options.
 
 Exit codes, for every command: 0 ok, 1 not found, 2 bad usage or bad input,
-3 server or database unreachable. A failure prints one line saying why.
+3 server or database unreachable, 4 `tide demo` failed (or `tide up` lost a
+service), 5 `tide scale --wait`: the decision did not complete. A failure
+prints one line saying why.
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ import asyncio
 import sys
 from collections.abc import Coroutine
 from datetime import UTC, datetime
-from enum import IntEnum, StrEnum
-from typing import Any, NoReturn, TypeVar
+from enum import IntEnum
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
 
-from services.cli.timeparse import parse_time
+from services.cli.timeparse import parse_duration_s, parse_time
 from tidebase import errors
 
 T = TypeVar("T")
@@ -38,22 +40,38 @@ app = typer.Typer(
     name="tide",
     help="Tide: elastic training for PaddlePaddle. Operate the services, read the scaling history.",
     no_args_is_help=True,
-    add_completion=False,
+    # --install-completion / --show-completion for bash, zsh, fish and PowerShell.
+    add_completion=True,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("tide")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        typer.echo(f"tide {version}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="print the version"),
+    ] = False,
+) -> None:
+    """Tide: elastic training for PaddlePaddle. Operate the services, read the scaling history."""
+
+
+job_app = typer.Typer(help="Create and update jobs (UpsertJob).", no_args_is_help=True)
+app.add_typer(job_app, name="job")
 db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
-
-
-class Output(StrEnum):
-    table = "table"
-    json = "json"
-    csv = "csv"
-
-
-class DocOutput(StrEnum):
-    table = "table"
-    json = "json"
 
 
 def fail(code: Exit, message: str) -> NoReturn:
@@ -90,6 +108,14 @@ def echo(line: str) -> None:
 
 def now_utc() -> datetime:
     return datetime.now(tz=UTC)
+
+
+def duration_option(name: str, text: str) -> float:
+    """Seconds of a duration option (``90s``, ``1h30m``), or exit 2 with one line."""
+    try:
+        return parse_duration_s(text)
+    except errors.InvalidArgument as exc:
+        fail(Exit.USAGE, f"{name}: {exc}")
 
 
 def time_option(name: str, text: str | None) -> datetime | None:

@@ -6,7 +6,9 @@ Exit codes, for every command: 0 ok, 1 not found, 2 bad usage or bad input,
 The app and what commands share are in services/cli/app.py, the connection
 options in connection.py; each group of commands is a module: read.py (jobs,
 history, explain), chart.py, admin.py (scale, pause, resume), localmode.py (up,
-demo), schema.py (db upgrade, downgrade). They are registered here, once.
+demo), schema.py (db upgrade, downgrade), job.py (job apply); output.py is the
+``-o`` of every read command, follow.py the WatchDecisions of ``history -w`` and
+``scale --wait``. They are registered here, once.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import sys
 
 import typer
 
-from services.cli import admin, chart, localmode, read, schema
-from services.cli.app import app, db_app, exit_code_of
+from services.cli import admin, chart, job, localmode, read, schema
+from services.cli.app import app, db_app, exit_code_of, job_app
 from tidebase import errors
 
 # Every command, in the order `tide --help` lists them.
@@ -27,6 +29,7 @@ app.command("chart")(chart.chart_cmd)
 app.command("scale")(admin.scale_cmd)
 app.command("pause")(admin.pause_cmd)
 app.command("resume")(admin.resume_cmd)
+job_app.command("apply")(job.apply_cmd)
 app.command("up")(localmode.up_cmd)
 app.command("demo")(localmode.demo_cmd)
 db_app.command("upgrade")(schema.db_upgrade)

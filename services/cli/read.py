@@ -1,7 +1,9 @@
 """The read commands: `tide jobs`, `tide history`, `tide explain`.
 
 They read through the Scaler API or, with ``--db``, the scaler's store and its
-converters (services/cli/source.py), so both paths print the same thing.
+converters (services/cli/source.py), so both paths print the same thing. Each
+takes ``-o table|wide|json|yaml|jsonpath=EXPR`` and ``--no-headers``
+(services/cli/output.py); `tide history -w` then follows new decision events.
 """
 
 from __future__ import annotations
@@ -11,17 +13,34 @@ from typing import Annotated, Any
 import typer
 
 from services.cli import render
-from services.cli.app import DocOutput, Exit, Output, console, fail, time_option
+from services.cli.app import Exit, console, fail, time_option
 from services.cli.connection import Connection, connection_options
+from services.cli.output import (
+    NoHeadersOpt,
+    Output,
+    OutputOpt,
+    csv_text,
+    emit_document,
+    parse_output,
+    print_table,
+)
 from services.cli.timeparse import iso
+
+
+def output_option(text: str, *, csv_ok: bool = False) -> Output:
+    """``-o``'s value, or exit 2 with the accepted forms."""
+    try:
+        return parse_output(text, csv_ok=csv_ok)
+    except ValueError as exc:
+        fail(Exit.USAGE, f"--output: {exc}")
 
 
 @connection_options(db=True)
 def jobs_cmd(
-    conn: Connection,
-    output: Annotated[DocOutput, typer.Option("--output", "-o")] = DocOutput.table,
+    conn: Connection, output: OutputOpt = "table", no_headers: NoHeadersOpt = False
 ) -> None:
     """List the jobs the scaler manages: replicas, generation, utilization, autoscaling."""
+    out = output_option(output)
 
     async def go(src: Any) -> list[Any]:
         jobs: list[Any] = await src.list_jobs()
@@ -29,27 +48,28 @@ def jobs_cmd(
 
     jobs = conn.read(go)
     offline = conn.offline
-    if output is DocOutput.json:
-        typer.echo(
-            render.envelope(
-                "tide.jobs",
-                **render.jobs_envelope_fields(offline),
-                jobs=[render.job_doc(j) for j in jobs],
-            )
-        )
-    elif not jobs:
-        typer.echo("no jobs")
-    else:
-        console().print(render.jobs_table(jobs, offline=offline))
-        if offline:
-            typer.echo(render.OFFLINE_NOTE)
+    doc = render.document(
+        "tide.jobs",
+        **render.jobs_envelope_fields(offline),
+        jobs=[render.job_doc(j) for j in jobs],
+    )
+    if emit_document(doc, out):
+        return
+    if not jobs:
+        typer.echo("no jobs", err=True)
+        return
+    print_table(*render.jobs_rows(jobs, offline=offline, wide=out.wide), no_headers=no_headers)
+    if offline:
+        typer.echo(render.OFFLINE_NOTE, err=True)
 
 
 @connection_options(db=True)
 def history_cmd(
     conn: Connection,
     job: Annotated[str, typer.Argument(help="NAMESPACE/NAME; 'all' for every job")],
-    since: Annotated[str, typer.Option(help="24h, 7d, or an ISO time (UTC if no zone)")] = "24h",
+    since: Annotated[
+        str, typer.Option(help="24h, 1h30m, 7d, or an ISO time (UTC if no zone)")
+    ] = "24h",
     until: Annotated[
         str | None, typer.Option(help="end of the range (exclusive); default now")
     ] = None,
@@ -57,13 +77,23 @@ def history_cmd(
         list[str] | None,
         typer.Option("--state", help="only decisions in this state (repeat, or comma-separate)"),
     ] = None,
-    output: Annotated[Output, typer.Option("--output", "-o")] = Output.table,
+    watch: Annotated[
+        bool,
+        typer.Option(
+            "--watch", "-w", help="then follow new decision events until Ctrl-C (not with --db)"
+        ),
+    ] = False,
+    output: OutputOpt = "table",
+    no_headers: NoHeadersOpt = False,
 ) -> None:
-    """The job's scaling decisions, newest first."""
+    """The job's scaling decisions, newest first; with -w, then every change as it happens."""
+    out = output_option(output, csv_ok=True)
     lo = time_option("--since", since)
     hi = time_option("--until", until)
     if lo is not None and hi is not None and lo >= hi:
         fail(Exit.USAGE, f"--since ({since}) must be before --until ({until})")
+    if watch and conn.offline:
+        fail(Exit.USAGE, "--watch follows the scaler's WatchDecisions; it cannot read --db")
     states: list[int] = []
     for item in state or []:
         for name in item.split(","):
@@ -80,23 +110,39 @@ def history_cmd(
         decisions: list[Any] = await src.list_decisions(job_id, lo, hi, states)
         return decisions
 
+    if watch:
+        from services.cli.follow import follow_history
+
+        follow_history(conn, job_id, go, out, no_headers=no_headers)
+        return
     decisions = conn.read(go)
-    if output is Output.json:
-        typer.echo(
-            render.envelope(
-                "tide.history",
-                job_id=job_id or None,
-                since=iso(lo),
-                until=iso(hi),
-                decisions=[render.decision_doc(d) for d in decisions],
-            )
-        )
-    elif output is Output.csv:
-        typer.echo(render.decisions_csv(decisions), nl=False)
-    elif not decisions:
-        typer.echo(f"no decisions for {job} since {iso(lo)}")
-    else:
-        console().print(render.history_table(decisions))
+    print_history(decisions, out, job_id=job_id, lo=lo, hi=hi, no_headers=no_headers)
+    if not decisions and out.tabular:
+        typer.echo(f"no decisions for {job} since {iso(lo)}", err=True)
+
+
+def print_history(
+    decisions: list[Any],
+    out: Output,
+    *,
+    job_id: str,
+    lo: Any = None,
+    hi: Any = None,
+    no_headers: bool = False,
+) -> None:
+    doc = render.document(
+        "tide.history",
+        job_id=job_id or None,
+        since=iso(lo),
+        until=iso(hi),
+        decisions=[render.decision_doc(d) for d in decisions],
+    )
+    if emit_document(doc, out):
+        return
+    if out.kind == "csv":
+        typer.echo(csv_text(render.CSV_COLUMNS, doc["decisions"]), nl=False)
+    elif decisions:
+        print_table(*render.history_rows(decisions, wide=out.wide), no_headers=no_headers)
 
 
 @connection_options(db=True)
@@ -106,15 +152,14 @@ def explain_cmd(
     context_minutes: Annotated[
         int, typer.Option(min=1, max=1440, help="minutes of utilization on each side")
     ] = 10,
-    output: Annotated[DocOutput, typer.Option("--output", "-o")] = DocOutput.table,
+    output: OutputOpt = "table",
 ) -> None:
     """Why a decision was made: its inputs, thresholds, state changes, pause, utilization."""
+    out = output_option(output)
 
     async def go(src: Any) -> Any:
         return await src.get_decision(decision_id, context_minutes)
 
     detail = conn.read(go)
-    if output is DocOutput.json:
-        typer.echo(render.envelope("tide.explain", **render.explain_doc(detail)))
-    else:
+    if not emit_document(render.document("tide.explain", **render.explain_doc(detail)), out):
         render.print_explain(console(), detail)

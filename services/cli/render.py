@@ -6,15 +6,12 @@ type or unit means a new SCHEMA_VERSION; adding a field does not.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 from tide.v1 import common_pb2, scaler_pb2
 
 from services.cli.timeparse import iso, short
@@ -173,17 +170,27 @@ def explain_doc(detail: scaler_pb2.DecisionDetail) -> dict[str, Any]:
     }
 
 
+def document(kind: str, **body: Any) -> dict[str, Any]:
+    """A versioned output document (docs/cli.md): ``schema_version``, ``kind``, the body."""
+    return {"schema_version": SCHEMA_VERSION, "kind": kind, **body}
+
+
 def envelope(kind: str, **body: Any) -> str:
-    return json.dumps({"schema_version": SCHEMA_VERSION, "kind": kind, **body}, indent=2)
+    return json.dumps(document(kind, **body), indent=2)
 
 
-def decisions_csv(decisions: Sequence[scaler_pb2.Decision]) -> str:
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    for d in decisions:
-        writer.writerow(decision_doc(d))
-    return buf.getvalue()
+def event_doc_full(e: scaler_pb2.DecisionEvent) -> dict[str, Any]:
+    """A WatchDecisions event (`tide history -w`, `tide scale --wait`): the change and
+    the decision after it."""
+    return document(
+        "tide.decision_event",
+        decision_id=e.decision_id,
+        job_id=e.job_id,
+        state=state_name(e.state),
+        at=iso(field_datetime(e, "at")),
+        detail=e.detail,
+        decision=decision_doc(e.decision),
+    )
 
 
 # --- tables ---------------------------------------------------------------------------------
@@ -213,27 +220,43 @@ def jobs_envelope_fields(offline: bool) -> dict[str, Any]:
     }
 
 
-def jobs_table(jobs: Sequence[scaler_pb2.Job], *, offline: bool = False) -> Table:
-    t = Table(title=None, show_edge=False, header_style="bold")
-    for col in ("JOB", "REPLICAS", "MIN..MAX", "GEN", "STEP", "SAMPLES/S", "UTIL", "AUTOSCALING"):
-        t.add_column(col)
-    t.add_column("LAST EVALUATION", overflow="fold")
+Rows = tuple[tuple[str, ...], list[tuple[str, ...]]]
+
+
+def jobs_rows(jobs: Sequence[scaler_pb2.Job], *, offline: bool = False, wide: bool = False) -> Rows:
+    """Headers and rows of `tide jobs` (``wide``: coverage, GPUs per replica, the active
+    decision and the last resize too)."""
+    headers: tuple[str, ...] = (
+        "JOB",
+        "REPLICAS",
+        "MIN..MAX",
+        "GEN",
+        "STEP",
+        "SAMPLES/S",
+        "UTIL",
+        "AUTOSCALING",
+    )
+    if wide:
+        headers += ("COVERAGE", "GPUS/REPLICA", "ACTIVE DECISION", "LAST RESIZE (UTC)")
+    headers += ("LAST EVALUATION",)
+    rows = []
     for j in jobs:
         auto = f"paused: {j.pause_reason}" if j.autoscaling_paused else "on"
-        if j.active_decision_id:
+        if j.active_decision_id and not wide:
             auto += f" (decision {j.active_decision_id} running)"
         ev = j.last_evaluation
+        window = j.HasField("window")
         live = (
             ("n/a",) * 4
             if offline
             else (
                 str(j.step),
                 f"{j.samples_per_s:.1f}",
-                _pct(j.window.mean_pct) if j.HasField("window") else "-",
+                _pct(j.window.mean_pct) if window else "-",
                 f"{reason_name(ev.reason)}: {ev.message}" if j.HasField("last_evaluation") else "-",
             )
         )
-        t.add_row(
+        row: tuple[str, ...] = (
             j.job_id,
             str(j.current_replicas),
             f"{j.policy.min_replicas}..{j.policy.max_replicas}",
@@ -242,18 +265,37 @@ def jobs_table(jobs: Sequence[scaler_pb2.Job], *, offline: bool = False) -> Tabl
             live[1],
             live[2],
             auto,
-            live[3],
         )
-    return t
+        if wide:
+            row += (
+                "n/a" if offline or not window else f"{j.window.coverage:.0%}",
+                str(j.gpus_per_replica),
+                str(j.active_decision_id) if j.active_decision_id else "-",
+                short(field_datetime(j, "last_resize_at")),
+            )
+        rows.append((*row, live[3]))
+    return headers, rows
 
 
-def history_table(decisions: Sequence[scaler_pb2.Decision]) -> Table:
-    t = Table(show_edge=False, header_style="bold")
-    for col in ("ID", "CREATED (UTC)", "JOB", "RESIZE", "REASON", "STATE", "PAUSE", "BY"):
-        t.add_column(col)
-    t.add_column("MESSAGE", overflow="fold")
+def history_rows(decisions: Sequence[scaler_pb2.Decision], *, wide: bool = False) -> Rows:
+    """Headers and rows of `tide history` (``wide``: trigger, generation, lost steps, the
+    last change)."""
+    headers: tuple[str, ...] = (
+        "ID",
+        "CREATED (UTC)",
+        "JOB",
+        "RESIZE",
+        "REASON",
+        "STATE",
+        "PAUSE",
+        "BY",
+    )
+    if wide:
+        headers += ("TRIGGER", "GEN", "LOST STEPS", "UPDATED (UTC)")
+    headers += ("MESSAGE",)
+    rows = []
     for d in decisions:
-        t.add_row(
+        row: tuple[str, ...] = (
             str(d.id),
             short(field_datetime(d, "created_at")),
             d.job_id,
@@ -262,9 +304,16 @@ def history_table(decisions: Sequence[scaler_pb2.Decision]) -> Table:
             state_name(d.state),
             f"{d.pause_s:.2f}s" if d.pause_s else "-",
             d.requested_by or trigger_name(d.trigger).lower(),
-            d.error or d.message,
         )
-    return t
+        if wide:
+            row += (
+                trigger_name(d.trigger),
+                str(d.generation),
+                str(d.lost_steps),
+                short(field_datetime(d, "updated_at")),
+            )
+        rows.append((*row, d.error or d.message))
+    return headers, rows
 
 
 def print_explain(console: Console, detail: scaler_pb2.DecisionDetail) -> None:

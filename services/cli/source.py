@@ -9,7 +9,7 @@ questions asked when the scaler is down or gone (an incident review, a
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, cast
@@ -172,6 +172,31 @@ class GrpcScaler:
             admin=True,
         )
         return decision
+
+    async def upsert_job(self, request: scaler_pb2.UpsertJobRequest) -> scaler_pb2.Job:
+        job: scaler_pb2.Job = await self._call(self.stub.UpsertJob, request, admin=True)
+        return job
+
+    async def watch_decisions(self, job_id: str) -> AsyncIterator[scaler_pb2.DecisionEvent]:
+        """Decision events of ``job_id`` (all jobs when empty) from now on. The first item
+        is an empty event that marks the subscription: once it has come, no later
+        change can be missed."""
+        call: Any = self.stub.WatchDecisions(scaler_pb2.WatchDecisionsRequest(job_id=job_id))
+        try:
+            # The scaler sends its headers once it has subscribed.
+            await call.initial_metadata()
+            yield scaler_pb2.DecisionEvent()  # the "subscribed" mark, never shown
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as exc:
+            err = domain_error(exc)
+            if isinstance(err, errors.Unavailable):
+                raise errors.Unavailable(
+                    f"scaler at {self._target} unreachable: {exc.details()}"
+                ) from None
+            raise err from None
+        finally:
+            call.cancel()
 
     async def set_autoscaling(self, job_id: str, paused: bool, reason: str) -> scaler_pb2.Job:
         job: scaler_pb2.Job = await self._call(

@@ -1,6 +1,6 @@
 """Times and durations as an SRE types them: ``24h``, ``90m``, ``2026-12-02T14:05``.
 
-A relative value (``24h``) means that long before now. An absolute value is
+A relative value (``24h``, ``1h30m``) means that long before now. An absolute value is
 ISO 8601; one without a zone is UTC, because every time Tide stores and shows
 is UTC and a shell's local zone is rarely what a runbook means.
 """
@@ -13,15 +13,22 @@ from datetime import UTC, datetime, timedelta
 from tidebase.errors import InvalidArgument
 
 _UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_PART = r"(\d+(?:\.\d+)?)([smhdw])"
+#: One or more number+unit parts, largest unit first, each unit once: 1h30m, 2d12h, 90s.
+_DURATION = re.compile(rf"^\s*(?:{_PART})+\s*$")
+_ORDER = "wdhms"
 
 
 def parse_duration_s(text: str) -> float:
-    """``90s`` / ``15m`` / ``24h`` / ``7d`` / ``2w`` in seconds."""
-    m = _DURATION.match(text)
-    if not m:
-        raise InvalidArgument(f"expected a duration like 30s, 15m, 24h, 7d; got {text!r}")
-    return float(m.group(1)) * _UNITS_S[m.group(2)]
+    """``90s`` / ``15m`` / ``1h30m`` / ``7d`` / ``2w`` in seconds (Go's and kubectl's form)."""
+    compact = text.strip()
+    parts = re.findall(_PART, compact)
+    if not _DURATION.match(text) or "".join(n + u for n, u in parts) != compact:
+        raise InvalidArgument(f"expected a duration like 30s, 15m, 1h30m, 7d; got {text!r}")
+    units = [u for _, u in parts]
+    if [_ORDER.index(u) for u in units] != sorted({_ORDER.index(u) for u in units}):
+        raise InvalidArgument(f"duration {text!r}: each unit once, largest first (1h30m)")
+    return sum(float(n) * _UNITS_S[u] for n, u in parts)
 
 
 def parse_time(text: str, now: datetime) -> datetime:

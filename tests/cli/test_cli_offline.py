@@ -102,11 +102,12 @@ def test_jobs_from_the_store(store: tuple[str, Seeded]) -> None:
         "last_evaluation",
     }
     assert "sustain_s" not in jobs[JOB]["policy"]  # a default, not stored
-    code, out, _ = tide("jobs", "--db", url)
+    code, out, err = tide("jobs", "--db", url)
     assert code == 0
     row = next(line for line in out.splitlines() if line.strip().startswith(JOB))
     assert row.count("n/a") == 4
-    assert "known only to a running scaler" in out and "stored overrides" in out
+    # The note goes to stderr: stdout holds the table's rows only.
+    assert "known only to a running scaler" in err and "stored overrides" in err
 
 
 def test_chart_from_the_store(store: tuple[str, Seeded], tmp_path: Path) -> None:

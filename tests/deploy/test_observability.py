@@ -21,7 +21,7 @@ from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_gr
 
 from tests.scaler.support import report
 from tests.support.poll import eventually
-from tests.support.procs import ROOT, ServiceProcess, start_service
+from tests.support.procs import ROOT, ServiceProcess, start_memory_scaler, start_service
 from tests.support.prom import binary, running_prometheus
 from tidebase.client import open_channel
 
@@ -154,20 +154,11 @@ async def test_prometheus_scrapes_the_services_and_the_dashboard_queries_return_
             ]
         )
         procs.append(coordinator)
-        scaler = start_service(
-            [
-                "-m",
-                "services.testing.scaler",
-                "--coordinator",
-                "memory",
-                "--actuator",
-                "memory",
-                "--listen",
-                "127.0.0.1:0",
+        scaler = start_memory_scaler(
+            db,
+            *[
                 "--metrics-listen",
                 "127.0.0.1:0",
-                "--db",
-                db,
                 "--bucket-s",
                 "1",
                 "--sustain-s",
@@ -180,7 +171,7 @@ async def test_prometheus_scrapes_the_services_and_the_dashboard_queries_return_
                 "0.5",
                 "--total-gpus",
                 "64",
-            ]
+            ],
         )
         procs.append(scaler)
         agent = start_service(

@@ -67,7 +67,7 @@ def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path: Path) -> None:
         assert m, first + proc.stderr.read() if proc.stderr else first
         scaler = m.group(1)
         jobs = tide("jobs", "--scaler", scaler)
-        assert jobs.returncode == 0 and "no jobs" in jobs.stdout
+        assert jobs.returncode == 0 and "no jobs" in jobs.stderr
         # One control plane per state dir.
         again = tide(*args)
         assert again.returncode == 2 and "up.lock" in again.stderr
@@ -85,7 +85,7 @@ def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path: Path) -> None:
             proc.wait(10)
     wait_for(lambda: not processes_mentioning(str(state)), timeout_s=10, what="children gone")
     offline = tide("jobs", "--db", f"sqlite:///{state / 'tide.db'}")
-    assert offline.returncode == 0 and "no jobs" in offline.stdout
+    assert offline.returncode == 0 and "no jobs" in offline.stderr
     logs = {p.name for p in (state / "logs").iterdir()}
     assert {"coordinator.log", "scaler.log", "agent-0.log"} <= logs
 

@@ -69,3 +69,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def start_memory_scaler(db_url: str, *extra: str) -> ServiceProcess:
+    """The production scaler with the in-memory coordinator and actuator
+    (``python -m services.testing.scaler``): decisions run their whole lifecycle at once."""
+    return start_service(
+        [
+            "-m",
+            "services.testing.scaler",
+            "--coordinator",
+            "memory",
+            "--actuator",
+            "memory",
+            "--listen",
+            "127.0.0.1:0",
+            "--db",
+            db_url,
+            *extra,
+        ]
+    )
