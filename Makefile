@@ -14,6 +14,7 @@ demo: setup
 
 proto: setup
 	$(PY) scripts/gen_protos.py
+	$(PY) scripts/gen_api_docs.py
 
 proto-check: setup
 	$(PY) scripts/gen_protos.py --check

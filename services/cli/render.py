@@ -56,11 +56,6 @@ def state_value(name: str) -> int:
     return value
 
 
-def _num(x: float) -> float | None:
-    """JSON has no NaN: an empty bucket or an unknown mean is null."""
-    return x if math.isfinite(x) else None
-
-
 # --- JSON documents -------------------------------------------------------------------------
 
 
@@ -88,14 +83,23 @@ def decision_doc(d: scaler_pb2.Decision) -> dict[str, Any]:
 CSV_COLUMNS = tuple(decision_doc(scaler_pb2.Decision()).keys())
 
 
+def bucket_means(w: common_pb2.WindowStats) -> list[float | None]:
+    """Each bucket's mean, None for an empty one (the API marks it ``empty``)."""
+    return [None if b.empty or not b.HasField("mean_pct") else b.mean_pct for b in w.buckets]
+
+
+def window_mean(w: common_pb2.WindowStats) -> float | None:
+    return w.mean_pct if w.HasField("mean_pct") else None
+
+
 def window_doc(w: common_pb2.WindowStats) -> dict[str, Any]:
     return {
         "bucket_s": w.bucket_s,
-        "bucket_means_pct": [_num(b) for b in w.bucket_means_pct],
+        "bucket_means_pct": bucket_means(w),
         "coverage": w.coverage,
         "gpus_expected": w.gpus_expected,
         "gpus_fresh": w.gpus_fresh,
-        "mean_pct": _num(w.mean_pct),
+        "mean_pct": window_mean(w),
         "computed_at": iso(field_datetime(w, "computed_at")),
     }
 
@@ -117,7 +121,7 @@ def job_doc(j: scaler_pb2.Job) -> dict[str, Any]:
         "generation": j.generation,
         "step": j.step,
         "samples_per_s": j.samples_per_s,
-        "utilization_pct": _num(j.window.mean_pct) if j.HasField("window") else None,
+        "utilization_pct": window_mean(j.window) if j.HasField("window") else None,
         "coverage": j.window.coverage if j.HasField("window") else None,
         "autoscaling_paused": j.autoscaling_paused,
         "pause_reason": j.pause_reason,
@@ -252,7 +256,7 @@ def jobs_rows(jobs: Sequence[scaler_pb2.Job], *, offline: bool = False, wide: bo
             else (
                 str(j.step),
                 f"{j.samples_per_s:.1f}",
-                _pct(j.window.mean_pct) if window else "-",
+                _pct(window_mean(j.window)) if window else "-",
                 f"{reason_name(ev.reason)}: {ev.message}" if j.HasField("last_evaluation") else "-",
             )
         )
@@ -333,9 +337,10 @@ def print_explain(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
 
     console.print("\n[bold]Inputs[/bold]")
     w = i.window
-    buckets = " ".join(_pct(b) for b in w.bucket_means_pct) or "-"
+    means = bucket_means(w)
+    buckets = " ".join(_pct(b) for b in means) or "-"
     console.print(
-        f"  window   mean {_pct(w.mean_pct)} over {len(w.bucket_means_pct)} buckets"
+        f"  window   mean {_pct(window_mean(w))} over {len(means)} buckets"
         f" of {w.bucket_s:g} s: {buckets}"
     )
     console.print(

@@ -484,7 +484,11 @@ class Demo:
                     d.error,
                 )
             )
-        mean = job.window.mean_pct if job is not None and job.HasField("window") else None
+        mean = (
+            job.window.mean_pct
+            if job is not None and job.HasField("window") and job.window.HasField("mean_pct")
+            else None
+        )
         mean = mean if mean is not None and math.isfinite(mean) else None
         ev = job.last_evaluation if job is not None else None
         resize = ""

@@ -35,20 +35,39 @@ def policy_from_proto(msg: scaler_pb2.Policy) -> dict[str, Any]:
     return {n: getattr(msg, n) for n in _POLICY_FIELDS if msg.HasField(n)}  # type: ignore[arg-type]
 
 
-def window_to_proto(w: pol.WindowView, at_s: float) -> common_pb2.WindowStats:
-    return common_pb2.WindowStats(
-        bucket_s=w.bucket_s,
-        bucket_means_pct=list(w.bucket_means),
-        coverage=w.coverage,
-        gpus_expected=w.gpus_expected,
-        gpus_fresh=w.gpus_fresh,
-        mean_pct=w.mean_pct,
+def _bucket(mean: float | None) -> common_pb2.WindowBucket:
+    """An empty bucket (NaN in the window, null in stored inputs) is marked, not NaN."""
+    if mean is None or math.isnan(mean):
+        return common_pb2.WindowBucket(empty=True)
+    return common_pb2.WindowBucket(mean_pct=mean)
+
+
+def _window(
+    bucket_s: float,
+    means: Sequence[float | None],
+    coverage: float,
+    expected: int,
+    fresh: int,
+    mean: float | None,
+    at_s: float | None,
+) -> common_pb2.WindowStats:
+    msg = common_pb2.WindowStats(
+        bucket_s=bucket_s,
+        buckets=[_bucket(m) for m in means],
+        coverage=coverage,
+        gpus_expected=expected,
+        gpus_fresh=fresh,
         computed_at=ts_from_seconds(at_s),
     )
+    if mean is not None and not math.isnan(mean):
+        msg.mean_pct = mean
+    return msg
 
 
-def _nan(v: Any) -> float:
-    return math.nan if v is None else float(v)
+def window_to_proto(w: pol.WindowView, at_s: float) -> common_pb2.WindowStats:
+    return _window(
+        w.bucket_s, w.bucket_means, w.coverage, w.gpus_expected, w.gpus_fresh, w.mean_pct, at_s
+    )
 
 
 def decision_to_proto(d: DecisionRecord) -> scaler_pb2.Decision:
@@ -80,15 +99,16 @@ def inputs_to_proto(inputs: dict[str, Any]) -> scaler_pb2.DecisionInputs:
     )
     w = inputs.get("window")
     if w:
+        mean = w.get("mean_pct")
         msg.window.CopyFrom(
-            common_pb2.WindowStats(
-                bucket_s=float(w.get("bucket_s", 0.0)),
-                bucket_means_pct=[_nan(v) for v in w.get("bucket_means_pct", [])],
-                coverage=float(w.get("coverage", 0.0)),
-                gpus_expected=int(w.get("gpus_expected", 0)),
-                gpus_fresh=int(w.get("gpus_fresh", 0)),
-                mean_pct=_nan(w.get("mean_pct")),
-                computed_at=ts_from_seconds(w.get("computed_at_s")),
+            _window(
+                float(w.get("bucket_s", 0.0)),
+                [None if v is None else float(v) for v in w.get("bucket_means_pct", [])],
+                float(w.get("coverage", 0.0)),
+                int(w.get("gpus_expected", 0)),
+                int(w.get("gpus_fresh", 0)),
+                None if mean is None else float(mean),
+                w.get("computed_at_s"),
             )
         )
     p = inputs.get("policy")

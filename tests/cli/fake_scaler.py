@@ -111,7 +111,11 @@ class FakeScaler(scaler_pb2_grpc.ScalerServicer):
         stored.inputs.policy.CopyFrom(self.jobs[job_id].policy)
         w = stored.inputs.window
         w.bucket_s = 30
-        w.bucket_means_pct.extend([91.0, 93.5, float("nan"), 95.0])
+        for mean in (91.0, 93.5, None, 95.0):
+            if mean is None:
+                w.buckets.add(empty=True)
+            else:
+                w.buckets.add(mean_pct=mean)
         w.coverage = 1.0
         w.gpus_expected = w.gpus_fresh = frm
         w.mean_pct = 93.2

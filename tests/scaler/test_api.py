@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import json_format
 from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2_grpc
 
 from services.common.clock import SystemClock
@@ -142,6 +143,13 @@ async def test_jobs_decisions_history_and_watch(live: Live) -> None:
     got = await stub.GetJob(scaler_pb2.GetJobRequest(job_id="ns/a"), timeout=T)
     assert got.current_replicas == 4
     assert got.HasField("last_resize_at")
+    # No telemetry: every bucket is marked empty and the window has no mean; the JSON a
+    # grpcurl user sees says so, with no NaN in it.
+    assert len(got.window.buckets) == 3
+    assert all(b.empty and not b.HasField("mean_pct") for b in got.window.buckets)
+    assert not got.window.HasField("mean_pct")
+    text = json_format.MessageToJson(got)
+    assert "NaN" not in text and '"empty": true' in text
     jobs = await stub.ListJobs(scaler_pb2.ListJobsRequest(), timeout=T)
     assert [j.job_id for j in jobs.jobs] == ["ns/a"]
     paused = await stub.SetAutoscaling(

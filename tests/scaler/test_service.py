@@ -454,4 +454,4 @@ async def test_actuator_errors_are_counted_by_operation() -> None:
     assert await actuator.free_gpus() is None
     get = metrics.registry.get_sample_value
     assert get("tide_scaler_actuator_errors_total", {"operation": "set_replicas"}) == 1
-    assert get("tide_scaler_actuator_errors_total", {"operation": "free_gpus"}) is None
+    assert get("tide_scaler_actuator_errors_total", {"operation": "free_gpus"}) == 0

@@ -25,21 +25,23 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tide/v1/common.proto\x12\x07tide.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"6\n\x06PodRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03uid\x18\x03 \x01(\t\"\xb9\x01\n\x0bWindowStats\x12\x10\n\x08\x62ucket_s\x18\x01 \x01(\x01\x12\x18\n\x10\x62ucket_means_pct\x18\x02 \x03(\x01\x12\x10\n\x08\x63overage\x18\x03 \x01(\x01\x12\x15\n\rgpus_expected\x18\x04 \x01(\r\x12\x12\n\ngpus_fresh\x18\x05 \x01(\r\x12\x10\n\x08mean_pct\x18\x06 \x01(\x01\x12/\n\x0b\x63omputed_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xdc\x01\n\rDecisionState\x12\x1e\n\x1a\x44\x45\x43ISION_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x44\x45\x43ISION_STATE_PENDING\x10\x01\x12\x1c\n\x18\x44\x45\x43ISION_STATE_PREPARING\x10\x02\x12\x1c\n\x18\x44\x45\x43ISION_STATE_ACTUATING\x10\x03\x12\x1c\n\x18\x44\x45\x43ISION_STATE_COMPLETED\x10\x04\x12\x1a\n\x16\x44\x45\x43ISION_STATE_ABORTED\x10\x05\x12\x19\n\x15\x44\x45\x43ISION_STATE_FAILED\x10\x06*\x91\x05\n\x0e\x44\x65\x63isionReason\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_UNSPECIFIED\x10\x00\x12.\n*DECISION_REASON_SUSTAINED_HIGH_UTILIZATION\x10\x01\x12-\n)DECISION_REASON_SUSTAINED_LOW_UTILIZATION\x10\x02\x12$\n DECISION_REASON_NODE_TERMINATION\x10\x03\x12\x1a\n\x16\x44\x45\x43ISION_REASON_MANUAL\x10\x04\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_MEMBER_LOST\x10\x05\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_JOB_STARTED\x10\x06\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_WITHIN_BAND\x10\x14\x12!\n\x1d\x44\x45\x43ISION_REASON_NOT_SUSTAINED\x10\x15\x12\x1c\n\x18\x44\x45\x43ISION_REASON_COOLDOWN\x10\x16\x12)\n%DECISION_REASON_INSUFFICIENT_COVERAGE\x10\x17\x12\x1e\n\x1a\x44\x45\x43ISION_REASON_STALE_DATA\x10\x18\x12#\n\x1f\x44\x45\x43ISION_REASON_AT_MAX_REPLICAS\x10\x19\x12#\n\x1f\x44\x45\x43ISION_REASON_AT_MIN_REPLICAS\x10\x1a\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_NO_CAPACITY\x10\x1b\x12\x1a\n\x16\x44\x45\x43ISION_REASON_PAUSED\x10\x1c\x12&\n\"DECISION_REASON_RESIZE_IN_PROGRESS\x10\x1d\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_STABILIZING\x10\x1e*\x8d\x01\n\x0f\x44\x65\x63isionTrigger\x12 \n\x1c\x44\x45\x43ISION_TRIGGER_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44\x45\x43ISION_TRIGGER_POLICY\x10\x01\x12\x1b\n\x17\x44\x45\x43ISION_TRIGGER_MANUAL\x10\x02\x12\x1e\n\x1a\x44\x45\x43ISION_TRIGGER_EMERGENCY\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tide/v1/common.proto\x12\x07tide.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"6\n\x06PodRef\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03uid\x18\x03 \x01(\t\"A\n\x0cWindowBucket\x12\x15\n\x08mean_pct\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05\x65mpty\x18\x02 \x01(\x08\x42\x0b\n\t_mean_pct\"\xf1\x01\n\x0bWindowStats\x12\x10\n\x08\x62ucket_s\x18\x01 \x01(\x01\x12&\n\x07\x62uckets\x18\x08 \x03(\x0b\x32\x15.tide.v1.WindowBucket\x12\x10\n\x08\x63overage\x18\x03 \x01(\x01\x12\x15\n\rgpus_expected\x18\x04 \x01(\r\x12\x12\n\ngpus_fresh\x18\x05 \x01(\r\x12\x15\n\x08mean_pct\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12/\n\x0b\x63omputed_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x0b\n\t_mean_pctJ\x04\x08\x02\x10\x03R\x10\x62ucket_means_pct*\xdc\x01\n\rDecisionState\x12\x1e\n\x1a\x44\x45\x43ISION_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x44\x45\x43ISION_STATE_PENDING\x10\x01\x12\x1c\n\x18\x44\x45\x43ISION_STATE_PREPARING\x10\x02\x12\x1c\n\x18\x44\x45\x43ISION_STATE_ACTUATING\x10\x03\x12\x1c\n\x18\x44\x45\x43ISION_STATE_COMPLETED\x10\x04\x12\x1a\n\x16\x44\x45\x43ISION_STATE_ABORTED\x10\x05\x12\x19\n\x15\x44\x45\x43ISION_STATE_FAILED\x10\x06*\x91\x05\n\x0e\x44\x65\x63isionReason\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_UNSPECIFIED\x10\x00\x12.\n*DECISION_REASON_SUSTAINED_HIGH_UTILIZATION\x10\x01\x12-\n)DECISION_REASON_SUSTAINED_LOW_UTILIZATION\x10\x02\x12$\n DECISION_REASON_NODE_TERMINATION\x10\x03\x12\x1a\n\x16\x44\x45\x43ISION_REASON_MANUAL\x10\x04\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_MEMBER_LOST\x10\x05\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_JOB_STARTED\x10\x06\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_WITHIN_BAND\x10\x14\x12!\n\x1d\x44\x45\x43ISION_REASON_NOT_SUSTAINED\x10\x15\x12\x1c\n\x18\x44\x45\x43ISION_REASON_COOLDOWN\x10\x16\x12)\n%DECISION_REASON_INSUFFICIENT_COVERAGE\x10\x17\x12\x1e\n\x1a\x44\x45\x43ISION_REASON_STALE_DATA\x10\x18\x12#\n\x1f\x44\x45\x43ISION_REASON_AT_MAX_REPLICAS\x10\x19\x12#\n\x1f\x44\x45\x43ISION_REASON_AT_MIN_REPLICAS\x10\x1a\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_NO_CAPACITY\x10\x1b\x12\x1a\n\x16\x44\x45\x43ISION_REASON_PAUSED\x10\x1c\x12&\n\"DECISION_REASON_RESIZE_IN_PROGRESS\x10\x1d\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_STABILIZING\x10\x1e*\x8d\x01\n\x0f\x44\x65\x63isionTrigger\x12 \n\x1c\x44\x45\x43ISION_TRIGGER_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x44\x45\x43ISION_TRIGGER_POLICY\x10\x01\x12\x1b\n\x17\x44\x45\x43ISION_TRIGGER_MANUAL\x10\x02\x12\x1e\n\x1a\x44\x45\x43ISION_TRIGGER_EMERGENCY\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tide.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECISIONSTATE']._serialized_start=311
-  _globals['_DECISIONSTATE']._serialized_end=531
-  _globals['_DECISIONREASON']._serialized_start=534
-  _globals['_DECISIONREASON']._serialized_end=1191
-  _globals['_DECISIONTRIGGER']._serialized_start=1194
-  _globals['_DECISIONTRIGGER']._serialized_end=1335
+  _globals['_DECISIONSTATE']._serialized_start=434
+  _globals['_DECISIONSTATE']._serialized_end=654
+  _globals['_DECISIONREASON']._serialized_start=657
+  _globals['_DECISIONREASON']._serialized_end=1314
+  _globals['_DECISIONTRIGGER']._serialized_start=1317
+  _globals['_DECISIONTRIGGER']._serialized_end=1458
   _globals['_PODREF']._serialized_start=66
   _globals['_PODREF']._serialized_end=120
-  _globals['_WINDOWSTATS']._serialized_start=123
-  _globals['_WINDOWSTATS']._serialized_end=308
+  _globals['_WINDOWBUCKET']._serialized_start=122
+  _globals['_WINDOWBUCKET']._serialized_end=187
+  _globals['_WINDOWSTATS']._serialized_start=190
+  _globals['_WINDOWSTATS']._serialized_end=431
 # @@protoc_insertion_point(module_scope)

@@ -212,13 +212,43 @@ class PodRef(_message.Message):
 Global___PodRef: _TypeAlias = PodRef  # noqa: Y015
 
 @_typing.final
+class WindowBucket(_message.Message):
+    """One bucket of a utilization window."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEAN_PCT_FIELD_NUMBER: _builtins.int
+    EMPTY_FIELD_NUMBER: _builtins.int
+    mean_pct: _builtins.float
+    """Mean GPU utilization over the bucket, percent 0..100; unset when the bucket is empty."""
+    empty: _builtins.bool
+    """True when no sample fell into the bucket (and mean_pct is unset). Explicit, so a
+    client sees an empty bucket as such in JSON too, never as NaN or 0.
+    """
+    def __init__(
+        self,
+        *,
+        mean_pct: _builtins.float | None = ...,
+        empty: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_mean_pct", b"_mean_pct", "mean_pct", b"mean_pct"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mean_pct", b"_mean_pct", "empty", b"empty", "mean_pct", b"mean_pct"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__mean_pct: _TypeAlias = _typing.Literal["mean_pct"]  # noqa: Y015
+    _WhichOneofArgType__mean_pct: _TypeAlias = _typing.Literal["_mean_pct", b"_mean_pct"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mean_pct) -> _WhichOneofReturnType__mean_pct | None: ...
+
+Global___WindowBucket: _TypeAlias = WindowBucket  # noqa: Y015
+
+@_typing.final
 class WindowStats(_message.Message):
     """Statistics of one job's utilization window at one instant."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     BUCKET_S_FIELD_NUMBER: _builtins.int
-    BUCKET_MEANS_PCT_FIELD_NUMBER: _builtins.int
+    BUCKETS_FIELD_NUMBER: _builtins.int
     COVERAGE_FIELD_NUMBER: _builtins.int
     GPUS_EXPECTED_FIELD_NUMBER: _builtins.int
     GPUS_FRESH_FIELD_NUMBER: _builtins.int
@@ -233,12 +263,12 @@ class WindowStats(_message.Message):
     gpus_fresh: _builtins.int
     """GPUs of the job with a fresh sample."""
     mean_pct: _builtins.float
-    """Mean utilization over the whole window, percent 0..100; NaN when empty."""
+    """Mean utilization over the window's non-empty buckets, percent 0..100; unset
+    when every bucket is empty.
+    """
     @_builtins.property
-    def bucket_means_pct(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """Mean GPU utilization of each bucket, percent 0..100, oldest first.
-        A bucket with no sample is reported as NaN.
-        """
+    def buckets(self) -> _containers.RepeatedCompositeFieldContainer[Global___WindowBucket]:
+        """The buckets of the sustain window, oldest first."""
 
     @_builtins.property
     def computed_at(self) -> _timestamp_pb2.Timestamp:
@@ -248,17 +278,19 @@ class WindowStats(_message.Message):
         self,
         *,
         bucket_s: _builtins.float = ...,
-        bucket_means_pct: _abc.Iterable[_builtins.float] | None = ...,
+        buckets: _abc.Iterable[Global___WindowBucket] | None = ...,
         coverage: _builtins.float = ...,
         gpus_expected: _builtins.int = ...,
         gpus_fresh: _builtins.int = ...,
-        mean_pct: _builtins.float = ...,
+        mean_pct: _builtins.float | None = ...,
         computed_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["computed_at", b"computed_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_mean_pct", b"_mean_pct", "computed_at", b"computed_at", "mean_pct", b"mean_pct"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_means_pct", b"bucket_means_pct", "bucket_s", b"bucket_s", "computed_at", b"computed_at", "coverage", b"coverage", "gpus_expected", b"gpus_expected", "gpus_fresh", b"gpus_fresh", "mean_pct", b"mean_pct"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_mean_pct", b"_mean_pct", "bucket_s", b"bucket_s", "buckets", b"buckets", "computed_at", b"computed_at", "coverage", b"coverage", "gpus_expected", b"gpus_expected", "gpus_fresh", b"gpus_fresh", "mean_pct", b"mean_pct"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__mean_pct: _TypeAlias = _typing.Literal["mean_pct"]  # noqa: Y015
+    _WhichOneofArgType__mean_pct: _TypeAlias = _typing.Literal["_mean_pct", b"_mean_pct"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__mean_pct) -> _WhichOneofReturnType__mean_pct | None: ...
 
 Global___WindowStats: _TypeAlias = WindowStats  # noqa: Y015
