@@ -83,9 +83,14 @@ class CommonSettings(ProcessSettings):
     admin_token: str = setting(
         "", "bearer token required on admin RPCs; empty disables the check (local use)"
     )
+    otlp_endpoint: str = setting(
+        "", "OpenTelemetry collector HOST:PORT (OTLP/gRPC): one trace per decision; empty: off"
+    )
 
     def __post_init__(self) -> None:
         check_hostport("listen", self.listen)
+        if self.otlp_endpoint:
+            check_hostport("otlp_endpoint", self.otlp_endpoint)
         super().__post_init__()
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("tls_cert_file and tls_key_file must be given together")

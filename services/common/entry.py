@@ -13,8 +13,9 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from services.common import logs
+from services.common import logs, tracing
 from services.common.config import ProcessSettings, load_settings
+from services.common.metrics import version
 from tidebase.errors import ConfigError, TideError
 
 logger = logging.getLogger(__name__)
@@ -42,10 +43,13 @@ def run_service(
         print(f"{error_prefix or name}: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
+    tracing.configure(name, getattr(settings, "otlp_endpoint", ""), version=version())
     try:
         code = asyncio.run(run(settings))
     except TideError as exc:
         # One line, not a traceback: this is the environment, not a bug.
         logger.error("%s stopped: %s", name, exc)
         return 1
+    finally:
+        tracing.shutdown()
     return code or 0

@@ -8,12 +8,14 @@ the job's change notifier and never poll.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
+from services.common import tracing
 from services.common.rpc import rpc_errors
 from services.coordinator import convert
 from services.coordinator.engine import Coordinator, streams
@@ -54,7 +56,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Resize(
         self, request: pb.ResizeRequest, context: Any
     ) -> AsyncIterator[pb.ResizeProgress]:
-        async for view in streams.resize(self._c, convert.resize_from_proto(request)):
+        inp = dataclasses.replace(
+            convert.resize_from_proto(request),
+            trace_parent=tracing.extract(context.invocation_metadata()),
+        )
+        async for view in streams.resize(self._c, inp):
             yield convert.progress_to_proto(view)
 
     @rpc_errors

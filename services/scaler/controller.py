@@ -11,10 +11,12 @@ nothing the second time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
+from typing import Any
 
-from services.common import logs
+from services.common import logs, tracing
 from services.common.clock import Clock
 from services.scaler.actuators import Actuator
 from services.scaler.coordination import CoordinatorClient, Phase, Progress, ResizeSpec
@@ -65,15 +67,24 @@ class Controller:
         self.retry_s = retry_s
         self.retry_max_s = retry_max_s
         self.tasks: dict[int, asyncio.Task[DecisionRecord | None]] = {}
+        #: Each driven decision's root span (services.common.tracing), until it is final.
+        self.spans: dict[int, Any] = {}
 
     def start(
-        self, d: DecisionRecord, *, deadline_s: float, armed: bool = True
+        self,
+        d: DecisionRecord,
+        *,
+        deadline_s: float,
+        armed: bool = True,
+        started_s: float | None = None,
     ) -> asyncio.Task[DecisionRecord | None]:
         """Drive ``d`` to a final state in a task. ``armed=False`` keeps the fault
-        point quiet (a crash test kills once per decision, not again during recovery)."""
+        point quiet (a crash test kills once per decision, not again during recovery).
+        ``started_s``: when the decision's trace starts (its tipping sample), else now."""
         task = self.tasks.get(d.id)
         if task is None or task.done():
             fault = self.fault if armed else _no_fault
+            self.spans.setdefault(d.id, self._root_span(d, started_s, resumed=not armed))
             task = asyncio.create_task(self._drive(d, deadline_s, fault), name=f"decision-{d.id}")
             self.tasks[d.id] = task
             did = d.id
@@ -83,6 +94,34 @@ class Controller:
 
             task.add_done_callback(forget)
         return task
+
+    @staticmethod
+    def _root_span(d: DecisionRecord, started_s: float | None, *, resumed: bool) -> Any:
+        return tracing.start_span(
+            "tide.decision",
+            new_trace=True,  # one trace per decision
+            start_ns=int(started_s * 1e9) if started_s is not None else None,
+            attributes={
+                "tide.job_id": d.job_id,
+                "tide.decision_id": d.id,
+                "tide.reason": d.reason,
+                "tide.trigger": d.trigger,
+                "tide.from_replicas": d.from_replicas,
+                "tide.to_replicas": d.to_replicas,
+                "tide.resumed": resumed,
+            },
+        )
+
+    def _end_span(self, d: DecisionRecord) -> None:
+        span = self.spans.pop(d.id, None)
+        if span is None:
+            return
+        span.set_attribute("tide.state", d.state.value)
+        span.set_attribute("tide.generation", d.generation)
+        span.set_attribute("tide.pause_s", d.pause_s)
+        if d.state is not S.COMPLETED:
+            tracing.record_error(span, d.error or d.state.value)
+        span.end()
 
     async def close(self) -> None:
         tasks = list(self.tasks.values())
@@ -101,11 +140,16 @@ class Controller:
         **kw: object,
     ) -> DecisionRecord:
         d = await self.store.transition(d, state, detail, check_state=check_state, **kw)
+        span = self.spans.get(d.id)
+        if span is not None:
+            span.add_event(state.value, {"tide.detail": detail})
         if self.on_event is not None:
             self.on_event(d, detail)
         fault(f"decision:{state.value}")
-        if d.final and self.on_final is not None:
-            self.on_final(d)
+        if d.final:
+            self._end_span(d)
+            if self.on_final is not None:
+                self.on_final(d)
         return d
 
     async def _drive(
@@ -115,10 +159,14 @@ class Controller:
         # This task works on one decision for its whole life: every line it (and the
         # store, the actuator, the coordinator client under it) logs carries both ids.
         logs.bind(job_id=d.job_id, decision_id=d.id)
+        span = self.spans.get(d.id)
         try:
-            if d.to_replicas >= d.from_replicas:
-                return await self._grow(d, deadline_s, fault)
-            return await self._shrink(d, deadline_s, fault)
+            # The decision's span is current in its task: the actuator's and the
+            # coordinator's calls are its children, and Resize carries it to the coordinator.
+            with tracing.current(span) if span is not None else contextlib.nullcontext():
+                if d.to_replicas >= d.from_replicas:
+                    return await self._grow(d, deadline_s, fault)
+                return await self._shrink(d, deadline_s, fault)
         except StaleEpoch as exc:
             # Another scaler took the job: it resumes the decision; we only stop.
             log.warning(
@@ -157,7 +205,7 @@ class Controller:
                 d, S.PREPARING, f"asking the actuator for {d.to_replicas} replica(s)", fault
             )
         if d.state is S.PREPARING:
-            await self.actuator.set_replicas(d.job_id, d.to_replicas, decision_id=d.id)
+            await self._set_replicas(d, d.to_replicas)
             fault("decision:PREPARING+effect")
             d = await self._step(
                 d, S.ACTUATING, "replicas requested; coordinator admits the newcomers", fault
@@ -168,7 +216,7 @@ class Controller:
             world = result.world_size or d.to_replicas
             if world < d.to_replicas:
                 # Proceeded with the newcomers that came: give back the rest.
-                await self.actuator.set_replicas(d.job_id, world, decision_id=d.id)
+                await self._set_replicas(d, world)
             return await self._step(
                 d,
                 S.COMPLETED,
@@ -182,7 +230,7 @@ class Controller:
                 lost_steps=result.lost_steps,
             )
         # Put the replicas back before the abort is recorded: ABORTED means "runs at N".
-        await self.actuator.set_replicas(d.job_id, d.from_replicas, decision_id=d.id)
+        await self._set_replicas(d, d.from_replicas)
         final = S.ABORTED if result.phase is Phase.ABORTED else S.FAILED
         return await self._step(
             d,
@@ -227,11 +275,25 @@ class Controller:
                 generation=result.generation,
                 lost_steps=result.lost_steps,
             )
-        await self.actuator.set_replicas(d.job_id, d.to_replicas, decision_id=d.id)
+        await self._set_replicas(d, d.to_replicas)
         fault("decision:ACTUATING+effect")
         return await self._step(d, S.COMPLETED, f"replicas lowered to {d.to_replicas}", fault)
 
+    async def _set_replicas(self, d: DecisionRecord, replicas: int) -> None:
+        with tracing.tracer().start_as_current_span(
+            "tide.actuator.set_replicas", attributes={"tide.replicas": replicas}
+        ):
+            await self.actuator.set_replicas(d.job_id, replicas, decision_id=d.id)
+
     async def _resize(self, d: DecisionRecord, deadline_s: float) -> Progress:
+        with tracing.tracer().start_as_current_span(
+            "tide.coordinator.Resize", attributes={"tide.target_world_size": d.to_replicas}
+        ) as span:
+            result = await self._resize_until_final(d, deadline_s)
+            span.set_attribute("tide.phase", result.phase.name)
+            return result
+
+    async def _resize_until_final(self, d: DecisionRecord, deadline_s: float) -> Progress:
         """Run (or re-attach to) the coordinator's resize until a final phase. A broken
         stream is re-attached with the same decision id until the deadline passes."""
         leaving = tuple(str(p) for p in d.inputs.get("leaving_pods", []) or [])

@@ -17,6 +17,7 @@ from typing import Protocol
 import grpc
 from tide.v1 import coordinator_pb2, coordinator_pb2_grpc
 
+from services.common import tracing
 from services.scaler.members import Member
 from tidebase.client import domain_error
 from tidebase.grpc_options import DEFAULT_TIMEOUT_S
@@ -115,7 +116,9 @@ class GrpcCoordinatorClient:
         )
         # The stream lasts as long as the resize: its deadline is the barrier's
         # plus room for the waits around it.
-        call = self._stub.Resize(req, timeout=spec.deadline_s * 3 + 30.0)
+        call = self._stub.Resize(
+            req, timeout=spec.deadline_s * 3 + 30.0, metadata=tracing.inject() or None
+        )
         try:
             async for p in call:
                 yield Progress(

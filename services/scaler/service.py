@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.common import logs
+from services.common import logs, tracing
 from services.common.clock import Clock
 from services.scaler import policy as pol
 from services.scaler.actuators import Actuator
@@ -323,7 +323,7 @@ class ScalerCore:
             inputs["node_name"] = node
             inputs["node_deadline_s"] = deadline
         try:
-            record = await self._create(d, inputs, "")
+            record = await self._create(d, inputs, "", started_s=tipping_s)
         except DecisionInProgress:
             return d
         if tipping_s is not None:
@@ -331,6 +331,7 @@ class ScalerCore:
             self.metrics.observe_decision(
                 done - tipping_s, (seen - tipping_s, now - seen, done - now)
             )
+            self._trace_evaluation(record.id, ((tipping_s, seen), (seen, now), (now, done)))
         logger.info(
             "job %s: decision %d: %s",
             job_id,
@@ -366,8 +367,23 @@ class ScalerCore:
             "raw_target_replicas": d.raw_target,
         }
 
+    def _trace_evaluation(self, decision_id: int, stages: tuple[tuple[float, float], ...]) -> None:
+        """The decision's first spans, after the fact: the tipping sample's way to the
+        scaler, its wait for the loop, and the evaluation up to the commit."""
+        root = self.controller.spans.get(decision_id)
+        if root is None:
+            return
+        for name, (start, end) in zip(("transport", "queue", "evaluate"), stages, strict=True):
+            span = tracing.start_span(f"tide.{name}", parent=root, start_ns=int(start * 1e9))
+            span.end(end_time=int(max(start, end) * 1e9))
+
     async def _create(
-        self, d: pol.Decision, inputs: dict[str, Any], requested_by: str
+        self,
+        d: pol.Decision,
+        inputs: dict[str, Any],
+        requested_by: str,
+        *,
+        started_s: float | None = None,
     ) -> DecisionRecord:
         record = await self.store.create(
             job_id=d.job_id,
@@ -379,16 +395,21 @@ class ScalerCore:
             inputs=inputs,
             requested_by=requested_by,
         )
-        self._launch(record, d.message)
+        self._launch(record, d.message, started_s=started_s)
         return record
 
-    def _launch(self, record: DecisionRecord, message: str) -> None:
-        """Hand a committed PENDING decision to the controller."""
+    def _launch(
+        self, record: DecisionRecord, message: str, *, started_s: float | None = None
+    ) -> None:
+        """Hand a committed PENDING decision to the controller (its trace starts at
+        ``started_s``, the tipping sample, when the policy made it)."""
         self.active[record.job_id] = record.id
         self.metrics.decision_started(record)
         self._publish(record, message)
         self.controller.fault("decision:PENDING")
-        self.controller.start(record, deadline_s=self._deadline_of(record.job_id))
+        self.controller.start(
+            record, deadline_s=self._deadline_of(record.job_id), started_s=started_s
+        )
 
     async def request_resize(
         self, job_id: str, replicas: int, reason: str, requested_by: str

@@ -70,8 +70,8 @@ class RealWorld:
         self.client: CoordinatorClient = client
         self._driver: asyncio.Task[None] | None = None
 
-    async def running(self, n: int) -> None:
-        await form(self.env, n)
+    async def running(self, n: int, decision_id: int = 1) -> None:
+        await form(self.env, n, decision_id)
         self._driver = asyncio.create_task(self._drive())
 
     async def add_pods(self, first_index: int, n: int) -> None:

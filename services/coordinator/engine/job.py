@@ -281,6 +281,7 @@ class JobRuntime:
             phase_started_at=now,
         )
         self.outbox.apply([StartResize(r)])
+        self.outbox.traces.begin(r, inp.trace_parent)
         self._log.info(
             "resize %d: world %d -> %d (deadline %.1f s)",
             r.decision_id,

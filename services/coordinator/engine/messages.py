@@ -6,6 +6,7 @@ Plain frozen dataclasses, so the engine and its tests never touch protobuf.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.coordinator.domain import Breakdown, MemberState, ResizePhase, WorkerPhase
 
@@ -69,6 +70,8 @@ class ResizeInput:
     deadline_s: float
     leaving_pods: tuple[str, ...] = ()
     min_world_size: int = 0
+    #: The caller's trace context (services.common.tracing.extract); opaque here.
+    trace_parent: Any = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from services.coordinator.engine import effects as fx
 from services.coordinator.engine.phases import Context, longest_chain, rules
 from services.coordinator.engine.recovery import plan_recovery
 from services.coordinator.engine.state import JobState
+from services.coordinator.engine.traces import ResizeTraces
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.settings import Tuning
 from services.coordinator.store import CoordinatorStore, Unit
@@ -96,6 +97,7 @@ class Outbox:
         self._queued: list[Directive] = []
         # Final resizes already counted in the metrics (a reload brings finished ones back).
         self._counted: set[int] = set()
+        self.traces = ResizeTraces()
 
     def context(self) -> Context:
         return Context(self.state, self._tuning, self._clock.now())
@@ -207,20 +209,8 @@ class Outbox:
                 self._complete(e)
             case fx.Abort():
                 self._finish_resize(e.decision_id, ResizePhase.ABORTED, e.message)
-                self._log.warning(
-                    "resize %d aborted: %s",
-                    e.decision_id,
-                    e.message,
-                    extra={"decision_id": e.decision_id},
-                )
             case fx.Fail():
                 self._finish_resize(e.decision_id, ResizePhase.FAILED, e.message)
-                self._log.warning(
-                    "resize %d failed: %s",
-                    e.decision_id,
-                    e.message,
-                    extra={"decision_id": e.decision_id},
-                )
             case fx.AckedLeaver():
                 r = s.resizes[e.decision_id]
                 r.acked = (*r.acked, e.member_id)
@@ -309,6 +299,9 @@ class Outbox:
         )
         self._queued.append(d)
         self._changed(job, d)
+        r = self.state.active_resize()
+        if r is not None:
+            self.traces.directive(r.decision_id, kind.name, m.member_id, generation, reason)
         self._log.info(
             "send %s (%s) to member %s in generation %d: %s",
             kind.name,
@@ -328,6 +321,7 @@ class Outbox:
     def _begin_barrier(self, e: fx.BeginBarrier) -> None:
         r = self.state.resizes[e.decision_id]
         transition_resize(r, ResizePhase.CHECKPOINTING, at=self._clock.now())
+        self.traces.phase(r.decision_id, ResizePhase.CHECKPOINTING)
         r.participants, r.newcomers, r.leaving = e.participants, e.newcomers, e.leaving
         r.checkpoint_step = e.step
         self._changed(r)
@@ -438,6 +432,7 @@ class Outbox:
         if e.newcomers is not None:
             r.newcomers = e.newcomers
         transition_resize(r, ResizePhase.RENDEZVOUS, at=now)
+        self.traces.phase(r.decision_id, ResizePhase.RENDEZVOUS)
         r.to_generation = self.state.job.generation
         r.rendezvous_sent_at = now
         self._changed(r)
@@ -460,7 +455,12 @@ class Outbox:
     def _finish_resize(self, decision_id: int, phase: ResizePhase, message: str) -> None:
         r = self.state.resizes[decision_id]
         transition_resize(r, phase, at=self._clock.now(), message=message)
+        self.traces.phase(decision_id, phase, message)
         self._changed(r)
+        if phase is not ResizePhase.COMPLETED:
+            why = phase.name.lower()
+            ids = {"decision_id": decision_id}
+            self._log.warning("resize %d %s: %s", decision_id, why, message, extra=ids)
 
     def _lose(self, e: fx.Lose) -> None:
         """Members (or only their workers) are lost; their phase's rules say what follows
