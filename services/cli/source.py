@@ -87,16 +87,18 @@ class GrpcScaler:
                 wait_for_ready=False,
             )
         except grpc.aio.AioRpcError as exc:
-            err = domain_error(exc)
-            if isinstance(err, errors.Unavailable):
-                raise errors.Unavailable(
-                    f"scaler at {self._target} unreachable: {exc.details()}"
-                ) from None
-            if isinstance(err, errors.DeadlineExceeded):
-                raise errors.DeadlineExceeded(
-                    f"scaler at {self._target} did not answer within {self._timeout_s:g} s"
-                ) from None
-            raise err from None
+            raise self._error(exc) from None
+
+    def _error(self, exc: grpc.aio.AioRpcError) -> errors.TideError:
+        """The domain error of a failed call, saying which scaler did not answer."""
+        err = domain_error(exc)
+        if isinstance(err, errors.Unavailable):
+            return errors.Unavailable(f"scaler at {self._target} unreachable: {exc.details()}")
+        if isinstance(err, errors.DeadlineExceeded):
+            return errors.DeadlineExceeded(
+                f"scaler at {self._target} did not answer within {self._timeout_s:g} s"
+            )
+        return err
 
     async def list_jobs(self) -> list[scaler_pb2.Job]:
         resp = await self._call(self.stub.ListJobs, scaler_pb2.ListJobsRequest())
@@ -189,12 +191,7 @@ class GrpcScaler:
             async for event in call:
                 yield event
         except grpc.aio.AioRpcError as exc:
-            err = domain_error(exc)
-            if isinstance(err, errors.Unavailable):
-                raise errors.Unavailable(
-                    f"scaler at {self._target} unreachable: {exc.details()}"
-                ) from None
-            raise err from None
+            raise self._error(exc) from None
         finally:
             call.cancel()
 

@@ -24,9 +24,9 @@ from typing import Any, Final
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 
-#: Latency buckets of gRPC calls, seconds: unary calls take milliseconds; streams
-#: (telemetry, watches, the coordinator's directives) last minutes to days.
-HANDLING_BUCKETS_S: Final = (
+#: Buckets of short operations, seconds: an evaluation, a commit, a unary call.
+SHORT_BUCKETS_S: Final = (
+    0.0005,
     0.001,
     0.0025,
     0.005,
@@ -40,10 +40,10 @@ HANDLING_BUCKETS_S: Final = (
     2.5,
     5.0,
     10.0,
-    60.0,
-    600.0,
-    3600.0,
 )
+#: Latency buckets of gRPC calls, seconds: unary calls take milliseconds; streams
+#: (telemetry, watches, the coordinator's directives) last minutes to days.
+HANDLING_BUCKETS_S: Final = (*SHORT_BUCKETS_S[1:], 60.0, 600.0, 3600.0)
 
 
 def version() -> str:

@@ -1,4 +1,6 @@
-"""Servicer glue: domain errors become gRPC statuses here, and only here."""
+"""Servicer glue: domain errors become gRPC statuses here, and only here; and every
+line logged while a call runs carries the ids its request names (``job_id``,
+``decision_id``, ``member_id`` as ``member``, ``node_name`` as ``node``)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,25 @@ from typing import Any, TypeVar, cast
 
 import grpc
 
+from services.common import logs
 from tidebase.errors import TideError, grpc_status_of
 
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: Request fields whose value is a log id (services.common.logs), by the id's key.
+_REQUEST_IDS = (
+    ("job_id", "job_id"),
+    ("decision_id", "decision_id"),
+    ("member", "member_id"),
+    ("node", "node_name"),
+)
+
+
+def _ids_of(request: Any) -> dict[str, Any]:
+    fields = getattr(getattr(request, "DESCRIPTOR", None), "fields_by_name", {})
+    return {key: getattr(request, name) for key, name in _REQUEST_IDS if name in fields}
 
 
 def rpc_errors(fn: F) -> F:
@@ -26,16 +42,19 @@ def rpc_errors(fn: F) -> F:
 
         @functools.wraps(fn)
         async def stream_wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
-            try:
-                async for item in gen_fn(self, request, context):
-                    yield item
-            except TideError as exc:
-                await context.abort(grpc_status_of(exc), str(exc))
-            except (grpc.aio.AbortError, grpc.aio.UsageError):
-                raise
-            except Exception:
-                logger.exception("unhandled error in %s", fn.__qualname__)
-                await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
+            with logs.bound(**_ids_of(request)):
+                try:
+                    async for item in gen_fn(self, request, context):
+                        yield item
+                except TideError as exc:
+                    await context.abort(grpc_status_of(exc), str(exc))
+                except (grpc.aio.AbortError, grpc.aio.UsageError):
+                    raise
+                except Exception:
+                    logger.exception("unhandled error in %s", fn.__qualname__)
+                    await context.abort(
+                        grpc.StatusCode.INTERNAL, "internal error; see the server log"
+                    )
 
         return cast(F, stream_wrapper)
 
@@ -43,14 +62,15 @@ def rpc_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     async def unary_wrapper(self: Any, request: Any, context: Any) -> Any:
-        try:
-            return await coro_fn(self, request, context)
-        except TideError as exc:
-            await context.abort(grpc_status_of(exc), str(exc))
-        except (grpc.aio.AbortError, grpc.aio.UsageError):
-            raise
-        except Exception:
-            logger.exception("unhandled error in %s", fn.__qualname__)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
+        with logs.bound(**_ids_of(request)):
+            try:
+                return await coro_fn(self, request, context)
+            except TideError as exc:
+                await context.abort(grpc_status_of(exc), str(exc))
+            except (grpc.aio.AbortError, grpc.aio.UsageError):
+                raise
+            except Exception:
+                logger.exception("unhandled error in %s", fn.__qualname__)
+                await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
 
     return cast(F, unary_wrapper)

@@ -24,28 +24,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.common.metrics import SHORT_BUCKETS_S
 from services.scaler.ingest import IngestEngine, Rejection
 from services.scaler.policy import PolicySettings, WindowView
 from services.scaler.store import DecisionRecord, JobRecord
 
 #: Evaluation and decision latency, seconds: an evaluation takes microseconds
 #: (a no-op) to tens of milliseconds (a committed decision on a busy SQLite).
-LATENCY_BUCKETS_S: Final = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+LATENCY_BUCKETS_S: Final = SHORT_BUCKETS_S
 
 #: (reason, trigger) of the decisions the scaler makes; each job's series of these
 #: exist at 0 from its adoption, so increase() sees its first decision (and the

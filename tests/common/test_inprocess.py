@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -110,3 +111,32 @@ async def test_stop_reports_not_serving_before_closing() -> None:
         # The in-flight call still completes within the grace period.
         await in_flight
         await stopping
+
+
+async def test_a_call_logs_with_the_ids_of_its_request(
+    server: int,
+) -> None:
+    from services.common import logs
+
+    seen: list[dict[str, object]] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append({k: getattr(record, k, None) for k in ("job_id", "msg")})
+
+    handler = Grab()
+    handler.addFilter(logs.ContextFilter())
+    logging.getLogger("services.common.rpc").addHandler(handler)
+    try:
+        async with open_channel(f"127.0.0.1:{server}") as channel:
+            stub = scaler_pb2_grpc.ScalerStub(channel)
+            for job in ("ns/one", "other"):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await stub.GetJob(scaler_pb2.GetJobRequest(job_id=job), timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.GetJob(scaler_pb2.GetJobRequest(), timeout=5)
+    finally:
+        logging.getLogger("services.common.rpc").removeHandler(handler)
+    # Each call's "unhandled error" line carries its own request's job_id; the call
+    # without one carries none (nothing leaked from the call before).
+    assert [s["job_id"] for s in seen] == ["ns/one", "other", None]

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tide.v1 import coordinator_pb2, coordinator_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
-from tests.support.procs import ServiceProcess, free_port, start_service
+from tests.support.procs import ServiceProcess, free_port, memory_scaler_args, start_service
 
 pytestmark = pytest.mark.integration
 
@@ -60,16 +60,7 @@ SERVICES: dict[str, tuple[Callable[[Path], list[str]], set[str], Callable[[grpc.
     "scaler": (
         # The production scaler's code with the in-memory coordinator and actuator:
         # this test is about the runtime every service shares, not about resizing.
-        lambda tmp: [
-            "-m",
-            "services.testing.scaler",
-            "--coordinator",
-            "memory",
-            "--actuator",
-            "memory",
-            "--db",
-            f"sqlite:///{tmp}/s.db",
-        ],
+        lambda tmp: memory_scaler_args(f"sqlite:///{tmp}/s.db"),
         {"tide.v1.Scaler", "tide.v1.Telemetry"},
         _telemetry_stream,
     ),

@@ -71,21 +71,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_memory_scaler(db_url: str, *extra: str) -> ServiceProcess:
-    """The production scaler with the in-memory coordinator and actuator
+def memory_scaler_args(db_url: str, *extra: str) -> list[str]:
+    """The arguments of the production scaler with the in-memory coordinator and actuator
     (``python -m services.testing.scaler``): decisions run their whole lifecycle at once."""
-    return start_service(
-        [
-            "-m",
-            "services.testing.scaler",
-            "--coordinator",
-            "memory",
-            "--actuator",
-            "memory",
-            "--listen",
-            "127.0.0.1:0",
-            "--db",
-            db_url,
-            *extra,
-        ]
-    )
+    return [
+        "-m",
+        "services.testing.scaler",
+        "--coordinator",
+        "memory",
+        "--actuator",
+        "memory",
+        "--db",
+        db_url,
+        *extra,
+    ]
+
+
+def start_memory_scaler(db_url: str, *extra: str) -> ServiceProcess:
+    """That scaler, started on a free port."""
+    return start_service(memory_scaler_args(db_url, "--listen", "127.0.0.1:0", *extra))

@@ -300,7 +300,9 @@ class Outbox:
         self._queued.append(d)
         self._changed(job, d)
         r = self.state.active_resize()
+        ids: dict[str, object] = {"member": m.member_id, "generation": generation}
         if r is not None:
+            ids["decision_id"] = r.decision_id
             self.traces.directive(r.decision_id, kind.name, m.member_id, generation, reason)
         self._log.info(
             "send %s (%s) to member %s in generation %d: %s",
@@ -309,7 +311,7 @@ class Outbox:
             m.member_id,
             generation,
             reason,
-            extra={"member": m.member_id, "generation": generation},
+            extra=ids,
         )
 
     def _supersede(self, member_id: str, kinds: frozenset[DirectiveKind] = frozenset()) -> None:
@@ -423,7 +425,7 @@ class Outbox:
             gen.master_endpoint,
             e.restore_step,
             e.reason,
-            extra={"generation": g},
+            extra={"generation": g, "decision_id": e.decision_id},
         )
 
     def _enter_rendezvous(self, e: fx.EnterRendezvous) -> None:

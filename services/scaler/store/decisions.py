@@ -105,6 +105,7 @@ def create_decision(
         to_replicas,
         reason,
         trigger,
+        extra={"job_id": job_id, "decision_id": row.id},
     )
     return decision_record(row)
 
@@ -185,6 +186,7 @@ def transition_decision(
         old_state,
         new_state,
         detail,
+        extra={"job_id": row.job_id, "decision_id": decision_id},
     )
     return decision_record(row)
 

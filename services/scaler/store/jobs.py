@@ -92,7 +92,7 @@ def upsert_job(
             updated_at=now,
         )
         session.add(row)
-        logger.info("job %s created with %d replicas", job_id, current)
+        logger.info("job %s created with %d replicas", job_id, current, extra={"job_id": job_id})
     else:
         row.min_replicas = min_replicas
         row.max_replicas = max_replicas
@@ -151,7 +151,9 @@ def set_paused(
     row.autoscaling_paused = paused
     row.updated_at = now
     flush(session, f"set paused={paused} on job {job_id}")
-    logger.info("job %s autoscaling paused=%s (%s)", job_id, paused, reason)
+    logger.info(
+        "job %s autoscaling paused=%s (%s)", job_id, paused, reason, extra={"job_id": job_id}
+    )
     return job_record(row)
 
 
@@ -207,7 +209,9 @@ def acquire_job_ownership(session: Session, job_id: str, owner_id: str, *, now: 
     # The ORM identity map may hold the job with the old epoch; drop it.
     cached = session.get(Job, job_id, populate_existing=True)
     assert cached is not None
-    logger.info("scaler %s owns job %s at epoch %d", owner_id, job_id, epoch)
+    logger.info(
+        "scaler %s owns job %s at epoch %d", owner_id, job_id, epoch, extra={"job_id": job_id}
+    )
     return int(epoch)
 
 
