@@ -178,7 +178,8 @@ async def test_sigkilled_worker_survivors_resume_from_the_last_periodic_checkpoi
         for line in (job.pods[0].state_dir / "launcher.log").read_text().splitlines()
         if "generation 2 rank" in line
     ]
-    assert restore_named and restore_named[0].endswith(f"restore {restored}"), restore_named
+    # The launcher's text line ends with its ids (job_id=..., member=...) after the message.
+    assert restore_named and f"restore {restored} " in restore_named[0], restore_named
     per_step = samples_per_step(job.log_dir)
     for step in redone:
         # Redone steps used exactly the samples the lost ones had (the log shows which).
