@@ -11,9 +11,15 @@ spawned processes pinned to the other CPU:
 2. scaler: the real scaler (ingest, windows, policy, SQLite decisions) with the
    in-memory coordinator and actuator of services.testing, saturated: reports/s and samples/s accepted;
 3. paced: the real scaler at the target rate (5,000 reports/s), where the
-   agents flip utilization between 95 % and 10 % so that jobs keep crossing the
-   thresholds: the time from the tipping sample (its sampled_at) to the
-   committed decision, p50 and p99.
+   agents flip utilization between 95 % and 10 % every PERIOD_S so that jobs
+   keep crossing the thresholds: the time from the tipping sample (its
+   sampled_at) to the committed decision, p50 and p99; and the lag of each
+   decision over the sustain the policy was given (committed at - (flip +
+   sustain_s), ``lag_over_sustain_p99_s``; negative when the oldest bucket
+   already cleared the threshold with a few samples from before the flip).
+   Windows slide by slots of at most 0.5 s (services/scaler/windows.py); a
+   window on a fixed bucket grid would add up to a bucket (uniform over one
+   bucket, shown for comparison as ``aligned_grid_lag_p99_s``).
 
 It then compares the pipeline delay (sample to decision, without the policy's
 deliberate sustain window, which both paths add alike) with the path of DCGM
@@ -36,7 +42,9 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-PERIOD_S = 3.0  # utilization flips between high and low this often (paced phase)
+PERIOD_S = 6.0  # utilization flips between high and low this often (paced phase)
+BUCKET_S = 2.0  # the paced policy: buckets of 2 s, sustain 4 s, no cooldown
+SUSTAIN_S = 4.0
 GPUS = 8
 NODES_PER_JOB = 4
 TARGET_REPORTS_S = 5000
@@ -118,8 +126,8 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
             coordinator=coordinator,
             clock=clock,
             defaults=PolicySettings(
-                bucket_s=1.0,
-                sustain_s=2.0,
+                bucket_s=BUCKET_S,
+                sustain_s=SUSTAIN_S,
                 cooldown_s=0.0,
                 scale_down_stabilization_s=0.0,
                 min_replicas=2,
@@ -164,6 +172,7 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
                     out["latency_parts"] = parts
                     page = await core.store.list_decisions(page_size=1000)
                     out["decisions"] = len(page.decisions)
+                    out["decided_at_s"] = [d.created_at.timestamp() for d in page.decisions]
                     out["rejected"] = sum(core.engine.rejected.values())
                     loop_task.cancel()
                     await core.close()
@@ -288,6 +297,7 @@ def run_phase(
     agents = [
         ctx.Process(target=agent_main, args=(port, p, seconds, rate), daemon=True) for p in per
     ]
+    started_at = time.time()
     for a in agents:
         a.start()
     warm = min(2.0, seconds / 4)
@@ -311,6 +321,7 @@ def run_phase(
         "reports_per_s": (s1["reports"] - s0["reports"]) / dt,
         "samples_per_s": (s1["samples"] - s0["samples"]) / dt,
         "server_cpu": (c1 - c0) / dt,
+        "started_at_s": started_at,
         **out,
     }
 
@@ -320,6 +331,20 @@ def pct(values: list[float], q: float) -> float:
         return float("nan")
     v = sorted(values)
     return v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))]
+
+
+def lag_over_sustain(decided_at_s: list[float], started_at_s: float) -> list[float]:
+    """Each decision's commit time less (the flip that started its condition + the sustain).
+    The agents flip on multiples of PERIOD_S (wall time); a decision belongs to the
+    nearest flip one sustain before it. Flips before the windows had a full sustain of
+    samples (the agents' first seconds) do not count: their condition started with the
+    samples, not with the flip."""
+    out = []
+    for t in decided_at_s:
+        flip = round((t - SUSTAIN_S) / PERIOD_S) * PERIOD_S
+        if flip >= started_at_s + SUSTAIN_S + 1.0:
+            out.append(t - flip - SUSTAIN_S)
+    return out
 
 
 def hpa_path_delay(rng: random.Random, scrape_s: float) -> float:
@@ -338,9 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     ceiling = run_phase("ceiling", args.streams, seconds, 0.0, args.procs)
     scaler = run_phase("scaler", args.streams, seconds, 0.0, args.procs)
-    paced = run_phase("scaler", args.streams, seconds + 6.0, TARGET_REPORTS_S, args.procs)
+    # Long enough for a few flips after the windows first fill (PERIOD_S apart).
+    paced = run_phase("scaler", args.streams, seconds + 14.0, TARGET_REPORTS_S, args.procs)
     lat_ms = [x * 1000 for x in paced["latencies_s"]]
+    lags = lag_over_sustain(paced.get("decided_at_s", []), paced["started_at_s"])
     rng = random.Random(7)
+    aligned = [rng.uniform(0, BUCKET_S) + rng.choice(lags or [0.0]) for _ in range(20000)]
     agent_interval_s = 1.0
     tide = [
         rng.uniform(0, agent_interval_s) + rng.choice(paced["latencies_s"] or [0.0])
@@ -356,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         "ceiling_ratio": round(scaler["reports_per_s"] / max(1.0, ceiling["reports_per_s"]), 3),
         "decision_p50_ms": round(pct(lat_ms, 0.5), 2),
         "decision_p99_ms": round(pct(lat_ms, 0.99), 2),
+        "lag_over_sustain_p50_s": round(pct(lags, 0.5), 3),
+        "lag_over_sustain_p99_s": round(pct(lags, 0.99), 3),
+        "aligned_grid_lag_p99_s": round(pct(aligned, 0.99), 3),
         "decisions": paced["decisions"],
         "paced_reports_per_s": round(paced["reports_per_s"]),
         "paced_server_cpu": round(paced["server_cpu"], 3),
@@ -394,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
         f"decisions: {paced['decisions']}, tipping sample -> committed decision "
         f"p50 {result['decision_p50_ms']} ms, p99 {result['decision_p99_ms']} ms "
         f"({len(lat_ms)} measured)"
+    )
+    print(
+        f"lag over the sustain ({SUSTAIN_S:g} s, buckets of {BUCKET_S:g} s): p50 "
+        f"{result['lag_over_sustain_p50_s']} s, p99 {result['lag_over_sustain_p99_s']} s "
+        f"({len(lags)} decisions); a fixed bucket grid would add U(0, {BUCKET_S:g} s): p99 "
+        f"{result['aligned_grid_lag_p99_s']} s"
     )
     print(
         f"reaction (sample -> decision, no sustain): tide mean {result['tide_path_mean_s']} s; "

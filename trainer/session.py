@@ -372,7 +372,8 @@ class ElasticSession:
                 restart_started_at=self.env.restart_started_at,
                 **asdict(self.timings),
             )
-        self._rate_samples += plan.global_batch_size
+        # This worker's share: the coordinator sums its members' rates into the job's.
+        self._rate_samples += len(plan.local_indices)
         if now - self._rate_t0 >= 1.0:
             self._samples_per_s = self._rate_samples / (now - self._rate_t0)
             self._rate_t0, self._rate_samples = now, 0

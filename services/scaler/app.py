@@ -58,6 +58,7 @@ async def serve_scaler(
         rollup_flush_interval_s=settings.rollup_flush_interval_s,
         rollup_retention_days=settings.rollup_retention_days,
         metrics=metrics,
+        detail_retention_days=settings.utilization_detail_retention_days,
     )
     REGISTRY.register(IngestCollector(core.engine))
     register_build_info(REGISTRY, "scaler")

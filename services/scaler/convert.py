@@ -119,11 +119,47 @@ def inputs_to_proto(inputs: dict[str, Any]) -> scaler_pb2.DecisionInputs:
     deadline = ts_from_seconds(inputs.get("node_deadline_s"))
     if deadline is not None:
         msg.node_deadline.CopyFrom(deadline)
+    g = inputs.get("goodput")
+    if g:
+        msg.goodput.CopyFrom(
+            scaler_pb2.GoodputEvidence(
+                measured=[
+                    scaler_pb2.ThroughputPoint(replicas=int(r), samples_per_s=float(v))
+                    for r, v in sorted(
+                        g.get("throughput_by_replicas", {}).items(), key=lambda kv: int(kv[0])
+                    )
+                ],
+                compared_replicas=int(g.get("compared_replicas") or 0),
+                efficiency=_nan(g.get("efficiency")),
+                min_scale_up_efficiency=float(g.get("min_scale_up_efficiency", 0.0)),
+                verdict=str(g.get("verdict", "")),
+            )
+        )
+    pool = inputs.get("pool")
+    if pool:
+        msg.pool.CopyFrom(
+            scaler_pb2.PoolEvidence(
+                free_gpus=int(pool.get("free_gpus", -1)),
+                rule=str(pool.get("rule", "")),
+                claims=[
+                    scaler_pb2.PoolClaim(
+                        job_id=str(c["job_id"]),
+                        wanted_gpus=int(c["wanted_gpus"]),
+                        next_efficiency=float(c["next_efficiency"]),
+                        granted_gpus=int(c["granted_gpus"]),
+                    )
+                    for c in pool.get("claims", [])
+                ],
+            )
+        )
     return msg
 
 
-def point_to_proto(r: RollupRecord) -> scaler_pb2.UtilizationPoint:
-    return scaler_pb2.UtilizationPoint(
+def point_to_proto(
+    r: RollupRecord, seconds: tuple[Sequence[float], Sequence[int]] | None = None
+) -> scaler_pb2.UtilizationPoint:
+    """A minute; with ``seconds`` (its per-second sums and counts) its detail too."""
+    msg = scaler_pb2.UtilizationPoint(
         minute=ts_from_datetime(r.minute),
         mean_pct=r.mean_pct,
         min_pct=r.min_pct,
@@ -131,6 +167,11 @@ def point_to_proto(r: RollupRecord) -> scaler_pb2.UtilizationPoint:
         samples=r.samples,
         replicas=r.replicas,
     )
+    if seconds is not None:
+        sums, counts = seconds
+        msg.second_mean_pct.extend(t / c if c else 0.0 for t, c in zip(sums, counts, strict=True))
+        msg.second_samples.extend(counts)
+    return msg
 
 
 def event_to_proto(e: DecisionEventRecord, job_id: str) -> scaler_pb2.DecisionEvent:

@@ -1,5 +1,9 @@
 """Utilization history: finished minutes go to SQL, minutes past retention go away.
 
+Each minute is written twice: its mean, min and max (``utilization_rollups``,
+kept ``rollup_retention_days``) and each of its seconds (``utilization_seconds``,
+kept ``detail_retention_days``: what `tide whatif` replays).
+
 Ingestion accumulates per-minute rollups in memory (windows.Rollups); the
 control loop calls :meth:`RollupHistory.flush` every
 ``rollup_flush_interval_s``. A failed write keeps its rows for the next flush.
@@ -29,12 +33,19 @@ RETENTION_EVERY_S = 3600.0
 
 class RollupHistory:
     def __init__(
-        self, store: DecisionStore, rollups: Rollups, clock: Clock, *, retention_days: float
+        self,
+        store: DecisionStore,
+        rollups: Rollups,
+        clock: Clock,
+        *,
+        retention_days: float,
+        detail_retention_days: float = 7.0,
     ) -> None:
         self.store = store
         self.rollups = rollups
         self.clock = clock
         self.retention = timedelta(days=retention_days)
+        self.detail_retention = timedelta(days=detail_retention_days)
         self._next_retention_s: float | None = None
 
     async def flush(self, replicas: Mapping[str, int], *, final: bool = False) -> int:
@@ -51,6 +62,8 @@ class RollupHistory:
                 max_pct=r.max_pct,
                 samples=r.samples,
                 replicas=r.replicas,
+                second_sums=r.second_sums,
+                second_counts=r.second_counts,
             )
             for r in rows
             if r.job_id in replicas and r.samples > 0
@@ -67,14 +80,17 @@ class RollupHistory:
         return written
 
     async def apply_retention(self) -> int:
-        """Delete rollups older than the retention, if due; returns how many."""
+        """Delete rollups (and per-second detail) older than their retention, if due;
+        returns how many rows went."""
         mono = self.clock.monotonic()
         if self._next_retention_s is not None and mono < self._next_retention_s:
             return 0
         self._next_retention_s = mono + RETENTION_EVERY_S
-        before = utc_from_epoch(self.clock.now()) - self.retention
+        now = utc_from_epoch(self.clock.now())
+        before = now - self.retention
         try:
             deleted = await self.store.delete_rollups_before(before)
+            deleted += await self.store.delete_seconds_before(now - self.detail_retention)
         except TideError as exc:
             logger.warning("rollup retention failed (%s); tried again next time", exc)
             self._next_retention_s = None

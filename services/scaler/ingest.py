@@ -107,8 +107,8 @@ class IngestSettings:
     reorder_limit: int = 256
     # Asked of agents in every ack; 0 leaves the agent's own period.
     report_interval_s: float = 0.0
-    # Offset each job's bucket grid by a fraction of a bucket (see windows.stagger_offset).
-    stagger_buckets: bool = True
+    # Offset each job's slot grid by a fraction of a slot (see windows.stagger_offset).
+    stagger_slots: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_gpus_per_node <= 4096:
@@ -181,16 +181,21 @@ class IngestEngine:
         registry: MemberRegistry,
         clock: Clock,
         window_shape: WindowShape | None = None,
-        on_bucket_closed: Callable[[str, float], None] | None = None,
+        on_slot: Callable[[str, float], None] | None = None,
+        on_notice: Callable[[str], None] | None = None,
     ) -> None:
         self.settings = settings
         self.registry = registry
         self.clock = clock
         self._shape = window_shape or (lambda _job: (30.0, 10))
-        self.on_bucket_closed = on_bucket_closed
+        # A sample opened a new slot of the job's window (the window slid): the
+        # policy may see its condition hold now.
+        self.on_slot = on_slot
+        # A node holding the job's pods announced termination or cordon.
+        self.on_notice = on_notice
         self.nodes: dict[str, NodeState] = {}
         self.windows: dict[str, JobWindow] = {}
-        self._last_bucket: dict[str, int] = {}
+        self._last_slot: dict[str, int] = {}
         self.rollups = Rollups()
         # Plain ints on the hot path; exported by metrics.IngestCollector at scrape time.
         self.reports_accepted = 0
@@ -390,7 +395,6 @@ class IngestEngine:
         self.samples_accepted += accepted
         if not acc:
             return
-        minute = int(t // 60.0)
         for job, (total, count, lo, hi) in acc.items():
             if job is None:
                 self.samples_unattributed += int(count)
@@ -399,14 +403,14 @@ class IngestEngine:
             if w is None:
                 bucket_s, buckets = self._shape(job)
                 w = self.windows[job] = self._new_window(job, bucket_s, buckets)
-            bucket = int((t - w.offset_s) // w.bucket_s)
-            w.add(bucket, total, int(count))
-            self.rollups.add(job, minute, total, int(count), lo, hi)
-            last = self._last_bucket.get(job)
-            if last is None or bucket > last:
-                self._last_bucket[job] = bucket
-                if last is not None and self.on_bucket_closed is not None:
-                    self.on_bucket_closed(job, t)
+            slot = int((t - w.offset_s) // w.slot_s)
+            w.add(slot, total, int(count))
+            self.rollups.add(job, t, total, int(count), lo, hi)
+            last = self._last_slot.get(job)
+            if last is None or slot > last:
+                self._last_slot[job] = slot
+                if last is not None and self.on_slot is not None:
+                    self.on_slot(job, t)
 
     def _events(self, node: NodeState, events: Iterable[telemetry_pb2.NodeEvent]) -> None:
         for ev in events:
@@ -424,9 +428,9 @@ class IngestEngine:
                     extra={"node": node.name},
                 )
                 jobs = {j for j in node.gpus.job if j is not None}
-                if self.on_bucket_closed is not None:
+                if self.on_notice is not None:
                     for j in jobs:
-                        self.on_bucket_closed(j, node.last_sampled_s)
+                        self.on_notice(j)
             elif kind == _EVENT.KIND_UNCORDONED:
                 node.notice = 0
                 node.notice_deadline_s = None
@@ -441,13 +445,15 @@ class IngestEngine:
     # -- what the policy loop reads -------------------------------------------
 
     def _new_window(self, job_id: str, bucket_s: float, buckets: int) -> JobWindow:
-        offset = stagger_offset(job_id, bucket_s) if self.settings.stagger_buckets else 0.0
-        return JobWindow(bucket_s, buckets, offset)
+        w = JobWindow(bucket_s, buckets)
+        if self.settings.stagger_slots:
+            w.offset_s = stagger_offset(job_id, w.slot_s)
+        return w
 
     def reshape(self, job_id: str) -> None:
         """Forget a job's window (its bucket width or sustain changed)."""
         self.windows.pop(job_id, None)
-        self._last_bucket.pop(job_id, None)
+        self._last_slot.pop(job_id, None)
 
     def drop_job(self, job_id: str) -> None:
         self.reshape(job_id)
@@ -506,7 +512,7 @@ class IngestEngine:
     def window_view(self, job_id: str, now_s: float, gpus_expected: int, fresh: int) -> WindowView:
         bucket_s, buckets = self._shape(job_id)
         w = self.windows.get(job_id)
-        if w is None or w.bucket_s != bucket_s or w.n != buckets + 2:
+        if w is None or w.bucket_s != bucket_s or w.buckets != buckets:
             w = self.windows[job_id] = self._new_window(job_id, bucket_s, buckets)
         return w.view(now_s, buckets, gpus_expected, fresh)
 

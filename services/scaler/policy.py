@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from services.scaler.goodput import Claim, PoolRule, allocate, efficiency
 from tidebase.errors import ConfigError, FailedPrecondition, InvalidArgument
 
 
@@ -24,6 +26,7 @@ class Reason(enum.Enum):
     MANUAL = 4
     MEMBER_LOST = 5
     JOB_STARTED = 6
+    SLOWER_AFTER_SCALE_UP = 7
     WITHIN_BAND = 20
     NOT_SUSTAINED = 21
     COOLDOWN = 22
@@ -35,6 +38,8 @@ class Reason(enum.Enum):
     PAUSED = 28
     RESIZE_IN_PROGRESS = 29
     STABILIZING = 30
+    LOW_MARGINAL_THROUGHPUT = 31
+    POOL_CONTENDED = 32
 
     @property
     def resizes(self) -> bool:
@@ -69,6 +74,10 @@ class PolicySettings:
     # Between the two thresholds, so a resize lands the job inside the band
     # instead of across the opposite threshold (the root of flapping).
     target_utilization_pct: float = 60.0
+    # The goodput guard: a scale-up must give, per added replica, at least this
+    # fraction of the throughput per replica the job had (0 turns the guard off).
+    # GPU utilization cannot tell: NCCL kernels keep a GPU "busy" while it waits.
+    min_scale_up_efficiency: float = 0.5
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
@@ -114,6 +123,8 @@ class PolicySettings:
             raise bad("max_replicas", f"must be >= min_replicas={self.min_replicas}")
         if not (0.0 <= self.min_coverage <= 1.0):
             raise bad("min_coverage", "must be a fraction 0..1")
+        if not (0.0 <= self.min_scale_up_efficiency <= 1.0):
+            raise bad("min_scale_up_efficiency", "must be a fraction 0..1")
         if self.max_step < 1:
             raise bad("max_step", "must be >= 1")
 
@@ -180,13 +191,18 @@ class JobState:
 
 @dataclass(frozen=True)
 class History:
-    """What happened before: the last resize and the recent recommendations."""
+    """What happened before: the last resize, the recent recommendations and the
+    training throughput measured at each size."""
 
     last_resize_end_s: float | None = None
     # +1 grow, -1 shrink, 0 none.
     last_direction: int = 0
     # (time, replicas) recommended by earlier evaluations, for stabilization.
     recommendations: tuple[tuple[float, int], ...] = ()
+    # Replicas before the last completed resize; 0 when unknown.
+    last_from_replicas: int = 0
+    # (replicas, samples/s) measured at each size the job ran at (services/scaler/goodput.py).
+    throughput: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -203,6 +219,9 @@ class Decision:
     raw_target: int = 0
     # The clamped proportional answer, recorded by the caller for stabilization.
     recommendation: int | None = None
+    # What a grow asked for before the free-GPU cap (the pool step shares GPUs by it).
+    wanted_replicas: int = 0
+    # Evidence beyond the window and the policy (goodput, pool), stored with the decision.
     inputs: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -224,6 +243,40 @@ def _fmt(x: float) -> str:
     return "nan" if math.isnan(x) else f"{x:.1f}"
 
 
+def sustained(window: WindowView, policy: PolicySettings) -> int:
+    """+1 when every bucket of the sustain window is above ``scale_up``, -1 when every
+    one is below ``scale_down``, else 0 (also for a short window or an empty bucket).
+    The scaler asks this of every slot a job's window slides by, and evaluates the
+    job when it is not 0 (``decide`` has the final word)."""
+    n = policy.buckets
+    if window.bucket_s != policy.bucket_s or len(window.bucket_means) < n:
+        return 0
+    means = window.bucket_means[-n:]
+    # NaN compares false both ways: an empty bucket is never "above" nor "below".
+    if all(m > policy.scale_up_utilization_pct for m in means):
+        return 1
+    if all(m < policy.scale_down_utilization_pct for m in means):
+        return -1
+    return 0
+
+
+def goodput_evidence(
+    curve: Mapping[int, float],
+    policy: PolicySettings,
+    compared: int,
+    eff: float | None,
+    verdict: str,
+) -> dict[str, Any]:
+    """What the goodput guard saw, stored in the decision's inputs for `tide explain`."""
+    return {
+        "throughput_by_replicas": {str(r): v for r, v in sorted(curve.items())},
+        "compared_replicas": compared,
+        "efficiency": eff,
+        "min_scale_up_efficiency": policy.min_scale_up_efficiency,
+        "verdict": verdict,
+    }
+
+
 def decide(
     job: JobState,
     window: WindowView,
@@ -234,8 +287,23 @@ def decide(
     """Evaluate ``job`` at time ``now``; see docs/policy.md for the rule order."""
     cur = job.current_replicas
 
-    def noop(reason: Reason, message: str, rec: int | None = None, raw: int = 0) -> Decision:
-        return Decision(job.job_id, reason, message, cur, cur, raw_target=raw, recommendation=rec)
+    def noop(
+        reason: Reason,
+        message: str,
+        rec: int | None = None,
+        raw: int = 0,
+        inputs: dict[str, Any] | None = None,
+    ) -> Decision:
+        return Decision(
+            job.job_id,
+            reason,
+            message,
+            cur,
+            cur,
+            raw_target=raw,
+            recommendation=rec,
+            inputs=inputs or {},
+        )
 
     if job.terminating_replicas > 0 and not job.resize_in_progress:
         # The node goes whatever we do; a coordinated checkpoint beats lost work,
@@ -264,6 +332,10 @@ def decide(
                 f"last resize ended {now - history.last_resize_end_s:.0f}s ago; "
                 f"cooldown {policy.cooldown_s:.0f}s ({left:.0f}s left)",
             )
+    curve = dict(history.throughput)
+    reverted = _revert_if_slower(job, policy, history, curve)
+    if reverted is not None:
+        return reverted
     if window.gpus_fresh <= 0:
         return noop(
             Reason.STALE_DATA,
@@ -294,12 +366,11 @@ def decide(
             rec,
             raw,
         )
-    high = all(m > policy.scale_up_utilization_pct for m in means)
-    low = all(m < policy.scale_down_utilization_pct for m in means)
+    direction = sustained(window, policy)
+    high, low = direction > 0, direction < 0
     if high or low:
         # Samples from before the last resize describe another world size; a
         # reversal also waits out the cooldown so it never chases the transient.
-        direction = 1 if high else -1
         start = window.bucket_start(len(window.bucket_means) - n)
         if history.last_resize_end_s is not None:
             since = history.last_resize_end_s
@@ -338,21 +409,38 @@ def decide(
                 raw,
             )
         to = min(max(raw, cur + 1), policy.max_replicas, cur + policy.max_step)
-        cap_note = ""
+        guard, goodput = _guard_grow(cur, to, curve, policy)
+        if guard is None:
+            return noop(
+                Reason.LOW_MARGINAL_THROUGHPUT,
+                f"every bucket above {policy.scale_up_utilization_pct:.0f}% "
+                f"(mean {_fmt(mean)}%) but {goodput['note']}",
+                rec,
+                raw,
+                {"goodput": goodput["evidence"]},
+            )
+        cap_note = goodput.get("note", "")
+        cap_note = f", {cap_note}" if cap_note and guard < to else ""
+        to = wanted = guard
+        extra = {"goodput": goodput["evidence"]} if goodput else {}
         if job.free_gpus is not None:
             room = job.free_gpus // max(1, job.gpus_per_replica)
             if room <= 0:
-                return noop(
-                    Reason.NO_CAPACITY,
-                    f"every bucket above {policy.scale_up_utilization_pct:.0f}% "
-                    f"(mean {_fmt(mean)}%) but {job.free_gpus} free GPU(s) < "
-                    f"{job.gpus_per_replica} per replica",
-                    rec,
-                    raw,
+                return replace(
+                    noop(
+                        Reason.NO_CAPACITY,
+                        f"every bucket above {policy.scale_up_utilization_pct:.0f}% "
+                        f"(mean {_fmt(mean)}%) but {job.free_gpus} free GPU(s) < "
+                        f"{job.gpus_per_replica} per replica",
+                        rec,
+                        raw,
+                        extra,
+                    ),
+                    wanted_replicas=wanted,
                 )
             if cur + room < to:
                 to = cur + room
-                cap_note = f", capped by {job.free_gpus} free GPU(s)"
+                cap_note += f", capped by {job.free_gpus} free GPU(s)"
         return Decision(
             job.job_id,
             Reason.SUSTAINED_HIGH_UTILIZATION,
@@ -364,6 +452,8 @@ def decide(
             to,
             raw_target=raw,
             recommendation=rec,
+            wanted_replicas=wanted,
+            inputs=extra,
         )
 
     if cov < 1.0:
@@ -410,6 +500,111 @@ def decide(
         raw_target=raw,
         recommendation=rec,
     )
+
+
+def _revert_if_slower(
+    job: JobState, policy: PolicySettings, history: History, curve: Mapping[int, float]
+) -> Decision | None:
+    """The goodput guard's revert: the last resize grew the job and it trains slower."""
+    cur = job.current_replicas
+    frm = history.last_from_replicas
+    if policy.min_scale_up_efficiency <= 0 or history.last_direction <= 0 or not 0 < frm < cur:
+        return None
+    eff = efficiency(curve, frm, cur)
+    if eff is None or eff >= 0:
+        return None
+    to = max(frm, policy.min_replicas)
+    if to >= cur:
+        return None
+    return Decision(
+        job.job_id,
+        Reason.SLOWER_AFTER_SCALE_UP,
+        f"the grow {frm} -> {cur} made training slower ({curve[frm]:.1f} -> "
+        f"{curve[cur]:.1f} samples/s): shrink back {cur} -> {to}",
+        cur,
+        to,
+        raw_target=to,
+        inputs={"goodput": goodput_evidence(curve, policy, frm, eff, "reverted")},
+    )
+
+
+def _guard_grow(
+    cur: int, to: int, curve: Mapping[int, float], policy: PolicySettings
+) -> tuple[int | None, dict[str, Any]]:
+    """The goodput guard on a grow ``cur -> to``: the size it may grow to (None: not at
+    all) and its evidence. A size above ``cur`` already measured with too little gain
+    per added replica is not tried again; the grow is halved below it instead (a
+    bisection towards the job's best size), and refused when nothing is left."""
+    if policy.min_scale_up_efficiency <= 0 or cur not in curve:
+        return to, {}
+    above = sorted(s for s in curve if s > cur)
+    if not above or above[0] > to:
+        return to, {"evidence": goodput_evidence(curve, policy, 0, None, "unmeasured")}
+    s1 = above[0]
+    eff = efficiency(curve, cur, s1)
+    if eff is None or eff >= policy.min_scale_up_efficiency:
+        return to, {"evidence": goodput_evidence(curve, policy, s1, eff, "paid")}
+    half = cur + (s1 - cur) // 2
+    why = (
+        f"{cur} -> {s1} gave {_fmt(100 * eff)}% of a replica's throughput per added replica "
+        f"({curve[cur]:.1f} -> {curve[s1]:.1f} samples/s; min_scale_up_efficiency "
+        f"{policy.min_scale_up_efficiency:.2f})"
+    )
+    if half <= cur:
+        ev = goodput_evidence(curve, policy, s1, eff, "refused")
+        return None, {"evidence": ev, "note": f"the last {why}: not tried again"}
+    ev = goodput_evidence(curve, policy, s1, eff, "halved")
+    return half, {"evidence": ev, "note": f"halved below {s1}: {why}"}
+
+
+def arbitrate(
+    d: Decision, job: JobState, claims: Sequence[Claim], rule: PoolRule = PoolRule.MARGINAL
+) -> Decision:
+    """The pool step after ``decide``: ``d`` is a grow of ``job`` and ``claims`` are every
+    job that wants to grow now (``job``'s own included). When the free GPUs cannot serve
+    them all, each next replica goes by ``rule`` (the scaler's: the highest throughput
+    the replica adds per GPU, services/scaler/goodput.py); ``d`` keeps what it was
+    granted, or becomes POOL_CONTENDED."""
+    free = job.free_gpus
+    if free is None or d.reason is not Reason.SUSTAINED_HIGH_UTILIZATION or not d.resize:
+        return d
+    if sum(c.wanted_gpus for c in claims) <= free:
+        return d
+    granted = allocate(free, claims, rule)
+    mine = granted.get(job.job_id, 0)
+    shares = [
+        {
+            "job_id": c.job_id,
+            "wanted_gpus": c.wanted_gpus,
+            "next_efficiency": round(c.next_efficiency(c.current_replicas), 4),
+            "granted_gpus": granted.get(c.job_id, 0) * c.gpus_per_replica,
+        }
+        for c in sorted(claims, key=lambda c: c.job_id)
+    ]
+    evidence = {"free_gpus": free, "rule": rule.value, "claims": shares}
+    inputs = {**d.inputs, "pool": evidence}
+    others = ", ".join(
+        f"{s['job_id']} {s['granted_gpus']} (next replica {s['next_efficiency']:.2f})"
+        for s in shares
+        if s["job_id"] != job.job_id and s["granted_gpus"]
+    )
+    cur = job.current_replicas
+    if mine <= 0:
+        return replace(
+            d,
+            reason=Reason.POOL_CONTENDED,
+            message=f"{d.message}; but {free} free GPU(s) are wanted by "
+            f"{len(claims)} jobs and go to {others or 'none'} by the {rule.value} rule",
+            to_replicas=cur,
+            inputs=inputs,
+        )
+    to = min(d.to_replicas, cur + mine)
+    note = (
+        f"; {mine * job.gpus_per_replica} of {free} contended free GPU(s) by the {rule.value} rule"
+    )
+    if others:
+        note += f" (others: {others})"
+    return replace(d, to_replicas=to, message=d.message + note, inputs=inputs)
 
 
 def manual(job: JobState, policy: PolicySettings, replicas: int, why: str) -> Decision:

@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +24,13 @@ from services.scaler.controller import Controller
 from services.scaler.coordination import CoordinatorClient
 from services.scaler.errors import DecisionInProgress, StaleEpoch
 from services.scaler.feed import DecisionFeed, Watched
+from services.scaler.goodput import SETTLE_S, ThroughputBook
 from services.scaler.history import RollupHistory
 from services.scaler.ingest import IngestEngine, IngestSettings
 from services.scaler.lifecycle import FaultHook
 from services.scaler.members import CoordinatorMemberRegistry
 from services.scaler.metrics import ScalerMetrics
+from services.scaler.pool import PoolClaims
 from services.scaler.store import DecisionRecord, DecisionState, DecisionStore, JobRecord
 from tidebase.errors import InvalidArgument, NotFound, TideError
 
@@ -46,6 +49,25 @@ class Evaluation:
     at_s: float
 
 
+@dataclass(frozen=True)
+class _Staged:
+    """One job's evaluation between ``decide`` and its commit."""
+
+    decision: pol.Decision
+    state: pol.JobState
+    view: pol.WindowView
+    policy: pol.PolicySettings
+    free: int | None
+    at: float
+    now: float
+    seen: float
+    tipping_s: float | None
+
+    @property
+    def job_id(self) -> str:
+        return self.decision.job_id
+
+
 class ScalerCore:
     def __init__(
         self,
@@ -61,6 +83,7 @@ class ScalerCore:
         rollup_flush_interval_s: float = 15.0,
         rollup_retention_days: float = 30.0,
         metrics: ScalerMetrics | None = None,
+        detail_retention_days: float = 7.0,
     ) -> None:
         self.store = store
         self.metrics = metrics or ScalerMetrics()
@@ -74,7 +97,8 @@ class ScalerCore:
             self.registry,
             clock,
             window_shape=self._shape,
-            on_bucket_closed=self._bucket_closed,
+            on_slot=self._slot_opened,
+            on_notice=self._noticed,
         )
         self.controller = Controller(
             store,
@@ -89,7 +113,11 @@ class ScalerCore:
         self.rollup_flush_interval_s = rollup_flush_interval_s
         self.feed = DecisionFeed()
         self.history = RollupHistory(
-            store, self.engine.rollups, clock, retention_days=rollup_retention_days
+            store,
+            self.engine.rollups,
+            clock,
+            retention_days=rollup_retention_days,
+            detail_retention_days=detail_retention_days,
         )
         self.jobs: dict[str, JobRecord] = {}
         self.policies: dict[str, pol.PolicySettings] = {}
@@ -98,9 +126,16 @@ class ScalerCore:
         self._seen_at: dict[str, float] = {}
         self._recs: dict[str, list[tuple[float, int]]] = {}
         self._last_dir: dict[str, int] = {}
+        self._last_from: dict[str, int] = {}
+        self.throughput = ThroughputBook()
+        self.pool = PoolClaims(stale_after_s=3 * evaluate_interval_s + 1.0)
         self._dirty: dict[str, float] = {}
+        self._urgent: set[str] = set()
+        self._sustained: dict[str, int] = {}
         self._wake: asyncio.Event | None = None
-        self._eval_lock: dict[str, asyncio.Lock] = {}
+        # One evaluation (or batch) at a time: a batch decides for all its jobs before
+        # any commits, and a job is never evaluated twice at once.
+        self._eval_lock = asyncio.Lock()
         #: Jobs another scaler took (StaleEpoch): no longer evaluated here.
         self.fenced: set[str] = set()
 
@@ -142,6 +177,14 @@ class ScalerCore:
                 self._last_dir[job.job_id] = (last.to_replicas > last.from_replicas) - (
                     last.to_replicas < last.from_replicas
                 )
+                self._last_from[job.job_id] = last.from_replicas
+                measured = (last.inputs.get("goodput") or {}).get("throughput_by_replicas")
+                if measured:
+                    self.throughput.restore(
+                        job.job_id,
+                        ((int(r), float(v)) for r, v in measured.items()),
+                        last.created_at.timestamp(),
+                    )
         for d in await self.store.non_final():
             self.active[d.job_id] = d.id
             self.metrics.decision_started(d)
@@ -252,13 +295,32 @@ class ScalerCore:
 
     # -- evaluation ----------------------------------------------------------------------
 
-    def _bucket_closed(self, job_id: str, t: float) -> None:
+    def _slot_opened(self, job_id: str, t: float) -> None:
         if job_id in self.jobs and job_id not in self.fenced:
             if job_id not in self._dirty:
                 self._dirty[job_id] = t
                 self._seen_at[job_id] = self.clock.now()
             if self._wake is not None:
                 self._wake.set()
+
+    def _noticed(self, job_id: str) -> None:
+        self._urgent.add(job_id)
+        self._slot_opened(job_id, self.clock.now())
+
+    def _may_resize(self, job_id: str, t: float) -> bool:
+        """Whether the job's window, slid to ``t``, has just come to meet its policy's
+        sustain condition: only then is the job evaluated at once. Every job is
+        evaluated each ``evaluate_interval_s`` anyway, which sees what time alone
+        changes (a cooldown ending) and a condition that goes on holding (a job at its
+        maximum). The check reads the window only: a few µs."""
+        p = self.policies.get(job_id)
+        if p is None:
+            return False
+        view = self.engine.window_view(job_id, max(t, self.clock.now()), 0, 0)
+        now = pol.sustained(view, p)
+        before = self._sustained.get(job_id, 0)
+        self._sustained[job_id] = now
+        return now != 0 and now != before and job_id not in self.active
 
     def job_state(self, job_id: str, free_gpus: int | None) -> pol.JobState:
         job = self._job(job_id)
@@ -286,52 +348,96 @@ class ScalerCore:
     async def evaluate(
         self, job_id: str, *, tipping_s: float | None = None, fresh: Mapping[str, int] | None = None
     ) -> pol.Decision:
-        lock = self._eval_lock.setdefault(job_id, asyncio.Lock())
-        async with lock:
+        """Evaluate one job now (its errors raised to the caller)."""
+        async with self._eval_lock:
             with self.metrics.evaluation.time():
-                return await self._evaluate(job_id, tipping_s, fresh)
+                free = self.pool.free(await self.actuator.free_gpus())
+                return await self._commit(self._stage(job_id, tipping_s, fresh, free))
 
-    async def _evaluate(
-        self, job_id: str, tipping_s: float | None, fresh: Mapping[str, int] | None
-    ) -> pol.Decision:
+    async def evaluate_many(
+        self, items: Sequence[tuple[str, float | None]], fresh: Mapping[str, int] | None = None
+    ) -> None:
+        """Evaluate several jobs: every ``decide`` first, then the pool step and the commits,
+        so that a grow is shared with every job that wants to grow at the same moment.
+        A job's error is logged and ends only that job's evaluation."""
+        async with self._eval_lock:
+            free = self.pool.free(await self.actuator.free_gpus())
+            staged: list[tuple[_Staged, float]] = []
+            for job_id, tipping_s in items:
+                with self._guard(job_id):
+                    t0 = time.perf_counter()
+                    st = self._stage(job_id, tipping_s, fresh, free)
+                    staged.append((st, time.perf_counter() - t0))
+            for st, spent in staged:
+                with self._guard(st.job_id):
+                    t0 = time.perf_counter()
+                    await self._commit(st)
+                    self.metrics.evaluation.observe(spent + time.perf_counter() - t0)
+
+    def _stage(
+        self,
+        job_id: str,
+        tipping_s: float | None,
+        fresh: Mapping[str, int] | None,
+        free: int | None,
+    ) -> _Staged:
+        """The policy's answer for one job (no I/O); its claim on free GPUs noted."""
         job = self._job(job_id)
         p = self.policies[job_id]
         now = self.clock.now()
         seen = self._seen_at.pop(job_id, now) if tipping_s is not None else now
-        # An agent clock slightly ahead must not hide the bucket it just closed.
+        # An agent clock slightly ahead must not hide the slot it just opened.
         at = max(now, tipping_s) if tipping_s is not None else now
-        free = await self.actuator.free_gpus()
         state = self.job_state(job_id, free)
         view = self.window_of(job_id, at, fresh)
         self.metrics.window(job_id, view)
         last_end = job.last_resize_ended_at.timestamp() if job.last_resize_ended_at else None
         recs = self._recs.setdefault(job_id, [])
-        hist = pol.History(last_end, self._last_dir.get(job_id, 0), tuple(recs))
+        curve = self.throughput.curve(job_id, at)
+        hist = pol.History(
+            last_end,
+            self._last_dir.get(job_id, 0),
+            tuple(recs),
+            last_from_replicas=self._last_from.get(job_id, 0),
+            throughput=curve,
+        )
         d = pol.decide(state, view, p, hist, at)
         if d.recommendation is not None:
             recs.append((at, d.recommendation))
             horizon = at - p.scale_down_stabilization_s
             while recs and recs[0][0] < horizon:
                 recs.pop(0)
-        self.evaluations[job_id] = Evaluation(d, now)
+        self.pool.note(d, state, curve, at)
+        return _Staged(d, state, view, p, free, at, now, seen, tipping_s)
+
+    async def _commit(self, st: _Staged) -> pol.Decision:
+        """The pool step, then a resize is committed (PENDING) and handed to the controller."""
+        d = self.pool.share(st.decision, st.state)
+        job_id = d.job_id
+        self.evaluations[job_id] = Evaluation(d, st.now)
         if not d.resize:
             return d
-        inputs = self._inputs(job, p, view, free, d, at)
+        job = self._job(job_id)
+        inputs = self._inputs(job, st.policy, st.view, st.free, d, st.at)
         if d.trigger is pol.Trigger.EMERGENCY:
             pods, node, deadline = self.engine.terminating_pods(job_id)
             inputs["leaving_pods"] = sorted(pods)
             inputs["node_name"] = node
             inputs["node_deadline_s"] = deadline
         try:
-            record = await self._create(d, inputs, "", started_s=tipping_s)
+            record = await self._create(d, inputs, "", started_s=st.tipping_s)
         except DecisionInProgress:
             return d
-        if tipping_s is not None:
+        if d.direction > 0:
+            self.pool.promise(job_id, (d.to_replicas - d.from_replicas) * job.gpus_per_replica)
+        if st.tipping_s is not None:
             done = self.clock.now()
             self.metrics.observe_decision(
-                done - tipping_s, (seen - tipping_s, now - seen, done - now)
+                done - st.tipping_s, (st.seen - st.tipping_s, st.now - st.seen, done - st.now)
             )
-            self._trace_evaluation(record.id, ((tipping_s, seen), (seen, now), (now, done)))
+            self._trace_evaluation(
+                record.id, ((st.tipping_s, st.seen), (st.seen, st.now), (st.now, done))
+            )
         logger.info(
             "job %s: decision %d: %s",
             job_id,
@@ -340,6 +446,26 @@ class ScalerCore:
             extra={"job_id": job_id, "decision_id": record.id},
         )
         return d
+
+    @contextlib.contextmanager
+    def _guard(self, job_id: str) -> Iterator[None]:
+        """One job's evaluation failing is logged; a fenced job is no longer evaluated."""
+        try:
+            with logs.bound(job_id=job_id):
+                yield
+        except StaleEpoch as exc:
+            # Another scaler took the job; stop deciding for it (once, not every tick).
+            self.fenced.add(job_id)
+            logger.warning(
+                "job %s: fenced off, no longer deciding for it: %s",
+                job_id,
+                exc,
+                extra={"job_id": job_id},
+            )
+        except TideError as exc:
+            logger.warning("job %s: evaluation failed: %s", job_id, exc, extra={"job_id": job_id})
+        except Exception:
+            logger.exception("job %s: evaluation failed", job_id, extra={"job_id": job_id})
 
     def _inputs(
         self,
@@ -365,6 +491,7 @@ class ScalerCore:
             "current_replicas": job.current_replicas,
             "free_gpus": -1 if free is None else free,
             "raw_target_replicas": d.raw_target,
+            **d.inputs,
         }
 
     def _trace_evaluation(self, decision_id: int, stages: tuple[tuple[float, float], ...]) -> None:
@@ -440,6 +567,7 @@ class ScalerCore:
                 self._last_dir[d.job_id] = (d.to_replicas > d.from_replicas) - (
                     d.to_replicas < d.from_replicas
                 )
+                self._last_from[d.job_id] = d.from_replicas
             self.jobs[d.job_id] = dataclasses.replace(job, **changes)
             self.metrics.decision_finished(d, self.jobs[d.job_id].current_replicas)
         self._recs.pop(d.job_id, None)
@@ -449,29 +577,22 @@ class ScalerCore:
     async def tick(self) -> None:
         now = self.clock.now()
         fresh = self.engine.fresh_gpus(now)
-        for job_id in list(self.jobs):
-            if job_id not in self.fenced:
-                await self._safe_evaluate(job_id, None, fresh)
+        jobs = [j for j in self.jobs if j not in self.fenced]
+        for job_id in jobs:
+            self._measure(job_id, now)
+        await self.evaluate_many([(j, None) for j in jobs], fresh)
 
-    async def _safe_evaluate(
-        self, job_id: str, tipping_s: float | None, fresh: Mapping[str, int] | None = None
-    ) -> None:
-        try:
-            with logs.bound(job_id=job_id):
-                await self.evaluate(job_id, tipping_s=tipping_s, fresh=fresh)
-        except StaleEpoch as exc:
-            # Another scaler took the job; stop deciding for it (once, not every tick).
-            self.fenced.add(job_id)
-            logger.warning(
-                "job %s: fenced off, no longer deciding for it: %s",
-                job_id,
-                exc,
-                extra={"job_id": job_id},
-            )
-        except TideError as exc:
-            logger.warning("job %s: evaluation failed: %s", job_id, exc, extra={"job_id": job_id})
-        except Exception:
-            logger.exception("job %s: evaluation failed", job_id, extra={"job_id": job_id})
+    def _measure(self, job_id: str, now: float) -> None:
+        """Record the job's throughput at its current size, once that size has settled."""
+        job = self.jobs[job_id]
+        status = self.coordinator.latest_status(job_id)
+        if status is None or job_id in self.active:
+            return
+        ended = job.last_resize_ended_at.timestamp() if job.last_resize_ended_at else None
+        if ended is not None and now - ended < SETTLE_S:
+            return
+        if status.world_size == job.current_replicas:
+            self.throughput.observe(job_id, job.current_replicas, status.samples_per_s, now)
 
     async def run(self) -> None:
         """Evaluate a job as soon as one of its buckets closes, every job once per
@@ -487,10 +608,7 @@ class ScalerCore:
                 await asyncio.wait_for(wake.wait(), timeout)
             wake.clear()
             if self._dirty:
-                # Buckets of many jobs close together; evaluate them side by side.
-                dirty = list(self._dirty.items())
-                self._dirty.clear()
-                await asyncio.gather(*(self._safe_evaluate(j, t) for j, t in dirty))
+                await self.drain_triggers()
             mono = self.clock.monotonic()
             if mono >= next_tick:
                 await self.tick()
@@ -498,6 +616,21 @@ class ScalerCore:
             if mono >= next_flush:
                 await self.flush_rollups()
                 next_flush = mono + self.rollup_flush_interval_s
+
+    async def drain_triggers(self) -> None:
+        """Evaluate the jobs whose window slid to meet their sustain condition, and those
+        with a node notice, side by side (windows of many jobs slide together)."""
+        dirty = list(self._dirty.items())
+        urgent = self._urgent
+        self._dirty.clear()
+        self._urgent = set()
+        due = [(j, t) for j, t in dirty if j in urgent or self._may_resize(j, t)]
+        due_ids = {j for j, _ in due}
+        for j, _ in dirty:
+            if j not in due_ids:
+                self._seen_at.pop(j, None)
+        if due:
+            await self.evaluate_many(due)
 
     async def flush_rollups(self, *, final: bool = False) -> int:
         """Finished minutes of every known job to SQL, then retention (history.py)."""
@@ -513,4 +646,6 @@ class ScalerCore:
         self.feed.unsubscribe(q)
 
     def _publish(self, d: DecisionRecord, detail: str) -> None:
+        if d.state is not DecisionState.PENDING:
+            self.pool.fulfilled(d.job_id)  # the actuator counts its GPUs from PREPARING on
         self.feed.publish(d, detail)

@@ -57,6 +57,8 @@ ADMIN_METHODS = frozenset(
 #: (one week of minutes, 10,080 points; proto/tide/v1/scaler.proto).
 DEFAULT_UTILIZATION_RANGE = timedelta(hours=24)
 MAX_UTILIZATION_RANGE = timedelta(days=7)
+#: ...and with the per-second detail (1,440 points of 60 seconds: about 1 MB).
+MAX_SECONDS_RANGE = timedelta(days=1)
 
 
 class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
@@ -167,14 +169,22 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
             raise InvalidArgument(
                 f"since={since.isoformat()} must be before until={until.isoformat()}"
             )
-        if until - since > MAX_UTILIZATION_RANGE:
-            # At most one week of minutes per answer (the API's bound); a longer range
-            # is asked for in parts rather than cut short without a word.
+        limit = MAX_SECONDS_RANGE if request.seconds else MAX_UTILIZATION_RANGE
+        if until - since > limit:
+            # At most one week of minutes (a day with seconds) per answer, the API's bound;
+            # a longer range is asked for in parts rather than cut short without a word.
             raise InvalidArgument(
-                f"since..until spans {until - since}; at most {MAX_UTILIZATION_RANGE} per call"
+                f"since..until spans {until - since}; at most {limit} per call"
+                + (" with seconds" if request.seconds else "")
             )
-        rows = await self.core.store.rollups_between(request.job_id, since, until)
-        return scaler_pb2.ListUtilizationResponse(points=[point_to_proto(r) for r in rows])
+        store = self.core.store
+        rows = await store.rollups_between(request.job_id, since, until)
+        seconds = (
+            await store.seconds_between(request.job_id, since, until) if request.seconds else {}
+        )
+        return scaler_pb2.ListUtilizationResponse(
+            points=[point_to_proto(r, seconds.get(r.minute)) for r in rows]
+        )
 
     @rpc_errors
     async def RequestResize(

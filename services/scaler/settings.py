@@ -52,6 +52,11 @@ class ScalerSettings(CommonSettings):
     rollup_retention_days: float = setting(
         30.0, "rollups older than this are deleted (checked on every flush)"
     )
+    utilization_detail_retention_days: float = setting(
+        7.0,
+        "each minute's per-second utilization (what `tide whatif` replays) is deleted after"
+        " this long; at most rollup_retention_days",
+    )
     stale_after_s: float = setting(
         _INGEST.stale_after_s, "a GPU without a sample for this long is stale"
     )
@@ -84,6 +89,9 @@ class ScalerSettings(CommonSettings):
     scale_down_stabilization_s: float = setting(
         _POLICY.scale_down_stabilization_s, "default policy"
     )
+    min_scale_up_efficiency: float = setting(
+        _POLICY.min_scale_up_efficiency, "default policy: the goodput guard (0 turns it off)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -99,6 +107,12 @@ class ScalerSettings(CommonSettings):
             )
         if not (self.rollup_retention_days > 0 and math.isfinite(self.rollup_retention_days)):
             raise ConfigError(f"rollup_retention_days={self.rollup_retention_days!r}: must be > 0")
+        detail = self.utilization_detail_retention_days
+        if not (0 < detail <= self.rollup_retention_days):
+            raise ConfigError(
+                f"utilization_detail_retention_days={detail!r}: must be > 0 and at most"
+                f" rollup_retention_days={self.rollup_retention_days!r}"
+            )
         if self.total_gpus < 0:
             raise ConfigError(f"total_gpus={self.total_gpus!r}: must be >= 0")
         self.check_coordinator()

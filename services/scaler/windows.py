@@ -1,7 +1,7 @@
 """Per-job utilization windows, GPU freshness and per-minute rollups.
 
 Memory is fixed by the fleet's shape, never by the report rate: a job's window
-is a ring of sum/count pairs, one per bucket (not a list of samples), a GPU is
+is a ring of sum/count pairs, one per slot (not a list of samples), a GPU is
 one slot in its node's arrays, and a rollup is one accumulator per job and
 minute until it is written to SQL.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -20,70 +21,119 @@ from services.scaler.policy import WindowView
 MAX_PENDING_ROLLUP_MINUTES = 120
 
 
-class JobWindow:
-    """A ring of buckets of one job: sum and count of utilization per bucket."""
+#: The widest slot of a job's window, seconds. The buckets the policy judges slide by
+#: whole slots, so a decision comes at most this long after its sustain condition
+#: holds (bench.ingest ``lag_over_sustain_p99_s``), instead of up to a bucket later.
+MAX_SLOT_S = 0.5
+#: The most slots one job's ring may hold (a very long sustain gets wider slots).
+MAX_SLOTS = 8192
 
-    __slots__ = ("_counts", "_ids", "_sums", "bucket_s", "n", "offset_s")
+
+def slots_per_bucket(bucket_s: float, buckets: int) -> int:
+    """Slots per bucket: slots no wider than MAX_SLOT_S, at most MAX_SLOTS in the ring."""
+    k = max(1, math.ceil(bucket_s / MAX_SLOT_S - 1e-9))
+    return max(1, min(k, MAX_SLOTS // (buckets + 2)))
+
+
+class JobWindow:
+    """A ring of slots of one job: sum and count of utilization per slot.
+
+    A bucket the policy judges is ``k`` consecutive slots, and the window ends
+    at the slot holding "now" (the one being filled included), so the buckets
+    slide with time instead of standing on a fixed grid: the condition "every
+    bucket of the sustain window above the threshold" is seen as soon as it
+    holds. The ring holds the window, one bucket more (late samples) and the
+    slot being filled; its memory depends on the policy's shape only.
+    """
+
+    __slots__ = ("_counts", "_head", "_sums", "bucket_s", "buckets", "k", "n", "offset_s", "slot_s")
 
     def __init__(self, bucket_s: float, buckets: int, offset_s: float = 0.0) -> None:
         self.bucket_s = bucket_s
-        # Bucket i spans [offset + i*bucket_s, offset + (i+1)*bucket_s).
+        self.buckets = buckets
+        self.k = slots_per_bucket(bucket_s, buckets)
+        self.slot_s = bucket_s / self.k
+        # Slot i spans [offset + i*slot_s, offset + (i+1)*slot_s).
         self.offset_s = offset_s
-        # Two spare slots: the bucket being filled and one late bucket.
-        self.n = buckets + 2
-        self._ids = [-1] * self.n
-        self._sums = [0.0] * self.n
-        self._counts = [0] * self.n
+        self.n = (buckets + 1) * self.k + 1
+        self._sums = array("d", bytes(8 * self.n))
+        self._counts = array("q", bytes(8 * self.n))
+        # The newest slot written; the ring holds slots head-n+1 .. head.
+        self._head: int | None = None
 
-    def bucket_of(self, t: float) -> int:
-        return math.floor((t - self.offset_s) / self.bucket_s)
+    def slot_of(self, t: float) -> int:
+        return math.floor((t - self.offset_s) / self.slot_s)
 
-    def add(self, bucket_id: int, total: float, count: int) -> bool:
-        """Add ``count`` samples summing to ``total`` to bucket ``bucket_id``.
-        Returns False when that bucket has already left the ring."""
-        slot = bucket_id % self.n
-        have = self._ids[slot]
-        if have != bucket_id:
-            if have > bucket_id:
-                return False
-            self._ids[slot] = bucket_id
-            self._sums[slot] = total
-            self._counts[slot] = count
-            return True
-        self._sums[slot] += total
-        self._counts[slot] += count
+    def add(self, slot_id: int, total: float, count: int) -> bool:
+        """Add ``count`` samples summing to ``total`` to slot ``slot_id``.
+        Returns False when that slot has already left the ring."""
+        n = self.n
+        head = self._head
+        if head is None or slot_id > head:
+            # The slots skipped since the newest one are empty; clear what the ring
+            # held there a lap ago (at most the whole ring, once).
+            first = slot_id - n + 1 if head is None or slot_id - head >= n else head + 1
+            for s in range(first, slot_id + 1):
+                i = s % n
+                self._sums[i] = 0.0
+                self._counts[i] = 0
+            self._head = slot_id
+        elif slot_id <= head - n:
+            return False
+        i = slot_id % n
+        self._sums[i] += total
+        self._counts[i] += count
         return True
 
-    def means(self, end_bucket: int, k: int) -> tuple[float, ...]:
-        """Means of the ``k`` buckets before ``end_bucket`` (exclusive), oldest first;
-        NaN for a bucket without samples."""
+    def _total(self, lo: int, hi: int) -> tuple[float, int]:
+        """Sum and count of slots lo .. hi-1 (those the ring holds)."""
+        head = self._head
+        if head is None:
+            return 0.0, 0
+        n = self.n
+        lo = max(lo, head - n + 1)
+        hi = min(hi, head + 1)
+        if lo >= hi:
+            return 0.0, 0
+        a = lo % n
+        b = a + (hi - lo)
+        if b <= n:
+            return sum(self._sums[a:b]), sum(self._counts[a:b])
+        b -= n
+        return (
+            sum(self._sums[a:]) + sum(self._sums[:b]),
+            sum(self._counts[a:]) + sum(self._counts[:b]),
+        )
+
+    def means(self, end_slot: int, k: int) -> tuple[float, ...]:
+        """Means of the ``k`` buckets ending before slot ``end_slot`` (exclusive), oldest
+        first; NaN for a bucket without samples."""
         out = []
-        for b in range(end_bucket - k, end_bucket):
-            slot = b % self.n
-            c = self._counts[slot]
-            out.append(self._sums[slot] / c if self._ids[slot] == b and c else math.nan)
+        step = self.k
+        for i in range(k, 0, -1):
+            total, count = self._total(end_slot - i * step, end_slot - (i - 1) * step)
+            out.append(total / count if count else math.nan)
         return tuple(out)
 
     def view(self, now_s: float, buckets: int, gpus_expected: int, gpus_fresh: int) -> WindowView:
-        """The complete buckets of the sustain window ending at the boundary before ``now_s``."""
-        end = self.bucket_of(now_s)
-        k = min(buckets, self.n - 1)
+        """The sustain window's buckets, the newest ending with the slot that holds ``now_s``."""
+        end = self.slot_of(now_s) + 1
         return WindowView(
             bucket_s=self.bucket_s,
-            end_s=end * self.bucket_s + self.offset_s,
-            bucket_means=self.means(end, k),
+            end_s=end * self.slot_s + self.offset_s,
+            bucket_means=self.means(end, buckets),
             gpus_expected=gpus_expected,
             gpus_fresh=gpus_fresh,
         )
 
 
-def stagger_offset(job_id: str, bucket_s: float) -> float:
-    """A fixed offset of the job's bucket grid within one bucket width, from its id.
+def stagger_offset(job_id: str, slot_s: float) -> float:
+    """A fixed offset of the job's slot grid within one slot width, from its id.
 
-    With every grid aligned to the epoch, the buckets of all jobs close in the
-    same instant and their decisions queue for the one SQLite writer; spread
-    out, each is committed on its own (bench/ingest decision latency)."""
-    return (zlib.crc32(job_id.encode()) % 1000) / 1000.0 * bucket_s
+    A job is evaluated when the first sample of a new slot arrives; with every
+    grid aligned to the epoch, all jobs would open slots (and evaluate) in the
+    same instant."""
+    return (zlib.crc32(job_id.encode()) % 1000) / 1000.0 * slot_s
 
 
 class NodeGpus:
@@ -115,25 +165,32 @@ class RollupRow:
     max_pct: float
     samples: int
     replicas: int
+    # Per second of the minute: the sum of the samples' utilization and their count
+    # (what `tide whatif` replays the job's window from).
+    second_sums: tuple[float, ...] = ()
+    second_counts: tuple[int, ...] = ()
 
 
 class _Rollup:
-    __slots__ = ("count", "hi", "lo", "total")
+    __slots__ = ("count", "hi", "lo", "sec_counts", "sec_sums", "total")
 
     def __init__(self) -> None:
         self.total = 0.0
         self.count = 0
         self.lo = math.inf
         self.hi = -math.inf
+        self.sec_sums = array("d", bytes(8 * 60))
+        self.sec_counts = array("q", bytes(8 * 60))
 
 
 class Rollups:
-    """Per job, per minute: mean, min and max of the samples, until flushed to SQL."""
+    """Per job, per minute: mean, min and max of the samples, and the sum and count of
+    each second, until flushed to SQL."""
 
     def __init__(self) -> None:
         self._acc: dict[str, dict[int, _Rollup]] = {}
 
-    def add(self, job_id: str, minute: int, total: float, count: int, lo: float, hi: float) -> None:
+    def _slot(self, job_id: str, minute: int) -> _Rollup:
         per_job = self._acc.get(job_id)
         if per_job is None:
             per_job = self._acc[job_id] = {}
@@ -142,12 +199,21 @@ class Rollups:
             if len(per_job) >= MAX_PENDING_ROLLUP_MINUTES:
                 del per_job[min(per_job)]
             r = per_job[minute] = _Rollup()
+        return r
+
+    def add(self, job_id: str, t: float, total: float, count: int, lo: float, hi: float) -> None:
+        """Add ``count`` samples taken at ``t`` (epoch seconds) summing to ``total``."""
+        sec = int(t)
+        r = self._slot(job_id, sec // 60)
         r.total += total
         r.count += count
         if lo < r.lo:
             r.lo = lo
         if hi > r.hi:
             r.hi = hi
+        i = sec % 60
+        r.sec_sums[i] += total
+        r.sec_counts[i] += count
 
     def take_complete(
         self, now_s: float, replicas_of: dict[str, int], grace_s: float = 5.0
@@ -168,6 +234,8 @@ class Rollups:
                         r.hi,
                         r.count,
                         replicas_of.get(job_id, 0),
+                        tuple(r.sec_sums),
+                        tuple(r.sec_counts),
                     )
                 )
         return rows
@@ -175,15 +243,16 @@ class Rollups:
     def put_back(self, rows: Iterable[RollupRow]) -> None:
         """Return rows whose write failed, so the next flush retries them."""
         for row in rows:
-            minute = int(row.minute_s // 60)
-            self.add(
-                row.job_id,
-                minute,
-                row.mean_pct * row.samples,
-                row.samples,
-                row.min_pct,
-                row.max_pct,
-            )
+            r = self._slot(row.job_id, int(row.minute_s // 60))
+            r.total += row.mean_pct * row.samples
+            r.count += row.samples
+            r.lo = min(r.lo, row.min_pct)
+            r.hi = max(r.hi, row.max_pct)
+            for i, (total, count) in enumerate(
+                zip(row.second_sums, row.second_counts, strict=True)
+            ):
+                r.sec_sums[i] += total
+                r.sec_counts[i] += count
 
     def drop_job(self, job_id: str) -> None:
         self._acc.pop(job_id, None)

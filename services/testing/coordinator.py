@@ -75,6 +75,9 @@ class InMemoryCoordinator:
         self.path = path
         self.fail_at: dict[str, Phase] = {}
         self.calls: list[ResizeSpec] = []
+        # job -> samples/s the job's trainers report at a world size (its scaling curve);
+        # a job without one reports 0, as trainers that send no rate.
+        self.throughput: dict[str, Callable[[int], float]] = {}
         self._state = self._load()
         self._running: dict[int, asyncio.Task[Progress]] = {}
         self._abort: dict[int, str] = {}
@@ -250,7 +253,14 @@ class InMemoryCoordinator:
         if job_id not in self._state.jobs:
             return None
         g, w = self.job(job_id)
-        return JobStatusView(job_id, g, w, tuple(self._members.get(job_id, [])))
+        rate = self.throughput.get(job_id)
+        return JobStatusView(
+            job_id,
+            g,
+            w,
+            tuple(self._members.get(job_id, [])),
+            samples_per_s=rate(w) if rate is not None and w > 0 else 0.0,
+        )
 
     async def watch_members(self, job_id: str) -> AsyncIterator[list[Member]]:
         q: asyncio.Queue[list[Member]] = asyncio.Queue()

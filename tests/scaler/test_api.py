@@ -334,3 +334,26 @@ async def test_list_utilization_over_a_range(live: Live) -> None:
         job_id="ns/a", since=ts(now - timedelta(days=8)), until=ts(now)
     )
     assert await code(too_long) == grpc.StatusCode.INVALID_ARGUMENT
+    # With seconds: a day per call, and each minute's detail where it is stored.
+    too_long.since.CopyFrom(ts(now - timedelta(days=2)))
+    too_long.seconds = True
+    assert await code(too_long) == grpc.StatusCode.INVALID_ARGUMENT
+    counts = [0] * 60
+    counts[7] = 3
+    sums = [0.0] * 60
+    sums[7] = 270.0
+    minute = now - timedelta(minutes=5)
+    await live.core.store.write_rollups(
+        [RollupRecord("ns/a", minute, 90.0, 90.0, 90.0, 3, 2, tuple(sums), tuple(counts))]
+    )
+    resp = await stub.ListUtilization(
+        scaler_pb2.ListUtilizationRequest(
+            job_id="ns/a", since=ts(minute - timedelta(hours=2)), seconds=True
+        ),
+        timeout=T,
+    )
+    detail = {datetime_of(p.minute): p for p in resp.points if p.second_samples}
+    assert list(detail) == [minute]
+    assert detail[minute].second_mean_pct[7] == 90.0
+    assert list(detail[minute].second_samples) == counts
+    assert all(not p.second_mean_pct for p in resp.points if datetime_of(p.minute) != minute)

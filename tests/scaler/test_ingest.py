@@ -27,7 +27,7 @@ def clock() -> FakeClock:
 def engine(clock: FakeClock) -> IngestEngine:
     reg = InMemoryMemberRegistry()
     reg.set_members("ns/a", [Member("a-0", "a-0"), Member("a-1", "a-1")])
-    return IngestEngine(IngestSettings(stale_after_s=10.0, stagger_buckets=False), reg, clock)
+    return IngestEngine(IngestSettings(stale_after_s=10.0, stagger_slots=False), reg, clock)
 
 
 PODS = ["a-0", "a-0", "a-0", "a-0", "a-1", "a-1", "a-1", "a-1"]
@@ -95,7 +95,7 @@ def test_bad_sample_is_dropped_under_its_reason(
     assert sum(engine.rejected.values()) == 1
     assert engine.samples_accepted == 7
     # Nothing invalid reaches the window: the mean is still exactly 90.
-    view = engine.window_view("ns/a", T0 + 30, 8, 8)
+    view = engine.window_view("ns/a", T0, 8, 8)
     assert view.bucket_means[-1] == 90.0
 
 
@@ -113,7 +113,7 @@ def test_bad_timestamp_drops_the_report(engine: IngestEngine, t: float, reason: 
     assert engine.process(st, report(seq=2, t=t, utils=[100.0] * 8, pods=PODS)) == ("b1", 2)
     assert engine.rejected[reason] == 1
     assert engine.reports_dropped == 1
-    assert engine.window_view("ns/a", T0 + 30, 8, 8).bucket_means[-1] == 50.0
+    assert engine.window_view("ns/a", T0, 8, 8).bucket_means[-1] == 50.0
 
 
 @pytest.mark.parametrize(
@@ -151,7 +151,7 @@ def test_attribution_and_unattributed_gpus(engine: IngestEngine, clock: FakeCloc
     engine.process(st, report(seq=1, t=T0, utils=[80, 80, 10, 10, 60, 60, 0, 0], pods=pods))
     assert engine.samples_unattributed == 4
     assert engine.fresh_gpus(T0) == {"ns/a": 4}
-    view = engine.window_view("ns/a", T0 + 30, 4, 4)
+    view = engine.window_view("ns/a", T0, 4, 4)
     assert view.bucket_means[-1] == 70.0
     assert len(engine.node_view()) == 8
     clock.advance(11)
@@ -164,25 +164,58 @@ def test_window_memory_does_not_grow_with_the_report_rate(engine: IngestEngine) 
         engine.process(st, report(seq=seq, t=T0 - 25 + seq * 0.01, pods=PODS))
     assert engine.reports_accepted == 2000
     w = engine.windows["ns/a"]
-    assert w.n == 12
+    # 10 buckets of 30 s, 60 slots of 0.5 s each, one bucket more and the slot being filled.
+    assert (w.k, w.slot_s, w.n) == (60, 0.5, 661)
     assert engine.rollups.pending_minutes() == 1
 
 
-def test_bucket_close_notifies_once_per_bucket(clock: FakeClock) -> None:
+def test_a_new_slot_notifies_once_per_slot(clock: FakeClock) -> None:
     reg = InMemoryMemberRegistry()
     reg.set_members("ns/a", [Member("a-0", "a-0")])
-    closed: list[str] = []
+    opened: list[float] = []
     e = IngestEngine(
-        IngestSettings(stagger_buckets=False),
+        IngestSettings(stagger_slots=False),
         reg,
         clock,
-        on_bucket_closed=lambda j, _t: closed.append(j),
+        on_slot=lambda _j, t: opened.append(t - T0),
     )
     st = e.open_stream()
-    for seq, dt in enumerate([0, 10, 29, 30, 45, 61], start=1):
+    for seq, dt in enumerate([0, 0.1, 0.4, 0.5, 0.9, 3.0, 3.2], start=1):
         clock.advance(dt - (clock.now() - T0))
         e.process(st, report(seq=seq, t=T0 + dt, utils=[50.0], pods=["a-0"]))
-    assert closed == ["ns/a", "ns/a"]
+    assert opened == [0.5, 3.0]
+
+
+def test_buckets_slide_with_the_slots(clock: FakeClock) -> None:
+    from services.scaler.windows import JobWindow
+
+    w = JobWindow(bucket_s=2.0, buckets=3)  # slots of 0.5 s, 4 per bucket
+    means = {}
+    for i in range(24):  # 12 s of one sample per slot: 10 % for 6 s, then 90 %
+        w.add(i, 10.0 if i < 12 else 90.0, 1)
+        means[i] = w.view(i * 0.5 + 0.1, 3, 1, 1).bucket_means
+    # At 5.6 s: [0, 2) [2, 4) [4, 6): all 10 %, the newest bucket still being filled.
+    assert means[11] == (10.0, 10.0, 10.0)
+    # At 6.6 s the buckets slid by two slots: [0.5, 2.5) ... [4.5, 6.5) holds 90 % twice.
+    assert means[13] == (10.0, 10.0, 50.0)
+    # At 11.6 s the window starts at 6 s: every bucket is 90 %, not a bucket later.
+    assert means[23] == (90.0, 90.0, 90.0)
+    assert means[22][0] < 90.0
+    assert w.view(6.6, 3, 1, 1).end_s == 7.0
+
+
+def test_late_samples_land_and_too_late_ones_are_refused() -> None:
+    from services.scaler.windows import JobWindow
+
+    w = JobWindow(bucket_s=1.0, buckets=2)  # slots of 0.5 s; the ring holds 7
+    assert w.add(10, 50.0, 1)
+    assert w.add(8, 30.0, 1)  # late, still held
+    assert not w.add(3, 30.0, 1)  # left the ring
+    older, late, newest = w.means(11, 3)
+    assert (late, newest) == (30.0, 50.0) and math.isnan(older)
+    assert w.add(30, 70.0, 1)  # a jump clears what the ring held a lap ago
+    a, b, c = w.means(31, 3)
+    assert math.isnan(a) and math.isnan(b) and c == 70.0
 
 
 def test_termination_notice_marks_the_jobs_replicas(engine: IngestEngine) -> None:
@@ -214,16 +247,16 @@ def test_rollups_per_minute(engine: IngestEngine, clock: FakeClock) -> None:
     assert engine.rollups.pending_minutes() == 1
 
 
-def test_staggered_bucket_grids_close_at_different_instants(clock: FakeClock) -> None:
+def test_staggered_slot_grids_open_at_different_instants(clock: FakeClock) -> None:
     from services.scaler.windows import stagger_offset
 
-    offsets = {stagger_offset(f"ns/j{i}", 30.0) for i in range(20)}
-    assert len(offsets) > 15 and all(0 <= o < 30.0 for o in offsets)
+    offsets = {stagger_offset(f"ns/j{i}", 0.5) for i in range(20)}
+    assert len(offsets) > 15 and all(0 <= o < 0.5 for o in offsets)
     reg = InMemoryMemberRegistry()
     reg.set_members("ns/a", [Member("a-0", "a-0")])
     e = IngestEngine(IngestSettings(), reg, clock)
     st = e.open_stream()
     e.process(st, report(seq=1, t=T0, utils=[50.0], pods=["a-0"]))
-    off = stagger_offset("ns/a", 30.0)
+    off = stagger_offset("ns/a", 0.5)
     view = e.window_view("ns/a", T0 + 60, 1, 1)
-    assert (view.end_s - off) % 30.0 == pytest.approx(0.0, abs=1e-6)
+    assert (view.end_s - off) % 0.5 == pytest.approx(0.0, abs=1e-6)

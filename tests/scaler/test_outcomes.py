@@ -63,7 +63,7 @@ async def _core(url: str, clock: FakeClock, coordinator: InMemoryCoordinator) ->
         actuator=actuator,
         coordinator=coordinator,
         clock=clock,
-        ingest=IngestSettings(stagger_buckets=False),
+        ingest=IngestSettings(stagger_slots=False),
     )
     await core.start()
     # A short phase deadline: the controller gives up after 3 x it + 30 s of fake time.
@@ -176,13 +176,13 @@ def test_only_active_members_gpus_count_toward_the_window() -> None:
         JOB,
         [Member("a-0", "a-0"), Member("a-1", "a-1", active=False), Member("a-2", "a-2", False)],
     )
-    engine = IngestEngine(IngestSettings(stagger_buckets=False), reg, clock)
+    engine = IngestEngine(IngestSettings(stagger_slots=False), reg, clock)
     st = engine.open_stream()
     pods = ["a-0"] * 4 + ["a-1"] * 2 + ["a-2"] * 2
     engine.process(st, report(seq=1, t=T0, utils=[80.0] * 4 + [0.0] * 4, pods=pods))
     # The standby newcomer (a-1) and the draining leaver (a-2) idle at 0 %: not the job's.
     assert engine.fresh_gpus(T0) == {JOB: 4}
-    assert engine.window_view(JOB, T0 + 30, 4, 4).bucket_means[-1] == 80.0
+    assert engine.window_view(JOB, T0, 4, 4).bucket_means[-1] == 80.0
     assert reg.member_count(JOB) == 1
 
 
@@ -206,6 +206,25 @@ async def test_rollup_retention_runs_from_the_flush(scaler_db_url: str) -> None:
     await history.flush({JOB: 2})
     left = await store.rollups_between(JOB, old - timedelta(days=1), now)
     assert [r.minute for r in left] == [recent]
+    store.engine.dispose()
+
+
+async def test_per_second_detail_has_its_own_shorter_retention(scaler_db_url: str) -> None:
+    clock = FakeClock(T0)
+    store = DecisionStore(db.make_engine(scaler_db_url), "s", clock)
+    now = db.utc_from_epoch(T0).replace(second=0, microsecond=0)
+    counts = (1,) + (0,) * 59
+    sums = (50.0,) + (0.0,) * 59
+    rows = [
+        RollupRecord(JOB, now - timedelta(days=d), 50.0, 50.0, 50.0, 1, 2, sums, counts)
+        for d in (8, 6)
+    ]
+    await store.write_rollups(rows)
+    history = RollupHistory(store, Rollups(), clock, retention_days=30.0, detail_retention_days=7)
+    await history.flush({JOB: 2})
+    assert len(await store.rollups_between(JOB, now - timedelta(days=9), now)) == 2
+    kept = await store.seconds_between(JOB, now - timedelta(days=9), now)
+    assert list(kept) == [now - timedelta(days=6)]
     store.engine.dispose()
 
 

@@ -172,6 +172,68 @@ CASES = [
         current=2,
         job={"terminating_replicas": 1, "terminating_node": "n1"},
     ),
+    # The goodput guard: throughput (samples/s) by replicas, as the coordinator measured it.
+    Case(
+        "a grow that made training slower is reverted",
+        flat(95),
+        Reason.SLOWER_AFTER_SCALE_UP,
+        4,
+        current=7,
+        history=History(NOW - 400, 1, last_from_replicas=4, throughput=((4, 320.0), (7, 280.0))),
+    ),
+    Case(
+        "a grow that was faster but did not pay is kept",
+        flat(60),
+        Reason.WITHIN_BAND,
+        7,
+        current=7,
+        history=History(NOW - 400, 1, last_from_replicas=4, throughput=((4, 320.0), (7, 340.0))),
+    ),
+    Case(
+        "the guard off never reverts",
+        flat(60),
+        Reason.WITHIN_BAND,
+        7,
+        current=7,
+        history=History(NOW - 400, 1, last_from_replicas=4, throughput=((4, 320.0), (7, 280.0))),
+        policy=PolicySettings(min_scale_up_efficiency=0.0),
+    ),
+    Case(
+        "a grow measured not to pay is not repeated",
+        flat(95),
+        Reason.LOW_MARGINAL_THROUGHPUT,
+        4,
+        history=History(throughput=((4, 400.0), (5, 420.0))),
+    ),
+    Case(
+        "a grow past a size that did not pay is halved",
+        flat(95),
+        Reason.SUSTAINED_HIGH_UTILIZATION,
+        5,
+        history=History(throughput=((4, 400.0), (6, 420.0))),
+    ),
+    Case(
+        "a grow that paid goes on",
+        flat(95),
+        Reason.SUSTAINED_HIGH_UTILIZATION,
+        7,
+        history=History(throughput=((4, 400.0), (6, 570.0))),
+    ),
+    Case(
+        "a measured size beyond the grow does not limit it",
+        flat(95),
+        Reason.SUSTAINED_HIGH_UTILIZATION,
+        7,
+        history=History(throughput=((4, 400.0), (8, 300.0))),
+    ),
+    Case(
+        "the guard off grows whatever was measured",
+        flat(95),
+        Reason.SUSTAINED_HIGH_UTILIZATION,
+        7,
+        history=History(throughput=((4, 400.0), (5, 420.0))),
+        policy=PolicySettings(min_scale_up_efficiency=0.0),
+    ),
 ]
 
 
@@ -190,8 +252,31 @@ def test_policy_table(case: Case) -> None:
 
 
 def test_every_policy_reason_is_covered_by_the_table() -> None:
-    policy_reasons = set(Reason) - {Reason.MANUAL, Reason.MEMBER_LOST, Reason.JOB_STARTED}
-    assert policy_reasons <= {c.reason for c in CASES}
+    # POOL_CONTENDED comes from the pool step after decide (tests/scaler/test_pool.py).
+    not_decide = {Reason.MANUAL, Reason.MEMBER_LOST, Reason.JOB_STARTED, Reason.POOL_CONTENDED}
+    assert set(Reason) - not_decide <= {c.reason for c in CASES}
+
+
+def test_the_guard_records_its_evidence() -> None:
+    hist = History(throughput=((4, 400.0), (6, 420.0)))
+    d = decide(JobState("j", 4), window(flat(95)), P, hist, NOW)
+    assert d.inputs["goodput"] == {
+        "throughput_by_replicas": {"4": 400.0, "6": 420.0},
+        "compared_replicas": 6,
+        "efficiency": pytest.approx(0.1),
+        "min_scale_up_efficiency": 0.5,
+        "verdict": "halved",
+    }
+    assert "halved below 6" in d.message
+    revert = decide(
+        JobState("j", 7),
+        window(flat(95)),
+        P,
+        History(NOW - 400, 1, last_from_replicas=4, throughput=((4, 320.0), (7, 280.0))),
+        NOW,
+    )
+    assert revert.inputs["goodput"]["verdict"] == "reverted"
+    assert "320.0 -> 280.0 samples/s" in revert.message
 
 
 def test_reason_values_mirror_the_proto() -> None:
@@ -227,6 +312,7 @@ def test_proportional_is_exact_on_integers() -> None:
         ({"max_replicas": 1}, "max_replicas"),
         ({"min_coverage": 1.5}, "min_coverage"),
         ({"max_step": 0}, "max_step"),
+        ({"min_scale_up_efficiency": 1.5}, "min_scale_up_efficiency"),
     ],
 )
 def test_settings_validation_names_the_field(overrides: dict[str, object], field_name: str) -> None:

@@ -57,7 +57,7 @@ def make_rig(
         actuator=actuator,
         coordinator=coordinator,
         clock=clock,
-        ingest=IngestSettings(stagger_buckets=False),
+        ingest=IngestSettings(stagger_slots=False),
     )
     return Rig(core, clock, actuator, coordinator, store)
 
@@ -230,6 +230,14 @@ async def test_rollups_reach_sql(rig: Rig) -> None:
         "ns/a", db.utc_from_epoch(T0 - 60), db.utc_from_epoch(T0 + 600)
     )
     assert rows and all(r.mean_pct == 70.0 and r.replicas == 2 for r in rows)
+    # Each second of those minutes too: 8 samples of 70 % a second (what `tide whatif` replays).
+    seconds = await rig.store.seconds_between(
+        "ns/a", db.utc_from_epoch(T0 - 60), db.utc_from_epoch(T0 + 600)
+    )
+    assert set(seconds) == {r.minute for r in rows}
+    for sums, counts in seconds.values():
+        assert all(c in (0, 8) for c in counts) and sum(counts) > 0
+        assert all(t == 70.0 * c for t, c in zip(sums, counts, strict=True))
 
 
 async def test_store_warm_up_leaves_nothing_behind(scaler_db_url: str) -> None:
@@ -248,6 +256,11 @@ def test_scaler_settings_validate_and_feed_the_policy() -> None:
     assert (s.policy().buckets, s.policy().max_replicas) == (6, 16)
     with pytest.raises(ConfigError, match=r"sustain_s=100\.0"):
         ScalerSettings(**REAL, sustain_s=100.0)
+    with pytest.raises(ConfigError, match=r"utilization_detail_retention_days=40\.0"):
+        ScalerSettings(**REAL, utilization_detail_retention_days=40.0)
+    with pytest.raises(ConfigError, match=r"min_scale_up_efficiency=2\.0"):
+        ScalerSettings(**REAL, min_scale_up_efficiency=2.0)
+    assert ScalerSettings(**REAL, min_scale_up_efficiency=0.0).policy().min_scale_up_efficiency == 0
     with pytest.raises(ConfigError, match="actuator"):
         ScalerSettings(coordinator="127.0.0.1:9", actuator="kubernetes")
     with pytest.raises(ConfigError, match="stale_after_s"):

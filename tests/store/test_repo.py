@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, TypeVar
 
@@ -512,6 +513,38 @@ def test_rollups_between_is_half_open_and_per_job(factory: Factory) -> None:
     assert [r.minute for r in got] == [T0 + timedelta(minutes=1), T0 + timedelta(minutes=2)]
     removed = tx(factory, lambda s: repo.delete_rollups_before(s, T0 + timedelta(minutes=2)))
     assert removed == 3  # minutes 0 and 1 of JOB, and ml/other's minute 0
+
+
+def test_per_second_detail_is_stored_in_parts_and_added_up(factory: Factory) -> None:
+    sums, counts = [0.0] * 60, [0] * 60
+    sums[0], counts[0], sums[59], counts[59] = 190.0, 2, 95.0, 1
+    part1 = replace(
+        _rollup(T0, 95, 95, 95, 3), second_sums=tuple(sums), second_counts=tuple(counts)
+    )
+    late = [0.0] * 60
+    late_counts = [0] * 60
+    late[59], late_counts[59] = 85.0, 1
+    part2 = replace(
+        _rollup(T0, 85, 85, 85, 1), second_sums=tuple(late), second_counts=tuple(late_counts)
+    )
+    minutes_only = _rollup(T0 + timedelta(minutes=1), 50, 50, 50, 1)
+    tx(factory, lambda s: repo.write_rollups(s, [part1, minutes_only]))
+    tx(factory, lambda s: repo.write_rollups(s, [part2]))
+    got = tx(factory, lambda s: repo.seconds_between(s, JOB, T0, T0 + timedelta(minutes=2)))
+    assert list(got) == [T0]  # the minute without detail has none
+    s2, c2 = got[T0]
+    assert (s2[0], c2[0], s2[59], c2[59], sum(c2)) == (190.0, 2, 180.0, 2, 4)
+    assert tx(factory, lambda s: repo.delete_seconds_before(s, T0 + timedelta(minutes=1))) == 2
+    assert tx(factory, lambda s: repo.seconds_between(s, JOB, T0, T0 + timedelta(hours=1))) == {}
+
+
+def test_per_second_detail_must_match_its_minute(factory: Factory) -> None:
+    bad = replace(_rollup(T0, 50, 50, 50, 3), second_sums=(150.0,) * 60, second_counts=(1,) * 60)
+    with pytest.raises(InvalidArgument, match="add up to samples=3"):
+        tx(factory, lambda s: repo.write_rollups(s, [bad]))
+    short = replace(_rollup(T0, 50, 50, 50, 1), second_sums=(50.0,), second_counts=(1,))
+    with pytest.raises(InvalidArgument, match="60 sums and 60 counts"):
+        tx(factory, lambda s: repo.write_rollups(s, [short]))
 
 
 @pytest.mark.parametrize(

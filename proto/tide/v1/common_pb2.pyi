@@ -83,6 +83,8 @@ class _DecisionReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decisi
     """A member was lost without notice; recorded, handled by the coordinator."""
     DECISION_REASON_JOB_STARTED: _DecisionReason.ValueType  # 6
     """The job was started at its initial size."""
+    DECISION_REASON_SLOWER_AFTER_SCALE_UP: _DecisionReason.ValueType  # 7
+    """The goodput guard: the last grow made training slower; shrink back to the size before."""
     DECISION_REASON_WITHIN_BAND: _DecisionReason.ValueType  # 20
     """No-op reasons (not persisted).
     Utilization is between the two thresholds.
@@ -107,6 +109,14 @@ class _DecisionReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decisi
     """Another decision of the job is not final yet."""
     DECISION_REASON_STABILIZING: _DecisionReason.ValueType  # 30
     """A scale-down is waiting out its stabilization window."""
+    DECISION_REASON_LOW_MARGINAL_THROUGHPUT: _DecisionReason.ValueType  # 31
+    """The goodput guard: growing from this size was measured to add too little
+    throughput per added replica (below min_scale_up_efficiency); not repeated.
+    """
+    DECISION_REASON_POOL_CONTENDED: _DecisionReason.ValueType  # 32
+    """More jobs want to grow than there are free GPUs, and the pool rule gave them
+    to jobs whose next replica adds more throughput per GPU.
+    """
 
 class DecisionReason(_DecisionReason, metaclass=_DecisionReasonEnumTypeWrapper):
     """Why the policy did or did not resize. Reasons that lead to a resize are
@@ -127,6 +137,8 @@ DECISION_REASON_MEMBER_LOST: DecisionReason.ValueType  # 5
 """A member was lost without notice; recorded, handled by the coordinator."""
 DECISION_REASON_JOB_STARTED: DecisionReason.ValueType  # 6
 """The job was started at its initial size."""
+DECISION_REASON_SLOWER_AFTER_SCALE_UP: DecisionReason.ValueType  # 7
+"""The goodput guard: the last grow made training slower; shrink back to the size before."""
 DECISION_REASON_WITHIN_BAND: DecisionReason.ValueType  # 20
 """No-op reasons (not persisted).
 Utilization is between the two thresholds.
@@ -151,6 +163,14 @@ DECISION_REASON_RESIZE_IN_PROGRESS: DecisionReason.ValueType  # 29
 """Another decision of the job is not final yet."""
 DECISION_REASON_STABILIZING: DecisionReason.ValueType  # 30
 """A scale-down is waiting out its stabilization window."""
+DECISION_REASON_LOW_MARGINAL_THROUGHPUT: DecisionReason.ValueType  # 31
+"""The goodput guard: growing from this size was measured to add too little
+throughput per added replica (below min_scale_up_efficiency); not repeated.
+"""
+DECISION_REASON_POOL_CONTENDED: DecisionReason.ValueType  # 32
+"""More jobs want to grow than there are free GPUs, and the pool rule gave them
+to jobs whose next replica adds more throughput per GPU.
+"""
 Global___DecisionReason: _TypeAlias = DecisionReason  # noqa: Y015
 
 class _DecisionTrigger:

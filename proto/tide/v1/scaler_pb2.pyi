@@ -40,6 +40,7 @@ class Policy(_message.Message):
     MAX_STEP_FIELD_NUMBER: _builtins.int
     SCALE_DOWN_STABILIZATION_S_FIELD_NUMBER: _builtins.int
     TARGET_UTILIZATION_PCT_FIELD_NUMBER: _builtins.int
+    MIN_SCALE_UP_EFFICIENCY_FIELD_NUMBER: _builtins.int
     scale_up_utilization_pct: _builtins.float
     """Scale up when every bucket of the sustain window is above this, percent 0..100."""
     scale_down_utilization_pct: _builtins.float
@@ -67,6 +68,10 @@ class Policy(_message.Message):
     """A scale-down takes the highest recommendation over this long, seconds (>= 0)."""
     target_utilization_pct: _builtins.float
     """Utilization the proportional rule aims for, percent 0..100."""
+    min_scale_up_efficiency: _builtins.float
+    """The goodput guard: a scale-up must add, per added replica, at least this
+    fraction 0..1 of the throughput per replica the job had; 0 turns it off.
+    """
     def __init__(
         self,
         *,
@@ -82,10 +87,11 @@ class Policy(_message.Message):
         max_step: _builtins.int | None = ...,
         scale_down_stabilization_s: _builtins.float | None = ...,
         target_utilization_pct: _builtins.float | None = ...,
+        min_scale_up_efficiency: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s", "_cooldown_s", b"_cooldown_s", "_max_replicas", b"_max_replicas", "_max_step", b"_max_step", "_min_coverage", b"_min_coverage", "_min_replicas", b"_min_replicas", "_phase_timeout_s", b"_phase_timeout_s", "_scale_down_stabilization_s", b"_scale_down_stabilization_s", "_scale_down_utilization_pct", b"_scale_down_utilization_pct", "_scale_up_utilization_pct", b"_scale_up_utilization_pct", "_sustain_s", b"_sustain_s", "_target_utilization_pct", b"_target_utilization_pct", "bucket_s", b"bucket_s", "cooldown_s", b"cooldown_s", "max_replicas", b"max_replicas", "max_step", b"max_step", "min_coverage", b"min_coverage", "min_replicas", b"min_replicas", "phase_timeout_s", b"phase_timeout_s", "scale_down_stabilization_s", b"scale_down_stabilization_s", "scale_down_utilization_pct", b"scale_down_utilization_pct", "scale_up_utilization_pct", b"scale_up_utilization_pct", "sustain_s", b"sustain_s", "target_utilization_pct", b"target_utilization_pct"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s", "_cooldown_s", b"_cooldown_s", "_max_replicas", b"_max_replicas", "_max_step", b"_max_step", "_min_coverage", b"_min_coverage", "_min_replicas", b"_min_replicas", "_min_scale_up_efficiency", b"_min_scale_up_efficiency", "_phase_timeout_s", b"_phase_timeout_s", "_scale_down_stabilization_s", b"_scale_down_stabilization_s", "_scale_down_utilization_pct", b"_scale_down_utilization_pct", "_scale_up_utilization_pct", b"_scale_up_utilization_pct", "_sustain_s", b"_sustain_s", "_target_utilization_pct", b"_target_utilization_pct", "bucket_s", b"bucket_s", "cooldown_s", b"cooldown_s", "max_replicas", b"max_replicas", "max_step", b"max_step", "min_coverage", b"min_coverage", "min_replicas", b"min_replicas", "min_scale_up_efficiency", b"min_scale_up_efficiency", "phase_timeout_s", b"phase_timeout_s", "scale_down_stabilization_s", b"scale_down_stabilization_s", "scale_down_utilization_pct", b"scale_down_utilization_pct", "scale_up_utilization_pct", b"scale_up_utilization_pct", "sustain_s", b"sustain_s", "target_utilization_pct", b"target_utilization_pct"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s", "_cooldown_s", b"_cooldown_s", "_max_replicas", b"_max_replicas", "_max_step", b"_max_step", "_min_coverage", b"_min_coverage", "_min_replicas", b"_min_replicas", "_phase_timeout_s", b"_phase_timeout_s", "_scale_down_stabilization_s", b"_scale_down_stabilization_s", "_scale_down_utilization_pct", b"_scale_down_utilization_pct", "_scale_up_utilization_pct", b"_scale_up_utilization_pct", "_sustain_s", b"_sustain_s", "_target_utilization_pct", b"_target_utilization_pct", "bucket_s", b"bucket_s", "cooldown_s", b"cooldown_s", "max_replicas", b"max_replicas", "max_step", b"max_step", "min_coverage", b"min_coverage", "min_replicas", b"min_replicas", "phase_timeout_s", b"phase_timeout_s", "scale_down_stabilization_s", b"scale_down_stabilization_s", "scale_down_utilization_pct", b"scale_down_utilization_pct", "scale_up_utilization_pct", b"scale_up_utilization_pct", "sustain_s", b"sustain_s", "target_utilization_pct", b"target_utilization_pct"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s", "_cooldown_s", b"_cooldown_s", "_max_replicas", b"_max_replicas", "_max_step", b"_max_step", "_min_coverage", b"_min_coverage", "_min_replicas", b"_min_replicas", "_min_scale_up_efficiency", b"_min_scale_up_efficiency", "_phase_timeout_s", b"_phase_timeout_s", "_scale_down_stabilization_s", b"_scale_down_stabilization_s", "_scale_down_utilization_pct", b"_scale_down_utilization_pct", "_scale_up_utilization_pct", b"_scale_up_utilization_pct", "_sustain_s", b"_sustain_s", "_target_utilization_pct", b"_target_utilization_pct", "bucket_s", b"bucket_s", "cooldown_s", b"cooldown_s", "max_replicas", b"max_replicas", "max_step", b"max_step", "min_coverage", b"min_coverage", "min_replicas", b"min_replicas", "min_scale_up_efficiency", b"min_scale_up_efficiency", "phase_timeout_s", b"phase_timeout_s", "scale_down_stabilization_s", b"scale_down_stabilization_s", "scale_down_utilization_pct", b"scale_down_utilization_pct", "scale_up_utilization_pct", b"scale_up_utilization_pct", "sustain_s", b"sustain_s", "target_utilization_pct", b"target_utilization_pct"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bucket_s: _TypeAlias = _typing.Literal["bucket_s"]  # noqa: Y015
     _WhichOneofArgType__bucket_s: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s"]  # noqa: Y015
@@ -99,6 +105,8 @@ class Policy(_message.Message):
     _WhichOneofArgType__min_coverage: _TypeAlias = _typing.Literal["_min_coverage", b"_min_coverage"]  # noqa: Y015
     _WhichOneofReturnType__min_replicas: _TypeAlias = _typing.Literal["min_replicas"]  # noqa: Y015
     _WhichOneofArgType__min_replicas: _TypeAlias = _typing.Literal["_min_replicas", b"_min_replicas"]  # noqa: Y015
+    _WhichOneofReturnType__min_scale_up_efficiency: _TypeAlias = _typing.Literal["min_scale_up_efficiency"]  # noqa: Y015
+    _WhichOneofArgType__min_scale_up_efficiency: _TypeAlias = _typing.Literal["_min_scale_up_efficiency", b"_min_scale_up_efficiency"]  # noqa: Y015
     _WhichOneofReturnType__phase_timeout_s: _TypeAlias = _typing.Literal["phase_timeout_s"]  # noqa: Y015
     _WhichOneofArgType__phase_timeout_s: _TypeAlias = _typing.Literal["_phase_timeout_s", b"_phase_timeout_s"]  # noqa: Y015
     _WhichOneofReturnType__scale_down_stabilization_s: _TypeAlias = _typing.Literal["scale_down_stabilization_s"]  # noqa: Y015
@@ -123,6 +131,8 @@ class Policy(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_coverage) -> _WhichOneofReturnType__min_coverage | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_replicas) -> _WhichOneofReturnType__min_replicas | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_scale_up_efficiency) -> _WhichOneofReturnType__min_scale_up_efficiency | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__phase_timeout_s) -> _WhichOneofReturnType__phase_timeout_s | None: ...
     @_typing.overload
@@ -350,6 +360,8 @@ class DecisionInputs(_message.Message):
     RAW_TARGET_REPLICAS_FIELD_NUMBER: _builtins.int
     NODE_NAME_FIELD_NUMBER: _builtins.int
     NODE_DEADLINE_FIELD_NUMBER: _builtins.int
+    GOODPUT_FIELD_NUMBER: _builtins.int
+    POOL_FIELD_NUMBER: _builtins.int
     current_replicas: _builtins.int
     """Replicas before the decision."""
     free_gpus: _builtins.int
@@ -368,6 +380,14 @@ class DecisionInputs(_message.Message):
 
     @_builtins.property
     def node_deadline(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def goodput(self) -> Global___GoodputEvidence:
+        """What the goodput guard saw (grows, and its reverts); unset when it had nothing."""
+
+    @_builtins.property
+    def pool(self) -> Global___PoolEvidence:
+        """How contended free GPUs were shared (grows only); unset when they were not."""
+
     def __init__(
         self,
         *,
@@ -378,14 +398,139 @@ class DecisionInputs(_message.Message):
         raw_target_replicas: _builtins.int = ...,
         node_name: _builtins.str = ...,
         node_deadline: _timestamp_pb2.Timestamp | None = ...,
+        goodput: Global___GoodputEvidence | None = ...,
+        pool: Global___PoolEvidence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["node_deadline", b"node_deadline", "policy", b"policy", "window", b"window"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["goodput", b"goodput", "node_deadline", b"node_deadline", "policy", b"policy", "pool", b"pool", "window", b"window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_replicas", b"current_replicas", "free_gpus", b"free_gpus", "node_deadline", b"node_deadline", "node_name", b"node_name", "policy", b"policy", "raw_target_replicas", b"raw_target_replicas", "window", b"window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_replicas", b"current_replicas", "free_gpus", b"free_gpus", "goodput", b"goodput", "node_deadline", b"node_deadline", "node_name", b"node_name", "policy", b"policy", "pool", b"pool", "raw_target_replicas", b"raw_target_replicas", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DecisionInputs: _TypeAlias = DecisionInputs  # noqa: Y015
+
+@_typing.final
+class ThroughputPoint(_message.Message):
+    """The training throughput a job reached at one size."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    SAMPLES_PER_S_FIELD_NUMBER: _builtins.int
+    replicas: _builtins.int
+    samples_per_s: _builtins.float
+    """Samples per second, as the coordinator reported it once the size had settled."""
+    def __init__(
+        self,
+        *,
+        replicas: _builtins.int = ...,
+        samples_per_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replicas", b"replicas", "samples_per_s", b"samples_per_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ThroughputPoint: _TypeAlias = ThroughputPoint  # noqa: Y015
+
+@_typing.final
+class GoodputEvidence(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEASURED_FIELD_NUMBER: _builtins.int
+    COMPARED_REPLICAS_FIELD_NUMBER: _builtins.int
+    EFFICIENCY_FIELD_NUMBER: _builtins.int
+    MIN_SCALE_UP_EFFICIENCY_FIELD_NUMBER: _builtins.int
+    VERDICT_FIELD_NUMBER: _builtins.int
+    compared_replicas: _builtins.int
+    """The size the decision was judged against (the smallest measured size above the
+    current one for a grow, the size before the grow for a revert); 0 when none.
+    """
+    efficiency: _builtins.float
+    """Throughput added per replica going to compared_replicas, as a fraction of the
+    throughput per replica before (1 linear, 0 no gain, < 0 slower); NaN when unmeasured.
+    """
+    min_scale_up_efficiency: _builtins.float
+    verdict: _builtins.str
+    """unmeasured, paid, halved, refused, reverted."""
+    @_builtins.property
+    def measured(self) -> _containers.RepeatedCompositeFieldContainer[Global___ThroughputPoint]:
+        """Every size measured, by replicas."""
+
+    def __init__(
+        self,
+        *,
+        measured: _abc.Iterable[Global___ThroughputPoint] | None = ...,
+        compared_replicas: _builtins.int = ...,
+        efficiency: _builtins.float = ...,
+        min_scale_up_efficiency: _builtins.float = ...,
+        verdict: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compared_replicas", b"compared_replicas", "efficiency", b"efficiency", "measured", b"measured", "min_scale_up_efficiency", b"min_scale_up_efficiency", "verdict", b"verdict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GoodputEvidence: _TypeAlias = GoodputEvidence  # noqa: Y015
+
+@_typing.final
+class PoolClaim(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    WANTED_GPUS_FIELD_NUMBER: _builtins.int
+    NEXT_EFFICIENCY_FIELD_NUMBER: _builtins.int
+    GRANTED_GPUS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    wanted_gpus: _builtins.int
+    """GPUs the job asked for beyond what it holds."""
+    next_efficiency: _builtins.float
+    """What its next replica adds per replica, relative to its throughput per replica now."""
+    granted_gpus: _builtins.int
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        wanted_gpus: _builtins.int = ...,
+        next_efficiency: _builtins.float = ...,
+        granted_gpus: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["granted_gpus", b"granted_gpus", "job_id", b"job_id", "next_efficiency", b"next_efficiency", "wanted_gpus", b"wanted_gpus"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolClaim: _TypeAlias = PoolClaim  # noqa: Y015
+
+@_typing.final
+class PoolEvidence(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FREE_GPUS_FIELD_NUMBER: _builtins.int
+    RULE_FIELD_NUMBER: _builtins.int
+    CLAIMS_FIELD_NUMBER: _builtins.int
+    free_gpus: _builtins.int
+    rule: _builtins.str
+    """"marginal": each next replica to the job whose next replica adds the most."""
+    @_builtins.property
+    def claims(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolClaim]: ...
+    def __init__(
+        self,
+        *,
+        free_gpus: _builtins.int = ...,
+        rule: _builtins.str = ...,
+        claims: _abc.Iterable[Global___PoolClaim] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims", b"claims", "free_gpus", b"free_gpus", "rule", b"rule"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PoolEvidence: _TypeAlias = PoolEvidence  # noqa: Y015
 
 @_typing.final
 class Decision(_message.Message):
@@ -511,6 +656,8 @@ class UtilizationPoint(_message.Message):
     MAX_PCT_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
+    SECOND_MEAN_PCT_FIELD_NUMBER: _builtins.int
+    SECOND_SAMPLES_FIELD_NUMBER: _builtins.int
     mean_pct: _builtins.float
     """Mean, min and max GPU utilization over the minute, percent 0..100."""
     min_pct: _builtins.float
@@ -523,6 +670,15 @@ class UtilizationPoint(_message.Message):
     def minute(self) -> _timestamp_pb2.Timestamp:
         """Start of the minute."""
 
+    @_builtins.property
+    def second_mean_pct(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Only when asked for (ListUtilizationRequest.seconds) and stored: the mean of each
+        second of the minute (0 where second_samples is 0) and its number of samples,
+        60 entries each; what `tide whatif` replays the job's window from.
+        """
+
+    @_builtins.property
+    def second_samples(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -532,10 +688,12 @@ class UtilizationPoint(_message.Message):
         max_pct: _builtins.float = ...,
         samples: _builtins.int = ...,
         replicas: _builtins.int = ...,
+        second_mean_pct: _abc.Iterable[_builtins.float] | None = ...,
+        second_samples: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["minute", b"minute"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_pct", b"max_pct", "mean_pct", b"mean_pct", "min_pct", b"min_pct", "minute", b"minute", "replicas", b"replicas", "samples", b"samples"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_pct", b"max_pct", "mean_pct", b"mean_pct", "min_pct", b"min_pct", "minute", b"minute", "replicas", b"replicas", "samples", b"samples", "second_mean_pct", b"second_mean_pct", "second_samples", b"second_samples"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -757,7 +915,12 @@ class ListUtilizationRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     SINCE_FIELD_NUMBER: _builtins.int
     UNTIL_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    seconds: _builtins.bool
+    """Include each minute's per-second detail where it is still stored (it is kept
+    for utilization_detail_retention_days, fewer than the minutes).
+    """
     @_builtins.property
     def since(self) -> _timestamp_pb2.Timestamp:
         """Inclusive lower bound on the minute; unset means 24 hours before `until`."""
@@ -772,10 +935,11 @@ class ListUtilizationRequest(_message.Message):
         job_id: _builtins.str = ...,
         since: _timestamp_pb2.Timestamp | None = ...,
         until: _timestamp_pb2.Timestamp | None = ...,
+        seconds: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since", "until", b"until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "since", b"since", "until", b"until"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "seconds", b"seconds", "since", b"since", "until", b"until"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -788,7 +952,7 @@ class ListUtilizationResponse(_message.Message):
     POINTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def points(self) -> _containers.RepeatedCompositeFieldContainer[Global___UtilizationPoint]:
-        """Oldest first; at most 10,080 points (one week of minutes)."""
+        """Oldest first; at most 10,080 points (one week of minutes), 1,440 (a day) with seconds."""
 
     def __init__(
         self,

@@ -48,8 +48,10 @@ from services.scaler.store.records import (
 )
 from services.scaler.store.rollups import (
     delete_rollups_before,
+    delete_seconds_before,
     merge_rollups,
     rollups_between,
+    seconds_between,
     write_rollups,
 )
 from services.scaler.store.rows import JOBS, ROLLUPS, validate_job_id
@@ -79,6 +81,7 @@ __all__ = [
     "check_epoch",
     "create_decision",
     "delete_rollups_before",
+    "delete_seconds_before",
     "get_decision",
     "get_job",
     "last_resize_end",
@@ -87,6 +90,7 @@ __all__ = [
     "merge_rollups",
     "non_final_decisions",
     "rollups_between",
+    "seconds_between",
     "set_job_observed",
     "set_paused",
     "transition_decision",

@@ -294,3 +294,13 @@ class DecisionStore:
         return await self._run(
             lambda s: rollups.delete_rollups_before(s, before), what="rollup retention"
         )
+
+    async def seconds_between(
+        self, job_id: str, t0: datetime, t1: datetime
+    ) -> dict[datetime, tuple[tuple[float, ...], tuple[int, ...]]]:
+        return await self._run(lambda s: rollups.seconds_between(s, job_id, t0, t1), write=False)
+
+    async def delete_seconds_before(self, before: datetime) -> int:
+        return await self._run(
+            lambda s: rollups.delete_seconds_before(s, before), what="per-second retention"
+        )

@@ -132,3 +132,7 @@ class RollupRecord:
     max_pct: float
     samples: int
     replicas: int
+    # Per second of the minute, the sum of the samples' utilization and their count
+    # (60 each; empty when not known: rows read from the minutes alone).
+    second_sums: tuple[float, ...] = ()
+    second_counts: tuple[int, ...] = ()

@@ -13,8 +13,8 @@ from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
 from services.scaler.store.records import RollupRecord
-from services.scaler.store.rows import ROLLUPS, aware, rollup_record, validate_job_id
-from services.store.models.scaler import UtilizationRollup
+from services.scaler.store.rows import ROLLUPS, SECONDS, aware, rollup_record, validate_job_id
+from services.store.models.scaler import UtilizationRollup, UtilizationSeconds
 from tidebase.errors import FailedPrecondition, InvalidArgument
 
 
@@ -41,6 +41,17 @@ def _validate_rollup(r: RollupRecord) -> None:
         raise InvalidArgument(f"rollup of job {r.job_id}: samples must be >= 1, got {r.samples}")
     if r.replicas < 0:
         raise InvalidArgument(f"rollup of job {r.job_id}: replicas must be >= 0, got {r.replicas}")
+    if r.second_counts or r.second_sums:
+        if len(r.second_counts) != 60 or len(r.second_sums) != 60:
+            raise InvalidArgument(
+                f"rollup of job {r.job_id}: per-second detail needs 60 sums and 60 counts, "
+                f"got {len(r.second_sums)} and {len(r.second_counts)}"
+            )
+        if sum(r.second_counts) != r.samples or min(r.second_counts) < 0:
+            raise InvalidArgument(
+                f"rollup of job {r.job_id}: per-second counts must be >= 0 and add up to "
+                f"samples={r.samples}, got {sum(r.second_counts)}"
+            )
 
 
 def merge_rollups(a: RollupRecord, b: RollupRecord) -> RollupRecord:
@@ -65,6 +76,7 @@ def write_rollups(session: Session, rows: Iterable[RollupRecord]) -> int:
     samples, min and max widen, replicas take the newest value. Returns the
     number of (job, minute) rows written.
     """
+    rows = list(rows)
     merged: dict[tuple[str, datetime], RollupRecord] = {}
     for r in rows:
         _validate_rollup(r)
@@ -112,6 +124,19 @@ def write_rollups(session: Session, rows: Iterable[RollupRecord]) -> int:
         },
     )
     session.connection().execute(stmt, values)
+    # Each part of a minute is its own row here; readers add them up (seconds_between).
+    detail = [
+        {
+            "job_id": r.job_id,
+            "minute": r.minute,
+            "sums": list(r.second_sums),
+            "counts": list(r.second_counts),
+        }
+        for r in rows
+        if r.second_counts
+    ]
+    if detail:
+        session.connection().execute(SECONDS.insert(), detail)
     return len(values)
 
 
@@ -131,6 +156,43 @@ def rollups_between(
         .order_by(UtilizationRollup.minute)
     )
     return [rollup_record(r) for r in rows]
+
+
+def seconds_between(
+    session: Session, job_id: str, t0: datetime, t1: datetime
+) -> dict[datetime, tuple[tuple[float, ...], tuple[int, ...]]]:
+    """Per minute with t0 <= minute < t1, the per-second sums and counts of the job
+    (the parts of a minute added up); minutes without detail are absent."""
+    aware("t0", t0)
+    aware("t1", t1)
+    rows = session.scalars(
+        select(UtilizationSeconds)
+        .where(
+            UtilizationSeconds.job_id == job_id,
+            UtilizationSeconds.minute >= t0,
+            UtilizationSeconds.minute < t1,
+        )
+        .order_by(UtilizationSeconds.minute, UtilizationSeconds.id)
+    )
+    out: dict[datetime, tuple[list[float], list[int]]] = {}
+    for row in rows:
+        minute = row.minute
+        have = out.get(minute)
+        if have is None:
+            out[minute] = (list(row.sums), list(row.counts))
+            continue
+        for i in range(60):
+            have[0][i] += row.sums[i]
+            have[1][i] += row.counts[i]
+    return {m: (tuple(s), tuple(c)) for m, (s, c) in out.items()}
+
+
+def delete_seconds_before(session: Session, before: datetime) -> int:
+    """Retention of the per-second detail; returns how many rows went."""
+    aware("before", before)
+    result = session.connection().execute(SECONDS.delete().where(SECONDS.c.minute < before))
+    assert isinstance(result, CursorResult)
+    return result.rowcount
 
 
 def delete_rollups_before(session: Session, before: datetime) -> int:

@@ -27,12 +27,14 @@ from services.store.models.scaler import (
     DecisionEvent,
     Job,
     UtilizationRollup,
+    UtilizationSeconds,
 )
 from tidebase.errors import InvalidArgument
 
 # Core handles for the UPDATEs that must not go through the ORM's version check.
 JOBS: Final = cast(Table, Job.__table__)
 ROLLUPS: Final = cast(Table, UtilizationRollup.__table__)
+SECONDS: Final = cast(Table, UtilizationSeconds.__table__)
 
 
 def job_record(row: Job) -> JobRecord:

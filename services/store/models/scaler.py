@@ -108,3 +108,22 @@ class UtilizationRollup(Base):
     max_pct: Mapped[float] = mapped_column()
     samples: Mapped[int] = mapped_column(BigInteger)
     replicas: Mapped[int] = mapped_column(Integer)
+
+
+class UtilizationSeconds(Base):
+    """Each second of one minute of a job's utilization: what `tide whatif` replays.
+
+    Insert-only: a minute written in parts (late reports) has one row per part, and
+    readers add the parts up. Kept for fewer days than the minutes
+    (``utilization_detail_retention_days``): a row is 60 sums and 60 counts."""
+
+    __tablename__ = "utilization_seconds"
+
+    id: Mapped[int] = mapped_column(BigIntPk, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(JOB_ID_LEN))
+    minute: Mapped[datetime] = mapped_column(UTCDateTime)
+    # Per second of the minute: the sum of the samples' utilization (percent) and their count.
+    sums: Mapped[list[float]] = mapped_column(JSON)
+    counts: Mapped[list[int]] = mapped_column(JSON)
+
+    __table_args__ = (Index("ix_utilization_seconds_job_id_minute", "job_id", "minute"),)
