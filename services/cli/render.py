@@ -168,6 +168,8 @@ def explain_doc(detail: scaler_pb2.DecisionDetail) -> dict[str, Any]:
             "raw_target_replicas": i.raw_target_replicas,
             "node_name": i.node_name,
             "node_deadline": iso(field_datetime(i, "node_deadline")),
+            "goodput": goodput_doc(i.goodput) if i.HasField("goodput") else None,
+            "pool": pool_doc(i.pool) if i.HasField("pool") else None,
         },
         "events": [event_doc(e) for e in detail.events],
         "utilization": [point_doc(p) for p in detail.utilization],
@@ -177,6 +179,32 @@ def explain_doc(detail: scaler_pb2.DecisionDetail) -> dict[str, Any]:
 def document(kind: str, **body: Any) -> dict[str, Any]:
     """A versioned output document (docs/cli.md): ``schema_version``, ``kind``, the body."""
     return {"schema_version": SCHEMA_VERSION, "kind": kind, **body}
+
+
+def goodput_doc(g: scaler_pb2.GoodputEvidence) -> dict[str, Any]:
+    return {
+        "throughput_by_replicas": {str(p.replicas): p.samples_per_s for p in g.measured},
+        "compared_replicas": g.compared_replicas or None,
+        "efficiency": g.efficiency if math.isfinite(g.efficiency) else None,
+        "min_scale_up_efficiency": g.min_scale_up_efficiency,
+        "verdict": g.verdict,
+    }
+
+
+def pool_doc(p: scaler_pb2.PoolEvidence) -> dict[str, Any]:
+    return {
+        "free_gpus": p.free_gpus,
+        "rule": p.rule,
+        "claims": [
+            {
+                "job_id": c.job_id,
+                "wanted_gpus": c.wanted_gpus,
+                "next_efficiency": c.next_efficiency,
+                "granted_gpus": c.granted_gpus,
+            }
+            for c in p.claims
+        ],
+    }
 
 
 def envelope(kind: str, **body: Any) -> str:
@@ -355,6 +383,25 @@ def print_explain(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
         console.print(
             f"  node     {i.node_name}, leaving by {short(field_datetime(i, 'node_deadline'))} UTC"
         )
+    if i.HasField("goodput"):
+        g = i.goodput
+        curve = ", ".join(f"{p.replicas}: {p.samples_per_s:.1f}" for p in g.measured) or "-"
+        console.print(f"  goodput  samples/s by replicas {curve}")
+        if g.compared_replicas:
+            eff = "unmeasured" if math.isnan(g.efficiency) else f"{g.efficiency:.2f}"
+            console.print(
+                f"           against {g.compared_replicas} replicas: {eff} of a replica's"
+                f" throughput per added replica (needs {g.min_scale_up_efficiency:.2f});"
+                f" {g.verdict}"
+            )
+    if i.HasField("pool"):
+        pool = i.pool
+        shares = ", ".join(
+            f"{c.job_id} wants {c.wanted_gpus} (next replica {c.next_efficiency:.2f}) gets"
+            f" {c.granted_gpus}"
+            for c in pool.claims
+        )
+        console.print(f"  pool     {pool.free_gpus} free GPUs by the {pool.rule} rule: {shares}")
     console.print("\n[bold]Thresholds[/bold]")
     console.print(
         f"  scale up above {p.scale_up_utilization_pct:g}%, down below"

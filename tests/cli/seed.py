@@ -85,6 +85,7 @@ def seed(url: str) -> Seeded:
             by: str = "",
             error: str | None = None,
             message: str = "",
+            extra: dict[str, Any] | None = None,
         ) -> int:
             with db.session_scope(factory) as s:
                 d = repo.create_decision(
@@ -95,7 +96,10 @@ def seed(url: str) -> Seeded:
                     reason=reason,
                     trigger=trigger,
                     message=message or f"{reason.lower()}: {frm} -> {to}",
-                    inputs=inputs(92.0 if to > frm else 21.0, [91.0, None, 93.0, 92.0], frm, to),
+                    inputs={
+                        **inputs(92.0 if to > frm else 21.0, [91.0, None, 93.0, 92.0], frm, to),
+                        **(extra or {}),
+                    },
                     epoch=epoch,
                     now=at,
                     requested_by=by,
@@ -157,6 +161,34 @@ def seed(url: str) -> Seeded:
             "POLICY",
             "ABORTED",
             error="barrier deadline: 1 of 3 members did not ack",
+            # The goodput guard and the pool step, as the scaler records them.
+            extra={
+                "goodput": {
+                    "throughput_by_replicas": {"2": 200.0, "4": 300.0},
+                    "compared_replicas": 4,
+                    "efficiency": 0.5,
+                    "min_scale_up_efficiency": 0.5,
+                    "verdict": "halved",
+                },
+                "pool": {
+                    "free_gpus": 2,
+                    "rule": "marginal",
+                    "claims": [
+                        {
+                            "job_id": JOB,
+                            "wanted_gpus": 2,
+                            "next_efficiency": 0.5,
+                            "granted_gpus": 1,
+                        },
+                        {
+                            "job_id": OTHER,
+                            "wanted_gpus": 1,
+                            "next_efficiency": 0.9,
+                            "granted_gpus": 1,
+                        },
+                    ],
+                },
+            },
         )
         running = decide(
             OTHER,

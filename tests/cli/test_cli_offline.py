@@ -82,6 +82,16 @@ def test_explain_from_the_store(store: tuple[str, Seeded]) -> None:
     assert len(minutes) == 21  # 10 before, the decision's minute, 10 after
     code, out, _ = tide("explain", str(ids.aborted), "--db", url)
     assert code == 0 and "barrier deadline" in out and "ABORTED" in out
+    # The goodput guard's and the pool step's evidence.
+    assert "samples/s by replicas 2: 200.0, 4: 300.0" in out
+    assert "against 4 replicas: 0.50 of a replica's throughput" in out and "halved" in out
+    assert "2 free GPUs by the marginal rule" in out and "ml/bert wants 1" in out
+    doc = json.loads(tide("explain", str(ids.aborted), "--db", url, "-o", "json")[1])
+    assert doc["inputs"]["goodput"]["throughput_by_replicas"] == {"2": 200.0, "4": 300.0}
+    assert doc["inputs"]["pool"]["claims"][1]["granted_gpus"] == 1
+    assert doc["inputs"]["goodput"]["verdict"] == "halved"
+    grow = json.loads(tide("explain", str(ids.grow), "--db", url, "-o", "json")[1])
+    assert grow["inputs"]["goodput"] is None and grow["inputs"]["pool"] is None
 
 
 def test_jobs_from_the_store(store: tuple[str, Seeded]) -> None:
