@@ -1,4 +1,4 @@
-"""Protobuf Timestamp conversions, in one place.
+"""Protobuf Timestamp conversions, and durations as people write them, in one place.
 
 Tide keeps wall-clock times as float seconds since the epoch (domain code) or
 as aware UTC datetimes (the store); the API carries ``google.protobuf.Timestamp``.
@@ -9,10 +9,31 @@ the parent message and the field name and return None when it is not set.
 from __future__ import annotations
 
 import math
+import re
 from datetime import UTC, datetime
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
+
+from tidebase.errors import InvalidArgument
+
+_UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+_PART = r"(\d+(?:\.\d+)?)([smhdw])"
+#: One or more number+unit parts, largest unit first, each unit once: 1h30m, 2d12h, 90s.
+DURATION = re.compile(rf"^\s*(?:{_PART})+\s*$")
+_ORDER = "wdhms"
+
+
+def parse_duration_s(text: str) -> float:
+    """``90s`` / ``15m`` / ``1h30m`` / ``7d`` / ``2w`` in seconds (Go's and kubectl's form)."""
+    compact = text.strip()
+    parts = re.findall(_PART, compact)
+    if not DURATION.match(text) or "".join(n + u for n, u in parts) != compact:
+        raise InvalidArgument(f"expected a duration like 30s, 15m, 1h30m, 7d; got {text!r}")
+    units = [u for _, u in parts]
+    if [_ORDER.index(u) for u in units] != sorted({_ORDER.index(u) for u in units}):
+        raise InvalidArgument(f"duration {text!r}: each unit once, largest first (1h30m)")
+    return sum(float(n) * _UNITS_S[u] for n, u in parts)
 
 
 def ts_from_seconds(seconds: float | None) -> Timestamp | None:

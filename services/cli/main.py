@@ -5,8 +5,9 @@ Exit codes, for every command: 0 ok, 1 not found, 2 bad usage or bad input,
 
 The app and what commands share are in services/cli/app.py, the connection
 options in connection.py; each group of commands is a module: read.py (jobs,
-history, explain), chart.py, admin.py (scale, pause, resume), localmode.py (up,
-demo), schema.py (db upgrade, downgrade), job.py (job apply); output.py is the
+history, explain), chart.py, whatif.py (replay history under another policy),
+simulate.py (a simulated cluster), admin.py (scale, pause, resume), localmode.py
+(up, demo), schema.py (db upgrade, downgrade), job.py (job apply); output.py is the
 ``-o`` of every read command, follow.py the WatchDecisions of ``history -w`` and
 ``scale --wait``. They are registered here, once.
 """
@@ -17,7 +18,7 @@ import sys
 
 import typer
 
-from services.cli import admin, chart, job, localmode, read, schema
+from services.cli import admin, chart, job, localmode, read, schema, simulate, whatif
 from services.cli.app import app, db_app, exit_code_of, job_app
 from tidebase import errors
 
@@ -26,6 +27,8 @@ app.command("jobs")(read.jobs_cmd)
 app.command("history")(read.history_cmd)
 app.command("explain")(read.explain_cmd)
 app.command("chart")(chart.chart_cmd)
+app.command("whatif")(whatif.whatif_cmd)
+app.command("simulate")(simulate.simulate_cmd)
 app.command("scale")(admin.scale_cmd)
 app.command("pause")(admin.pause_cmd)
 app.command("resume")(admin.resume_cmd)

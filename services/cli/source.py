@@ -30,8 +30,10 @@ PAGE_SIZE = 500
 #: The API's limit on GetDecision.context_minutes.
 MAX_CONTEXT_MINUTES = 1440
 
-#: The longest range one ListUtilization call may span (the API's bound: a week of minutes).
+#: The longest range one ListUtilization call may span (the API's bound: a week of minutes,
+#: a day with each minute's seconds).
 UTILIZATION_CHUNK = timedelta(days=7)
+SECONDS_CHUNK = timedelta(days=1)
 
 
 # --- gRPC -----------------------------------------------------------------------------------
@@ -144,18 +146,23 @@ class GrpcScaler:
         return detail
 
     async def utilization(
-        self, job_id: str, since: datetime, until: datetime
+        self, job_id: str, since: datetime, until: datetime, *, seconds: bool = False
     ) -> list[scaler_pb2.UtilizationPoint]:
         # A rollup is keyed by the start of its minute: include the one in progress at
-        # `since`, as the SQL source does. The API answers at most a week per call.
+        # `since`, as the SQL source does. The API answers at most a week per call (a
+        # day with the per-second detail).
         lo = since.replace(second=0, microsecond=0)
+        chunk = SECONDS_CHUNK if seconds else UTILIZATION_CHUNK
         points: list[scaler_pb2.UtilizationPoint] = []
         while True:
-            hi = min(until, lo + UTILIZATION_CHUNK)
+            hi = min(until, lo + chunk)
             resp = await self._call(
                 self.stub.ListUtilization,
                 scaler_pb2.ListUtilizationRequest(
-                    job_id=job_id, since=ts_from_datetime(lo), until=ts_from_datetime(hi)
+                    job_id=job_id,
+                    since=ts_from_datetime(lo),
+                    until=ts_from_datetime(hi),
+                    seconds=seconds,
                 ),
             )
             points.extend(resp.points)
@@ -354,7 +361,7 @@ class SqlHistory:
         return result
 
     async def utilization(
-        self, job_id: str, since: datetime, until: datetime
+        self, job_id: str, since: datetime, until: datetime, *, seconds: bool = False
     ) -> list[scaler_pb2.UtilizationPoint]:
         from services.scaler import store
         from services.scaler.convert import point_to_proto
@@ -364,7 +371,11 @@ class SqlHistory:
 
         def q(s: Any) -> list[scaler_pb2.UtilizationPoint]:
             store.get_job(s, job_id)
-            return [point_to_proto(r) for r in store.rollups_between(s, job_id, lo, until)]
+            detail = store.seconds_between(s, job_id, lo, until) if seconds else {}
+            return [
+                point_to_proto(r, detail.get(r.minute))
+                for r in store.rollups_between(s, job_id, lo, until)
+            ]
 
         result: list[scaler_pb2.UtilizationPoint] = self._read(q)
         return result

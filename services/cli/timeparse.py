@@ -7,28 +7,12 @@ is UTC and a shell's local zone is rarely what a runbook means.
 
 from __future__ import annotations
 
-import re
 from datetime import UTC, datetime, timedelta
 
 from tidebase.errors import InvalidArgument
+from tidebase.timeconv import DURATION, parse_duration_s
 
-_UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
-_PART = r"(\d+(?:\.\d+)?)([smhdw])"
-#: One or more number+unit parts, largest unit first, each unit once: 1h30m, 2d12h, 90s.
-_DURATION = re.compile(rf"^\s*(?:{_PART})+\s*$")
-_ORDER = "wdhms"
-
-
-def parse_duration_s(text: str) -> float:
-    """``90s`` / ``15m`` / ``1h30m`` / ``7d`` / ``2w`` in seconds (Go's and kubectl's form)."""
-    compact = text.strip()
-    parts = re.findall(_PART, compact)
-    if not _DURATION.match(text) or "".join(n + u for n, u in parts) != compact:
-        raise InvalidArgument(f"expected a duration like 30s, 15m, 1h30m, 7d; got {text!r}")
-    units = [u for _, u in parts]
-    if [_ORDER.index(u) for u in units] != sorted({_ORDER.index(u) for u in units}):
-        raise InvalidArgument(f"duration {text!r}: each unit once, largest first (1h30m)")
-    return sum(float(n) * _UNITS_S[u] for n, u in parts)
+__all__ = ["iso", "parse_duration_s", "parse_time", "short"]
 
 
 def parse_time(text: str, now: datetime) -> datetime:
@@ -36,7 +20,7 @@ def parse_time(text: str, now: datetime) -> datetime:
     value = text.strip()
     if value == "now":
         return now
-    if _DURATION.match(value):
+    if DURATION.match(value):
         return now - timedelta(seconds=parse_duration_s(value))
     try:
         parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))

@@ -49,9 +49,10 @@ def efficiency(curve: Mapping[int, float], a: int, b: int) -> float | None:
 
 def next_replica_efficiency(curve: Mapping[int, float], current: int, at: int) -> float:
     """What replica ``at + 1`` adds, per replica, relative to the throughput per replica
-    at ``current``. Between measured sizes the curve is taken as linear; past the
-    largest measured size (or with nothing measured) scaling is taken as linear from
-    there, the optimistic prior: a job that never tried a size is not penalised."""
+    at ``current``: the measured marginal throughput. Between measured sizes the curve
+    is taken as linear; past the largest measured size the last measured step's gain
+    goes on; with a single size measured nothing is known, and scaling is taken as
+    linear (a job that never tried a bigger size is not penalised for it)."""
     base = curve.get(current)
     sizes = sorted(s for s, v in curve.items() if v > 0)
     if base is None or base <= 0 or not sizes:
@@ -61,11 +62,11 @@ def next_replica_efficiency(curve: Mapping[int, float], current: int, at: int) -
     upper = [s for s in sizes if s > at]
     if lower and upper:
         a, b = lower[-1], upper[0]
-        return ((curve[b] - curve[a]) / (b - a)) / per
-    if lower:
-        a = lower[-1]
-        return (curve[a] / a) / per
-    return 1.0
+    elif len(lower) >= 2:
+        a, b = lower[-2], lower[-1]
+    else:
+        return 1.0
+    return ((curve[b] - curve[a]) / (b - a)) / per
 
 
 class PoolRule(enum.Enum):

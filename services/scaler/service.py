@@ -57,7 +57,9 @@ class _Staged:
     state: pol.JobState
     view: pol.WindowView
     policy: pol.PolicySettings
-    free: int | None
+    history: pol.History
+    # The actuator's free GPUs when the batch began (before this batch's promises).
+    raw_free: int | None
     at: float
     now: float
     seen: float
@@ -351,8 +353,8 @@ class ScalerCore:
         """Evaluate one job now (its errors raised to the caller)."""
         async with self._eval_lock:
             with self.metrics.evaluation.time():
-                free = self.pool.free(await self.actuator.free_gpus())
-                return await self._commit(self._stage(job_id, tipping_s, fresh, free))
+                raw = await self.actuator.free_gpus()
+                return await self._commit(self._stage(job_id, tipping_s, fresh, raw))
 
     async def evaluate_many(
         self, items: Sequence[tuple[str, float | None]], fresh: Mapping[str, int] | None = None
@@ -361,12 +363,12 @@ class ScalerCore:
         so that a grow is shared with every job that wants to grow at the same moment.
         A job's error is logged and ends only that job's evaluation."""
         async with self._eval_lock:
-            free = self.pool.free(await self.actuator.free_gpus())
+            raw = await self.actuator.free_gpus()
             staged: list[tuple[_Staged, float]] = []
             for job_id, tipping_s in items:
                 with self._guard(job_id):
                     t0 = time.perf_counter()
-                    st = self._stage(job_id, tipping_s, fresh, free)
+                    st = self._stage(job_id, tipping_s, fresh, raw)
                     staged.append((st, time.perf_counter() - t0))
             for st, spent in staged:
                 with self._guard(st.job_id):
@@ -379,9 +381,10 @@ class ScalerCore:
         job_id: str,
         tipping_s: float | None,
         fresh: Mapping[str, int] | None,
-        free: int | None,
+        raw_free: int | None,
     ) -> _Staged:
         """The policy's answer for one job (no I/O); its claim on free GPUs noted."""
+        free = self.pool.free(raw_free)
         job = self._job(job_id)
         p = self.policies[job_id]
         now = self.clock.now()
@@ -408,17 +411,23 @@ class ScalerCore:
             while recs and recs[0][0] < horizon:
                 recs.pop(0)
         self.pool.note(d, state, curve, at)
-        return _Staged(d, state, view, p, free, at, now, seen, tipping_s)
+        return _Staged(d, state, view, p, hist, raw_free, at, now, seen, tipping_s)
 
     async def _commit(self, st: _Staged) -> pol.Decision:
         """The pool step, then a resize is committed (PENDING) and handed to the controller."""
-        d = self.pool.share(st.decision, st.state)
+        d, state = st.decision, st.state
+        free = self.pool.free(st.raw_free)
+        if d.wanted_replicas and free != state.free_gpus:
+            # Grows committed earlier in this batch took GPUs: decide with what is left.
+            state = dataclasses.replace(state, free_gpus=free)
+            d = pol.decide(state, st.view, st.policy, st.history, st.at)
+        d = self.pool.share(d, state)
         job_id = d.job_id
         self.evaluations[job_id] = Evaluation(d, st.now)
         if not d.resize:
             return d
         job = self._job(job_id)
-        inputs = self._inputs(job, st.policy, st.view, st.free, d, st.at)
+        inputs = self._inputs(job, st.policy, st.view, state.free_gpus, d, st.at)
         if d.trigger is pol.Trigger.EMERGENCY:
             pods, node, deadline = self.engine.terminating_pods(job_id)
             inputs["leaving_pods"] = sorted(pods)

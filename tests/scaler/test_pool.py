@@ -35,6 +35,8 @@ def test_efficiency_of_a_measured_step() -> None:
     assert next_replica_efficiency(curve, 4, 5) == pytest.approx(0.9)
     assert next_replica_efficiency({4: 400.0}, 4, 4) == 1.0
     assert next_replica_efficiency({}, 4, 4) == 1.0
+    # Past the largest measured size, the last measured step's gain goes on.
+    assert next_replica_efficiency({2: 200.0, 4: 300.0}, 4, 4) == pytest.approx(50 / 75)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,251 @@
+"""`tide whatif JOB --policy FILE`: what another policy would have done with the job's own
+history (services/sim/replay.py): its decisions beside the real ones, and GPU-hours.
+
+Without --policy it replays the policy the job really ran with: the self-check,
+whose decisions must be the recorded ones."""
+
+from __future__ import annotations
+
+import importlib.util
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.table import Table
+from tide.v1 import scaler_pb2
+
+from services.cli import render
+from services.cli.app import DocOutput, Exit, console, fail, now_utc, time_option
+from services.cli.connection import Connection, connection_options
+from services.cli.simulate import clean
+from services.cli.timeparse import iso, short
+from services.scaler import policy as pol
+from services.scaler.convert import policy_from_proto
+from services.sim import replay as rp
+from tidebase import errors
+from tidebase.timeconv import field_datetime
+
+#: Decisions whose inputs are read for the replay (the recorded policy, free GPUs,
+#: throughput evidence): one GetDecision each.
+MAX_DECISIONS = 2000
+
+
+def _s(msg: Any, name: str) -> float | None:
+    dt = field_datetime(msg, name)
+    return None if dt is None else dt.timestamp()
+
+
+def recorded(d: scaler_pb2.Decision, detail: scaler_pb2.DecisionDetail | None) -> rp.Recorded:
+    final = d.state in render.FINAL_STATES
+    free = throughput = None
+    if detail is not None:
+        i = detail.inputs
+        free = i.free_gpus if i.free_gpus >= 0 else None
+        if i.HasField("goodput"):
+            throughput = tuple((p.replicas, p.samples_per_s) for p in i.goodput.measured)
+    created = _s(d, "created_at") or 0.0
+    return rp.Recorded(
+        id=d.id,
+        created_s=created,
+        ended_s=(_s(d, "updated_at") or created) if final else None,
+        from_replicas=d.from_replicas,
+        to_replicas=d.to_replicas,
+        reason=render.reason_name(d.reason),
+        trigger=render.trigger_name(d.trigger),
+        state=render.state_name(d.state),
+        message=d.message,
+        free_gpus=free,
+        throughput=throughput,
+    )
+
+
+def seconds_of(points: list[scaler_pb2.UtilizationPoint], lo: float, hi: float) -> list[rp.Second]:
+    out: list[rp.Second] = []
+    for p in points:
+        m = _s(p, "minute")
+        if m is None:
+            continue
+        if len(p.second_samples) == 60:
+            for i in range(60):
+                if lo <= m + i < hi:
+                    out.append(rp.Second(m + i, p.second_mean_pct[i], p.second_samples[i]))
+        elif lo <= m < hi:
+            out.append(rp.Second(m, p.mean_pct, p.samples, 60.0))
+    out.sort(key=lambda s: s.t_s)
+    return out
+
+
+def history(
+    job: scaler_pb2.Job,
+    points: list[scaler_pb2.UtilizationPoint],
+    decisions: list[rp.Recorded],
+    lo: float,
+    hi: float,
+) -> rp.JobHistory:
+    seconds = seconds_of(points, lo, hi)
+    done_before = [d for d in decisions if d.state == "COMPLETED" and (d.ended_s or 0) <= lo]
+    later = [d for d in decisions if d.created_s >= lo]
+    if done_before:
+        start_replicas = done_before[-1].to_replicas
+    elif later:
+        start_replicas = later[0].from_replicas
+    else:
+        start_replicas = job.current_replicas
+    return rp.JobHistory(
+        job_id=job.job_id,
+        gpus_per_replica=max(1, job.gpus_per_replica),
+        start_s=lo,
+        end_s=hi,
+        replicas_at_start=start_replicas,
+        seconds=tuple(seconds),
+        decisions=tuple(decisions),
+        detail_s=float(sum(1 for s in seconds if s.length_s == 1.0)),
+    )
+
+
+def recorded_policy(
+    job: scaler_pb2.Job, details: list[scaler_pb2.DecisionDetail]
+) -> pol.PolicySettings:
+    """The policy the job's latest decision recorded; else the job's effective one."""
+    for d in reversed(details):
+        if d.inputs.HasField("policy") and d.inputs.policy.HasField("sustain_s"):
+            return pol.PolicySettings().with_overrides(policy_from_proto(d.inputs.policy))
+    return pol.PolicySettings().with_overrides(policy_from_proto(job.policy))
+
+
+def policy_file(path: Path, base: pol.PolicySettings) -> pol.PolicySettings:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        fail(Exit.USAGE, f"--policy: cannot read {str(path)!r}: {exc.strerror}")
+    except yaml.YAMLError as exc:
+        fail(Exit.USAGE, f"--policy: {str(path)!r} is not YAML: {exc}")
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        fail(Exit.USAGE, f"--policy: {str(path)!r} must map policy fields to values")
+    try:
+        return base.with_overrides(doc)
+    except errors.ConfigError as exc:
+        fail(Exit.USAGE, f"--policy {path}: {exc}")
+    except TypeError as exc:
+        fail(Exit.USAGE, f"--policy {path}: {exc}")
+
+
+def _cell(x: Any) -> str:
+    mark = "" if getattr(x, "state", "COMPLETED") == "COMPLETED" else f" [{x.state.lower()}]"
+    return f"{x.from_replicas} → {x.to_replicas} {x.reason.lower()}{mark}"
+
+
+def table(h: rp.JobHistory, runs: list[tuple[str, rp.ReplayResult]]) -> Table:
+    t = Table(title_justify="left")
+    t.add_column("TIME (UTC)")
+    t.add_column("RECORDED")
+    for name, _ in runs:
+        t.add_column(name.upper())
+    rows: dict[float, list[str]] = {}
+
+    def put(at: float, col: int, text: str) -> None:
+        # Decisions within 2 s of each other share a row.
+        key = next((k for k in rows if abs(k - at) <= 2.0 and not rows[k][col]), at)
+        rows.setdefault(key, [""] * (1 + len(runs)))[col] = text
+
+    for d in h.decisions:
+        if h.start_s <= d.created_s < h.end_s:
+            put(d.created_s, 0, _cell(d))
+    for i, (_, r) in enumerate(runs, start=1):
+        for x in r.decisions:
+            put(x.at_s, i, _cell(x))
+    for at in sorted(rows):
+        t.add_row(short(datetime.fromtimestamp(at, tz=UTC)), *rows[at])
+    return t
+
+
+@connection_options(db=True)
+def whatif_cmd(
+    conn: Connection,
+    job: Annotated[str, typer.Argument(help="NAMESPACE/NAME")],
+    policy: Annotated[
+        Path | None,
+        typer.Option(help="YAML of policy fields to change (docs/policy.md); omit: self-check"),
+    ] = None,
+    since: Annotated[str, typer.Option(help="7d, 24h, or an ISO time")] = "7d",
+    until: Annotated[str | None, typer.Option(help="end of the range; default now")] = None,
+    step_s: Annotated[
+        float, typer.Option(min=1.0, help="evaluate every this many seconds (1: as the scaler)")
+    ] = 1.0,
+    chart: Annotated[
+        Path | None, typer.Option("--chart", help="draw replicas (recorded and replayed) to a PNG")
+    ] = None,
+    output: Annotated[DocOutput, typer.Option("--output", "-o")] = DocOutput.table,
+) -> None:
+    """Replay the job's recorded utilization and resizes under another policy."""
+    lo = time_option("--since", since)
+    hi = time_option("--until", until) or now_utc()
+    assert lo is not None
+    if lo >= hi:
+        fail(Exit.USAGE, f"--since ({since}) must be before --until ({until})")
+    if chart is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            fail(Exit.USAGE, "--chart needs matplotlib: pip install 'tide[demo]'")
+        if chart.suffix.lower() != ".png":
+            fail(Exit.USAGE, f"--chart: expected a .png file, got {str(chart)!r}")
+    # Decisions of the day before count too: a cooldown or a resize may reach into the range.
+    lookback = lo - timedelta(days=1)
+
+    async def go(src: Any) -> tuple[Any, list[Any], list[Any], list[Any]]:
+        j = await src.get_job(job)
+        points = await src.utilization(job, lo, hi, seconds=True)
+        decisions = sorted(
+            await src.list_decisions(job, lookback, hi, ()),
+            key=lambda d: (d.created_at.seconds, d.id),
+        )
+        if len(decisions) > MAX_DECISIONS:
+            raise errors.InvalidArgument(
+                f"{len(decisions)} decisions in the range; at most {MAX_DECISIONS}: narrow --since"
+            )
+        details = [await src.get_decision(d.id, 1) for d in decisions]
+        return j, points, decisions, details
+
+    j, points, decisions, details = conn.read(go)
+    recs = [recorded(d, x) for d, x in zip(decisions, details, strict=True)]
+    h = history(j, points, recs, lo.timestamp(), hi.timestamp())
+    if not h.seconds:
+        fail(Exit.NOT_FOUND, f"no utilization recorded for {job} between {iso(lo)} and {iso(hi)}")
+    base = recorded_policy(j, details)
+    runs = [("as recorded", rp.replay(h, base, step_s=step_s))]
+    if policy is not None:
+        runs.append((policy.stem, rp.replay(h, policy_file(policy, base), step_s=step_s)))
+    if chart is not None:
+        from services.sim.chart import draw_replay
+
+        try:
+            draw_replay(h, runs, chart, points)
+        except OSError as exc:
+            fail(Exit.USAGE, f"--chart: cannot write {str(chart)!r}: {exc.strerror}")
+    if output is DocOutput.json:
+        doc = rp.summary(h, runs)
+        doc["since"], doc["until"] = iso(lo), iso(hi)
+        typer.echo(render.envelope("tide.whatif", **clean(doc)))
+        return
+    out = console()
+    span = h.end_s - h.start_s
+    out.print(
+        f"[bold]{job}[/bold]  {short(lo)} .. {short(hi)} UTC; per-second detail for"
+        f" {h.detail_s / span:.0%} of the range (minutes elsewhere)"
+    )
+    out.print(table(h, runs))
+    real_h = rp.gpu_hours(rp.real_replicas(h), h.end_s, h.gpus_per_replica)
+    out.print(f"recorded: {real_h:.2f} GPU-hours")
+    for name, r in runs:
+        verdict = (
+            "reproduces every recorded policy decision"
+            if r.exact
+            else f"{len(r.unmatched_real)} recorded decision(s) not reproduced"
+            f" {r.unmatched_real}, {r.extra} not recorded"
+        )
+        out.print(
+            f"{name}: {r.gpu_hours:.2f} GPU-hours, {sum(1 for x in r.decisions if x.matches is None or x.reason in rp.POLICY_REASONS)} decision(s); {verdict}"
+        )
