@@ -231,10 +231,10 @@ def whatif_cmd(
         typer.echo(render.envelope("tide.whatif", **clean(doc)))
         return
     out = console()
-    span = h.end_s - h.start_s
+    recorded_s = sum(s.length_s for s in h.seconds)
     out.print(
-        f"[bold]{job}[/bold]  {short(lo)} .. {short(hi)} UTC; per-second detail for"
-        f" {h.detail_s / span:.0%} of the range (minutes elsewhere)"
+        f"[bold]{job}[/bold]  {short(lo)} .. {short(hi)} UTC: {recorded_s:,.0f} s of utilization"
+        f" recorded, {h.detail_s / recorded_s:.0%} of it second by second (minutes elsewhere)"
     )
     out.print(table(h, runs))
     real_h = rp.gpu_hours(rp.real_replicas(h), h.end_s, h.gpus_per_replica)
@@ -243,9 +243,10 @@ def whatif_cmd(
         verdict = (
             "reproduces every recorded policy decision"
             if r.exact
-            else f"{len(r.unmatched_real)} recorded decision(s) not reproduced"
-            f" {r.unmatched_real}, {r.extra} not recorded"
+            else f"{len(r.unmatched_real)} recorded policy decision(s) not reproduced"
+            f" {r.unmatched_real}, {r.extra} decision(s) not recorded"
         )
-        out.print(
-            f"{name}: {r.gpu_hours:.2f} GPU-hours, {sum(1 for x in r.decisions if x.matches is None or x.reason in rp.POLICY_REASONS)} decision(s); {verdict}"
-        )
+        made = sum(1 for x in r.decisions if x.reason in rp.POLICY_REASONS)
+        out.print(f"{name}: {r.gpu_hours:.2f} GPU-hours, {made} policy decision(s); {verdict}")
+    if chart is not None:
+        out.print(f"wrote {chart}")

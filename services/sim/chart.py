@@ -86,7 +86,8 @@ def _save(fig: Any, path: Path, plt: Any) -> Path:
 
 
 def draw_replay(h: Any, runs: list[tuple[str, Any]], out: Path, points: list[Any]) -> Path:
-    """`tide whatif --chart`: utilization on top, replicas recorded and replayed below."""
+    """`tide whatif --chart`: utilization on top, replicas recorded and replayed below, over
+    the stretch of the range the job has data or decisions in."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,20 +95,34 @@ def draw_replay(h: Any, runs: list[tuple[str, Any]], out: Path, points: list[Any
 
     from services.sim.replay import real_replicas
 
-    t0 = h.start_s
+    times = [s.t_s for s in h.seconds] + [
+        d.created_s for d in h.decisions if d.created_s >= h.start_s
+    ]
+    lo = max(h.start_s, min(times, default=h.start_s))
+    hi = min(h.end_s, max([s.t_s + s.length_s for s in h.seconds], default=h.end_s))
+    span = max(hi - lo, 1.0)
+    lo, hi = max(h.start_s, lo - 0.05 * span), min(h.end_s, hi + 0.05 * span)
+    unit, div = ("minutes", 60.0) if hi - lo <= 3 * 3600 else ("hours", 3600.0)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
-    util = [(s.t_s - t0, s.mean_pct) for s in h.seconds if s.samples > 0]
+    util = [((s.t_s - lo) / div, s.mean_pct) for s in h.seconds if s.samples > 0]
     if util:
-        top.plot([x / 3600 for x, _ in util], [y for _, y in util], color="#555555", linewidth=0.8)
+        top.plot([x for x, _ in util], [y for _, y in util], color="#555555", linewidth=0.8)
     top.set(ylabel="GPU utilization %", ylim=(0, 105), title=f"{h.job_id}: what if")
-    lines = [("recorded", real_replicas(h), "#333333")]
+    lines = [("recorded", real_replicas(h), "#333333", "-")]
     palette = ["#1f77b4", "#ff7f0e", "#2ca02c"]
     for (name, r), color in zip(runs, palette, strict=False):
-        lines.append((name, r.replicas, color))
-    for name, steps, color in lines:
-        hx = [(t - t0) / 3600 for t, _ in steps] + [(h.end_s - t0) / 3600]
+        lines.append((name, r.replicas, color, "--"))
+    for name, steps, color, style in lines:
+        hx = [(t - lo) / div for t, _ in steps] + [(hi - lo) / div]
         ny = [n for _, n in steps] + [steps[-1][1]]
-        bottom.step(hx, ny, where="post", label=name, color=color)
-    bottom.set(xlabel="hours since the start of the range", ylabel="replicas")
+        bottom.step(hx, ny, where="post", label=name, color=color, linestyle=style)
+    bottom.set(xlim=(0, (hi - lo) / div), ylabel="replicas")
+    bottom.set_xlabel(f"{unit} from {_utc(lo)} UTC")
     bottom.legend(loc="upper right")
     return _save(fig, out, plt)
+
+
+def _utc(t: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")

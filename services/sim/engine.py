@@ -272,7 +272,8 @@ class Simulation:
         if r in self.queue:
             self.queue.remove(r)
         r.state = "running"
-        r.started_at = self.now
+        if r.started_at is None:
+            r.started_at = self.now
         r.t_acc = self.now
         self._held(r, replicas)
         r.paused_until = self.now + self.s.pauses.pod_start_s + self.s.pauses.relaunch_s
@@ -456,8 +457,19 @@ class Simulation:
         """Replicas lost without a coordinated checkpoint: the job restarts without them."""
         self._pool_of(r).give(r.name, replicas, nodes)
         self._held(r, r.held - replicas)
-        self.restart(r, min(r.world, r.held), "lost")
+        self._lost(r)
         self.capacity_changed()
+
+    def _lost(self, r: Run) -> None:
+        """After replicas went without a checkpoint: restart with the rest, or, with none
+        left, back to the queue to be started again from its last checkpoint."""
+        self.restart(r, min(r.world, r.held), "lost")
+        if r.held == 0:
+            r.state = "queued"
+            r.resizing = False
+            r.version += 1
+            self.queue.append(r)
+            self.queue.sort(key=lambda q: (q.spec.arrive_s, q.name))
         self.ctl.on_changed(r)
 
     def _schedule_spot(self, rng: random.Random) -> None:
@@ -493,8 +505,8 @@ class Simulation:
                 continue
             # The pods went with the node without a coordinated checkpoint.
             self._held(r, r.held - replicas)
-            self.restart(r, min(r.world, r.held), "lost")
-            self.ctl.on_changed(r)
+            self._lost(r)
+        self.capacity_changed()
         self.after(self.s.pool.spot_replace_s, self._spot_up, node)
 
     def _spot_up(self, node: int) -> None:

@@ -32,6 +32,8 @@ _WAKE_ON_CAPACITY = frozenset({pol.Reason.NO_CAPACITY, pol.Reason.POOL_CONTENDED
 
 @dataclass
 class TideState:
+    # The policy with the job's own bounds (as the scaler merges a job's min/max).
+    policy: pol.PolicySettings
     window: JobWindow
     fed_to: float = -math.inf
     recs: list[tuple[float, int]] = field(default_factory=list)
@@ -64,7 +66,10 @@ class TideController:
     def _st(self, r: Run) -> TideState:
         st = r.ctl.get("tide")
         if st is None:
-            st = r.ctl["tide"] = TideState(JobWindow(self.p.bucket_s, self.p.buckets))
+            p = self.p.with_overrides(
+                {"min_replicas": r.spec.min_replicas, "max_replicas": r.spec.max_replicas}
+            )
+            st = r.ctl["tide"] = TideState(p, JobWindow(p.bucket_s, p.buckets))
         return st
 
     # -- the engine's calls ----------------------------------------------------------------------
@@ -125,7 +130,7 @@ class TideController:
             terminating_deadline_s=deadline_s,
         )
         d = pol.decide(
-            state, self._view(r, st, self.sim.now), self.p, self._history(st), self.sim.now
+            state, self._view(r, st, self.sim.now), st.policy, self._history(st), self.sim.now
         )
         self.evaluations += 1
         if d.resize:
@@ -170,7 +175,7 @@ class TideController:
                 # Grows of this same instant took GPUs: decide with what is left (as the
                 # scaler does within one batch).
                 state = pol.JobState(r.name, r.world, r.gpr, free_gpus=free)
-                d = pol.decide(state, view, self.p, hist, t)
+                d = pol.decide(state, view, self._st(r).policy, hist, t)
             self._apply(r, self._share(d, state), t)
         nxt = [
             st.next_eval
@@ -220,11 +225,11 @@ class TideController:
         free = self.sim.cluster.free_gpus()
         state = pol.JobState(r.name, r.world, r.gpr, resize_in_progress=r.resizing, free_gpus=free)
         view, hist = self._view(r, st, t), self._history(st)
-        d = pol.decide(state, view, self.p, hist, t)
+        d = pol.decide(state, view, st.policy, hist, t)
         self.evaluations += 1
         if d.recommendation is not None:
             st.recs.append((t, d.recommendation))
-            horizon = t - self.p.scale_down_stabilization_s
+            horizon = t - st.policy.scale_down_stabilization_s
             while st.recs and st.recs[0][0] < horizon:
                 st.recs.pop(0)
         wanting = d.wanted_replicas and d.reason in (
@@ -271,7 +276,7 @@ class TideController:
 
     def _next(self, r: Run, st: TideState, d: pol.Decision, t: float) -> float | None:
         """When this job's decision could next differ (None: not until something happens)."""
-        p = self.p
+        p = st.policy
         if d.reason is pol.Reason.RESIZE_IN_PROGRESS or d.reason in _WAKE_ON_CAPACITY:
             return None
         if d.reason is pol.Reason.COOLDOWN and st.last_end is not None:
