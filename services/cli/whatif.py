@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from datetime import UTC, datetime, timedelta
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -26,6 +27,12 @@ from services.scaler.convert import policy_from_proto
 from services.sim import replay as rp
 from tidebase import errors
 from tidebase.timeconv import field_datetime
+
+
+class LoadModel(StrEnum):
+    proportional = "proportional"
+    same = "same"
+
 
 #: Decisions whose inputs are read for the replay (the recorded policy, free GPUs,
 #: throughput evidence): one GetDecision each.
@@ -176,6 +183,13 @@ def whatif_cmd(
     step_s: Annotated[
         float, typer.Option(min=1.0, help="evaluate every this many seconds (1: as the scaler)")
     ] = 1.0,
+    load_model: Annotated[
+        LoadModel,
+        typer.Option(
+            help="utilization at a size the job did not run at: the same work spread over the"
+            " GPUs (proportional) or the same utilization (same)"
+        ),
+    ] = LoadModel.proportional,
     chart: Annotated[
         Path | None, typer.Option("--chart", help="draw replicas (recorded and replayed) to a PNG")
     ] = None,
@@ -215,9 +229,11 @@ def whatif_cmd(
     if not h.seconds:
         fail(Exit.NOT_FOUND, f"no utilization recorded for {job} between {iso(lo)} and {iso(hi)}")
     base = recorded_policy(j, details)
-    runs = [("as recorded", rp.replay(h, base, step_s=step_s))]
+    model = load_model.value
+    runs = [("as recorded", rp.replay(h, base, step_s=step_s, load_model=model))]
     if policy is not None:
-        runs.append((policy.stem, rp.replay(h, policy_file(policy, base), step_s=step_s)))
+        other = policy_file(policy, base)
+        runs.append((policy.stem, rp.replay(h, other, step_s=step_s, load_model=model)))
     if chart is not None:
         from services.sim.chart import draw_replay
 

@@ -538,6 +538,20 @@ def _guard_grow(
     if policy.min_scale_up_efficiency <= 0 or cur not in curve:
         return to, {}
     above = sorted(s for s in curve if s > cur)
+    below = sorted(s for s in curve if s < cur)
+    if (not above or above[0] > to) and below:
+        # Nothing measured above: the step that brought the job here predicts the next
+        # one (gains shrink as a job grows); if it did not pay, growing on is not tried.
+        a = below[-1]
+        eff = efficiency(curve, a, cur)
+        if eff is not None and eff < policy.min_scale_up_efficiency:
+            ev = goodput_evidence(curve, policy, a, eff, "refused")
+            why = (
+                f"the grow {a} -> {cur} gave {_fmt(100 * eff)}% of a replica's throughput per "
+                f"added replica ({curve[a]:.1f} -> {curve[cur]:.1f} samples/s; "
+                f"min_scale_up_efficiency {policy.min_scale_up_efficiency:.2f})"
+            )
+            return None, {"evidence": ev, "note": f"{why}: growing on is not tried"}
     if not above or above[0] > to:
         return to, {"evidence": goodput_evidence(curve, policy, 0, None, "unmeasured")}
     s1 = above[0]

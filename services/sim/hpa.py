@@ -149,7 +149,8 @@ class HpaPath:
             return
         (st.ups if new > cur else st.downs).append((sim.now, abs(new - cur)))
         st.desired = new
-        reaction = sim.now - r.trigger_at
+        # A decision on metrics older than the job's last change is not a reaction to it.
+        reaction = sim.now - r.trigger_at if r.trigger_at <= sim.now else None
         if new < r.held:
             # Pods are deleted; the job restarts without them.
             sim.release(r, r.held - new)

@@ -11,9 +11,11 @@ recommendations, the goodput guard from the throughput evidence the job's real
 decisions recorded, free GPUs as the real decisions recorded them).
 
 What cannot be replayed is assumed, and said in the output: when the replay
-runs a job at another size than it really ran, its GPUs show the same total
-work spread over its GPUs (utilization × real replicas / replayed replicas,
-capped at 100 %); a resize the job really made takes as long as it really
+runs a job at another size than it really ran, its GPUs show either the same
+total work spread over its GPUs (``proportional``, the default: utilization ×
+real replicas / replayed replicas, capped at 100 %, the proportional rule's own
+assumption) or the same utilization (``same``: a compute-bound job keeps its GPUs
+as busy at any size); a resize the job really made takes as long as it really
 took (and ends as it really ended: COMPLETED or ABORTED); one it never made
 takes the median of its real resizes that way (30 s if none). Decisions no
 policy made (manual, job start, node notice) happen in the replay as they
@@ -40,6 +42,8 @@ DEFAULT_RESIZE_S = 30.0
 #: The scaler's staleness limit (IngestSettings.stale_after_s): seconds without a sample
 #: after which a GPU no longer counts as covered.
 STALE_AFTER_S = 10.0
+#: How utilization at another size is derived from the recorded one.
+LOAD_MODELS = ("proportional", "same")
 #: Policy reasons, the ones the replay re-derives; the others are replayed as recorded.
 POLICY_REASONS = frozenset(
     {"SUSTAINED_HIGH_UTILIZATION", "SUSTAINED_LOW_UTILIZATION", "SLOWER_AFTER_SCALE_UP"}
@@ -115,6 +119,7 @@ class ReplayResult:
     gpu_hours: float = 0.0
     evaluations: int = 0
     step_s: float = 1.0
+    load_model: str = "proportional"
     unmatched_real: list[int] = field(default_factory=list)
     extra: int = 0
 
@@ -167,11 +172,15 @@ def replay(
     *,
     step_s: float = 1.0,
     tolerance_s: float | None = None,
+    load_model: str = "proportional",
 ) -> ReplayResult:
     """Replay ``h`` under ``policy``; see the module docstring for what is assumed."""
+    if load_model not in LOAD_MODELS:
+        raise ValueError(load_model)
     p = policy
     gpr = h.gpus_per_replica
-    res = ReplayResult(p, step_s=step_s)
+    res = ReplayResult(p, step_s=step_s, load_model=load_model)
+    spread = load_model == "proportional"
     tol = tolerance_s if tolerance_s is not None else step_s + 1.0
     real = real_replicas(h)
     durations = _durations(h)
@@ -242,7 +251,7 @@ def replay(
         # The second's samples, as the replayed size's GPUs would show the same work.
         real_n = _at(real, sec.t_s)
         util = sec.mean_pct
-        if real_n and replicas and real_n != replicas:
+        if spread and real_n and replicas and real_n != replicas:
             util = min(100.0, util * real_n / replicas)
         if sec.samples > 0:
             w_n = max(1, round(sec.samples / sec.length_s))
@@ -351,6 +360,7 @@ def summary(h: JobHistory, runs: Sequence[tuple[str, ReplayResult]]) -> dict[str
                 "gpu_hours": r.gpu_hours,
                 "evaluations": r.evaluations,
                 "step_s": r.step_s,
+                "load_model": r.load_model,
                 "reproduces_recorded": r.exact,
                 "recorded_not_reproduced": r.unmatched_real,
                 "decisions_not_recorded": r.extra,

@@ -28,8 +28,8 @@ POLICY = {
 
 
 def peaks_at_4(w: int) -> float:
-    """samples/s by world size: 200, 255, 280 (best), 275, 240, 175, 80 from 2 to 8."""
-    return w * (130.0 - 15.0 * w)
+    """samples/s by world size: linear up to 4 (400), then 40 fewer per added replica."""
+    return 100.0 * w if w <= 4 else 400.0 - 40.0 * (w - 4)
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ async def test_a_curve_that_peaks_at_4_settles_at_4(rig: Rig) -> None:
     got = await decisions(rig, "ns/a")
     assert got == [
         (2, 4, "SUSTAINED_HIGH_UTILIZATION"),
-        (4, 7, "SUSTAINED_HIGH_UTILIZATION"),  # 175 samples/s against 280
+        (4, 7, "SUSTAINED_HIGH_UTILIZATION"),  # 280 samples/s against 400
         (7, 4, "SLOWER_AFTER_SCALE_UP"),
         (4, 5, "SUSTAINED_HIGH_UTILIZATION"),  # halved below 7
         (5, 4, "SLOWER_AFTER_SCALE_UP"),
@@ -104,7 +104,7 @@ async def test_a_curve_that_peaks_at_4_settles_at_4(rig: Rig) -> None:
     revert = next(d for d in page.decisions if d.reason == "SLOWER_AFTER_SCALE_UP")
     g = revert.inputs["goodput"]
     assert g["verdict"] == "reverted" and g["compared_replicas"] == 4
-    assert g["throughput_by_replicas"]["4"] == pytest.approx(280.0)
+    assert g["throughput_by_replicas"]["4"] == pytest.approx(400.0)
 
 
 async def test_the_curve_survives_a_restart(rig: Rig, scaler_db_url: str) -> None:

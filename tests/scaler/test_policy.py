@@ -227,6 +227,20 @@ CASES = [
         history=History(throughput=((4, 400.0), (8, 300.0))),
     ),
     Case(
+        "a grow on after a step that did not pay is not tried",
+        flat(95),
+        Reason.LOW_MARGINAL_THROUGHPUT,
+        4,
+        history=History(throughput=((2, 300.0), (4, 360.0))),
+    ),
+    Case(
+        "a grow on after a step that paid goes on",
+        flat(95),
+        Reason.SUSTAINED_HIGH_UTILIZATION,
+        7,
+        history=History(throughput=((2, 300.0), (4, 560.0))),
+    ),
+    Case(
         "the guard off grows whatever was measured",
         flat(95),
         Reason.SUSTAINED_HIGH_UTILIZATION,
