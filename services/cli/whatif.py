@@ -253,7 +253,7 @@ def whatif_cmd(
         f" recorded, {h.detail_s / recorded_s:.0%} of it second by second (minutes elsewhere)"
     )
     out.print(table(h, runs))
-    real_h = rp.gpu_hours(rp.real_replicas(h), h.end_s, h.gpus_per_replica)
+    real_h = rp.gpu_hours(rp.real_replicas(h), h.data_end_s, h.gpus_per_replica)
     out.print(f"recorded: {real_h:.2f} GPU-hours")
     for name, r in runs:
         verdict = (

@@ -97,6 +97,15 @@ class JobHistory:
     # Seconds of the range covered by per-second detail (the rest came from minutes).
     detail_s: float = 0.0
 
+    @property
+    def data_end_s(self) -> float:
+        """GPU-hours are counted up to the last recorded second: a job that stopped
+        reporting (ended, or its scaler went away) holds nothing anyone measured."""
+        if not self.seconds:
+            return self.start_s
+        last = self.seconds[-1]
+        return min(self.end_s, last.t_s + last.length_s)
+
 
 @dataclass
 class Replayed:
@@ -140,7 +149,7 @@ def real_replicas(h: JobHistory) -> list[tuple[float, int]]:
 def gpu_hours(steps: Sequence[tuple[float, int]], end_s: float, gpr: int) -> float:
     total = 0.0
     for (t0, n), (t1, _) in zip(steps, [*steps[1:], (end_s, 0)], strict=True):
-        total += max(0.0, t1 - t0) * n * gpr
+        total += max(0.0, min(t1, end_s) - t0) * n * gpr
     return total / 3600.0
 
 
@@ -312,7 +321,7 @@ def replay(
     if active is not None and active.ended_s < h.end_s:
         finish(active.ended_s)
     res.unmatched_real = [d.id for d in policy_made if d.id not in used_real]
-    res.gpu_hours = gpu_hours(res.replicas, h.end_s, gpr)
+    res.gpu_hours = gpu_hours(res.replicas, h.data_end_s, gpr)
     return res
 
 
@@ -340,7 +349,7 @@ def summary(h: JobHistory, runs: Sequence[tuple[str, ReplayResult]]) -> dict[str
         "until_s": h.end_s,
         "per_second_detail_s": h.detail_s,
         "real": {
-            "gpu_hours": gpu_hours(real, h.end_s, h.gpus_per_replica),
+            "gpu_hours": gpu_hours(real, h.data_end_s, h.gpus_per_replica),
             "decisions": [
                 {
                     "id": d.id,
