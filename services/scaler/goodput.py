@@ -11,7 +11,7 @@ functions here turn it into the two rules that use it (docs/policy.md):
 - the goodput guard in ``policy.decide``: a scale-up whose throughput per added
   replica falls below ``min_scale_up_efficiency`` of what each replica gave
   before is not repeated, and one that made the job slower is reverted;
-- the pool rule (``policy.arbitrate``): when more jobs want to grow than there
+- the pool rule (``pool.arbitrate``): when more jobs want to grow than there
   are free GPUs, each next replica goes to the job whose next replica adds the
   most throughput per GPU, relative to what the job's GPUs give now.
 
@@ -156,6 +156,23 @@ class ThroughputBook:
         else:
             e.samples_per_s += ALPHA * (samples_per_s - e.samples_per_s)
             e.at_s = now_s
+
+    def settled(
+        self,
+        job_id: str,
+        replicas: int,
+        world_size: int,
+        samples_per_s: float,
+        resize_ended_s: float | None,
+        now_s: float,
+    ) -> None:
+        """A status report of a job not resizing: counted once its size has settled
+        (:data:`SETTLE_S` after the last resize ended) and the coordinator's world is
+        the job's replicas."""
+        if resize_ended_s is not None and now_s - resize_ended_s < SETTLE_S:
+            return
+        if world_size == replicas:
+            self.observe(job_id, replicas, samples_per_s, now_s)
 
     def restore(self, job_id: str, points: Iterable[tuple[int, float]], at_s: float) -> None:
         """Seed a job's curve (the evidence of its last decision), measured at ``at_s``."""

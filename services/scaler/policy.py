@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from services.scaler.goodput import Claim, PoolRule, allocate, efficiency
+from services.scaler.goodput import efficiency
 from tidebase.errors import ConfigError, FailedPrecondition, InvalidArgument
 
 
@@ -569,56 +569,6 @@ def _guard_grow(
         return None, {"evidence": ev, "note": f"the last {why}: not tried again"}
     ev = goodput_evidence(curve, policy, s1, eff, "halved")
     return half, {"evidence": ev, "note": f"halved below {s1}: {why}"}
-
-
-def arbitrate(
-    d: Decision, job: JobState, claims: Sequence[Claim], rule: PoolRule = PoolRule.MARGINAL
-) -> Decision:
-    """The pool step after ``decide``: ``d`` is a grow of ``job`` and ``claims`` are every
-    job that wants to grow now (``job``'s own included). When the free GPUs cannot serve
-    them all, each next replica goes by ``rule`` (the scaler's: the highest throughput
-    the replica adds per GPU, services/scaler/goodput.py); ``d`` keeps what it was
-    granted, or becomes POOL_CONTENDED."""
-    free = job.free_gpus
-    if free is None or d.reason is not Reason.SUSTAINED_HIGH_UTILIZATION or not d.resize:
-        return d
-    if sum(c.wanted_gpus for c in claims) <= free:
-        return d
-    granted = allocate(free, claims, rule)
-    mine = granted.get(job.job_id, 0)
-    shares = [
-        {
-            "job_id": c.job_id,
-            "wanted_gpus": c.wanted_gpus,
-            "next_efficiency": round(c.next_efficiency(c.current_replicas), 4),
-            "granted_gpus": granted.get(c.job_id, 0) * c.gpus_per_replica,
-        }
-        for c in sorted(claims, key=lambda c: c.job_id)
-    ]
-    evidence = {"free_gpus": free, "rule": rule.value, "claims": shares}
-    inputs = {**d.inputs, "pool": evidence}
-    others = ", ".join(
-        f"{s['job_id']} {s['granted_gpus']} (next replica {s['next_efficiency']:.2f})"
-        for s in shares
-        if s["job_id"] != job.job_id and s["granted_gpus"]
-    )
-    cur = job.current_replicas
-    if mine <= 0:
-        return replace(
-            d,
-            reason=Reason.POOL_CONTENDED,
-            message=f"{d.message}; but {free} free GPU(s) are wanted by "
-            f"{len(claims)} jobs and go to {others or 'none'} by the {rule.value} rule",
-            to_replicas=cur,
-            inputs=inputs,
-        )
-    to = min(d.to_replicas, cur + mine)
-    note = (
-        f"; {mine * job.gpus_per_replica} of {free} contended free GPU(s) by the {rule.value} rule"
-    )
-    if others:
-        note += f" (others: {others})"
-    return replace(d, to_replicas=to, message=d.message + note, inputs=inputs)
 
 
 def manual(job: JobState, policy: PolicySettings, replicas: int, why: str) -> Decision:

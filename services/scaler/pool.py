@@ -1,8 +1,9 @@
-"""The pool step of the scaler: which jobs want to grow now, and the GPUs already
-promised to grows that are committed but not yet actuated.
+"""The pool step of the scaler: ``arbitrate`` (pure: how contended free GPUs are
+shared), which jobs want to grow now, and the GPUs already promised to grows
+that are committed but not yet actuated.
 
 Every evaluation of a job renews or drops its claim (``note``); a grow is then
-passed through ``policy.arbitrate`` with every current claim (``share``), so that
+passed through ``arbitrate`` with every current claim (``share``), so that
 when more jobs want to grow than there are free GPUs, the rule in
 services/scaler/goodput.py decides who gets them. ScalerCore evaluates the jobs of
 one tick (or of one batch of slid windows) first and commits afterwards, so the
@@ -12,11 +13,64 @@ of them is shared. Only the claims are looked at: O(jobs that want to grow).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 from services.scaler import policy as pol
-from services.scaler.goodput import Claim
+from services.scaler.goodput import Claim, PoolRule, allocate
 
 #: Reasons that mean "this job wants to grow" (it grows, or there is no room).
 WANTING = frozenset({pol.Reason.SUSTAINED_HIGH_UTILIZATION, pol.Reason.NO_CAPACITY})
+
+
+def arbitrate(
+    d: pol.Decision, job: pol.JobState, claims: Sequence[Claim], rule: PoolRule = PoolRule.MARGINAL
+) -> pol.Decision:
+    """The pool step after ``decide``: ``d`` is a grow of ``job`` and ``claims`` are every
+    job that wants to grow now (``job``'s own included). When the free GPUs cannot serve
+    them all, each next replica goes by ``rule`` (the scaler's: the highest throughput
+    the replica adds per GPU, services/scaler/goodput.py); ``d`` keeps what it was
+    granted, or becomes POOL_CONTENDED."""
+    free = job.free_gpus
+    if free is None or d.reason is not pol.Reason.SUSTAINED_HIGH_UTILIZATION or not d.resize:
+        return d
+    if sum(c.wanted_gpus for c in claims) <= free:
+        return d
+    granted = allocate(free, claims, rule)
+    mine = granted.get(job.job_id, 0)
+    shares = [
+        {
+            "job_id": c.job_id,
+            "wanted_gpus": c.wanted_gpus,
+            "next_efficiency": round(c.next_efficiency(c.current_replicas), 4),
+            "granted_gpus": granted.get(c.job_id, 0) * c.gpus_per_replica,
+        }
+        for c in sorted(claims, key=lambda c: c.job_id)
+    ]
+    evidence = {"free_gpus": free, "rule": rule.value, "claims": shares}
+    inputs = {**d.inputs, "pool": evidence}
+    others = ", ".join(
+        f"{s['job_id']} {s['granted_gpus']} (next replica {s['next_efficiency']:.2f})"
+        for s in shares
+        if s["job_id"] != job.job_id and s["granted_gpus"]
+    )
+    cur = job.current_replicas
+    if mine <= 0:
+        return replace(
+            d,
+            reason=pol.Reason.POOL_CONTENDED,
+            message=f"{d.message}; but {free} free GPU(s) are wanted by "
+            f"{len(claims)} jobs and go to {others or 'none'} by the {rule.value} rule",
+            to_replicas=cur,
+            inputs=inputs,
+        )
+    to = min(d.to_replicas, cur + mine)
+    note = (
+        f"; {mine * job.gpus_per_replica} of {free} contended free GPU(s) by the {rule.value} rule"
+    )
+    if others:
+        note += f" (others: {others})"
+    return replace(d, to_replicas=to, message=d.message + note, inputs=inputs)
 
 
 class PoolClaims:
@@ -57,7 +111,7 @@ class PoolClaims:
     def share(self, d: pol.Decision, state: pol.JobState) -> pol.Decision:
         if len(self.claims) < 2 or d.job_id not in self.claims:
             return d
-        return pol.arbitrate(d, state, tuple(self.claims.values()))
+        return arbitrate(d, state, tuple(self.claims.values()))
 
     def drop(self, job_id: str) -> None:
         self.claims.pop(job_id, None)

@@ -24,7 +24,7 @@ from services.scaler.controller import Controller
 from services.scaler.coordination import CoordinatorClient
 from services.scaler.errors import DecisionInProgress, StaleEpoch
 from services.scaler.feed import DecisionFeed, Watched
-from services.scaler.goodput import SETTLE_S, ThroughputBook
+from services.scaler.goodput import ThroughputBook
 from services.scaler.history import RollupHistory
 from services.scaler.ingest import IngestEngine, IngestSettings
 from services.scaler.lifecycle import FaultHook
@@ -32,6 +32,7 @@ from services.scaler.members import CoordinatorMemberRegistry
 from services.scaler.metrics import ScalerMetrics
 from services.scaler.pool import PoolClaims
 from services.scaler.store import DecisionRecord, DecisionState, DecisionStore, JobRecord
+from services.scaler.triggers import Triggers
 from tidebase.errors import InvalidArgument, NotFound, TideError
 
 logger = logging.getLogger(__name__)
@@ -125,15 +126,12 @@ class ScalerCore:
         self.policies: dict[str, pol.PolicySettings] = {}
         self.evaluations: dict[str, Evaluation] = {}
         self.active: dict[str, int] = {}
-        self._seen_at: dict[str, float] = {}
         self._recs: dict[str, list[tuple[float, int]]] = {}
         self._last_dir: dict[str, int] = {}
         self._last_from: dict[str, int] = {}
         self.throughput = ThroughputBook()
         self.pool = PoolClaims(stale_after_s=3 * evaluate_interval_s + 1.0)
-        self._dirty: dict[str, float] = {}
-        self._urgent: set[str] = set()
-        self._sustained: dict[str, int] = {}
+        self.triggers = Triggers()
         self._wake: asyncio.Event | None = None
         # One evaluation (or batch) at a time: a batch decides for all its jobs before
         # any commits, and a job is never evaluated twice at once.
@@ -299,30 +297,15 @@ class ScalerCore:
 
     def _slot_opened(self, job_id: str, t: float) -> None:
         if job_id in self.jobs and job_id not in self.fenced:
-            if job_id not in self._dirty:
-                self._dirty[job_id] = t
-                self._seen_at[job_id] = self.clock.now()
+            self.triggers.slot_opened(job_id, t, self.clock.now())
             if self._wake is not None:
                 self._wake.set()
 
     def _noticed(self, job_id: str) -> None:
-        self._urgent.add(job_id)
-        self._slot_opened(job_id, self.clock.now())
-
-    def _may_resize(self, job_id: str, t: float) -> bool:
-        """Whether the job's window, slid to ``t``, has just come to meet its policy's
-        sustain condition: only then is the job evaluated at once. Every job is
-        evaluated each ``evaluate_interval_s`` anyway, which sees what time alone
-        changes (a cooldown ending) and a condition that goes on holding (a job at its
-        maximum). The check reads the window only: a few µs."""
-        p = self.policies.get(job_id)
-        if p is None:
-            return False
-        view = self.engine.window_view(job_id, max(t, self.clock.now()), 0, 0)
-        now = pol.sustained(view, p)
-        before = self._sustained.get(job_id, 0)
-        self._sustained[job_id] = now
-        return now != 0 and now != before and job_id not in self.active
+        if job_id in self.jobs and job_id not in self.fenced:
+            self.triggers.noticed(job_id, self.clock.now())
+            if self._wake is not None:
+                self._wake.set()
 
     def job_state(self, job_id: str, free_gpus: int | None) -> pol.JobState:
         job = self._job(job_id)
@@ -388,7 +371,7 @@ class ScalerCore:
         job = self._job(job_id)
         p = self.policies[job_id]
         now = self.clock.now()
-        seen = self._seen_at.pop(job_id, now) if tipping_s is not None else now
+        seen = self.triggers.seen_at.pop(job_id, now) if tipping_s is not None else now
         # An agent clock slightly ahead must not hide the slot it just opened.
         at = max(now, tipping_s) if tipping_s is not None else now
         state = self.job_state(job_id, free)
@@ -592,16 +575,12 @@ class ScalerCore:
         await self.evaluate_many([(j, None) for j in jobs], fresh)
 
     def _measure(self, job_id: str, now: float) -> None:
-        """Record the job's throughput at its current size, once that size has settled."""
-        job = self.jobs[job_id]
-        status = self.coordinator.latest_status(job_id)
-        if status is None or job_id in self.active:
-            return
-        ended = job.last_resize_ended_at.timestamp() if job.last_resize_ended_at else None
-        if ended is not None and now - ended < SETTLE_S:
-            return
-        if status.world_size == job.current_replicas:
-            self.throughput.observe(job_id, job.current_replicas, status.samples_per_s, now)
+        job, status = self.jobs[job_id], self.coordinator.latest_status(job_id)
+        if status is not None and job_id not in self.active:
+            ended = job.last_resize_ended_at.timestamp() if job.last_resize_ended_at else None
+            self.throughput.settled(
+                job_id, job.current_replicas, status.world_size, status.samples_per_s, ended, now
+            )
 
     async def run(self) -> None:
         """Evaluate a job as soon as one of its buckets closes, every job once per
@@ -616,7 +595,7 @@ class ScalerCore:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout)
             wake.clear()
-            if self._dirty:
+            if self.triggers:
                 await self.drain_triggers()
             mono = self.clock.monotonic()
             if mono >= next_tick:
@@ -629,15 +608,12 @@ class ScalerCore:
     async def drain_triggers(self) -> None:
         """Evaluate the jobs whose window slid to meet their sustain condition, and those
         with a node notice, side by side (windows of many jobs slide together)."""
-        dirty = list(self._dirty.items())
-        urgent = self._urgent
-        self._dirty.clear()
-        self._urgent = set()
-        due = [(j, t) for j, t in dirty if j in urgent or self._may_resize(j, t)]
-        due_ids = {j for j, _ in due}
-        for j, _ in dirty:
-            if j not in due_ids:
-                self._seen_at.pop(j, None)
+        due = self.triggers.take(
+            lambda j, t: self.engine.window_view(j, t, 0, 0),
+            self.policies,
+            self.active,
+            self.clock.now(),
+        )
         if due:
             await self.evaluate_many(due)
 

@@ -5,7 +5,7 @@ Each job has a ``services.scaler.windows.JobWindow`` fed one sample per GPU per
 telemetry interval with what its GPUs show (0 while a resize pauses it); each
 evaluation builds the same ``JobState``/``History`` the scaler builds and calls
 ``policy.decide``; jobs evaluated at the same instant are decided first and then
-shared by ``policy.arbitrate`` (the pool rule; ``tide-fcfs`` swaps in first come,
+shared by ``pool.arbitrate`` (the pool rule; ``tide-fcfs`` swaps in first come,
 first served for the comparison). The throughput the goodput guard sees is the
 job's rate at each size it ran at, once the size has settled
 (``goodput.SETTLE_S``), as the coordinator would report it.
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from services.scaler import goodput as gp
 from services.scaler import policy as pol
+from services.scaler.pool import arbitrate
 from services.scaler.windows import JobWindow
 from services.sim.engine import Run, Simulation
 
@@ -255,7 +256,7 @@ class TideController:
         live = [c for name, c in self.claims.items() if self.sim.by_name[name].state == "running"]
         if len(live) < 2 or d.job_id not in self.claims:
             return d
-        return pol.arbitrate(d, state, live, self.rule)
+        return arbitrate(d, state, live, self.rule)
 
     def _apply(self, r: Run, d: pol.Decision, t: float) -> None:
         st = self._st(r)

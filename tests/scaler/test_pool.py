@@ -1,4 +1,4 @@
-"""The pool step: free GPUs shared among jobs that all want to grow (policy.arbitrate)."""
+"""The pool step: free GPUs shared among jobs that all want to grow (pool.arbitrate)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from services.scaler.goodput import (
     efficiency,
     next_replica_efficiency,
 )
-from services.scaler.policy import Decision, JobState, Reason, arbitrate
+from services.scaler.policy import Decision, JobState, Reason
+from services.scaler.pool import arbitrate
 
 pytestmark = pytest.mark.unit
 

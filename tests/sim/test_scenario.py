@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from services.sim import model
 from services.sim import scenario as sc
 from tidebase.errors import ConfigError
 
@@ -63,16 +64,16 @@ def test_arrivals() -> None:
 
 
 def test_curves() -> None:
-    amdahl = sc.Curve(per_replica=1000, serial=1 / 33)
+    amdahl = model.Curve(per_replica=1000, serial=1 / 33)
     assert amdahl.at(16) / amdahl.at(4) == pytest.approx(3.0, rel=1e-3)
-    peaked = sc.Curve(per_replica=1000, serial=0.03, comm=0.012)
+    peaked = model.Curve(per_replica=1000, serial=0.03, comm=0.012)
     assert peaked.best == 9 and peaked.at(16) < peaked.at(8)
-    pts = sc.Curve(points=((2, 200.0), (4, 300.0)))
+    pts = model.Curve(points=((2, 200.0), (4, 300.0)))
     assert (pts.at(1), pts.at(3), pts.at(8)) == (100.0, 250.0, 300.0)
 
 
 def test_daily_profile_wraps_at_midnight() -> None:
-    d = sc.parse_daily("x", [[6, 10], [18, 30]])
+    d = model.parse_daily("x", [[6, 10], [18, 30]])
     assert d.at(6 * 3600) == 10 and d.at(12 * 3600) == 20
     assert d.at(0) == pytest.approx(20.0)  # halfway from 18:00 (30) to 06:00 (10)
 
