@@ -185,7 +185,7 @@ def goodput_doc(g: scaler_pb2.GoodputEvidence) -> dict[str, Any]:
     return {
         "throughput_by_replicas": {str(p.replicas): p.samples_per_s for p in g.measured},
         "compared_replicas": g.compared_replicas or None,
-        "efficiency": g.efficiency if math.isfinite(g.efficiency) else None,
+        "efficiency": g.efficiency if g.HasField("efficiency") else None,
         "min_scale_up_efficiency": g.min_scale_up_efficiency,
         "verdict": g.verdict,
     }
@@ -388,7 +388,7 @@ def print_explain(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
         curve = ", ".join(f"{p.replicas}: {p.samples_per_s:.1f}" for p in g.measured) or "-"
         console.print(f"  goodput  samples/s by replicas {curve}")
         if g.compared_replicas:
-            eff = "unmeasured" if math.isnan(g.efficiency) else f"{g.efficiency:.2f}"
+            eff = f"{g.efficiency:.2f}" if g.HasField("efficiency") else "unmeasured"
             console.print(
                 f"           against {g.compared_replicas} replicas: {eff} of a replica's"
                 f" throughput per added replica (needs {g.min_scale_up_efficiency:.2f});"

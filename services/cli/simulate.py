@@ -10,10 +10,11 @@ from typing import Annotated, Any
 
 import typer
 import yaml
-from rich.table import Table
 
 from services.cli import render
-from services.cli.app import DocOutput, Exit, console, echo, exit_code_of, fail
+from services.cli.app import Exit, echo, exit_code_of, fail
+from services.cli.output import NoHeadersOpt, OutputOpt, emit_document, print_table
+from services.cli.read import output_option
 from tidebase import errors
 
 
@@ -42,25 +43,28 @@ def _num(x: float, fmt: str) -> str:
     return "-" if not math.isfinite(x) else format(x, fmt)
 
 
-def outcome_table(title: str, outcomes: list[Any]) -> Table:
-    t = Table(title=title, title_justify="left")
-    for col in (
-        "POLICY",
-        "DONE",
-        "JCT MEAN H",
-        "JCT P95 H",
-        "GPU-H",
-        "COST",
-        "UTIL",
-        "RESIZES",
-        "FLAPS",
-        "LOST STEPS",
-        "REACTION S",
-        "WORK/GPU-H",
-    ):
-        t.add_column(col, justify="left" if col == "POLICY" else "right")
+HEADERS = (
+    "POLICY",
+    "DONE",
+    "JCT MEAN H",
+    "JCT P95 H",
+    "GPU-H",
+    "COST",
+    "UTIL",
+    "RESIZES",
+    "FLAPS",
+    "LOST STEPS",
+    "REACTION S",
+    "WORK/GPU-H",
+)
+#: ``-o wide`` adds these.
+WIDE = ("MAKESPAN H", "REACTION UP S", "REACTION DOWN S", "TENANTS UNMET GPU-H", "EVENTS")
+
+
+def outcome_rows(outcomes: list[Any], *, wide: bool) -> list[list[str]]:
+    rows = []
     for o in outcomes:
-        t.add_row(
+        row = [
             o.policy,
             f"{o.completed}/{o.jobs}",
             _num(o.mean_jct_h, ".2f"),
@@ -73,8 +77,17 @@ def outcome_table(title: str, outcomes: list[Any]) -> Table:
             _num(o.lost_steps, ",.0f"),
             _num(o.reaction_s, ".1f"),
             _num(o.work_per_gpu_hour, ".2f"),
-        )
-    return t
+        ]
+        if wide:
+            row += [
+                _num(o.makespan_h, ".1f"),
+                _num(o.reaction_up_s, ".1f"),
+                _num(o.reaction_down_s, ".1f"),
+                _num(o.background_unmet_gpu_hours, ",.1f"),
+                f"{o.events:,}",
+            ]
+        rows.append(row)
+    return rows
 
 
 def simulate_cmd(
@@ -94,12 +107,14 @@ def simulate_cmd(
     chart: Annotated[
         Path | None, typer.Option("--chart", help="write gpus.png, replicas.png, summary.png here")
     ] = None,
-    jobs: Annotated[bool, typer.Option("--jobs", help="per-job results in the JSON")] = False,
-    output: Annotated[DocOutput, typer.Option("--output", "-o")] = DocOutput.table,
+    jobs: Annotated[bool, typer.Option("--jobs", help="per-job results in the document")] = False,
+    output: OutputOpt = "table",
+    no_headers: NoHeadersOpt = False,
 ) -> None:
     """Simulate a GPU pool over days under static allocation, the HPA path and Tide."""
     from services.sim import report, scenario
 
+    out = output_option(output)
     if chart is not None and importlib.util.find_spec("matplotlib") is None:
         fail(Exit.USAGE, "--chart needs matplotlib: pip install 'tide[demo]'")
     overrides = _overrides(set_)
@@ -129,23 +144,25 @@ def simulate_cmd(
             )
             try:
                 for path in draw(c, sub):
-                    if output is DocOutput.table:
+                    if out.tabular:
                         echo(f"wrote {path}")
             except OSError as exc:
                 fail(Exit.USAGE, f"--chart: cannot write {str(sub)!r}: {exc.strerror}")
-    if output is DocOutput.json:
-        docs = [clean(c.doc(jobs=jobs)) for c in results]
-        body = {"runs": docs} if len(docs) > 1 else docs[0]
-        typer.echo(render.envelope("tide.simulate", **body))
+    docs = [clean(c.doc(jobs=jobs)) for c in results]
+    body = {"runs": docs} if len(docs) > 1 else docs[0]
+    if emit_document(render.document("tide.simulate", **body), out):
         return
-    out = console()
     for c in results:
         sc = c.scenario
         title = sc["name"] + (f" / {sc['variant']}" if sc["variant"] else "")
         days = sc["duration_s"] / 86400.0
-        title += f": {days:g} days, {sc['jobs']} jobs, {sc['pool_gpus']} GPUs"
-        out.print(outcome_table(title, c.outcomes))
-        out.print(
+        echo(f"{title}: {days:g} days, {sc['jobs']} jobs, {sc['pool_gpus']} GPUs")
+        print_table(
+            [*HEADERS, *(WIDE if out.wide else ())],
+            outcome_rows(c.outcomes, wide=out.wide),
+            no_headers=no_headers,
+        )
+        echo(
             f"simulated {days:g} days x {len(c.outcomes)} policies in {c.wall_s:.1f} s:"
             f" {c.sim_speed:,.0f} simulated seconds per wall second"
         )

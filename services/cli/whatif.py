@@ -14,12 +14,13 @@ from typing import Annotated, Any
 
 import typer
 import yaml
-from rich.table import Table
 from tide.v1 import scaler_pb2
 
 from services.cli import render
-from services.cli.app import DocOutput, Exit, console, fail, now_utc, time_option
+from services.cli.app import Exit, echo, fail, now_utc, time_option
 from services.cli.connection import Connection, connection_options
+from services.cli.output import NoHeadersOpt, OutputOpt, emit_document, print_table
+from services.cli.read import output_option
 from services.cli.simulate import clean
 from services.cli.timeparse import iso, short
 from services.scaler import policy as pol
@@ -146,12 +147,11 @@ def _cell(x: Any) -> str:
     return f"{x.from_replicas} → {x.to_replicas} {x.reason.lower()}{mark}"
 
 
-def table(h: rp.JobHistory, runs: list[tuple[str, rp.ReplayResult]]) -> Table:
-    t = Table(title_justify="left")
-    t.add_column("TIME (UTC)")
-    t.add_column("RECORDED")
-    for name, _ in runs:
-        t.add_column(name.upper())
+def table(
+    h: rp.JobHistory, runs: list[tuple[str, rp.ReplayResult]]
+) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows: the recorded decisions and each replay's, by time."""
+    headers = ["TIME (UTC)", "RECORDED", *(name.upper() for name, _ in runs)]
     rows: dict[float, list[str]] = {}
 
     def put(at: float, col: int, text: str) -> None:
@@ -165,9 +165,7 @@ def table(h: rp.JobHistory, runs: list[tuple[str, rp.ReplayResult]]) -> Table:
     for i, (_, r) in enumerate(runs, start=1):
         for x in r.decisions:
             put(x.at_s, i, _cell(x))
-    for at in sorted(rows):
-        t.add_row(short(datetime.fromtimestamp(at, tz=UTC)), *rows[at])
-    return t
+    return headers, [[short(datetime.fromtimestamp(at, tz=UTC)), *rows[at]] for at in sorted(rows)]
 
 
 @connection_options(db=True)
@@ -193,9 +191,11 @@ def whatif_cmd(
     chart: Annotated[
         Path | None, typer.Option("--chart", help="draw replicas (recorded and replayed) to a PNG")
     ] = None,
-    output: Annotated[DocOutput, typer.Option("--output", "-o")] = DocOutput.table,
+    output: OutputOpt = "table",
+    no_headers: NoHeadersOpt = False,
 ) -> None:
     """Replay the job's recorded utilization and resizes under another policy."""
+    out = output_option(output)
     lo = time_option("--since", since)
     hi = time_option("--until", until) or now_utc()
     assert lo is not None
@@ -241,20 +241,19 @@ def whatif_cmd(
             draw_replay(h, runs, chart, points)
         except OSError as exc:
             fail(Exit.USAGE, f"--chart: cannot write {str(chart)!r}: {exc.strerror}")
-    if output is DocOutput.json:
-        doc = rp.summary(h, runs)
-        doc["since"], doc["until"] = iso(lo), iso(hi)
-        typer.echo(render.envelope("tide.whatif", **clean(doc)))
+    doc = rp.summary(h, runs)
+    doc["since"], doc["until"] = iso(lo), iso(hi)
+    if emit_document(render.document("tide.whatif", **clean(doc)), out):
         return
-    out = console()
     recorded_s = sum(s.length_s for s in h.seconds)
-    out.print(
-        f"[bold]{job}[/bold]  {short(lo)} .. {short(hi)} UTC: {recorded_s:,.0f} s of utilization"
+    echo(
+        f"{job}  {short(lo)} .. {short(hi)} UTC: {recorded_s:,.0f} s of utilization"
         f" recorded, {h.detail_s / recorded_s:.0%} of it second by second (minutes elsewhere)"
     )
-    out.print(table(h, runs))
+    headers, rows = table(h, runs)
+    print_table(headers, rows, no_headers=no_headers)
     real_h = rp.gpu_hours(rp.real_replicas(h), h.data_end_s, h.gpus_per_replica)
-    out.print(f"recorded: {real_h:.2f} GPU-hours")
+    echo(f"recorded: {real_h:.2f} GPU-hours")
     for name, r in runs:
         verdict = (
             "reproduces every recorded policy decision"
@@ -263,6 +262,6 @@ def whatif_cmd(
             f" {r.unmatched_real}, {r.extra} decision(s) not recorded"
         )
         made = sum(1 for x in r.decisions if x.reason in rp.POLICY_REASONS)
-        out.print(f"{name}: {r.gpu_hours:.2f} GPU-hours, {made} policy decision(s); {verdict}")
+        echo(f"{name}: {r.gpu_hours:.2f} GPU-hours, {made} policy decision(s); {verdict}")
     if chart is not None:
-        out.print(f"wrote {chart}")
+        echo(f"wrote {chart}")

@@ -121,6 +121,7 @@ def inputs_to_proto(inputs: dict[str, Any]) -> scaler_pb2.DecisionInputs:
         msg.node_deadline.CopyFrom(deadline)
     g = inputs.get("goodput")
     if g:
+        eff = g.get("efficiency")
         msg.goodput.CopyFrom(
             scaler_pb2.GoodputEvidence(
                 measured=[
@@ -130,7 +131,7 @@ def inputs_to_proto(inputs: dict[str, Any]) -> scaler_pb2.DecisionInputs:
                     )
                 ],
                 compared_replicas=int(g.get("compared_replicas") or 0),
-                efficiency=_nan(g.get("efficiency")),
+                efficiency=None if eff is None else float(eff),
                 min_scale_up_efficiency=float(g.get("min_scale_up_efficiency", 0.0)),
                 verdict=str(g.get("verdict", "")),
             )

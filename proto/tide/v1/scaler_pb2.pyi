@@ -449,7 +449,7 @@ class GoodputEvidence(_message.Message):
     """
     efficiency: _builtins.float
     """Throughput added per replica going to compared_replicas, as a fraction of the
-    throughput per replica before (1 linear, 0 no gain, < 0 slower); NaN when unmeasured.
+    throughput per replica before (1 linear, 0 no gain, < 0 slower); unset when unmeasured.
     """
     min_scale_up_efficiency: _builtins.float
     verdict: _builtins.str
@@ -463,15 +463,17 @@ class GoodputEvidence(_message.Message):
         *,
         measured: _abc.Iterable[Global___ThroughputPoint] | None = ...,
         compared_replicas: _builtins.int = ...,
-        efficiency: _builtins.float = ...,
+        efficiency: _builtins.float | None = ...,
         min_scale_up_efficiency: _builtins.float = ...,
         verdict: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_efficiency", b"_efficiency", "efficiency", b"efficiency"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compared_replicas", b"compared_replicas", "efficiency", b"efficiency", "measured", b"measured", "min_scale_up_efficiency", b"min_scale_up_efficiency", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_efficiency", b"_efficiency", "compared_replicas", b"compared_replicas", "efficiency", b"efficiency", "measured", b"measured", "min_scale_up_efficiency", b"min_scale_up_efficiency", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__efficiency: _TypeAlias = _typing.Literal["efficiency"]  # noqa: Y015
+    _WhichOneofArgType__efficiency: _TypeAlias = _typing.Literal["_efficiency", b"_efficiency"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__efficiency) -> _WhichOneofReturnType__efficiency | None: ...
 
 Global___GoodputEvidence: _TypeAlias = GoodputEvidence  # noqa: Y015
 
