@@ -90,6 +90,36 @@ def decision_to_proto(d: DecisionRecord) -> scaler_pb2.Decision:
     )
 
 
+def decision_inputs(
+    current_replicas: int,
+    p: pol.PolicySettings,
+    view: pol.WindowView,
+    free: int | None,
+    d: pol.Decision,
+    at: float,
+) -> dict[str, Any]:
+    """What a decision is stored with (``decisions.inputs``), read back by
+    :func:`inputs_to_proto`: the window, the effective policy, the replicas, the free
+    GPUs, the proportional answer, and the policy's own evidence (goodput, pool)."""
+    return {
+        "window": {
+            "bucket_s": view.bucket_s,
+            "end_s": view.end_s,
+            "bucket_means_pct": list(view.bucket_means),
+            "coverage": view.coverage,
+            "gpus_expected": view.gpus_expected,
+            "gpus_fresh": view.gpus_fresh,
+            "mean_pct": view.mean_pct,
+            "computed_at_s": at,
+        },
+        "policy": dataclasses.asdict(p),
+        "current_replicas": current_replicas,
+        "free_gpus": -1 if free is None else free,
+        "raw_target_replicas": d.raw_target,
+        **d.inputs,
+    }
+
+
 def inputs_to_proto(inputs: dict[str, Any]) -> scaler_pb2.DecisionInputs:
     msg = scaler_pb2.DecisionInputs(
         current_replicas=int(inputs.get("current_replicas", 0)),

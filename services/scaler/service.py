@@ -21,6 +21,7 @@ from services.common.clock import Clock
 from services.scaler import policy as pol
 from services.scaler.actuators import Actuator
 from services.scaler.controller import Controller
+from services.scaler.convert import decision_inputs
 from services.scaler.coordination import CoordinatorClient
 from services.scaler.errors import DecisionInProgress, StaleEpoch
 from services.scaler.feed import DecisionFeed, Watched
@@ -410,7 +411,9 @@ class ScalerCore:
         if not d.resize:
             return d
         job = self._job(job_id)
-        inputs = self._inputs(job, st.policy, st.view, state.free_gpus, d, st.at)
+        inputs = decision_inputs(
+            job.current_replicas, st.policy, st.view, state.free_gpus, d, st.at
+        )
         if d.trigger is pol.Trigger.EMERGENCY:
             pods, node, deadline = self.engine.terminating_pods(job_id)
             inputs["leaving_pods"] = sorted(pods)
@@ -458,33 +461,6 @@ class ScalerCore:
             logger.warning("job %s: evaluation failed: %s", job_id, exc, extra={"job_id": job_id})
         except Exception:
             logger.exception("job %s: evaluation failed", job_id, extra={"job_id": job_id})
-
-    def _inputs(
-        self,
-        job: JobRecord,
-        p: pol.PolicySettings,
-        view: pol.WindowView,
-        free: int | None,
-        d: pol.Decision,
-        at: float,
-    ) -> dict[str, Any]:
-        return {
-            "window": {
-                "bucket_s": view.bucket_s,
-                "end_s": view.end_s,
-                "bucket_means_pct": list(view.bucket_means),
-                "coverage": view.coverage,
-                "gpus_expected": view.gpus_expected,
-                "gpus_fresh": view.gpus_fresh,
-                "mean_pct": view.mean_pct,
-                "computed_at_s": at,
-            },
-            "policy": dataclasses.asdict(p),
-            "current_replicas": job.current_replicas,
-            "free_gpus": -1 if free is None else free,
-            "raw_target_replicas": d.raw_target,
-            **d.inputs,
-        }
 
     def _trace_evaluation(self, decision_id: int, stages: tuple[tuple[float, float], ...]) -> None:
         """The decision's first spans, after the fact: the tipping sample's way to the
@@ -539,7 +515,7 @@ class ScalerCore:
         d = pol.manual(self.job_state(job_id, free), p, replicas, reason)
         now = self.clock.now()
         view = self.window_of(job_id, now)
-        inputs = self._inputs(job, p, view, free, d, now)
+        inputs = decision_inputs(job.current_replicas, p, view, free, d, now)
         try:
             return await self._create(d, inputs, requested_by)
         except DecisionInProgress as exc:

@@ -157,7 +157,7 @@ async def test_a_policy_decision_starts_at_its_tipping_sample(
         coordinator=coordinator,
         clock=clock,
         defaults=PolicySettings(bucket_s=10.0, sustain_s=30.0, cooldown_s=60.0),
-        ingest=IngestSettings(stagger_buckets=False),
+        ingest=IngestSettings(stagger_slots=False),
     )
     await core.start()
     try:
@@ -168,7 +168,7 @@ async def test_a_policy_decision_starts_at_its_tipping_sample(
         for seq in range(1, 36):
             clock.advance(1.0)
             core.engine.process(st, report("n1", seq, t=clock.now(), utils=[95.0] * 8, pods=pods))
-        tipping = clock.now() - 2.0  # the sample that closed the last bucket, a moment ago
+        tipping = clock.now() - 2.0  # the sample that tipped the window, a moment ago
         await core.evaluate("ns/a", tipping_s=tipping)
         for task in list(core.controller.tasks.values()):
             await task
