@@ -17,6 +17,7 @@ from tide.v1 import scaler_pb2_grpc, telemetry_pb2_grpc
 
 from services.common.clock import Clock
 from services.common.metrics import register_build_info
+from services.common.readiness import Readiness
 from services.common.server import ServiceSpec, serve
 from services.scaler.actuators import Actuator
 from services.scaler.actuators.counted import CountedActuator
@@ -28,6 +29,7 @@ from services.scaler.servicer import ADMIN_METHODS, ScalerServicer, TelemetrySer
 from services.scaler.settings import SWITCH_INTERVAL_S, ScalerSettings
 from services.scaler.store import DecisionStore
 from services.store import db
+from services.store.probe import StoreProbe
 
 
 async def serve_scaler(
@@ -45,6 +47,9 @@ async def serve_scaler(
     await asyncio.to_thread(db.upgrade, settings.db)
     engine = db.make_engine(settings.db)
     store = DecisionStore(engine, settings.owner(), clock)
+    probe = StoreProbe(engine)
+    readiness = Readiness()
+    probe.listen(readiness.follower("store"))
     metrics = ScalerMetrics(REGISTRY)
     core = ScalerCore(
         store=store,
@@ -59,6 +64,7 @@ async def serve_scaler(
         rollup_retention_days=settings.rollup_retention_days,
         metrics=metrics,
         detail_retention_days=settings.utilization_detail_retention_days,
+        store_probe=probe,
     )
     REGISTRY.register(IngestCollector(core.engine))
     register_build_info(REGISTRY, "scaler")
@@ -86,6 +92,7 @@ async def serve_scaler(
             ),
         ],
         admin_methods=ADMIN_METHODS,
-        background=[core.run],
+        background=[core.run, probe.run],
         on_shutdown=[shutdown],
+        readiness=readiness,
     )

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ from services.scaler.metrics import ScalerMetrics
 from services.scaler.pool import PoolClaims
 from services.scaler.store import DecisionRecord, DecisionState, DecisionStore, JobRecord
 from services.scaler.triggers import Triggers
-from tidebase.errors import InvalidArgument, NotFound, TideError
+from services.store.probe import StoreProbe
+from tidebase.errors import InvalidArgument, NotFound, TideError, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,9 @@ __all__ = ["Evaluation", "ScalerCore", "Watched"]
 _DEFAULT_POLICY = pol.PolicySettings()
 #: PolicySettings fields stored as job columns rather than overrides.
 _BOUNDS = ("min_replicas", "max_replicas")
+#: Seconds between two log lines about lost evaluation passes: an outage fails
+#: every pass, and one line says as much as a hundred (the metric counts them all).
+LOOP_LOG_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -88,8 +93,12 @@ class ScalerCore:
         rollup_retention_days: float = 30.0,
         metrics: ScalerMetrics | None = None,
         detail_retention_days: float = 7.0,
+        store_probe: StoreProbe | None = None,
     ) -> None:
         self.store = store
+        #: Whether the store answers (services.store.probe): while it does not, no
+        #: job is evaluated (nothing could be recorded, so nothing may be done).
+        self.store_probe = store_probe
         self.metrics = metrics or ScalerMetrics()
         self.actuator = actuator
         self.coordinator = coordinator
@@ -112,6 +121,7 @@ class ScalerCore:
             fault=fault,
             on_event=self._publish,
             on_final=self._on_final,
+            wait_store=store_probe.wait_up if store_probe is not None else None,
         )
         self.evaluate_interval_s = evaluate_interval_s
         self.rollup_flush_interval_s = rollup_flush_interval_s
@@ -139,6 +149,7 @@ class ScalerCore:
         self._eval_lock = asyncio.Lock()
         #: Jobs another scaler took (StaleEpoch): no longer evaluated here.
         self.fenced: set[str] = set()
+        self._loop_logged_s = -math.inf
 
     # -- jobs and policies -----------------------------------------------------------
 
@@ -571,15 +582,37 @@ class ScalerCore:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout)
             wake.clear()
-            if self.triggers:
-                await self.drain_triggers()
             mono = self.clock.monotonic()
-            if mono >= next_tick:
-                await self.tick()
+            if self.store_probe is not None and not self.store_probe.ok:
+                # Triggers wait in their queue and unwritten minutes in memory;
+                # both are taken up on the first pass after the store is back.
                 next_tick = mono + self.evaluate_interval_s
-            if mono >= next_flush:
-                await self.flush_rollups()
-                next_flush = mono + self.rollup_flush_interval_s
+                self._loop_failed("store unavailable; not evaluating", None)
+                continue
+            try:
+                if self.triggers:
+                    await self.drain_triggers()
+                if mono >= next_tick:
+                    await self.tick()
+                    next_tick = mono + self.evaluate_interval_s
+                if mono >= next_flush:
+                    await self.flush_rollups()
+                    next_flush = mono + self.rollup_flush_interval_s
+            except Unavailable as exc:
+                # The store (or the coordinator) went away mid-pass: this pass is
+                # lost, the loop is not. Ended once, it would decide nothing more
+                # while the process kept serving (reliability catalog, T03).
+                next_tick = mono + self.evaluate_interval_s
+                self._loop_failed("evaluation pass failed", exc)
+
+    def _loop_failed(self, what: str, exc: BaseException | None) -> None:
+        """A line at most every LOOP_LOG_EVERY_S, however often the loop fails."""
+        self.metrics.loop_failures.inc()
+        mono = self.clock.monotonic()
+        if mono - self._loop_logged_s < LOOP_LOG_EVERY_S:
+            return
+        self._loop_logged_s = mono
+        logger.warning("%s%s", what, f": {exc}" if exc is not None else "")
 
     async def drain_triggers(self) -> None:
         """Evaluate the jobs whose window slid to meet their sustain condition, and those
