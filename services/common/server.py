@@ -25,6 +25,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from services.common.config import CommonSettings
 from services.common.metrics import grpc_server_metrics
 from services.common.readiness import LIVENESS, Readiness
+from services.common.shedding import ConcurrencyLimit
 from tidebase.grpc_options import server_options
 from tidebase.listening import listening_line
 
@@ -114,7 +115,13 @@ async def start_server(
     options: Sequence[tuple[str, Any]] | None = None,
 ) -> RunningServer:
     # First, so that refused admin calls are counted with their UNAUTHENTICATED.
-    interceptors: list[grpc.aio.ServerInterceptor] = [grpc_server_metrics(registry)]
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        grpc_server_metrics(registry),
+        # After the metrics, so a shed call is counted with its RESOURCE_EXHAUSTED.
+        ConcurrencyLimit(
+            settings.max_inflight_unary_calls, settings.max_inflight_streams, registry
+        ),
+    ]
     if settings.admin_token:
         interceptors.append(_AdminTokenInterceptor(settings.admin_token, admin_methods))
     elif admin_methods:

@@ -109,6 +109,10 @@ class IngestSettings:
     report_interval_s: float = 0.0
     # Offset each job's slot grid by a fraction of a slot (see windows.stagger_offset).
     stagger_slots: bool = True
+    # A telemetry stream with no report for this long is closed (UNAVAILABLE): an
+    # agent reports every few seconds, and one that holds a stream open without
+    # reporting only holds a slot (reliability catalog T23). 0 keeps streams open.
+    stream_idle_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_gpus_per_node <= 4096:
@@ -121,6 +125,8 @@ class IngestSettings:
             raise ConfigError(f"reorder_limit={self.reorder_limit!r}: must be >= 1")
         if not (self.report_interval_s >= 0 and math.isfinite(self.report_interval_s)):
             raise ConfigError(f"report_interval_s={self.report_interval_s!r}: must be >= 0")
+        if not (self.stream_idle_timeout_s >= 0 and math.isfinite(self.stream_idle_timeout_s)):
+            raise ConfigError(f"stream_idle_timeout_s={self.stream_idle_timeout_s!r}: must be >= 0")
 
 
 class NodeState:

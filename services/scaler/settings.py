@@ -69,6 +69,10 @@ class ScalerSettings(CommonSettings):
     report_interval_s: float = setting(
         _INGEST.report_interval_s, "asked of agents in acks; 0 keeps theirs"
     )
+    stream_idle_timeout_s: float = setting(
+        _INGEST.stream_idle_timeout_s,
+        "a telemetry stream with no report for this long is closed; 0 keeps it open",
+    )
     scale_up_utilization_pct: float = setting(
         _POLICY.scale_up_utilization_pct, "default policy: see docs/policy.md"
     )
@@ -144,6 +148,7 @@ class ScalerSettings(CommonSettings):
             max_clock_skew_s=self.max_clock_skew_s,
             stale_after_s=self.stale_after_s,
             report_interval_s=self.report_interval_s,
+            stream_idle_timeout_s=self.stream_idle_timeout_s,
         )
 
     def owner(self) -> str:
