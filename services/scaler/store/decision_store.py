@@ -136,6 +136,16 @@ class DecisionStore:
         self.epochs[job_id] = epoch
         return epoch
 
+    async def acquire_many(self, job_ids: Sequence[str]) -> dict[str, int]:
+        """Take ``job_ids`` in one transaction; returns the epochs of those found."""
+        now = self.now()
+        epochs = await self._run(
+            lambda s: jobs.acquire_jobs_ownership(s, job_ids, self.owner_id, now=now),
+            what=f"acquire {len(job_ids)} job(s)",
+        )
+        self.epochs.update(epochs)
+        return epochs
+
     async def list_jobs(self) -> list[JobRecord]:
         return await self._run(jobs.list_jobs, write=False)
 
@@ -281,6 +291,11 @@ class DecisionStore:
             job_id=job_id, states=(DecisionState.COMPLETED,), page_size=1
         )
         return page.decisions[0] if page.decisions else None
+
+    async def last_completed_many(self, job_ids: Sequence[str]) -> dict[str, DecisionRecord]:
+        return await self._run(
+            lambda s: decisions.last_completed_decisions(s, job_ids), write=False
+        )
 
     # -- rollups -------------------------------------------------------------------
 
