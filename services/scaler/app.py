@@ -59,6 +59,8 @@ async def serve_scaler(
         rollup_retention_days=settings.rollup_retention_days,
         metrics=metrics,
         detail_retention_days=settings.utilization_detail_retention_days,
+        decision_retention_days=settings.decision_retention_days,
+        retention_batch_rows=settings.retention_batch_rows,
     )
     REGISTRY.register(IngestCollector(core.engine))
     register_build_info(REGISTRY, "scaler")

@@ -91,6 +91,8 @@ class ScalerCore:
         rollup_retention_days: float = 30.0,
         metrics: ScalerMetrics | None = None,
         detail_retention_days: float = 7.0,
+        decision_retention_days: float | None = None,
+        retention_batch_rows: int = 1000,
     ) -> None:
         self.store = store
         self.metrics = metrics or ScalerMetrics()
@@ -125,6 +127,8 @@ class ScalerCore:
             clock,
             retention_days=rollup_retention_days,
             detail_retention_days=detail_retention_days,
+            decision_retention_days=decision_retention_days,
+            batch_rows=retention_batch_rows,
         )
         self.jobs: dict[str, JobRecord] = {}
         self.policies: dict[str, pol.PolicySettings] = {}
@@ -203,6 +207,7 @@ class ScalerCore:
             )
 
     async def close(self) -> None:
+        await self.history.close()
         await self.controller.close()
         await self.registry.close()
         self.feed.close()

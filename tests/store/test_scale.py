@@ -16,6 +16,7 @@ from services.scaler import store as repo
 from services.scaler.store import DecisionState as S
 from services.store.models.scaler import OPEN_PREDICATE, OPEN_STATES
 from tests.store.test_repo import JOB, T0, Factory, decide, make_job, move, own, tx
+from tidebase.errors import InvalidArgument
 
 pytestmark = pytest.mark.integration
 
@@ -126,3 +127,40 @@ def test_last_completed_decisions_of_many_jobs(factory: Factory, engine: sa.Engi
     assert len([s for s, _ in seen if s.lstrip().upper().startswith("SELECT")]) == 2
     assert got == want
     assert tx(factory, lambda s: repo.last_completed_decisions(s, [])) == {}
+
+
+def test_retention_deletes_old_final_decisions_with_their_events_in_batches(
+    factory: Factory,
+) -> None:
+    from services.store.models.scaler import Decision, DecisionEvent
+    from tests.store.test_repo import count
+
+    make_job(factory)
+    epoch = own(factory)
+    for i in range(5):
+        d = decide(factory, epoch, at=T0 + timedelta(minutes=i))
+        move(factory, d.id, S.ABORTED, epoch, at=T0 + timedelta(minutes=i, seconds=1))
+    running = decide(factory, epoch, at=T0 + timedelta(minutes=10))
+    cut = T0 + timedelta(hours=1)
+    assert tx(factory, lambda s: repo.delete_decisions_before(s, cut, limit=3)) == 3
+    assert tx(factory, lambda s: repo.delete_decisions_before(s, cut, limit=3)) == 2
+    assert tx(factory, lambda s: repo.delete_decisions_before(s, cut, limit=3)) == 0
+    # The one still running stays, with its event; nothing of the others is left.
+    assert tx(factory, repo.non_final_decisions) == [running]
+    assert (count(factory, Decision), count(factory, DecisionEvent)) == (1, 1)
+    with pytest.raises(InvalidArgument, match="limit"):
+        tx(factory, lambda s: repo.delete_decisions_before(s, cut, limit=0))
+
+
+def test_rollup_retention_in_batches_oldest_first(factory: Factory) -> None:
+    rows = [
+        repo.RollupRecord(j, T0 + timedelta(minutes=m), 50.0, 50.0, 50.0, 1, 1)
+        for j in ("ml/a", "ml/b")
+        for m in range(3)
+    ]
+    tx(factory, lambda s: repo.write_rollups(s, rows))
+    cut = T0 + timedelta(minutes=2)
+    assert tx(factory, lambda s: repo.delete_rollups_before(s, cut, limit=3)) == 3
+    assert tx(factory, lambda s: repo.delete_rollups_before(s, cut, limit=3)) == 1
+    left = tx(factory, lambda s: repo.rollups_between(s, "ml/a", T0, T0 + timedelta(hours=1)))
+    assert [r.minute for r in left] == [cut]

@@ -305,9 +305,16 @@ class DecisionStore:
     async def rollups_between(self, job_id: str, t0: datetime, t1: datetime) -> list[RollupRecord]:
         return await self._run(lambda s: rollups.rollups_between(s, job_id, t0, t1), write=False)
 
-    async def delete_rollups_before(self, before: datetime) -> int:
+    async def delete_rollups_before(self, before: datetime, *, limit: int | None = None) -> int:
         return await self._run(
-            lambda s: rollups.delete_rollups_before(s, before), what="rollup retention"
+            lambda s: rollups.delete_rollups_before(s, before, limit=limit),
+            what="rollup retention",
+        )
+
+    async def delete_decisions_before(self, before: datetime, *, limit: int) -> int:
+        return await self._run(
+            lambda s: decisions.delete_decisions_before(s, before, limit=limit),
+            what="decision retention",
         )
 
     async def seconds_between(
@@ -315,7 +322,8 @@ class DecisionStore:
     ) -> dict[datetime, tuple[tuple[float, ...], tuple[int, ...]]]:
         return await self._run(lambda s: rollups.seconds_between(s, job_id, t0, t1), write=False)
 
-    async def delete_seconds_before(self, before: datetime) -> int:
+    async def delete_seconds_before(self, before: datetime, *, limit: int | None = None) -> int:
         return await self._run(
-            lambda s: rollups.delete_seconds_before(s, before), what="per-second retention"
+            lambda s: rollups.delete_seconds_before(s, before, limit=limit),
+            what="per-second retention",
         )

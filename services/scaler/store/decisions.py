@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, case, literal_column, select, update
+from sqlalchemy import ColumnElement, case, delete, literal_column, select, update
 from sqlalchemy.orm import Session
 
 from services.scaler.errors import (
@@ -287,6 +287,31 @@ def _open_rows(session: Session) -> list[DecisionRecord]:
     the few rows of the partial index and sorting them."""
     rows = [decision_record(r) for r in session.scalars(select(Decision).where(_open()))]
     return sorted(rows, key=lambda d: (d.created_at, d.id))
+
+
+def delete_decisions_before(session: Session, before: datetime, *, limit: int) -> int:
+    """Retention: delete up to ``limit`` final decisions created before ``before``, oldest
+    first, with their events; returns how many decisions went. A decision that is not
+    final is kept whatever its age: a restarted scaler must still resume it."""
+    aware("before", before)
+    if limit < 1:
+        raise InvalidArgument(f"limit must be >= 1, got {limit}")
+    final: list[ColumnElement[str]] = [literal_column(f"'{s.value}'") for s in FINAL_STATES]
+    ids = list(
+        session.scalars(
+            select(Decision.id)
+            .where(Decision.created_at < before, Decision.state.in_(final))
+            .order_by(Decision.created_at, Decision.id)
+            .limit(limit)
+        )
+    )
+    if not ids:
+        return 0
+    # Events first and explicitly: the foreign key cascades too, but only where the
+    # engine enforces it (SQLite needs its pragma).
+    session.connection().execute(delete(DecisionEvent).where(DecisionEvent.decision_id.in_(ids)))
+    session.connection().execute(delete(Decision).where(Decision.id.in_(ids)))
+    return len(ids)
 
 
 def last_resize_end(session: Session, job_id: str) -> datetime | None:

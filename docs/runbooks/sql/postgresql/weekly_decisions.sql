@@ -2,6 +2,7 @@
 -- caused (seconds, and GPU-seconds: the pause times the GPUs of the new size, which sat
 -- idle meanwhile), and steps lost. A job's start (reason JOB_STARTED, 0 -> N) is counted
 -- apart: its "pause" is the job's start-up, not a cost of scaling.
+-- Final decisions are kept decision_retention_days (180 unless changed).
 -- Parameters: since, until (e.g. Monday 00.00 UTC and the next Monday).
 SELECT d.job_id,
        count(*) AS decisions,

@@ -3,6 +3,7 @@
 -- idle meanwhile), and steps lost. A job's start (reason JOB_STARTED, 0 -> N) is counted
 -- apart: its "pause" is the job's start-up, not a cost of scaling.
 -- SQLite version (times are stored as UTC text 'YYYY-MM-DD HH:MM:SS.ffffff').
+-- Final decisions are kept decision_retention_days (180 unless changed).
 -- Parameters: since, until (e.g. Monday 00.00 UTC and the next Monday).
 SELECT d.job_id,
        count(*) AS decisions,

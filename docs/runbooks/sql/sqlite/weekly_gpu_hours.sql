@@ -1,7 +1,8 @@
 -- What did scaling save this week? Per job, from the per-minute rollups: GPU-hours held,
 -- what holding max_replicas the whole time would have cost, the difference, and how many
 -- of the held GPU-hours were idle (100 % minus utilization). Minutes without telemetry
--- are not counted. max_replicas is today's bound.
+-- are not counted. max_replicas is today's bound. Rollups are kept rollup_retention_days
+-- (30 unless changed): an older week answers nothing.
 -- SQLite version (times are stored as UTC text 'YYYY-MM-DD HH:MM:SS.ffffff').
 -- Parameters: since, until.
 SELECT r.job_id,
