@@ -354,6 +354,7 @@ class SqlHistory:
                     states=wanted,
                     page_size=page_size(),
                     page_token=token,
+                    with_inputs=False,
                 )
 
             page = self._read(q)
