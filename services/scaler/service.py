@@ -343,9 +343,11 @@ class ScalerCore:
         self, job_id: str, now: float, fresh: Mapping[str, int] | None = None
     ) -> pol.WindowView:
         job = self._job(job_id)
-        fresh = self.engine.fresh_gpus(now) if fresh is None else fresh
+        # Alone (a trigger's evaluation), only the job's own nodes are read; the tick,
+        # which evaluates every job, counts the whole fleet once and passes it in.
+        n = self.engine.fresh_gpus_of(job_id, now) if fresh is None else fresh.get(job_id, 0)
         expected = job.current_replicas * job.gpus_per_replica
-        return self.engine.window_view(job_id, now, expected, fresh.get(job_id, 0))
+        return self.engine.window_view(job_id, now, expected, n)
 
     async def evaluate(
         self, job_id: str, *, tipping_s: float | None = None, fresh: Mapping[str, int] | None = None
