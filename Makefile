@@ -46,6 +46,7 @@ bench: setup
 	$(PY) -m bench.rescale --quick
 	$(PY) -m bench.simulate --quick
 	$(PY) -m bench.soak --quick
+	$(PY) -m bench.history --quick
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .tide

@@ -65,6 +65,8 @@ async def serve_scaler(
         metrics=metrics,
         detail_retention_days=settings.utilization_detail_retention_days,
         store_probe=probe,
+        decision_retention_days=settings.decision_retention_days,
+        retention_batch_rows=settings.retention_batch_rows,
     )
     REGISTRY.register(IngestCollector(core.engine))
     register_build_info(REGISTRY, "scaler")

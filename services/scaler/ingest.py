@@ -200,6 +200,11 @@ class IngestEngine:
         # A node holding the job's pods announced termination or cordon.
         self.on_notice = on_notice
         self.nodes: dict[str, NodeState] = {}
+        # Per job, the nodes that reported one of its GPUs: what an evaluation of the
+        # job reads (freshness, terminating pods) instead of every node of the fleet.
+        # Added to once per report and job, never per sample; a node whose GPUs all
+        # went to other jobs is dropped by the next read that finds none.
+        self.job_nodes: dict[str, dict[str, NodeState]] = {}
         self.windows: dict[str, JobWindow] = {}
         self._last_slot: dict[str, int] = {}
         self.rollups = Rollups()
@@ -401,10 +406,16 @@ class IngestEngine:
         self.samples_accepted += accepted
         if not acc:
             return
+        job_nodes = self.job_nodes
         for job, (total, count, lo, hi) in acc.items():
             if job is None:
                 self.samples_unattributed += int(count)
                 continue
+            held = job_nodes.get(job)
+            if held is None:
+                job_nodes[job] = {node.name: node}
+            elif node.name not in held:
+                held[node.name] = node
             w = self.windows.get(job)
             if w is None:
                 bucket_s, buckets = self._shape(job)
@@ -464,6 +475,7 @@ class IngestEngine:
     def drop_job(self, job_id: str) -> None:
         self.reshape(job_id)
         self.rollups.drop_job(job_id)
+        self.job_nodes.pop(job_id, None)
 
     def fresh_gpus(self, now_s: float) -> dict[str, int]:
         """Per job, GPUs with a sample newer than the staleness limit."""
@@ -477,6 +489,31 @@ class IngestEngine:
                 if job is not None and seen >= horizon:
                     out[job] = out.get(job, 0) + 1
         return out
+
+    def fresh_gpus_of(self, job_id: str, now_s: float) -> int:
+        """The job's GPUs with a sample newer than the staleness limit: ``fresh_gpus``
+        for one job, reading only the nodes that hold its GPUs (O(the job's GPUs))."""
+        nodes = self.job_nodes.get(job_id)
+        if not nodes:
+            return 0
+        horizon = now_s - self.settings.stale_after_s
+        fresh = 0
+        gone: list[str] = []
+        for name, node in nodes.items():
+            held = False
+            if node.last_sampled_s < horizon:
+                held = job_id in node.gpus.job
+            else:
+                for job, seen in zip(node.gpus.job, node.gpus.seen_s, strict=True):
+                    if job == job_id:
+                        held = True
+                        if seen >= horizon:
+                            fresh += 1
+            if not held:
+                gone.append(name)
+        for name in gone:
+            del nodes[name]
+        return fresh
 
     def node_freshness(self, now_s: float) -> tuple[int, int]:
         """(nodes whose last report is fresh, nodes whose last report is stale). Read by
@@ -499,7 +536,8 @@ class IngestEngine:
         pods: set[str] = set()
         node_name = ""
         deadline: float | None = None
-        for node in self.nodes.values():
+        # Only the nodes holding the job's GPUs: a pod counts only where its GPU does.
+        for node in list(self.job_nodes.get(job_id, {}).values()):
             if not node.notice:
                 continue
             mine = {

@@ -135,6 +135,7 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
             states=states,
             page_size=request.page_size or 100,
             page_token=request.page_token,
+            with_inputs=False,
         )
         return scaler_pb2.ListDecisionsResponse(
             decisions=[decision_to_proto(d) for d in page.decisions],

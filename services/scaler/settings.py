@@ -57,6 +57,14 @@ class ScalerSettings(CommonSettings):
         "each minute's per-second utilization (what `tide whatif` replays) is deleted after"
         " this long; at most rollup_retention_days",
     )
+    decision_retention_days: float = setting(
+        180.0,
+        "final decisions and their events older than this are deleted (a decision that is"
+        " not final is kept whatever its age)",
+    )
+    retention_batch_rows: int = setting(
+        1000, "retention deletes at most this many rows per transaction"
+    )
     stale_after_s: float = setting(
         _INGEST.stale_after_s, "a GPU without a sample for this long is stale"
     )
@@ -117,6 +125,11 @@ class ScalerSettings(CommonSettings):
                 f"utilization_detail_retention_days={detail!r}: must be > 0 and at most"
                 f" rollup_retention_days={self.rollup_retention_days!r}"
             )
+        decisions = self.decision_retention_days
+        if not (decisions > 0 and math.isfinite(decisions)):
+            raise ConfigError(f"decision_retention_days={decisions!r}: must be > 0")
+        if self.retention_batch_rows < 1:
+            raise ConfigError(f"retention_batch_rows={self.retention_batch_rows!r}: must be >= 1")
         if self.total_gpus < 0:
             raise ConfigError(f"total_gpus={self.total_gpus!r}: must be >= 0")
         self.check_coordinator()

@@ -298,6 +298,10 @@ def test_scaler_settings_validate_and_feed_the_policy() -> None:
         ScalerSettings(**REAL, stale_after_s=0.0)
     with pytest.raises(ConfigError, match="rollup_retention_days"):
         ScalerSettings(**REAL, rollup_retention_days=0.0)
+    with pytest.raises(ConfigError, match=r"decision_retention_days=-1\.0"):
+        ScalerSettings(**REAL, decision_retention_days=-1.0)
+    with pytest.raises(ConfigError, match="retention_batch_rows=0"):
+        ScalerSettings(**REAL, retention_batch_rows=0)
     # Each policy default is PolicySettings' own.
     assert s.policy() == PolicySettings(sustain_s=60.0, bucket_s=10.0, max_replicas=16)
 
