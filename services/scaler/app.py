@@ -9,8 +9,11 @@ picks an implementation.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 from prometheus_client import REGISTRY
 from tide.v1 import scaler_pb2_grpc, telemetry_pb2_grpc
@@ -22,14 +25,18 @@ from services.common.server import ServiceSpec, serve
 from services.scaler.actuators import Actuator
 from services.scaler.actuators.counted import CountedActuator
 from services.scaler.coordination import CoordinatorClient
+from services.scaler.leader import LeaderElector
 from services.scaler.lifecycle import FaultHook
 from services.scaler.metrics import IngestCollector, ScalerMetrics
 from services.scaler.service import ScalerCore
 from services.scaler.servicer import ADMIN_METHODS, ScalerServicer, TelemetryServicer
 from services.scaler.settings import SWITCH_INTERVAL_S, ScalerSettings
 from services.scaler.store import DecisionStore
+from services.scaler.store.leases import LeaseRecord
 from services.store import db
 from services.store.probe import StoreProbe
+
+logger = logging.getLogger(__name__)
 
 
 async def serve_scaler(
@@ -70,11 +77,27 @@ async def serve_scaler(
     )
     REGISTRY.register(IngestCollector(core.engine))
     register_build_info(REGISTRY, "scaler")
-    await core.start()
+    background: list[Callable[[], Coroutine[Any, Any, None]]] = [probe.run]
+    elector: LeaderElector | None = None
+    if settings.leader_election == "off":
+        await core.start()
+        background.append(core.run)
+    else:
+        elector = LeaderElector(
+            store, clock, settings.lease(), address=settings.advertise_address or settings.listen
+        )
+        core.leader = elector
+        core.controller.may_act = elector.may_act
+        # Not ready until elected: the Service sends agents and callers to the leader.
+        await readiness.set_down("leadership", "no leader yet")
+        background += [_elect(elector, core, readiness), _lead(elector, core)]
 
     async def shutdown() -> None:
         await core.flush_rollups(final=True)
         await core.close()
+        if elector is not None:
+            # A planned stop (a rolling update) hands over now, not a lease later.
+            await elector.release()
         for step in on_shutdown:
             await step()
         engine.dispose()
@@ -94,7 +117,46 @@ async def serve_scaler(
             ),
         ],
         admin_methods=ADMIN_METHODS,
-        background=[core.run, probe.run],
+        background=background,
         on_shutdown=[shutdown],
         readiness=readiness,
     )
+
+
+#: Exit status of a scaler replica that lost its lease: the kubelet restarts it,
+#: and it comes back as a follower.
+EXIT_LEADERSHIP_LOST = 3
+
+
+def _elect(
+    elector: LeaderElector, core: ScalerCore, readiness: Readiness
+) -> Callable[[], Coroutine[Any, Any, None]]:
+    async def elected(_lease: LeaseRecord) -> None:
+        # Takes every job (a new owner epoch each) and resumes their open decisions.
+        await core.start()
+        await readiness.set_up("leadership")
+
+    async def follow(message: str) -> None:
+        await readiness.set_down("leadership", message)
+
+    def lost(why: str) -> None:
+        # Nothing may act once the lease is gone, not even a graceful shutdown's
+        # flush: leave at once (the store's fencing covers writes already on the way).
+        logger.critical("leadership lost: %s; exiting", why)
+        logging.shutdown()
+        os._exit(EXIT_LEADERSHIP_LOST)
+
+    async def run() -> None:
+        await elector.run(elected, lost, follow)
+
+    run.__qualname__ = "LeaderElector.run"
+    return run
+
+
+def _lead(elector: LeaderElector, core: ScalerCore) -> Callable[[], Coroutine[Any, Any, None]]:
+    async def run() -> None:
+        await elector.wait_elected()
+        await core.run()
+
+    run.__qualname__ = "ScalerCore.run"
+    return run

@@ -57,6 +57,7 @@ class Controller:
         retry_s: float = 0.5,
         retry_max_s: float = 5.0,
         wait_store: Callable[[], Awaitable[None]] | None = None,
+        may_act: Callable[[], bool] | None = None,
     ) -> None:
         self.store = store
         self.actuator = actuator
@@ -70,6 +71,10 @@ class Controller:
         #: Returns when the store answers again (services.store.probe); without a
         #: probe, a fixed pause before the decision is read back and tried again.
         self.wait_store = wait_store
+        #: Whether this replica still leads (services/scaler/leader.py), asked right
+        #: before every side effect: a leader that wakes from a pause after another
+        #: took over stops here, before it acts on a state it committed earlier.
+        self.may_act = may_act or (lambda: True)
         self.tasks: dict[int, asyncio.Task[DecisionRecord | None]] = {}
         #: Each driven decision's root span (services.common.tracing), until it is final.
         self.spans: dict[int, Any] = {}
@@ -315,13 +320,19 @@ class Controller:
         fault("decision:ACTUATING+effect")
         return await self._step(d, S.COMPLETED, f"replicas lowered to {d.to_replicas}", fault)
 
+    def _check_lead(self, d: DecisionRecord) -> None:
+        if not self.may_act():
+            raise StaleEpoch(f"decision {d.id}: this scaler replica no longer leads")
+
     async def _set_replicas(self, d: DecisionRecord, replicas: int) -> None:
+        self._check_lead(d)
         with tracing.tracer().start_as_current_span(
             "tide.actuator.set_replicas", attributes={"tide.replicas": replicas}
         ):
             await self.actuator.set_replicas(d.job_id, replicas, decision_id=d.id)
 
     async def _resize(self, d: DecisionRecord, deadline_s: float) -> Progress:
+        self._check_lead(d)
         with tracing.tracer().start_as_current_span(
             "tide.coordinator.Resize", attributes={"tide.target_world_size": d.to_replicas}
         ) as span:

@@ -5,7 +5,7 @@ tidebase.lifecycle.InvalidTransition (INTERNAL)."""
 
 from __future__ import annotations
 
-from tidebase.errors import Conflict, FailedPrecondition, NotFound
+from tidebase.errors import Conflict, FailedPrecondition, NotFound, Unavailable
 
 
 class JobNotFound(NotFound):
@@ -27,3 +27,7 @@ class DecisionChanged(Conflict):
 
 class DecisionInProgress(FailedPrecondition):
     """The job already has a decision that is not final."""
+
+
+class NotLeader(Unavailable):
+    """A follower replica was asked to write: retry, through the Service, at the leader."""

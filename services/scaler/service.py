@@ -24,11 +24,12 @@ from services.scaler.actuators import Actuator
 from services.scaler.controller import Controller
 from services.scaler.convert import decision_inputs
 from services.scaler.coordination import CoordinatorClient
-from services.scaler.errors import DecisionInProgress, StaleEpoch
+from services.scaler.errors import DecisionInProgress, NotLeader, StaleEpoch
 from services.scaler.feed import DecisionFeed, Watched
 from services.scaler.goodput import ThroughputBook
 from services.scaler.history import RollupHistory
 from services.scaler.ingest import IngestEngine, IngestSettings
+from services.scaler.leader import LeaderElector
 from services.scaler.lifecycle import FaultHook
 from services.scaler.members import CoordinatorMemberRegistry
 from services.scaler.metrics import ScalerMetrics
@@ -157,6 +158,9 @@ class ScalerCore:
         #: Jobs another scaler took (StaleEpoch): no longer evaluated here.
         self.fenced: set[str] = set()
         self._loop_logged_s = -math.inf
+        #: Leader election (services/scaler/leader.py): None when this replica is the
+        #: only one. A follower refuses writes, naming the leader.
+        self.leader: LeaderElector | None = None
 
     # -- jobs and policies -----------------------------------------------------------
 
@@ -234,6 +238,7 @@ class ScalerCore:
         initial_replicas: int = 0,
         gpus_per_replica: int = 0,
     ) -> JobRecord:
+        self._require_leader()
         existing = self.jobs.get(job_id)
         bounds = {k: overrides[k] for k in _BOUNDS if overrides.get(k) is not None}
         rest = {k: v for k, v in overrides.items() if k not in _BOUNDS and v is not None}
@@ -310,6 +315,7 @@ class ScalerCore:
         return self.jobs[job_id]
 
     async def set_autoscaling(self, job_id: str, paused: bool, reason: str) -> JobRecord:
+        self._require_leader()
         self._job(job_id)
         job = await self.store.set_paused(job_id, paused, reason)
         self._adopt(job)
@@ -538,6 +544,7 @@ class ScalerCore:
     async def request_resize(
         self, job_id: str, replicas: int, reason: str, requested_by: str
     ) -> DecisionRecord:
+        self._require_leader()
         job = self._job(job_id)
         p = self.policies[job_id]
         free = await self.actuator.free_gpus()
@@ -622,6 +629,10 @@ class ScalerCore:
                 # while the process kept serving (reliability catalog, T03).
                 next_tick = mono + self.evaluate_interval_s
                 self._loop_failed("evaluation pass failed", exc)
+
+    def _require_leader(self) -> None:
+        if self.leader is not None and not self.leader.may_act():
+            raise NotLeader(f"this scaler replica does not lead: {self.leader.follower_message()}")
 
     def _loop_failed(self, what: str, exc: BaseException | None) -> None:
         """A line at most every LOOP_LOG_EVERY_S, however often the loop fails."""

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from services.common.config import CommonSettings, setting
 from services.scaler.actuators import parse_actuator
 from services.scaler.ingest import IngestSettings
+from services.scaler.leader import LeaseSettings
 from services.scaler.policy import PolicySettings
 from tidebase.errors import ConfigError
 
 _POLICY = PolicySettings()
 _INGEST = IngestSettings()
+_LEASE = LeaseSettings()
 
 #: The store every Tide service shares when run from one directory (`tide up` uses its own).
 DEFAULT_DB = "sqlite:///.tide/tide.db"
@@ -48,6 +50,18 @@ class ScalerSettings(CommonSettings):
     total_gpus: int = setting(0, "GPUs the actuator offers; 0 means unknown")
     owner_id: str = setting("", "this scaler's name in the fencing record; default host:pid")
     evaluate_interval_s: float = setting(1.0, "every job is evaluated at least this often")
+    leader_election: str = setting(
+        "off", "off (one replica), or sql: replicas elect a leader through a lease in the store"
+    )
+    lease_duration_s: float = setting(
+        _LEASE.duration_s, "leader election: a lease not renewed for this long can be taken"
+    )
+    lease_renew_s: float = setting(
+        _LEASE.renew_s, "leader election: how often the leader renews and a follower tries"
+    )
+    advertise_address: str = setting(
+        "", "HOST:PORT other replicas and errors name for this one; default: listen"
+    )
     rollup_flush_interval_s: float = setting(15.0, "how often finished minutes go to SQL")
     rollup_retention_days: float = setting(
         30.0, "rollups older than this are deleted (checked on every flush)"
@@ -132,8 +146,14 @@ class ScalerSettings(CommonSettings):
             raise ConfigError(f"retention_batch_rows={self.retention_batch_rows!r}: must be >= 1")
         if self.total_gpus < 0:
             raise ConfigError(f"total_gpus={self.total_gpus!r}: must be >= 0")
+        if self.leader_election not in ("off", "sql"):
+            raise ConfigError(f"leader_election: expected off or sql, got {self.leader_election!r}")
+        self.lease()
         self.check_coordinator()
         self.check_actuator()
+
+    def lease(self) -> LeaseSettings:
+        return LeaseSettings(duration_s=self.lease_duration_s, renew_s=self.lease_renew_s)
 
     def check_coordinator(self) -> None:
         # A scaler without a real coordinator would record resizes nobody carried out.

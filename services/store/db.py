@@ -126,7 +126,10 @@ class DbSettings:
     # transaction; and a session idle inside a transaction this long is ended
     # by the server, releasing its locks. 0 disables either.
     lock_timeout_s: float = 10.0
-    idle_in_transaction_timeout_s: float = 60.0
+    # Short: a process paused mid-transaction (SIGSTOP, a frozen VM) holds its row
+    # locks until the server ends its session, and a new leader taking the jobs
+    # waits on them (docs/reliability.md, T08); our transactions take milliseconds.
+    idle_in_transaction_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not (0 < self.busy_timeout_s <= 600):

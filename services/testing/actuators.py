@@ -11,6 +11,7 @@ a change and is not recorded, so a resumed decision may repeat it safely.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -92,33 +93,63 @@ class FileActuator(InMemoryActuator):
 
     def seed(self, job_id: str, replicas: int) -> None:
         """Set a job's starting count without recording a change (the job's creation)."""
+        self._reload()  # another replica may have created it, and changed it since
         if job_id not in self.replicas:
             self.replicas[job_id] = replicas
             self._append({"job_id": job_id, "old": replicas, "new": replicas, "decision_id": 0})
 
-    async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
-        before = len(self.changes)
-        await super().set_replicas(job_id, replicas, decision_id=decision_id)
-        if len(self.changes) > before:
-            c = self.changes[-1]
-            self._append(
-                {
-                    "job_id": c.job_id,
-                    "old": c.old,
-                    "new": c.new,
-                    "decision_id": c.decision_id,
-                    # Wall time of the change, for "nothing acts before its commit" checks.
-                    "at": time.time(),
-                }
-            )
+    def _reload(self) -> int:
+        """Read the file again; returns its line count, the state's version.
 
-    def _append(self, doc: dict[str, object]) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        The file is the cluster: another process (a second scaler replica) may have
+        changed it since; acting on a stale count would record a change that a
+        real operator, which holds one truth, never would."""
+        changes = read_changes(self.path)
+        for change in changes:
+            self.replicas[change.job_id] = change.new
+        return len(changes)
+
+    async def get_replicas(self, job_id: str) -> int | None:
+        self._reload()
+        return await super().get_replicas(job_id)
+
+    async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
+        # A compare-and-set on the file's version, as an update carrying the
+        # resourceVersion it read: a writer that read before another's change (a
+        # leader paused between its read and its write) reads again instead of
+        # applying its change a second time.
+        while True:
+            version = self._reload()
+            before = len(self.changes)
+            await super().set_replicas(job_id, replicas, decision_id=decision_id)
+            if len(self.changes) == before:
+                return
+            c = self.changes[-1]
+            doc = {
+                "job_id": c.job_id,
+                "old": c.old,
+                "new": c.new,
+                "decision_id": c.decision_id,
+                # Wall time of the change, for "nothing acts before its commit" checks.
+                "at": time.time(),
+            }
+            if self._append(doc, expect_version=version):
+                return
+            self.changes.pop()
+
+    def _append(self, doc: dict[str, object], expect_version: int | None = None) -> bool:
+        """Append one line (fsynced); with ``expect_version``, only if the file still
+        has that many lines (under an exclusive lock for the check and the write)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if expect_version is not None and len(read_changes(self.path)) != expect_version:
+                return False
             os.write(fd, (json.dumps(doc) + "\n").encode())
             os.fsync(fd)
+            return True
         finally:
-            os.close(fd)
+            os.close(fd)  # releases the lock
 
 
 def read_changes(path: Path) -> list[ReplicaChange]:

@@ -138,6 +138,10 @@ class InMemoryCoordinator:
 
     async def resize(self, spec: ResizeSpec) -> AsyncIterator[Progress]:
         self.calls.append(spec)
+        if self.path is not None and not self._running:
+            # The file is the coordinator's store: another scaler replica may have
+            # driven resizes since this one read it.
+            self._state = self._load()
         done = self._state.finished.get(str(spec.decision_id))
         if done is not None:
             yield _progress_from(done)

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from services.common.clock import Clock
 from services.scaler.errors import JobNotFound
-from services.scaler.store import decisions, jobs, pages, rollups
+from services.scaler.store import decisions, jobs, leases, pages, rollups
 from services.scaler.store.records import (
     DecisionDetailRecord,
     DecisionPage,
@@ -124,6 +124,27 @@ class DecisionStore:
             session.close()
             for q, w in zip(quiet, was, strict=True):
                 q.disabled = w
+
+    # -- leader lease ----------------------------------------------------------------
+
+    async def try_lease(self, name: str, address: str, *, duration_s: float) -> leases.LeaseRecord:
+        now = self.now()
+        return await self._run(
+            lambda s: leases.try_lease(
+                s, name, self.owner_id, address, duration_s=duration_s, now=now
+            ),
+            what=f"lease {name}",
+        )
+
+    async def release_lease(self, name: str) -> bool:
+        now = self.now()
+        return await self._run(
+            lambda s: leases.release_lease(s, name, self.owner_id, now=now),
+            what=f"release lease {name}",
+        )
+
+    async def read_lease(self, name: str) -> leases.LeaseRecord | None:
+        return await self._run(lambda s: leases.read_lease(s, name), write=False)
 
     # -- jobs ----------------------------------------------------------------------
 

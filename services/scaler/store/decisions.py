@@ -95,7 +95,11 @@ def create_decision(
     )
     session.add(row)
     flush(session, f"create decision for job {job_id}")
-    session.add(DecisionEvent(decision_id=row.id, state=row.state, at=now, detail=message))
+    session.add(
+        DecisionEvent(
+            decision_id=row.id, state=row.state, at=now, detail=message, owner_epoch=epoch
+        )
+    )
     flush(session, f"create decision event for job {job_id}")
     logger.info(
         "decision %d for job %s: %d -> %d (%s, %s)",
@@ -175,7 +179,9 @@ def transition_decision(
         row.to_replicas = to_replicas
     if new_state in FINAL_STATES:
         row.ended_at = now
-    session.add(DecisionEvent(decision_id=row.id, state=row.state, at=now, detail=detail))
+    session.add(
+        DecisionEvent(decision_id=row.id, state=row.state, at=now, detail=detail, owner_epoch=epoch)
+    )
     flush(session, f"transition decision {decision_id}")
     if new_state in FINAL_STATES:
         _update_job_on_end(session, row, new_state, now)

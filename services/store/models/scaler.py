@@ -107,8 +107,26 @@ class DecisionEvent(Base):
     state: Mapped[str] = mapped_column(String(16))
     at: Mapped[datetime] = mapped_column(UTCDateTime)
     detail: Mapped[str] = mapped_column(Text)
+    # The job's owner epoch the writer held (0 for rows from before 0006): an audit
+    # of fencing, since a job's events must never go back to an older epoch.
+    owner_epoch: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
     __table_args__ = (Index("ix_decision_events_decision_id_at", "decision_id", "at"),)
+
+
+class LeaderLease(Base):
+    """Who leads among the scaler replicas (leader election without Kubernetes)."""
+
+    __tablename__ = "leader_leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(255))
+    address: Mapped[str] = mapped_column(String(255))
+    # Incremented at every change of holder: a fencing token for the lease itself.
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    acquired_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    renewed_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
 class UtilizationRollup(Base):

@@ -1,0 +1,324 @@
+"""Failover of the scaler (two replicas, one leader) and of the coordinator
+(reliability catalog T08; docs/reliability.md).
+
+    python -m bench.failover [--quick] [--pg-url URL]
+
+Scaler: two replicas of ``python -m services.testing.scaler`` with
+``--leader-election sql`` on one PostgreSQL schema, sharing the actuator's file
+and the in-memory coordinator's state file (the cluster and the coordinator,
+which outlive any scaler). A driver asks for resizes of one job, 2 -> 3 -> 2 ...,
+through whichever replica is ready, and records every decision acknowledged.
+The leader is SIGSTOPped mid-run; the follower must lead within lease + renew
++ 1 s (``failover_s``, from the SIGSTOP to the follower's health SERVING). The
+old leader is then SIGCONTed: it must find its lease gone and exit, and
+nothing it writes may land.
+
+- ``stale_writes_accepted``: decision events of the job written with an owner
+  epoch older than one already written before them (each event carries the
+  epoch its writer held; fencing must keep them non-decreasing);
+- ``double_actuations``: decisions whose replica change reached the actuator
+  more than once;
+- ``decisions_lost``: acknowledged decisions missing from the store.
+
+Coordinator: it has no standby of its own yet; ``coordinator_failover_s`` is a
+cold one: SIGKILL, a new process on the same store, until a member that was
+registered before gets its heartbeat answered (its state came from SQL). The
+baseline of the run is the lease itself: ``failover_over_bound`` is
+failover_s / (lease + renew + 1 s), which must stay at most 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import grpc
+import sqlalchemy as sa
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tide.v1 import coordinator_pb2 as cpb
+from tide.v1 import coordinator_pb2_grpc as cpb_grpc
+from tide.v1 import scaler_pb2, scaler_pb2_grpc
+
+from services.testing.actuators import read_changes
+from tidebase.listening import parse_listening
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = "ns/failover"
+LEASE_S = 6.0
+RENEW_S = 2.0
+T = 3.0
+
+
+def _start(args: list[str], log: Path | None = None) -> tuple[subprocess.Popen[str], str]:
+    err = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True
+    )
+    assert proc.stdout is not None
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"{args[1]} did not start")
+        ports = parse_listening(line)
+        if ports is not None:
+            return proc, f"127.0.0.1:{ports.grpc_port}"
+
+
+def _serving(target: str) -> bool:
+    try:
+        with grpc.insecure_channel(target) as ch:
+            stub: Any = health_pb2_grpc.HealthStub(ch)  # grpcio-health ships no stub types
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+    except grpc.RpcError:
+        return False
+    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _wait(cond: Any, timeout_s: float, what: str, logs: Path | None = None) -> float:
+    started = time.monotonic()
+    while not cond():
+        if time.monotonic() - started > timeout_s:
+            tails = ""
+            for log in sorted(logs.glob("*.log")) if logs is not None else []:
+                tails += f"\n--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-40:])
+            raise SystemExit(f"timed out waiting for {what}{tails}")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def _replica(url: str, tmp: Path, owner: str) -> tuple[subprocess.Popen[str], str]:
+    return _start(
+        [
+            "-m",
+            "services.testing.scaler",
+            "--coordinator",
+            "memory",
+            "--coordinator-state-file",
+            str(tmp / "coordinator.json"),
+            "--actuator",
+            f"file:{tmp / 'actuator.jsonl'}",
+            "--db",
+            url,
+            "--listen",
+            "127.0.0.1:0",
+            "--owner-id",
+            owner,
+            "--leader-election",
+            "sql",
+            "--lease-duration-s",
+            str(LEASE_S),
+            "--lease-renew-s",
+            str(RENEW_S),
+            "--min-replicas",
+            "1",
+            "--log-level",
+            "WARNING",
+        ],
+        log=tmp / f"{owner}.log",
+    )
+
+
+class Driver(threading.Thread):
+    """Asks for 2 -> 3 -> 2 ... through whichever replica answers; records acks."""
+
+    def __init__(self, targets: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.targets = targets
+        self.acked: list[int] = []
+        self.refused = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        channels = [grpc.insecure_channel(t) for t in self.targets]
+        stubs = [scaler_pb2_grpc.ScalerStub(c) for c in channels]
+        want = 3
+        while not self.stop.is_set():
+            for stub in stubs:
+                try:
+                    job = stub.GetJob(scaler_pb2.GetJobRequest(job_id=JOB), timeout=T)
+                    if job.active_decision_id:
+                        break
+                    d = stub.RequestResize(
+                        scaler_pb2.RequestResizeRequest(
+                            job_id=JOB, replicas=want, reason="failover bench", requested_by="b"
+                        ),
+                        timeout=T,
+                    )
+                    self.acked.append(d.id)
+                    want = 5 - want
+                    break
+                except grpc.RpcError:
+                    self.refused += 1  # a paused leader, or a follower: try the other
+            time.sleep(0.2)
+        for c in channels:
+            c.close()
+
+
+def scaler_failover(url: str, tmp: Path, engine: sa.Engine) -> dict[str, Any]:
+    a, a_target = _replica(url, tmp, "replica-a")
+    _wait(lambda: _serving(a_target), 30, "replica a to lead", tmp)
+    b, b_target = _replica(url, tmp, "replica-b")
+    try:
+        assert not _serving(b_target), "the second replica must follow"
+        with grpc.insecure_channel(a_target) as ch:
+            scaler_pb2_grpc.ScalerStub(ch).UpsertJob(
+                scaler_pb2.UpsertJobRequest(job_id=JOB, initial_replicas=2), timeout=T
+            )
+        driver = Driver([a_target, b_target])
+        driver.start()
+        _wait(lambda: len(driver.acked) >= 4, 60, "decisions before the pause", tmp)
+        os.kill(a.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        failover_s = _wait(lambda: _serving(b_target), 30, "replica b to lead", tmp)
+        before = len(driver.acked)
+        _wait(lambda: len(driver.acked) >= before + 4, 60, "decisions after the failover", tmp)
+        os.kill(a.pid, signal.SIGCONT)
+        a_rc = a.wait(timeout=30)
+        driver.stop.set()
+        driver.join(timeout=30)
+        with grpc.insecure_channel(b_target) as ch:
+            stub = scaler_pb2_grpc.ScalerStub(ch)
+            _wait(
+                lambda: (
+                    stub.GetJob(scaler_pb2.GetJobRequest(job_id=JOB), timeout=T).active_decision_id
+                    == 0
+                ),
+                60,
+                "the last decision to end",
+            )
+    finally:
+        for p in (a, b):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)
+            p.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=20)
+    with engine.connect() as conn:
+        ids = {r[0] for r in conn.execute(sa.text("SELECT id FROM decisions"))}
+        events = conn.execute(
+            sa.text(
+                "SELECT e.owner_epoch FROM decision_events e JOIN decisions d"
+                " ON d.id = e.decision_id WHERE d.job_id = :j ORDER BY e.id"
+            ),
+            {"j": JOB},
+        ).all()
+    stale, high = 0, 0
+    for (epoch,) in events:
+        if epoch < high:
+            stale += 1
+        high = max(high, epoch)
+    changes = [c for c in read_changes(tmp / "actuator.jsonl") if c.old != c.new]
+    per_decision: dict[int, list[tuple[int, int]]] = {}
+    for c in changes:
+        per_decision.setdefault(c.decision_id, []).append((c.old, c.new))
+    if any(len(ch) > 1 for ch in per_decision.values()):
+        print((tmp / "actuator.jsonl").read_text(), file=sys.stderr)
+    bound_s = LEASE_S + RENEW_S + 1.0
+    return {
+        "failover_s": round(failover_s, 2),
+        "failover_bound_s": bound_s,
+        "failover_over_bound": round(failover_s / bound_s, 3),
+        "stale_writes_accepted": stale,
+        # The same change applied twice for one decision (an aborted grow's way back
+        # to where it was is a second, different change, not a double).
+        "double_actuations": sum(
+            1 for ch in per_decision.values() if len(ch) != len({new for _, new in ch})
+        ),
+        "decisions_with_several_changes": {
+            str(d): ch for d, ch in per_decision.items() if len(ch) > 1
+        },
+        "decisions_lost": len(set(driver.acked) - ids),
+        "decisions_acked": len(driver.acked),
+        "old_leader_exit_code": a_rc,
+        "stopped_for_s": round(time.monotonic() - stopped, 1),
+        "calls_refused_during_failover": driver.refused,
+    }
+
+
+def coordinator_failover(tmp: Path) -> float:
+    db_url = f"sqlite:///{tmp / 'coordinator.db'}"
+    args = ["-m", "services.coordinator", "--db", db_url, "--log-level", "ERROR"]
+    first, target = _start([*args, "--listen", "127.0.0.1:0"])
+    port = target.rpartition(":")[2]
+    with grpc.insecure_channel(target) as ch:
+        member = (
+            cpb_grpc.CoordinatorStub(ch)
+            .Register(
+                cpb.RegisterRequest(
+                    job_id="ns/c",
+                    pod_name="c-0",
+                    host="127.0.0.1",
+                    launcher_id="l-0",
+                    free_port=40000,
+                ),
+                timeout=T,
+            )
+            .member_id
+        )
+    first.kill()
+    first.wait(timeout=10)
+    killed = time.monotonic()
+    second, target = _start([*args, "--listen", f"127.0.0.1:{port}"])
+    try:
+        with grpc.insecure_channel(target) as ch:
+            stub = cpb_grpc.CoordinatorStub(ch)
+
+            def beats() -> bool:
+                try:
+                    stub.Heartbeat(cpb.HeartbeatRequest(member_id=member), timeout=T)
+                except grpc.RpcError:
+                    return False
+                return True
+
+            _wait(beats, 30, "the member's heartbeat on the new coordinator")
+        return time.monotonic() - killed
+    finally:
+        second.terminate()
+        second.wait(timeout=20)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one failover (the default)")
+    ap.add_argument(
+        "--pg-url",
+        default=os.environ.get(
+            "TIDE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+        ),
+    )
+    args = ap.parse_args(argv)
+    admin = sa.create_engine(args.pg_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    schema = f"failover_{uuid.uuid4().hex[:10]}"
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    sep = "&" if "?" in args.pg_url else "?"
+    url = f"{args.pg_url}{sep}options={quote(f'-csearch_path={schema}')}"
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = scaler_failover(url, Path(tmp), engine)
+            result["coordinator_failover_s"] = round(coordinator_failover(Path(tmp)), 2)
+    finally:
+        engine.dispose()
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.dispose()
+    print(json.dumps(result, indent=1), file=sys.stderr)
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+"""The leader lease in SQL (services/scaler/store/leases.py) on both engines, and
+the elector's rules over it with a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from services.scaler.leader import LeaderElector, LeaseSettings
+from services.scaler.store import DecisionStore
+from services.scaler.store.leases import LeaseRecord, read_lease, release_lease, try_lease
+from services.store import db
+from services.testing.clock import FakeClock
+from tidebase.errors import ConfigError, InvalidArgument
+
+pytestmark = pytest.mark.integration
+
+T0 = datetime(2026, 12, 3, 10, 0, 0, tzinfo=UTC)
+NAME = "tide-scaler"
+
+
+@pytest.fixture
+def factory(scaler_db_url: str) -> sessionmaker[Session]:
+    engine = db.make_engine(scaler_db_url)
+    yield db.make_session_factory(engine)
+    engine.dispose()
+
+
+def lease(
+    factory: sessionmaker[Session], holder: str, at: float, duration_s: float = 15.0
+) -> LeaseRecord:
+    now = T0 + timedelta(seconds=at)
+    return db.unit_of_work(
+        factory, lambda s: try_lease(s, NAME, holder, f"{holder}:1", duration_s=duration_s, now=now)
+    )
+
+
+def test_one_holder_until_the_lease_runs_out(factory: sessionmaker[Session]) -> None:
+    first = lease(factory, "a", 0)
+    assert (first.holder, first.epoch) == ("a", 1)
+    # b tries while a's lease runs: a keeps it, and b learns who leads.
+    assert lease(factory, "b", 5).holder == "a"
+    renewed = lease(factory, "a", 10)  # renewed: now good until 25
+    assert (renewed.holder, renewed.epoch) == ("a", 1)
+    assert lease(factory, "b", 20).holder == "a"
+    taken = lease(factory, "b", 25)
+    assert (taken.holder, taken.epoch, taken.address) == ("b", 2, "b:1")
+    # a, back from a pause, finds it taken and does not get it back.
+    assert lease(factory, "a", 26).holder == "b"
+
+
+def test_a_released_lease_is_taken_at_once(factory: sessionmaker[Session]) -> None:
+    lease(factory, "a", 0)
+    now = T0 + timedelta(seconds=1)
+    assert db.unit_of_work(factory, lambda s: release_lease(s, NAME, "a", now=now))
+    assert not db.unit_of_work(factory, lambda s: release_lease(s, NAME, "b", now=now))
+    assert lease(factory, "b", 1).holder == "b"
+    got = db.unit_of_work(factory, lambda s: read_lease(s, NAME), write=False)
+    assert got is not None and got.epoch == 2
+
+
+def test_bad_lease_requests_name_the_field(factory: sessionmaker[Session]) -> None:
+    with pytest.raises(InvalidArgument, match="holder"):
+        lease(factory, "", 0)
+    with pytest.raises(InvalidArgument, match="duration_s"):
+        lease(factory, "a", 0, duration_s=0)
+    with pytest.raises(ConfigError, match="lease_renew_s"):
+        LeaseSettings(duration_s=10, renew_s=10)
+
+
+async def test_electors_hand_over_when_the_leader_stops_renewing(scaler_db_url: str) -> None:
+    clock = FakeClock(T0.timestamp())
+    engine = db.make_engine(scaler_db_url)
+    settings = LeaseSettings(duration_s=3.0, renew_s=1.0)
+    a = LeaderElector(DecisionStore(engine, "a", clock), clock, settings, address="a:1")
+    b = LeaderElector(DecisionStore(engine, "b", clock), clock, settings, address="b:1")
+    events: list[str] = []
+
+    async def elected(who: str, rec: LeaseRecord) -> None:
+        events.append(f"{who} leads at epoch {rec.epoch}")
+
+    def lost(who: str, why: str) -> None:
+        events.append(f"{who} lost")
+
+    try:
+        ta = asyncio.create_task(a.run(lambda r: elected("a", r), lambda w: lost("a", w)))
+        await a.wait_elected()
+        tb = asyncio.create_task(b.run(lambda r: elected("b", r), lambda w: lost("b", w)))
+        await asyncio.sleep(0.05)
+        assert a.may_act() and not b.may_act()
+        assert b.follower_message().startswith("following a at a:1")
+        ta.cancel()  # a stops renewing (dead, or paused)
+        clock.advance(3.5)  # past a's lease: a's own view agrees it may not act
+        assert not a.may_act()
+        await asyncio.wait_for(b.wait_elected(), 10)
+        assert events == ["a leads at epoch 1", "b leads at epoch 2"]
+        tb.cancel()
+    finally:
+        engine.dispose()
