@@ -15,6 +15,10 @@ each timed as a fresh process where the CLI is concerned:
 - ``history_full_table_s`` / ``history_full_csv_s``: the same with ``--all``,
   ``rows`` of them;
 - ``jobs_s``: ``tide jobs --db URL`` with 1,000 jobs;
+- the same three through the Scaler API (``..._grpc_s``): the real ScalerCore
+  and ScalerServicer on the store, served on 127.0.0.1 from a thread of this
+  process, and ``tide ... --scaler``: the everyday path, which imports no
+  SQLAlchemy;
 - ``version_s``: ``tide --version`` beside ``python_s`` (the interpreter alone)
   and ``import_sqlalchemy_s`` (what the lazy store import spares it);
 - ``startup_s``: a ScalerCore (in-memory coordinator and actuator) starting on
@@ -302,6 +306,89 @@ def measure_cli(url: str, runs: int) -> dict[str, Any]:
     return out
 
 
+@contextmanager
+def scaler_api(url: str) -> Iterator[str]:
+    """The real scaler's API over ``url`` (in-memory coordinator and actuator), served
+    from a thread with its own event loop; yields its address."""
+    import threading
+
+    from tide.v1 import scaler_pb2_grpc
+
+    from services.common.clock import SystemClock
+    from services.common.config import CommonSettings
+    from services.common.server import ServiceSpec, start_server
+    from services.scaler.service import ScalerCore
+    from services.scaler.servicer import ADMIN_METHODS, ScalerServicer
+    from services.scaler.store import DecisionStore
+    from services.store import db
+    from services.testing.actuators import InMemoryActuator
+    from services.testing.coordinator import InMemoryCoordinator
+
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    stop = asyncio.Event()
+    box: dict[str, Any] = {}
+
+    async def main() -> None:
+        engine = db.make_engine(url)
+        store = DecisionStore(engine, "bench-api", SystemClock())
+        core = ScalerCore(
+            store=store,
+            actuator=InMemoryActuator(),
+            coordinator=InMemoryCoordinator(),
+            clock=SystemClock(),
+        )
+        try:
+            await core.start()
+            server = await start_server(
+                CommonSettings(listen="127.0.0.1:0"),
+                [
+                    ServiceSpec(
+                        scaler_pb2_grpc.add_ScalerServicer_to_server,
+                        ScalerServicer(core),
+                        "tide.v1.Scaler",
+                    )
+                ],
+                admin_methods=ADMIN_METHODS,
+            )
+            box["port"] = server.port
+            ready.set()
+            await stop.wait()
+            await server.stop(0)
+        except BaseException as exc:
+            box["error"] = exc
+            ready.set()
+            raise
+        finally:
+            await core.close()
+            engine.dispose()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    ready.wait(120)
+    if "port" not in box:
+        raise SystemExit(f"the scaler did not start: {box.get('error')}")
+    try:
+        yield f"127.0.0.1:{box['port']}"
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(60)
+
+
+def measure_api(url: str, runs: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    since = f"{DAYS + 1}d"
+    with scaler_api(url) as target:
+        out["history_first_page_grpc_s"] = _best(
+            runs, lambda: _cli("history", BUSY, "--scaler", target, "--since", since)[0]
+        )
+        out["history_full_table_grpc_s"] = _best(
+            runs, lambda: _cli("history", BUSY, "--scaler", target, "--since", since, "--all")[0]
+        )
+        out["jobs_grpc_s"] = _best(runs, lambda: _cli("jobs", "--scaler", target)[0])
+    return out
+
+
 def measure_render() -> dict[str, float]:
     """The same rows drawn by rich (every table on a terminal, before) and plain."""
     from rich.console import Console
@@ -482,6 +569,7 @@ def main() -> None:
         result.update(measure_queries(url))
         result.update(asyncio.run(measure_scaler(url, total)))
         result.update(measure_cli(url, runs))
+        result.update(measure_api(url, runs))
         result.update(measure_render())
 
     if args.sqlite:

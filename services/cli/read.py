@@ -188,10 +188,11 @@ def print_history(
 
 
 class HistoryPrinter:
-    """Prints `tide history` as its pages arrive. Tables and csv stream: once more
-    rows than one page's worth have come, they go out plain, page by page, instead
-    of waiting for the last page (a busy job has 20,000 decisions in 90 days). A
-    document (json, yaml, jsonpath) is one value and is printed at the end."""
+    """Prints `tide history` as its pages arrive. csv streams from the first page; a
+    table is held (and drawn by rich on a terminal) until more than RICH_MAX_ROWS
+    rows have come, then goes out plain, page by page, instead of waiting for the
+    last page (a busy job has 20,000 decisions in 90 days). A document (json, yaml,
+    jsonpath) is one value and is printed at the end."""
 
     def __init__(self, out: Output, *, job_id: str, lo: Any, hi: Any, no_headers: bool) -> None:
         self.out = out

@@ -195,6 +195,43 @@ async def test_termination_notice_shrinks_off_the_node(rig: Rig) -> None:
     assert rig.coordinator.calls[0].leaving_pods == ("uid-a-1",)
 
 
+async def test_an_evaluation_reads_only_the_jobs_own_nodes(rig: Rig) -> None:
+    # A thousand nodes of other work: a job's evaluation must not walk them.
+    engine = rig.core.engine
+    for i in range(1000):
+        st = engine.open_stream()
+        engine.process(st, report(f"other-{i}", 1, t=rig.clock.now(), utils=[50.0] * 8))
+        engine.close_stream(st)
+    feed(rig, 35, 95.0)
+    visited: list[str] = []
+
+    class Counting(dict[str, Any]):
+        def values(self) -> Any:
+            visited.extend(self)
+            return super().values()
+
+        def items(self) -> Any:
+            visited.extend(self)
+            return super().items()
+
+    engine.job_nodes["ns/a"] = Counting(engine.job_nodes["ns/a"])
+
+    def fleet(now: float) -> dict[str, int]:
+        raise AssertionError("a single job's evaluation counted the whole fleet")
+
+    class Fleet(dict[str, Any]):
+        def values(self) -> Any:
+            raise AssertionError("a single job's evaluation walked every node")
+
+        items = values
+
+    engine.fresh_gpus = fleet  # type: ignore[method-assign]
+    engine.nodes = Fleet(engine.nodes)
+    d = await rig.core.evaluate("ns/a")
+    assert d.reason is Reason.SUSTAINED_HIGH_UTILIZATION
+    assert set(visited) == {"n1"}
+
+
 async def test_manual_resize_and_pause(rig: Rig) -> None:
     await rig.core.set_autoscaling("ns/a", True, "maintenance")
     feed(rig, 35, 95.0)

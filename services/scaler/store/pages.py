@@ -12,10 +12,10 @@ from datetime import datetime
 from typing import Final
 
 from sqlalchemy import ColumnElement, and_, or_, select
-from sqlalchemy.orm import Session, defer
+from sqlalchemy.orm import Session
 
 from services.scaler.store.records import DecisionPage, DecisionState
-from services.scaler.store.rows import aware, decision_record
+from services.scaler.store.rows import DECISIONS, aware, decision_record
 from services.store.models.scaler import Decision
 from tidebase.errors import InvalidArgument
 
@@ -78,12 +78,14 @@ def list_decisions(
                 and_(Decision.created_at == cursor.created_at, Decision.id < cursor.id),
             )
         )
-    query = select(Decision)
-    if not with_inputs:
-        query = query.options(defer(Decision.inputs, raiseload=True))
+    # Plain rows, not ORM objects: a page is read and dropped, and building 500
+    # entities in the identity map cost more than the query (bench/history.py).
+    table = DECISIONS
+    columns = [c for c in table.c if with_inputs or c.name != "inputs"]
     rows = list(
-        session.scalars(
-            query.where(*conditions)
+        session.execute(
+            select(*columns)
+            .where(*conditions)
             .order_by(Decision.created_at.desc(), Decision.id.desc())
             .limit(page_size + 1)
         )

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Final, cast
 
-from sqlalchemy import Table, Update
+from sqlalchemy import Row, Table, Update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.exc import StaleDataError
@@ -33,6 +33,7 @@ from tidebase.errors import InvalidArgument
 
 # Core handles for the UPDATEs that must not go through the ORM's version check.
 JOBS: Final = cast(Table, Job.__table__)
+DECISIONS: Final = cast(Table, Decision.__table__)
 ROLLUPS: Final = cast(Table, UtilizationRollup.__table__)
 SECONDS: Final = cast(Table, UtilizationSeconds.__table__)
 
@@ -58,7 +59,8 @@ def job_record(row: Job) -> JobRecord:
     )
 
 
-def decision_record(row: Decision, *, with_inputs: bool = True) -> DecisionRecord:
+def decision_record(row: Decision | Row[Any], *, with_inputs: bool = True) -> DecisionRecord:
+    """The record of an ORM row or of a plain row of the same columns (pages)."""
     return DecisionRecord(
         id=row.id,
         job_id=row.job_id,
