@@ -18,7 +18,7 @@ from services.common.metrics import register_build_info
 from services.common.server import ServiceSpec, serve
 from services.coordinator.engine import Coordinator
 from services.coordinator.metrics import CoordinatorMetrics
-from services.coordinator.servicer import ADMIN_METHODS, SERVICE_NAME, CoordinatorServicer
+from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer, rules
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.sql_store import SqlStore
 from services.store import db
@@ -49,7 +49,7 @@ async def _run(settings: CoordinatorSettings) -> None:
                 SERVICE_NAME,
             )
         ],
-        admin_methods=ADMIN_METHODS,
+        rules=rules(coordinator),
         background=[coordinator.run],
         on_shutdown=[close_db],
     )

@@ -19,7 +19,7 @@ from tidebase.client import open_channel
 
 async def run(settings: ScalerSettings) -> None:
     clock = SystemClock()
-    channel = open_channel(settings.coordinator)
+    channel = open_channel(settings.coordinator, credentials=settings.credentials())
     await serve_scaler(
         settings,
         actuator=make_actuator(

@@ -24,7 +24,7 @@ from services.scaler.coordination import CoordinatorClient
 from services.scaler.lifecycle import FaultHook
 from services.scaler.metrics import IngestCollector, ScalerMetrics
 from services.scaler.service import ScalerCore
-from services.scaler.servicer import ADMIN_METHODS, ScalerServicer, TelemetryServicer
+from services.scaler.servicer import RULES, ScalerServicer, TelemetryServicer
 from services.scaler.settings import SWITCH_INTERVAL_S, ScalerSettings
 from services.scaler.store import DecisionStore
 from services.store import db
@@ -85,7 +85,7 @@ async def serve_scaler(
                 "tide.v1.Scaler",
             ),
         ],
-        admin_methods=ADMIN_METHODS,
+        rules=RULES,
         background=[core.run],
         on_shutdown=[shutdown],
     )

@@ -23,6 +23,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
+from services.common.guard import Kind, Role, Rule, Subject, caller, requested_by
 from services.common.rpc import rpc_errors
 from services.scaler.convert import (
     decision_to_proto,
@@ -44,14 +45,27 @@ logger = logging.getLogger(__name__)
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
-#: Admin calls: the common server checks the bearer token on these.
-ADMIN_METHODS = frozenset(
-    {
-        "/tide.v1.Scaler/UpsertJob",
-        "/tide.v1.Scaler/RequestResize",
-        "/tide.v1.Scaler/SetAutoscaling",
-    }
-)
+_SCALER = "/tide.v1.Scaler/"
+#: Who may call what (services.common.guard): agents stream telemetry for their own
+#: node only; the Scaler API has viewer, operator and admin roles.
+RULES = {
+    "/tide.v1.Telemetry/Stream": Rule(
+        frozenset({Kind.AGENT}), subject=lambda r: Subject(node=r.node_name)
+    ),
+    **{
+        _SCALER + m: Rule(role=Role.VIEWER)
+        for m in (
+            "ListJobs",
+            "GetJob",
+            "ListDecisions",
+            "GetDecision",
+            "ListUtilization",
+            "WatchDecisions",
+        )
+    },
+    **{_SCALER + m: Rule(role=Role.OPERATOR) for m in ("RequestResize", "SetAutoscaling")},
+    _SCALER + "UpsertJob": Rule(role=Role.ADMIN),
+}
 
 #: ListUtilization: the range when `since` is unset, and the longest one call may span
 #: (one week of minutes, 10,080 points; proto/tide/v1/scaler.proto).
@@ -191,7 +205,10 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
         self, request: scaler_pb2.RequestResizeRequest, context: Ctx
     ) -> scaler_pb2.Decision:
         d = await self.core.request_resize(
-            request.job_id, request.replicas, request.reason, request.requested_by
+            request.job_id,
+            request.replicas,
+            request.reason,
+            requested_by(caller(), request.requested_by),
         )
         return decision_to_proto(d)
 
@@ -228,7 +245,7 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
             self.core.unsubscribe(q)
 
 
-__all__ = ["ADMIN_METHODS", "ScalerServicer"]
+__all__ = ["RULES", "ScalerServicer"]
 
 
 class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):

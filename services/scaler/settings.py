@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from services.common.config import CommonSettings, setting
+from services.common.config import ClientSettings, CommonSettings, setting
 from services.scaler.actuators import parse_actuator
 from services.scaler.ingest import IngestSettings
 from services.scaler.policy import PolicySettings
@@ -33,8 +33,9 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True)
-class ScalerSettings(CommonSettings):
-    """Settings of `python -m services.scaler`."""
+class ScalerSettings(CommonSettings, ClientSettings):
+    """Settings of `python -m services.scaler`. The client settings (tls_ca_file,
+    tls_client_cert_file, ...) are what it presents to the coordinator."""
 
     db: str = setting(
         DEFAULT_DB, "SQLAlchemy URL of the store (SQLite file, its directory made if missing)"
@@ -117,6 +118,7 @@ class ScalerSettings(CommonSettings):
             raise ConfigError(f"total_gpus={self.total_gpus!r}: must be >= 0")
         self.check_coordinator()
         self.check_actuator()
+        self.credentials()
 
     def check_coordinator(self) -> None:
         # A scaler without a real coordinator would record resizes nobody carried out.

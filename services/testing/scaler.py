@@ -98,7 +98,7 @@ async def run(settings: TestScalerSettings) -> None:
             follow_actuator(memory, actuator)
         coordinator = memory
     else:
-        channel = open_channel(settings.coordinator)
+        channel = open_channel(settings.coordinator, credentials=settings.credentials())
         coordinator = GrpcCoordinatorClient(channel)
         on_shutdown.append(channel.close)
     await serve_scaler(

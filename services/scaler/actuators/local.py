@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.clock import Clock, SystemClock
+from tidebase.credentials import CLIENT_ENV
 from tidebase.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
 
 logger = logging.getLogger(__name__)
@@ -323,7 +324,8 @@ class LocalActuator:
             *spec.command,
         ]
         env = {
-            **os.environ,
+            # The scaler's own client credentials are not the pod's.
+            **{k: v for k, v in os.environ.items() if k not in CLIENT_ENV},
             **spec.env,
             "POD_NAME": name,
             "TIDE_POD_INDEX": str(index),
