@@ -33,12 +33,12 @@ from services.scaler.convert import (
     policy_to_proto,
     window_to_proto,
 )
-from services.scaler.ingest import IngestEngine, InvalidStream
+from services.scaler.ingest import IngestEngine, InvalidStream, StreamConflict
 from services.scaler.lifecycle import state_from_proto, state_to_proto
 from services.scaler.service import ScalerCore
 from services.scaler.store import JobRecord
 from services.store.db import utc_from_epoch
-from tidebase.errors import InvalidArgument
+from tidebase.errors import InvalidArgument, grpc_status_of
 from tidebase.timeconv import field_datetime, ts_from_datetime, ts_from_seconds
 
 logger = logging.getLogger(__name__)
@@ -315,10 +315,10 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                 # grpc hands a parse failure to the handler; it is the peer's fault.
                 raise engine.malformed(stream, str(exc)) from exc
             await send()
-        except InvalidStream as exc:
+        except (InvalidStream, StreamConflict) as exc:
             node = stream.node.name if stream.node is not None else "?"
             logger.warning("node %s: telemetry stream refused: %s", node, exc, extra={"node": node})
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc_status_of(exc), str(exc))
         finally:
             flush_task.cancel()
             engine.close_stream(stream)

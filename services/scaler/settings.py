@@ -67,6 +67,10 @@ class ScalerSettings(CommonSettings, ClientSettings):
     max_clock_skew_s: float = setting(
         _INGEST.max_clock_skew_s, "reports further in the future are dropped"
     )
+    max_report_age_s: float = setting(
+        _INGEST.max_report_age_s,
+        "reports sampled longer ago than this are dropped (an agent buffers minutes, not days)",
+    )
     report_interval_s: float = setting(
         _INGEST.report_interval_s, "asked of agents in acks; 0 keeps theirs"
     )
@@ -144,6 +148,7 @@ class ScalerSettings(CommonSettings, ClientSettings):
         return IngestSettings(
             max_gpus_per_node=self.max_gpus_per_node,
             max_clock_skew_s=self.max_clock_skew_s,
+            max_report_age_s=self.max_report_age_s,
             stale_after_s=self.stale_after_s,
             report_interval_s=self.report_interval_s,
         )

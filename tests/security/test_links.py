@@ -3,6 +3,7 @@ identity may do what it is for, and each forged or unauthenticated shape is refu
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from tide.v1 import coordinator_pb2_grpc as cpb_grpc
 from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 from services.common.pki import CertificateAuthority
+from services.scaler.ingest import Rejection
 from services.testing.stack import Stack, start_stack
 from tidebase.errors import NotFound
 from tidebase.timeconv import ts_from_seconds
@@ -174,3 +176,44 @@ async def test_the_scaler_reaches_the_coordinator_with_its_own_certificate(stack
     # ...and so does its own link, the real client (a refusal would not be NotFound).
     with pytest.raises(NotFound):
         await stack.core.coordinator.job_status("ns/none")
+
+
+@pytest.mark.parametrize("tls", [True, False], ids=["mtls", "insecure"])
+async def test_a_second_live_stream_for_a_node_is_a_conflict_never_a_merge(
+    tmp_path: Path, tls: bool
+) -> None:
+    s = await start_stack(tmp_path, tls=tls)
+    try:
+        agent = s.ca.agent("node-a") if s.ca is not None else None
+        async with s.channel(s.scaler_target, agent) as ch:
+            stub = telemetry_pb2_grpc.TelemetryStub(ch)
+            first: asyncio.Queue[telemetry_pb2.NodeReport | None] = asyncio.Queue()
+
+            async def feed() -> AsyncIterator[telemetry_pb2.NodeReport]:
+                while (r := await first.get()) is not None:
+                    yield r
+
+            live = stub.Stream(feed(), timeout=T)
+            await first.put(_report("node-a"))
+            assert (await live.read()).acked_seq == 1
+            second = _report("node-a")
+            second.boot_id = "b2"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _stream(ch, second)
+            assert err.value.code() is grpc.StatusCode.ALREADY_EXISTS
+            await first.put(None)
+            assert await live.read() is grpc.aio.EOF
+        assert s.core.engine.nodes["node-a"].boot_id == "b1"
+        assert s.core.engine.rejected[Rejection.DUPLICATE_STREAM] == 1
+    finally:
+        await s.close()
+
+
+async def test_a_report_from_ten_years_ago_is_dropped(stack: Stack) -> None:
+    assert stack.ca is not None
+    old = _report("node-a")
+    old.sampled_at.FromSeconds(int(old.sampled_at.seconds - 10 * 365 * 86400))
+    async with stack.channel(stack.scaler_target, stack.ca.agent("node-a")) as ch:
+        assert await _stream(ch, old) == [1]
+    assert stack.core.engine.rejected[Rejection.TIMESTAMP_TOO_OLD] == 1
+    assert stack.core.engine.reports_accepted == 0
