@@ -42,7 +42,7 @@ _TLS = {
 SERVICES: dict[str, tuple[type[Any], frozenset[str]]] = {
     "scaler": (
         ScalerSettings,
-        frozenset(_SERVER | _TLS | {"coordinator", "actuator", "kube_namespaces"}),
+        frozenset(_SERVER | _TLS | {"coordinator", "actuator", "kube_namespaces", "local_ca_dir"}),
     ),
     "coordinator": (CoordinatorSettings, frozenset(_SERVER | _TLS)),
     "agent": (

@@ -16,6 +16,7 @@ from services.common.clock import SystemClock
 from services.common.entry import run_service
 from services.common.metrics import register_build_info
 from services.common.server import ServiceSpec, serve
+from services.common.validate import validate_request
 from services.coordinator.engine import Coordinator
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer, rules
@@ -50,6 +51,7 @@ async def _run(settings: CoordinatorSettings) -> None:
             )
         ],
         rules=rules(coordinator),
+        validate=validate_request,
         background=[coordinator.run],
         on_shutdown=[close_db],
     )

@@ -27,6 +27,7 @@ async def run(settings: ScalerSettings) -> None:
             coordinator=settings.coordinator,
             total_gpus=settings.total_gpus or None,
             clock=clock,
+            ca_dir=settings.local_ca_dir,
         ),
         coordinator=GrpcCoordinatorClient(channel),
         clock=clock,

@@ -18,6 +18,7 @@ from tide.v1 import scaler_pb2_grpc, telemetry_pb2_grpc
 from services.common.clock import Clock
 from services.common.metrics import register_build_info
 from services.common.server import ServiceSpec, serve
+from services.common.validate import validate_request
 from services.scaler.actuators import Actuator
 from services.scaler.actuators.counted import CountedActuator
 from services.scaler.coordination import CoordinatorClient
@@ -86,6 +87,7 @@ async def serve_scaler(
             ),
         ],
         rules=RULES,
+        validate=validate_request,
         background=[core.run],
         on_shutdown=[shutdown],
     )

@@ -47,6 +47,11 @@ class ScalerSettings(CommonSettings, ClientSettings):
         " machine, state under DIR)",
     )
     total_gpus: int = setting(0, "GPUs the actuator offers; 0 means unknown")
+    local_ca_dir: str = setting(
+        "",
+        "local actuator: a CA directory (ca.pem, ca-key.pem) that issues each local pod's"
+        " launcher certificate; empty: launchers dial the coordinator without TLS",
+    )
     owner_id: str = setting("", "this scaler's name in the fencing record; default host:pid")
     evaluate_interval_s: float = setting(1.0, "every job is evaluated at least this often")
     rollup_flush_interval_s: float = setting(15.0, "how often finished minutes go to SQL")

@@ -82,7 +82,11 @@ def make_actuator(settings: TestScalerSettings, clock: Clock) -> Actuator:
     if kind == "file":
         return FileActuator(Path(arg), total)
     return make_real_actuator(
-        settings.actuator, coordinator=settings.coordinator, total_gpus=total, clock=clock
+        settings.actuator,
+        coordinator=settings.coordinator,
+        total_gpus=total,
+        clock=clock,
+        ca_dir=settings.local_ca_dir,
     )
 
 
