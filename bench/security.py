@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import statistics
@@ -44,7 +45,7 @@ async def _ingest_round(stack: Any, seconds: float, round_no: int) -> float:
     from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
     engine = stack.core.engine
-    start = engine.reports_accepted
+    start: int = engine.reports_accepted
     stop_at = time.monotonic() + seconds
 
     async def agent(k: int) -> None:
@@ -66,14 +67,13 @@ async def _ingest_round(stack: Any, seconds: float, round_no: int) -> float:
                 report.sampled_at.GetCurrentTime()
                 await call.write(report)
             await call.done_writing()
-            try:
+            with contextlib.suppress(grpc.aio.AioRpcError):
                 await reader
-            except grpc.aio.AioRpcError:
-                pass
 
     t0 = time.monotonic()
     await asyncio.gather(*(agent(k) for k in range(AGENTS)))
-    return (engine.reports_accepted - start) / (time.monotonic() - t0)
+    accepted: int = engine.reports_accepted - start
+    return accepted / (time.monotonic() - t0)
 
 
 async def _drain(call: Any) -> None:
