@@ -37,19 +37,14 @@ def channel_options(
     return options
 
 
-class _TokenInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
+class _Token:
     """Adds ``authorization: Bearer <token>`` to every call, the token read from its
     file at each call (cheap: a stat), so a rotated token is sent from the next call on."""
 
     def __init__(self, credentials: ClientCredentials) -> None:
         self._creds = credentials
 
-    def _details(self, details: Any) -> Any:
+    def details(self, details: Any) -> Any:
         token = self._creds.token()
         if not token:
             return details
@@ -57,17 +52,32 @@ class _TokenInterceptor(
         metadata.append(("authorization", f"Bearer {token}"))
         return details._replace(metadata=grpc.aio.Metadata(*metadata))
 
+
+# grpc.aio files each interceptor under the first kind it is an instance of: one class each.
+class _UnaryUnary(_Token, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
+        return await continuation(self.details(details), request)
 
+
+class _UnaryStream(_Token, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
+        return await continuation(self.details(details), request)
 
+
+class _StreamUnary(_Token, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(self._details(details), requests)
+        return await continuation(self.details(details), requests)
 
+
+class _StreamStream(_Token, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(self._details(details), requests)
+        return await continuation(self.details(details), requests)
+
+
+def _token_interceptors(credentials: ClientCredentials) -> list[Any] | None:
+    if not credentials.token_file:
+        return None
+    return [cls(credentials) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
 
 
 def open_channel(
@@ -94,7 +104,7 @@ def open_channel(
         own_subchannels=own_subchannels,
         extra_options=extra_options,
     )
-    interceptors = [_TokenInterceptor(credentials)] if credentials.token_file else None
+    interceptors = _token_interceptors(credentials)
     if not credentials.tls_ca_file:
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
     c = credentials
