@@ -217,3 +217,39 @@ async def test_a_report_from_ten_years_ago_is_dropped(stack: Stack) -> None:
         assert await _stream(ch, old) == [1]
     assert stack.core.engine.rejected[Rejection.TIMESTAMP_TOO_OLD] == 1
     assert stack.core.engine.reports_accepted == 0
+
+
+async def test_out_of_range_timestamps_are_invalid_argument_naming_the_field(
+    stack: Stack,
+) -> None:
+    assert stack.ca is not None
+    async with stack.channel(stack.scaler_target, stack.ca.user("vera", "viewer")) as ch:
+        req = scaler_pb2.ListDecisionsRequest()
+        req.since.seconds = 2**62
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await scaler_pb2_grpc.ScalerStub(ch).ListDecisions(req, timeout=T)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert (err.value.details() or "").startswith("since.seconds:")
+    launcher = stack.ca.launcher("ns/job", "job-worker-0")
+    async with stack.channel(stack.coordinator_target, launcher) as ch:
+        stub = cpb_grpc.CoordinatorStub(ch)
+        member = (
+            await stub.Register(
+                cpb.RegisterRequest(
+                    job_id="ns/job", pod_name="job-worker-0", host="h", launcher_id="l", free_port=1
+                ),
+                timeout=T,
+            )
+        ).member_id
+        ack = cpb.AckRequest(member_id=member, directive_id="d")
+        ack.held_at.seconds = -(2**62)
+        beat = cpb.HeartbeatRequest(member_id=member)
+        beat.first_step_at.nanos = -5
+        for call, req, field in (
+            (stub.Ack, ack, "held_at.seconds"),
+            (stub.Heartbeat, beat, "first_step_at.nanos"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(req, timeout=T)
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert (err.value.details() or "").startswith(field + ":")
