@@ -45,6 +45,8 @@ bench: setup
 	$(PY) -m bench.coordinator --quick
 	$(PY) -m bench.rescale --quick
 	$(PY) -m bench.simulate --quick
+	$(PY) -m bench.soak --quick
+	$(PY) -m bench.history --quick
 	$(PY) -m bench.security --quick
 
 clean:

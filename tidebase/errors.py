@@ -44,6 +44,11 @@ class Unavailable(TideError):
     """A dependency (database, coordinator, API server) cannot be reached; retry later."""
 
 
+class StoreUnavailable(Unavailable):
+    """The service's own database cannot be reached or written: nothing was done,
+    and the same work can run again once the store is back."""
+
+
 class DeadlineExceeded(TideError):
     """A barrier or a wait ran past its deadline."""
 

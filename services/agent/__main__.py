@@ -112,10 +112,12 @@ async def run(settings: AgentSettings, stop: asyncio.Event | None = None) -> int
         with_context(logger, node=settings.node_name).error("%s", exc)
         return 1
     finally:
-        # The agent may stop before the task above ran (a quick final flush), so
-        # NOT_SERVING is entered here too (it is idempotent) before the grace period.
-        draining.cancel()
-        await edge.enter_shutdown()
+        # Let the task above finish rather than cancel it: grpc's
+        # enter_graceful_shutdown sets its "shutting down" flag before it publishes
+        # NOT_SERVING, so a cancel between the two leaves health SERVING for good
+        # (a second call returns at once) and probes never see the drain.
+        stop.set()
+        await draining
         await edge.stop(settings.grace_period_s)
     # A task that died is a failure even though the final report went out: let
     # the kubelet restart us.

@@ -9,7 +9,7 @@ questions asked when the scaler is down or gone (an incident review, a
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, cast
@@ -25,7 +25,8 @@ from tidebase.timeconv import ts_from_datetime
 
 logger = logging.getLogger(__name__)
 
-#: ListDecisions page size the CLI asks for; the API caps pages at 1000.
+#: ListDecisions page size the CLI asks for (`tide history --chunk-size`, kubectl's
+#: default); the API caps pages at 1000.
 PAGE_SIZE = 500
 
 #: The API's limit on GetDecision.context_minutes.
@@ -110,6 +111,34 @@ class GrpcScaler:
         )
         return job
 
+    async def decision_pages(
+        self,
+        job_id: str,
+        since: datetime | None,
+        until: datetime | None,
+        states: Sequence[int],
+        *,
+        page_size: Callable[[], int] = lambda: PAGE_SIZE,
+    ) -> AsyncIterator[tuple[list[scaler_pb2.Decision], bool]]:
+        """The decisions one ListDecisions page at a time, newest first, each with
+        whether more follow; ``page_size`` is asked before each call (a reader with a
+        limit asks for no more than it still wants)."""
+        token = ""
+        while True:
+            req = scaler_pb2.ListDecisionsRequest(
+                job_id=job_id,
+                page_size=page_size(),
+                page_token=token,
+                since=ts_from_datetime(since),
+                until=ts_from_datetime(until),
+            )
+            req.states.extend(cast(Any, states))
+            resp = await self._call(self.stub.ListDecisions, req)
+            token = resp.next_page_token
+            yield list(resp.decisions), bool(token)
+            if not token:
+                return
+
     async def list_decisions(
         self,
         job_id: str,
@@ -118,21 +147,9 @@ class GrpcScaler:
         states: Sequence[int],
     ) -> list[scaler_pb2.Decision]:
         out: list[scaler_pb2.Decision] = []
-        token = ""
-        while True:
-            req = scaler_pb2.ListDecisionsRequest(
-                job_id=job_id,
-                page_size=PAGE_SIZE,
-                page_token=token,
-                since=ts_from_datetime(since),
-                until=ts_from_datetime(until),
-            )
-            req.states.extend(cast(Any, states))
-            resp = await self._call(self.stub.ListDecisions, req)
-            out.extend(resp.decisions)
-            token = resp.next_page_token
-            if not token:
-                return out
+        async for page, _ in self.decision_pages(job_id, since, until, states):
+            out.extend(page)
+        return out
 
     async def get_decision(
         self, decision_id: int, context_minutes: int
@@ -287,11 +304,13 @@ class SqlHistory:
         from services.scaler import store
 
         def q(s: Any) -> list[scaler_pb2.Job]:
-            out = []
-            for r in store.list_jobs(s):
-                active = store.active_decision(s, r.job_id)
-                out.append(self._job(r, active.id if active else 0))
-            return out
+            # Two queries whatever the number of jobs: the jobs, and every open
+            # decision off the partial index (docs/store.md).
+            active = store.active_decisions(s)
+            return [
+                self._job(r, active[r.job_id].id if r.job_id in active else 0)
+                for r in store.list_jobs(s)
+            ]
 
         result: list[scaler_pb2.Job] = self._read(q)
         return result
@@ -306,6 +325,42 @@ class SqlHistory:
         result: scaler_pb2.Job = self._read(q)
         return result
 
+    async def decision_pages(
+        self,
+        job_id: str,
+        since: datetime | None,
+        until: datetime | None,
+        states: Sequence[int],
+        *,
+        page_size: Callable[[], int] = lambda: PAGE_SIZE,
+    ) -> AsyncIterator[tuple[list[scaler_pb2.Decision], bool]]:
+        """As GrpcScaler's: one keyset page per read transaction."""
+        from services.scaler import store
+        from services.scaler.convert import decision_to_proto
+        from services.scaler.lifecycle import state_from_proto
+
+        wanted = [state_from_proto(v) for v in states]
+        token = ""
+        while True:
+
+            def q(s: Any, token: str = token) -> Any:
+                return store.list_decisions(
+                    s,
+                    job_id=job_id,
+                    since=since,
+                    until=until,
+                    states=wanted,
+                    page_size=page_size(),
+                    page_token=token,
+                    with_inputs=False,
+                )
+
+            page = self._read(q)
+            token = page.next_page_token
+            yield [decision_to_proto(r) for r in page.decisions], bool(token)
+            if not token:
+                return
+
     async def list_decisions(
         self,
         job_id: str,
@@ -313,32 +368,10 @@ class SqlHistory:
         until: datetime | None,
         states: Sequence[int],
     ) -> list[scaler_pb2.Decision]:
-        from services.scaler import store
-        from services.scaler.convert import decision_to_proto
-        from services.scaler.lifecycle import state_from_proto
-
-        wanted = [state_from_proto(v) for v in states]
-
-        def q(s: Any) -> list[scaler_pb2.Decision]:
-            out: list[scaler_pb2.Decision] = []
-            token = ""
-            while True:
-                page = store.list_decisions(
-                    s,
-                    job_id=job_id,
-                    since=since,
-                    until=until,
-                    states=wanted,
-                    page_size=PAGE_SIZE,
-                    page_token=token,
-                )
-                out.extend(decision_to_proto(r) for r in page.decisions)
-                token = page.next_page_token
-                if not token:
-                    return out
-
-        result: list[scaler_pb2.Decision] = self._read(q)
-        return result
+        out: list[scaler_pb2.Decision] = []
+        async for page, _ in self.decision_pages(job_id, since, until, states):
+            out.extend(page)
+        return out
 
     async def get_decision(
         self, decision_id: int, context_minutes: int

@@ -108,11 +108,21 @@ class CommonSettings(ProcessSettings):
     otlp_endpoint: str = setting(
         "", "OpenTelemetry collector HOST:PORT (OTLP/gRPC): one trace per decision; empty: off"
     )
+    max_inflight_unary_calls: int = setting(
+        512, "unary calls in flight at most; past it RESOURCE_EXHAUSTED with retry advice"
+    )
+    max_inflight_streams: int = setting(
+        20000,
+        "streams (telemetry, directives, watches) open at most; past it RESOURCE_EXHAUSTED",
+    )
 
     def __post_init__(self) -> None:
         check_hostport("listen", self.listen)
         if self.health_listen:
             check_hostport("health_listen", self.health_listen)
+        for name in ("max_inflight_unary_calls", "max_inflight_streams"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
         if self.otlp_endpoint:
             check_hostport("otlp_endpoint", self.otlp_endpoint)
         super().__post_init__()

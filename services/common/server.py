@@ -25,6 +25,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from services.common.config import CommonSettings
 from services.common.guard import Guard, GuardSettings, Role, Rule, TokenReviewer
 from services.common.metrics import grpc_server_metrics
+from services.common.readiness import LIVENESS, Readiness
+from services.common.shedding import ConcurrencyLimit
 from tidebase.grpc_options import server_options
 from tidebase.listening import listening_line
 
@@ -119,8 +121,15 @@ async def start_server(
         validate=validate,
         registry=registry,
     )
-    # Metrics first, so that refused calls are counted with their status.
-    interceptors: list[grpc.aio.ServerInterceptor] = [grpc_server_metrics(registry), guard]
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        # First, so that refused and shed calls are counted with their status.
+        grpc_server_metrics(registry),
+        # After the metrics, so a shed call is counted with its RESOURCE_EXHAUSTED.
+        ConcurrencyLimit(
+            settings.max_inflight_unary_calls, settings.max_inflight_streams, registry
+        ),
+        guard,
+    ]
     server = grpc.aio.server(
         interceptors=interceptors,
         options=list(options) if options is not None else server_options(),
@@ -147,7 +156,7 @@ async def start_server(
     if port == 0:
         raise OSError(f"cannot listen on {settings.listen}")
     await server.start()
-    for name in ("", *names):
+    for name in ("", *names, LIVENESS):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     health_server: grpc.aio.Server | None = None
@@ -204,18 +213,27 @@ async def serve(
     validate: Callable[[Any, str], None] | None = None,
     on_shutdown: Sequence[Callable[[], Awaitable[None]]] = (),
     background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+    readiness: Readiness | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully within the grace period.
 
     ``background`` coroutines (the scaler's control loop, say)
     run beside the server and are cancelled after it has stopped accepting
-    work; ``on_shutdown`` hooks run last (flush, close the database)."""
+    work; ``on_shutdown`` hooks run last (flush, close the database).
+    ``readiness`` drives health from the service's dependencies (readiness.py);
+    a background task that ends before shutdown is logged at once and turns
+    liveness off, so the kubelet restarts a process that stopped working."""
+    readiness = readiness or Readiness()
     running = await start_server(
         settings, services, rules=rules, admin_methods=admin_methods, validate=validate
     )
+    await readiness.bind(running.health, running.service_names)
     # Printed on stdout so scripts and tests can find the bound ports.
     print(listening_line(running.port, running.metrics_port), flush=True)
-    tasks: list[asyncio.Task[None]] = [asyncio.create_task(fn()) for fn in background]
+    tasks: list[asyncio.Task[None]] = [
+        asyncio.create_task(_guarded(fn, readiness), name=getattr(fn, "__qualname__", "task"))
+        for fn in background
+    ]
     try:
         await wait_for_signal()
         logger.info("shutting down: grace period %.1f s", settings.grace_period_s)
@@ -232,3 +250,18 @@ async def serve(
                 logger.exception("background task failed during shutdown")
         for hook in on_shutdown:
             await hook()
+
+
+async def _guarded(fn: Callable[[], Coroutine[Any, Any, None]], readiness: Readiness) -> None:
+    """Run a background task; if it ends on its own, say so now, not at shutdown."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        await fn()
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        logger.exception("background task %s died; the service is not healthy", name)
+        await readiness.mark_dead(f"background task {name} died: {exc}")
+    else:
+        logger.error("background task %s returned; the service is not healthy", name)
+        await readiness.mark_dead(f"background task {name} returned")

@@ -15,6 +15,7 @@ from tide.v1 import coordinator_pb2_grpc
 from services.common.clock import SystemClock
 from services.common.entry import run_service
 from services.common.metrics import register_build_info
+from services.common.readiness import Readiness
 from services.common.server import ServiceSpec, serve
 from services.common.validate import validate_request
 from services.coordinator.engine import Coordinator
@@ -23,6 +24,7 @@ from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer, rul
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.sql_store import SqlStore
 from services.store import db
+from services.store.probe import StoreProbe
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,11 @@ async def _run(settings: CoordinatorSettings) -> None:
     coordinator = Coordinator(store, clock, settings.tuning(), CoordinatorMetrics(REGISTRY))
     register_build_info(REGISTRY, "coordinator")
     coordinator.load()
+    # Health follows the store: members keep their state through an outage (their
+    # calls get UNAVAILABLE), and new work goes elsewhere until it is back.
+    probe = StoreProbe(engine)
+    readiness = Readiness()
+    probe.listen(readiness.follower("store"))
 
     async def close_db() -> None:
         engine.dispose()
@@ -52,8 +59,9 @@ async def _run(settings: CoordinatorSettings) -> None:
         ],
         rules=rules(coordinator),
         validate=validate_request,
-        background=[coordinator.run],
+        background=[coordinator.run, probe.run],
         on_shutdown=[close_db],
+        readiness=readiness,
     )
 
 

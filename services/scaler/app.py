@@ -17,6 +17,7 @@ from tide.v1 import scaler_pb2_grpc, telemetry_pb2_grpc
 
 from services.common.clock import Clock
 from services.common.metrics import register_build_info
+from services.common.readiness import Readiness
 from services.common.server import ServiceSpec, serve
 from services.common.validate import validate_request
 from services.scaler.actuators import Actuator
@@ -29,6 +30,7 @@ from services.scaler.servicer import RULES, ScalerServicer, TelemetryServicer
 from services.scaler.settings import SWITCH_INTERVAL_S, ScalerSettings
 from services.scaler.store import DecisionStore
 from services.store import db
+from services.store.probe import StoreProbe
 
 
 async def serve_scaler(
@@ -46,6 +48,9 @@ async def serve_scaler(
     await asyncio.to_thread(db.upgrade, settings.db)
     engine = db.make_engine(settings.db)
     store = DecisionStore(engine, settings.owner(), clock)
+    probe = StoreProbe(engine)
+    readiness = Readiness()
+    probe.listen(readiness.follower("store"))
     metrics = ScalerMetrics(REGISTRY)
     core = ScalerCore(
         store=store,
@@ -60,6 +65,9 @@ async def serve_scaler(
         rollup_retention_days=settings.rollup_retention_days,
         metrics=metrics,
         detail_retention_days=settings.utilization_detail_retention_days,
+        store_probe=probe,
+        decision_retention_days=settings.decision_retention_days,
+        retention_batch_rows=settings.retention_batch_rows,
     )
     REGISTRY.register(IngestCollector(core.engine))
     register_build_info(REGISTRY, "scaler")
@@ -88,6 +96,7 @@ async def serve_scaler(
         ],
         rules=RULES,
         validate=validate_request,
-        background=[core.run],
+        background=[core.run, probe.run],
         on_shutdown=[shutdown],
+        readiness=readiness,
     )

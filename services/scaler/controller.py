@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.common import logs, tracing
@@ -23,7 +23,7 @@ from services.scaler.coordination import CoordinatorClient, Phase, Progress, Res
 from services.scaler.errors import StaleEpoch
 from services.scaler.lifecycle import FaultHook
 from services.scaler.store import DecisionRecord, DecisionState, DecisionStore
-from tidebase.errors import TideError, Unavailable
+from tidebase.errors import StoreUnavailable, TideError, Unavailable
 from tidebase.retry import Backoff
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class Controller:
         on_final: Callable[[DecisionRecord], None] | None = None,
         retry_s: float = 0.5,
         retry_max_s: float = 5.0,
+        wait_store: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.store = store
         self.actuator = actuator
@@ -66,6 +67,9 @@ class Controller:
         self.on_final = on_final
         self.retry_s = retry_s
         self.retry_max_s = retry_max_s
+        #: Returns when the store answers again (services.store.probe); without a
+        #: probe, a fixed pause before the decision is read back and tried again.
+        self.wait_store = wait_store
         self.tasks: dict[int, asyncio.Task[DecisionRecord | None]] = {}
         #: Each driven decision's root span (services.common.tracing), until it is final.
         self.spans: dict[int, Any] = {}
@@ -164,9 +168,26 @@ class Controller:
             # The decision's span is current in its task: the actuator's and the
             # coordinator's calls are its children, and Resize carries it to the coordinator.
             with tracing.current(span) if span is not None else contextlib.nullcontext():
-                if d.to_replicas >= d.from_replicas:
-                    return await self._grow(d, deadline_s, fault)
-                return await self._shrink(d, deadline_s, fault)
+                while True:
+                    try:
+                        if d.to_replicas >= d.from_replicas:
+                            return await self._grow(d, deadline_s, fault)
+                        return await self._shrink(d, deadline_s, fault)
+                    except StoreUnavailable as exc:
+                        # A step's commit did not happen, so its side effect did not
+                        # either (each commits first, then acts). Wait for the store,
+                        # read back what it holds and carry on from there: the same
+                        # road as recovery after a restart, without the restart.
+                        log.warning(
+                            "decision %d of job %s waits for the store: %s",
+                            d.id,
+                            d.job_id,
+                            exc,
+                            extra={"job_id": d.job_id, "decision_id": d.id},
+                        )
+                        d = await self._read_back(d)
+                        if d.final:
+                            return d
         except StaleEpoch as exc:
             # Another scaler took the job: it resumes the decision; we only stop.
             log.warning(
@@ -198,6 +219,21 @@ class Controller:
                     extra={"job_id": d.job_id, "decision_id": d.id},
                 )
                 return None
+
+    async def _read_back(self, d: DecisionRecord) -> DecisionRecord:
+        """``d`` as the store holds it, once the store answers again."""
+        backoff = Backoff(self.retry_s, self.retry_max_s)
+        while True:
+            if self.wait_store is not None:
+                await self.wait_store()
+            else:
+                await asyncio.sleep(backoff.next_delay_s())
+            try:
+                return (await self.store.get_decision(d.id)).decision
+            except StoreUnavailable:
+                if self.wait_store is not None:
+                    # The probe may not have seen the outage yet: do not spin.
+                    await asyncio.sleep(backoff.next_delay_s())
 
     async def _grow(self, d: DecisionRecord, deadline_s: float, fault: FaultHook) -> DecisionRecord:
         if d.state is S.PENDING:

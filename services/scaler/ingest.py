@@ -125,6 +125,10 @@ class IngestSettings:
     report_interval_s: float = 0.0
     # Offset each job's slot grid by a fraction of a slot (see windows.stagger_offset).
     stagger_slots: bool = True
+    # A telemetry stream with no report for this long is closed (UNAVAILABLE): an
+    # agent reports every few seconds, and one that holds a stream open without
+    # reporting only holds a slot (reliability catalog T23). 0 keeps streams open.
+    stream_idle_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_gpus_per_node <= 4096:
@@ -139,6 +143,8 @@ class IngestSettings:
             raise ConfigError(f"reorder_limit={self.reorder_limit!r}: must be >= 1")
         if not (self.report_interval_s >= 0 and math.isfinite(self.report_interval_s)):
             raise ConfigError(f"report_interval_s={self.report_interval_s!r}: must be >= 0")
+        if not (self.stream_idle_timeout_s >= 0 and math.isfinite(self.stream_idle_timeout_s)):
+            raise ConfigError(f"stream_idle_timeout_s={self.stream_idle_timeout_s!r}: must be >= 0")
 
 
 class NodeState:
@@ -212,6 +218,11 @@ class IngestEngine:
         # A node holding the job's pods announced termination or cordon.
         self.on_notice = on_notice
         self.nodes: dict[str, NodeState] = {}
+        # Per job, the nodes that reported one of its GPUs: what an evaluation of the
+        # job reads (freshness, terminating pods) instead of every node of the fleet.
+        # Added to once per report and job, never per sample; a node whose GPUs all
+        # went to other jobs is dropped by the next read that finds none.
+        self.job_nodes: dict[str, dict[str, NodeState]] = {}
         self.windows: dict[str, JobWindow] = {}
         self._last_slot: dict[str, int] = {}
         self.rollups = Rollups()
@@ -430,10 +441,16 @@ class IngestEngine:
         self.samples_accepted += accepted
         if not acc:
             return
+        job_nodes = self.job_nodes
         for job, (total, count, lo, hi) in acc.items():
             if job is None:
                 self.samples_unattributed += int(count)
                 continue
+            held = job_nodes.get(job)
+            if held is None:
+                job_nodes[job] = {node.name: node}
+            elif node.name not in held:
+                held[node.name] = node
             w = self.windows.get(job)
             if w is None:
                 bucket_s, buckets = self._shape(job)
@@ -493,6 +510,7 @@ class IngestEngine:
     def drop_job(self, job_id: str) -> None:
         self.reshape(job_id)
         self.rollups.drop_job(job_id)
+        self.job_nodes.pop(job_id, None)
 
     def fresh_gpus(self, now_s: float) -> dict[str, int]:
         """Per job, GPUs with a sample newer than the staleness limit."""
@@ -506,6 +524,31 @@ class IngestEngine:
                 if job is not None and seen >= horizon:
                     out[job] = out.get(job, 0) + 1
         return out
+
+    def fresh_gpus_of(self, job_id: str, now_s: float) -> int:
+        """The job's GPUs with a sample newer than the staleness limit: ``fresh_gpus``
+        for one job, reading only the nodes that hold its GPUs (O(the job's GPUs))."""
+        nodes = self.job_nodes.get(job_id)
+        if not nodes:
+            return 0
+        horizon = now_s - self.settings.stale_after_s
+        fresh = 0
+        gone: list[str] = []
+        for name, node in nodes.items():
+            held = False
+            if node.last_sampled_s < horizon:
+                held = job_id in node.gpus.job
+            else:
+                for job, seen in zip(node.gpus.job, node.gpus.seen_s, strict=True):
+                    if job == job_id:
+                        held = True
+                        if seen >= horizon:
+                            fresh += 1
+            if not held:
+                gone.append(name)
+        for name in gone:
+            del nodes[name]
+        return fresh
 
     def node_freshness(self, now_s: float) -> tuple[int, int]:
         """(nodes whose last report is fresh, nodes whose last report is stale). Read by
@@ -528,7 +571,8 @@ class IngestEngine:
         pods: set[str] = set()
         node_name = ""
         deadline: float | None = None
-        for node in self.nodes.values():
+        # Only the nodes holding the job's GPUs: a pod counts only where its GPU does.
+        for node in list(self.job_nodes.get(job_id, {}).values()):
             if not node.notice:
                 continue
             mine = {

@@ -231,6 +231,12 @@ class ScalerMetrics:
             ("operation",),
             registry=r,
         )
+        self.loop_failures = Counter(
+            "tide_scaler_evaluation_passes_lost_total",
+            "Passes of the evaluation loop lost to an unavailable store or coordinator"
+            " (the loop goes on; the next pass takes up what this one left).",
+            registry=r,
+        )
         self._stages = tuple(self.decision_stage.labels(s) for s in STAGES)
         # Present at 0 from the start: an increase() alert needs a sample before the error.
         for operation in ("set_replicas", "get_replicas", "free_gpus"):

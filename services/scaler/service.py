@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ from services.scaler.metrics import ScalerMetrics
 from services.scaler.pool import PoolClaims
 from services.scaler.store import DecisionRecord, DecisionState, DecisionStore, JobRecord
 from services.scaler.triggers import Triggers
-from tidebase.errors import InvalidArgument, NotFound, TideError
+from services.store.probe import StoreProbe
+from tidebase.errors import InvalidArgument, NotFound, TideError, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,12 @@ __all__ = ["Evaluation", "ScalerCore", "Watched"]
 _DEFAULT_POLICY = pol.PolicySettings()
 #: PolicySettings fields stored as job columns rather than overrides.
 _BOUNDS = ("min_replicas", "max_replicas")
+#: Seconds between two log lines about lost evaluation passes: an outage fails
+#: every pass, and one line says as much as a hundred (the metric counts them all).
+LOOP_LOG_EVERY_S = 10.0
+
+#: Jobs a starting scaler takes (and reads the last resize of) per transaction.
+START_BATCH = 200
 
 
 @dataclass(frozen=True)
@@ -88,8 +96,14 @@ class ScalerCore:
         rollup_retention_days: float = 30.0,
         metrics: ScalerMetrics | None = None,
         detail_retention_days: float = 7.0,
+        store_probe: StoreProbe | None = None,
+        decision_retention_days: float | None = None,
+        retention_batch_rows: int = 1000,
     ) -> None:
         self.store = store
+        #: Whether the store answers (services.store.probe): while it does not, no
+        #: job is evaluated (nothing could be recorded, so nothing may be done).
+        self.store_probe = store_probe
         self.metrics = metrics or ScalerMetrics()
         self.actuator = actuator
         self.coordinator = coordinator
@@ -112,6 +126,7 @@ class ScalerCore:
             fault=fault,
             on_event=self._publish,
             on_final=self._on_final,
+            wait_store=store_probe.wait_up if store_probe is not None else None,
         )
         self.evaluate_interval_s = evaluate_interval_s
         self.rollup_flush_interval_s = rollup_flush_interval_s
@@ -122,6 +137,8 @@ class ScalerCore:
             clock,
             retention_days=rollup_retention_days,
             detail_retention_days=detail_retention_days,
+            decision_retention_days=decision_retention_days,
+            batch_rows=retention_batch_rows,
         )
         self.jobs: dict[str, JobRecord] = {}
         self.policies: dict[str, pol.PolicySettings] = {}
@@ -139,6 +156,7 @@ class ScalerCore:
         self._eval_lock = asyncio.Lock()
         #: Jobs another scaler took (StaleEpoch): no longer evaluated here.
         self.fenced: set[str] = set()
+        self._loop_logged_s = -math.inf
 
     # -- jobs and policies -----------------------------------------------------------
 
@@ -170,28 +188,37 @@ class ScalerCore:
         resume every decision that is not final."""
         self._wake = asyncio.Event()
         await self.store.warm_up()
-        for job in await self.store.list_jobs():
+        jobs = await self.store.list_jobs()
+        for job in jobs:
             self._adopt(job)
-            await self.store.acquire(job.job_id)
-            last = await self.store.last_completed(job.job_id)
-            if last is not None:
-                self._last_dir[job.job_id] = (last.to_replicas > last.from_replicas) - (
-                    last.to_replicas < last.from_replicas
-                )
-                self._last_from[job.job_id] = last.from_replicas
-                measured = (last.inputs.get("goodput") or {}).get("throughput_by_replicas")
-                if measured:
-                    self.throughput.restore(
-                        job.job_id,
-                        ((int(r), float(v)) for r, v in measured.items()),
-                        last.created_at.timestamp(),
-                    )
+        # A transaction per batch, not per job: with 1,000 jobs, 1,000 acquire
+        # transactions and as many reads were most of the start-up.
+        for i in range(0, len(jobs), START_BATCH):
+            batch = [j.job_id for j in jobs[i : i + START_BATCH]]
+            await self.store.acquire_many(batch)
+            for job_id, last in (await self.store.last_completed_many(batch)).items():
+                self._restore_last(job_id, last)
         for d in await self.store.non_final():
             self.active[d.job_id] = d.id
             self.metrics.decision_started(d)
         await self.controller.recover(self._deadline_of)
 
+    def _restore_last(self, job_id: str, last: DecisionRecord) -> None:
+        """What the job's last completed resize tells the policy and the goodput guard."""
+        self._last_dir[job_id] = (last.to_replicas > last.from_replicas) - (
+            last.to_replicas < last.from_replicas
+        )
+        self._last_from[job_id] = last.from_replicas
+        measured = (last.inputs.get("goodput") or {}).get("throughput_by_replicas")
+        if measured:
+            self.throughput.restore(
+                job_id,
+                ((int(r), float(v)) for r, v in measured.items()),
+                last.created_at.timestamp(),
+            )
+
     async def close(self) -> None:
+        await self.history.close()
         await self.controller.close()
         await self.registry.close()
         self.feed.close()
@@ -327,9 +354,11 @@ class ScalerCore:
         self, job_id: str, now: float, fresh: Mapping[str, int] | None = None
     ) -> pol.WindowView:
         job = self._job(job_id)
-        fresh = self.engine.fresh_gpus(now) if fresh is None else fresh
+        # Alone (a trigger's evaluation), only the job's own nodes are read; the tick,
+        # which evaluates every job, counts the whole fleet once and passes it in.
+        n = self.engine.fresh_gpus_of(job_id, now) if fresh is None else fresh.get(job_id, 0)
         expected = job.current_replicas * job.gpus_per_replica
-        return self.engine.window_view(job_id, now, expected, fresh.get(job_id, 0))
+        return self.engine.window_view(job_id, now, expected, n)
 
     async def evaluate(
         self, job_id: str, *, tipping_s: float | None = None, fresh: Mapping[str, int] | None = None
@@ -571,15 +600,37 @@ class ScalerCore:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout)
             wake.clear()
-            if self.triggers:
-                await self.drain_triggers()
             mono = self.clock.monotonic()
-            if mono >= next_tick:
-                await self.tick()
+            if self.store_probe is not None and not self.store_probe.ok:
+                # Triggers wait in their queue and unwritten minutes in memory;
+                # both are taken up on the first pass after the store is back.
                 next_tick = mono + self.evaluate_interval_s
-            if mono >= next_flush:
-                await self.flush_rollups()
-                next_flush = mono + self.rollup_flush_interval_s
+                self._loop_failed("store unavailable; not evaluating", None)
+                continue
+            try:
+                if self.triggers:
+                    await self.drain_triggers()
+                if mono >= next_tick:
+                    await self.tick()
+                    next_tick = mono + self.evaluate_interval_s
+                if mono >= next_flush:
+                    await self.flush_rollups()
+                    next_flush = mono + self.rollup_flush_interval_s
+            except Unavailable as exc:
+                # The store (or the coordinator) went away mid-pass: this pass is
+                # lost, the loop is not. Ended once, it would decide nothing more
+                # while the process kept serving (reliability catalog, T03).
+                next_tick = mono + self.evaluate_interval_s
+                self._loop_failed("evaluation pass failed", exc)
+
+    def _loop_failed(self, what: str, exc: BaseException | None) -> None:
+        """A line at most every LOOP_LOG_EVERY_S, however often the loop fails."""
+        self.metrics.loop_failures.inc()
+        mono = self.clock.monotonic()
+        if mono - self._loop_logged_s < LOOP_LOG_EVERY_S:
+            return
+        self._loop_logged_s = mono
+        logger.warning("%s%s", what, f": {exc}" if exc is not None else "")
 
     async def drain_triggers(self) -> None:
         """Evaluate the jobs whose window slid to meet their sustain condition, and those

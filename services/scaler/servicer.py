@@ -149,6 +149,7 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
             states=states,
             page_size=request.page_size or 100,
             page_token=request.page_token,
+            with_inputs=False,
         )
         return scaler_pb2.ListDecisionsResponse(
             decisions=[decision_to_proto(d) for d in page.decisions],
@@ -274,8 +275,9 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         stream = engine.open_stream()
         every = self.ack_every_reports
         delay = self.ack_max_delay_s
-        # [reports since the last ack, monotonic time of the last ack, ack to send, ack sent]
-        st: list[Any] = [0, -1e18, None, None]
+        # [reports since the last ack, monotonic time of the last ack, ack to send,
+        #  ack sent, reports received]
+        st: list[Any] = [0, -1e18, None, None, 0]
         dirty = asyncio.Event()
         lock = asyncio.Lock()
 
@@ -301,10 +303,30 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                 await asyncio.sleep(delay)
                 await send()
 
+        idle_s = engine.settings.stream_idle_timeout_s
+        reaped: list[bool] = []
+        handler = asyncio.current_task()
+
+        async def reaper() -> None:
+            # Four looks per timeout at a counter, not a clock read per report: the
+            # ingest path stays as it was, and a stream is closed between 1 and
+            # 1.25 timeouts after its last report.
+            seen, quiet = -1, 0
+            while True:
+                await asyncio.sleep(idle_s / 4)
+                quiet = quiet + 1 if st[4] == seen else 0
+                seen = st[4]
+                if quiet >= 4 and handler is not None:
+                    reaped.append(True)
+                    handler.cancel()
+                    return
+
         flush_task = asyncio.create_task(flusher())
+        reap_task = asyncio.create_task(reaper()) if idle_s > 0 else None
         try:
             try:
                 async for report in request_iterator:
+                    st[4] += 1
                     st[2] = process(stream, report)
                     st[0] += 1
                     if st[0] >= every or clock.monotonic() - st[1] >= delay:
@@ -319,6 +341,19 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
             node = stream.node.name if stream.node is not None else "?"
             logger.warning("node %s: telemetry stream refused: %s", node, exc, extra={"node": node})
             await context.abort(grpc_status_of(exc), str(exc))
+        except asyncio.CancelledError:
+            if not reaped:
+                raise
+            if handler is not None:
+                handler.uncancel()
+            node = stream.node.name if stream.node is not None else "?"
+            logger.info("node %s: telemetry stream idle, closed", node, extra={"node": node})
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no report for {idle_s:g} s (stream_idle_timeout_s): stream closed; reconnect",
+            )
         finally:
             flush_task.cancel()
+            if reap_task is not None:
+                reap_task.cancel()
             engine.close_stream(stream)

@@ -63,6 +63,14 @@ class ScalerSettings(CommonSettings, ClientSettings):
         "each minute's per-second utilization (what `tide whatif` replays) is deleted after"
         " this long; at most rollup_retention_days",
     )
+    decision_retention_days: float = setting(
+        180.0,
+        "final decisions and their events older than this are deleted (a decision that is"
+        " not final is kept whatever its age)",
+    )
+    retention_batch_rows: int = setting(
+        1000, "retention deletes at most this many rows per transaction"
+    )
     stale_after_s: float = setting(
         _INGEST.stale_after_s, "a GPU without a sample for this long is stale"
     )
@@ -78,6 +86,10 @@ class ScalerSettings(CommonSettings, ClientSettings):
     )
     report_interval_s: float = setting(
         _INGEST.report_interval_s, "asked of agents in acks; 0 keeps theirs"
+    )
+    stream_idle_timeout_s: float = setting(
+        _INGEST.stream_idle_timeout_s,
+        "a telemetry stream with no report for this long is closed; 0 keeps it open",
     )
     scale_up_utilization_pct: float = setting(
         _POLICY.scale_up_utilization_pct, "default policy: see docs/policy.md"
@@ -123,6 +135,11 @@ class ScalerSettings(CommonSettings, ClientSettings):
                 f"utilization_detail_retention_days={detail!r}: must be > 0 and at most"
                 f" rollup_retention_days={self.rollup_retention_days!r}"
             )
+        decisions = self.decision_retention_days
+        if not (decisions > 0 and math.isfinite(decisions)):
+            raise ConfigError(f"decision_retention_days={decisions!r}: must be > 0")
+        if self.retention_batch_rows < 1:
+            raise ConfigError(f"retention_batch_rows={self.retention_batch_rows!r}: must be >= 1")
         if self.total_gpus < 0:
             raise ConfigError(f"total_gpus={self.total_gpus!r}: must be >= 0")
         self.check_coordinator()
@@ -156,6 +173,7 @@ class ScalerSettings(CommonSettings, ClientSettings):
             max_report_age_s=self.max_report_age_s,
             stale_after_s=self.stale_after_s,
             report_interval_s=self.report_interval_s,
+            stream_idle_timeout_s=self.stream_idle_timeout_s,
         )
 
     def owner(self) -> str:

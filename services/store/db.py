@@ -24,7 +24,7 @@ from typing import Any, Final, TypeVar
 
 from sqlalchemy import DateTime, Engine, MetaData, create_engine, event, make_url
 from sqlalchemy.engine import URL, Connection, Dialect
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 from sqlalchemy.orm.exc import StaleDataError
 from sqlalchemy.pool import ConnectionPoolEntry
@@ -32,7 +32,7 @@ from sqlalchemy.types import TypeDecorator
 from tenacity import RetryCallState, RetryError, Retrying, retry_if_exception, stop_after_attempt
 
 from services.store import metrics as store_metrics
-from tidebase.errors import ConfigError, Conflict, InvalidArgument, Unavailable
+from tidebase.errors import ConfigError, Conflict, InvalidArgument, StoreUnavailable, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,12 @@ _BEGIN_OPTION: Final = "tide_sqlite_begin"
 # the same work may simply run again: serialization failure, deadlock, and
 # lock_timeout expired.
 _RETRYABLE_SQLSTATES: Final = frozenset({"40001", "40P01", "55P03"})
+#: PostgreSQL shutting down or starting (admin_shutdown, crash_shutdown,
+#: cannot_connect_now): the server is going or not yet back, nothing was done.
+_UNAVAILABLE_SQLSTATES: Final = frozenset({"57P01", "57P02", "57P03"})
+#: SQLite primary result codes of a store that cannot take writes at all (IOERR,
+#: FULL, CANTOPEN, READONLY): the disk, not the request, is at fault.
+_SQLITE_UNAVAILABLE_CODES: Final = frozenset({10, 13, 14, 8})
 
 
 # Deterministic constraint names: Alembic can only drop or alter a named
@@ -328,7 +334,7 @@ def is_retryable(exc: BaseException) -> bool:
     """
     if not isinstance(exc, DBAPIError):
         return False
-    if exc.connection_invalidated:
+    if exc.connection_invalidated or is_connection_failure(exc):
         return True
     orig = exc.orig
     sqlstate = getattr(orig, "sqlstate", None)
@@ -337,6 +343,29 @@ def is_retryable(exc: BaseException) -> bool:
     # sqlite3 errors carry the extended result code; SQLITE_BUSY is 5 in the low byte.
     code = getattr(orig, "sqlite_errorcode", None)
     return isinstance(code, int) and code & 0xFF == 5
+
+
+def is_connection_failure(exc: BaseException) -> bool:
+    """True when no connection to PostgreSQL could be had (refused, timed out, the
+    server shutting down or starting): no statement ran, so retrying is safe, and
+    past the retries the store is unavailable, not the request wrong."""
+    if not isinstance(exc, OperationalError):
+        return False
+    sqlstate = getattr(exc.orig, "sqlstate", None)
+    if sqlstate is None:
+        # psycopg's connect errors carry no SQLSTATE; SQLite's errors are never
+        # about a connection (they have their own codes, see is_store_unusable).
+        return getattr(exc.orig, "sqlite_errorcode", None) is None
+    return sqlstate.startswith("08") or sqlstate in _UNAVAILABLE_SQLSTATES
+
+
+def is_store_unusable(exc: BaseException) -> bool:
+    """True when SQLite cannot write at all (disk full, read-only, I/O error): not
+    retried at once, but reported as the store being unavailable."""
+    if not isinstance(exc, DBAPIError):
+        return False
+    code = getattr(exc.orig, "sqlite_errorcode", None)
+    return isinstance(code, int) and code & 0xFF in _SQLITE_UNAVAILABLE_CODES
 
 
 @dataclass(frozen=True)
@@ -390,7 +419,7 @@ def unit_of_work(
     only the last run commits). Retried: a dropped connection, a PostgreSQL
     serialization failure or deadlock, SQLite busy, and a version-counter
     mismatch (the re-run reads the other writer's row). After
-    ``retry.attempts`` runs it raises :class:`Unavailable`, or
+    ``retry.attempts`` runs it raises :class:`StoreUnavailable`, or
     :class:`StaleWrite` when versions kept moving. Everything else, including
     every other TideError (a fencing ``Conflict`` above all), propagates at
     once. ``what`` names the work in logs, e.g. "create decision for job ns/a".
@@ -427,6 +456,11 @@ def unit_of_work(
 
     try:
         return retrying(once)
+    except DBAPIError as unusable:
+        if not is_store_unusable(unusable):
+            raise
+        store_metrics.FAILURES.labels(failure_cause(unusable)).inc()
+        raise StoreUnavailable(f"{what}: database cannot be written: {unusable.orig}") from unusable
     except RetryError as gave_up:
         exc = gave_up.last_attempt.exception()
         store_metrics.FAILURES.labels(failure_cause(exc)).inc()
@@ -435,7 +469,7 @@ def unit_of_work(
         if isinstance(exc, StaleDataError):
             raise StaleWrite(f"{what}: a concurrent writer changed the row first") from exc
         assert isinstance(exc, DBAPIError)
-        raise Unavailable(
+        raise StoreUnavailable(
             f"{what}: database unavailable after {retry.attempts} attempts: {exc.orig}"
         ) from exc
 
@@ -448,6 +482,10 @@ def failure_cause(exc: BaseException | None) -> str:
         return "other"
     if exc.connection_invalidated:
         return "connection_lost"
+    if is_connection_failure(exc):
+        return "connection_failed"
+    if is_store_unusable(exc):
+        return "store_unusable"
     sqlstate = getattr(exc.orig, "sqlstate", None)
     if sqlstate == "40001":
         return "serialization_failure"

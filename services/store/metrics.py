@@ -2,7 +2,8 @@
 
 Module-level, in the default registry: :func:`services.store.db.unit_of_work` is
 a function every stateful service calls, and each process has one store.
-``cause`` is bounded: connection_lost, serialization_failure, deadlock, busy
+``cause`` is bounded: connection_lost, connection_failed, store_unusable,
+serialization_failure, deadlock, busy
 (SQLite), stale_write (a version counter moved), other.
 """
 
@@ -24,7 +25,16 @@ FAILURES = Counter(
 
 #: Every cause, so that each series exists (at 0) before its first increment: an
 #: alert on ``increase()`` needs a sample before the failure to see it.
-CAUSES = ("connection_lost", "serialization_failure", "deadlock", "busy", "stale_write", "other")
+CAUSES = (
+    "connection_lost",
+    "connection_failed",
+    "store_unusable",
+    "serialization_failure",
+    "deadlock",
+    "busy",
+    "stale_write",
+    "other",
+)
 for _cause in CAUSES:
     RETRIES.labels(_cause)
     FAILURES.labels(_cause)

@@ -51,6 +51,8 @@ class FakeScaler(scaler_pb2_grpc.ScalerServicer):
         self.decisions: dict[int, StoredDecision] = {}
         self.rollups: dict[str, list[scaler_pb2.UtilizationPoint]] = {}
         self.list_calls = 0
+        #: The page_size of each ListDecisions call.
+        self.page_sizes: list[int] = []
         self.utilization_calls: list[tuple[datetime, datetime]] = []
         self._next_id = 1
 
@@ -166,6 +168,7 @@ class FakeScaler(scaler_pb2_grpc.ScalerServicer):
         self, request: scaler_pb2.ListDecisionsRequest, context: Any
     ) -> scaler_pb2.ListDecisionsResponse:
         self.list_calls += 1
+        self.page_sizes.append(request.page_size)
         if request.page_size > 1000:
             raise errors.InvalidArgument(f"page_size {request.page_size} > 1000")
         size = request.page_size or 100

@@ -15,7 +15,7 @@ import pytest
 from tide.v1 import common_pb2
 from typer.testing import CliRunner
 
-from services.cli import source
+from services.cli import read, source
 from services.cli.main import app
 from services.cli.render import CSV_COLUMNS
 from tests.cli.fake_scaler import FakeScaler, Served, serve_in_thread
@@ -162,11 +162,47 @@ def test_history_pages_through_every_decision(served: Served) -> None:
     for i in range(source.PAGE_SIZE + 7):
         served.scaler.add_decision("ml/idle", 2, 3, NOW - timedelta(minutes=30, seconds=i))
     served.scaler.list_calls = 0
-    code, out, _ = tide("history", "ml/idle", "--scaler", served.target, "-o", "json")
+    code, out, _ = tide("history", "ml/idle", "--all", "--scaler", served.target, "-o", "json")
     assert code == 0
     ids = [d["id"] for d in json.loads(out)["decisions"]]
     assert len(ids) == len(set(ids)) == source.PAGE_SIZE + 8
     assert served.scaler.list_calls == 2
+
+
+def test_history_shows_a_first_page_by_default_like_kubectl(served: Served) -> None:
+    for i in range(source.PAGE_SIZE + 7):
+        served.scaler.add_decision("ml/idle", 2, 3, NOW - timedelta(minutes=30, seconds=i))
+    served.scaler.list_calls = 0
+    code, out, err = tide("history", "ml/idle", "--scaler", served.target)
+    assert code == 0
+    assert len(out.splitlines()) == 1 + read.DEFAULT_LIMIT
+    assert "showing the newest 100; more with --limit N or --all" in err
+    # One call, no bigger than the page shown.
+    assert (served.scaler.list_calls, served.scaler.page_sizes) == (1, [read.DEFAULT_LIMIT])
+
+    served.scaler.list_calls, served.scaler.page_sizes = 0, []
+    code, out, err = tide(
+        "history", "ml/idle", "--limit", "600", "--chunk-size", "250", "--scaler", served.target
+    )
+    assert code == 0 and len(out.splitlines()) == 1 + 508 and "showing" not in err
+    assert served.scaler.page_sizes == [250, 250, 100]
+
+    # --all streams every row as a plain table, one header, columns aligned by the first page.
+    served.scaler.list_calls, served.scaler.page_sizes = 0, []
+    code, out, err = tide(
+        "history", "ml/idle", "--all", "--chunk-size", "200", "--scaler", served.target
+    )
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 1 + 508 and lines[0].startswith("ID ")
+    assert served.scaler.page_sizes == [200, 200, 200]
+    assert len({line.index("ml/idle") for line in lines[1:]}) == 1
+    code, out, _ = tide(
+        "history", "ml/idle", "--all", "--chunk-size", "200", "-o", "csv", "--scaler", served.target
+    )
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert len(rows) == 508 and len({r["id"] for r in rows}) == 508
+    code, _, err = tide("history", "ml/idle", "--chunk-size", "2000", "--scaler", served.target)
+    assert code == 2
 
 
 def test_history_table_and_csv(served: Served) -> None:

@@ -260,3 +260,55 @@ def test_staggered_slot_grids_open_at_different_instants(clock: FakeClock) -> No
     off = stagger_offset("ns/a", 0.5)
     view = e.window_view("ns/a", T0 + 60, 1, 1)
     assert (view.end_s - off) % 0.5 == pytest.approx(0.0, abs=1e-6)
+
+
+def test_a_jobs_freshness_reads_its_own_nodes_and_agrees_with_the_fleet_count(
+    clock: FakeClock,
+) -> None:
+    import random
+
+    reg = InMemoryMemberRegistry()
+    jobs = {"ns/a": ["a-0", "a-1"], "ns/b": ["b-0"], "ns/c": ["c-0", "c-1"]}
+    for job, pods in jobs.items():
+        reg.set_members(job, [Member(p, p) for p in pods])
+    e = IngestEngine(IngestSettings(stale_after_s=10.0, stagger_slots=False), reg, clock)
+    rng = random.Random(7)
+    streams = {f"n{i}": e.open_stream() for i in range(12)}
+    every = [p for pods in jobs.values() for p in pods] + ["", "stranger"]
+    for step in range(1, 120):
+        clock.advance(rng.choice([0.5, 1.0, 3.0]))
+        # Some nodes report, with GPUs that move between jobs, go idle or stop.
+        for name in rng.sample(sorted(streams), 5):
+            n = rng.randint(1, 8)
+            pods = [rng.choice(every) for _ in range(n)]
+            e.process(streams[name], report(name, step, t=clock.now(), utils=[50.0] * n, pods=pods))
+        now = clock.now()
+        fleet = e.fresh_gpus(now)
+        for job in jobs:
+            assert e.fresh_gpus_of(job, now) == fleet.get(job, 0), (step, job)
+    # What a job's evaluation reads: only nodes that hold one of its GPUs.
+    for job, nodes in e.job_nodes.items():
+        e.fresh_gpus_of(job, clock.now())
+        for node in nodes.values():
+            assert job in node.gpus.job
+    assert e.fresh_gpus_of("ns/none", clock.now()) == 0
+
+
+def test_terminating_pods_are_found_on_the_jobs_nodes_only(engine: IngestEngine) -> None:
+    from tide.v1 import telemetry_pb2
+
+    reg = engine.registry
+    assert isinstance(reg, InMemoryMemberRegistry)
+    reg.set_members("ns/b", [Member("b-0", "b-0")])
+    a, b = engine.open_stream(), engine.open_stream()
+    engine.process(a, report("n1", 1, t=T0, pods=PODS))
+    r = report("n2", 1, t=T0, pods=["b-0"] * 8)
+    r.events.add(kind=telemetry_pb2.NodeEvent.KIND_CORDONED, detail="drain")
+    engine.process(b, r)
+    assert engine.terminating("ns/a") == (0, "", None)
+    assert engine.terminating("ns/b") == (1, "n2", None)
+    assert set(engine.job_nodes["ns/a"]) == {"n1"} and set(engine.job_nodes["ns/b"]) == {"n2"}
+    # The job's pods move off the cordoned node: it is no longer the job's.
+    engine.process(b, report("n2", 2, t=T0 + 1, pods=["a-0"] * 8))
+    assert engine.terminating("ns/b") == (0, "", None)
+    assert engine.terminating("ns/a") == (1, "n2", None)

@@ -10,9 +10,11 @@ import sys
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from services.scaler import store as repo
 from services.scaler.coordination import Phase, Progress, ResizeSpec
 from services.scaler.history import RETENTION_EVERY_S, RollupHistory
 from services.scaler.ingest import IngestEngine, IngestSettings
@@ -196,14 +198,17 @@ async def test_rollup_retention_runs_from_the_flush(scaler_db_url: str) -> None:
     await store.write_rollups(rows)
     history = RollupHistory(store, Rollups(), clock, retention_days=30.0)
     assert await history.flush({JOB: 2}) == 0
+    await history.settled()
     left = await store.rollups_between(JOB, old - timedelta(days=1), now)
     assert [r.minute for r in left] == [recent]
     # Not again before RETENTION_EVERY_S, then it is.
     await store.write_rollups([RollupRecord(JOB, old, 50.0, 40.0, 60.0, 10, 2)])
     await history.flush({JOB: 2})
+    await history.settled()
     assert len(await store.rollups_between(JOB, old - timedelta(days=1), now)) == 2
     clock.advance(RETENTION_EVERY_S)
     await history.flush({JOB: 2})
+    await history.settled()
     left = await store.rollups_between(JOB, old - timedelta(days=1), now)
     assert [r.minute for r in left] == [recent]
     store.engine.dispose()
@@ -222,9 +227,72 @@ async def test_per_second_detail_has_its_own_shorter_retention(scaler_db_url: st
     await store.write_rollups(rows)
     history = RollupHistory(store, Rollups(), clock, retention_days=30.0, detail_retention_days=7)
     await history.flush({JOB: 2})
+    await history.settled()
     assert len(await store.rollups_between(JOB, now - timedelta(days=9), now)) == 2
     kept = await store.seconds_between(JOB, now - timedelta(days=9), now)
     assert list(kept) == [now - timedelta(days=6)]
+    store.engine.dispose()
+
+
+class HeldStore(DecisionStore):
+    """Its rollup deletes wait for ``go``: a retention pass that takes as long as we like."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.go = asyncio.Event()
+        self.batches = 0
+
+    async def delete_rollups_before(self, before: Any, *, limit: int | None = None) -> int:
+        await self.go.wait()
+        self.batches += 1
+        return await super().delete_rollups_before(before, limit=limit)
+
+
+async def test_retention_deletes_in_batches_beside_the_flush(scaler_db_url: str) -> None:
+    clock = FakeClock(T0)
+    store = HeldStore(db.make_engine(scaler_db_url), "s", clock)
+    await store.upsert_job(JOB, min_replicas=1, max_replicas=2)
+    epoch = await store.acquire(JOB)
+    now = db.utc_from_epoch(T0).replace(second=0, microsecond=0)
+    old = [now - timedelta(days=40, minutes=m) for m in range(5)]
+    await store.write_rollups([RollupRecord(JOB, m, 50.0, 40.0, 60.0, 10, 2) for m in old])
+    # Five old final decisions, one old decision still running, one recent final one.
+    with db.session_scope(store.factory) as s:
+        for i in range(7):
+            days = 1 if i == 6 else 200
+            at = now - timedelta(days=days, seconds=-i)
+            d = repo.create_decision(
+                s,
+                job_id=JOB,
+                from_replicas=1,
+                to_replicas=2,
+                reason="MANUAL",
+                trigger="MANUAL",
+                message="",
+                inputs={},
+                epoch=epoch,
+                now=at,
+                exclusive=False,
+            )
+            if i != 5:
+                repo.transition_decision(
+                    s, d.id, DecisionState.ABORTED, detail="", epoch=epoch, now=at
+                )
+    history = RollupHistory(
+        store, Rollups(), clock, retention_days=30.0, decision_retention_days=180.0, batch_rows=2
+    )
+    # The flush returns while retention waits on the database.
+    await history.flush({JOB: 2})
+    assert history._task is not None and not history._task.done()
+    store.go.set()
+    assert await history.settled() == 5 + 5
+    assert store.batches == 3  # 2 + 2 + 1 rows
+    assert await store.rollups_between(JOB, now - timedelta(days=41), now) == []
+    left = (await store.list_decisions(job_id=JOB, page_size=10)).decisions
+    assert [(d.state, d.created_at < now - timedelta(days=180)) for d in left] == [
+        (DecisionState.ABORTED, False),
+        (DecisionState.PENDING, True),
+    ]
     store.engine.dispose()
 
 

@@ -23,7 +23,7 @@ from services.testing.clock import FakeClock
 from services.testing.coordinator import InMemoryCoordinator, follow_actuator
 from tests.scaler.support import report
 from tests.support.poll import eventually
-from tidebase.errors import Unavailable
+from tidebase.errors import StoreUnavailable, Unavailable
 
 pytestmark = pytest.mark.component
 
@@ -115,6 +115,37 @@ async def test_sustained_high_grows_through_the_lifecycle(rig: Rig) -> None:
     assert rig.core.jobs["ns/a"].current_replicas == 4
     # The cooldown comes from the decision's end.
     assert (await rig.core.evaluate("ns/a")).reason is Reason.COOLDOWN
+
+
+@pytest.mark.parametrize("failing", [DecisionState.PREPARING, DecisionState.ACTUATING])
+async def test_a_decision_waits_out_a_store_outage_and_carries_on(
+    rig: Rig, failing: DecisionState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose commit meets an outage did not happen: the decision waits for the
+    store, reads itself back and goes on from there (before, it was left unfinished
+    and blocked its job until a restart)."""
+    real = rig.store.transition
+    failed: list[DecisionState] = []
+
+    async def flaky(d: Any, state: DecisionState, *a: Any, **kw: Any) -> Any:
+        if state is failing and not failed:
+            failed.append(state)
+            raise StoreUnavailable(f"decision {d.id} -> {state}: database unavailable")
+        return await real(d, state, *a, **kw)
+
+    monkeypatch.setattr(rig.store, "transition", flaky)
+    rig.core.controller.retry_s = 0.01
+    dec = await rig.core.request_resize("ns/a", 4, "load test", "alice")
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    assert failed == [failing]
+    detail = await rig.store.get_decision(dec.id)
+    assert [e.state for e in detail.events] == [
+        DecisionState.PENDING,
+        DecisionState.PREPARING,
+        DecisionState.ACTUATING,
+        DecisionState.COMPLETED,
+    ]
+    assert rig.actuator.changes == [ReplicaChange("ns/a", 2, 4, dec.id)]
 
 
 async def test_brief_spike_and_stale_data_do_nothing(rig: Rig) -> None:
@@ -267,6 +298,10 @@ def test_scaler_settings_validate_and_feed_the_policy() -> None:
         ScalerSettings(**REAL, stale_after_s=0.0)
     with pytest.raises(ConfigError, match="rollup_retention_days"):
         ScalerSettings(**REAL, rollup_retention_days=0.0)
+    with pytest.raises(ConfigError, match=r"decision_retention_days=-1\.0"):
+        ScalerSettings(**REAL, decision_retention_days=-1.0)
+    with pytest.raises(ConfigError, match="retention_batch_rows=0"):
+        ScalerSettings(**REAL, retention_batch_rows=0)
     # Each policy default is PolicySettings' own.
     assert s.policy() == PolicySettings(sustain_s=60.0, bucket_s=10.0, max_replicas=16)
 

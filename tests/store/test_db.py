@@ -12,13 +12,15 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from prometheus_client import REGISTRY
 from sqlalchemy.orm import Session, sessionmaker
 
 from services.scaler import store as repo
 from services.store import db
 from services.store.models.scaler import Job
 from tests.store.support import no_sleep, sqlite_factory
-from tidebase.errors import ConfigError, Conflict, Unavailable
+from tests.support.procs import free_port
+from tidebase.errors import ConfigError, Conflict, StoreUnavailable, Unavailable
 
 pytestmark = pytest.mark.integration
 
@@ -258,6 +260,47 @@ def test_unit_of_work_gives_up_with_unavailable(tmp_path: Path) -> None:
         factory.kw["bind"].dispose()
     assert len(sleeps) == 3
     assert all(0 <= d <= cap for d, cap in zip(sleeps, (0.1, 0.2, 0.3), strict=True))
+
+
+def _failures(cause: str) -> float:
+    value = REGISTRY.get_sample_value("tide_store_failures_total", {"cause": cause})
+    return value or 0.0
+
+
+def test_no_postgres_to_connect_to_is_store_unavailable_after_retries() -> None:
+    """A refused connection ran nothing: retried, then UNAVAILABLE to the caller
+    (before, the driver's error escaped as INTERNAL and ended background tasks)."""
+    engine = db.make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/none")
+    factory = db.make_session_factory(engine)
+    sleeps: list[float] = []
+    before = _failures("connection_failed")
+    try:
+        with pytest.raises(StoreUnavailable, match="after 3 attempts"):
+            db.unit_of_work(
+                factory, repo.list_jobs, retry=db.RetryPolicy(attempts=3), sleep=sleeps.append
+            )
+    finally:
+        engine.dispose()
+    assert len(sleeps) == 2
+    assert _failures("connection_failed") == before + 1
+
+
+def test_a_read_only_sqlite_store_is_unavailable_not_retried(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'tide.db'}"
+    db.upgrade(url)
+    # The URI form opens the file read-only even for root (a full or read-only volume).
+    ro = db.make_engine(f"sqlite:///file:{tmp_path / 'tide.db'}?mode=ro&uri=true")
+    sleeps: list[float] = []
+    try:
+        with pytest.raises(StoreUnavailable, match="cannot be written"):
+            db.unit_of_work(
+                db.make_session_factory(ro),
+                lambda s: s.execute(sa.text("CREATE TABLE t (a INTEGER)")),
+                sleep=sleeps.append,
+            )
+    finally:
+        ro.dispose()
+    assert sleeps == []
 
 
 def test_unit_of_work_does_not_retry_logic_errors(factory: sessionmaker[Session]) -> None:

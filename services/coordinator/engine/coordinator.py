@@ -19,7 +19,7 @@ from services.coordinator.errors import UnknownJob, UnknownMember, UnknownResize
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.settings import Tuning
 from services.coordinator.store import CoordinatorStore
-from tidebase.errors import InvalidArgument
+from tidebase.errors import InvalidArgument, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +64,12 @@ class Coordinator:
             self._decision_job[did] = rt.job.job_id
 
     def _reload(self, job_id: str) -> JobRuntime | None:
+        # Read first: while the store is down this raises Unavailable and the broken
+        # runtime stays, so its members' calls get UNAVAILABLE (retry) rather than
+        # NOT_FOUND, which would send every launcher to register again as new members.
+        snaps = self._store.load_all()
         old = self.jobs.pop(job_id, None)
-        for snap in self._store.load_all():
+        for snap in snaps:
             if snap.job.job_id == job_id:
                 rt = JobRuntime.from_snapshot(
                     snap, self._store, self._clock, self.tuning, self.metrics
@@ -156,6 +160,9 @@ class Coordinator:
         for job_id in list(self.jobs):
             try:
                 self.job(job_id).tick(stalled_s)
+            except Unavailable as exc:
+                # Every tick of an outage would log a traceback; one line says it all.
+                logger.warning("tick of job %s: %s", job_id, exc, extra={"job_id": job_id})
             except Exception:
                 # One job's failure (a store outage) must not stop the others' checks.
                 logger.exception("tick of job %s failed", job_id, extra={"job_id": job_id})

@@ -9,6 +9,11 @@ return frozen records (``records``); ORM objects never leave this package.
 Readers such as the CLI's ``--db`` mode call the functions directly.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from services.scaler.errors import (
     DecisionChanged,
     DecisionInProgress,
@@ -16,25 +21,6 @@ from services.scaler.errors import (
     JobNotFound,
     StaleEpoch,
 )
-from services.scaler.store.decision_store import DecisionStore
-from services.scaler.store.decisions import (
-    active_decision,
-    create_decision,
-    get_decision,
-    last_resize_end,
-    non_final_decisions,
-    transition_decision,
-)
-from services.scaler.store.jobs import (
-    acquire_job_ownership,
-    check_epoch,
-    get_job,
-    list_jobs,
-    set_job_observed,
-    set_paused,
-    upsert_job,
-)
-from services.scaler.store.pages import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, list_decisions
 from services.scaler.store.records import (
     DECISION_LIFECYCLE,
     FINAL_STATES,
@@ -46,15 +32,95 @@ from services.scaler.store.records import (
     JobRecord,
     RollupRecord,
 )
-from services.scaler.store.rollups import (
-    delete_rollups_before,
-    delete_seconds_before,
-    merge_rollups,
-    rollups_between,
-    seconds_between,
-    write_rollups,
-)
-from services.scaler.store.rows import JOBS, ROLLUPS, validate_job_id
+
+if TYPE_CHECKING:
+    from services.scaler.store.decision_store import (
+        DecisionStore,
+    )
+    from services.scaler.store.decisions import (
+        active_decision,
+        active_decisions,
+        create_decision,
+        delete_decisions_before,
+        get_decision,
+        last_completed_decisions,
+        last_resize_end,
+        non_final_decisions,
+        transition_decision,
+    )
+    from services.scaler.store.jobs import (
+        acquire_job_ownership,
+        acquire_jobs_ownership,
+        check_epoch,
+        get_job,
+        list_jobs,
+        set_job_observed,
+        set_paused,
+        upsert_job,
+    )
+    from services.scaler.store.pages import (
+        DEFAULT_PAGE_SIZE,
+        MAX_PAGE_SIZE,
+        list_decisions,
+    )
+    from services.scaler.store.rollups import (
+        delete_rollups_before,
+        delete_seconds_before,
+        merge_rollups,
+        rollups_between,
+        seconds_between,
+        write_rollups,
+    )
+    from services.scaler.store.rows import (
+        JOBS,
+        ROLLUPS,
+        validate_job_id,
+    )
+
+# The SQL half loads on first use (PEP 562): readers that only need the records and
+# errors (the CLI's converters, `tide --help`) do not pay for importing SQLAlchemy.
+_LAZY = {
+    "DecisionStore": "services.scaler.store.decision_store",
+    "active_decision": "services.scaler.store.decisions",
+    "active_decisions": "services.scaler.store.decisions",
+    "create_decision": "services.scaler.store.decisions",
+    "delete_decisions_before": "services.scaler.store.decisions",
+    "get_decision": "services.scaler.store.decisions",
+    "last_completed_decisions": "services.scaler.store.decisions",
+    "last_resize_end": "services.scaler.store.decisions",
+    "non_final_decisions": "services.scaler.store.decisions",
+    "transition_decision": "services.scaler.store.decisions",
+    "acquire_job_ownership": "services.scaler.store.jobs",
+    "acquire_jobs_ownership": "services.scaler.store.jobs",
+    "check_epoch": "services.scaler.store.jobs",
+    "get_job": "services.scaler.store.jobs",
+    "list_jobs": "services.scaler.store.jobs",
+    "set_job_observed": "services.scaler.store.jobs",
+    "set_paused": "services.scaler.store.jobs",
+    "upsert_job": "services.scaler.store.jobs",
+    "DEFAULT_PAGE_SIZE": "services.scaler.store.pages",
+    "MAX_PAGE_SIZE": "services.scaler.store.pages",
+    "list_decisions": "services.scaler.store.pages",
+    "delete_rollups_before": "services.scaler.store.rollups",
+    "delete_seconds_before": "services.scaler.store.rollups",
+    "merge_rollups": "services.scaler.store.rollups",
+    "rollups_between": "services.scaler.store.rollups",
+    "seconds_between": "services.scaler.store.rollups",
+    "write_rollups": "services.scaler.store.rollups",
+    "JOBS": "services.scaler.store.rows",
+    "ROLLUPS": "services.scaler.store.rows",
+    "validate_job_id": "services.scaler.store.rows",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DECISION_LIFECYCLE",
@@ -77,13 +143,17 @@ __all__ = [
     "RollupRecord",
     "StaleEpoch",
     "acquire_job_ownership",
+    "acquire_jobs_ownership",
     "active_decision",
+    "active_decisions",
     "check_epoch",
     "create_decision",
+    "delete_decisions_before",
     "delete_rollups_before",
     "delete_seconds_before",
     "get_decision",
     "get_job",
+    "last_completed_decisions",
     "last_resize_end",
     "list_decisions",
     "list_jobs",

@@ -136,6 +136,16 @@ class DecisionStore:
         self.epochs[job_id] = epoch
         return epoch
 
+    async def acquire_many(self, job_ids: Sequence[str]) -> dict[str, int]:
+        """Take ``job_ids`` in one transaction; returns the epochs of those found."""
+        now = self.now()
+        epochs = await self._run(
+            lambda s: jobs.acquire_jobs_ownership(s, job_ids, self.owner_id, now=now),
+            what=f"acquire {len(job_ids)} job(s)",
+        )
+        self.epochs.update(epochs)
+        return epochs
+
     async def list_jobs(self) -> list[JobRecord]:
         return await self._run(jobs.list_jobs, write=False)
 
@@ -282,6 +292,11 @@ class DecisionStore:
         )
         return page.decisions[0] if page.decisions else None
 
+    async def last_completed_many(self, job_ids: Sequence[str]) -> dict[str, DecisionRecord]:
+        return await self._run(
+            lambda s: decisions.last_completed_decisions(s, job_ids), write=False
+        )
+
     # -- rollups -------------------------------------------------------------------
 
     async def write_rollups(self, rows: Sequence[RollupRecord]) -> int:
@@ -290,9 +305,16 @@ class DecisionStore:
     async def rollups_between(self, job_id: str, t0: datetime, t1: datetime) -> list[RollupRecord]:
         return await self._run(lambda s: rollups.rollups_between(s, job_id, t0, t1), write=False)
 
-    async def delete_rollups_before(self, before: datetime) -> int:
+    async def delete_rollups_before(self, before: datetime, *, limit: int | None = None) -> int:
         return await self._run(
-            lambda s: rollups.delete_rollups_before(s, before), what="rollup retention"
+            lambda s: rollups.delete_rollups_before(s, before, limit=limit),
+            what="rollup retention",
+        )
+
+    async def delete_decisions_before(self, before: datetime, *, limit: int) -> int:
+        return await self._run(
+            lambda s: decisions.delete_decisions_before(s, before, limit=limit),
+            what="decision retention",
         )
 
     async def seconds_between(
@@ -300,7 +322,8 @@ class DecisionStore:
     ) -> dict[datetime, tuple[tuple[float, ...], tuple[int, ...]]]:
         return await self._run(lambda s: rollups.seconds_between(s, job_id, t0, t1), write=False)
 
-    async def delete_seconds_before(self, before: datetime) -> int:
+    async def delete_seconds_before(self, before: datetime, *, limit: int | None = None) -> int:
         return await self._run(
-            lambda s: rollups.delete_seconds_before(s, before), what="per-second retention"
+            lambda s: rollups.delete_seconds_before(s, before, limit=limit),
+            what="per-second retention",
         )

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import case, select, update
+from sqlalchemy import ColumnElement, case, delete, literal_column, select, update
 from sqlalchemy.orm import Session
 
 from services.scaler.errors import (
@@ -34,7 +34,7 @@ from services.scaler.store.rows import (
     flush,
     json_copy,
 )
-from services.store.models.scaler import Decision, DecisionEvent, Job
+from services.store.models.scaler import OPEN_STATES, Decision, DecisionEvent, Job
 from tidebase.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
@@ -212,18 +212,54 @@ def _update_job_on_end(
 
 
 def active_decision(session: Session, job_id: str) -> DecisionRecord | None:
-    """The job's decision that is not final yet, if any (the newest if, wrongly, several)."""
+    """The job's decision that is not final yet, if any (the newest if, wrongly, several).
+
+    Reads the partial index ix_decisions_open: a few rows, however long the history."""
     row = session.scalars(
         select(Decision)
-        .where(Decision.job_id == job_id, Decision.state.not_in(_final_values()))
+        .where(Decision.job_id == job_id, _open())
         .order_by(Decision.created_at.desc(), Decision.id.desc())
         .limit(1)
     ).first()
     return None if row is None else decision_record(row)
 
 
-def _final_values() -> list[str]:
-    return [s.value for s in FINAL_STATES]
+def active_decisions(session: Session) -> dict[str, DecisionRecord]:
+    """Every job's decision that is not final (the newest per job): one query, off the
+    partial index, whatever the number of jobs or the history's size."""
+    return {d.job_id: d for d in _open_rows(session)}
+
+
+def last_completed_decisions(session: Session, job_ids: Sequence[str]) -> dict[str, DecisionRecord]:
+    """Each job's newest COMPLETED decision, for many jobs in two queries: a correlated
+    subquery per job walks that job's (job_id, created_at) index backwards."""
+    if not job_ids:
+        return {}
+    newest = (
+        select(Decision.id)
+        .where(Decision.job_id == Job.job_id, Decision.state == DecisionState.COMPLETED.value)
+        .order_by(Decision.created_at.desc(), Decision.id.desc())
+        .limit(1)
+        .correlate(Job)
+        .scalar_subquery()
+    )
+    ids = [
+        i
+        for i in session.scalars(select(newest).where(Job.job_id.in_(sorted(set(job_ids)))))
+        if i is not None
+    ]
+    if not ids:
+        return {}
+    return {
+        r.job_id: decision_record(r)
+        for r in session.scalars(select(Decision).where(Decision.id.in_(ids)))
+    }
+
+
+def _open() -> ColumnElement[bool]:
+    # Literal values, not bound parameters: the planners match the partial index's
+    # predicate (OPEN_PREDICATE) against these terms, and SQLite only matches equal terms.
+    return Decision.state.in_([literal_column(f"'{s}'") for s in OPEN_STATES])
 
 
 def get_decision(session: Session, decision_id: int) -> DecisionDetailRecord:
@@ -242,12 +278,40 @@ def get_decision(session: Session, decision_id: int) -> DecisionDetailRecord:
 
 def non_final_decisions(session: Session) -> list[DecisionRecord]:
     """Every decision a restarted scaler must resume or abort, oldest first."""
-    rows = session.scalars(
-        select(Decision)
-        .where(Decision.state.not_in(_final_values()))
-        .order_by(Decision.created_at, Decision.id)
+    return _open_rows(session)
+
+
+def _open_rows(session: Session) -> list[DecisionRecord]:
+    """Every open decision, oldest first. Sorted here, not by SQL: an ORDER BY lets
+    SQLite's planner prefer walking the whole (created_at, id) index over reading
+    the few rows of the partial index and sorting them."""
+    rows = [decision_record(r) for r in session.scalars(select(Decision).where(_open()))]
+    return sorted(rows, key=lambda d: (d.created_at, d.id))
+
+
+def delete_decisions_before(session: Session, before: datetime, *, limit: int) -> int:
+    """Retention: delete up to ``limit`` final decisions created before ``before``, oldest
+    first, with their events; returns how many decisions went. A decision that is not
+    final is kept whatever its age: a restarted scaler must still resume it."""
+    aware("before", before)
+    if limit < 1:
+        raise InvalidArgument(f"limit must be >= 1, got {limit}")
+    final: list[ColumnElement[str]] = [literal_column(f"'{s.value}'") for s in FINAL_STATES]
+    ids = list(
+        session.scalars(
+            select(Decision.id)
+            .where(Decision.created_at < before, Decision.state.in_(final))
+            .order_by(Decision.created_at, Decision.id)
+            .limit(limit)
+        )
     )
-    return [decision_record(r) for r in rows]
+    if not ids:
+        return 0
+    # Events first and explicitly: the foreign key cascades too, but only where the
+    # engine enforces it (SQLite needs its pragma).
+    session.connection().execute(delete(DecisionEvent).where(DecisionEvent.decision_id.in_(ids)))
+    session.connection().execute(delete(Decision).where(Decision.id.in_(ids)))
+    return len(ids)
 
 
 def last_resize_end(session: Session, job_id: str) -> datetime | None:

@@ -12,7 +12,7 @@ BEGIN IMMEDIATE does.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -213,6 +213,43 @@ def acquire_job_ownership(session: Session, job_id: str, owner_id: str, *, now: 
         "scaler %s owns job %s at epoch %d", owner_id, job_id, epoch, extra={"job_id": job_id}
     )
     return int(epoch)
+
+
+def acquire_jobs_ownership(
+    session: Session, job_ids: Sequence[str], owner_id: str, *, now: datetime
+) -> dict[str, int]:
+    """:func:`acquire_job_ownership` for many jobs in two statements (a restarted scaler
+    takes its jobs in batches, not one transaction each); returns each found job's new
+    epoch. Jobs that do not exist are absent from the answer."""
+    aware("now", now)
+    if not owner_id:
+        raise InvalidArgument("owner_id must not be empty")
+    ids = sorted(set(job_ids))
+    if not ids:
+        return {}
+    table = JOBS
+    # Sorted ids: two scalers taking overlapping batches lock rows in the same order.
+    execute(
+        session,
+        update(table)
+        .where(table.c.job_id.in_(ids))
+        .values(
+            owner_epoch=table.c.owner_epoch + 1,
+            owner_id=owner_id,
+            updated_at=now,
+            version=table.c.version + 1,
+        ),
+    )
+    epochs = {
+        str(r.job_id): int(r.owner_epoch)
+        for r in session.execute(
+            select(table.c.job_id, table.c.owner_epoch).where(table.c.job_id.in_(ids))
+        )
+    }
+    # The ORM identity map may hold some of these jobs with their old epochs.
+    session.expire_all()
+    logger.info("scaler %s owns %d job(s) (batch of %d)", owner_id, len(epochs), len(ids))
+    return epochs
 
 
 def check_epoch(session: Session, job_id: str, epoch: int) -> None:

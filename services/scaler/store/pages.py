@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Final
 
 from sqlalchemy import ColumnElement, and_, or_, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from services.scaler.store.records import DecisionPage, DecisionState
 from services.scaler.store.rows import aware, decision_record
@@ -40,12 +40,17 @@ def list_decisions(
     states: Sequence[DecisionState] = (),
     page_size: int = DEFAULT_PAGE_SIZE,
     page_token: str = "",
+    with_inputs: bool = True,
 ) -> DecisionPage:
     """Decisions newest first, filtered, one page at a time (keyset on (created_at, id)).
 
     ``since`` is inclusive and ``until`` exclusive. A token only works with
     the filters it was issued for. Rows inserted while paging show up on a
     later call if they are older than the cursor, never twice.
+
+    ``with_inputs=False`` leaves each record's ``inputs`` empty and does not read
+    them: the API's Decision carries no inputs (GetDecision does), and parsing
+    20,000 JSON documents was a fifth of a busy job's `tide history --all`.
     """
     if not (1 <= page_size <= MAX_PAGE_SIZE):
         raise InvalidArgument(f"page_size must be in 1..{MAX_PAGE_SIZE}, got {page_size}")
@@ -73,10 +78,12 @@ def list_decisions(
                 and_(Decision.created_at == cursor.created_at, Decision.id < cursor.id),
             )
         )
+    query = select(Decision)
+    if not with_inputs:
+        query = query.options(defer(Decision.inputs, raiseload=True))
     rows = list(
         session.scalars(
-            select(Decision)
-            .where(*conditions)
+            query.where(*conditions)
             .order_by(Decision.created_at.desc(), Decision.id.desc())
             .limit(page_size + 1)
         )
@@ -87,7 +94,8 @@ def list_decisions(
     if more:
         last = rows[-1]
         token = _encode_token(_Cursor(last.created_at, last.id, fingerprint))
-    return DecisionPage(decisions=tuple(decision_record(r) for r in rows), next_page_token=token)
+    records = tuple(decision_record(r, with_inputs=with_inputs) for r in rows)
+    return DecisionPage(decisions=records, next_page_token=token)
 
 
 def _fingerprint(

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Delete, func, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
@@ -187,18 +187,38 @@ def seconds_between(
     return {m: (tuple(s), tuple(c)) for m, (s, c) in out.items()}
 
 
-def delete_seconds_before(session: Session, before: datetime) -> int:
-    """Retention of the per-second detail; returns how many rows went."""
+def delete_seconds_before(session: Session, before: datetime, *, limit: int | None = None) -> int:
+    """Retention of the per-second detail: rows of minutes before ``before``, at most
+    ``limit`` of them (oldest first) when given; returns how many went."""
     aware("before", before)
-    result = session.connection().execute(SECONDS.delete().where(SECONDS.c.minute < before))
-    assert isinstance(result, CursorResult)
-    return result.rowcount
+    table = SECONDS
+    old = table.c.minute < before
+    if limit is None:
+        return _deleted(session, table.delete().where(old))
+    _check_limit(limit)
+    ids = select(table.c.id).where(old).order_by(table.c.minute, table.c.id).limit(limit)
+    return _deleted(session, table.delete().where(table.c.id.in_(ids.scalar_subquery())))
 
 
-def delete_rollups_before(session: Session, before: datetime) -> int:
-    """Retention: drop every rollup older than ``before``; returns how many."""
+def delete_rollups_before(session: Session, before: datetime, *, limit: int | None = None) -> int:
+    """Retention: drop rollups older than ``before``, at most ``limit`` of them (oldest
+    first, off the minute index) when given; returns how many."""
     aware("before", before)
     table = ROLLUPS
-    result = session.connection().execute(table.delete().where(table.c.minute < before))
+    old = table.c.minute < before
+    if limit is None:
+        return _deleted(session, table.delete().where(old))
+    _check_limit(limit)
+    keys = select(table.c.job_id, table.c.minute).where(old).order_by(table.c.minute).limit(limit)
+    return _deleted(session, table.delete().where(tuple_(table.c.job_id, table.c.minute).in_(keys)))
+
+
+def _check_limit(limit: int) -> None:
+    if limit < 1:
+        raise InvalidArgument(f"limit must be >= 1, got {limit}")
+
+
+def _deleted(session: Session, stmt: Delete) -> int:
+    result = session.connection().execute(stmt)
     assert isinstance(result, CursorResult)
     return result.rowcount

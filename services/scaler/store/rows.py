@@ -58,7 +58,7 @@ def job_record(row: Job) -> JobRecord:
     )
 
 
-def decision_record(row: Decision) -> DecisionRecord:
+def decision_record(row: Decision, *, with_inputs: bool = True) -> DecisionRecord:
     return DecisionRecord(
         id=row.id,
         job_id=row.job_id,
@@ -67,7 +67,7 @@ def decision_record(row: Decision) -> DecisionRecord:
         reason=row.reason,
         trigger=row.trigger,
         message=row.message,
-        inputs=dict(row.inputs),
+        inputs=dict(row.inputs) if with_inputs else {},
         state=DecisionState(row.state),
         error=row.error,
         pause_s=row.pause_s,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from services.store.db import Base, UTCDateTime
@@ -20,6 +20,12 @@ from services.store.db import Base, UTCDateTime
 BigIntPk = BigInteger().with_variant(Integer(), "sqlite")
 
 JOB_ID_LEN = 253  # "namespace/name": a namespace is <= 63 chars, a name <= 189 here.
+
+#: Decision states that are not final, and the SQL predicate of the partial index over
+#: them. A query uses that index only if it repeats the predicate word for word (SQLite
+#: matches partial indexes on identical terms), so both are built from this one tuple.
+OPEN_STATES = ("PENDING", "PREPARING", "ACTUATING")
+OPEN_PREDICATE = "state IN ({})".format(", ".join(f"'{s}'" for s in OPEN_STATES))
 
 
 class Job(Base):
@@ -79,7 +85,15 @@ class Decision(Base):
         Index("ix_decisions_job_id_created_at", "job_id", "created_at"),
         # History across all jobs pages by (created_at, id).
         Index("ix_decisions_created_at_id", "created_at", "id"),
-        Index("ix_decisions_state", "state"),
+        # The few decisions not final yet: the exclusivity check and start-up read only these.
+        Index(
+            "ix_decisions_open",
+            "job_id",
+            "created_at",
+            "id",
+            sqlite_where=text(OPEN_PREDICATE),
+            postgresql_where=text(OPEN_PREDICATE),
+        ),
     )
 
 
@@ -109,6 +123,9 @@ class UtilizationRollup(Base):
     samples: Mapped[int] = mapped_column(BigInteger)
     replicas: Mapped[int] = mapped_column(Integer)
 
+    # The primary key starts with job_id; reads across jobs and retention go by minute.
+    __table_args__ = (Index("ix_utilization_rollups_minute", "minute"),)
+
 
 class UtilizationSeconds(Base):
     """Each second of one minute of a job's utilization: what `tide whatif` replays.
@@ -126,4 +143,7 @@ class UtilizationSeconds(Base):
     sums: Mapped[list[float]] = mapped_column(JSON)
     counts: Mapped[list[int]] = mapped_column(JSON)
 
-    __table_args__ = (Index("ix_utilization_seconds_job_id_minute", "job_id", "minute"),)
+    __table_args__ = (
+        Index("ix_utilization_seconds_job_id_minute", "job_id", "minute"),
+        Index("ix_utilization_seconds_minute", "minute"),
+    )

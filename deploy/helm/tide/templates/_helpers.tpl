@@ -102,8 +102,11 @@ readinessProbe:
   periodSeconds: 5
   failureThreshold: 2
 livenessProbe:
+  # Not the readiness service: a scaler whose database is down is not ready, but
+  # restarting it would not bring the database back (services/common/readiness.py).
   grpc:
     port: {{ .port }}
+    service: liveness
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 3

@@ -1,7 +1,9 @@
 -- What did scaling save this week? Per job, from the per-minute rollups: GPU-hours held,
 -- what holding max_replicas the whole time would have cost, the difference, and how many
 -- of the held GPU-hours were idle (100 % minus utilization). Minutes without telemetry
--- are not counted. max_replicas is today's bound.
+-- are not counted. max_replicas is today's bound. Rollups are kept rollup_retention_days
+-- (30 unless changed): an older week answers nothing.
+-- SQLite version (times are stored as UTC text 'YYYY-MM-DD HH:MM:SS.ffffff').
 -- Parameters: since, until.
 SELECT r.job_id,
        count(*) AS minutes,
@@ -13,7 +15,7 @@ SELECT r.job_id,
        sum(r.replicas * r.mean_pct) / NULLIF(sum(r.replicas), 0) AS mean_utilization_pct
 FROM utilization_rollups AS r
 JOIN jobs AS j ON j.job_id = r.job_id
-WHERE r.minute >= CAST(:since AS timestamptz)
-  AND r.minute < CAST(:until AS timestamptz)
+WHERE r.minute >= strftime('%Y-%m-%d %H:%M:%f', :since) || '000'
+  AND r.minute < strftime('%Y-%m-%d %H:%M:%f', :until) || '000'
 GROUP BY r.job_id
 ORDER BY r.job_id;

@@ -1,4 +1,5 @@
 -- Why did job X scale at 14.05? Step 1: the decisions of the job created in [since, until).
+-- Final decisions are kept decision_retention_days (180 unless changed).
 -- Parameters: job_id, since, until (timestamps; UTC unless they carry a zone).
 SELECT d.id,
        d.created_at,

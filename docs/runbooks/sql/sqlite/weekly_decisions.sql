@@ -2,6 +2,8 @@
 -- caused (seconds, and GPU-seconds: the pause times the GPUs of the new size, which sat
 -- idle meanwhile), and steps lost. A job's start (reason JOB_STARTED, 0 -> N) is counted
 -- apart: its "pause" is the job's start-up, not a cost of scaling.
+-- SQLite version (times are stored as UTC text 'YYYY-MM-DD HH:MM:SS.ffffff').
+-- Final decisions are kept decision_retention_days (180 unless changed).
 -- Parameters: since, until (e.g. Monday 00.00 UTC and the next Monday).
 SELECT d.job_id,
        count(*) AS decisions,
@@ -21,7 +23,7 @@ SELECT d.job_id,
        COALESCE(sum(d.lost_steps), 0) AS lost_steps
 FROM decisions AS d
 JOIN jobs AS j ON j.job_id = d.job_id
-WHERE d.created_at >= CAST(:since AS timestamptz)
-  AND d.created_at < CAST(:until AS timestamptz)
+WHERE d.created_at >= strftime('%Y-%m-%d %H:%M:%f', :since) || '000'
+  AND d.created_at < strftime('%Y-%m-%d %H:%M:%f', :until) || '000'
 GROUP BY d.job_id
 ORDER BY d.job_id;

@@ -1,0 +1,503 @@
+"""History benchmark: a large store, then the CLI and the store's API against it.
+
+    python -m bench.history [--quick] [--pg URL | --sqlite] [--decisions N]
+
+Seeds a store of ``--decisions`` decisions (1,000,000; ``--quick`` 100,000: a
+million rows take minutes to write into PostgreSQL on this 2-core machine, which
+CI cannot spare) over 90 days and 1,000 jobs, one of them busy with 20,000
+decisions (the issue's "busy job over 90 days"), a few with a decision still
+running. Rows go in by COPY on PostgreSQL (executemany on SQLite), each decision
+with one event (its final state), in a private schema dropped afterwards. Then,
+each timed as a fresh process where the CLI is concerned:
+
+- ``history_first_page_s``: ``tide history BUSY --db URL --since 90d`` (the
+  default first page of 100, a plain table as in a pipe);
+- ``history_full_table_s`` / ``history_full_csv_s``: the same with ``--all``,
+  ``rows`` of them;
+- ``jobs_s``: ``tide jobs --db URL`` with 1,000 jobs;
+- ``version_s``: ``tide --version`` beside ``python_s`` (the interpreter alone)
+  and ``import_sqlalchemy_s`` (what the lazy store import spares it);
+- ``startup_s``: a ScalerCore (in-memory coordinator and actuator) starting on
+  the store: its jobs taken in batches, their last resize read, open decisions
+  resumed;
+- ``decision_p50_ms``/``decision_p99_ms`` on the busy job (the store's part of
+  a decision: create, with the exclusivity check, then its transitions), and
+  ``list_page_p99_ms`` (a ListDecisions page, keyset).
+
+Baselines measured in the same run, where they mean something:
+``exclusivity_not_in_ms`` (the check as it was, ``state NOT IN (final)``, which
+no index serves) against ``exclusivity_index_ms`` (the partial index);
+``jobs_per_job_queries_s`` (the old ``tide jobs --db``: a check per job)
+against ``jobs_two_queries_s``; ``startup_per_job_s`` (two transactions per job)
+against the batched start; ``rich_table_s`` against ``plain_table_s`` (the same
+``RENDER_ROWS`` rows drawn by rich, as every table was, and by the plain
+renderer). The last line is ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/tide_test"
+JOBS = 1000
+BUSY = "bench/busy"
+BUSY_DECISIONS = 20_000
+DAYS = 90
+OPEN_JOBS = 20  # jobs with a decision still running
+RENDER_ROWS = 2000
+ROOT = Path(__file__).resolve().parents[1]
+NOW = datetime.now(tz=UTC).replace(microsecond=0)
+
+_INPUTS = json.dumps(
+    {
+        "window": {
+            "bucket_s": 30.0,
+            "bucket_means_pct": [91.0, 92.0, 93.0, 92.0],
+            "coverage": 1.0,
+            "gpus_expected": 4,
+            "gpus_fresh": 4,
+            "mean_pct": 92.0,
+        },
+        "policy": {"scale_up_utilization_pct": 80.0, "scale_down_utilization_pct": 40.0},
+        "current_replicas": 2,
+        "free_gpus": 6,
+        "raw_target_replicas": 4,
+    }
+)
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * q))]
+
+
+# --- the store -----------------------------------------------------------------------------
+
+
+@contextmanager
+def pg_schema(url: str) -> Iterator[str]:
+    from urllib.parse import quote
+
+    admin = sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    schema = f"bench_history_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    sep = "&" if "?" in url else "?"
+    try:
+        yield f"{url}{sep}options={quote(f'-csearch_path={schema}')}"
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.dispose()
+
+
+def _job_rows() -> list[tuple[Any, ...]]:
+    made = NOW - timedelta(days=DAYS + 1)
+    ids = [BUSY] + [f"bench/j{i:04d}" for i in range(JOBS - 1)]
+    # job_id, min, max, current, gpus, overrides, paused, reason, paused_at, generation,
+    # last_resize_ended_at, owner_epoch, owner_id, created_at, updated_at, version
+    return [(j, 2, 8, 4, 1, "{}", False, "", None, 1, made, 0, "", made, made, 1) for j in ids]
+
+
+JOB_COLS = (
+    "job_id, min_replicas, max_replicas, current_replicas, gpus_per_replica, policy_overrides,"
+    " autoscaling_paused, pause_reason, paused_at, generation, last_resize_ended_at,"
+    " owner_epoch, owner_id, created_at, updated_at, version"
+)
+DECISION_COLS = (
+    "id, job_id, from_replicas, to_replicas, reason, trigger, message, inputs, state, error,"
+    " pause_s, lost_steps, generation, requested_by, created_at, updated_at, ended_at, version"
+)
+EVENT_COLS = "id, decision_id, state, at, detail"
+
+
+def _decisions(total: int) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
+    """(decision row, event row), oldest first per job; the busy job's 20,000 over 90
+    days, the rest spread over the other jobs; OPEN_JOBS jobs end with an open one."""
+    span = DAYS * 86400.0
+    others = [f"bench/j{i:04d}" for i in range(JOBS - 1)]
+    busy = min(BUSY_DECISIONS, total)
+    rest = total - busy
+    plan: list[tuple[str, int, int]] = [(BUSY, i, busy) for i in range(busy)]
+    per = max(1, rest // len(others))
+    n = 0
+    for j in others:
+        for i in range(per):
+            if n >= rest:
+                break
+            plan.append((j, i, per))
+            n += 1
+    for k, (job, i, of) in enumerate(plan, start=1):
+        at = NOW - timedelta(seconds=span * (1 - (i + 0.5) / of))
+        last = i == of - 1
+        running = last and job in others[:OPEN_JOBS]
+        state = "PREPARING" if running else ("ABORTED" if k % 17 == 0 else "COMPLETED")
+        grow = k % 2 == 0
+        frm, to = (2, 4) if grow else (4, 2)
+        reason = "SUSTAINED_HIGH_UTILIZATION" if grow else "SUSTAINED_LOW_UTILIZATION"
+        end = None if running else at + timedelta(seconds=9)
+        d = (
+            k, job, frm, to, reason, "POLICY", f"{reason.lower()}: {frm} -> {to}", _INPUTS,
+            state, "", 2.5, 0, k, "", at, end or at, end, 1,
+        )  # fmt: skip
+        e = (k, k, state, end or at, state.lower())
+        yield d, e
+
+
+def seed(url: str, total: int) -> float:
+    """Migrate and fill the store; returns the seconds it took."""
+    from services.store import db
+
+    t0 = time.perf_counter()
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    try:
+        if engine.dialect.name == "postgresql":
+            _seed_pg(engine, total)
+        else:
+            _seed_sqlite(engine, total)
+    finally:
+        engine.dispose()
+    return time.perf_counter() - t0
+
+
+def _seed_pg(engine: sa.Engine, total: int) -> None:
+    raw: Any = engine.raw_connection()
+    try:
+        conn = raw.driver_connection
+        with conn.cursor() as cur:
+            with cur.copy(f"COPY jobs ({JOB_COLS}) FROM STDIN") as cp:
+                for row in _job_rows():
+                    cp.write_row(row)
+            events = []
+            with cur.copy(f"COPY decisions ({DECISION_COLS}) FROM STDIN") as cp:
+                for d, e in _decisions(total):
+                    cp.write_row(d)
+                    events.append(e)
+            with cur.copy(f"COPY decision_events ({EVENT_COLS}) FROM STDIN") as cp:
+                for e in events:
+                    cp.write_row(e)
+            for table in ("decisions", "decision_events"):
+                cur.execute(
+                    f"SELECT setval(pg_get_serial_sequence('{table}', 'id'),"
+                    f" (SELECT max(id) FROM {table}))"
+                )
+        conn.commit()
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute("ANALYZE")
+    finally:
+        raw.close()
+
+
+def _seed_sqlite(engine: sa.Engine, total: int) -> None:
+    from services.store import db
+
+    def fmt(row: tuple[Any, ...]) -> tuple[Any, ...]:
+        # The store's SQLite format for times (services/store/db.py UTCDateTime).
+        return tuple(
+            v.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
+            if isinstance(v, datetime)
+            else v
+            for v in row
+        )
+
+    raw: Any = engine.raw_connection()
+    try:
+        cur = raw.cursor()
+        q = ", ".join("?" * len(JOB_COLS.split(",")))
+        cur.executemany(f"INSERT INTO jobs ({JOB_COLS}) VALUES ({q})", map(fmt, _job_rows()))
+        dq = ", ".join("?" * len(DECISION_COLS.split(",")))
+        eq = ", ".join("?" * len(EVENT_COLS.split(",")))
+        rows = list(_decisions(total))
+        cur.executemany(
+            f"INSERT INTO decisions ({DECISION_COLS}) VALUES ({dq})", (fmt(d) for d, _ in rows)
+        )
+        cur.executemany(
+            f"INSERT INTO decision_events ({EVENT_COLS}) VALUES ({eq})", (fmt(e) for _, e in rows)
+        )
+        raw.commit()
+        cur.execute("ANALYZE")
+    finally:
+        raw.close()
+    del db
+
+
+# --- the CLI -------------------------------------------------------------------------------
+
+
+def _cli(*args: str) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    took = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"tide {' '.join(args)} exited {proc.returncode}: {proc.stderr}")
+    return took, proc.stdout
+
+
+def _best(n: int, fn: Callable[[], float]) -> float:
+    """The median of ``n`` runs (the machine is shared; the median is what one sees)."""
+    return statistics.median(fn() for _ in range(n))
+
+
+def _bare(*args: str) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, check=True)
+    return time.perf_counter() - t0
+
+
+def measure_cli(url: str, runs: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    out["history_first_page_s"] = _best(
+        runs, lambda: _cli("history", BUSY, "--db", url, "--since", f"{DAYS + 1}d")[0]
+    )
+    took, text = _cli("history", BUSY, "--db", url, "--since", f"{DAYS + 1}d", "--all")
+    out["rows"] = len(text.splitlines()) - 1
+    out["history_full_table_s"] = statistics.median(
+        [took]
+        + [
+            _cli("history", BUSY, "--db", url, "--since", f"{DAYS + 1}d", "--all")[0]
+            for _ in range(runs - 1)
+        ]
+    )
+    out["history_full_csv_s"] = _best(
+        runs,
+        lambda: _cli("history", BUSY, "--db", url, "--since", f"{DAYS + 1}d", "--all", "-o", "csv")[
+            0
+        ],
+    )
+    took, text = _cli("jobs", "--db", url)
+    out["jobs_rows"] = len(text.splitlines()) - 1
+    out["jobs_s"] = statistics.median(
+        [took] + [_cli("jobs", "--db", url)[0] for _ in range(runs - 1)]
+    )
+    out["version_s"] = _best(runs, lambda: _cli("--version")[0])
+    out["help_s"] = _best(runs, lambda: _cli("--help")[0])
+    out["python_s"] = _best(runs, lambda: _bare("-c", "pass"))
+    out["import_sqlalchemy_s"] = _best(runs, lambda: _bare("-c", "import sqlalchemy.orm"))
+    return out
+
+
+def measure_render() -> dict[str, float]:
+    """The same rows drawn by rich (every table on a terminal, before) and plain."""
+    from rich.console import Console
+    from rich.table import Table
+    from tide.v1 import common_pb2, scaler_pb2
+
+    from services.cli import render
+    from services.cli.output import plain_table
+
+    decisions = [
+        scaler_pb2.Decision(
+            id=i, job_id=BUSY, from_replicas=2, to_replicas=4,
+            reason=common_pb2.DECISION_REASON_SUSTAINED_HIGH_UTILIZATION,
+            trigger=common_pb2.DECISION_TRIGGER_POLICY,
+            state=common_pb2.DECISION_STATE_COMPLETED,
+            message="sustained_high_utilization: 2 -> 4", pause_s=2.5,
+        )
+        for i in range(RENDER_ROWS)
+    ]  # fmt: skip
+    headers, rows = render.history_rows(decisions)
+    t0 = time.perf_counter()
+    t = Table(show_edge=False)
+    for h in headers:
+        t.add_column(h)
+    for r in rows:
+        t.add_row(*r)
+    Console(file=io.StringIO(), width=200, force_terminal=True).print(t)
+    rich_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    plain_table(headers, rows, no_headers=False)
+    return {"rich_table_s": rich_s, "plain_table_s": time.perf_counter() - t0}
+
+
+# --- the store's API and the scaler ----------------------------------------------------------
+
+
+def measure_queries(url: str) -> dict[str, float]:
+    from sqlalchemy import select
+
+    from services.scaler import store as repo
+    from services.store import db
+    from services.store.models.scaler import Decision
+
+    engine = db.make_engine(url)
+    factory = db.make_session_factory(engine)
+    finals = ["COMPLETED", "ABORTED", "FAILED"]
+    out: dict[str, float] = {}
+    try:
+        with db.session_scope(factory, write=False) as s:
+
+            def old_check(job: str) -> Any:
+                return s.scalars(
+                    select(Decision)
+                    .where(Decision.job_id == job, Decision.state.not_in(finals))
+                    .order_by(Decision.created_at.desc(), Decision.id.desc())
+                    .limit(1)
+                ).first()
+
+            for name, fn in (
+                ("exclusivity_not_in_ms", lambda: old_check(BUSY)),
+                ("exclusivity_index_ms", lambda: repo.active_decision(s, BUSY)),
+            ):
+                fn()
+                times = []
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append((time.perf_counter() - t0) * 1000)
+                out[name] = statistics.median(times)
+            jobs = repo.list_jobs(s)
+            t0 = time.perf_counter()
+            for j in jobs:
+                old_check(j.job_id)
+            out["jobs_per_job_queries_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            repo.list_jobs(s)
+            repo.active_decisions(s)
+            out["jobs_two_queries_s"] = time.perf_counter() - t0
+            pages = []
+            token = ""
+            for _ in range(20):
+                t0 = time.perf_counter()
+                page = repo.list_decisions(s, job_id=BUSY, page_size=500, page_token=token)
+                pages.append((time.perf_counter() - t0) * 1000)
+                token = page.next_page_token
+            out["list_page_p50_ms"] = statistics.median(pages)
+            out["list_page_p99_ms"] = _percentile(pages, 0.99)
+    finally:
+        engine.dispose()
+    return out
+
+
+async def measure_scaler(url: str, decisions: int) -> dict[str, Any]:
+    from services.scaler import store as repo
+    from services.scaler.service import ScalerCore
+    from services.scaler.store import DecisionState, DecisionStore
+    from services.store import db
+    from services.testing.actuators import InMemoryActuator
+    from services.testing.clock import FakeClock
+    from services.testing.coordinator import InMemoryCoordinator
+
+    out: dict[str, Any] = {}
+    engine = db.make_engine(url)
+    clock = FakeClock(NOW.timestamp())
+    try:
+        # The old start: two transactions per job.
+        store = DecisionStore(engine, "bench-old", clock)
+        t0 = time.perf_counter()
+        for job in await store.list_jobs():
+            await store.acquire(job.job_id)
+            await store.last_completed(job.job_id)
+        await store.non_final()
+        out["startup_per_job_s"] = time.perf_counter() - t0
+
+        store = DecisionStore(engine, "bench", clock)
+        core = ScalerCore(
+            store=store, actuator=InMemoryActuator(), coordinator=InMemoryCoordinator(), clock=clock
+        )
+        t0 = time.perf_counter()
+        await core.start()
+        out["startup_s"] = time.perf_counter() - t0
+        await core.close()
+
+        async def lives(job: str, n: int) -> list[float]:
+            times = []
+            for _ in range(n):
+                clock.advance(60.0)
+                t0 = time.perf_counter()
+                d = await store.create(
+                    job_id=job,
+                    from_replicas=4,
+                    to_replicas=5,
+                    reason="SUSTAINED_HIGH_UTILIZATION",
+                    trigger="POLICY",
+                    message="bench",
+                    inputs=json.loads(_INPUTS),
+                )
+                times.append((time.perf_counter() - t0) * 1000)
+                for st in (DecisionState.PREPARING, DecisionState.ACTUATING):
+                    d = await store.transition(d, st, st.value)
+                await store.transition(
+                    d, DecisionState.COMPLETED, "done", pause_s=1.0, generation=d.id
+                )
+            return times
+
+        # A job of its own with no history: the same path without the 20,000 rows.
+        fresh = "bench/fresh"
+        with db.session_scope(store.factory) as s:
+            repo.upsert_job(s, fresh, min_replicas=1, max_replicas=64, now=NOW)
+        await store.acquire(fresh)
+        await lives(BUSY, 3)  # warm the statements
+        busy = await lives(BUSY, 60)
+        empty = await lives(fresh, 60)
+        out["decision_p50_ms"] = statistics.median(busy)
+        out["decision_p99_ms"] = _percentile(busy, 0.99)
+        out["decision_p99_ms_fresh_job"] = _percentile(empty, 0.99)
+        out["busy_job_decisions"] = BUSY_DECISIONS
+        out["store_decisions"] = decisions
+    finally:
+        engine.dispose()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="100,000 decisions, one run each")
+    ap.add_argument("--pg", default=os.environ.get("TIDE_TEST_PG_URL", DEFAULT_PG))
+    ap.add_argument("--sqlite", action="store_true", help="a SQLite file instead of PostgreSQL")
+    ap.add_argument("--decisions", type=int, default=0)
+    args = ap.parse_args()
+    total = args.decisions or (100_000 if args.quick else 1_000_000)
+    runs = 1 if args.quick else 3
+    result: dict[str, Any] = {"decisions": total, "jobs": JOBS, "quick": args.quick}
+
+    def run(url: str) -> None:
+        result["seed_s"] = seed(url, total)
+        print(f"seeded {total} decisions over {JOBS} jobs in {result['seed_s']:.1f} s", flush=True)
+        result.update(measure_queries(url))
+        result.update(asyncio.run(measure_scaler(url, total)))
+        result.update(measure_cli(url, runs))
+        result.update(measure_render())
+
+    if args.sqlite:
+        result["store"] = "sqlite"
+        with tempfile.TemporaryDirectory() as d:
+            run(f"sqlite:///{Path(d) / 'tide.db'}")
+    else:
+        result["store"] = "postgresql"
+        with pg_schema(args.pg) as url:
+            run(url)
+    for k, v in list(result.items()):
+        if isinstance(v, float):
+            result[k] = round(v, 4)
+        print(f"  {k:<28} {result[k]}")
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+-- Why did job X scale? Step 3: every state the decision went through, with the time
+-- since it was created. A final state is COMPLETED, ABORTED or FAILED.
+-- SQLite version (times are stored as UTC text 'YYYY-MM-DD HH:MM:SS.ffffff').
+-- Parameters: decision_id.
+SELECT e.state,
+       e.at,
+       round((julianday(e.at) - julianday(d.created_at)) * 86400.0, 3) AS seconds_after_created,
+       e.detail
+FROM decision_events AS e
+JOIN decisions AS d ON d.id = e.decision_id
+WHERE e.decision_id = :decision_id
+ORDER BY e.at, e.id;
