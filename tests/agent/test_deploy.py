@@ -80,8 +80,9 @@ def test_the_health_probe_asks_the_agents_listen_port(values: Path, tmp_path: Pa
     (container,) = pod["containers"]
     health = {p["name"]: p["containerPort"] for p in container["ports"]}["health"]
     assert settings.listen == f"0.0.0.0:{health}"
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"] == {"port": health}
+    assert container["readinessProbe"]["grpc"] == {"port": health}
+    # Liveness asks its own health name (docs/reliability.md), on the same port.
+    assert container["livenessProbe"]["grpc"] == {"port": health, "service": "liveness"}
 
 
 @pytest.mark.parametrize("values", EXAMPLES.values(), ids=EXAMPLES.keys())
