@@ -47,6 +47,7 @@ bench: setup
 	$(PY) -m bench.simulate --quick
 	$(PY) -m bench.soak --quick
 	$(PY) -m bench.history --quick
+	$(PY) -m bench.security --quick
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .tide

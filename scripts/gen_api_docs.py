@@ -27,8 +27,9 @@ PROTO = ROOT / "proto"
 OUT = ROOT / "docs" / "api.md"
 PACKAGE = "tide.v1"
 
-#: The admin calls (the bearer token when one is configured); the servers' own
-#: lists are ADMIN_METHODS in services/scaler/servicer.py and services/coordinator.
+#: The calls that change something (operator or admin role; the examples send the admin
+#: token); who may call what is RULES in services/scaler/servicer.py and rules() in
+#: services/coordinator/servicer.py (docs/security.md).
 ADMIN = {
     "Scaler": {"UpsertJob", "RequestResize", "SetAutoscaling"},
     "Coordinator": {"Resize", "AbortResize"},
@@ -180,11 +181,16 @@ def render(fds: descriptor_pb2.FileDescriptorSet) -> str:
         " tests/docs/test_api_docs.py fails when it differs. Edit the protos' comments. -->",
         "",
         "Every Tide service speaks gRPC and serves reflection and the standard health service,",
-        "so `grpcurl` needs no .proto files. Admin calls need `authorization: Bearer <token>`",
-        "when the service runs with `--admin-token`. Errors are gRPC status codes with a",
-        "message naming the field (INVALID_ARGUMENT), or NOT_FOUND, FAILED_PRECONDITION,",
-        "UNAUTHENTICATED, UNAVAILABLE. Times are `google.protobuf.Timestamp` (RFC 3339 in",
-        "JSON); units are in the field names (`_s` seconds, `_pct` percent 0..100).",
+        "so `grpcurl` needs no .proto files. Every call is authenticated (docs/security.md):",
+        "a client certificate naming a Tide identity (`grpcurl -cacert ca.pem -cert me.pem",
+        "-key me-key.pem`), or a bearer token (`-H 'authorization: Bearer <token>'`: the",
+        "admin token, or a ServiceAccount token). The Scaler API has viewer (reads, watches),",
+        "operator (RequestResize, SetAutoscaling) and admin (UpsertJob) roles. The examples",
+        "below are for a server run `--insecure` with an admin token (`-plaintext`). Errors",
+        "are gRPC status codes with a message naming the field (INVALID_ARGUMENT), or",
+        "NOT_FOUND, FAILED_PRECONDITION, UNAUTHENTICATED, PERMISSION_DENIED, UNAVAILABLE.",
+        "Times are `google.protobuf.Timestamp` (RFC 3339 in JSON); units are in the field",
+        "names (`_s` seconds, `_pct` percent 0..100).",
         "",
         "- [Calling the Scaler from Python](#calling-the-scaler-from-python)",
     ]

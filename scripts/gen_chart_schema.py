@@ -25,15 +25,24 @@ from services.scaler.settings import ScalerSettings
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "deploy" / "helm" / "tide" / "values.schema.json"
 
-_SERVER = {"listen", "metrics_listen", "config", "db", "admin_token"}
-_TLS = {"tls_cert_file", "tls_key_file", "tls_client_ca_file", "tls_ca_file"}
+_SERVER = {"listen", "metrics_listen", "health_listen", "config", "db", "admin_token"}
+_TLS = {
+    "tls_cert_file",
+    "tls_key_file",
+    "tls_client_ca_file",
+    "tls_ca_file",
+    "tls_client_cert_file",
+    "tls_client_key_file",
+    "token_file",
+    "insecure",
+}
 
 #: Per chart section: the settings class, and the settings the chart wires itself
 #: (addresses, the store, files it mounts, secrets), which values may not set.
 SERVICES: dict[str, tuple[type[Any], frozenset[str]]] = {
     "scaler": (
         ScalerSettings,
-        frozenset(_SERVER | _TLS | {"coordinator", "actuator", "kube_namespaces"}),
+        frozenset(_SERVER | _TLS | {"coordinator", "actuator", "kube_namespaces", "local_ca_dir"}),
     ),
     "coordinator": (CoordinatorSettings, frozenset(_SERVER | _TLS)),
     "agent": (

@@ -11,6 +11,10 @@ import sqlalchemy as sa
 
 from tests.support.pg import admin_engine
 
+# Services started by tests serve plaintext unless a test gives them TLS (tests/security and
+# local mode do): a process without TLS and without --insecure exits 2 (docs/security.md).
+os.environ.setdefault("TIDE_INSECURE", "1")
+
 # Every test module names exactly one tier in its ``pytestmark`` (docs/architecture.md):
 # unit (pure), component (in-process, fakes, a fake clock, sockets on loopback),
 # integration (real processes, PostgreSQL, Paddle) and e2e (the whole stack).

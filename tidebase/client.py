@@ -1,5 +1,5 @@
-"""Client side of the Tide API: channels with the shared options, TLS and the
-admin token, and the one place where a gRPC error becomes a domain error."""
+"""Client side of the Tide API: channels with the shared options, TLS, the bearer
+token, and the one place where a gRPC error becomes a domain error."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from tidebase import errors
+from tidebase.credentials import NO_CREDENTIALS, ClientCredentials
 from tidebase.grpc_options import KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S, client_options
 
 
@@ -36,19 +37,61 @@ def channel_options(
     return options
 
 
+class _Token:
+    """Adds ``authorization: Bearer <token>`` to every call, the token read from its
+    file at each call (cheap: a stat), so a rotated token is sent from the next call on."""
+
+    def __init__(self, credentials: ClientCredentials) -> None:
+        self._creds = credentials
+
+    def details(self, details: Any) -> Any:
+        token = self._creds.token()
+        if not token:
+            return details
+        metadata = [(k, v) for k, v in (details.metadata or ()) if k.lower() != "authorization"]
+        metadata.append(("authorization", f"Bearer {token}"))
+        return details._replace(metadata=grpc.aio.Metadata(*metadata))
+
+
+# grpc.aio files each interceptor under the first kind it is an instance of: one class each.
+class _UnaryUnary(_Token, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self.details(details), request)
+
+
+class _UnaryStream(_Token, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self.details(details), request)
+
+
+class _StreamUnary(_Token, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self.details(details), requests)
+
+
+class _StreamStream(_Token, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self.details(details), requests)
+
+
+def _token_interceptors(credentials: ClientCredentials) -> list[Any] | None:
+    if not credentials.token_file:
+        return None
+    return [cls(credentials) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+
+
 def open_channel(
     target: str,
     *,
-    ca_file: str = "",
-    cert_file: str = "",
-    key_file: str = "",
+    credentials: ClientCredentials = NO_CREDENTIALS,
     keepalive_time_s: float | None = None,
     keepalive_timeout_s: float | None = None,
     own_subchannels: bool = False,
     extra_options: Mapping[str, Any] | None = None,
 ) -> grpc.aio.Channel:
-    """An aio channel to ``target`` (HOST:PORT). With ``ca_file`` it uses TLS,
-    and with ``cert_file``/``key_file`` it presents a client certificate (mTLS).
+    """An aio channel to ``target`` (HOST:PORT). With ``credentials.tls_ca_file`` it
+    uses TLS, with a client certificate and key it presents them (mTLS), and with a
+    token file every call carries the token.
 
     ``own_subchannels``: gRPC shares connections, and their reconnect backoff,
     between channels with equal options (its global subchannel pool), so a new
@@ -61,14 +104,18 @@ def open_channel(
         own_subchannels=own_subchannels,
         extra_options=extra_options,
     )
-    if not ca_file:
-        return grpc.aio.insecure_channel(target, options=options)
+    interceptors = _token_interceptors(credentials)
+    if not credentials.tls_ca_file:
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    c = credentials
     creds = grpc.ssl_channel_credentials(
-        root_certificates=Path(ca_file).read_bytes(),
-        private_key=Path(key_file).read_bytes() if key_file else None,
-        certificate_chain=Path(cert_file).read_bytes() if cert_file else None,
+        root_certificates=Path(c.tls_ca_file).read_bytes(),
+        private_key=Path(c.tls_client_key_file).read_bytes() if c.tls_client_key_file else None,
+        certificate_chain=(
+            Path(c.tls_client_cert_file).read_bytes() if c.tls_client_cert_file else None
+        ),
     )
-    return grpc.aio.secure_channel(target, creds, options=options)
+    return grpc.aio.secure_channel(target, creds, options=options, interceptors=interceptors)
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:

@@ -19,6 +19,13 @@ import sys
 from collections.abc import Sequence
 
 from tidebase import logs
+from tidebase.credentials import (
+    ENV_TLS_CA_FILE,
+    ENV_TLS_CLIENT_CERT_FILE,
+    ENV_TLS_CLIENT_KEY_FILE,
+    ENV_TOKEN_FILE,
+    ClientCredentials,
+)
 from tidebase.errors import ConfigError
 from trainer.launcher import Launcher, LauncherSettings, State
 
@@ -53,6 +60,13 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         default=_default("exit_grace_s"),
         help="how long a worker asked to exit gets before SIGKILL, seconds",
     )
+    for flag, env, what in (
+        ("--tls-ca-file", ENV_TLS_CA_FILE, "CA (PEM) the coordinator's certificate chains to"),
+        ("--tls-client-cert-file", ENV_TLS_CLIENT_CERT_FILE, "client certificate (PEM), mTLS"),
+        ("--tls-client-key-file", ENV_TLS_CLIENT_KEY_FILE, "client key (PEM), mTLS"),
+        ("--token-file", ENV_TOKEN_FILE, "bearer token file, re-read on change"),
+    ):
+        p.add_argument(flag, default=os.environ.get(env, ""), help=f"{what} (env {env})")
     p.add_argument("--log-level", default=os.environ.get("TIDE_LOG_LEVEL", "INFO"))
     p.add_argument(
         "--log-format",
@@ -75,6 +89,12 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         use_zygote=not ns.no_zygote,
         prewarm=not ns.no_prewarm,
         exit_grace_s=ns.exit_grace_s,
+        credentials=ClientCredentials(
+            tls_ca_file=ns.tls_ca_file,
+            tls_client_cert_file=ns.tls_client_cert_file,
+            tls_client_key_file=ns.tls_client_key_file,
+            token_file=ns.token_file,
+        ),
     )
 
 

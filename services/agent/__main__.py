@@ -75,6 +75,11 @@ async def run(settings: AgentSettings, stop: asyncio.Event | None = None) -> int
     """Run the agent until SIGTERM/SIGINT (or ``stop``); the process's exit code."""
     # One node per agent: every line of the process (NVML, the stream, the watch) names it.
     logs.bind_process(node=settings.node_name)
+    if not settings.tls_ca_file:
+        logger.warning(
+            "INSECURE: streaming to the scaler in plaintext, unauthenticated; never in a shared"
+            " cluster (docs/security.md)"
+        )
     metrics = AgentMetrics()
     register_build_info(metrics.registry, "agent")
     edge = await start_edge(settings, metrics)

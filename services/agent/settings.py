@@ -13,7 +13,7 @@ import os
 import socket
 from pathlib import Path
 
-from services.common.config import ProcessSettings, check_hostport, setting
+from services.common.config import ClientSettings, ProcessSettings, check_hostport, setting
 from tidebase import grpc_options
 from tidebase.errors import ConfigError
 
@@ -26,7 +26,7 @@ def _default_node_name() -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class AgentSettings(ProcessSettings):
+class AgentSettings(ProcessSettings, ClientSettings):
     scaler: str = setting("127.0.0.1:50051", "scaler Telemetry address, HOST:PORT")
     node_name: str = setting("", "Kubernetes node name; default $NODE_NAME, then the hostname")
     source: str = setting("nvml", "where readings come from: nvml, replay or synthetic")
@@ -72,9 +72,9 @@ class AgentSettings(ProcessSettings):
     watch_timeout_s: int = setting(
         60, "server-side timeout of one Node watch; the client waits 15 s longer"
     )
-    tls_ca_file: str = setting("", "CA bundle (PEM) to verify the scaler; enables TLS")
-    tls_cert_file: str = setting("", "client certificate (PEM) for mTLS to the scaler")
-    tls_key_file: str = setting("", "client private key (PEM) for mTLS to the scaler")
+    insecure: bool = setting(
+        False, "stream to the scaler without TLS (local use only); without a CA this is required"
+    )
     listen: str = setting(
         "",
         "gRPC health and reflection address HOST:PORT, for Kubernetes gRPC probes; empty: off",
@@ -123,11 +123,15 @@ class AgentSettings(ProcessSettings):
             )
         if self.watch_timeout_s < 1:
             raise ConfigError(f"watch_timeout_s: must be >= 1, got {self.watch_timeout_s!r}")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ConfigError("tls_cert_file and tls_key_file must be given together")
-        if self.tls_cert_file and not self.tls_ca_file:
-            raise ConfigError("tls_cert_file (mTLS) needs tls_ca_file to verify the scaler")
-        for name in ("tls_ca_file", "tls_cert_file", "tls_key_file", "replay_path"):
-            path = getattr(self, name)
-            if path and not Path(path).is_file():
-                raise ConfigError(f"{name}: no such file {path!r}")
+        self.credentials()
+        if self.replay_path and not Path(self.replay_path).is_file():
+            raise ConfigError(f"replay_path: no such file {self.replay_path!r}")
+
+    def security_problem(self) -> str:
+        """Why the agent must not start as configured, or "" (checked at its entry)."""
+        if self.tls_ca_file or self.insecure:
+            return ""
+        return (
+            "no TLS to the scaler: pass --tls-ca-file (and --tls-client-cert-file,"
+            " --tls-client-key-file or --token-file), or --insecure (local use only)"
+        )

@@ -28,6 +28,7 @@ from services.common.clock import Clock, SystemClock
 from services.common.logs import with_context
 from tidebase import grpc_options
 from tidebase.client import channel_options, open_channel
+from tidebase.credentials import NO_CREDENTIALS, ClientCredentials
 from tidebase.retry import Backoff
 
 from .buffer import ReportBuffer
@@ -47,9 +48,7 @@ class StreamConfig:
     backoff_max_s: float = 30.0
     keepalive_time_s: float = grpc_options.KEEPALIVE_TIME_S
     keepalive_timeout_s: float = grpc_options.KEEPALIVE_TIMEOUT_S
-    tls_ca_file: str = ""
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
+    credentials: ClientCredentials = NO_CREDENTIALS
 
     # BDP probing is off: reports are tiny, and an outstanding BDP ping holds back
     # the keepalive ping that detects a stalled path.
@@ -58,9 +57,7 @@ class StreamConfig:
     def open_channel(self) -> grpc.aio.Channel:
         return open_channel(
             self.target,
-            ca_file=self.tls_ca_file,
-            cert_file=self.tls_cert_file,
-            key_file=self.tls_key_file,
+            credentials=self.credentials,
             keepalive_time_s=self.keepalive_time_s,
             keepalive_timeout_s=self.keepalive_timeout_s,
             extra_options=self._EXTRA_OPTIONS,

@@ -10,9 +10,11 @@ commands ``--token``. Every flag, env var and default is written here only.
 | --- | --- | --- |
 | ``--scaler HOST:PORT`` | TIDE_SCALER | 127.0.0.1:50051 |
 | ``--db URL`` (read commands) | | (ask the scaler) |
-| ``--token T`` (admin commands) | TIDE_ADMIN_TOKEN | |
+| ``--token T`` (admin commands; prefer ``--token-file``) | TIDE_ADMIN_TOKEN | |
 | ``--timeout-s S`` | | 5 |
-| ``--ca-file``, ``--cert-file``, ``--key-file`` | TIDE_CA_FILE, TIDE_CERT_FILE, TIDE_KEY_FILE | |
+| ``--tls-ca-file``, ``--tls-client-cert-file``, ``--tls-client-key-file``, ``--token-file`` | TIDE_TLS_CA_FILE, TIDE_TLS_CLIENT_CERT_FILE, TIDE_TLS_CLIENT_KEY_FILE, TIDE_TOKEN_FILE | |
+
+The last four are every Tide client's (tidebase.credentials).
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ import typer
 
 from services.cli.app import run
 from services.cli.source import GrpcScaler, SqlHistory
+from tidebase.credentials import (
+    ENV_TLS_CA_FILE,
+    ENV_TLS_CLIENT_CERT_FILE,
+    ENV_TLS_CLIENT_KEY_FILE,
+    ENV_TOKEN_FILE,
+    ClientCredentials,
+)
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -39,9 +48,10 @@ DEFAULT_TIMEOUT_S = 5.0
 class Connection:
     scaler: str = DEFAULT_SCALER
     timeout_s: float = DEFAULT_TIMEOUT_S
-    ca_file: str = ""
-    cert_file: str = ""
-    key_file: str = ""
+    tls_ca_file: str = ""
+    tls_client_cert_file: str = ""
+    tls_client_key_file: str = ""
+    token_file: str = ""
     #: Admin commands only: the bearer token of admin calls.
     token: str = ""
     #: Read commands only: read this SQL store instead of asking the scaler.
@@ -56,9 +66,12 @@ class Connection:
             self.scaler,
             token=self.token,
             timeout_s=self.timeout_s,
-            ca_file=self.ca_file,
-            cert_file=self.cert_file,
-            key_file=self.key_file,
+            credentials=ClientCredentials(
+                tls_ca_file=self.tls_ca_file,
+                tls_client_cert_file=self.tls_client_cert_file,
+                tls_client_key_file=self.tls_client_key_file,
+                token_file=self.token_file,
+            ),
         )
 
     def history(self) -> GrpcScaler | SqlHistory:
@@ -123,27 +136,18 @@ _TIMEOUT = _option(
     Annotated[float, typer.Option("--timeout-s", min=0.1, help="deadline of each call")],
     DEFAULT_TIMEOUT_S,
 )
-_TLS = (
+_TLS = tuple(
     _option(
-        "ca_file",
-        Annotated[str, typer.Option("--ca-file", envvar="TIDE_CA_FILE", help="CA (PEM): use TLS")],
+        name,
+        Annotated[str, typer.Option("--" + name.replace("_", "-"), envvar=env, help=what)],
         "",
-    ),
-    _option(
-        "cert_file",
-        Annotated[
-            str,
-            typer.Option("--cert-file", envvar="TIDE_CERT_FILE", help="client certificate (mTLS)"),
-        ],
-        "",
-    ),
-    _option(
-        "key_file",
-        Annotated[
-            str, typer.Option("--key-file", envvar="TIDE_KEY_FILE", help="client key (mTLS)")
-        ],
-        "",
-    ),
+    )
+    for name, env, what in (
+        ("tls_ca_file", ENV_TLS_CA_FILE, "CA (PEM) the scaler's certificate chains to: use TLS"),
+        ("tls_client_cert_file", ENV_TLS_CLIENT_CERT_FILE, "client certificate (PEM), mTLS"),
+        ("tls_client_key_file", ENV_TLS_CLIENT_KEY_FILE, "client key (PEM), mTLS"),
+        ("token_file", ENV_TOKEN_FILE, "file holding a bearer token"),
+    )
 )
 
 

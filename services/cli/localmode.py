@@ -34,6 +34,19 @@ def _run_until_signal(make: Any) -> int:
     return run(go())
 
 
+InsecureOpt = Annotated[
+    bool,
+    typer.Option(
+        "--insecure",
+        help="plaintext, unauthenticated links (default: mTLS with a CA made under STATE_DIR/pki)",
+    ),
+]
+AdminTokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(help="file holding an admin token the services then require on admin calls"),
+]
+
+
 def up_cmd(
     state_dir: StateDirOpt = Path(".tide"),
     scaler_listen: Annotated[str, typer.Option(help="scaler gRPC address")] = "127.0.0.1:50051",
@@ -56,6 +69,8 @@ def up_cmd(
     log_format: Annotated[
         str, typer.Option(help="services' and launchers' log lines: text or json")
     ] = "text",
+    insecure: InsecureOpt = False,
+    admin_token_file: AdminTokenFileOpt = None,
 ) -> None:
     """Run the scaler, the coordinator and optional synthetic agents here, until Ctrl-C."""
     from services.local import up
@@ -72,6 +87,8 @@ def up_cmd(
             log_level=log_level,
             log_format=log_format,
             scaler_flags=up.split_flags(scaler_flag or []),
+            tls=not insecure,
+            admin_token_file=admin_token_file,
         )
     except errors.ConfigError as exc:
         fail(Exit.USAGE, str(exc))
@@ -100,6 +117,8 @@ def demo_cmd(
     log_format: Annotated[
         str, typer.Option(help="log lines under STATE_DIR/logs: text or json")
     ] = "text",
+    insecure: InsecureOpt = False,
+    admin_token_file: AdminTokenFileOpt = None,
 ) -> None:
     """Scale the example Paddle job 2 → 4 → 2 with synthetic GPU load, and prove nothing was lost."""
     for module, extra in (("paddle", "paddle-cpu"), ("matplotlib", "demo"), ("numpy", "trainer")):
@@ -118,6 +137,8 @@ def demo_cmd(
             cooldown_s=cooldown_s,
             chart=chart,
             log_format=log_format,
+            tls=not insecure,
+            admin_token_file=admin_token_file,
         )
     except errors.ConfigError as exc:
         fail(Exit.USAGE, str(exc))

@@ -20,6 +20,7 @@ from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
 from tidebase import errors
 from tidebase.client import bearer, domain_error, open_channel
+from tidebase.credentials import NO_CREDENTIALS, ClientCredentials
 from tidebase.timeconv import ts_from_datetime
 
 logger = logging.getLogger(__name__)
@@ -49,20 +50,17 @@ class GrpcScaler:
         *,
         token: str = "",
         timeout_s: float = 5.0,
-        ca_file: str = "",
-        cert_file: str = "",
-        key_file: str = "",
+        credentials: ClientCredentials = NO_CREDENTIALS,
     ) -> None:
         self._target = target
         self._token = token
         self._timeout_s = timeout_s
-        self._tls = (ca_file, cert_file, key_file)
+        self._credentials = credentials
         self._channel: grpc.aio.Channel | None = None
         self._stub: scaler_pb2_grpc.ScalerStub | None = None
 
     async def __aenter__(self) -> GrpcScaler:
-        ca, cert, key = self._tls
-        self._channel = open_channel(self._target, ca_file=ca, cert_file=cert, key_file=key)
+        self._channel = open_channel(self._target, credentials=self._credentials)
         self._stub = scaler_pb2_grpc.ScalerStub(self._channel)
         return self
 

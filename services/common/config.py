@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from tidebase.credentials import ClientCredentials
 from tidebase.errors import ConfigError
 
 T = TypeVar("T")
@@ -71,17 +72,38 @@ class ProcessSettings:
 @dataclasses.dataclass(frozen=True)
 class CommonSettings(ProcessSettings):
     """What every Tide gRPC API service (scaler, coordinator) accepts on top: where it
-    listens, its server certificate, and the admin token. The agent serves no API and
-    dials out with a client certificate, so it builds on :class:`ProcessSettings`."""
+    listens, its server certificate, who it accepts (docs/security.md). The agent
+    serves no API and dials out with client credentials, so it builds on
+    :class:`ProcessSettings`."""
 
     listen: str = setting("127.0.0.1:50051", "gRPC listen address, HOST:PORT (port 0 picks one)")
+    health_listen: str = setting(
+        "",
+        "plaintext gRPC health address HOST:PORT for the kubelet's probe (health only,"
+        " no credentials); empty: none",
+    )
     tls_cert_file: str = setting("", "server certificate (PEM); enables TLS")
     tls_key_file: str = setting("", "server private key (PEM)")
     tls_client_ca_file: str = setting(
         "", "CA bundle (PEM) that client certificates must chain to; enables mTLS"
     )
+    insecure: bool = setting(
+        False,
+        "accept callers without credentials, as anonymous (local use only; logs a warning);"
+        " without TLS this is required",
+    )
     admin_token: str = setting(
-        "", "bearer token required on admin RPCs; empty disables the check (local use)"
+        "", "bearer token that makes a caller admin; in insecure mode it guards the admin calls"
+    )
+    token_review: bool = setting(
+        False,
+        "check bearer ServiceAccount tokens with the Kubernetes TokenReview API (in-cluster)",
+    )
+    token_audience: str = setting("tide", "the audience ServiceAccount tokens must be bound to")
+    token_identities: tuple[str, ...] = setting(
+        (),
+        "NAMESPACE/SERVICEACCOUNT=KIND, comma-separated: what a reviewed token is (agent,"
+        " launcher, scaler, viewer, operator, admin)",
     )
     otlp_endpoint: str = setting(
         "", "OpenTelemetry collector HOST:PORT (OTLP/gRPC): one trace per decision; empty: off"
@@ -96,6 +118,8 @@ class CommonSettings(ProcessSettings):
 
     def __post_init__(self) -> None:
         check_hostport("listen", self.listen)
+        if self.health_listen:
+            check_hostport("health_listen", self.health_listen)
         for name in ("max_inflight_unary_calls", "max_inflight_streams"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
@@ -110,6 +134,52 @@ class CommonSettings(ProcessSettings):
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ConfigError(f"{name}: no such file {path!r}")
+        self.token_kinds()
+
+    def token_kinds(self) -> dict[str, str]:
+        kinds: dict[str, str] = {}
+        allowed = {"agent", "launcher", "scaler", "viewer", "operator", "admin"}
+        for item in self.token_identities:
+            sa, sep, kind = item.partition("=")
+            if not sep or sa.count("/") != 1 or kind not in allowed:
+                raise ConfigError(
+                    f"token_identities: expected NAMESPACE/SERVICEACCOUNT=KIND with KIND one of"
+                    f" {', '.join(sorted(allowed))}, got {item!r}"
+                )
+            kinds[sa] = kind
+        return kinds
+
+    def security_problem(self) -> str:
+        """Why this server must not start as configured, or "" (checked by the entry
+        point, so a production process never serves plaintext by accident)."""
+        if self.tls_cert_file or self.insecure:
+            return ""
+        return (
+            "no TLS: pass --tls-cert-file and --tls-key-file (and --tls-client-ca-file for"
+            " mTLS), or --insecure to accept callers without credentials (local use only)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSettings:
+    """What a Tide process presents when it dials another (tidebase.credentials): one
+    naming scheme for the agent, the scaler's coordinator link, launchers and the CLI."""
+
+    tls_ca_file: str = setting("", "CA bundle (PEM) that the server's certificate must chain to")
+    tls_client_cert_file: str = setting("", "client certificate (PEM) presented for mTLS")
+    tls_client_key_file: str = setting("", "client private key (PEM) for mTLS")
+    token_file: str = setting(
+        "", "file holding a bearer token (a projected ServiceAccount token), re-read on change"
+    )
+
+    def credentials(self) -> ClientCredentials:
+        """The credentials; ConfigError naming the setting if they do not fit together."""
+        return ClientCredentials(
+            tls_ca_file=self.tls_ca_file,
+            tls_client_cert_file=self.tls_client_cert_file,
+            tls_client_key_file=self.tls_client_key_file,
+            token_file=self.token_file,
+        )
 
 
 def _flag(name: str) -> str:

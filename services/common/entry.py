@@ -42,6 +42,10 @@ def run_service(
     except ConfigError as exc:
         print(f"{error_prefix or name}: {exc}", file=sys.stderr)
         return 2
+    check = getattr(settings, "security_problem", None)
+    if check is not None and (problem := check()):
+        print(f"{error_prefix or name}: {problem}", file=sys.stderr)
+        return 2
     logs.configure(settings.log_level, settings.log_format)
     tracing.configure(name, getattr(settings, "otlp_endpoint", ""), version=version())
     try:

@@ -1,6 +1,7 @@
 """One way to run a Tide service: a grpc.aio server with health, reflection,
-Prometheus metrics, optional TLS/mTLS, a bearer token on admin RPCs, and a
-graceful shutdown on SIGTERM.
+Prometheus metrics, TLS/mTLS, the guard (services.common.guard: who may call
+what), a plaintext health port for the kubelet's probe, and a graceful shutdown
+on SIGTERM.
 
 A service's ``main`` loads its settings, builds its servicers, and calls
 :func:`serve`. Tests use :func:`start_server` to get the bound ports.
@@ -9,10 +10,9 @@ A service's ``main`` loads its settings, builds its servicers, and calls
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 from services.common.config import CommonSettings
+from services.common.guard import Guard, GuardSettings, Role, Rule, TokenReviewer
 from services.common.metrics import grpc_server_metrics
 from services.common.readiness import LIVENESS, Readiness
 from services.common.shedding import ConcurrencyLimit
@@ -43,39 +44,6 @@ class ServiceSpec:
     name: str
 
 
-class _AdminTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Admin methods need ``authorization: Bearer <token>``; others pass through."""
-
-    def __init__(self, token: str, admin_methods: frozenset[str]) -> None:
-        self._expected = f"Bearer {token}".encode()
-        self._admin = admin_methods
-
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        if handler_call_details.method not in self._admin:
-            return await continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        given = metadata.get("authorization", "")
-        given_b = given.encode() if isinstance(given, str) else bytes(given)
-        if hmac.compare_digest(given_b, self._expected):
-            return await continuation(handler_call_details)
-        method = handler_call_details.method
-
-        async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            logger.warning("refused admin call %s: missing or wrong bearer token", method)
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"{method} is an admin call: send 'authorization: Bearer <token>'",
-            )
-
-        return grpc.unary_unary_rpc_method_handler(deny)
-
-
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
@@ -84,12 +52,17 @@ class RunningServer:
     health: health.aio.HealthServicer
     service_names: tuple[str, ...]
     _metrics_httpd: Any = None
+    guard: Guard | None = None
+    health_server: grpc.aio.Server | None = None
+    health_port: int | None = None
 
     async def stop(self, grace_s: float) -> None:
         """Report NOT_SERVING first, so load balancers and probes stop sending
         new work, then let in-flight RPCs finish for up to ``grace_s``."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
             self._metrics_httpd.server_close()
@@ -110,22 +83,53 @@ async def start_server(
     settings: CommonSettings,
     services: Sequence[ServiceSpec],
     *,
+    rules: Mapping[str, Rule] | None = None,
     admin_methods: frozenset[str] = frozenset(),
+    validate: Callable[[Any, str], None] | None = None,
+    reviewer: TokenReviewer | None = None,
     registry: CollectorRegistry = REGISTRY,
     options: Sequence[tuple[str, Any]] | None = None,
 ) -> RunningServer:
-    # First, so that refused admin calls are counted with their UNAUTHENTICATED.
+    """Start the server. ``rules``: who may call each method (services.common.guard);
+    ``admin_methods`` (without a rule of their own) need the admin role; ``validate``
+    checks each request's fields; ``reviewer`` checks ServiceAccount tokens.
+
+    Without TLS and without ``insecure`` the server still starts (in-process tests),
+    as insecure; processes refuse that at their entry point
+    (:meth:`CommonSettings.security_problem`)."""
+    insecure = settings.insecure or not settings.tls_cert_file
+    if insecure:
+        logger.warning(
+            "INSECURE: callers without credentials are accepted as anonymous%s;"
+            " never run a shared cluster like this (docs/security.md)",
+            " (admin calls need the admin token)" if settings.admin_token else "",
+        )
+    if reviewer is None and settings.token_review:
+        from services.common.tokenreview import KubernetesTokenReviewer
+
+        reviewer = KubernetesTokenReviewer(audience=settings.token_audience)
+    all_rules: dict[str, Rule] = {m: Rule(role=Role.ADMIN) for m in admin_methods}
+    all_rules.update(rules or {})
+    guard = Guard(
+        GuardSettings(
+            insecure=insecure,
+            admin_token=settings.admin_token,
+            reviewer=reviewer,
+            token_kinds=settings.token_kinds(),
+        ),
+        all_rules,
+        validate=validate,
+        registry=registry,
+    )
     interceptors: list[grpc.aio.ServerInterceptor] = [
+        # First, so that refused and shed calls are counted with their status.
         grpc_server_metrics(registry),
         # After the metrics, so a shed call is counted with its RESOURCE_EXHAUSTED.
         ConcurrencyLimit(
             settings.max_inflight_unary_calls, settings.max_inflight_streams, registry
         ),
+        guard,
     ]
-    if settings.admin_token:
-        interceptors.append(_AdminTokenInterceptor(settings.admin_token, admin_methods))
-    elif admin_methods:
-        logger.warning("no admin_token set: admin RPCs are open to every caller")
     server = grpc.aio.server(
         interceptors=interceptors,
         options=list(options) if options is not None else server_options(),
@@ -155,6 +159,17 @@ async def start_server(
     for name in ("", *names, LIVENESS):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
+    health_server: grpc.aio.Server | None = None
+    health_port: int | None = None
+    if settings.health_listen:
+        # Health alone, plaintext: the kubelet's gRPC probe carries no credentials.
+        health_server = grpc.aio.server(options=server_options())
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_port = health_server.add_insecure_port(settings.health_listen)
+        if health_port == 0:
+            raise OSError(f"cannot listen on {settings.health_listen}")
+        await health_server.start()
+
     metrics_port: int | None = None
     httpd = None
     if settings.metrics_listen:
@@ -162,13 +177,16 @@ async def start_server(
         httpd, _thread = start_http_server(int(mport), addr=host, registry=registry)
         metrics_port = int(httpd.server_port)
     logger.info(
-        "serving %s on port %d%s (metrics %s)",
+        "serving %s on port %d%s (metrics %s, health %s)",
         ", ".join(names) or "health",
         port,
-        " with TLS" if creds else "",
+        (" with mTLS" if settings.tls_client_ca_file else " with TLS") if creds else "",
         metrics_port if metrics_port is not None else "off",
+        health_port if health_port is not None else "on the main port",
     )
-    return RunningServer(server, port, metrics_port, health_servicer, names, httpd)
+    return RunningServer(
+        server, port, metrics_port, health_servicer, names, httpd, guard, health_server, health_port
+    )
 
 
 async def wait_for_signal(
@@ -190,7 +208,9 @@ async def serve(
     settings: CommonSettings,
     services: Sequence[ServiceSpec],
     *,
+    rules: Mapping[str, Rule] | None = None,
     admin_methods: frozenset[str] = frozenset(),
+    validate: Callable[[Any, str], None] | None = None,
     on_shutdown: Sequence[Callable[[], Awaitable[None]]] = (),
     background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
     readiness: Readiness | None = None,
@@ -204,7 +224,9 @@ async def serve(
     a background task that ends before shutdown is logged at once and turns
     liveness off, so the kubelet restarts a process that stopped working."""
     readiness = readiness or Readiness()
-    running = await start_server(settings, services, admin_methods=admin_methods)
+    running = await start_server(
+        settings, services, rules=rules, admin_methods=admin_methods, validate=validate
+    )
     await readiness.bind(running.health, running.service_names)
     # Printed on stdout so scripts and tests can find the bound ports.
     print(listening_line(running.port, running.metrics_port), flush=True)

@@ -17,9 +17,10 @@ from services.common.entry import run_service
 from services.common.metrics import register_build_info
 from services.common.readiness import Readiness
 from services.common.server import ServiceSpec, serve
+from services.common.validate import validate_request
 from services.coordinator.engine import Coordinator
 from services.coordinator.metrics import CoordinatorMetrics
-from services.coordinator.servicer import ADMIN_METHODS, SERVICE_NAME, CoordinatorServicer
+from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer, rules
 from services.coordinator.settings import CoordinatorSettings
 from services.coordinator.sql_store import SqlStore
 from services.store import db
@@ -56,7 +57,8 @@ async def _run(settings: CoordinatorSettings) -> None:
                 SERVICE_NAME,
             )
         ],
-        admin_methods=ADMIN_METHODS,
+        rules=rules(coordinator),
+        validate=validate_request,
         background=[coordinator.run, probe.run],
         on_shutdown=[close_db],
         readiness=readiness,

@@ -16,15 +16,37 @@ from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 from services.common import tracing
+from services.common.guard import Kind, Role, Rule, Subject
 from services.common.rpc import rpc_errors
 from services.coordinator import convert
 from services.coordinator.engine import Coordinator, streams
 
 SERVICE_NAME = "tide.v1.Coordinator"
-#: Scaler-facing calls that change a job; they need the admin token when one is set.
-ADMIN_METHODS = frozenset(
-    {f"/{SERVICE_NAME}/Resize", f"/{SERVICE_NAME}/AbortResize"},
-)
+
+
+def rules(coordinator: Coordinator) -> dict[str, Rule]:
+    """Who may call what (services.common.guard): a launcher only as its own pod of its
+    own job (a member id is checked against the pod that registered it); the
+    scaler-facing calls need the scaler's identity or a user with the role."""
+
+    def member(request: Any) -> Subject:
+        # An unknown member is nobody's: the call gets NOT_FOUND and re-registers.
+        job, pod = coordinator.member_pod(request.member_id)
+        return Subject(job=job, pod=pod)
+
+    launcher = frozenset({Kind.LAUNCHER})
+    scaler = frozenset({Kind.SCALER})
+    m = f"/{SERVICE_NAME}/"
+    return {
+        m + "Register": Rule(launcher, subject=lambda r: Subject(job=r.job_id, pod=r.pod_name)),
+        m + "Directives": Rule(launcher, subject=member),
+        m + "Ack": Rule(launcher, subject=member),
+        m + "Heartbeat": Rule(launcher, subject=member),
+        m + "Resize": Rule(scaler, role=Role.ADMIN),
+        m + "AbortResize": Rule(scaler, role=Role.ADMIN),
+        m + "GetJobStatus": Rule(scaler, role=Role.VIEWER),
+        m + "WatchJob": Rule(scaler, role=Role.VIEWER),
+    }
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):

@@ -86,6 +86,9 @@ class DemoSettings:
     chart: Path | None = None
     # Format of the services' and launchers' logs under STATE_DIR/logs.
     log_format: str = "text"
+    # mTLS on every link (False: --insecure) and an optional admin token file; UpSettings'.
+    tls: bool = True
+    admin_token_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.start_replicas < self.max_replicas <= 16:
@@ -256,6 +259,8 @@ class Demo:
             total_gpus=s.max_replicas,
             log_level="INFO",
             log_format=s.log_format,
+            tls=s.tls,
+            admin_token_file=s.admin_token_file,
             # Fast evaluation and short staleness, so the short windows act promptly.
             scaler_flags=(
                 "--evaluate-interval-s",
@@ -369,8 +374,12 @@ class Demo:
             f" job {self.job_id} on {self.s.start_replicas} workers"
         )
         async with (
-            open_channel(cluster.scaler_target) as sch,
-            open_channel(cluster.coordinator_target) as cch,
+            open_channel(
+                cluster.scaler_target, credentials=cluster.credentials(admin_token=True)
+            ) as sch,
+            open_channel(
+                cluster.coordinator_target, credentials=cluster.credentials(admin_token=True)
+            ) as cch,
         ):
             # Typed for the sync API by the generator; on aio channels calls are awaitable.
             scaler: Any = scaler_pb2_grpc.ScalerStub(sch)

@@ -24,6 +24,7 @@ from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 from services.common.clock import Clock, SystemClock
 from tidebase.client import open_channel
+from tidebase.credentials import NO_CREDENTIALS, ClientCredentials
 from tidebase.errors import ConfigError
 from tidebase.retry import Backoff
 from tidebase.timeconv import ts_from_seconds
@@ -76,8 +77,10 @@ class SyntheticNode:
         settings: LoadSettings | None = None,
         clock: Clock | None = None,
         rng: random.Random | None = None,
+        credentials: ClientCredentials = NO_CREDENTIALS,
     ) -> None:
         self.target = target
+        self.credentials = credentials
         self.attribution = attribution
         self.settings = settings or LoadSettings()
         self.clock = clock or SystemClock()
@@ -129,7 +132,7 @@ class SyntheticNode:
         """Stream until ``stop`` is set, reconnecting after a broken stream."""
         while not stop.is_set():
             try:
-                async with open_channel(self.target) as channel:
+                async with open_channel(self.target, credentials=self.credentials) as channel:
                     await self._stream(telemetry_pb2_grpc.TelemetryStub(channel), stop)
             except grpc.aio.AioRpcError as exc:
                 self.last_error = f"{exc.code().name}: {exc.details()}"

@@ -7,7 +7,14 @@ Layout of the state dir (default ./.tide):
     jobs/<ns>__<n>/  each local job's spec, wanted replicas and pod pid files
     pods/<pod>/      each launcher's own state (worker logs)
     checkpoints/     where `tide demo` points its job's checkpoints
+    pki/             the CA and certificates made at each start (unless --insecure)
     up.lock          held while a `tide up` or `tide demo` runs on the dir
+
+Every link runs mTLS (docs/security.md): at start a fresh CA under pki/ issues the
+server certificate the scaler and the coordinator share, the scaler's, each
+agent's (its node) and an admin user's for the CLI and the demo; the scaler's
+local actuator issues each pod's launcher certificate as it starts the pod.
+``--insecure`` runs every link plaintext instead, with the services' warning.
 
 Start order: coordinator, scaler (``python -m services.scaler --actuator local:DIR``), then the optional
 node agents (``python -m services.agent --source synthetic``), each with a
@@ -33,10 +40,12 @@ from typing import IO
 
 import grpc
 
+from services.common.pki import CertificateAuthority, Issued
 from services.local.kubelet import serve_pod_resources
 from services.local.load import LoadSettings, SyntheticNode
 from services.local.supervisor import Child, ChildSpec, Supervisor
 from services.scaler.actuators.local import LocalActuator, LocalActuatorSettings
+from tidebase.credentials import CLIENT_ENV, NO_CREDENTIALS, ClientCredentials
 from tidebase.errors import ConfigError, FailedPrecondition
 
 logger = logging.getLogger(__name__)
@@ -70,6 +79,11 @@ class UpSettings:
     coordinator_flags: tuple[str, ...] = ()
     stop_grace_s: float = 15.0
     ready_timeout_s: float = 90.0
+    # mTLS on every link with a CA made at start; False: plaintext, services --insecure.
+    tls: bool = True
+    # A file holding an admin token: the services require it for admin calls (and the
+    # scaler presents it to the coordinator). Passed in the environment, never in argv.
+    admin_token_file: Path | None = None
 
     def __post_init__(self) -> None:
         _hostport("scaler_listen", self.scaler_listen)
@@ -83,6 +97,8 @@ class UpSettings:
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"log_format: expected text or json, got {self.log_format!r}")
         LoadSettings(gpus=self.gpus_per_agent)
+        if self.admin_token_file is not None and not self.admin_token_file.is_file():
+            raise ConfigError(f"admin_token_file: no such file {str(self.admin_token_file)!r}")
 
     @property
     def db_url(self) -> str:
@@ -122,9 +138,70 @@ class LocalCluster:
     _node_stop: asyncio.Event = field(default_factory=asyncio.Event)
     _node_tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _lock: IO[str] | None = None
+    ca: CertificateAuthority | None = None
+    admin: Issued | None = None
+    _server: Issued | None = None
+    _scaler: Issued | None = None
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(self.settings.state_dir / "logs")
+
+    def credentials(
+        self, issued: Issued | None = None, *, admin_token: bool = False
+    ) -> ClientCredentials:
+        """What a local client presents: ``issued`` (default: the admin user's) with the
+        CA; with ``admin_token``, also the admin token file if there is one (the
+        scaler's link and the demo's own calls; agents and launchers prove who they
+        are with their certificates alone)."""
+        token = str(self.settings.admin_token_file or "") if admin_token else ""
+        if self.ca is None:
+            return ClientCredentials(token_file=token) if token else NO_CREDENTIALS
+        issued = issued or self.admin
+        assert issued is not None
+        return ClientCredentials(
+            tls_ca_file=self.ca.ca_file,
+            tls_client_cert_file=issued.cert_file,
+            tls_client_key_file=issued.key_file,
+            token_file=token,
+        )
+
+    def _env(self) -> dict[str, str]:
+        """Every service's environment: the mode, the admin token, and none of the
+        caller's own client credentials (TIDE_TLS_CA_FILE... are a CLI user's)."""
+        env = dict.fromkeys(CLIENT_ENV, "")
+        env["TIDE_INSECURE"] = "0" if self.ca is not None else "1"
+        if self.settings.admin_token_file is not None:
+            env["TIDE_ADMIN_TOKEN"] = self.settings.admin_token_file.read_text().strip()
+        return env
+
+    def _server_flags(self) -> tuple[str, ...]:
+        if self.ca is None or self._server is None:
+            return ()
+        return (
+            "--tls-cert-file",
+            self._server.cert_file,
+            "--tls-key-file",
+            self._server.key_file,
+            "--tls-client-ca-file",
+            self.ca.ca_file,
+        )
+
+    @staticmethod
+    def _client_flags(creds: ClientCredentials) -> tuple[str, ...]:
+        pairs = (
+            ("--tls-ca-file", creds.tls_ca_file),
+            ("--tls-client-cert-file", creds.tls_client_cert_file),
+            ("--tls-client-key-file", creds.tls_client_key_file),
+            ("--token-file", creds.token_file),
+        )
+        return tuple(x for flag, value in pairs if value for x in (flag, value))
+
+    def _make_pki(self) -> None:
+        pki = (self.settings.state_dir / "pki").resolve()
+        self.ca = CertificateAuthority.create(pki)
+        self._server = self.ca.server()
+        self._scaler = self.ca.scaler()
+        self.admin = self.ca.user("local", "admin")
 
     @property
     def scaler_target(self) -> str:
@@ -140,6 +217,9 @@ class LocalCluster:
         s = self.settings
         self._lock = lock_state_dir(s.state_dir)
         (s.state_dir / "checkpoints").mkdir(exist_ok=True)
+        if s.tls:
+            self._make_pki()
+        env = self._env()
         self.coordinator = await self.supervisor.start(
             ChildSpec(
                 "coordinator",
@@ -155,8 +235,10 @@ class LocalCluster:
                     s.log_level,
                     "--log-format",
                     s.log_format,
+                    *self._server_flags(),
                     *s.coordinator_flags,
                 ),
+                env=env,
                 ready_timeout_s=s.ready_timeout_s,
                 stop_grace_s=s.stop_grace_s,
             )
@@ -189,10 +271,13 @@ class LocalCluster:
                     s.log_level,
                     "--log-format",
                     s.log_format,
+                    *self._server_flags(),
+                    *self._client_flags(self.credentials(self._scaler, admin_token=True)),
+                    *(("--local-ca-dir", str(self.ca.dir)) if self.ca else ()),
                     *s.scaler_flags,
                 ),
                 # The local actuator's launchers inherit the scaler's environment.
-                env={"TIDE_LOG_FORMAT": s.log_format},
+                env={**env, "TIDE_LOG_FORMAT": s.log_format},
                 ready_timeout_s=s.ready_timeout_s,
                 stop_grace_s=s.stop_grace_s,
             )
@@ -205,6 +290,7 @@ class LocalCluster:
         s = self.settings
         assert self.actuator is not None
         sock = (s.state_dir / f"kubelet-{k}.sock").resolve()
+        creds = self.credentials(self.ca.agent(f"local-{k}") if self.ca else None)
         self._kubelets.append(
             await serve_pod_resources(sock, _slice_of_pods(self.actuator, k, s.gpus_per_agent))
         )
@@ -234,7 +320,9 @@ class LocalCluster:
                     s.log_level,
                     "--log-format",
                     s.log_format,
+                    *self._client_flags(creds),
                 ),
+                env=self._env(),
                 wait_listening=False,
                 stop_grace_s=s.stop_grace_s,
             )
@@ -248,7 +336,10 @@ class LocalCluster:
         attribution: Callable[[], Mapping[int, tuple[str, str]]],
         level_pct: float,
     ) -> SyntheticNode:
-        node = SyntheticNode(self.scaler_target, attribution, settings)
+        issued = self.ca.agent(settings.node_name) if self.ca is not None else None
+        node = SyntheticNode(
+            self.scaler_target, attribution, settings, credentials=self.credentials(issued)
+        )
         node.level_pct = level_pct
         self.nodes.append(node)
         self._node_tasks.append(
@@ -308,6 +399,16 @@ def banner(cluster: LocalCluster) -> list[str]:
         f"READY scaler={cluster.scaler_target} coordinator={cluster.coordinator_target}",
         f"  store   {s.db_url}",
         f"  logs    {s.state_dir / 'logs'}",
+    ]
+    creds = cluster.credentials()
+    if creds.tls:
+        lines += [
+            f"  mTLS    CA and certificates in {s.state_dir / 'pki'}; as admin:",
+            *(f"          export {k}={v}" for k, v in creds.env().items()),
+        ]
+    else:
+        lines.append("  INSECURE: every link is plaintext and unauthenticated")
+    lines += [
         f"  try     tide jobs --scaler {cluster.scaler_target}",
         f"          tide history all --db {s.db_url}",
     ]

@@ -19,7 +19,7 @@ from tidebase.client import open_channel
 
 async def run(settings: ScalerSettings) -> None:
     clock = SystemClock()
-    channel = open_channel(settings.coordinator)
+    channel = open_channel(settings.coordinator, credentials=settings.credentials())
     await serve_scaler(
         settings,
         actuator=make_actuator(
@@ -27,6 +27,7 @@ async def run(settings: ScalerSettings) -> None:
             coordinator=settings.coordinator,
             total_gpus=settings.total_gpus or None,
             clock=clock,
+            ca_dir=settings.local_ca_dir,
         ),
         coordinator=GrpcCoordinatorClient(channel),
         clock=clock,

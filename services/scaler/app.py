@@ -22,6 +22,7 @@ from services.common.clock import Clock
 from services.common.metrics import register_build_info
 from services.common.readiness import Readiness
 from services.common.server import ServiceSpec, serve
+from services.common.validate import validate_request
 from services.scaler.actuators import Actuator
 from services.scaler.actuators.counted import CountedActuator
 from services.scaler.coordination import CoordinatorClient
@@ -29,7 +30,7 @@ from services.scaler.leader import LeaderElector
 from services.scaler.lifecycle import FaultHook
 from services.scaler.metrics import IngestCollector, ScalerMetrics
 from services.scaler.service import ScalerCore
-from services.scaler.servicer import ADMIN_METHODS, ScalerServicer, TelemetryServicer
+from services.scaler.servicer import RULES, ScalerServicer, TelemetryServicer
 from services.scaler.settings import SWITCH_INTERVAL_S, ScalerSettings
 from services.scaler.store import DecisionStore
 from services.scaler.store.leases import LeaseRecord
@@ -116,7 +117,8 @@ async def serve_scaler(
                 "tide.v1.Scaler",
             ),
         ],
-        admin_methods=ADMIN_METHODS,
+        rules=RULES,
+        validate=validate_request,
         background=background,
         on_shutdown=[shutdown],
         readiness=readiness,

@@ -23,7 +23,7 @@ from services.common.clock import Clock
 from services.scaler.members import MemberRegistry
 from services.scaler.policy import WindowView
 from services.scaler.windows import JobWindow, NodeGpus, Rollups, stagger_offset
-from tidebase.errors import ConfigError, InvalidArgument
+from tidebase.errors import AlreadyExists, ConfigError, InvalidArgument
 from tidebase.timeconv import field_seconds, seconds_of
 
 logger = logging.getLogger(__name__)
@@ -43,11 +43,13 @@ class Rejection(enum.Enum):
     TIMESTAMP_MISSING = "timestamp_missing"
     TIMESTAMP_IN_FUTURE = "timestamp_in_future"
     TIMESTAMP_OUT_OF_ORDER = "timestamp_out_of_order"
+    TIMESTAMP_TOO_OLD = "timestamp_too_old"
     TOO_MANY_GPUS = "too_many_gpus"
     MISSING_IDENTITY = "missing_identity"
     BAD_SEQUENCE = "bad_sequence"
     NODE_CHANGED = "node_changed"
     MALFORMED = "malformed"
+    DUPLICATE_STREAM = "duplicate_stream"
 
     @property
     def scope(self) -> str:
@@ -71,6 +73,7 @@ _SCOPES: dict[Rejection, str] = {
             Rejection.TIMESTAMP_MISSING,
             Rejection.TIMESTAMP_IN_FUTURE,
             Rejection.TIMESTAMP_OUT_OF_ORDER,
+            Rejection.TIMESTAMP_TOO_OLD,
         ),
         "report",
     ),
@@ -81,6 +84,7 @@ _SCOPES: dict[Rejection, str] = {
             Rejection.BAD_SEQUENCE,
             Rejection.NODE_CHANGED,
             Rejection.MALFORMED,
+            Rejection.DUPLICATE_STREAM,
         ),
         "stream",
     ),
@@ -95,11 +99,23 @@ class InvalidStream(InvalidArgument):
         self.reason = reason
 
 
+class StreamConflict(AlreadyExists):
+    """Another live stream speaks for the node under another boot id: two agents claim
+    one node. Refused, counted and logged, also in insecure mode; never merged."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{Rejection.DUPLICATE_STREAM.value}: {message}")
+        self.reason = Rejection.DUPLICATE_STREAM
+
+
 @dataclass(frozen=True)
 class IngestSettings:
     max_gpus_per_node: int = 64
     # Agent clocks run ahead of ours by at most this; a report further in the future is dropped.
     max_clock_skew_s: float = 5.0
+    # A report sampled longer ago than this is dropped: an agent's buffer holds minutes,
+    # never days, and an old report would become history dated in the past.
+    max_report_age_s: float = 900.0
     # A GPU without a sample for this long is stale: it no longer counts as covered.
     stale_after_s: float = 10.0
     # Out-of-order sequence numbers remembered above the contiguous ack; past
@@ -119,6 +135,8 @@ class IngestSettings:
             raise ConfigError(f"max_gpus_per_node={self.max_gpus_per_node!r}: must be 1..4096")
         if not (self.max_clock_skew_s >= 0 and math.isfinite(self.max_clock_skew_s)):
             raise ConfigError(f"max_clock_skew_s={self.max_clock_skew_s!r}: must be >= 0")
+        if not (self.max_report_age_s > 0 and math.isfinite(self.max_report_age_s)):
+            raise ConfigError(f"max_report_age_s={self.max_report_age_s!r}: must be > 0")
         if not (self.stale_after_s > 0 and math.isfinite(self.stale_after_s)):
             raise ConfigError(f"stale_after_s={self.stale_after_s!r}: must be > 0")
         if self.reorder_limit < 1:
@@ -278,6 +296,21 @@ class IngestEngine:
             node = self.nodes.get(name)
             if node is None:
                 node = self.nodes[name] = NodeState(name, boot, seq)
+            elif node.streams > 0 and node.boot_id != boot:
+                # The same boot id is the same agent reconnecting before its old stream
+                # ended; another boot id while one is live is a second claimant.
+                self.rejected[Rejection.DUPLICATE_STREAM] += 1
+                logger.warning(
+                    "node %s: a second stream with boot id %s while the stream of boot id %s"
+                    " is live; refused",
+                    name,
+                    boot,
+                    node.boot_id,
+                    extra={"node": name},
+                )
+                raise StreamConflict(
+                    f"node {name} already has a live stream (another boot id); refused"
+                )
             stream.node = node
             node.streams += 1
         elif node.name != name:
@@ -320,6 +353,8 @@ class IngestEngine:
             return self._drop(Rejection.TIMESTAMP_MISSING, boot, acked)
         if t > now + self.settings.max_clock_skew_s:
             return self._drop(Rejection.TIMESTAMP_IN_FUTURE, boot, acked)
+        if t < now - self.settings.max_report_age_s:
+            return self._drop(Rejection.TIMESTAMP_TOO_OLD, boot, acked)
         if t < node.last_sampled_s:
             return self._drop(Rejection.TIMESTAMP_OUT_OF_ORDER, boot, acked)
         node.last_sampled_s = t

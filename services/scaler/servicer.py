@@ -23,6 +23,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
+from services.common.guard import Kind, Role, Rule, Subject, caller, requested_by
 from services.common.rpc import rpc_errors
 from services.scaler.convert import (
     decision_to_proto,
@@ -32,26 +33,39 @@ from services.scaler.convert import (
     policy_to_proto,
     window_to_proto,
 )
-from services.scaler.ingest import IngestEngine, InvalidStream
+from services.scaler.ingest import IngestEngine, InvalidStream, StreamConflict
 from services.scaler.lifecycle import state_from_proto, state_to_proto
 from services.scaler.service import ScalerCore
 from services.scaler.store import JobRecord
 from services.store.db import utc_from_epoch
-from tidebase.errors import InvalidArgument
+from tidebase.errors import InvalidArgument, grpc_status_of
 from tidebase.timeconv import field_datetime, ts_from_datetime, ts_from_seconds
 
 logger = logging.getLogger(__name__)
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
-#: Admin calls: the common server checks the bearer token on these.
-ADMIN_METHODS = frozenset(
-    {
-        "/tide.v1.Scaler/UpsertJob",
-        "/tide.v1.Scaler/RequestResize",
-        "/tide.v1.Scaler/SetAutoscaling",
-    }
-)
+_SCALER = "/tide.v1.Scaler/"
+#: Who may call what (services.common.guard): agents stream telemetry for their own
+#: node only; the Scaler API has viewer, operator and admin roles.
+RULES = {
+    "/tide.v1.Telemetry/Stream": Rule(
+        frozenset({Kind.AGENT}), subject=lambda r: Subject(node=r.node_name)
+    ),
+    **{
+        _SCALER + m: Rule(role=Role.VIEWER)
+        for m in (
+            "ListJobs",
+            "GetJob",
+            "ListDecisions",
+            "GetDecision",
+            "ListUtilization",
+            "WatchDecisions",
+        )
+    },
+    **{_SCALER + m: Rule(role=Role.OPERATOR) for m in ("RequestResize", "SetAutoscaling")},
+    _SCALER + "UpsertJob": Rule(role=Role.ADMIN),
+}
 
 #: ListUtilization: the range when `since` is unset, and the longest one call may span
 #: (one week of minutes, 10,080 points; proto/tide/v1/scaler.proto).
@@ -192,7 +206,10 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
         self, request: scaler_pb2.RequestResizeRequest, context: Ctx
     ) -> scaler_pb2.Decision:
         d = await self.core.request_resize(
-            request.job_id, request.replicas, request.reason, request.requested_by
+            request.job_id,
+            request.replicas,
+            request.reason,
+            requested_by(caller(), request.requested_by),
         )
         return decision_to_proto(d)
 
@@ -229,7 +246,7 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
             self.core.unsubscribe(q)
 
 
-__all__ = ["ADMIN_METHODS", "ScalerServicer"]
+__all__ = ["RULES", "ScalerServicer"]
 
 
 class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
@@ -320,10 +337,10 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                 # grpc hands a parse failure to the handler; it is the peer's fault.
                 raise engine.malformed(stream, str(exc)) from exc
             await send()
-        except InvalidStream as exc:
+        except (InvalidStream, StreamConflict) as exc:
             node = stream.node.name if stream.node is not None else "?"
             logger.warning("node %s: telemetry stream refused: %s", node, exc, extra={"node": node})
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc_status_of(exc), str(exc))
         except asyncio.CancelledError:
             if not reaped:
                 raise

@@ -12,7 +12,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from services.common.config import CommonSettings, setting
+from services.common.config import ClientSettings, CommonSettings, setting
 from services.scaler.actuators import parse_actuator
 from services.scaler.ingest import IngestSettings
 from services.scaler.leader import LeaseSettings
@@ -35,8 +35,9 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True)
-class ScalerSettings(CommonSettings):
-    """Settings of `python -m services.scaler`."""
+class ScalerSettings(CommonSettings, ClientSettings):
+    """Settings of `python -m services.scaler`. The client settings (tls_ca_file,
+    tls_client_cert_file, ...) are what it presents to the coordinator."""
 
     db: str = setting(
         DEFAULT_DB, "SQLAlchemy URL of the store (SQLite file, its directory made if missing)"
@@ -48,6 +49,11 @@ class ScalerSettings(CommonSettings):
         " machine, state under DIR)",
     )
     total_gpus: int = setting(0, "GPUs the actuator offers; 0 means unknown")
+    local_ca_dir: str = setting(
+        "",
+        "local actuator: a CA directory (ca.pem, ca-key.pem) that issues each local pod's"
+        " launcher certificate; empty: launchers dial the coordinator without TLS",
+    )
     owner_id: str = setting("", "this scaler's name in the fencing record; default host:pid")
     evaluate_interval_s: float = setting(1.0, "every job is evaluated at least this often")
     leader_election: str = setting(
@@ -87,6 +93,10 @@ class ScalerSettings(CommonSettings):
     )
     max_clock_skew_s: float = setting(
         _INGEST.max_clock_skew_s, "reports further in the future are dropped"
+    )
+    max_report_age_s: float = setting(
+        _INGEST.max_report_age_s,
+        "reports sampled longer ago than this are dropped (an agent buffers minutes, not days)",
     )
     report_interval_s: float = setting(
         _INGEST.report_interval_s, "asked of agents in acks; 0 keeps theirs"
@@ -151,6 +161,7 @@ class ScalerSettings(CommonSettings):
         self.lease()
         self.check_coordinator()
         self.check_actuator()
+        self.credentials()
 
     def lease(self) -> LeaseSettings:
         return LeaseSettings(duration_s=self.lease_duration_s, renew_s=self.lease_renew_s)
@@ -179,6 +190,7 @@ class ScalerSettings(CommonSettings):
         return IngestSettings(
             max_gpus_per_node=self.max_gpus_per_node,
             max_clock_skew_s=self.max_clock_skew_s,
+            max_report_age_s=self.max_report_age_s,
             stale_after_s=self.stale_after_s,
             report_interval_s=self.report_interval_s,
             stream_idle_timeout_s=self.stream_idle_timeout_s,

@@ -82,7 +82,11 @@ def make_actuator(settings: TestScalerSettings, clock: Clock) -> Actuator:
     if kind == "file":
         return FileActuator(Path(arg), total)
     return make_real_actuator(
-        settings.actuator, coordinator=settings.coordinator, total_gpus=total, clock=clock
+        settings.actuator,
+        coordinator=settings.coordinator,
+        total_gpus=total,
+        clock=clock,
+        ca_dir=settings.local_ca_dir,
     )
 
 
@@ -98,7 +102,7 @@ async def run(settings: TestScalerSettings) -> None:
             follow_actuator(memory, actuator)
         coordinator = memory
     else:
-        channel = open_channel(settings.coordinator)
+        channel = open_channel(settings.coordinator, credentials=settings.credentials())
         coordinator = GrpcCoordinatorClient(channel)
         on_shutdown.append(channel.close)
     await serve_scaler(

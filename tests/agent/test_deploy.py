@@ -28,6 +28,13 @@ def agent_settings(rendered: Rendered, tmp_path: Path) -> Any:
     config = tmp_path / "agent.yaml"
     config.write_text(rendered.one("ConfigMap", "tide-agent")["data"]["agent.yaml"])
     args = [f"--config={config}" if a.startswith("--config=") else a for a in container["args"]]
+    # The CA and the projected token are mounted files: stand-ins here.
+    for i, a in enumerate(args):
+        flag, _, value = a.partition("=")
+        if value.startswith("/var/run/tide/"):
+            stand_in = tmp_path / value.rpartition("/")[2]
+            stand_in.write_text("x")
+            args[i] = f"{flag}={stand_in}"
     return load_settings(AgentSettings, args, env={"NODE_NAME": "n"})
 
 
@@ -44,10 +51,16 @@ def test_daemonset_posture(values: Path) -> None:
     assert sc["capabilities"] == {"drop": ["ALL"]}
     assert sc.get("privileged") is False
     # Exactly one host mount, the PodResources socket directory, read-only; beside it
-    # only the settings file.
+    # only the settings file, the CA alone (not the scaler's key) and a bound token of
+    # Tide's audience (docs/security.md).
     host_volumes = [v for v in pod["volumes"] if "hostPath" in v]
     assert [v["hostPath"]["path"] for v in host_volumes] == ["/var/lib/kubelet/pod-resources"]
-    assert all("hostPath" in v or "configMap" in v for v in pod["volumes"])
+    others = [v for v in pod["volumes"] if "hostPath" not in v and "configMap" not in v]
+    by_name = {v["name"]: v for v in others}
+    assert set(by_name) == {"tide-ca", "tide-token"}
+    assert by_name["tide-ca"]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    (source,) = by_name["tide-token"]["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == "tide"
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert mounts["/var/lib/kubelet/pod-resources"]["readOnly"] is True
     assert all(m["readOnly"] for m in mounts.values())
@@ -63,11 +76,13 @@ def test_the_health_probe_asks_the_agents_listen_port(values: Path, tmp_path: Pa
     rendered, pod = agent(values)
     settings = agent_settings(rendered, tmp_path)
     assert settings.source == "nvml"
+    assert settings.tls_ca_file and settings.token_file and not settings.insecure
     (container,) = pod["containers"]
     health = {p["name"]: p["containerPort"] for p in container["ports"]}["health"]
     assert settings.listen == f"0.0.0.0:{health}"
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"] == {"port": health}
+    assert container["readinessProbe"]["grpc"] == {"port": health}
+    # Liveness asks its own health name (docs/reliability.md), on the same port.
+    assert container["livenessProbe"]["grpc"] == {"port": health, "service": "liveness"}
 
 
 @pytest.mark.parametrize("values", EXAMPLES.values(), ids=EXAMPLES.keys())

@@ -19,9 +19,10 @@ ADMIN = ("scale", "pause", "resume")
 COMMON = {
     "--scaler": ("TIDE_SCALER", "127.0.0.1:50051"),
     "--timeout-s": (None, 5.0),
-    "--ca-file": ("TIDE_CA_FILE", ""),
-    "--cert-file": ("TIDE_CERT_FILE", ""),
-    "--key-file": ("TIDE_KEY_FILE", ""),
+    "--tls-ca-file": ("TIDE_TLS_CA_FILE", ""),
+    "--tls-client-cert-file": ("TIDE_TLS_CLIENT_CERT_FILE", ""),
+    "--tls-client-key-file": ("TIDE_TLS_CLIENT_KEY_FILE", ""),
+    "--token-file": ("TIDE_TOKEN_FILE", ""),
 }
 
 
@@ -66,12 +67,13 @@ def test_the_decorator_builds_one_connection_from_the_flags() -> None:
         db="sqlite://",
         token="t",
         timeout_s=2.0,
-        ca_file="ca",
-        cert_file="",
-        key_file="",
+        tls_ca_file="ca",
+        tls_client_cert_file="",
+        tls_client_key_file="",
+        token_file="",
     )
     assert out == "ns/a"
-    assert seen == [Connection("h:1", 2.0, "ca", "", "", token="t", db="sqlite://")]
+    assert seen == [Connection("h:1", 2.0, "ca", "", "", "", token="t", db="sqlite://")]
     assert seen[0].offline
 
 

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.component
 
 #: Kinds of CRDs the chart renders, which kubernetes-validate has no schema for;
 #: test_service_monitor checks the one there is explicitly.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("cert-manager.io/v1", "Certificate")}
 
 
 def kube_schema_errors(objects: tuple[dict[str, Any], ...], version: str) -> list[str]:
@@ -191,7 +191,23 @@ def _load(
     container = _container(rendered, kind, name)
     config = _settings_file(rendered, container, tmp_path)
     args = [f"--config={config}" if a.startswith("--config=") else a for a in container["args"]]
-    return load_settings(cls, adjust(args), env=_env(container))
+    return load_settings(cls, adjust(_mounted(args, container, tmp_path)), env=_env(container))
+
+
+def _mounted(args: list[str], container: dict[str, Any], tmp_path: Path) -> list[str]:
+    """Flags naming files of the container's mounts (certificates, the token) name a
+    stand-in file under ``tmp_path``; each named file must be under a mount."""
+    mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
+    out = []
+    for a in args:
+        flag, sep, value = a.partition("=")
+        if sep and value.startswith("/var/run/tide/"):
+            assert any(value.startswith(m + "/") for m in mounts), (a, mounts)
+            stand_in = tmp_path / value.strip("/").replace("/", "_")
+            stand_in.write_text("x")
+            a = f"{flag}={stand_in}"
+        out.append(a)
+    return out
 
 
 def _scaler_args_today(args: list[str]) -> list[str]:
@@ -235,8 +251,11 @@ def test_the_services_accept_their_rendered_flags_settings_and_environment(
         ports = _ports(c)
         assert settings.listen == f"0.0.0.0:{ports['grpc']}"
         assert settings.metrics_listen == f"0.0.0.0:{ports['metrics']}"
+        # The kubelet probes health alone, on its plaintext port.
+        assert settings.health_listen == f"0.0.0.0:{ports['health']}"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"]["port"] == ports["grpc"]
+            assert c[probe]["grpc"]["port"] == ports["health"]
+        assert settings.tls_cert_file and settings.token_review and not settings.insecure
         # SIGTERM: health NOT_SERVING, RPCs drain for grace_period_s, then the flush.
         pod = rendered.pod(kind, name)
         assert pod["terminationGracePeriodSeconds"] >= settings.grace_period_s + 10
@@ -250,6 +269,13 @@ def test_the_services_accept_their_rendered_flags_settings_and_environment(
     assert scaler.coordinator == (
         f"tide-coordinator.{NAMESPACE}.svc:{_service_port(rendered, 'tide-coordinator')}"
     )
+    # ...with the CA and the pod's projected token, whose audience the servers expect.
+    for client in (scaler, agent):
+        assert client.tls_ca_file and client.token_file and not client.insecure
+    assert {
+        f"{NAMESPACE}/tide-agent": "agent",
+        f"{NAMESPACE}/tide-scaler": "scaler",
+    }.items() <= scaler.token_kinds().items()
 
 
 def _service_port(rendered: Rendered, name: str) -> int:
@@ -296,12 +322,16 @@ def test_every_pod_runs_unprivileged(values: Path) -> None:
             assert {"cpu", "memory"} <= set(c["resources"]["limits"]), name
         host_paths = [v for v in pod.get("volumes", []) if "hostPath" in v]
         assert host_paths == [] or name == "tide-agent", name
-    # Only the two that call the API server hold a token.
+    # Only those that call the API server hold a token (the coordinator: TokenReview).
     tokens = {
         w["metadata"]["name"]: w["spec"]["template"]["spec"]["automountServiceAccountToken"]
         for w in rendered.workloads()
     }
-    assert {n for n, mounted in tokens.items() if mounted} == {"tide-scaler", "tide-agent"}
+    assert {n for n, mounted in tokens.items() if mounted} == {
+        "tide-scaler",
+        "tide-agent",
+        "tide-coordinator",
+    }
 
 
 def test_sqlite_gives_each_service_its_own_kept_volume() -> None:

@@ -1,5 +1,6 @@
 """The chart's RBAC: exactly the scaler's rules of issue 10, each with its reason; the
-agent's own Node; nothing for the coordinator; no wildcard, pods/exec or secrets."""
+agent's own Node; for the coordinator TokenReview alone (issue 11: it checks its
+callers' tokens, as the scaler does); no wildcard, pods/exec or secrets."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ SCALER_RULES: set[Rule] = {
     *{(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")},
     *{("autoscaling", "horizontalpodautoscalers", v) for v in ("list", "watch")},
 }
+TOKEN_REVIEW: Rule = ("authentication.k8s.io", "tokenreviews", "create")
+SCALER_RULES.add(TOKEN_REVIEW)
 AGENT_RULES: set[Rule] = {("", "nodes", v) for v in ("get", "list", "watch")}
 
 
@@ -76,7 +79,7 @@ def test_each_account_gets_exactly_its_rules(values: Path) -> None:
     assert accounts == {"tide-scaler", "tide-coordinator", "tide-agent"}
     assert granted(rendered, "tide-scaler") == SCALER_RULES
     assert granted(rendered, "tide-agent") == AGENT_RULES
-    assert granted(rendered, "tide-coordinator") == set()
+    assert granted(rendered, "tide-coordinator") == {TOKEN_REVIEW}
     # ...and each workload runs as its own account.
     for kind, name in (
         ("Deployment", "tide-scaler"),
@@ -104,7 +107,7 @@ def test_every_rule_says_why(values: Path) -> None:
     text = helm(*template_args([values]))
     lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if re.match(r"\s*- apiGroups:", line)]
-    assert len(starts) == 8  # the scaler's seven and the agent's one
+    assert len(starts) == 9  # the scaler's seven, the agent's one, TokenReview
     for i in starts:
         assert lines[i - 1].strip().startswith("#"), lines[i]
 

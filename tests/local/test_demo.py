@@ -4,6 +4,7 @@ launchers and Paddle workers; then the history it left is read back offline."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import select
 import signal
@@ -31,8 +32,22 @@ def tide(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.timeout(300)
 def test_demo_scales_2_4_2_and_loses_nothing(tmp_path: Path) -> None:
+    # mTLS on every link (a CA made under the state dir), and an admin token set on the
+    # scaler and the coordinator: the scaler presents it on its Resize calls.
     state = tmp_path / "tide"
-    r = tide("demo", "--state-dir", str(state), "--log-format", "json", timeout_s=280)
+    token = "tide-demo-admin-token-" + os.urandom(8).hex()
+    token_file = tmp_path / "admin-token"
+    token_file.write_text(token + "\n")
+    r = tide(
+        "demo",
+        "--state-dir",
+        str(state),
+        "--log-format",
+        "json",
+        "--admin-token-file",
+        str(token_file),
+        timeout_s=280,
+    )
     out = r.stdout
     assert r.returncode == 0, out + r.stderr[-3000:]
     # Plain progress lines, not a live view, when stdout is a pipe.
@@ -66,6 +81,8 @@ def test_demo_scales_2_4_2_and_loses_nothing(tmp_path: Path) -> None:
     assert all(b is None or b > 80 for b in doc["inputs"]["window"]["bucket_means_pct"])
     assert [e["state"] for e in doc["events"]][-1] == "COMPLETED"
     assert_job_lines_carry_their_ids(state / "logs", "demo/run-1")
+    assert (state / "pki" / "ca.pem").is_file()
+    assert_no_secrets_in_logs(state / "logs", token, state / "pki")
     # Nothing of the run is left behind.
     leftovers = [
         p for p in Path("/proc").iterdir() if p.name.isdigit() and str(state) in _cmdline(p)
@@ -97,6 +114,22 @@ def assert_job_lines_carry_their_ids(logs: Path, job_id: str) -> None:
                 missing.append(f"{f.name}: no decision_id: {raw}")
         assert lines > 0, f"{f.name} has no JSON log line"
     assert missing == []
+
+
+def assert_no_secrets_in_logs(logs: Path, token: str, pki: Path) -> None:
+    """No service or launcher log holds the admin token or any private key's material."""
+    secrets = [token, "PRIVATE KEY"]
+    for key in pki.rglob("*-key.pem"):
+        secrets += [line for line in key.read_text().splitlines() if "-----" not in line]
+    for key in logs.parent.rglob("pods/*/launcher-key.pem"):
+        secrets += [line for line in key.read_text().splitlines() if "-----" not in line]
+    found = [
+        f"{f.name}: {secret[:12]}..."
+        for f in sorted(logs.glob("*.log"))
+        for secret in secrets
+        if secret and secret in f.read_text(errors="replace")
+    ]
+    assert len(secrets) > 5 and found == []
 
 
 def _cmdline(p: Path) -> str:

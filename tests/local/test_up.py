@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -28,14 +29,27 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-def tide(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+def tide(
+    *args: str, timeout_s: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "services.cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout_s,
+        env={**os.environ, **(env or {})},
     )
+
+
+def admin_env(state: Path) -> dict[str, str]:
+    """The admin credentials `tide up` made under its state dir (and printed)."""
+    pki = state / "pki"
+    return {
+        "TIDE_TLS_CA_FILE": str(pki / "ca.pem"),
+        "TIDE_TLS_CLIENT_CERT_FILE": str(pki / "user-local-admin.pem"),
+        "TIDE_TLS_CLIENT_KEY_FILE": str(pki / "user-local-admin-key.pem"),
+    }
 
 
 def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path: Path) -> None:
@@ -66,7 +80,10 @@ def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path: Path) -> None:
         m = re.match(r"READY scaler=(\S+) coordinator=(\S+)", first)
         assert m, first + proc.stderr.read() if proc.stderr else first
         scaler = m.group(1)
-        jobs = tide("jobs", "--scaler", scaler)
+        # Every link is mTLS: a client without the local CA's certificate gets nowhere.
+        plain = tide("jobs", "--scaler", scaler)
+        assert plain.returncode != 0 and "unreachable" in plain.stderr
+        jobs = tide("jobs", "--scaler", scaler, env=admin_env(state))
         assert jobs.returncode == 0 and "no jobs" in jobs.stderr
         # One control plane per state dir.
         again = tide(*args)

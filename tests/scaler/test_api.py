@@ -20,7 +20,7 @@ from services.common.server import RunningServer, ServiceSpec, start_server
 from services.scaler.ingest import IngestSettings
 from services.scaler.policy import PolicySettings, Reason
 from services.scaler.service import ScalerCore
-from services.scaler.servicer import ADMIN_METHODS, ScalerServicer, TelemetryServicer
+from services.scaler.servicer import RULES, ScalerServicer, TelemetryServicer
 from services.scaler.store import DecisionStore
 from services.store import db
 from services.testing.actuators import InMemoryActuator
@@ -86,7 +86,7 @@ async def live(tmp_path: Path) -> AsyncIterator[Live]:
                 "tide.v1.Telemetry",
             ),
         ],
-        admin_methods=ADMIN_METHODS,
+        rules=RULES,
     )
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=client_options())
     try:

@@ -234,7 +234,9 @@ class CoordinatorLink:
     def _open(self) -> grpc.aio.Channel:
         # Own subchannels: a renewed channel must not inherit the backoff of the one it
         # replaces through gRPC's global subchannel pool (measured: 1.6-4 s late without).
-        return open_channel(self.s.coordinator, own_subchannels=True)
+        return open_channel(
+            self.s.coordinator, credentials=self.s.credentials, own_subchannels=True
+        )
 
     def _renew_channel(self) -> None:
         """A new channel to the coordinator. gRPC's own reconnect backoff on a channel whose

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from tidebase.credentials import NO_CREDENTIALS, ClientCredentials
 from tidebase.errors import ConfigError
 from tidebase.grpc_options import DEFAULT_TIMEOUT_S
 
@@ -34,6 +35,8 @@ class LauncherSettings:
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 5.0
     rpc_timeout_s: float = DEFAULT_TIMEOUT_S
+    # What the launcher presents to the coordinator (its pod's identity).
+    credentials: ClientCredentials = NO_CREDENTIALS
 
     def __post_init__(self) -> None:
         if ":" not in self.coordinator:

@@ -103,6 +103,14 @@ class Coordinator:
             raise UnknownMember(f"member {member_id!r} is not known; register first")
         return self.job(job_id)
 
+    def member_pod(self, member_id: str) -> tuple[str, str]:
+        """(job id, pod name) of a member, ("", "") for one not known: what the guard
+        checks a launcher's identity against."""
+        job_id = self._member_job.get(member_id)
+        rt = self.jobs.get(job_id) if job_id is not None else None
+        m = rt.members.get(member_id) if rt is not None else None
+        return (job_id or "", m.pod_name) if m is not None else ("", "")
+
     def register(self, inp: RegisterInput) -> RegisterResult:
         for name, value in (
             ("pod_name", inp.pod_name),

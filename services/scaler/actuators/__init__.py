@@ -28,7 +28,9 @@ def parse_actuator(spec: str) -> tuple[str, str]:
     return kind, arg
 
 
-def make_actuator(spec: str, *, coordinator: str, total_gpus: int | None, clock: Clock) -> Actuator:
+def make_actuator(
+    spec: str, *, coordinator: str, total_gpus: int | None, clock: Clock, ca_dir: str = ""
+) -> Actuator:
     """The actuator ``spec`` (``--actuator``) names."""
     kind, arg = parse_actuator(spec)
     if kind == "local":
@@ -37,7 +39,10 @@ def make_actuator(spec: str, *, coordinator: str, total_gpus: int | None, clock:
 
         return LocalActuator(
             LocalActuatorSettings(
-                state_dir=Path(arg), coordinator=coordinator, total_gpus=total_gpus
+                state_dir=Path(arg),
+                coordinator=coordinator,
+                total_gpus=total_gpus,
+                ca_dir=Path(ca_dir) if ca_dir else None,
             ),
             clock,
         )

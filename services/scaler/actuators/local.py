@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.clock import Clock, SystemClock
+from tidebase.credentials import CLIENT_ENV
 from tidebase.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,10 @@ class LocalActuatorSettings:
     stop_grace_s: float = 10.0
     # How often a stop polls for the process to be gone, seconds.
     poll_interval_s: float = 0.05
+    # A CA directory (ca.pem, ca-key.pem; services.common.pki): each pod's launcher gets
+    # a certificate of its own pod of its job and dials the coordinator with mTLS.
+    # None: launchers dial without TLS (a coordinator run --insecure).
+    ca_dir: Path | None = None
 
     def __post_init__(self) -> None:
         host, sep, port = self.coordinator.rpartition(":")
@@ -319,11 +324,13 @@ class LocalActuator:
             str(index),
             "--state-dir",
             str(self.settings.state_dir / "pods" / name),
+            *self._credential_flags(job_id, name),
             "--",
             *spec.command,
         ]
         env = {
-            **os.environ,
+            # The scaler's own client credentials are not the pod's.
+            **{k: v for k, v in os.environ.items() if k not in CLIENT_ENV},
             **spec.env,
             "POD_NAME": name,
             "TIDE_POD_INDEX": str(index),
@@ -354,6 +361,22 @@ class LocalActuator:
             extra={"job_id": job_id, "decision_id": decision_id or None},
         )
         return Pod(job_id, index, name, proc.pid, start)
+
+    def _credential_flags(self, job_id: str, name: str) -> list[str]:
+        if self.settings.ca_dir is None:
+            return []
+        from services.common.pki import CertificateAuthority
+
+        ca = CertificateAuthority(self.settings.ca_dir)
+        issued = ca.launcher(job_id, name, directory=self.settings.state_dir / "pods" / name)
+        return [
+            "--tls-ca-file",
+            ca.ca_file,
+            "--tls-client-cert-file",
+            issued.cert_file,
+            "--tls-client-key-file",
+            issued.key_file,
+        ]
 
     async def _stop(self, pod: Pod) -> None:
         """SIGTERM to the launcher, SIGKILL after the grace; returns when it is gone.

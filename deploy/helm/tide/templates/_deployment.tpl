@@ -2,7 +2,9 @@
 The Deployment of one control-plane service (the scaler or the coordinator):
 one replica, Recreate, probed over grpc.health.v1, its settings file from
 its ConfigMap, its store from TIDE_DB. Call with (dict "root" $ "component"
-"scaler" "values" .Values.scaler "args" (list ...) "apiAccess" true "adminToken" true).
+"scaler" "values" .Values.scaler "args" (list ...) "apiAccess" true "adminToken" true
+"client" true); "client": it dials another service (the scaler → the coordinator) with
+the CA and a projected token.
 */}}
 {{- define "tide.deployment" -}}
 {{- $root := .root -}}
@@ -40,7 +42,8 @@ spec:
         {{- end }}
     spec:
       serviceAccountName: {{ $name }}
-      automountServiceAccountToken: {{ .apiAccess }}
+      # With TLS, both check callers' tokens through the TokenReview API.
+      automountServiceAccountToken: {{ or .apiAccess $root.Values.security.tls.enabled }}
       # Service links would put TIDE_*-named variables of this namespace's
       # Services into the environment, where settings are read from.
       enableServiceLinks: false
@@ -75,6 +78,10 @@ spec:
             - --config=/etc/tide/{{ $c }}.yaml
             - --listen=0.0.0.0:{{ $v.grpcPort }}
             - --metrics-listen=0.0.0.0:{{ $v.metricsPort }}
+            {{- include "tide.serverSecurityArgs" (dict "root" $root "values" $v) | nindent 12 }}
+            {{- if .client }}
+            {{- include "tide.clientSecurityArgs" $root | nindent 12 }}
+            {{- end }}
             {{- range .args }}
             - {{ . }}
             {{- end }}
@@ -94,7 +101,10 @@ spec:
             - name: metrics
               containerPort: {{ $v.metricsPort }}
               protocol: TCP
-          {{- include "tide.grpcProbes" (dict "port" $v.grpcPort) | nindent 10 }}
+            - name: health
+              containerPort: {{ $v.healthPort }}
+              protocol: TCP
+          {{- include "tide.grpcProbes" (dict "port" $v.healthPort) | nindent 10 }}
           resources:
             {{- toYaml $v.resources | nindent 12 }}
           securityContext:
@@ -109,6 +119,14 @@ spec:
             - name: data
               mountPath: /var/lib/tide
             {{- end }}
+            {{- if $root.Values.security.tls.enabled }}
+            - name: tls
+              mountPath: /var/run/tide/tls
+              readOnly: true
+            {{- end }}
+            {{- if .client }}
+            {{- include "tide.clientSecurityMounts" $root | nindent 12 }}
+            {{- end }}
       volumes:
         - name: config
           configMap:
@@ -121,5 +139,14 @@ spec:
         - name: data
           persistentVolumeClaim:
             claimName: {{ $name }}-data
+        {{- end }}
+        {{- if $root.Values.security.tls.enabled }}
+        # Its certificate from cert-manager (certificates.yaml), renewed in place.
+        - name: tls
+          secret:
+            secretName: {{ $name }}-tls
+        {{- end }}
+        {{- if .client }}
+        {{- include "tide.clientSecurityVolumes" $root | nindent 8 }}
         {{- end }}
 {{- end -}}

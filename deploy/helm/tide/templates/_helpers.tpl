@@ -88,6 +88,7 @@ service's volume, or the PostgreSQL URL from the Secret. Call with (dict "root" 
 {{- end -}}
 
 {{/* The gRPC health probes of a service listening on .port (the kubelet probes in plaintext). */}}
+{{/* Probes on the plaintext health port: the kubelet's gRPC probe has no credentials. */}}
 {{- define "tide.grpcProbes" -}}
 startupProbe:
   grpc:
@@ -109,4 +110,73 @@ livenessProbe:
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 3
+{{- end -}}
+
+{{/* Who each reviewed ServiceAccount token is (--token-identities): the release's
+agents and scaler, then security.identities (NAMESPACE/NAME: launcher, viewer,
+operator or admin). */}}
+{{- define "tide.tokenIdentities" -}}
+{{- $ids := list (printf "%s/%s-agent=agent" .Release.Namespace (include "tide.fullname" .)) (printf "%s/%s-scaler=scaler" .Release.Namespace (include "tide.fullname" .)) -}}
+{{- range $sa, $kind := .Values.security.identities -}}
+{{- $ids = append $ids (printf "%s=%s" $sa $kind) -}}
+{{- end -}}
+{{ join "," $ids }}
+{{- end -}}
+
+{{/* A server's security flags (docs/security.md): TLS from its cert-manager
+Certificate, callers' projected ServiceAccount tokens checked through TokenReview,
+health alone on a plaintext port for the kubelet; or --insecure. */}}
+{{- define "tide.serverSecurityArgs" -}}
+- --health-listen=0.0.0.0:{{ .values.healthPort }}
+{{- if .root.Values.security.tls.enabled }}
+- --tls-cert-file=/var/run/tide/tls/tls.crt
+- --tls-key-file=/var/run/tide/tls/tls.key
+- --token-review
+- --token-audience={{ .root.Values.security.tokenAudience }}
+- --token-identities={{ include "tide.tokenIdentities" .root }}
+{{- else }}
+- --insecure
+{{- end }}
+{{- end -}}
+
+{{/* A client's credentials: the CA that signed the servers and the pod's projected
+ServiceAccount token (audience security.tokenAudience), re-read as the kubelet refreshes it. */}}
+{{- define "tide.clientSecurityArgs" -}}
+{{- if .Values.security.tls.enabled }}
+- --tls-ca-file=/var/run/tide/ca/ca.crt
+- --token-file=/var/run/tide/token/token
+{{- else }}
+- --insecure
+{{- end }}
+{{- end -}}
+
+{{- define "tide.clientSecurityMounts" -}}
+{{- if .Values.security.tls.enabled }}
+- name: tide-ca
+  mountPath: /var/run/tide/ca
+  readOnly: true
+- name: tide-token
+  mountPath: /var/run/tide/token
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* The CA file alone (not the server's key) from the scaler's certificate Secret, and
+a bound token for Tide's audience that expires within the hour. */}}
+{{- define "tide.clientSecurityVolumes" -}}
+{{- if .Values.security.tls.enabled }}
+- name: tide-ca
+  secret:
+    secretName: {{ include "tide.fullname" . }}-scaler-tls
+    items:
+      - key: ca.crt
+        path: ca.crt
+- name: tide-token
+  projected:
+    sources:
+      - serviceAccountToken:
+          audience: {{ .Values.security.tokenAudience }}
+          expirationSeconds: 3600
+          path: token
+{{- end }}
 {{- end -}}
