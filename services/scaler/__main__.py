@@ -1,7 +1,7 @@
 """`python -m services.scaler`: the scaler process (Telemetry + Scaler APIs, the control loop).
 
 Wiring only. The coordinator and the actuator are real and named explicitly
-(``--coordinator HOST:PORT``, ``--actuator local:DIR``); without them the
+(``--coordinator HOST:PORT``, ``--actuator local:DIR|kubernetes:in-cluster``); without them the
 process exits 2 with one line saying what to pass. The in-memory parts for
 tests and demos are behind ``python -m services.testing.scaler``.
 """
@@ -27,6 +27,7 @@ async def run(settings: ScalerSettings) -> None:
             coordinator=settings.coordinator,
             total_gpus=settings.total_gpus or None,
             clock=clock,
+            namespaces=settings.namespaces(),
         ),
         coordinator=GrpcCoordinatorClient(channel),
         clock=clock,

@@ -43,7 +43,12 @@ class ScalerSettings(CommonSettings):
     actuator: str = setting(
         "",
         "how pods are started and stopped (required): local:DIR (trainer launchers on this"
-        " machine, state under DIR)",
+        " machine, state under DIR), or kubernetes:in-cluster|KUBECONFIG (PaddleJobs)",
+    )
+    kube_namespaces: str = setting(
+        "",
+        "with the kubernetes actuator: the namespaces (comma-separated) whose PaddleJobs"
+        " are watched and resized; empty: all",
     )
     total_gpus: int = setting(0, "GPUs the actuator offers; 0 means unknown")
     owner_id: str = setting("", "this scaler's name in the fencing record; default host:pid")
@@ -145,6 +150,9 @@ class ScalerSettings(CommonSettings):
             stale_after_s=self.stale_after_s,
             report_interval_s=self.report_interval_s,
         )
+
+    def namespaces(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.kube_namespaces.split(",") if n.strip())
 
     def owner(self) -> str:
         return self.owner_id or f"{socket.gethostname()}:{os.getpid()}"

@@ -141,6 +141,7 @@ class KubeApiServer:
         self._history: collections.deque[_Change] = collections.deque(maxlen=history)
         self._oldest_rv = 1  # watches from before this get 410
         self._conflicts: dict[str, int] = {}
+        self._conflict_changes: dict[str, Callable[[Obj], Obj]] = {}
         self._watch_epoch = 0
         self._closing = False
         self.stats = Stats()
@@ -194,11 +195,16 @@ class KubeApiServer:
 
     # -- faults ---------------------------------------------------------------------------
 
-    def conflict_next(self, plural: str, n: int = 1) -> None:
+    def conflict_next(
+        self, plural: str, n: int = 1, change: Callable[[Obj], Obj] | None = None
+    ) -> None:
         """The next ``n`` updates or patches of ``plural`` get 409, as if another writer
-        changed the object first (its resourceVersion moves on, as it would)."""
+        changed the object first: its resourceVersion moves on, and ``change`` (if
+        given) is what that writer did to it."""
         with self._cond:
             self._conflicts[plural] = self._conflicts.get(plural, 0) + n
+            if change is not None:
+                self._conflict_changes[plural] = change
 
     def compact(self) -> None:
         """Forget the history: a watch from any resourceVersion before now gets 410."""
@@ -376,10 +382,14 @@ class KubeApiServer:
             cur = self._objects.get(key)
             if cur is None:
                 raise ApiError(404, "NotFound", f'{t.plural} "{name}" not found')
-            if self._conflicts.get(t.plural, 0) > 0:
+            if self._conflicts.get(t.plural, 0) > 0 and subresource != "status":
                 self._conflicts[t.plural] -= 1
                 self.stats.conflicts += 1
                 # Someone else wrote: the object's resourceVersion moves on.
+                other = self._conflict_changes.pop(t.plural, None)
+                if other is not None:
+                    cur = other(copy.deepcopy(cur))
+                    self._objects[key] = cur
                 self._rv += 1
                 cur["metadata"]["resourceVersion"] = str(self._rv)
                 self._record("MODIFIED", t, cur)

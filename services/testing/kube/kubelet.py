@@ -193,6 +193,7 @@ class KubeletStandIn:
                 continue
             need = gpu_request(pod)
             if need > free:
+                self._unschedulable(pod, need, free)
                 continue
             rv = pod["metadata"]["resourceVersion"]
 
@@ -207,6 +208,21 @@ class KubeletStandIn:
             except ApiError:
                 continue  # bound elsewhere, or gone
             free -= need
+
+    def _unschedulable(self, pod: Obj, need: int, free: int) -> None:
+        """What the scheduler reports of a pod that fits nowhere (PodScheduled False)."""
+        conds = pod.get("status", {}).get("conditions") or []
+        if any(c.get("type") == "PodScheduled" for c in conds):
+            return
+        cond = {
+            "type": "PodScheduled",
+            "status": "False",
+            "reason": "Unschedulable",
+            "message": f"0/1 nodes are available: {need} {GPU} requested, {free} free.",
+        }
+        self._set_status(
+            (pod["metadata"]["namespace"], pod["metadata"]["name"]), {"conditions": [cond]}
+        )
 
     def _start(self, key: tuple[str, str], pod: Obj) -> None:
         container = (pod["spec"].get("containers") or [{}])[0]
