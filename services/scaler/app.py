@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 from prometheus_client import REGISTRY
 from tide.v1 import scaler_pb2_grpc, telemetry_pb2_grpc
@@ -29,6 +30,8 @@ from services.scaler.settings import SWITCH_INTERVAL_S, ScalerSettings
 from services.scaler.store import DecisionStore
 from services.store import db
 
+Background = Callable[[], Coroutine[Any, Any, None]]
+
 
 async def serve_scaler(
     settings: ScalerSettings,
@@ -38,8 +41,12 @@ async def serve_scaler(
     clock: Clock,
     fault: FaultHook | None = None,
     on_shutdown: Sequence[Callable[[], Awaitable[None]]] = (),
+    attach: Sequence[Callable[[ScalerCore], Sequence[Background]]] = (),
 ) -> None:
-    """Serve the Telemetry and Scaler APIs and run the control loop until stopped."""
+    """Serve the Telemetry and Scaler APIs and run the control loop until stopped.
+
+    ``attach``: each is handed the core and returns background tasks that run beside
+    the control loop (the cluster link of the Kubernetes actuator: discovery, Events)."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     # Migrations are idempotent; running them at start keeps the embedded case one command.
     await asyncio.to_thread(db.upgrade, settings.db)
@@ -63,6 +70,9 @@ async def serve_scaler(
     REGISTRY.register(IngestCollector(core.engine))
     register_build_info(REGISTRY, "scaler")
     await core.start()
+    background: list[Background] = [core.run]
+    for a in attach:
+        background.extend(a(core))
 
     async def shutdown() -> None:
         await core.flush_rollups(final=True)
@@ -86,6 +96,6 @@ async def serve_scaler(
             ),
         ],
         admin_methods=ADMIN_METHODS,
-        background=[core.run],
+        background=background,
         on_shutdown=[shutdown],
     )
