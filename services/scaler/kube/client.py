@@ -70,6 +70,7 @@ class ReflectorStats:
     watches: int = 0
     expired: int = 0  # 410 Gone answered to a watch: re-listed
     errors: int = 0
+    not_served: int = 0  # lists answered 404
 
 
 class Reflector:
@@ -96,6 +97,7 @@ class Reflector:
         self._kwargs = kwargs
         self._on_change = on_change or (lambda: None)
         self.watch_timeout_s = watch_timeout_s
+        self.not_served_relist_s = 30.0
         self._backoff = backoff or Backoff(0.2, 10.0)
         self._lock = threading.Lock()
         self._objects: dict[str, Obj] = {}
@@ -142,9 +144,24 @@ class Reflector:
                         "reflector %s: resourceVersion expired (410); listing again", self.name
                     )
                     continue
+                if exc.status == 404:
+                    self._not_served()
+                    continue
                 self._failed(exc)
             except Exception as exc:  # the connection, a decode error: list again later
                 self._failed(exc)
+
+    def _not_served(self) -> None:
+        """The resource is not served (its CRD is not installed): an empty, synced cache,
+        listed again now and then, so a CRD installed later is picked up."""
+        if not self.stats.not_served:
+            logger.info("reflector %s: not served by the API server (no CRD?); empty", self.name)
+        self.stats.not_served += 1
+        with self._lock:
+            self._objects = {}
+        self.synced.set()
+        self._on_change()
+        self._stop.wait(self.not_served_relist_s)
 
     def _failed(self, exc: Exception) -> None:
         self.stats.errors += 1
