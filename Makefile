@@ -45,6 +45,7 @@ bench: setup
 	$(PY) -m bench.coordinator --quick
 	$(PY) -m bench.rescale --quick
 	$(PY) -m bench.simulate --quick
+	$(PY) -m bench.k8s --quick
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .tide

@@ -127,6 +127,8 @@ class Stats:
     requests: collections.Counter[str] = field(default_factory=collections.Counter)
     conflicts: int = 0
     gone: int = 0
+    lists: int = 0  # collection GETs
+    watches: int = 0  # watch requests
 
 
 class KubeApiServer:
@@ -143,6 +145,7 @@ class KubeApiServer:
         self._conflicts: dict[str, int] = {}
         self._conflict_changes: dict[str, Callable[[Obj], Obj]] = {}
         self._watch_epoch = 0
+        self.blackhole = False
         self._closing = False
         self.stats = Stats()
         for t in BUILTINS:
@@ -205,6 +208,16 @@ class KubeApiServer:
             self._conflicts[plural] = self._conflicts.get(plural, 0) + n
             if change is not None:
                 self._conflict_changes[plural] = change
+
+    def hang_watches(self, hang: bool = True) -> None:
+        """New watches send their headers and then nothing until the server closes:
+        a dead path that only the client's own read timeout gets it out of."""
+        with self._cond:
+            self.blackhole = hang
+
+    def wait_closing(self, timeout_s: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._closing, timeout=timeout_s)
 
     def compact(self) -> None:
         """Forget the history: a watch from any resourceVersion before now gets 410."""

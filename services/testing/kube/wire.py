@@ -261,8 +261,10 @@ def handler(api: KubeApiServer) -> type[BaseHTTPRequestHandler]:
                 if name:
                     self._send(200, api.get(t, ns, name))
                 elif query.get("watch") in ("true", "1"):
+                    api.stats.watches += 1
                     self._watch(t, ns, query)
                 else:
+                    api.stats.lists += 1
                     items, rv = api.list(
                         t, ns, query.get("labelSelector", ""), query.get("fieldSelector", "")
                     )
@@ -335,6 +337,9 @@ def handler(api: KubeApiServer) -> type[BaseHTTPRequestHandler]:
             self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.flush()
+            if api.blackhole:
+                api.wait_closing(60.0)
+                return
             for kind, obj in events:
                 line = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
