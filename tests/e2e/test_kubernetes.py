@@ -28,6 +28,9 @@ async def test_grow_and_shrink_a_paddlejob_losing_nothing(tmp_path: Path) -> Non
     assert [w for _, w in out.audit.worlds] == [2, 4, 2]
     # The PaddleJob asks for what the coordinator runs.
     assert out.paddlejob_replicas == out.world_size == 2
+    # The members that stayed are the pods the operator kept: the shrink drained the
+    # highest indexes, the ones it deleted.
+    assert out.member_pods == out.job_pods == ["mlp-worker-0", "mlp-worker-1"]
     # The story is on the PaddleJob, HPA-style.
     reasons = [r for _, r, _ in out.events]
     assert reasons.count("SuccessfulRescale") == 3  # the start, the grow, the shrink

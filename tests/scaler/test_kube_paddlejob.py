@@ -175,3 +175,48 @@ def test_free_gpus_count_schedulable_ready_nodes_and_live_bound_pods() -> None:
     ]
     assert free_gpus(nodes, pods) == 10 - 3 - 2
     assert free_gpus(nodes, [pod("a", 9), pod("d", 2)]) == 0
+
+
+def test_each_decision_state_has_its_hpa_style_event() -> None:
+    from datetime import UTC, datetime
+
+    from services.scaler.kube.events import decision_event
+    from services.scaler.store import DecisionRecord, DecisionState
+
+    fields = {f: None for f in DecisionRecord.__dataclass_fields__}
+    base = {
+        **fields,
+        "id": 7,
+        "job_id": "ml/j",
+        "from_replicas": 2,
+        "to_replicas": 4,
+        "reason": "SUSTAINED_HIGH_UTILIZATION",
+        "error": "",
+        "pause_s": 1.5,
+        "created_at": datetime.now(UTC),
+    }
+
+    def at(state: DecisionState, **kw: Any) -> Any:
+        return decision_event(DecisionRecord(**{**base, "state": state, **kw}), "the detail")
+
+    done = at(DecisionState.COMPLETED)
+    assert (done.type, done.reason) == ("Normal", "SuccessfulRescale")
+    assert done.message.startswith("New size: 4; reason: SUSTAINED_HIGH_UTILIZATION")
+    failed = at(DecisionState.FAILED, error="boom")
+    assert (failed.type, failed.reason) == ("Warning", "FailedRescale")
+    assert failed.message.endswith("error: boom")
+    aborted = at(DecisionState.ABORTED, error="deadline")
+    assert (aborted.type, aborted.reason) == ("Warning", "AbortedRescale")
+    assert "replicas stay 2" in aborted.message
+    for state, reason in (
+        (DecisionState.PENDING, "RescaleDecided"),
+        (DecisionState.PREPARING, "RescalePreparing"),
+        (DecisionState.ACTUATING, "RescaleActuating"),
+    ):
+        ev = at(state)
+        assert (ev.type, ev.reason, ev.message) == (
+            "Normal",
+            reason,
+            "decision 7, 2 -> 4: the detail",
+        )
+    assert len(at(DecisionState.FAILED, error="x" * 5000).message) == 1024

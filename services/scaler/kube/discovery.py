@@ -199,10 +199,7 @@ class Discovery:
                 other = found.get(v.job_id)
                 if other is not None and other.kind is not kind:
                     # Two kinds, one job id: the one seen first keeps it.
-                    self.recorder.post(
-                        v.ref(),
-                        EventSpec(ev.WARNING, ev.AUTOSCALER_CONFLICT, Refusal.NAME_TAKEN.value),
-                    )
+                    self._warn_once(v, ev.AUTOSCALER_CONFLICT, (Refusal.NAME_TAKEN.value,))
                     continue
                 found[v.job_id] = v
         return found

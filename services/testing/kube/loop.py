@@ -96,6 +96,9 @@ class LoopOutcome:
     audit: SampleAudit | None = None
     paddlejob_replicas: int = -1
     world_size: int = -1
+    #: Pods of the coordinator's active members, and the PaddleJob's live pods, at the end.
+    member_pods: list[str] = field(default_factory=list)
+    job_pods: list[str] = field(default_factory=list)
     events: list[tuple[str, str, str]] = field(default_factory=list)
     conflicts: int = 0
     expired_watches: int = 0
@@ -247,6 +250,14 @@ class KubeLoop:
                     coordinator_pb2.GetJobStatusRequest(job_id=JOB_ID), timeout=RPC_TIMEOUT_S
                 )
                 out.world_size = st.world_size
+                out.member_pods = sorted(
+                    m.pod_name for m in st.members if m.state == coordinator_pb2.MEMBER_STATE_ACTIVE
+                )
+            out.job_pods = sorted(
+                p["metadata"]["name"]
+                for p in self.api.list(POD, NS)[0]
+                if not p["metadata"].get("deletionTimestamp")
+            )
             job = self.api.get(PADDLE_OPERATOR, NS, NAME)
             out.paddlejob_replicas = job["spec"]["worker"]["replicas"]
         except Exception as exc:
