@@ -220,8 +220,11 @@ class KubeApiServer:
             self._cond.wait_for(lambda: self._closing, timeout=timeout_s)
 
     def compact(self) -> None:
-        """Forget the history: a watch from any resourceVersion before now gets 410."""
+        """Forget the history: a watch from any resourceVersion given out before now gets
+        410. (The revision moves on by one, as a compaction's own write would, so that
+        a list made after it is watchable and a watcher fully caught up still expires.)"""
         with self._cond:
+            self._rv += 1
             self._history.clear()
             self._oldest_rv = self._rv
 
