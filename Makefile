@@ -48,6 +48,7 @@ bench: setup
 	$(PY) -m bench.soak --quick
 	$(PY) -m bench.history --quick
 	$(PY) -m bench.security --quick
+	$(PY) -m bench.k8s --quick
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .tide

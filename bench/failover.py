@@ -113,6 +113,7 @@ def _replica(url: str, tmp: Path, owner: str) -> tuple[subprocess.Popen[str], st
             url,
             "--listen",
             "127.0.0.1:0",
+            "--insecure",
             "--owner-id",
             owner,
             "--leader-election",
@@ -249,7 +250,7 @@ def scaler_failover(url: str, tmp: Path, engine: sa.Engine) -> dict[str, Any]:
 
 def coordinator_failover(tmp: Path) -> float:
     db_url = f"sqlite:///{tmp / 'coordinator.db'}"
-    args = ["-m", "services.coordinator", "--db", db_url, "--log-level", "ERROR"]
+    args = ["-m", "services.coordinator", "--db", db_url, "--log-level", "ERROR", "--insecure"]
     first, target = _start([*args, "--listen", "127.0.0.1:0"])
     port = target.rpartition(":")[2]
     with grpc.insecure_channel(target) as ch:

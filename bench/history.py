@@ -318,7 +318,7 @@ def scaler_api(url: str) -> Iterator[str]:
     from services.common.config import CommonSettings
     from services.common.server import ServiceSpec, start_server
     from services.scaler.service import ScalerCore
-    from services.scaler.servicer import ADMIN_METHODS, ScalerServicer
+    from services.scaler.servicer import RULES, ScalerServicer
     from services.scaler.store import DecisionStore
     from services.store import db
     from services.testing.actuators import InMemoryActuator
@@ -341,7 +341,7 @@ def scaler_api(url: str) -> Iterator[str]:
         try:
             await core.start()
             server = await start_server(
-                CommonSettings(listen="127.0.0.1:0"),
+                CommonSettings(listen="127.0.0.1:0", insecure=True),
                 [
                     ServiceSpec(
                         scaler_pb2_grpc.add_ScalerServicer_to_server,
@@ -349,7 +349,7 @@ def scaler_api(url: str) -> Iterator[str]:
                         "tide.v1.Scaler",
                     )
                 ],
-                admin_methods=ADMIN_METHODS,
+                rules=RULES,
             )
             box["port"] = server.port
             ready.set()

@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"sqlite:///{tmp}/tide.db",
                 "--listen",
                 "127.0.0.1:0",
+                "--insecure",
                 "--log-level",
                 "ERROR",
                 "--max-inflight-streams",

@@ -3,6 +3,11 @@
 ``python -m trainer.launch --coordinator HOST:PORT --job NS/NAME [--pod NAME] [--pod-index I]
 [--host H] [--state-dir D] [--no-zygote] [--no-prewarm] -- python train.py ARGS``
 
+In a PaddleJob pod the flags come from the environment (TIDE_COORDINATOR, the
+Downward API's POD_NAME, POD_NAMESPACE and POD_IP: trainer/podenv.py), so the
+worker container's args are just ``-- python train.py ARGS``. SIGTERM (the
+kubelet stopping the pod) stops the worker and exits 0.
+
 One launcher per pod: it registers with the coordinator, holds the directive stream, and
 starts, stops and steers the Paddle worker of each generation (docs/trainer.md).
 """
@@ -28,6 +33,7 @@ from tidebase.credentials import (
 )
 from tidebase.errors import ConfigError
 from trainer.launcher import Launcher, LauncherSettings, State
+from trainer.podenv import pod_identity
 
 __all__ = ["Launcher", "LauncherSettings", "State", "main", "parse_args"]
 
@@ -46,10 +52,28 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
     p = argparse.ArgumentParser(
         prog="python -m trainer.launch", description="the Tide launcher: one per pod"
     )
-    p.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
-    p.add_argument("--job", required=True, help="NAMESPACE/NAME of the job")
-    p.add_argument("--pod", default=os.environ.get("POD_NAME", socket.gethostname()))
-    p.add_argument("--pod-index", type=int, default=int(os.environ.get("TIDE_POD_INDEX", "0")))
+    # In a PaddleJob pod everything below comes from the environment (trainer/podenv.py).
+    pod = pod_identity(os.environ, socket.gethostname())
+    coordinator = os.environ.get("TIDE_COORDINATOR", "")
+    p.add_argument(
+        "--coordinator",
+        required=not coordinator,
+        default=coordinator,
+        help="HOST:PORT of the coordinator (env TIDE_COORDINATOR)",
+    )
+    p.add_argument(
+        "--job",
+        required=not pod.job_id,
+        default=pod.job_id,
+        help="NAMESPACE/NAME of the job (env TIDE_JOB, else POD_NAMESPACE and the pod's name)",
+    )
+    p.add_argument("--pod", default=pod.pod_name, help="this pod's name (env POD_NAME)")
+    p.add_argument(
+        "--pod-index",
+        type=int,
+        default=pod.pod_index if pod.pod_index is not None else 0,
+        help="this pod's index (env TIDE_POD_INDEX, PADDLE_TRAINER_ID, or NAME-worker-INDEX)",
+    )
     p.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"))
     p.add_argument("--state-dir", default="", help="worker logs (default: a temp dir)")
     p.add_argument("--no-zygote", action="store_true", help="start fresh worker processes")

@@ -1,18 +1,21 @@
 """`python -m services.scaler`: the scaler process (Telemetry + Scaler APIs, the control loop).
 
 Wiring only. The coordinator and the actuator are real and named explicitly
-(``--coordinator HOST:PORT``, ``--actuator local:DIR``); without them the
+(``--coordinator HOST:PORT``, ``--actuator local:DIR|kubernetes:in-cluster``); without them the
 process exits 2 with one line saying what to pass. The in-memory parts for
 tests and demos are behind ``python -m services.testing.scaler``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from services.common.clock import SystemClock
 from services.common.entry import run_service
-from services.scaler.actuators import make_actuator
-from services.scaler.app import serve_scaler
+from services.scaler.actuators import Actuator, make_actuator, parse_actuator
+from services.scaler.app import Background, serve_scaler
 from services.scaler.coordination import GrpcCoordinatorClient
+from services.scaler.service import ScalerCore
 from services.scaler.settings import ScalerSettings
 from tidebase.client import open_channel
 
@@ -20,19 +23,36 @@ from tidebase.client import open_channel
 async def run(settings: ScalerSettings) -> None:
     clock = SystemClock()
     channel = open_channel(settings.coordinator, credentials=settings.credentials())
+    actuator = make_actuator(
+        settings.actuator,
+        coordinator=settings.coordinator,
+        total_gpus=settings.total_gpus or None,
+        clock=clock,
+        ca_dir=settings.local_ca_dir,
+        namespaces=settings.namespaces(),
+    )
     await serve_scaler(
         settings,
-        actuator=make_actuator(
-            settings.actuator,
-            coordinator=settings.coordinator,
-            total_gpus=settings.total_gpus or None,
-            clock=clock,
-            ca_dir=settings.local_ca_dir,
-        ),
+        actuator=actuator,
         coordinator=GrpcCoordinatorClient(channel),
         clock=clock,
         on_shutdown=[channel.close],
+        attach=cluster_link(settings, actuator),
     )
+
+
+def cluster_link(
+    settings: ScalerSettings, actuator: Actuator
+) -> list[Callable[[ScalerCore], Sequence[Background]]]:
+    """With the Kubernetes actuator: discovery of opted-in PaddleJobs and their Events."""
+    if parse_actuator(settings.actuator)[0] != "kubernetes":
+        return []
+    # Imported here: a scaler in local mode never loads the kubernetes client.
+    from services.scaler.actuators.kubernetes import KubernetesActuator
+    from services.scaler.kube.link import KubeLink
+
+    assert isinstance(actuator, KubernetesActuator)
+    return [KubeLink(actuator).attach]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,8 @@ from services.store.probe import StoreProbe
 
 logger = logging.getLogger(__name__)
 
+Background = Callable[[], Coroutine[Any, Any, None]]
+
 
 async def serve_scaler(
     settings: ScalerSettings,
@@ -48,8 +50,12 @@ async def serve_scaler(
     clock: Clock,
     fault: FaultHook | None = None,
     on_shutdown: Sequence[Callable[[], Awaitable[None]]] = (),
+    attach: Sequence[Callable[[ScalerCore], Sequence[Background]]] = (),
 ) -> None:
-    """Serve the Telemetry and Scaler APIs and run the control loop until stopped."""
+    """Serve the Telemetry and Scaler APIs and run the control loop until stopped.
+
+    ``attach``: each is handed the core and returns background tasks that run beside
+    the control loop (the cluster link of the Kubernetes actuator: discovery, Events)."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     # Migrations are idempotent; running them at start keeps the embedded case one command.
     await asyncio.to_thread(db.upgrade, settings.db)
@@ -78,11 +84,12 @@ async def serve_scaler(
     )
     REGISTRY.register(IngestCollector(core.engine))
     register_build_info(REGISTRY, "scaler")
-    background: list[Callable[[], Coroutine[Any, Any, None]]] = [probe.run]
+    background: list[Background] = [probe.run]
     elector: LeaderElector | None = None
+    attached = [task for a in attach for task in a(core)]
     if settings.leader_election == "off":
         await core.start()
-        background.append(core.run)
+        background += [core.run, *attached]
     else:
         elector = LeaderElector(
             store, clock, settings.lease(), address=settings.advertise_address or settings.listen
@@ -91,7 +98,9 @@ async def serve_scaler(
         core.controller.may_act = elector.may_act
         # Not ready until elected: the Service sends agents and callers to the leader.
         await readiness.set_down("leadership", "no leader yet")
-        background += [_elect(elector, core, readiness), _lead(elector, core)]
+        background += [_elect(elector, core, readiness), _lead(elector, core.run)]
+        # What watches the cluster for the core (discovery, Events) acts: leader only.
+        background += [_lead(elector, task) for task in attached]
 
     async def shutdown() -> None:
         await core.flush_rollups(final=True)
@@ -155,10 +164,10 @@ def _elect(
     return run
 
 
-def _lead(elector: LeaderElector, core: ScalerCore) -> Callable[[], Coroutine[Any, Any, None]]:
+def _lead(elector: LeaderElector, task: Background) -> Background:
     async def run() -> None:
         await elector.wait_elected()
-        await core.run()
+        await task()
 
-    run.__qualname__ = "ScalerCore.run"
+    run.__qualname__ = getattr(task, "__qualname__", "task")
     return run

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -161,6 +161,8 @@ class ScalerCore:
         #: Leader election (services/scaler/leader.py): None when this replica is the
         #: only one. A follower refuses writes, naming the leader.
         self.leader: LeaderElector | None = None
+        #: Told of every decision state (the Kubernetes Events); must not block.
+        self.observers: list[Callable[[DecisionRecord, str], None]] = []
 
     # -- jobs and policies -----------------------------------------------------------
 
@@ -237,12 +239,23 @@ class ScalerCore:
         *,
         initial_replicas: int = 0,
         gpus_per_replica: int = 0,
+        clear: Sequence[str] = (),
     ) -> JobRecord:
+        """Create or update a job; ``clear`` names overrides to remove (back to the default)."""
         self._require_leader()
         existing = self.jobs.get(job_id)
         bounds = {k: overrides[k] for k in _BOUNDS if overrides.get(k) is not None}
         rest = {k: v for k, v in overrides.items() if k not in _BOUNDS and v is not None}
         base = self.policy_of(existing) if existing is not None else self.defaults
+        if existing is not None and clear:
+            kept = {k: v for k, v in existing.policy_overrides.items() if k not in clear}
+            base = self.defaults.with_overrides(
+                {
+                    **kept,
+                    "min_replicas": existing.min_replicas,
+                    "max_replicas": existing.max_replicas,
+                }
+            )
         # Validated in full before anything is written; ConfigError names the field.
         merged = base.with_overrides({**rest, **bounds})
         if existing is None and initial_replicas > 0:
@@ -257,7 +270,8 @@ class ScalerCore:
             max_replicas=merged.max_replicas,
             initial_replicas=initial_replicas or None,
             gpus_per_replica=gpus_per_replica or None,
-            policy_overrides=rest,
+            # A key mapped to None is removed from the stored overrides.
+            policy_overrides={**{k: None for k in clear if k not in rest}, **rest},
         )
         self._adopt(job)
         if job_id not in self.store.epochs or job_id in self.fenced:
@@ -672,3 +686,12 @@ class ScalerCore:
         if d.state is not DecisionState.PENDING:
             self.pool.fulfilled(d.job_id)  # the actuator counts its GPUs from PREPARING on
         self.feed.publish(d, detail)
+        for observe in self.observers:
+            try:
+                observe(d, detail)
+            except Exception:
+                logger.exception(
+                    "decision %d: an observer failed",
+                    d.id,
+                    extra={"job_id": d.job_id, "decision_id": d.id},
+                )

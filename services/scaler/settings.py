@@ -46,7 +46,12 @@ class ScalerSettings(CommonSettings, ClientSettings):
     actuator: str = setting(
         "",
         "how pods are started and stopped (required): local:DIR (trainer launchers on this"
-        " machine, state under DIR)",
+        " machine, state under DIR), or kubernetes:in-cluster|KUBECONFIG (PaddleJobs)",
+    )
+    kube_namespaces: str = setting(
+        "",
+        "with the kubernetes actuator: the namespaces (comma-separated) whose PaddleJobs"
+        " are watched and resized; empty: all",
     )
     total_gpus: int = setting(0, "GPUs the actuator offers; 0 means unknown")
     local_ca_dir: str = setting(
@@ -195,6 +200,9 @@ class ScalerSettings(CommonSettings, ClientSettings):
             report_interval_s=self.report_interval_s,
             stream_idle_timeout_s=self.stream_idle_timeout_s,
         )
+
+    def namespaces(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.kube_namespaces.split(",") if n.strip())
 
     def owner(self) -> str:
         return self.owner_id or f"{socket.gethostname()}:{os.getpid()}"

@@ -210,19 +210,6 @@ def _mounted(args: list[str], container: dict[str, Any], tmp_path: Path) -> list
     return out
 
 
-def _scaler_args_today(args: list[str]) -> list[str]:
-    """The Kubernetes actuator and --kube-namespaces come with issue 10's actuator (branch
-    k8s). Until a scaler that has them is merged, everything else is still checked."""
-    from services.scaler.actuators import KINDS
-    from services.scaler.settings import ScalerSettings
-
-    if "kubernetes" not in KINDS:
-        args = ["--actuator=local:/tmp" if a.startswith("--actuator=") else a for a in args]
-    if "kube_namespaces" not in ScalerSettings.__dataclass_fields__:
-        args = [a for a in args if not a.startswith("--kube-namespaces=")]
-    return args
-
-
 @pytest.mark.parametrize("values", EXAMPLES.values(), ids=EXAMPLES.keys())
 def test_the_services_accept_their_rendered_flags_settings_and_environment(
     values: Path, tmp_path: Path
@@ -232,15 +219,17 @@ def test_the_services_accept_their_rendered_flags_settings_and_environment(
     from services.scaler.settings import ScalerSettings
 
     rendered = render(values)
-    scaler = _load(
-        ScalerSettings, rendered, "Deployment", "tide-scaler", tmp_path, _scaler_args_today
-    )
+    scaler = _load(ScalerSettings, rendered, "Deployment", "tide-scaler", tmp_path)
     coordinator = _load(CoordinatorSettings, rendered, "Deployment", "tide-coordinator", tmp_path)
     agent = _load(AgentSettings, rendered, "DaemonSet", "tide-agent", tmp_path)
     assert (
         "--actuator=kubernetes:in-cluster"
         in _container(rendered, "Deployment", "tide-scaler")["args"]
     )
+    assert scaler.actuator == "kubernetes:in-cluster"
+    # The watched namespaces reach the actuator and discovery (empty: all).
+    watched = yaml.safe_load(values.read_text()).get("scaler", {}).get("watchNamespaces") or []
+    assert scaler.namespaces() == tuple(watched)
 
     # Each service listens where its container port, Service and probes say.
     for settings, kind, name in (

@@ -1,7 +1,8 @@
 """One contract for services.scaler.actuators.Actuator, run over the in-memory and
 file doubles (services.testing.actuators) and the real local actuator (launcher
-processes; tests/local/fake_launcher.py stands in for trainer.launch). A new
-actuator (Kubernetes) joins by adding a world here."""
+processes; tests/local/fake_launcher.py stands in for trainer.launch) and the
+Kubernetes actuator on PaddleJobs (the API server emulator, both operators and a
+kubelet of services.testing.kube, running a sleeping process per pod)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,13 @@ from typing import Protocol
 import pytest
 
 from services.scaler.actuators import Actuator
+from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
 from services.scaler.actuators.local import JobSpec, LocalActuator, LocalActuatorSettings
 from services.testing.actuators import FileActuator, InMemoryActuator, read_changes
+from services.testing.kube import KubeApiServer
+from services.testing.kube.crds import PADDLE_OPERATOR, install_paddlejob_crds
+from services.testing.kube.kubelet import KubeletStandIn
+from services.testing.kube.operators import job_pods, start_operators
 from tests.support.procs import ROOT
 from tidebase.errors import InvalidArgument
 
@@ -63,7 +69,50 @@ class LocalWorld:
         return len(self.local.pods(job_id))
 
 
-@pytest.fixture(params=["memory", "file", "local"])
+class KubeWorld:
+    """PaddleJobs on the emulator; pods are what the operator stand-in made of them."""
+
+    def __init__(self, api: KubeApiServer, actuator: KubernetesActuator) -> None:
+        self.api = api
+        self.kube = actuator
+        self.actuator: Actuator = actuator
+
+    def define(self, job_id: str, gpus_per_replica: int) -> None:
+        ns, name = job_id.split("/")
+        namespaces = self.api.rtype("", "v1", "namespaces")
+        if not self.api.list(namespaces, fields=f"metadata.name={ns}")[0]:
+            self.api.create(namespaces, {"metadata": {"name": ns}})
+        container = {
+            "name": "worker",
+            "image": "trainer",
+            "command": [sys.executable, "-c", "import time; time.sleep(600)"],
+            "resources": {"limits": {"nvidia.com/gpu": gpus_per_replica}},
+        }
+        self.api.create(
+            PADDLE_OPERATOR,
+            {
+                "metadata": {"name": name, "annotations": {"tide.dev/autoscale": "true"}},
+                "spec": {
+                    "worker": {
+                        "replicas": 0,
+                        "requests": 1,
+                        "limits": 8,
+                        "template": {"spec": {"containers": [container]}},
+                    }
+                },
+            },
+            ns,
+        )
+
+    def running(self, job_id: str) -> int:
+        ns, name = job_id.split("/")
+        uid = self.api.get(PADDLE_OPERATOR, ns, name)["metadata"]["uid"]
+        return sum(
+            1 for p in job_pods(self.api, ns, uid) if not p["metadata"].get("deletionTimestamp")
+        )
+
+
+@pytest.fixture(params=["memory", "file", "local", "kubernetes"])
 def world(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[World]:
@@ -72,6 +121,24 @@ def world(
         return
     if request.param == "file":
         yield MemoryWorld(FileActuator(tmp_path / "changes.jsonl", total_gpus=8))
+        return
+    if request.param == "kubernetes":
+        with KubeApiServer() as api:
+            install_paddlejob_crds(api)
+            ops = start_operators(api)
+            kubelet = KubeletStandIn(api, "gpu-node", tmp_path / "kubelet", gpus=8).start()
+            kube = KubernetesActuator(
+                KubernetesActuatorSettings(
+                    source=str(api.write_kubeconfig(tmp_path / "kubeconfig")), pod_wait_s=30
+                )
+            )
+            try:
+                yield KubeWorld(api, kube)
+            finally:
+                kube.stop()
+                for op in ops:
+                    op.stop()
+                kubelet.stop()
         return
     log = tmp_path / "launches.log"
     log.touch()

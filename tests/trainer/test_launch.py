@@ -383,3 +383,66 @@ def test_command_line() -> None:
         parse_args(["--coordinator", "h:1", "--job", "nope", "--", "python", "t.py"])
     with pytest.raises(ConfigError, match="command"):
         parse_args(["--coordinator", "h:1", "--job", "a/b"])
+
+
+@pytest.mark.parametrize(
+    ("env", "pod", "index", "job"),
+    [
+        # paddle-operator: the name, and PADDLE_TRAINER_ID, which it sets.
+        (
+            {"POD_NAME": "resnet-worker-3", "POD_NAMESPACE": "ml", "PADDLE_TRAINER_ID": "3"},
+            "resnet-worker-3",
+            3,
+            "ml/resnet",
+        ),
+        # Kubeflow: the name alone (the replica-index label may come as TIDE_REPLICA_INDEX).
+        (
+            {"POD_NAME": "bert-x-worker-12", "POD_NAMESPACE": "nlp"},
+            "bert-x-worker-12",
+            12,
+            "nlp/bert-x",
+        ),
+        (
+            {"POD_NAME": "p", "POD_NAMESPACE": "nlp", "TIDE_REPLICA_INDEX": "4", "TIDE_JOB": "a/b"},
+            "p",
+            4,
+            "a/b",
+        ),
+        # Explicit settings win.
+        (
+            {
+                "POD_NAME": "r-worker-1",
+                "POD_NAMESPACE": "ml",
+                "TIDE_POD_INDEX": "7",
+                "TIDE_JOB": "x/y",
+            },
+            "r-worker-1",
+            7,
+            "x/y",
+        ),
+    ],
+)
+def test_a_paddlejob_pod_is_known_from_its_environment(
+    env: dict[str, str], pod: str, index: int, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in ("POD_NAME", "POD_NAMESPACE", "TIDE_JOB", "TIDE_POD_INDEX", "PADDLE_TRAINER_ID"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in {
+        **env,
+        "TIDE_COORDINATOR": "tide-coordinator.tide.svc:50052",
+        "POD_IP": "10.0.0.7",
+    }.items():
+        monkeypatch.setenv(k, v)
+    s = parse_args(["--", "python", "train.py"])
+    assert (s.pod_name, s.pod_index, s.job_id) == (pod, index, job)
+    assert s.coordinator == "tide-coordinator.tide.svc:50052" and s.host == "10.0.0.7"
+
+
+def test_without_the_environment_the_coordinator_and_job_are_required(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for var in ("POD_NAME", "POD_NAMESPACE", "TIDE_JOB", "TIDE_COORDINATOR"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit):
+        parse_args(["--", "python", "train.py"])
+    assert "--coordinator" in capsys.readouterr().err

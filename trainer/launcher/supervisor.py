@@ -36,6 +36,23 @@ from trainer.spawner import Spawner, WorkerHandle
 
 logger = logging.getLogger(__name__)
 
+#: What the PaddleJob operators set that would contradict a generation's world.
+OPERATOR_PADDLE_ENV = frozenset(
+    {
+        "PADDLE_TRAINER_ID",
+        "PADDLE_TRAINERS_NUM",
+        "PADDLE_TRAINER_ENDPOINTS",
+        "PADDLE_CURRENT_ENDPOINT",
+        "PADDLE_MASTER",
+        "PADDLE_RANK_IN_NODE",
+        "PADDLE_NNODES",
+        "PADDLE_TRAINERS",
+        "PADDLE_ELASTIC_NP",
+        "PADDLE_ELASTIC_JOB_ID",
+        "PADDLE_ELASTIC_TIMEOUT",
+    }
+)
+
 # How long a dead worker's connection may take to deliver its last lines, seconds.
 CHANNEL_DRAIN_S = 0.5
 
@@ -99,7 +116,10 @@ class WorkerSupervisor:
         self.control.close()
 
     def base_env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        # A PaddleJob operator gives the pod its own PADDLE_* world (paddle-operator's
+        # PADDLE_TRAINER_ID is the pod index, Kubeflow's PADDLE_NNODES the replicas);
+        # under Tide each generation's world comes from the coordinator instead.
+        env = {k: v for k, v in os.environ.items() if k not in OPERATOR_PADDLE_ENV}
         env[CONTROL_SOCKET_ENV] = self.control.path
         return env
 

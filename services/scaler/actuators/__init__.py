@@ -17,22 +17,39 @@ from tidebase.errors import ConfigError
 __all__ = ["KINDS", "Actuator", "make_actuator", "parse_actuator"]
 
 #: The kinds ``--actuator KIND:ARG`` accepts.
-KINDS = ("local",)
+KINDS = ("local", "kubernetes")
 
 
 def parse_actuator(spec: str) -> tuple[str, str]:
     """``--actuator KIND:ARG`` as (kind, arg); a ConfigError saying what to pass otherwise."""
     kind, sep, arg = spec.partition(":")
     if kind not in KINDS or not sep or not arg:
-        raise ConfigError(f"actuator: expected local:DIR, got {spec!r}; pass --actuator local:DIR")
+        raise ConfigError(
+            f"actuator: expected local:DIR or kubernetes:in-cluster|KUBECONFIG, got {spec!r};"
+            " pass --actuator local:DIR or --actuator kubernetes:in-cluster"
+        )
     return kind, arg
 
 
 def make_actuator(
-    spec: str, *, coordinator: str, total_gpus: int | None, clock: Clock, ca_dir: str = ""
+    spec: str,
+    *,
+    coordinator: str,
+    total_gpus: int | None,
+    clock: Clock,
+    ca_dir: str = "",
+    namespaces: tuple[str, ...] = (),
 ) -> Actuator:
     """The actuator ``spec`` (``--actuator``) names."""
     kind, arg = parse_actuator(spec)
+    if kind == "kubernetes":
+        # Imported here: a scaler in local mode never loads the kubernetes client.
+        from services.scaler.actuators.kubernetes import (
+            KubernetesActuator,
+            KubernetesActuatorSettings,
+        )
+
+        return KubernetesActuator(KubernetesActuatorSettings(source=arg, namespaces=namespaces))
     if kind == "local":
         # Imported here: a scaler deployed with another actuator never loads local mode.
         from services.scaler.actuators.local import LocalActuator, LocalActuatorSettings

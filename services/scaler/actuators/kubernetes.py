@@ -1,0 +1,328 @@
+"""The Kubernetes actuator: a job's pods are the workers of its PaddleJob.
+
+Same contract as every actuator (services.scaler.actuators.base.Actuator), for
+both PaddleJob kinds (services.scaler.kube.paddlejob):
+
+- ``set_replicas`` is a merge patch of the worker replicas carrying the
+  resourceVersion it read. A 409 means someone wrote in between: the job is
+  read again and the change re-checked (still opted in, still within the
+  PaddleJob's bounds, not already done) before the next try; it never
+  overwrites blindly. Then it waits, by watch, until the operator has made the
+  pods match: all of 0..n-1 present after a grow, none of n.. left after a
+  shrink (both operators remove the highest indexes, which are the members
+  the coordinator drained). A wait that runs out is logged, not failed: the
+  coordinator's deadline judges the newcomers.
+- ``free_gpus`` comes from the watch-backed cache of nodes and pods
+  (services.scaler.kube.capacity).
+
+The client is synchronous; its calls run in worker threads. The waits are the
+pod cache's watch (list, watch with a timeout, re-list on 410) waking the event
+loop, never a poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from services.scaler.kube.capacity import CapacityCache
+from services.scaler.kube.client import IN_CLUSTER, api_client, raw
+from services.scaler.kube.paddlejob import KINDS, JobView, Kind, owned_by, pod_index, view
+from tidebase.errors import (
+    ConfigError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    TideError,
+    Unavailable,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KubernetesActuatorSettings:
+    """How the actuator reaches the cluster and how long it waits."""
+
+    # "in-cluster" (the pod's ServiceAccount) or the path of a kubeconfig.
+    source: str = IN_CLUSTER
+    # Namespaces whose PaddleJobs may be changed; empty: all.
+    namespaces: tuple[str, ...] = ()
+    # Re-reads after a 409 before a resize gives up (each one re-checks the change).
+    conflict_retries: int = 5
+    # How long a resize waits for the operator to make the pods match, seconds.
+    pod_wait_s: float = 120.0
+    # Server-side timeout of each watch, seconds (then it is renewed).
+    watch_timeout_s: int = 60
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ConfigError(
+                "actuator kubernetes: expected kubernetes:in-cluster or kubernetes:KUBECONFIG"
+            )
+        if self.conflict_retries < 0:
+            raise ConfigError(f"conflict_retries: must be >= 0, got {self.conflict_retries}")
+        if not self.pod_wait_s > 0:
+            raise ConfigError(f"pod_wait_s: must be > 0, got {self.pod_wait_s}")
+        if self.watch_timeout_s < 1:
+            raise ConfigError(f"watch_timeout_s: must be >= 1, got {self.watch_timeout_s}")
+
+
+def _split(job_id: str) -> tuple[str, str]:
+    ns, sep, name = job_id.partition("/")
+    if not sep or not ns or not name or "/" in name:
+        raise InvalidArgument(f"job_id must be 'namespace/name', got {job_id!r}")
+    return ns, name
+
+
+def _error(job_id: str, exc: ApiException) -> TideError:
+    what = f"job {job_id}: Kubernetes API: {exc.status} {exc.reason}"
+    if exc.status == 404:
+        return NotFound(what)
+    if exc.status in (401, 403):
+        return PermissionDenied(what)
+    if exc.status in (400, 422):
+        return InvalidArgument(what)
+    return Unavailable(what)
+
+
+def _considered(pod: dict[str, Any]) -> bool:
+    """Bound to a node, or marked unschedulable by the scheduler."""
+    if pod.get("spec", {}).get("nodeName"):
+        return True
+    conds = pod.get("status", {}).get("conditions") or []
+    return any(c.get("type") == "PodScheduled" and c.get("status") == "False" for c in conds)
+
+
+class KubernetesActuator:
+    """Implements services.scaler.actuators.Actuator on PaddleJobs."""
+
+    def __init__(
+        self, settings: KubernetesActuatorSettings, api: client.ApiClient | None = None
+    ) -> None:
+        self.settings = settings
+        self.api = api or api_client(settings.source)
+        self.custom = client.CustomObjectsApi(self.api)
+        self.capacity = CapacityCache(
+            self.api, on_change=self._changed, watch_timeout_s=settings.watch_timeout_s
+        )
+        #: The kind of each job (told by discovery, else found on first read).
+        self.kinds: dict[str, Kind] = {}
+        self.gpus_per_replica: dict[str, int] = {}
+        #: 409s answered to a resize patch and retried after a re-read.
+        self.conflicts_retried = 0
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self._waiters_lock = threading.Lock()
+        self._started = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self.capacity.start()
+
+    def stop(self) -> None:
+        if self._started:
+            self.capacity.stop()
+
+    def _changed(self) -> None:
+        """From a reflector's thread: wake every waiting coroutine."""
+        with self._waiters_lock:
+            waiters = list(self._waiters)
+        for loop, ev in waiters:
+            loop.call_soon_threadsafe(ev.set)
+
+    async def _wait_until(self, cond: Callable[[], bool], timeout_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        ev = asyncio.Event()
+        entry = (loop, ev)
+        with self._waiters_lock:
+            self._waiters.add(entry)
+        try:
+            deadline = loop.time() + timeout_s
+            while not cond():
+                left = deadline - loop.time()
+                if left <= 0:
+                    return False
+                ev.clear()
+                if cond():
+                    return True
+                try:
+                    await asyncio.wait_for(ev.wait(), left)
+                except TimeoutError:
+                    return cond()
+            return True
+        finally:
+            with self._waiters_lock:
+                self._waiters.discard(entry)
+
+    # -- reading ------------------------------------------------------------------------
+
+    def know(self, job_id: str, kind: Kind) -> None:
+        """Discovery tells which kind a job is (saves a lookup per kind)."""
+        self.kinds[job_id] = kind
+
+    def _read(self, job_id: str) -> JobView:
+        ns, name = _split(job_id)
+        if self.settings.namespaces and ns not in self.settings.namespaces:
+            raise PermissionDenied(f"job {job_id}: namespace {ns} is not one this scaler manages")
+        known = self.kinds.get(job_id)
+        last: ApiException | None = None
+        for kind in (known,) if known else KINDS:
+            try:
+                obj = raw(
+                    self.custom.get_namespaced_custom_object(
+                        kind.group,
+                        kind.version,
+                        ns,
+                        kind.plural,
+                        name,
+                        _preload_content=False,
+                        _request_timeout=30,
+                    )
+                )
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise _error(job_id, exc) from None
+                last = exc
+                continue
+            self.kinds[job_id] = kind
+            return view(kind, obj)
+        raise NotFound(f"job {job_id}: no PaddleJob {name} in namespace {ns}") from last
+
+    # -- the Actuator protocol ------------------------------------------------------------
+
+    def adopt(self, job_id: str, *, replicas: int, gpus_per_replica: int) -> None:
+        # The PaddleJob is the record of the replicas; only the GPUs are noted.
+        self.gpus_per_replica[job_id] = gpus_per_replica
+
+    async def get_replicas(self, job_id: str) -> int | None:
+        try:
+            job = await asyncio.to_thread(self._read, job_id)
+        except NotFound:
+            return None
+        return job.replicas
+
+    async def free_gpus(self) -> int | None:
+        return self.capacity.free_gpus()
+
+    async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
+        if replicas < 0:
+            raise InvalidArgument(f"job {job_id}: replicas must be >= 0, got {replicas}")
+        self.start()
+        job = await asyncio.to_thread(self._patch_replicas, job_id, replicas, decision_id)
+        settled = await self._wait_until(
+            lambda: self._pods_match(job, replicas), self.settings.pod_wait_s
+        )
+        if not settled:
+            logger.warning(
+                "job %s: decision %d: the pods did not match %d replica(s) within %.0f s: %s",
+                job_id,
+                decision_id,
+                replicas,
+                self.settings.pod_wait_s,
+                self._pods_summary(job),
+                extra={"job_id": job_id, "decision_id": decision_id},
+            )
+
+    def _patch_replicas(self, job_id: str, replicas: int, decision_id: int) -> JobView:
+        """Read, check, patch with the resourceVersion read; on 409 the same again."""
+        ns, name = _split(job_id)
+        for attempt in range(self.settings.conflict_retries + 1):
+            job = self._read(job_id)
+            self._recheck(job, replicas)
+            if job.replicas == replicas:
+                return job  # done already (a resumed decision, or the retried patch landed)
+            kind = job.kind
+            try:
+                self.custom.patch_namespaced_custom_object(
+                    kind.group,
+                    kind.version,
+                    ns,
+                    kind.plural,
+                    name,
+                    kind.replicas_patch(replicas, job.resource_version),
+                    _request_timeout=30,
+                )
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise _error(job_id, exc) from None
+                self.conflicts_retried += 1
+                logger.warning(
+                    "job %s: decision %d: PaddleJob changed since it was read (409, attempt %d);"
+                    " reading it again",
+                    job_id,
+                    decision_id,
+                    attempt + 1,
+                    extra={"job_id": job_id, "decision_id": decision_id},
+                )
+                continue
+            logger.info(
+                "job %s: decision %d: PaddleJob (%s) worker replicas %d -> %d",
+                job_id,
+                decision_id,
+                kind.name,
+                job.replicas,
+                replicas,
+                extra={"job_id": job_id, "decision_id": decision_id},
+            )
+            return job
+        raise Unavailable(
+            f"job {job_id}: the PaddleJob kept changing under the resize"
+            f" ({self.settings.conflict_retries + 1} conflicts in a row)"
+        )
+
+    @staticmethod
+    def _recheck(job: JobView, replicas: int) -> None:
+        """What a 409 may have changed that makes the change wrong now."""
+        if not job.opted_in:
+            raise FailedPrecondition(f"job {job.job_id}: the PaddleJob is no longer opted in")
+        lo, hi = job.min_replicas, job.max_replicas
+        if replicas and ((lo is not None and replicas < lo) or (hi is not None and replicas > hi)):
+            raise FailedPrecondition(
+                f"job {job.job_id}: {replicas} replica(s) is outside the PaddleJob's bounds"
+                f" [{lo}, {hi}] now"
+            )
+
+    # -- pods ---------------------------------------------------------------------------
+
+    def _pods(self, job: JobView) -> dict[int, dict[str, Any]]:
+        out = {}
+        for p in self.capacity.pods.objects():
+            meta = p.get("metadata", {})
+            idx = pod_index(meta.get("name", ""))
+            if meta.get("namespace") == job.namespace and idx is not None and owned_by(p, job.uid):
+                out[idx] = p
+        return out
+
+    def _pods_match(self, job: JobView, replicas: int) -> bool:
+        if not self.capacity.pods.synced.is_set():
+            return False
+        pods = self._pods(job)
+        # A new pod counts once the scheduler has placed it or said it cannot (the
+        # cluster is full: the coordinator's deadline decides, not this wait).
+        live = {
+            i
+            for i, p in pods.items()
+            if not p["metadata"].get("deletionTimestamp") and _considered(p)
+        }
+        return set(range(replicas)) <= live and all(i < replicas for i in pods)
+
+    def _pods_summary(self, job: JobView) -> str:
+        pods = self._pods(job)
+        return (
+            ", ".join(
+                f"{i}:{'terminating' if p['metadata'].get('deletionTimestamp') else p.get('status', {}).get('phase', '?')}"
+                for i, p in sorted(pods.items())
+            )
+            or "no pods"
+        )

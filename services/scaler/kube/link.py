@@ -1,0 +1,54 @@
+"""The scaler tied to a cluster: discovery of opted-in PaddleJobs and the Events
+of every decision, around the Kubernetes actuator (``--actuator kubernetes:...``).
+
+:meth:`KubeLink.attach` is handed the scaler's core by services/scaler/app.py
+and returns the background task that runs discovery; the actuator's caches,
+the Event recorder and the watches end with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from services.scaler.actuators.kubernetes import KubernetesActuator
+from services.scaler.kube.discovery import Discovery
+from services.scaler.kube.events import EventRecorder, decision_event
+from services.scaler.service import ScalerCore
+from services.scaler.store import DecisionRecord
+
+Background = Callable[[], Coroutine[Any, Any, None]]
+
+
+class KubeLink:
+    def __init__(self, actuator: KubernetesActuator) -> None:
+        self.actuator = actuator
+        self.recorder: EventRecorder | None = None
+        self.discovery: Discovery | None = None
+
+    def attach(self, core: ScalerCore) -> list[Background]:
+        actuator = self.actuator
+        recorder = self.recorder = EventRecorder(actuator.api)
+        discovery = self.discovery = Discovery(
+            actuator.api,
+            core,
+            recorder,
+            actuator=actuator,
+            namespaces=actuator.settings.namespaces,
+            watch_timeout_s=actuator.settings.watch_timeout_s,
+        )
+
+        def on_decision(d: DecisionRecord, detail: str) -> None:
+            discovery.event(d.job_id, decision_event(d, detail))
+
+        core.observers.append(on_decision)
+
+        async def run() -> None:
+            actuator.start()
+            try:
+                await discovery.run()
+            finally:
+                recorder.close()
+                actuator.stop()
+
+        return [run]

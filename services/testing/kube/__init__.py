@@ -1,0 +1,19 @@
+"""A Kubernetes cluster for tests: an API server emulator over real HTTP, and
+stand-ins for the PaddleJob operators and the kubelet.
+
+- :mod:`.apiserver`: core v1 (Namespaces, Nodes, Pods, Events), Leases,
+  HPAs, CRDs and their custom resources under their groups; resourceVersion,
+  409, watches with 410, patches, selectors, discovery. The official
+  ``kubernetes`` client and the real ``kubectl`` talk to it unchanged.
+- :mod:`.operators`: the reconcilers of paddle-operator and Kubeflow's
+  training-operator, pods by index from the replicas.
+- :mod:`.kubelet`: runs each pod's container command as a local process with
+  the Downward API's environment, reports its phase, stops it on deletion.
+
+A test double: no production module may import it (import-linter).
+"""
+
+from services.testing.kube.apiserver import KubeApiServer, ResourceType
+from services.testing.kube.semantics import ApiError
+
+__all__ = ["ApiError", "KubeApiServer", "ResourceType"]

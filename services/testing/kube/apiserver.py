@@ -1,0 +1,625 @@
+"""A Kubernetes API server emulator over real HTTP (stdlib ThreadingHTTPServer).
+
+Why not a library: kmock (tried for the agent's node watch) serves lists and
+watches without resourceVersion semantics, 410 Gone or timeoutSeconds, and the
+``kubernetes`` package ships no server. The semantics here are the ones Tide
+depends on, each as the real API server has it:
+
+- every object has ``metadata.resourceVersion`` from one cluster-wide counter
+  (etcd's revision); an update or a patch carrying a stale one is a 409
+  Conflict, one without it applies to the latest;
+- watches (``?watch=true``) from a resourceVersion replay the changes after it
+  from a bounded history, then follow new ones until ``timeoutSeconds``; a
+  resourceVersion older than the history gets an ERROR event with a 410 Status
+  (``compact()`` forces it); without one, the current objects come first as
+  ADDED;
+- merge patch (RFC 7386), JSON patch (RFC 6902) and strategic merge patch
+  (treated as a merge patch, with lists of named items merged by name: enough
+  for what kubectl sends for pods, nodes and the others here);
+- label selectors (=, ==, !=, in, notin, exists, !exists) and field selectors
+  (dotted paths, = and !=) on lists and watches;
+- CRDs: a created CustomResourceDefinition serves its resources under
+  ``/apis/GROUP/VERSION`` at once, with the ``status`` subresource when
+  declared, ``metadata.generation`` bumped on spec changes;
+- graceful pod deletion: a pod bound to a node gets ``deletionTimestamp`` and
+  stays until its kubelet deletes it again with grace 0 (``kubelet.py``);
+  objects with finalizers stay until they are removed;
+- discovery (/api, /apis, each group version's resource list), /version, and
+  an empty OpenAPI v3 index so that kubectl validates on the server side.
+
+Faults for tests: :meth:`KubeApiServer.conflict_next` answers the next
+updates of a resource with 409 as if someone wrote in between;
+:meth:`compact` and :meth:`drop_watches`.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from services.testing.kube.semantics import (
+    ApiError,
+    Obj,
+    field_matcher,
+    json_patch,
+    label_matcher,
+    merge_patch,
+    strategic_merge_patch,
+)
+from services.testing.kube.wire import handler
+
+
+@dataclass(frozen=True)
+class ResourceType:
+    group: str  # "" for the core API
+    version: str
+    plural: str
+    kind: str
+    namespaced: bool = True
+    short_names: tuple[str, ...] = ()
+    status_subresource: bool = False
+    singular: str = ""
+
+    @property
+    def group_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    @property
+    def api_prefix(self) -> str:
+        return f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+
+
+BUILTINS = (
+    ResourceType("", "v1", "namespaces", "Namespace", namespaced=False, short_names=("ns",)),
+    ResourceType("", "v1", "nodes", "Node", namespaced=False, short_names=("no",)),
+    ResourceType("", "v1", "pods", "Pod", short_names=("po",), status_subresource=True),
+    ResourceType("", "v1", "events", "Event", short_names=("ev",)),
+    ResourceType("", "v1", "services", "Service", short_names=("svc",)),
+    ResourceType("coordination.k8s.io", "v1", "leases", "Lease"),
+    ResourceType(
+        "autoscaling",
+        "v2",
+        "horizontalpodautoscalers",
+        "HorizontalPodAutoscaler",
+        short_names=("hpa",),
+        status_subresource=True,
+    ),
+    ResourceType(
+        "apiextensions.k8s.io",
+        "v1",
+        "customresourcedefinitions",
+        "CustomResourceDefinition",
+        namespaced=False,
+        short_names=("crd", "crds"),
+    ),
+)
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# --- the store ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Change:
+    rv: int
+    type: str  # ADDED, MODIFIED, DELETED
+    rtype: ResourceType
+    obj: Obj
+
+
+@dataclass
+class Stats:
+    """What the tests count: requests by verb, conflicts answered, watches ended by 410."""
+
+    requests: collections.Counter[str] = field(default_factory=collections.Counter)
+    conflicts: int = 0
+    gone: int = 0
+    lists: int = 0  # collection GETs
+    watches: int = 0  # watch requests
+
+
+class KubeApiServer:
+    """The emulator: ``start()``, then point a kubeconfig (``write_kubeconfig``) or a
+    client Configuration (``host``) at it; ``close()`` when done."""
+
+    def __init__(self, *, history: int = 1000, port: int = 0) -> None:
+        self._cond = threading.Condition()
+        self._rv = 1
+        self._types: dict[tuple[str, str, str], ResourceType] = {}
+        self._objects: dict[tuple[str, str, str, str], Obj] = {}  # (group, plural, ns, name)
+        self._history: collections.deque[_Change] = collections.deque(maxlen=history)
+        self._oldest_rv = 1  # watches from before this get 410
+        self._conflicts: dict[str, int] = {}
+        self._conflict_changes: dict[str, Callable[[Obj], Obj]] = {}
+        self._watch_epoch = 0
+        self.blackhole = False
+        self._closing = False
+        self.stats = Stats()
+        for t in BUILTINS:
+            self.register(t)
+        self.create(ResourceType("", "v1", "namespaces", "Namespace", False), _ns("default"))
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), handler(self))
+        self._server.daemon_threads = True
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def host(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> KubeApiServer:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> KubeApiServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
+        doc = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "emulator", "cluster": {"server": self.host}}],
+            "users": [{"name": "tester", "user": {}}],
+            "contexts": [
+                {
+                    "name": "emulator",
+                    "context": {"cluster": "emulator", "user": "tester", "namespace": namespace},
+                }
+            ],
+            "current-context": "emulator",
+        }
+        path.write_text(json.dumps(doc, indent=2))  # JSON is YAML
+        return path
+
+    # -- faults ---------------------------------------------------------------------------
+
+    def conflict_next(
+        self, plural: str, n: int = 1, change: Callable[[Obj], Obj] | None = None
+    ) -> None:
+        """The next ``n`` updates or patches of ``plural`` get 409, as if another writer
+        changed the object first: its resourceVersion moves on, and ``change`` (if
+        given) is what that writer did to it."""
+        with self._cond:
+            self._conflicts[plural] = self._conflicts.get(plural, 0) + n
+            if change is not None:
+                self._conflict_changes[plural] = change
+
+    def hang_watches(self, hang: bool = True) -> None:
+        """New watches send their headers and then nothing until the server closes:
+        a dead path that only the client's own read timeout gets it out of."""
+        with self._cond:
+            self.blackhole = hang
+
+    def wait_closing(self, timeout_s: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._closing, timeout=timeout_s)
+
+    def compact(self) -> None:
+        """Forget the history: a watch from any resourceVersion given out before now gets
+        410. (The revision moves on by one, as a compaction's own write would, so that
+        a list made after it is watchable and a watcher fully caught up still expires.)"""
+        with self._cond:
+            self._rv += 1
+            self._history.clear()
+            self._oldest_rv = self._rv
+
+    def drop_watches(self) -> None:
+        """End every open watch (an API server restart, a load balancer's idle cut)."""
+        with self._cond:
+            self._watch_epoch += 1
+            self._cond.notify_all()
+
+    @property
+    def resource_version(self) -> int:
+        return self._rv
+
+    def wait_changed(self, since: int, timeout_s: float) -> int:
+        """Block until the cluster's resourceVersion passes ``since`` (or the server
+        closes, or ``timeout_s`` passes); the current one. For in-process stand-ins."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closing or self._rv > since, timeout=timeout_s)
+            return self._rv
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    # -- types ----------------------------------------------------------------------------
+
+    def register(self, t: ResourceType) -> None:
+        with self._cond:
+            self._types[(t.group, t.version, t.plural)] = t
+
+    def types(self) -> list[ResourceType]:
+        with self._cond:
+            return list(self._types.values())
+
+    def rtype(self, group: str, version: str, plural: str) -> ResourceType:
+        t = self._types.get((group, version, plural))
+        if t is None:
+            gv = f"{group}/{version}" if group else version
+            raise ApiError(
+                404, "NotFound", f"the server could not find the requested resource ({gv} {plural})"
+            )
+        return t
+
+    def type_of_kind(self, api_version: str, kind: str) -> ResourceType:
+        group, _, version = api_version.rpartition("/")
+        for t in self.types():
+            if (t.group, t.version, t.kind) == (group, version, kind):
+                return t
+        raise ApiError(404, "NotFound", f"no kind {kind!r} in {api_version}")
+
+    def _crd_changed(self, crd: Obj, deleted: bool) -> None:
+        spec = crd.get("spec", {})
+        names = spec.get("names", {})
+        for v in spec.get("versions", []):
+            if not v.get("served", True):
+                continue
+            t = ResourceType(
+                spec["group"],
+                v["name"],
+                names["plural"],
+                names["kind"],
+                namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                short_names=tuple(names.get("shortNames", [])),
+                status_subresource="status" in (v.get("subresources") or {}),
+                singular=names.get("singular", ""),
+            )
+            key = (t.group, t.version, t.plural)
+            if deleted:
+                self._types.pop(key, None)
+            else:
+                self._types[key] = t
+
+    # -- objects (also the API for stand-ins in the same process) --------------------------
+
+    def _key(self, t: ResourceType, ns: str, name: str) -> tuple[str, str, str, str]:
+        return (t.group, t.plural, ns if t.namespaced else "", name)
+
+    def _record(self, kind: str, t: ResourceType, obj: Obj) -> None:
+        self._history.append(_Change(self._rv, kind, t, copy.deepcopy(obj)))
+        self._cond.notify_all()
+
+    def _stamp(self, t: ResourceType, obj: Obj) -> Obj:
+        obj["apiVersion"] = t.group_version
+        obj["kind"] = t.kind
+        return obj
+
+    def get(self, t: ResourceType, ns: str, name: str) -> Obj:
+        with self._cond:
+            obj = self._objects.get(self._key(t, ns, name))
+            if obj is None:
+                raise ApiError(
+                    404,
+                    "NotFound",
+                    f'{t.plural}{"." + t.group if t.group else ""} "{name}" not found',
+                )
+            return copy.deepcopy(obj)
+
+    def list(
+        self, t: ResourceType, ns: str = "", labels: str = "", fields: str = ""
+    ) -> tuple[list[Obj], int]:
+        lm, fm = label_matcher(labels), field_matcher(fields)
+        with self._cond:
+            items = [
+                copy.deepcopy(o)
+                for (g, p, ons, _), o in sorted(self._objects.items())
+                if (g, p) == (t.group, t.plural)
+                and (not ns or ons == ns)
+                and lm(o["metadata"].get("labels") or {})
+                and fm(o)
+            ]
+            return items, self._rv
+
+    def create(self, t: ResourceType, obj: Obj, ns: str = "") -> Obj:
+        obj = copy.deepcopy(obj)
+        meta = obj.setdefault("metadata", {})
+        if t.namespaced:
+            ns = ns or meta.get("namespace") or "default"
+            if meta.get("namespace") not in (None, "", ns):
+                raise ApiError(
+                    400, "BadRequest", "the namespace of the object does not match the request"
+                )
+            meta["namespace"] = ns
+        else:
+            meta.pop("namespace", None)
+        with self._cond:
+            if t.namespaced and ("", "namespaces", "", ns) not in self._objects:
+                raise ApiError(404, "NotFound", f'namespaces "{ns}" not found')
+            if not meta.get("name"):
+                gen = meta.get("generateName")
+                if not gen:
+                    raise ApiError(
+                        422,
+                        "Invalid",
+                        "metadata.name: Required value: name or generateName is required",
+                    )
+                meta["name"] = gen + uuid.uuid4().hex[:5]
+            key = self._key(t, ns, meta["name"])
+            if key in self._objects:
+                raise ApiError(409, "AlreadyExists", f'{t.plural} "{meta["name"]}" already exists')
+            self._rv += 1
+            meta["uid"] = str(uuid.uuid4())
+            meta["resourceVersion"] = str(self._rv)
+            meta["creationTimestamp"] = now_rfc3339()
+            meta["generation"] = 1
+            meta.pop("deletionTimestamp", None)
+            self._stamp(t, obj)
+            if t.kind == "Pod":
+                obj.setdefault("status", {}).setdefault("phase", "Pending")
+            if t.kind == "Namespace":
+                obj.setdefault("status", {"phase": "Active"})
+            self._objects[key] = obj
+            if t.kind == "CustomResourceDefinition":
+                self._crd_changed(obj, deleted=False)
+            self._record("ADDED", t, obj)
+            return copy.deepcopy(obj)
+
+    def update(
+        self,
+        t: ResourceType,
+        ns: str,
+        name: str,
+        change: Callable[[Obj], Obj],
+        *,
+        subresource: str = "",
+        want_rv: str | None = None,
+    ) -> Obj:
+        """Apply ``change`` to the current object; ``want_rv`` (or the resourceVersion
+        the changed object carries) must be the current one, else 409."""
+        with self._cond:
+            key = self._key(t, ns, name)
+            cur = self._objects.get(key)
+            if cur is None:
+                raise ApiError(404, "NotFound", f'{t.plural} "{name}" not found')
+            if self._conflicts.get(t.plural, 0) > 0 and subresource != "status":
+                self._conflicts[t.plural] -= 1
+                self.stats.conflicts += 1
+                # Someone else wrote: the object's resourceVersion moves on.
+                other = self._conflict_changes.pop(t.plural, None)
+                if other is not None:
+                    cur = other(copy.deepcopy(cur))
+                    self._objects[key] = cur
+                self._rv += 1
+                cur["metadata"]["resourceVersion"] = str(self._rv)
+                self._record("MODIFIED", t, cur)
+                raise self._conflict(t, name)
+            new = change(copy.deepcopy(cur))
+            rv = want_rv if want_rv is not None else new.get("metadata", {}).get("resourceVersion")
+            if rv and rv != cur["metadata"]["resourceVersion"]:
+                self.stats.conflicts += 1
+                raise self._conflict(t, name)
+            meta = new.setdefault("metadata", {})
+            # What the server owns cannot be changed by a client.
+            for k in ("uid", "creationTimestamp", "deletionTimestamp", "namespace", "name"):
+                if k in cur["metadata"]:
+                    meta[k] = cur["metadata"][k]
+                else:
+                    meta.pop(k, None)
+            if subresource == "status":
+                new = {**cur, "status": new.get("status", {})}
+                new["metadata"] = copy.deepcopy(cur["metadata"])
+            elif t.status_subresource:
+                # The main resource ignores status changes (as with the status subresource).
+                if "status" in cur:
+                    new["status"] = copy.deepcopy(cur["status"])
+                else:
+                    new.pop("status", None)
+            meta = new["metadata"]
+            meta["generation"] = cur["metadata"].get("generation", 1) + (
+                1 if new.get("spec") != cur.get("spec") else 0
+            )
+            meta["resourceVersion"] = cur["metadata"]["resourceVersion"]
+            self._stamp(t, new)
+            if new == cur:
+                return copy.deepcopy(cur)  # no change: no new resourceVersion, no event
+            self._rv += 1
+            meta["resourceVersion"] = str(self._rv)
+            self._stamp(t, new)
+            if cur["metadata"].get("deletionTimestamp") and not meta.get("finalizers"):
+                del self._objects[key]
+                self._record("DELETED", t, new)
+                return copy.deepcopy(new)
+            self._objects[key] = new
+            if t.kind == "CustomResourceDefinition":
+                self._crd_changed(new, deleted=False)
+            self._record("MODIFIED", t, new)
+            return copy.deepcopy(new)
+
+    def _conflict(self, t: ResourceType, name: str) -> ApiError:
+        what = f"{t.plural}.{t.group}" if t.group else t.plural
+        return ApiError(
+            409,
+            "Conflict",
+            f'Operation cannot be fulfilled on {what} "{name}": the object has been'
+            " modified; please apply your changes to the latest version and try again",
+        )
+
+    def patch(
+        self,
+        t: ResourceType,
+        ns: str,
+        name: str,
+        body: Any,
+        content_type: str,
+        subresource: str = "",
+    ) -> Obj:
+        ct = content_type.split(";")[0].strip()
+        if ct in ("application/merge-patch+json", "application/strategic-merge-patch+json") and (
+            not isinstance(body, dict)
+        ):
+            raise ApiError(400, "BadRequest", f"{ct}: the patch must be a JSON object")
+        if ct == "application/merge-patch+json":
+            fn: Callable[[Obj], Obj] = lambda cur: merge_patch(cur, body)  # noqa: E731
+        elif ct == "application/strategic-merge-patch+json":
+            if t.group not in ("", "autoscaling", "coordination.k8s.io"):
+                raise ApiError(
+                    415,
+                    "UnsupportedMediaType",
+                    "strategic merge patch is not supported for custom resources",
+                )
+            fn = lambda cur: strategic_merge_patch(cur, body)  # noqa: E731
+        elif ct == "application/json-patch+json":
+            if not isinstance(body, list):
+                raise ApiError(400, "BadRequest", "json patch: expected a list of operations")
+            fn = lambda cur: json_patch(cur, body)  # noqa: E731
+        else:
+            raise ApiError(
+                415,
+                "UnsupportedMediaType",
+                f"the body of the request was in an unknown format: {ct}",
+            )
+        return self.update(t, ns, name, fn, subresource=subresource)
+
+    def delete(self, t: ResourceType, ns: str, name: str, grace_s: int | None = None) -> Obj:
+        with self._cond:
+            key = self._key(t, ns, name)
+            cur = self._objects.get(key)
+            if cur is None:
+                raise ApiError(404, "NotFound", f'{t.plural} "{name}" not found')
+            meta = cur["metadata"]
+            graceful = (
+                t.kind == "Pod"
+                and cur.get("spec", {}).get("nodeName")
+                and (grace_s is None or grace_s > 0)
+                and cur.get("status", {}).get("phase") not in ("Succeeded", "Failed")
+            )
+            if (graceful or meta.get("finalizers")) and not meta.get("deletionTimestamp"):
+                self._rv += 1
+                meta["deletionTimestamp"] = now_rfc3339()
+                meta["deletionGracePeriodSeconds"] = (
+                    grace_s
+                    if grace_s is not None
+                    else cur.get("spec", {}).get("terminationGracePeriodSeconds", 30)
+                )
+                meta["resourceVersion"] = str(self._rv)
+                self._record("MODIFIED", t, cur)
+                return copy.deepcopy(cur)
+            if meta.get("deletionTimestamp") and meta.get("finalizers"):
+                return copy.deepcopy(cur)
+            del self._objects[key]
+            self._rv += 1
+            meta["resourceVersion"] = str(self._rv)
+            self._record("DELETED", t, cur)
+            if t.kind == "CustomResourceDefinition":
+                self._crd_changed(cur, deleted=True)
+            if t.kind == "Namespace":
+                for k in [k for k in self._objects if k[2] == name and k[1] != "namespaces"]:
+                    gone = self._objects.pop(k)
+                    self._rv += 1
+                    gone["metadata"]["resourceVersion"] = str(self._rv)
+                    self._record(
+                        "DELETED", self.type_of_kind(gone["apiVersion"], gone["kind"]), gone
+                    )
+            return copy.deepcopy(cur)
+
+    # -- watch ----------------------------------------------------------------------------
+
+    def watch(
+        self,
+        t: ResourceType,
+        ns: str,
+        since: str,
+        labels: str,
+        fields: str,
+        timeout_s: float,
+    ) -> Iterator[tuple[str, Obj]]:
+        """(type, object) events; ("ERROR", Status) with 410 when ``since`` is too old."""
+        lm, fm = label_matcher(labels), field_matcher(fields)
+
+        def matches(c: _Change) -> bool:
+            md = c.obj["metadata"]
+            return (
+                (c.rtype.group, c.rtype.plural) == (t.group, t.plural)
+                and (not ns or md.get("namespace", "") == ns)
+                and lm(md.get("labels") or {})
+                and fm(c.obj)
+            )
+
+        deadline = time.monotonic() + timeout_s
+        expired: Obj | None = None
+        with self._cond:
+            epoch = self._watch_epoch
+            if since in ("", "0"):
+                items, rv = self.list(t, ns, labels, fields)
+                pending: list[tuple[str, Obj]] = [("ADDED", o) for o in items]
+                sent = rv
+            else:
+                try:
+                    sent = int(since)
+                except ValueError:
+                    raise ApiError(
+                        400, "BadRequest", f"invalid resourceVersion {since!r}"
+                    ) from None
+                pending = []
+                if self._missed(sent):
+                    self.stats.gone += 1
+                    expired = ApiError(
+                        410, "Expired", f"too old resource version: {sent} ({self._oldest_rv})"
+                    ).status()
+        if expired is not None:
+            yield "ERROR", expired
+            return
+        yield from pending
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda sent=sent: (  # type: ignore[misc]
+                        self._closing
+                        or self._watch_epoch != epoch
+                        or bool(self._history and self._history[-1].rv > sent)
+                    ),
+                    timeout=max(0.0, deadline - time.monotonic()),
+                )
+                if self._closing or self._watch_epoch != epoch:
+                    return
+                if self._missed(sent):
+                    # The history moved past this watch while it was behind.
+                    self.stats.gone += 1
+                    expired = ApiError(410, "Expired", "too old resource version").status()
+                    break
+                fresh = [c for c in self._history if c.rv > sent]
+            for c in fresh:
+                sent = c.rv
+                if matches(c):
+                    yield c.type, copy.deepcopy(c.obj)
+            if time.monotonic() >= deadline:
+                return
+        assert expired is not None
+        yield "ERROR", expired
+
+    def _missed(self, sent: int) -> bool:
+        """True when changes after ``sent`` are no longer in the history (410)."""
+        if self._history:
+            return self._history[0].rv > sent + 1
+        return sent < self._oldest_rv
+
+
+def _ns(name: str) -> Obj:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}

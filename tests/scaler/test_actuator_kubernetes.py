@@ -1,0 +1,124 @@
+"""The Kubernetes actuator beyond the shared contract: both PaddleJob kinds, the
+resourceVersion on every patch, a 409 re-read and re-checked, the pods' watch
+recovering from 410, free GPUs from the node and pod cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
+from tests.scaler.kube_world import (
+    KUBEFLOW,
+    PADDLE_OPERATOR,
+    Cluster,
+    cluster,
+    kubeflow_job,
+    paddle_operator_job,
+)
+from tests.support.poll import eventually
+from tidebase.errors import FailedPrecondition, NotFound
+
+pytestmark = pytest.mark.integration  # pods are real processes
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[tuple[Cluster, KubernetesActuator]]:
+    with cluster(tmp_path, gpus=4) as c:
+        actuator = KubernetesActuator(
+            KubernetesActuatorSettings(source=str(c.kubeconfig), pod_wait_s=30, watch_timeout_s=5)
+        )
+        actuator.start()
+        try:
+            yield c, actuator
+        finally:
+            actuator.stop()
+
+
+async def test_both_kinds_resize_through_their_own_replicas_field(
+    world: tuple[Cluster, KubernetesActuator],
+) -> None:
+    c, a = world
+    c.api.create(PADDLE_OPERATOR, paddle_operator_job("pdj", 1))
+    c.api.create(KUBEFLOW, kubeflow_job("kf", 1))
+    await a.set_replicas("default/pdj", 2, decision_id=1)
+    await a.set_replicas("default/kf", 2, decision_id=2)
+    assert c.api.get(PADDLE_OPERATOR, "default", "pdj")["spec"]["worker"]["replicas"] == 2
+    kf = c.api.get(KUBEFLOW, "default", "kf")
+    assert kf["spec"]["paddleReplicaSpecs"]["Worker"]["replicas"] == 2
+    # Returned once the operator made the pods: both, by index.
+    assert c.live_pods(PADDLE_OPERATOR, "default", "pdj") == ["pdj-worker-0", "pdj-worker-1"]
+    assert c.live_pods(KUBEFLOW, "default", "kf") == ["kf-worker-0", "kf-worker-1"]
+    # A shrink returns once the highest index is gone, not only asked to go.
+    await a.set_replicas("default/pdj", 1, decision_id=3)
+    assert c.live_pods(PADDLE_OPERATOR, "default", "pdj") == ["pdj-worker-0"]
+    assert await a.get_replicas("default/kf") == 2
+    assert await a.get_replicas("default/none") is None
+    with pytest.raises(NotFound):
+        await a.set_replicas("default/none", 1, decision_id=4)
+
+
+async def test_a_conflict_is_read_again_and_rechecked(
+    world: tuple[Cluster, KubernetesActuator],
+) -> None:
+    c, a = world
+    c.api.create(PADDLE_OPERATOR, paddle_operator_job("j", 1))
+    # Every patch carries the resourceVersion it read: a stale one is refused.
+    c.api.conflict_next("paddlejobs")
+    await a.set_replicas("default/j", 2, decision_id=1)
+    assert a.conflicts_retried == 1
+    assert c.api.stats.conflicts == 1
+    assert c.api.get(PADDLE_OPERATOR, "default", "j")["spec"]["worker"]["replicas"] == 2
+
+    # The other writer lowered the maximum to 2: growing to 3 is no longer allowed.
+    def lower_max(obj: dict[str, Any]) -> dict[str, Any]:
+        obj["spec"]["worker"]["limits"] = 2
+        return obj
+
+    c.api.conflict_next("paddlejobs", change=lower_max)
+    with pytest.raises(FailedPrecondition, match="outside the PaddleJob's bounds"):
+        await a.set_replicas("default/j", 3, decision_id=2)
+    assert c.api.get(PADDLE_OPERATOR, "default", "j")["spec"]["worker"]["replicas"] == 2
+
+    # The other writer did what we wanted: nothing left to patch.
+    def to_one(obj: dict[str, Any]) -> dict[str, Any]:
+        obj["spec"]["worker"]["replicas"] = 1
+        return obj
+
+    c.api.conflict_next("paddlejobs", change=to_one)
+    await a.set_replicas("default/j", 1, decision_id=3)
+    assert a.conflicts_retried == 3
+
+
+async def test_the_pod_watch_recovers_from_410(world: tuple[Cluster, KubernetesActuator]) -> None:
+    c, a = world
+    c.api.create(PADDLE_OPERATOR, paddle_operator_job("j", 1))
+    await eventually(lambda: a.capacity.pods.synced.is_set(), 10)
+    # The history the watch would resume from is gone, and the watch is cut.
+    c.api.compact()
+    c.api.drop_watches()
+    await a.set_replicas("default/j", 3, decision_id=1)
+    assert c.live_pods(PADDLE_OPERATOR, "default", "j") == [f"j-worker-{i}" for i in range(3)]
+    await eventually(lambda: a.capacity.pods.stats.expired >= 1, 10, what="a 410 and a re-list")
+    assert a.capacity.pods.stats.lists >= 2
+
+
+async def test_free_gpus_follow_the_nodes_and_every_tenants_pods(
+    world: tuple[Cluster, KubernetesActuator],
+) -> None:
+    c, a = world
+    await eventually(lambda: a.capacity.free_gpus() == 4, 10)
+    c.api.create(PADDLE_OPERATOR, paddle_operator_job("j", 3))
+    await eventually(lambda: a.capacity.free_gpus() == 1, 10, what="3 of 4 GPUs taken")
+    # Past the node's GPUs: the extra pod stays Pending and the wait still returns.
+    await a.set_replicas("default/j", 5, decision_id=1)
+    assert await a.free_gpus() == 0
+    nodes = c.api.rtype("", "v1", "nodes")
+    c.api.update(nodes, "", "gpu-node-1", lambda n: {**n, "spec": {"unschedulable": True}})
+    await eventually(lambda: a.capacity.free_gpus() == 0, 10)
+    await a.set_replicas("default/j", 1, decision_id=2)
+    c.api.update(nodes, "", "gpu-node-1", lambda n: {**n, "spec": {}})
+    await eventually(lambda: a.capacity.free_gpus() == 3, 10, what="the node back, 1 GPU used")
