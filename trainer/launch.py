@@ -1,7 +1,8 @@
 """``python -m trainer.launch``: the launcher's command line (the launcher is trainer/launcher/).
 
 ``python -m trainer.launch --coordinator HOST:PORT --job NS/NAME [--pod NAME] [--pod-index I]
-[--host H] [--state-dir D] [--no-zygote] [--no-prewarm] -- python train.py ARGS``
+[--host H] [--state-dir D] [--no-zygote] [--no-prewarm] [--backend auto|nccl|gloo]
+[--workers-per-pod N] -- python train.py ARGS``
 
 One launcher per pod: it registers with the coordinator, holds the directive stream, and
 starts, stops and steers the Paddle worker of each generation (docs/trainer.md).
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 
 from tidebase import logs
 from tidebase.errors import ConfigError
+from trainer.devices import Backend
 from trainer.launcher import Launcher, LauncherSettings, State
 
 __all__ = ["Launcher", "LauncherSettings", "State", "main", "parse_args"]
@@ -53,6 +55,18 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         default=_default("exit_grace_s"),
         help="how long a worker asked to exit gets before SIGKILL, seconds",
     )
+    p.add_argument(
+        "--backend",
+        choices=[b.value for b in Backend],
+        default=os.environ.get("TIDE_BACKEND", _default("backend")),
+        help="collective backend: auto is nccl when the pod has GPUs, else gloo (env TIDE_BACKEND)",
+    )
+    p.add_argument(
+        "--workers-per-pod",
+        type=int,
+        default=int(os.environ.get("TIDE_WORKERS_PER_POD", str(_default("workers_per_pod")))),
+        help="workers in this pod; 0: one per GPU, or one on CPU (env TIDE_WORKERS_PER_POD)",
+    )
     p.add_argument("--log-level", default=os.environ.get("TIDE_LOG_LEVEL", "INFO"))
     p.add_argument(
         "--log-format",
@@ -75,6 +89,8 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         use_zygote=not ns.no_zygote,
         prewarm=not ns.no_prewarm,
         exit_grace_s=ns.exit_grace_s,
+        backend=ns.backend,
+        workers_per_pod=ns.workers_per_pod,
     )
 
 

@@ -151,6 +151,11 @@ class ElasticSession:
         self._first_step_started = 0.0
         self._last_reduce_s = 0.0
         self._log = StepLog(config.log_dir)
+        if env.device:
+            import paddle
+
+            # Before the script builds its model: a pinned worker's one GPU, or the CPU.
+            paddle.device.set_device(env.paddle_device)
         if not env.prewarm:
             self._joined()
         self.channel.send(Hello(pid=os.getpid(), generation=env.generation))
@@ -370,6 +375,9 @@ class ElasticSession:
                 first_step_s=time.monotonic() - self._first_step_started,
                 first_reduce_s=self._last_reduce_s,
                 restart_started_at=self.env.restart_started_at,
+                pod_rank=self.env.pod_rank,
+                local_rank=self.env.local_rank,
+                device=self.env.device,
                 **asdict(self.timings),
             )
         # This worker's share: the coordinator sums its members' rates into the job's.

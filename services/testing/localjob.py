@@ -85,6 +85,10 @@ class LocalJob:
     heartbeat_interval_s: float = 0.5
     checkpoint_lead_s: float = 1.0
     use_zygote: bool = True
+    # The training script each pod's launcher runs, and the launcher's own extra flags
+    # (``--workers-per-pod 2``).
+    example: str = EXAMPLE
+    launcher_args: Sequence[str] = ()
     pods: list[Pod] = field(default_factory=list)
     coordinator: subprocess.Popen[str] | None = None
     port: int = 0
@@ -179,9 +183,10 @@ class LocalJob:
             "--exit-grace-s",
             "0.5",
             *([] if self.use_zygote else ["--no-zygote"]),
+            *self.launcher_args,
             "--",
             sys.executable,
-            EXAMPLE,
+            self.example,
             "--ckpt-dir",
             str(self.ckpt_dir),
             "--log-dir",
@@ -315,7 +320,11 @@ def sample_records(log_dir: Path) -> list[dict[str, Any]]:
 
 
 def reference_run(
-    workdir: Path, train_args: Sequence[str], world_size: int = 2, timeout_s: float = 120.0
+    workdir: Path,
+    train_args: Sequence[str],
+    world_size: int = 2,
+    timeout_s: float = 120.0,
+    example: str = EXAMPLE,
 ) -> Path:
     """A fixed-size run without any coordinator (Paddle's plain way): the parity baseline."""
     log_dir = workdir / "logs"
@@ -338,7 +347,7 @@ def reference_run(
             subprocess.Popen(
                 [
                     sys.executable,
-                    EXAMPLE,
+                    example,
                     "--ckpt-dir",
                     str(workdir / "ckpt"),
                     "--log-dir",

@@ -50,6 +50,7 @@ class WorkerSupervisor:
         on_exit: Callable[[WorkerHandle, int, bool], Awaitable[None]],
         on_message: Callable[[ToLauncher], Awaitable[None]],
         member_id: Callable[[], str] = lambda: "",
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         # on_exit(worker, code, expected) runs when the current worker has exited and its
         # connection is drained; on_message(msg) for each message of the current worker.
@@ -71,6 +72,8 @@ class WorkerSupervisor:
         self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._member_id = member_id
+        # What this worker always has (its device pinning, its local rank): trainer/devices.py.
+        self._extra_env = dict(extra_env or {})
 
     @property
     def member_id(self) -> str:
@@ -99,7 +102,7 @@ class WorkerSupervisor:
         self.control.close()
 
     def base_env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = {**os.environ, **self._extra_env}
         env[CONTROL_SOCKET_ENV] = self.control.path
         return env
 
