@@ -1,21 +1,23 @@
 """The elastic session a training script calls: rank, restore, sampler, step hook, checkpoints.
 
-A script looks like this (see trainer/examples/train_mlp.py)::
+A script looks like this (see trainer/examples/train_mlp.py, and docs/trainer.md for a stock
+Paddle loop with a DataLoader before and after)::
 
     session = ElasticSession.from_env(SessionConfig(dataset_size=N, global_batch=B, seed=0,
                                                     max_steps=100, checkpoint_dir="ckpt"))
-    session.init_process_group()
     session.attach(model, optimizer, lr_scheduler)
+    session.init_process_group()
     session.restore()
-    for plan in session.plans():
-        loss = per_sample_loss(plan.local_indices).sum() / plan.global_batch_size
+    for mb in session.plans():          # or: for x, y in DataLoader(ds, batch_sampler=
+        loss = mean_loss(mb.local_indices)  #                    session.batch_sampler()):
         session.step(loss)
     session.finish()
 
-``step`` runs backward, sums the gradients of all ranks with one all_reduce (not
-DataParallel's 1/nranks mean: the loss is already normalised by the global batch), applies the
-optimizer, then runs the step-boundary hook: sample-id and loss logs, progress to the launcher,
-periodic checkpoints, and the stop-step agreement that makes CHECKPOINT/HOLD/RESUME safe.
+``step(loss)`` takes the micro-batch's *mean* loss and makes the step's gradient the global
+batch's, with the session's own gradient sum or under ``paddle.DataParallel``, with AMP,
+gradient accumulation and virtual ranks (trainer/stepper.py). At the end of each global step
+it runs the step-boundary hook: sample-id and loss logs, progress to the launcher, periodic
+checkpoints, and the stop-step agreement that makes CHECKPOINT/HOLD/RESUME safe.
 
 Stop-step agreement: every step ends with an all_reduce(max) of [stop_step, checkpoint, exit]
 as each rank knows them, so one rank that heard CHECKPOINT(S) in time makes every rank stop
@@ -30,8 +32,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-import numpy as np
 
 from tidebase.errors import ConfigError
 from trainer import paddle_state
@@ -68,8 +68,9 @@ from trainer.messages import (
     Resumed,
     ToWorker,
 )
-from trainer.sampler import ResumableSampler, SamplerConfig, StepPlan
+from trainer.sampler import MicroBatch, ResumableSampler, SamplerConfig, micro_batches
 from trainer.steplog import StepLog
+from trainer.stepper import Stepper
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,11 @@ class SessionConfig:
     log_dir: str = ""
     # Give up waiting for rank 0's TCP store after this long, seconds.
     master_wait_s: float = 60.0
+    # A fixed logical data-parallel degree (0: off): the global batch is cut into this many
+    # micro-batches in any world, each with its own BatchNorm buffers and RNG (stepper.py).
+    virtual_ranks: int = 0
+    # Micro-batches per rank (or per virtual rank) and step, their gradients accumulated.
+    accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_steps < 0:
@@ -110,6 +116,10 @@ class SessionConfig:
             raise ConfigError("checkpoint_dir must be set, got ''")
         if self.master_wait_s <= 0:
             raise ConfigError(f"master_wait_s must be > 0, got {self.master_wait_s}")
+        if self.virtual_ranks < 0:
+            raise ConfigError(f"virtual_ranks must be >= 0, got {self.virtual_ranks}")
+        if self.accumulation_steps < 1:
+            raise ConfigError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
         SamplerConfig(self.dataset_size, self.global_batch, self.seed)
 
 
@@ -136,7 +146,13 @@ class ElasticSession:
         self._model: Any = None
         self._optimizer: Any = None
         self._lr: Any = None
-        self._plan: StepPlan | None = None
+        self._scaler: Any = None
+        self._stepper: Stepper | None = None
+        # The current step's micro-batches of this rank, the next one's index, and the last
+        # one prepared (its buffers and RNG in place before the script's forward).
+        self._micro: list[MicroBatch] | None = None
+        self._mi = 0
+        self._prepared: tuple[int, int] | None = None
         self._global_loss = 0.0
         self._stop_at = 0
         self._want_checkpoint = False
@@ -244,10 +260,48 @@ class ElasticSession:
             self.timings.group_init_s,
         )
 
-    def attach(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> None:
+    def attach(
+        self, model: Any, optimizer: Any, lr_scheduler: Any = None, scaler: Any = None
+    ) -> None:
+        """The training state: a model (plain or ``paddle.DataParallel``), its optimizer, an
+        LR scheduler stepped once per global step, an AMP ``GradScaler``. Before restore."""
         self._model = model
         self._optimizer = optimizer
         self._lr = lr_scheduler
+        self._scaler = scaler
+
+    @property
+    def stepper(self) -> Stepper:
+        if self._stepper is None:
+            # After the group: the world size is known only then in a prewarmed worker.
+            self._stepper = Stepper(
+                self._model,
+                self._optimizer,
+                self._lr,
+                self._scaler,
+                self.world_size,
+                self.config.virtual_ranks,
+                self.config.seed,
+            )
+        return self._stepper
+
+    def batch_sampler(self) -> Any:
+        """A ``paddle.io.BatchSampler`` of this rank's micro-batches from the restored step
+        on, for ``paddle.io.DataLoader(dataset, batch_sampler=...)``: workers, prefetching
+        and collate functions keep working. Call :meth:`step` once per batch."""
+        from trainer.dataloader import TideBatchSampler
+
+        return TideBatchSampler(self)
+
+    def micro_batches(self, step: int) -> list[MicroBatch]:
+        """This rank's micro-batches of global step ``step``."""
+        return micro_batches(
+            self.sampler.plan(step, self.rank, self.world_size),
+            self.rank,
+            self.world_size,
+            self.config.virtual_ranks,
+            self.config.accumulation_steps,
+        )
 
     def restore(self) -> int:
         """Load the newest good checkpoint; returns its step (0: from scratch).
@@ -288,8 +342,12 @@ class ElasticSession:
             )
             loaded = self.store.load_latest(at_most=lowest) if lowest else None
         load_started = time.monotonic()
+        stepper = self.stepper
         if loaded is not None:
-            paddle_state.load_state(loaded.files, self._model, self._optimizer, self._lr)
+            paddle_state.load_state(
+                loaded.files, self._model, self._optimizer, self._lr, self._scaler
+            )
+            stepper.load(loaded.files)
             self.step_done = loaded.step
         read_s += time.monotonic() - load_started
         self.restored_step = self.step_done
@@ -311,57 +369,63 @@ class ElasticSession:
             )
         )
         self._report_progress()
+        self._first_step_started = time.monotonic()
+        self._current()
         return self.step_done
 
     # -- the loop ---------------------------------------------------------------------------
 
-    def plans(self) -> Iterator[StepPlan]:
-        while self.step_done < self.config.max_steps:
-            plan = self.sampler.plan(self.step_done + 1, self.rank, self.world_size)
-            self._plan = plan
-            if self.timings.first_step_at == 0.0:
-                self._first_step_started = time.monotonic()
-            yield plan
-            if self._plan is not None:
-                raise RuntimeError(f"step {plan.step}: call session.step(loss) inside the loop")
+    def _current(self) -> MicroBatch | None:
+        """The micro-batch the script runs next, prepared; None when the budget is done."""
+        if self.step_done >= self.config.max_steps:
+            return None
+        if self._micro is None or self._micro[0].step != self.step_done + 1:
+            self._micro, self._mi = self.micro_batches(self.step_done + 1), 0
+        mb = self._micro[self._mi]
+        if self._prepared != (mb.step, mb.index):
+            self.stepper.prepare(mb)
+            self._prepared = (mb.step, mb.index)
+        return mb
 
-    def step(self, loss: Any) -> float:
-        """Backward, sum gradients over ranks, optimizer step, then the step-boundary hook.
+    @property
+    def current(self) -> MicroBatch | None:
+        """The micro-batch the next :meth:`step` call is for (a DataLoader loop can check
+        its batch against it); None when the budget is done."""
+        return self._current()
 
-        ``loss`` is this rank's summed loss divided by ``plan.global_batch_size``, or None when
-        this rank has no sample in the step. Returns the global loss of the step."""
-        import paddle
+    def plans(self) -> Iterator[MicroBatch]:
+        """This rank's micro-batches, one by one, until the budget is done."""
+        while (mb := self._current()) is not None:
+            yield mb
+            if self._current() is mb:
+                raise RuntimeError(f"step {mb.step}: call session.step(loss) inside the loop")
 
-        plan = self._plan
-        if plan is None:
-            raise RuntimeError("session.step() outside session.plans()")
-        if loss is None:
-            # A rank without samples in this step still joins the all_reduce with zero grads.
-            loss = paddle.add_n([p.sum() * 0.0 for p in self._model.parameters()])
-        loss.backward()
-        params = [p for p in self._model.parameters() if p.grad is not None]
-        flat = paddle.concat([*(p.grad.reshape([-1]) for p in params), loss.detach().reshape([1])])
-        reduce_started = time.monotonic()
-        if self.world_size > 1:
-            import paddle.distributed as dist
-
-            dist.all_reduce(flat)
-        self._last_reduce_s = time.monotonic() - reduce_started
-        offset = 0
-        for p in params:
-            n = int(np.prod(p.shape))
-            p.grad.set_value(flat[offset : offset + n].reshape(p.grad.shape))
-            offset += n
-        self._global_loss = float(flat[offset])
-        self._optimizer.step()
-        self._optimizer.clear_grad()
-        if self._lr is not None:
-            self._lr.step()
-        self._plan = None
-        self._end_of_step(plan)
+    def step(self, loss: Any) -> float | None:
+        """Backward of the current micro-batch's *mean* loss (None: this rank ran no forward,
+        plain models only); after a rank's last micro-batch of the step, the sum over ranks,
+        the optimizer (and scaler, LR scheduler) step and the step-boundary hook. Returns the
+        global batch's mean loss after the step's last micro-batch, else None."""
+        mb = self._current()
+        if mb is None:
+            raise RuntimeError("session.step() after the last step")
+        stepper = self.stepper
+        stepper.backward(mb, loss)
+        self._mi += 1
+        if not mb.last:
+            self._current()
+            return None
+        assert self._micro is not None
+        step_micro = self._micro
+        self._global_loss = stepper.apply()
+        self._last_reduce_s = stepper.last_reduce_s
+        self._micro = None
+        self._end_of_step(step_micro)
+        self._current()
         return self._global_loss
 
-    def _end_of_step(self, plan: StepPlan) -> None:
+    def _end_of_step(self, micro: list[MicroBatch]) -> None:
+        plan = micro[0]
+        ids = [int(i) for mb in micro if not mb.padding for i in mb.local_indices]
         self.step_done = plan.step
         now = time.monotonic()
         if self.timings.first_step_at == 0.0:
@@ -381,7 +445,7 @@ class ElasticSession:
                 **asdict(self.timings),
             )
         # This worker's share: the coordinator sums its members' rates into the job's.
-        self._rate_samples += len(plan.local_indices)
+        self._rate_samples += len(ids)
         if now - self._rate_t0 >= 1.0:
             self._samples_per_s = self._rate_samples / (now - self._rate_t0)
             self._rate_t0, self._rate_samples = now, 0
@@ -391,7 +455,7 @@ class ElasticSession:
             self.env.generation,
             self.rank,
             self.world_size,
-            [int(i) for i in plan.local_indices],
+            ids,
             self._global_loss,
         )
         self._report_progress()
@@ -430,7 +494,13 @@ class ElasticSession:
             "global_batch": self.config.global_batch,
             "periodic": periodic,
         }
-        files = paddle_state.state_files(self._model, self._optimizer, self._lr)
+        stepper = self.stepper
+        live = stepper.use_virtual_rank_0()
+        try:
+            files = paddle_state.state_files(self._model, self._optimizer, self._lr, self._scaler)
+        finally:
+            stepper.put_back(live)
+        files.update(stepper.state_files())
         written = self.store.write(step, files, meta)
         self._periodic.mark(step, time.monotonic())
         self._last_written = written
@@ -544,7 +614,10 @@ class ElasticSession:
         raise SessionExit(0)
 
     def finish(self) -> None:
-        """The budget is done: write a final checkpoint and tell the launcher."""
+        """The budget is done: write a final checkpoint and tell the launcher. The model
+        then holds virtual rank 0's buffers (with virtual ranks), ready to export."""
+        if self._stepper is not None:
+            self._stepper.use_virtual_rank_0()
         if self.rank == 0 and self.step_done > 0:
             self._write_checkpoint(self.step_done, periodic=True)
         self._log.close()
