@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from tidebase.errors import ConfigError, DeadlineExceeded
 from trainer.channel import CONTROL_SOCKET_ENV
 from trainer.devices import DEVICE_ENV, LOCAL_RANK_ENV, LOCAL_SIZE_ENV, POD_RANK_ENV
+from trainer.handover import HANDOVER_DIR_ENV
 
 GENERATION_ENV = "TIDE_GENERATION"
 RESTORE_STEP_ENV = "TIDE_RESTORE_STEP"
@@ -43,6 +44,8 @@ class DistEnv:
     local_size: int = 1
     pod_rank: int = 0
     device: str = ""
+    # The pod's shared-memory directory for handing state to the next worker; "": none.
+    handover_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -70,6 +73,7 @@ class DistEnv:
             local_rank=int(e.get(LOCAL_RANK_ENV, "0")),
             local_size=int(e.get(LOCAL_SIZE_ENV, "1")),
             pod_rank=int(e.get(POD_RANK_ENV, "0")),
+            handover_dir=e.get(HANDOVER_DIR_ENV, ""),
             device=e.get(DEVICE_ENV, ""),
         )
 

@@ -50,6 +50,11 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
     p.add_argument("--no-zygote", action="store_true", help="start fresh worker processes")
     p.add_argument("--no-prewarm", action="store_true", help="no worker waiting ahead of time")
     p.add_argument(
+        "--no-handover",
+        action="store_true",
+        help="no state handed over in shared memory: every restart reads the durable store",
+    )
+    p.add_argument(
         "--exit-grace-s",
         type=float,
         default=_default("exit_grace_s"),
@@ -88,6 +93,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         state_dir=ns.state_dir,
         use_zygote=not ns.no_zygote,
         prewarm=not ns.no_prewarm,
+        handover=not ns.no_handover,
         exit_grace_s=ns.exit_grace_s,
         backend=ns.backend,
         workers_per_pod=ns.workers_per_pod,

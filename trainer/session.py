@@ -37,10 +37,8 @@ from tidebase.errors import ConfigError
 from trainer import paddle_state
 from trainer.channel import NullChannel, SocketChannel, WorkerChannel
 from trainer.checkpoint import (
-    CheckpointNotFound,
     CheckpointSettings,
     CheckpointStore,
-    LoadedCheckpoint,
     PeriodicSchedule,
     WrittenCheckpoint,
 )
@@ -52,6 +50,7 @@ from trainer.distenv import (
     DistEnv,
     wait_for_port,
 )
+from trainer.handover import ShmHandover, StateHandover
 from trainer.messages import (
     CheckpointAt,
     CheckpointInfo,
@@ -68,6 +67,8 @@ from trainer.messages import (
     Resumed,
     ToWorker,
 )
+from trainer.persist import DurableWriter, Snapshot
+from trainer.restore import locate
 from trainer.sampler import MicroBatch, ResumableSampler, SamplerConfig, micro_batches
 from trainer.steplog import StepLog
 from trainer.stepper import Stepper
@@ -85,6 +86,10 @@ __all__ = [
     "SessionConfig",
     "SessionExit",
 ]
+
+
+# How long a worker asked to exit waits for a durable write under way, seconds.
+EXIT_PERSIST_WAIT_S = 0.3
 
 
 class SessionExit(SystemExit):
@@ -128,6 +133,10 @@ class Timings:
     worker_restart_s: float = 0.0
     group_init_s: float = 0.0
     restore_s: float = 0.0
+    # Parts of restore_s: the pod's memory, the durable store, a peer over the group.
+    handover_s: float = 0.0
+    disk_read_s: float = 0.0
+    transfer_s: float = 0.0
     first_step_at: float = 0.0
 
 
@@ -161,6 +170,12 @@ class ElasticSession:
         self._directive_ids: list[str] = []
         self._periodic = PeriodicSchedule(config.checkpoint, time.monotonic())
         self._last_written: WrittenCheckpoint | None = None
+        # The step last handed to the durable writer (written or being written).
+        self._written_step = -1
+        self.persist = DurableWriter(self.store)
+        self.handover: StateHandover | None = (
+            ShmHandover(env.handover_dir) if env.handover_dir else None
+        )
         self._rate_t0 = time.monotonic()
         self._rate_samples = 0
         self._samples_per_s = 0.0
@@ -304,74 +319,76 @@ class ElasticSession:
         )
 
     def restore(self) -> int:
-        """Load the newest good checkpoint; returns its step (0: from scratch).
+        """Load the newest state any rank holds; returns its step (0: from scratch).
 
         The newest one, not only the step the rendezvous names: after an unplanned loss the
         coordinator names its last coordinated checkpoint, while a newer periodic one loses
-        fewer steps; every checkpoint of the job lies on the same trajectory. The ranks then
-        agree on the step, so a checkpoint committed between two ranks' listings cannot split
-        them."""
+        fewer steps; every checkpoint of the job lies on the same trajectory. Where it comes
+        from (the pod's memory, a peer over the new group, the durable store) is
+        trainer/restore.py's rule: a planned resize reads nothing from disk."""
         started = time.monotonic()
         if self.rank == 0:
-            # Rank 0 is the only writer, and a new generation starts here: what a crashed
-            # writer left is garbage now (a writer still running keeps its directory).
+            # Rank 0 is the only durable writer, and a new generation starts here: what a
+            # crashed writer left is garbage now (a writer still running keeps its directory).
             self.store.cleanup_tmp()
-        try:
-            loaded: LoadedCheckpoint | None = self.store.load_latest()
-        except CheckpointNotFound:
-            loaded = None
+        located = locate(self.handover, self.store, self.rank, self.world_size)
         named = self.env.restore_step
-        if named is not None and (loaded is None or loaded.step < named):
+        if named is not None and located.step < named:
             logger.warning(
                 "checkpoint %d named by generation %d is missing or damaged; restoring %s",
                 named,
                 self.env.generation,
-                loaded.step if loaded else "from scratch",
+                located.step or "from scratch",
             )
-        step = loaded.step if loaded else 0
-        # Time the agreement apart: it waits for the slowest rank, which is not reading.
-        read_s = time.monotonic() - started
-        lowest = self._agree_min(step)
-        if lowest != step:
-            logger.warning(
-                "rank %d found step %d but another rank only %d; using %d",
-                self.rank,
-                step,
-                lowest,
-                lowest,
-            )
-            loaded = self.store.load_latest(at_most=lowest) if lowest else None
         load_started = time.monotonic()
         stepper = self.stepper
-        if loaded is not None:
+        if located.step:
             paddle_state.load_state(
-                loaded.files, self._model, self._optimizer, self._lr, self._scaler
+                located.files, self._model, self._optimizer, self._lr, self._scaler
             )
-            stepper.load(loaded.files)
-            self.step_done = loaded.step
-        read_s += time.monotonic() - load_started
+            stepper.load(located.files)
+            self.step_done = located.step
+        t = self.timings
+        t.handover_s, t.disk_read_s, t.transfer_s = (
+            located.handover_s,
+            located.disk_read_s,
+            located.transfer_s,
+        )
+        t.restore_s = t.handover_s + t.disk_read_s + t.transfer_s + time.monotonic() - load_started
         self.restored_step = self.step_done
-        self.timings.restore_s = read_s
+        if self.rank == 0 and located.step and located.source != "disk":
+            self._persist_restored(located.step, located.files)
         logger.info(
-            "rank %d of generation %d restored step %d in %.3fs",
+            "rank %d of generation %d restored step %d from %s in %.3fs (located in %.3fs)",
             self.rank,
             self.env.generation,
             self.step_done,
-            self.timings.restore_s,
+            located.source or "scratch",
+            t.restore_s,
+            time.monotonic() - started,
         )
         self.channel.send(
             Ready(
                 restored_step=self.step_done,
                 generation=self.env.generation,
-                worker_restart_s=self.timings.worker_restart_s,
-                group_init_s=self.timings.group_init_s,
-                restore_s=self.timings.restore_s,
+                worker_restart_s=t.worker_restart_s,
+                group_init_s=t.group_init_s,
+                restore_s=t.restore_s,
             )
         )
         self._report_progress()
         self._first_step_started = time.monotonic()
         self._current()
         return self.step_done
+
+    def _persist_restored(self, step: int, files: Mapping[str, bytes]) -> None:
+        """A state that came from memory or a peer is made durable too, in the background,
+        if the durable store lacks it (the old generation's writer may have been stopped
+        before it finished, or the store is this pod's own)."""
+        if step in self.store.list_steps():
+            return
+        self._written_step = step
+        self.persist.submit(Snapshot(step, dict(files), self._meta(step, False), False))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -461,6 +478,7 @@ class ElasticSession:
         self._report_progress()
         if self.rank == 0 and self._periodic.due(plan.step, now):
             self._write_checkpoint(plan.step, periodic=True)
+        self._report_written()
         self._drain_channel()
         stop_at, want_ckpt, want_exit = self._agree()
         if want_exit:
@@ -480,11 +498,9 @@ class ElasticSession:
             )
         )
 
-    def _write_checkpoint(self, step: int, periodic: bool) -> WrittenCheckpoint:
-        if self._last_written is not None and self._last_written.step == step:
-            return self._last_written
+    def _meta(self, step: int, periodic: bool) -> dict[str, Any]:
         pos = self.sampler.position(step)
-        meta = {
+        return {
             "step": step,
             "epoch": pos.epoch,
             "cursor": pos.cursor,
@@ -494,6 +510,10 @@ class ElasticSession:
             "global_batch": self.config.global_batch,
             "periodic": periodic,
         }
+
+    def _state_files(self) -> dict[str, bytes]:
+        """This process's training state, serialised now (the model with virtual rank 0's
+        buffers, every virtual rank's in their own file)."""
         stepper = self.stepper
         live = stepper.use_virtual_rank_0()
         try:
@@ -501,15 +521,44 @@ class ElasticSession:
         finally:
             stepper.put_back(live)
         files.update(stepper.state_files())
-        written = self.store.write(step, files, meta)
+        return files
+
+    def _write_checkpoint(self, step: int, periodic: bool, wait: bool = False) -> None:
+        """Rank 0: a durable checkpoint of ``step``, written in the background (``wait``:
+        before this returns); reported to the launcher once written."""
+        if self._written_step == step:
+            if wait:
+                self.persist.wait()
+                self._report_written()
+            return
+        self._written_step = step
         self._periodic.mark(step, time.monotonic())
-        self._last_written = written
-        self.channel.send(
-            CheckpointWritten(
-                step=step, digest=written.digest, write_s=written.write_s, periodic=periodic
-            )
+        self.persist.submit(
+            Snapshot(step, self._state_files(), self._meta(step, periodic), periodic)
         )
-        return written
+        if wait:
+            self.persist.wait()
+            self._report_written()
+
+    def _report_written(self) -> WrittenCheckpoint | None:
+        last = None
+        for done in self.persist.poll():
+            if done.checkpoint is None:
+                logger.error(
+                    "durable checkpoint of step %d failed: %s", done.snapshot.step, done.error
+                )
+                continue
+            last = done.checkpoint
+            self._last_written = last
+            self.channel.send(
+                CheckpointWritten(
+                    step=last.step,
+                    digest=last.digest,
+                    write_s=last.write_s,
+                    periodic=done.snapshot.periodic,
+                )
+            )
+        return last
 
     def _handle(self, msg: ToWorker) -> None:
         if isinstance(msg, CheckpointAt):
@@ -588,8 +637,20 @@ class ElasticSession:
 
     def _send_held(self, step: int, held_at: float, checkpoint: bool, ids: list[str]) -> None:
         info: CheckpointInfo | None = None
-        if checkpoint and self.rank == 0:
-            written = self._write_checkpoint(step, periodic=False)
+        if checkpoint and self.handover is not None:
+            # Each pod's first worker hands the state to the pod's next worker, in memory;
+            # rank 0 also makes it durable, off the pause.
+            handed: WrittenCheckpoint | None = None
+            if self.env.local_rank == 0:
+                handed = self.handover.put(step, self._state_files(), self._meta(step, False))
+            if self.rank == 0:
+                self._write_checkpoint(step, periodic=False)
+                assert handed is not None
+                info = CheckpointInfo(step=step, digest=handed.digest, write_s=handed.write_s)
+        elif checkpoint and self.rank == 0:
+            self._write_checkpoint(step, periodic=False, wait=True)
+            written = self._last_written
+            assert written is not None and written.step == step, "the checkpoint was not written"
             info = CheckpointInfo(step=step, digest=written.digest, write_s=written.write_s)
         self._log.timing(
             "held",
@@ -610,6 +671,10 @@ class ElasticSession:
             self.env.generation,
             self.step_done,
         )
+        # A durable write under way gets a moment; the next generation's rank 0 writes the
+        # state it restored if this one is cut short.
+        self.persist.wait(EXIT_PERSIST_WAIT_S)
+        self._report_written()
         self._log.close()
         raise SessionExit(0)
 
@@ -619,6 +684,8 @@ class ElasticSession:
         if self._stepper is not None:
             self._stepper.use_virtual_rank_0()
         if self.rank == 0 and self.step_done > 0:
-            self._write_checkpoint(self.step_done, periodic=True)
+            self._write_checkpoint(self.step_done, periodic=True, wait=True)
+        self.persist.wait()
+        self._report_written()
         self._log.close()
         self.channel.send(Done(step=self.step_done))

@@ -89,6 +89,8 @@ class LocalJob:
     # (``--workers-per-pod 2``).
     example: str = EXAMPLE
     launcher_args: Sequence[str] = ()
+    # False: no volume shared by the pods; each pod's checkpoints go to its own directory.
+    shared_checkpoints: bool = True
     pods: list[Pod] = field(default_factory=list)
     coordinator: subprocess.Popen[str] | None = None
     port: int = 0
@@ -188,7 +190,7 @@ class LocalJob:
             sys.executable,
             self.example,
             "--ckpt-dir",
-            str(self.ckpt_dir),
+            str(self.ckpt_dir if self.shared_checkpoints else state_dir / "ckpt"),
             "--log-dir",
             str(self.log_dir),
             *self.train_args,

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Coroutine
@@ -31,6 +32,7 @@ from typing import Any
 
 from trainer.devices import Backend, PodDevices, WorkerPlace, detect, local_env, worker_env
 from trainer.distenv import GENERATION_ENV, RESTART_STARTED_AT_ENV, RESTORE_STEP_ENV
+from trainer.handover import HANDOVER_DIR_ENV, pod_handover_dir
 from trainer.launcher.group import WorkerGroup
 from trainer.launcher.link import CoordinatorLink
 from trainer.launcher.model import (
@@ -100,6 +102,9 @@ class Launcher:
         self.last_checkpoint_step = 0
         self.last_checkpoint_digest = ""
         self._state_dir = Path(settings.state_dir or tempfile.mkdtemp(prefix="tide-launcher-"))
+        self._handover_dir = pod_handover_dir(
+            settings.job_id, settings.pod_name or "pod", settings.launcher_id
+        )
         self.link = CoordinatorLink(settings, self._beat)
         self.devices = detect(Backend.parse(settings.backend), settings.workers_per_pod)
         use_zygote = settings.use_zygote
@@ -114,7 +119,10 @@ class Launcher:
             spawner
             or (ZygoteSpawner(settings.zygote_preload) if use_zygote else SubprocessSpawner()),
             self._state_dir,
-            [local_env(self.devices, i) for i in range(self.devices.workers)],
+            [
+                {**local_env(self.devices, i), **self._handover_env()}
+                for i in range(self.devices.workers)
+            ],
             may_prewarm=lambda: self.state not in LEAVING,
             on_exit=self._on_worker_exit,
             on_message=self._on_worker_message,
@@ -131,6 +139,13 @@ class Launcher:
     @property
     def member_id(self) -> str:
         return self.link.member_id
+
+    def _handover_env(self) -> dict[str, str]:
+        """The pod's shared-memory directory where a worker hands its state to the next one
+        (trainer/handover.py); none with ``handover`` off."""
+        if not self.s.handover:
+            return {}
+        return {HANDOVER_DIR_ENV: str(self._handover_dir)}
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -188,6 +203,8 @@ class Launcher:
                 await t
         await self.link.close()
         await self.workers.close()
+        # The pod's memory is the pod's: what was handed over goes with this launcher.
+        shutil.rmtree(self._handover_dir, ignore_errors=True)
 
     def stop(self, code: int = 0) -> None:
         self.exit_code = code

@@ -32,6 +32,8 @@ class LauncherSettings:
     backend: str = "auto"
     # Workers in this pod; 0: one per GPU under nccl, one on CPU (trainer/devices.py).
     workers_per_pod: int = 0
+    # Hand state to the pod's next worker in shared memory at a planned resize.
+    handover: bool = True
     # How long a new worker may take to have its group and restore, seconds.
     start_timeout_s: float = 120.0
     # The one backoff (tidebase.retry.Backoff) of the directive stream's reconnects, the
