@@ -38,7 +38,6 @@ from trainer import paddle_state
 from trainer.channel import NullChannel, SocketChannel, WorkerChannel
 from trainer.checkpoint import (
     CheckpointSettings,
-    CheckpointStore,
     PeriodicSchedule,
     WrittenCheckpoint,
 )
@@ -67,7 +66,8 @@ from trainer.messages import (
     Resumed,
     ToWorker,
 )
-from trainer.persist import DurableWriter, Snapshot
+from trainer.objstore import make_store
+from trainer.persist import DurableStore, DurableWriter, Snapshot
 from trainer.restore import locate
 from trainer.sampler import MicroBatch, ResumableSampler, SamplerConfig, micro_batches
 from trainer.steplog import StepLog
@@ -148,7 +148,8 @@ class ElasticSession:
         self.sampler = ResumableSampler(
             SamplerConfig(config.dataset_size, config.global_batch, config.seed)
         )
-        self.store = CheckpointStore(config.checkpoint_dir, keep=config.checkpoint.keep)
+        # A directory (or PVC), or object storage through fsspec (trainer/objstore.py).
+        self.store: DurableStore = make_store(config.checkpoint_dir, keep=config.checkpoint.keep)
         self.timings = Timings()
         self.step_done = 0
         self.restored_step = 0

@@ -155,3 +155,43 @@ def test_a_failed_durable_write_is_reported_not_raised(tmp_path: Path) -> None:
     assert writer.wait(10)
     (done,) = writer.poll()
     assert done.checkpoint is None and "Error" in done.error
+
+
+@pytest.fixture(params=["dir", "object"])
+def durable(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    from trainer.objstore import make_store
+
+    if request.param == "dir":
+        return make_store(str(tmp_path / "ckpt"), keep=2)
+    return make_store(f"memory://tide-test/{tmp_path.name}", keep=2)
+
+
+def test_durable_store_contract(durable: Any) -> None:
+    """A directory and an object store commit, verify, prune and clean up alike."""
+    from trainer.checkpoint import CheckpointNotFound
+
+    with pytest.raises(CheckpointNotFound):
+        durable.load_latest()
+    for step in (1, 2, 3):
+        durable.write(step, {"m": bytes([step]) * 4}, {"step": step})
+    assert durable.list_steps() == [2, 3]
+    latest = durable.load_latest()
+    assert (latest.step, dict(latest.files)) == (3, {"m": b"\x03" * 4})
+    assert durable.load_latest(at_most=2).step == 2
+    assert durable.cleanup_tmp() == 0
+
+
+def test_an_object_store_checkpoint_is_visible_only_with_a_manifest_that_verifies() -> None:
+    from trainer.objstore import ObjectStore
+
+    store = ObjectStore("memory://tide-test/torn", keep=3)
+    store.write(1, {"m": b"good"}, {})
+    store.write(2, {"m": b"newer"}, {})
+    # A torn write: data without a manifest; a damaged one: data that lies.
+    store.fs.pipe_file(f"{store.root}/step-00000003.abcd/m", b"torn")
+    (newest,) = [p for s, p, _ in store._prefixes() if s == 2]
+    store.fs.pipe_file(f"{newest}/m", b"bitrot")
+    assert store.list_steps() == [1, 2]
+    loaded = store.load_latest()
+    assert loaded.step == 1 and len(loaded.skipped) == 1
+    assert store.cleanup_tmp() == 1 and store.list_steps() == [1, 2]

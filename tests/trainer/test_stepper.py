@@ -167,3 +167,20 @@ def test_numpy_and_python_rngs_are_restored(tmp_path: Path) -> None:
     random.seed(99)
     _bn_run(s2)  # restores step 2's RNG states and trains nothing
     assert (np.random.random(), random.random()) == expected
+
+
+def test_checkpoints_in_object_storage_restore_the_same_run(tmp_path: Path) -> None:
+    url = f"memory://tide-stepper/{tmp_path.name}"
+    first, _ = _bn_run(_session_at(url, 3))
+    rest_session = _session_at(url, 6)
+    rest, _ = _bn_run(rest_session)
+    straight, _ = _bn_run(_session(tmp_path / "straight", 6))
+    assert rest_session.restored_step == 3
+    np.testing.assert_allclose(first + rest, straight, rtol=1e-5)
+
+
+def _session_at(url: str, steps: int) -> ElasticSession:
+    config = SessionConfig(
+        dataset_size=60, global_batch=16, seed=2, max_steps=steps, checkpoint_dir=url
+    )
+    return ElasticSession(config, DistEnv(), NullChannel())
