@@ -154,6 +154,9 @@ class MicroBatch:
     # The virtual rank whose BatchNorm state and RNG this micro-batch uses; -1: none.
     virtual_rank: int = -1
     padding: bool = False
+    # Which accumulation chunk of its (virtual) rank's share this is: with ``index``, which
+    # depends on how many virtual ranks this rank runs, it names the micro-batch in any world.
+    chunk: int = 0
 
     @property
     def last(self) -> bool:
@@ -182,18 +185,18 @@ def micro_batches(
     BatchNorm statistics computed over it, is the same in any world."""
     g = plan.global_indices
     n = plan.global_batch_size
-    pieces: list[tuple[IndexArray, int]] = []
+    pieces: list[tuple[IndexArray, int, int]] = []
     if virtual_ranks:
         for v in owned_virtual_ranks(virtual_ranks, rank, world_size):
             lo, hi = rank_slice(n, v, virtual_ranks)
-            pieces.extend((chunk, v) for chunk in _chunks(g[lo:hi], accumulation_steps))
+            pieces.extend((c, v, j) for j, c in enumerate(_chunks(g[lo:hi], accumulation_steps)))
     else:
         lo, hi = rank_slice(n, rank, world_size)
-        pieces.extend((chunk, -1) for chunk in _chunks(g[lo:hi], accumulation_steps))
+        pieces.extend((c, -1, j) for j, c in enumerate(_chunks(g[lo:hi], accumulation_steps)))
     if not pieces:
-        pieces = [(g[:0], -1)]
+        pieces = [(g[:0], -1, 0)]
     out = []
-    for i, (chunk, v) in enumerate(pieces):
+    for i, (chunk, v, j) in enumerate(pieces):
         pad = len(chunk) == 0
         out.append(
             MicroBatch(
@@ -208,6 +211,7 @@ def micro_batches(
                 count=len(pieces),
                 virtual_rank=v,
                 padding=pad,
+                chunk=j,
             )
         )
     return out

@@ -131,7 +131,7 @@ class Stepper:
         elif self.virtual is not None and mb.virtual_rank >= 0:
             self._write_buffers(self.virtual[mb.virtual_rank])
         if self.virtual_ranks and not mb.padding:
-            paddle.seed(micro_seed(self.seed, mb.step, mb.virtual_rank, mb.index))
+            paddle.seed(micro_seed(self.seed, mb.step, mb.virtual_rank, mb.chunk))
 
     def backward(self, mb: MicroBatch, loss: Any) -> None:
         """Backward of ``mb``'s mean loss, weighted (see the module docstring)."""
