@@ -48,13 +48,12 @@ async def test_two_workers_per_pod_ranks_pod_by_pod_and_a_resize_keeps_parity(
     job: LocalJob, tmp_path: Path
 ) -> None:
     job.add_pod(0)
-    await job.wait_standby(1)
+    job.add_pod(1)  # waits STANDBY (warm) until the grow takes it
+    await job.wait_standby(2)
     first = await job.resize(1)
     assert first[-1].phase == pb.RESIZE_PHASE_COMPLETED, first[-1]
     await job.wait_status(lambda s: s.step >= 5, 60, "step 5")
 
-    job.add_pod(1)
-    await job.wait_standby(1)
     st = await job.status()
     assert st is not None and st.step < STEPS - 20, "the run is too fast to resize mid-run"
     grow = await job.resize(2)
