@@ -44,6 +44,7 @@ bench: setup
 	$(PY) -m bench.agent --quick
 	$(PY) -m bench.coordinator --quick
 	$(PY) -m bench.rescale --quick
+	$(PY) -m bench.parity --quick
 	$(PY) -m bench.simulate --quick
 	$(PY) -m bench.soak --quick
 	$(PY) -m bench.history --quick

@@ -20,7 +20,12 @@ processes forked from a zygote; Paddle's import is not unavoidable, a warm paren
     python -m bench.rescale --quick     # one resize each way, < 2 min
     python -m bench.rescale             # three of each, medians
 
-The last line is ``RESULT {json}`` with pause_s, unavoidable_s, lost_steps (Tide, worst resize),
+A planned resize reads nothing from disk: stayers restore from their pod's memory, newcomers
+from a peer over the new group (trainer/restore.py); ``disk_read_s`` (target 0) is the most any
+rank of a new generation read from the durable store.
+
+The last line is ``RESULT {json}`` with pause_s, unavoidable_s, lost_steps, disk_read_s and
+transfer_s (Tide, worst resize),
 baseline_lost_steps and baseline_pause_s (Paddle's way, worst), and per-resize details.
 """
 
@@ -69,6 +74,10 @@ class Measure:
     worker_restart_s: float = 0.0
     group_init_s: float = 0.0
     restore_s: float = 0.0
+    # Parts of restore_s: from the pod's memory, from the durable store, from a peer.
+    handover_s: float = 0.0
+    disk_read_s: float = 0.0
+    transfer_s: float = 0.0
     unavoidable_s: float = 0.0
     coordinator_pause_s: float = 0.0
     gap_s: float = 0.0
@@ -173,6 +182,9 @@ def _breakdown(log_dir: Path, gen: int, ckpt: int) -> Measure:
         worker_restart_s=max(e["worker_restart_s"] for e in first),
         group_init_s=max(e["group_init_s"] for e in first),
         restore_s=max(e["restore_s"] for e in first),
+        handover_s=max(e.get("handover_s", 0.0) for e in first),
+        disk_read_s=max(e.get("disk_read_s", 0.0) for e in first),
+        transfer_s=max(e.get("transfer_s", 0.0) for e in first),
     )
 
 
@@ -335,6 +347,10 @@ def _median(ms: list[Measure], way: str, resize: str) -> Measure:
     return Measure(**fields)
 
 
+def tide_rows(rows: list[Measure]) -> list[Measure]:
+    return [m for m in rows if m.way == "tide"]
+
+
 async def run(quick: bool, workdir: Path) -> dict[str, Any]:
     reps = 1 if quick else 3
     t0 = time.monotonic()
@@ -360,6 +376,11 @@ async def run(quick: bool, workdir: Path) -> dict[str, Any]:
             f"{m.checkpoint_write_s:8.3f}{m.worker_restart_s:9.3f}{m.group_init_s:7.3f}"
             f"{m.restore_s:9.3f}{m.unavoidable_s:10.3f}{ratio:7.2f}"
         )
+    for m in tide_rows(rows):
+        print(
+            f"{m.resize}: restore from memory {m.handover_s:.4f}s, "
+            f"from a peer {m.transfer_s:.4f}s, from disk {m.disk_read_s:.4f}s"
+        )
     print(f"pure gloo group init (pre-imported, started together): {group_init}")
     print("pause = gap between the last old and the first new step, less one ordinary step")
     tide = [m for m in rows if m.way == "tide"]
@@ -371,6 +392,9 @@ async def run(quick: bool, workdir: Path) -> dict[str, Any]:
         "pause_over_unavoidable": round(worst.pause_s / worst.unavoidable_s, 2),
         "worst_resize": worst.resize,
         "lost_steps": max(m.lost_steps for m in tide),
+        # Read from disk in a planned resize's pause (the slowest rank; target 0).
+        "disk_read_s": round(max(m.disk_read_s for m in tide), 4),
+        "transfer_s": round(max(m.transfer_s for m in tide), 4),
         "baseline_lost_steps": max(m.lost_steps for m in paddle),
         "baseline_pause_s": round(max(m.pause_s for m in paddle), 3),
         "baseline_pause_ratio": round(

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from tidebase.errors import ConfigError, DeadlineExceeded
 from trainer.channel import CONTROL_SOCKET_ENV
+from trainer.devices import DEVICE_ENV, LOCAL_RANK_ENV, LOCAL_SIZE_ENV, POD_RANK_ENV
+from trainer.handover import HANDOVER_DIR_ENV
 
 GENERATION_ENV = "TIDE_GENERATION"
 RESTORE_STEP_ENV = "TIDE_RESTORE_STEP"
@@ -37,6 +39,13 @@ class DistEnv:
     restart_started_at: float = 0.0
     # Forked ahead of time: rank and generation come later, in a Rendezvous message.
     prewarm: bool = False
+    # This worker among its pod's (trainer/devices.py), and its device: "cpu", "gpu:<id>".
+    local_rank: int = 0
+    local_size: int = 1
+    pod_rank: int = 0
+    device: str = ""
+    # The pod's shared-memory directory for handing state to the next worker; "": none.
+    handover_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -61,7 +70,17 @@ class DistEnv:
             control_socket=e.get(CONTROL_SOCKET_ENV, ""),
             restart_started_at=float(e.get(RESTART_STARTED_AT_ENV, "0") or 0),
             prewarm=e.get(PREWARM_ENV, "0") == "1",
+            local_rank=int(e.get(LOCAL_RANK_ENV, "0")),
+            local_size=int(e.get(LOCAL_SIZE_ENV, "1")),
+            pod_rank=int(e.get(POD_RANK_ENV, "0")),
+            handover_dir=e.get(HANDOVER_DIR_ENV, ""),
+            device=e.get(DEVICE_ENV, ""),
         )
+
+    @property
+    def paddle_device(self) -> str:
+        """The device for ``paddle.set_device``: a pinned worker sees its one GPU as gpu:0."""
+        return "gpu:0" if self.device.startswith("gpu") else "cpu"
 
 
 def wait_for_port(endpoint: str, timeout_s: float) -> None:

@@ -1,7 +1,8 @@
 """``python -m trainer.launch``: the launcher's command line (the launcher is trainer/launcher/).
 
 ``python -m trainer.launch --coordinator HOST:PORT --job NS/NAME [--pod NAME] [--pod-index I]
-[--host H] [--state-dir D] [--no-zygote] [--no-prewarm] -- python train.py ARGS``
+[--host H] [--state-dir D] [--no-zygote] [--no-prewarm] [--backend auto|nccl|gloo]
+[--workers-per-pod N] -- python train.py ARGS``
 
 In a PaddleJob pod the flags come from the environment (TIDE_COORDINATOR, the
 Downward API's POD_NAME, POD_NAMESPACE and POD_IP: trainer/podenv.py), so the
@@ -32,6 +33,7 @@ from tidebase.credentials import (
     ClientCredentials,
 )
 from tidebase.errors import ConfigError
+from trainer.devices import Backend
 from trainer.launcher import Launcher, LauncherSettings, State
 from trainer.podenv import pod_identity
 
@@ -79,6 +81,11 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
     p.add_argument("--no-zygote", action="store_true", help="start fresh worker processes")
     p.add_argument("--no-prewarm", action="store_true", help="no worker waiting ahead of time")
     p.add_argument(
+        "--no-handover",
+        action="store_true",
+        help="no state handed over in shared memory: every restart reads the durable store",
+    )
+    p.add_argument(
         "--exit-grace-s",
         type=float,
         default=_default("exit_grace_s"),
@@ -91,6 +98,18 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         ("--token-file", ENV_TOKEN_FILE, "bearer token file, re-read on change"),
     ):
         p.add_argument(flag, default=os.environ.get(env, ""), help=f"{what} (env {env})")
+    p.add_argument(
+        "--backend",
+        choices=[b.value for b in Backend],
+        default=os.environ.get("TIDE_BACKEND", _default("backend")),
+        help="collective backend: auto is nccl when the pod has GPUs, else gloo (env TIDE_BACKEND)",
+    )
+    p.add_argument(
+        "--workers-per-pod",
+        type=int,
+        default=int(os.environ.get("TIDE_WORKERS_PER_POD", str(_default("workers_per_pod")))),
+        help="workers in this pod; 0: one per GPU, or one on CPU (env TIDE_WORKERS_PER_POD)",
+    )
     p.add_argument("--log-level", default=os.environ.get("TIDE_LOG_LEVEL", "INFO"))
     p.add_argument(
         "--log-format",
@@ -112,6 +131,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         state_dir=ns.state_dir,
         use_zygote=not ns.no_zygote,
         prewarm=not ns.no_prewarm,
+        handover=not ns.no_handover,
         exit_grace_s=ns.exit_grace_s,
         credentials=ClientCredentials(
             tls_ca_file=ns.tls_ca_file,
@@ -119,6 +139,8 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
             tls_client_key_file=ns.tls_client_key_file,
             token_file=ns.token_file,
         ),
+        backend=ns.backend,
+        workers_per_pod=ns.workers_per_pod,
     )
 
 

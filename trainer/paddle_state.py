@@ -16,6 +16,7 @@ MODEL = "model.pdparams"
 OPTIMIZER = "optimizer.pdopt"
 LR = "lr.pdstate"
 RNG = "rng.pdstate"
+SCALER = "scaler.pdstate"
 
 
 def _positional(model: Any, state: dict[str, Any], to_positions: bool) -> dict[str, Any]:
@@ -37,8 +38,9 @@ def _positional(model: Any, state: dict[str, Any], to_positions: bool) -> dict[s
     return out
 
 
-def state_files(model: Any, optimizer: Any, lr: Any) -> dict[str, bytes]:
+def state_files(model: Any, optimizer: Any, lr: Any, scaler: Any = None) -> dict[str, bytes]:
     """The files of a checkpoint of this process's training state."""
+    import numpy as np
     import paddle
 
     def dump(obj: Any) -> bytes:
@@ -51,12 +53,27 @@ def state_files(model: Any, optimizer: Any, lr: Any) -> dict[str, bytes]:
         files[OPTIMIZER] = dump(_positional(model, optimizer.state_dict(), to_positions=True))
     if lr is not None:
         files[LR] = dump(lr.state_dict())
-    files[RNG] = dump({"paddle": paddle.get_rng_state(), "python": list(random.getstate())})
+    # A disabled scaler (AMP off, or on a CPU) has an empty state, which it cannot load.
+    if scaler is not None and scaler.state_dict():
+        files[SCALER] = dump(scaler.state_dict())
+    # Paddle's generator (dropout), Python's and numpy's (the augmentations of a script).
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    files[RNG] = dump(
+        {
+            "paddle": paddle.get_rng_state(),
+            "python": list(random.getstate()),
+            "numpy": [kind, np.asarray(keys).tolist(), pos, has_gauss, gauss],
+        }
+    )
     return files
 
 
-def load_state(files: Mapping[str, bytes], model: Any, optimizer: Any, lr: Any) -> None:
-    """Put a checkpoint's files back into the model, optimizer, LR scheduler and RNGs."""
+def load_state(
+    files: Mapping[str, bytes], model: Any, optimizer: Any, lr: Any, scaler: Any = None
+) -> None:
+    """Put a checkpoint's files back into the model, optimizer, LR scheduler, AMP scaler
+    and RNGs."""
+    import numpy as np
     import paddle
 
     model.set_state_dict(paddle.load(io.BytesIO(files[MODEL])))
@@ -65,10 +82,15 @@ def load_state(files: Mapping[str, bytes], model: Any, optimizer: Any, lr: Any) 
         optimizer.set_state_dict(_positional(model, saved, to_positions=False))
     if lr is not None and LR in files:
         lr.set_state_dict(paddle.load(io.BytesIO(files[LR])))
+    if scaler is not None and SCALER in files:
+        scaler.load_state_dict(paddle.load(io.BytesIO(files[SCALER])))
     if RNG in files:
         rng = paddle.load(io.BytesIO(files[RNG]), return_numpy=False)
         paddle.set_rng_state(rng["paddle"])
         random.setstate(_as_tuple(rng["python"]))
+        if "numpy" in rng:
+            kind, keys, *rest = rng["numpy"]
+            np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
 
 
 def _as_tuple(value: Any) -> Any:

@@ -125,3 +125,103 @@ class ResumableSampler:
             local_indices=global_indices[lo:hi],
             global_indices=global_indices,
         )
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward and backward of one rank in one global step.
+
+    A rank's share of a step is one micro-batch, or several: ``accumulation_steps`` chunks
+    of it (gradient accumulation), or one per virtual rank it runs (a fixed logical
+    data-parallel degree, see :func:`micro_batches`). ``weight`` is the micro-batch's share
+    of the global batch (its size over ``global_batch_size``): the session multiplies the
+    micro-batch's mean loss by it, so the gradients of all micro-batches of all ranks sum to
+    the global batch's. A rank with nothing to do in a step still runs one *padding*
+    micro-batch (one sample, weight 0), so that every rank joins the step's collectives and
+    a DataLoader loop sees one batch per step on every rank.
+    """
+
+    step: int
+    epoch: int
+    cursor: int
+    global_batch_size: int
+    local_indices: IndexArray
+    global_indices: IndexArray
+    weight: float
+    # Position among this rank's micro-batches of the step, and how many there are.
+    index: int
+    count: int
+    # The virtual rank whose BatchNorm state and RNG this micro-batch uses; -1: none.
+    virtual_rank: int = -1
+    padding: bool = False
+    # Which accumulation chunk of its (virtual) rank's share this is: with ``index``, which
+    # depends on how many virtual ranks this rank runs, it names the micro-batch in any world.
+    chunk: int = 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def owned_virtual_ranks(virtual_ranks: int, rank: int, world_size: int) -> range:
+    """The virtual ranks physical ``rank`` runs: contiguous, low ranks take the extra ones."""
+    lo, hi = rank_slice(virtual_ranks, rank, world_size)
+    return range(lo, hi)
+
+
+def micro_batches(
+    plan: StepPlan,
+    rank: int,
+    world_size: int,
+    virtual_ranks: int = 0,
+    accumulation_steps: int = 1,
+) -> list[MicroBatch]:
+    """This rank's micro-batches of ``plan``'s step.
+
+    Plain (``virtual_ranks`` 0): this rank's contiguous share of the global batch, cut into
+    ``accumulation_steps`` chunks. Virtual: the global batch is cut into ``virtual_ranks``
+    micro-batches whatever the world size, and this rank runs those of the virtual ranks it
+    owns (each cut again into ``accumulation_steps`` chunks), so every micro-batch, and the
+    BatchNorm statistics computed over it, is the same in any world."""
+    g = plan.global_indices
+    n = plan.global_batch_size
+    pieces: list[tuple[IndexArray, int, int]] = []
+    if virtual_ranks:
+        for v in owned_virtual_ranks(virtual_ranks, rank, world_size):
+            lo, hi = rank_slice(n, v, virtual_ranks)
+            pieces.extend((c, v, j) for j, c in enumerate(_chunks(g[lo:hi], accumulation_steps)))
+    else:
+        lo, hi = rank_slice(n, rank, world_size)
+        pieces.extend((c, -1, j) for j, c in enumerate(_chunks(g[lo:hi], accumulation_steps)))
+    if not pieces:
+        pieces = [(g[:0], -1, 0)]
+    out = []
+    for i, (chunk, v, j) in enumerate(pieces):
+        pad = len(chunk) == 0
+        out.append(
+            MicroBatch(
+                step=plan.step,
+                epoch=plan.epoch,
+                cursor=plan.cursor,
+                global_batch_size=n,
+                local_indices=g[:1] if pad else chunk,
+                global_indices=g,
+                weight=0.0 if pad else len(chunk) / n,
+                index=i,
+                count=len(pieces),
+                virtual_rank=v,
+                padding=pad,
+                chunk=j,
+            )
+        )
+    return out
+
+
+def _chunks(indices: IndexArray, parts: int) -> list[IndexArray]:
+    """``indices`` cut into ``parts`` contiguous chunks, empty ones left out."""
+    out = []
+    for j in range(parts):
+        lo, hi = rank_slice(len(indices), j, parts)
+        if hi > lo:
+            out.append(indices[lo:hi])
+    return out

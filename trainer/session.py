@@ -1,21 +1,23 @@
 """The elastic session a training script calls: rank, restore, sampler, step hook, checkpoints.
 
-A script looks like this (see trainer/examples/train_mlp.py)::
+A script looks like this (see trainer/examples/train_mlp.py, and docs/trainer.md for a stock
+Paddle loop with a DataLoader before and after)::
 
     session = ElasticSession.from_env(SessionConfig(dataset_size=N, global_batch=B, seed=0,
                                                     max_steps=100, checkpoint_dir="ckpt"))
-    session.init_process_group()
     session.attach(model, optimizer, lr_scheduler)
+    session.init_process_group()
     session.restore()
-    for plan in session.plans():
-        loss = per_sample_loss(plan.local_indices).sum() / plan.global_batch_size
+    for mb in session.plans():          # or: for x, y in DataLoader(ds, batch_sampler=
+        loss = mean_loss(mb.local_indices)  #                    session.batch_sampler()):
         session.step(loss)
     session.finish()
 
-``step`` runs backward, sums the gradients of all ranks with one all_reduce (not
-DataParallel's 1/nranks mean: the loss is already normalised by the global batch), applies the
-optimizer, then runs the step-boundary hook: sample-id and loss logs, progress to the launcher,
-periodic checkpoints, and the stop-step agreement that makes CHECKPOINT/HOLD/RESUME safe.
+``step(loss)`` takes the micro-batch's *mean* loss and makes the step's gradient the global
+batch's, with the session's own gradient sum or under ``paddle.DataParallel``, with AMP,
+gradient accumulation and virtual ranks (trainer/stepper.py). At the end of each global step
+it runs the step-boundary hook: sample-id and loss logs, progress to the launcher, periodic
+checkpoints, and the stop-step agreement that makes CHECKPOINT/HOLD/RESUME safe.
 
 Stop-step agreement: every step ends with an all_reduce(max) of [stop_step, checkpoint, exit]
 as each rank knows them, so one rank that heard CHECKPOINT(S) in time makes every rank stop
@@ -31,16 +33,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from tidebase.errors import ConfigError
 from trainer import paddle_state
 from trainer.channel import NullChannel, SocketChannel, WorkerChannel
 from trainer.checkpoint import (
-    CheckpointNotFound,
     CheckpointSettings,
-    CheckpointStore,
-    LoadedCheckpoint,
     PeriodicSchedule,
     WrittenCheckpoint,
 )
@@ -52,6 +49,7 @@ from trainer.distenv import (
     DistEnv,
     wait_for_port,
 )
+from trainer.handover import ShmHandover, StateHandover
 from trainer.messages import (
     CheckpointAt,
     CheckpointInfo,
@@ -68,8 +66,12 @@ from trainer.messages import (
     Resumed,
     ToWorker,
 )
-from trainer.sampler import ResumableSampler, SamplerConfig, StepPlan
+from trainer.objstore import make_store
+from trainer.persist import DurableStore, DurableWriter, Snapshot
+from trainer.restore import locate
+from trainer.sampler import MicroBatch, ResumableSampler, SamplerConfig, micro_batches
 from trainer.steplog import StepLog
+from trainer.stepper import Stepper
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,10 @@ __all__ = [
     "SessionConfig",
     "SessionExit",
 ]
+
+
+# How long a worker asked to exit waits for a durable write under way, seconds.
+EXIT_PERSIST_WAIT_S = 0.3
 
 
 class SessionExit(SystemExit):
@@ -102,6 +108,11 @@ class SessionConfig:
     log_dir: str = ""
     # Give up waiting for rank 0's TCP store after this long, seconds.
     master_wait_s: float = 60.0
+    # A fixed logical data-parallel degree (0: off): the global batch is cut into this many
+    # micro-batches in any world, each with its own BatchNorm buffers and RNG (stepper.py).
+    virtual_ranks: int = 0
+    # Micro-batches per rank (or per virtual rank) and step, their gradients accumulated.
+    accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.max_steps < 0:
@@ -110,6 +121,10 @@ class SessionConfig:
             raise ConfigError("checkpoint_dir must be set, got ''")
         if self.master_wait_s <= 0:
             raise ConfigError(f"master_wait_s must be > 0, got {self.master_wait_s}")
+        if self.virtual_ranks < 0:
+            raise ConfigError(f"virtual_ranks must be >= 0, got {self.virtual_ranks}")
+        if self.accumulation_steps < 1:
+            raise ConfigError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
         SamplerConfig(self.dataset_size, self.global_batch, self.seed)
 
 
@@ -118,6 +133,10 @@ class Timings:
     worker_restart_s: float = 0.0
     group_init_s: float = 0.0
     restore_s: float = 0.0
+    # Parts of restore_s: the pod's memory, the durable store, a peer over the group.
+    handover_s: float = 0.0
+    disk_read_s: float = 0.0
+    transfer_s: float = 0.0
     first_step_at: float = 0.0
 
 
@@ -129,14 +148,21 @@ class ElasticSession:
         self.sampler = ResumableSampler(
             SamplerConfig(config.dataset_size, config.global_batch, config.seed)
         )
-        self.store = CheckpointStore(config.checkpoint_dir, keep=config.checkpoint.keep)
+        # A directory (or PVC), or object storage through fsspec (trainer/objstore.py).
+        self.store: DurableStore = make_store(config.checkpoint_dir, keep=config.checkpoint.keep)
         self.timings = Timings()
         self.step_done = 0
         self.restored_step = 0
         self._model: Any = None
         self._optimizer: Any = None
         self._lr: Any = None
-        self._plan: StepPlan | None = None
+        self._scaler: Any = None
+        self._stepper: Stepper | None = None
+        # The current step's micro-batches of this rank, the next one's index, and the last
+        # one prepared (its buffers and RNG in place before the script's forward).
+        self._micro: list[MicroBatch] | None = None
+        self._mi = 0
+        self._prepared: tuple[int, int] | None = None
         self._global_loss = 0.0
         self._stop_at = 0
         self._want_checkpoint = False
@@ -145,12 +171,23 @@ class ElasticSession:
         self._directive_ids: list[str] = []
         self._periodic = PeriodicSchedule(config.checkpoint, time.monotonic())
         self._last_written: WrittenCheckpoint | None = None
+        # The step last handed to the durable writer (written or being written).
+        self._written_step = -1
+        self.persist = DurableWriter(self.store)
+        self.handover: StateHandover | None = (
+            ShmHandover(env.handover_dir) if env.handover_dir else None
+        )
         self._rate_t0 = time.monotonic()
         self._rate_samples = 0
         self._samples_per_s = 0.0
         self._first_step_started = 0.0
         self._last_reduce_s = 0.0
         self._log = StepLog(config.log_dir)
+        if env.device:
+            import paddle
+
+            # Before the script builds its model: a pinned worker's one GPU, or the CPU.
+            paddle.device.set_device(env.paddle_device)
         if not env.prewarm:
             self._joined()
         self.channel.send(Hello(pid=os.getpid(), generation=env.generation))
@@ -239,124 +276,174 @@ class ElasticSession:
             self.timings.group_init_s,
         )
 
-    def attach(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> None:
+    def attach(
+        self, model: Any, optimizer: Any, lr_scheduler: Any = None, scaler: Any = None
+    ) -> None:
+        """The training state: a model (plain or ``paddle.DataParallel``), its optimizer, an
+        LR scheduler stepped once per global step, an AMP ``GradScaler``. Before restore."""
         self._model = model
         self._optimizer = optimizer
         self._lr = lr_scheduler
+        self._scaler = scaler
+
+    @property
+    def stepper(self) -> Stepper:
+        if self._stepper is None:
+            # After the group: the world size is known only then in a prewarmed worker.
+            self._stepper = Stepper(
+                self._model,
+                self._optimizer,
+                self._lr,
+                self._scaler,
+                self.world_size,
+                self.config.virtual_ranks,
+                self.config.seed,
+            )
+        return self._stepper
+
+    def batch_sampler(self) -> Any:
+        """A ``paddle.io.BatchSampler`` of this rank's micro-batches from the restored step
+        on, for ``paddle.io.DataLoader(dataset, batch_sampler=...)``: workers, prefetching
+        and collate functions keep working. Call :meth:`step` once per batch."""
+        from trainer.dataloader import TideBatchSampler
+
+        return TideBatchSampler(self)
+
+    def micro_batches(self, step: int) -> list[MicroBatch]:
+        """This rank's micro-batches of global step ``step``."""
+        return micro_batches(
+            self.sampler.plan(step, self.rank, self.world_size),
+            self.rank,
+            self.world_size,
+            self.config.virtual_ranks,
+            self.config.accumulation_steps,
+        )
 
     def restore(self) -> int:
-        """Load the newest good checkpoint; returns its step (0: from scratch).
+        """Load the newest state any rank holds; returns its step (0: from scratch).
 
         The newest one, not only the step the rendezvous names: after an unplanned loss the
         coordinator names its last coordinated checkpoint, while a newer periodic one loses
-        fewer steps; every checkpoint of the job lies on the same trajectory. The ranks then
-        agree on the step, so a checkpoint committed between two ranks' listings cannot split
-        them."""
+        fewer steps; every checkpoint of the job lies on the same trajectory. Where it comes
+        from (the pod's memory, a peer over the new group, the durable store) is
+        trainer/restore.py's rule: a planned resize reads nothing from disk."""
         started = time.monotonic()
         if self.rank == 0:
-            # Rank 0 is the only writer, and a new generation starts here: what a crashed
-            # writer left is garbage now (a writer still running keeps its directory).
+            # Rank 0 is the only durable writer, and a new generation starts here: what a
+            # crashed writer left is garbage now (a writer still running keeps its directory).
             self.store.cleanup_tmp()
-        try:
-            loaded: LoadedCheckpoint | None = self.store.load_latest()
-        except CheckpointNotFound:
-            loaded = None
+        located = locate(self.handover, self.store, self.rank, self.world_size)
         named = self.env.restore_step
-        if named is not None and (loaded is None or loaded.step < named):
+        if named is not None and located.step < named:
             logger.warning(
                 "checkpoint %d named by generation %d is missing or damaged; restoring %s",
                 named,
                 self.env.generation,
-                loaded.step if loaded else "from scratch",
+                located.step or "from scratch",
             )
-        step = loaded.step if loaded else 0
-        # Time the agreement apart: it waits for the slowest rank, which is not reading.
-        read_s = time.monotonic() - started
-        lowest = self._agree_min(step)
-        if lowest != step:
-            logger.warning(
-                "rank %d found step %d but another rank only %d; using %d",
-                self.rank,
-                step,
-                lowest,
-                lowest,
-            )
-            loaded = self.store.load_latest(at_most=lowest) if lowest else None
         load_started = time.monotonic()
-        if loaded is not None:
-            paddle_state.load_state(loaded.files, self._model, self._optimizer, self._lr)
-            self.step_done = loaded.step
-        read_s += time.monotonic() - load_started
+        stepper = self.stepper
+        if located.step:
+            paddle_state.load_state(
+                located.files, self._model, self._optimizer, self._lr, self._scaler
+            )
+            stepper.load(located.files)
+            self.step_done = located.step
+        t = self.timings
+        t.handover_s, t.disk_read_s, t.transfer_s = (
+            located.handover_s,
+            located.disk_read_s,
+            located.transfer_s,
+        )
+        t.restore_s = t.handover_s + t.disk_read_s + t.transfer_s + time.monotonic() - load_started
         self.restored_step = self.step_done
-        self.timings.restore_s = read_s
+        if self.rank == 0 and located.step and located.source != "disk":
+            self._persist_restored(located.step, located.files)
         logger.info(
-            "rank %d of generation %d restored step %d in %.3fs",
+            "rank %d of generation %d restored step %d from %s in %.3fs (located in %.3fs)",
             self.rank,
             self.env.generation,
             self.step_done,
-            self.timings.restore_s,
+            located.source or "scratch",
+            t.restore_s,
+            time.monotonic() - started,
         )
         self.channel.send(
             Ready(
                 restored_step=self.step_done,
                 generation=self.env.generation,
-                worker_restart_s=self.timings.worker_restart_s,
-                group_init_s=self.timings.group_init_s,
-                restore_s=self.timings.restore_s,
+                worker_restart_s=t.worker_restart_s,
+                group_init_s=t.group_init_s,
+                restore_s=t.restore_s,
             )
         )
         self._report_progress()
+        self._first_step_started = time.monotonic()
+        self._current()
         return self.step_done
+
+    def _persist_restored(self, step: int, files: Mapping[str, bytes]) -> None:
+        """A state that came from memory or a peer is made durable too, in the background,
+        if the durable store lacks it (the old generation's writer may have been stopped
+        before it finished, or the store is this pod's own)."""
+        if step in self.store.list_steps():
+            return
+        self._written_step = step
+        self.persist.submit(Snapshot(step, dict(files), self._meta(step, False), False))
 
     # -- the loop ---------------------------------------------------------------------------
 
-    def plans(self) -> Iterator[StepPlan]:
-        while self.step_done < self.config.max_steps:
-            plan = self.sampler.plan(self.step_done + 1, self.rank, self.world_size)
-            self._plan = plan
-            if self.timings.first_step_at == 0.0:
-                self._first_step_started = time.monotonic()
-            yield plan
-            if self._plan is not None:
-                raise RuntimeError(f"step {plan.step}: call session.step(loss) inside the loop")
+    def _current(self) -> MicroBatch | None:
+        """The micro-batch the script runs next, prepared; None when the budget is done."""
+        if self.step_done >= self.config.max_steps:
+            return None
+        if self._micro is None or self._micro[0].step != self.step_done + 1:
+            self._micro, self._mi = self.micro_batches(self.step_done + 1), 0
+        mb = self._micro[self._mi]
+        if self._prepared != (mb.step, mb.index):
+            self.stepper.prepare(mb)
+            self._prepared = (mb.step, mb.index)
+        return mb
 
-    def step(self, loss: Any) -> float:
-        """Backward, sum gradients over ranks, optimizer step, then the step-boundary hook.
+    @property
+    def current(self) -> MicroBatch | None:
+        """The micro-batch the next :meth:`step` call is for (a DataLoader loop can check
+        its batch against it); None when the budget is done."""
+        return self._current()
 
-        ``loss`` is this rank's summed loss divided by ``plan.global_batch_size``, or None when
-        this rank has no sample in the step. Returns the global loss of the step."""
-        import paddle
+    def plans(self) -> Iterator[MicroBatch]:
+        """This rank's micro-batches, one by one, until the budget is done."""
+        while (mb := self._current()) is not None:
+            yield mb
+            if self._current() is mb:
+                raise RuntimeError(f"step {mb.step}: call session.step(loss) inside the loop")
 
-        plan = self._plan
-        if plan is None:
-            raise RuntimeError("session.step() outside session.plans()")
-        if loss is None:
-            # A rank without samples in this step still joins the all_reduce with zero grads.
-            loss = paddle.add_n([p.sum() * 0.0 for p in self._model.parameters()])
-        loss.backward()
-        params = [p for p in self._model.parameters() if p.grad is not None]
-        flat = paddle.concat([*(p.grad.reshape([-1]) for p in params), loss.detach().reshape([1])])
-        reduce_started = time.monotonic()
-        if self.world_size > 1:
-            import paddle.distributed as dist
-
-            dist.all_reduce(flat)
-        self._last_reduce_s = time.monotonic() - reduce_started
-        offset = 0
-        for p in params:
-            n = int(np.prod(p.shape))
-            p.grad.set_value(flat[offset : offset + n].reshape(p.grad.shape))
-            offset += n
-        self._global_loss = float(flat[offset])
-        self._optimizer.step()
-        self._optimizer.clear_grad()
-        if self._lr is not None:
-            self._lr.step()
-        self._plan = None
-        self._end_of_step(plan)
+    def step(self, loss: Any) -> float | None:
+        """Backward of the current micro-batch's *mean* loss (None: this rank ran no forward,
+        plain models only); after a rank's last micro-batch of the step, the sum over ranks,
+        the optimizer (and scaler, LR scheduler) step and the step-boundary hook. Returns the
+        global batch's mean loss after the step's last micro-batch, else None."""
+        mb = self._current()
+        if mb is None:
+            raise RuntimeError("session.step() after the last step")
+        stepper = self.stepper
+        stepper.backward(mb, loss)
+        self._mi += 1
+        if not mb.last:
+            self._current()
+            return None
+        assert self._micro is not None
+        step_micro = self._micro
+        self._global_loss = stepper.apply()
+        self._last_reduce_s = stepper.last_reduce_s
+        self._micro = None
+        self._end_of_step(step_micro)
+        self._current()
         return self._global_loss
 
-    def _end_of_step(self, plan: StepPlan) -> None:
+    def _end_of_step(self, micro: list[MicroBatch]) -> None:
+        plan = micro[0]
+        ids = [int(i) for mb in micro if not mb.padding for i in mb.local_indices]
         self.step_done = plan.step
         now = time.monotonic()
         if self.timings.first_step_at == 0.0:
@@ -370,10 +457,13 @@ class ElasticSession:
                 first_step_s=time.monotonic() - self._first_step_started,
                 first_reduce_s=self._last_reduce_s,
                 restart_started_at=self.env.restart_started_at,
+                pod_rank=self.env.pod_rank,
+                local_rank=self.env.local_rank,
+                device=self.env.device,
                 **asdict(self.timings),
             )
         # This worker's share: the coordinator sums its members' rates into the job's.
-        self._rate_samples += len(plan.local_indices)
+        self._rate_samples += len(ids)
         if now - self._rate_t0 >= 1.0:
             self._samples_per_s = self._rate_samples / (now - self._rate_t0)
             self._rate_t0, self._rate_samples = now, 0
@@ -383,12 +473,13 @@ class ElasticSession:
             self.env.generation,
             self.rank,
             self.world_size,
-            [int(i) for i in plan.local_indices],
+            ids,
             self._global_loss,
         )
         self._report_progress()
         if self.rank == 0 and self._periodic.due(plan.step, now):
             self._write_checkpoint(plan.step, periodic=True)
+        self._report_written()
         self._drain_channel()
         stop_at, want_ckpt, want_exit = self._agree()
         if want_exit:
@@ -408,11 +499,9 @@ class ElasticSession:
             )
         )
 
-    def _write_checkpoint(self, step: int, periodic: bool) -> WrittenCheckpoint:
-        if self._last_written is not None and self._last_written.step == step:
-            return self._last_written
+    def _meta(self, step: int, periodic: bool) -> dict[str, Any]:
         pos = self.sampler.position(step)
-        meta = {
+        return {
             "step": step,
             "epoch": pos.epoch,
             "cursor": pos.cursor,
@@ -422,16 +511,55 @@ class ElasticSession:
             "global_batch": self.config.global_batch,
             "periodic": periodic,
         }
-        files = paddle_state.state_files(self._model, self._optimizer, self._lr)
-        written = self.store.write(step, files, meta)
+
+    def _state_files(self) -> dict[str, bytes]:
+        """This process's training state, serialised now (the model with virtual rank 0's
+        buffers, every virtual rank's in their own file)."""
+        stepper = self.stepper
+        live = stepper.use_virtual_rank_0()
+        try:
+            files = paddle_state.state_files(self._model, self._optimizer, self._lr, self._scaler)
+        finally:
+            stepper.put_back(live)
+        files.update(stepper.state_files())
+        return files
+
+    def _write_checkpoint(self, step: int, periodic: bool, wait: bool = False) -> None:
+        """Rank 0: a durable checkpoint of ``step``, written in the background (``wait``:
+        before this returns); reported to the launcher once written."""
+        if self._written_step == step:
+            if wait:
+                self.persist.wait()
+                self._report_written()
+            return
+        self._written_step = step
         self._periodic.mark(step, time.monotonic())
-        self._last_written = written
-        self.channel.send(
-            CheckpointWritten(
-                step=step, digest=written.digest, write_s=written.write_s, periodic=periodic
-            )
+        self.persist.submit(
+            Snapshot(step, self._state_files(), self._meta(step, periodic), periodic)
         )
-        return written
+        if wait:
+            self.persist.wait()
+            self._report_written()
+
+    def _report_written(self) -> WrittenCheckpoint | None:
+        last = None
+        for done in self.persist.poll():
+            if done.checkpoint is None:
+                logger.error(
+                    "durable checkpoint of step %d failed: %s", done.snapshot.step, done.error
+                )
+                continue
+            last = done.checkpoint
+            self._last_written = last
+            self.channel.send(
+                CheckpointWritten(
+                    step=last.step,
+                    digest=last.digest,
+                    write_s=last.write_s,
+                    periodic=done.snapshot.periodic,
+                )
+            )
+        return last
 
     def _handle(self, msg: ToWorker) -> None:
         if isinstance(msg, CheckpointAt):
@@ -510,8 +638,20 @@ class ElasticSession:
 
     def _send_held(self, step: int, held_at: float, checkpoint: bool, ids: list[str]) -> None:
         info: CheckpointInfo | None = None
-        if checkpoint and self.rank == 0:
-            written = self._write_checkpoint(step, periodic=False)
+        if checkpoint and self.handover is not None:
+            # Each pod's first worker hands the state to the pod's next worker, in memory;
+            # rank 0 also makes it durable, off the pause.
+            handed: WrittenCheckpoint | None = None
+            if self.env.local_rank == 0:
+                handed = self.handover.put(step, self._state_files(), self._meta(step, False))
+            if self.rank == 0:
+                self._write_checkpoint(step, periodic=False)
+                assert handed is not None
+                info = CheckpointInfo(step=step, digest=handed.digest, write_s=handed.write_s)
+        elif checkpoint and self.rank == 0:
+            self._write_checkpoint(step, periodic=False, wait=True)
+            written = self._last_written
+            assert written is not None and written.step == step, "the checkpoint was not written"
             info = CheckpointInfo(step=step, digest=written.digest, write_s=written.write_s)
         self._log.timing(
             "held",
@@ -532,12 +672,21 @@ class ElasticSession:
             self.env.generation,
             self.step_done,
         )
+        # A durable write under way gets a moment; the next generation's rank 0 writes the
+        # state it restored if this one is cut short.
+        self.persist.wait(EXIT_PERSIST_WAIT_S)
+        self._report_written()
         self._log.close()
         raise SessionExit(0)
 
     def finish(self) -> None:
-        """The budget is done: write a final checkpoint and tell the launcher."""
+        """The budget is done: write a final checkpoint and tell the launcher. The model
+        then holds virtual rank 0's buffers (with virtual ranks), ready to export."""
+        if self._stepper is not None:
+            self._stepper.use_virtual_rank_0()
         if self.rank == 0 and self.step_done > 0:
-            self._write_checkpoint(self.step_done, periodic=True)
+            self._write_checkpoint(self.step_done, periodic=True, wait=True)
+        self.persist.wait()
+        self._report_written()
         self._log.close()
         self.channel.send(Done(step=self.step_done))

@@ -40,8 +40,10 @@ COPY pyproject.toml README.md ./
 COPY proto/ proto/
 COPY tidebase/ tidebase/
 COPY trainer/ trainer/
-# The launcher and the training library: grpcio, protobuf and numpy, nothing
-# of the control plane.
+# The launcher and the training library: grpcio, protobuf, numpy, nvidia-ml-py
+# (the launcher counts its pod's GPUs) and fsspec (checkpoints in object
+# storage; add its backend, e.g. s3fs, in the training image), nothing of the
+# control plane.
 RUN uv pip install --python /opt/tide/bin/python ".[trainer]" \
     && rm -rf /src
 

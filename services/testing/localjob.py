@@ -85,6 +85,12 @@ class LocalJob:
     heartbeat_interval_s: float = 0.5
     checkpoint_lead_s: float = 1.0
     use_zygote: bool = True
+    # The training script each pod's launcher runs, and the launcher's own extra flags
+    # (``--workers-per-pod 2``).
+    example: str = EXAMPLE
+    launcher_args: Sequence[str] = ()
+    # False: no volume shared by the pods; each pod's checkpoints go to its own directory.
+    shared_checkpoints: bool = True
     pods: list[Pod] = field(default_factory=list)
     coordinator: subprocess.Popen[str] | None = None
     port: int = 0
@@ -179,11 +185,12 @@ class LocalJob:
             "--exit-grace-s",
             "0.5",
             *([] if self.use_zygote else ["--no-zygote"]),
+            *self.launcher_args,
             "--",
             sys.executable,
-            EXAMPLE,
+            self.example,
             "--ckpt-dir",
-            str(self.ckpt_dir),
+            str(self.ckpt_dir if self.shared_checkpoints else state_dir / "ckpt"),
             "--log-dir",
             str(self.log_dir),
             *self.train_args,
@@ -315,7 +322,11 @@ def sample_records(log_dir: Path) -> list[dict[str, Any]]:
 
 
 def reference_run(
-    workdir: Path, train_args: Sequence[str], world_size: int = 2, timeout_s: float = 120.0
+    workdir: Path,
+    train_args: Sequence[str],
+    world_size: int = 2,
+    timeout_s: float = 120.0,
+    example: str = EXAMPLE,
 ) -> Path:
     """A fixed-size run without any coordinator (Paddle's plain way): the parity baseline."""
     log_dir = workdir / "logs"
@@ -338,7 +349,7 @@ def reference_run(
             subprocess.Popen(
                 [
                     sys.executable,
-                    EXAMPLE,
+                    example,
                     "--ckpt-dir",
                     str(workdir / "ckpt"),
                     "--log-dir",

@@ -1,68 +1,19 @@
-"""Assertions on the logs of trainer/examples/train_mlp.py: exactly-once samples, parity."""
+"""Assertions on the logs of the example scripts: exactly-once samples, parity."""
 
-from __future__ import annotations
+from services.testing.parity import (
+    check_exactly_once,
+    final_losses,
+    max_rel_loss_diff,
+    max_rel_param_diff,
+    samples_per_step,
+    steps_by_generation,
+)
 
-from collections import defaultdict
-from pathlib import Path
-from typing import Any
-
-import numpy as np
-
-from services.testing.localjob import loss_records, sample_records
-
-
-def steps_by_generation(log_dir: Path) -> dict[int, list[int]]:
-    """Rank 0's completed steps per generation."""
-    out: dict[int, list[int]] = defaultdict(list)
-    for r in loss_records(log_dir):
-        out[int(r["gen"])].append(int(r["step"]))
-    return dict(out)
-
-
-def final_losses(log_dir: Path) -> dict[int, float]:
-    """Loss per step; a step redone after an unplanned loss keeps its last value."""
-    return {int(r["step"]): float(r["loss"]) for r in loss_records(log_dir)}
-
-
-def samples_per_step(log_dir: Path) -> dict[tuple[int, int], dict[str, Any]]:
-    """(generation, step) -> epoch and the sample ids all ranks of it used in that step."""
-    out: dict[tuple[int, int], dict[str, Any]] = {}
-    for r in sample_records(log_dir):
-        key = (int(r["gen"]), int(r["step"]))
-        entry = out.setdefault(key, {"epoch": int(r["epoch"]), "ids": [], "ranks": set()})
-        entry["ids"].extend(int(i) for i in r["ids"])
-        entry["ranks"].add(int(r["rank"]))
-    return out
-
-
-def check_exactly_once(log_dir: Path, dataset_size: int, total_steps: int, spe: int) -> None:
-    """Each step consumed once (last generation wins for redone steps), and every complete
-    epoch used every sample exactly once."""
-    per_step = samples_per_step(log_dir)
-    latest: dict[int, tuple[int, dict[str, Any]]] = {}
-    for (gen, step), entry in per_step.items():
-        if step not in latest or gen > latest[step][0]:
-            latest[step] = (gen, entry)
-    assert sorted(latest) == list(range(1, total_steps + 1)), "a step is missing"
-    by_epoch: dict[int, list[int]] = defaultdict(list)
-    for _, entry in latest.values():
-        by_epoch[entry["epoch"]].extend(entry["ids"])
-    for epoch, ids in by_epoch.items():
-        assert len(ids) == len(set(ids)), f"epoch {epoch} used a sample twice"
-        if (epoch + 1) * spe <= total_steps:
-            assert sorted(ids) == list(range(dataset_size)), f"epoch {epoch} missed samples"
-
-
-def max_rel_loss_diff(a: dict[int, float], b: dict[int, float]) -> float:
-    assert sorted(a) == sorted(b), "the runs did not complete the same steps"
-    return max(abs(a[s] - b[s]) / max(abs(b[s]), 1e-12) for s in a)
-
-
-def max_rel_param_diff(a: Path, b: Path) -> float:
-    pa, pb = np.load(a), np.load(b)
-    assert sorted(pa.files) == sorted(pb.files)
-    worst = 0.0
-    for k in pa.files:
-        x, y = pa[k].astype(np.float64), pb[k].astype(np.float64)
-        worst = max(worst, float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(y))), 1e-12)))
-    return worst
+__all__ = [
+    "check_exactly_once",
+    "final_losses",
+    "max_rel_loss_diff",
+    "max_rel_param_diff",
+    "samples_per_step",
+    "steps_by_generation",
+]

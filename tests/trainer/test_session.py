@@ -42,10 +42,12 @@ def _train(session: ElasticSession, seed: int = 0) -> list[float]:
     losses = []
     for plan in session.plans():
         idx = plan.local_indices
-        per = paddle.nn.functional.cross_entropy(
-            model(paddle.to_tensor(x[idx])), paddle.to_tensor(y[idx]), reduction="none"
+        loss = paddle.nn.functional.cross_entropy(
+            model(paddle.to_tensor(x[idx])), paddle.to_tensor(y[idx])
         )
-        losses.append(session.step(per.sum() / plan.global_batch_size))
+        global_loss = session.step(loss)
+        assert global_loss is not None
+        losses.append(global_loss)
     session.finish()
     return losses
 

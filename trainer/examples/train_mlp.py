@@ -86,22 +86,16 @@ def main(argv: list[str] | None = None) -> int:
 
     session.init_process_group(warmup=warmup)
     session.restore()
-    for plan in session.plans():
-        idx = plan.local_indices
-        loss = None
-        if len(idx):
-            logits = model(paddle.to_tensor(x_all[idx]))
-            per_sample = paddle.nn.functional.cross_entropy(
-                logits, paddle.to_tensor(y_all[idx]), reduction="none"
-            )
-            loss = per_sample.sum() / plan.global_batch_size
+    for mb in session.plans():
+        logits = model(paddle.to_tensor(x_all[mb.local_indices]))
+        loss = paddle.nn.functional.cross_entropy(logits, paddle.to_tensor(y_all[mb.local_indices]))
         session.step(loss)
-        if args.step_delay_s:
+        if args.step_delay_s and mb.last:
             time.sleep(args.step_delay_s)
+    session.finish()
     if args.log_dir and session.rank == 0:
         params = {k: v.numpy() for k, v in model.state_dict().items()}
         np.savez(Path(args.log_dir) / "final_params.npz", **params)  # type: ignore[arg-type]
-    session.finish()
     return 0
 
 

@@ -23,13 +23,17 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from trainer.devices import Backend, PodDevices, WorkerPlace, detect, local_env, worker_env
 from trainer.distenv import GENERATION_ENV, RESTART_STARTED_AT_ENV, RESTORE_STEP_ENV
+from trainer.handover import HANDOVER_DIR_ENV, pod_handover_dir
+from trainer.launcher.group import WorkerGroup
 from trainer.launcher.link import CoordinatorLink
 from trainer.launcher.model import (
     LEAVING,
@@ -42,7 +46,6 @@ from trainer.launcher.model import (
     WorkerProgress,
 )
 from trainer.launcher.settings import LauncherSettings
-from trainer.launcher.supervisor import WorkerSupervisor
 from trainer.messages import (
     CheckpointAt,
     CheckpointWritten,
@@ -61,23 +64,30 @@ from trainer.spawner import Spawner, SubprocessSpawner, WorkerHandle, ZygoteSpaw
 logger = logging.getLogger(__name__)
 
 
-def rendezvous_env(d: Directive, restart_started_at: float) -> dict[str, str]:
-    """The PADDLE_*/TIDE_* environment of the worker of a RENDEZVOUS."""
+def rendezvous_envs(
+    d: Directive, devices: PodDevices, restart_started_at: float
+) -> list[dict[str, str]]:
+    """The PADDLE_*/TIDE_* environment of each local worker of a RENDEZVOUS: the
+    coordinator's rank and world size count pods, the workers' count processes."""
     rdv = d.rendezvous
     assert rdv is not None
-    endpoints = list(rdv.trainer_endpoints)
-    return {
-        "PADDLE_DISTRI_BACKEND": "gloo",
-        "PADDLE_MASTER": rdv.master_endpoint,
-        "PADDLE_TRAINER_ID": str(rdv.rank),
-        "PADDLE_TRAINERS_NUM": str(rdv.world_size),
-        "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
-        "PADDLE_CURRENT_ENDPOINT": endpoints[rdv.rank] if endpoints else "",
-        "PADDLE_RANK_IN_NODE": "0",
+    common = {
         GENERATION_ENV: str(d.generation),
         RESTORE_STEP_ENV: str(rdv.restore_step),
         RESTART_STARTED_AT_ENV: repr(restart_started_at),
     }
+    return [
+        {
+            **worker_env(
+                WorkerPlace(rdv.rank, rdv.world_size, local, devices.workers),
+                devices,
+                rdv.master_endpoint,
+                rdv.trainer_endpoints,
+            ),
+            **common,
+        }
+        for local in range(devices.workers)
+    ]
 
 
 class Launcher:
@@ -92,16 +102,27 @@ class Launcher:
         self.last_checkpoint_step = 0
         self.last_checkpoint_digest = ""
         self._state_dir = Path(settings.state_dir or tempfile.mkdtemp(prefix="tide-launcher-"))
+        self._handover_dir = pod_handover_dir(
+            settings.job_id, settings.pod_name or "pod", settings.launcher_id
+        )
         self.link = CoordinatorLink(settings, self._beat)
-        self.workers = WorkerSupervisor(
+        self.devices = detect(Backend.parse(settings.backend), settings.workers_per_pod)
+        use_zygote = settings.use_zygote
+        if use_zygote and self.devices.backend is Backend.NCCL:
+            # A CUDA context does not survive fork, and importing a GPU build of Paddle may
+            # create one: GPU workers start as fresh processes (the prewarmed standby still
+            # hides the import from the pause).
+            logger.info("launcher %s: nccl workers start without the zygote", settings.pod_name)
+            use_zygote = False
+        self.workers = WorkerGroup(
             settings,
             spawner
-            or (
-                ZygoteSpawner(settings.zygote_preload)
-                if settings.use_zygote
-                else SubprocessSpawner()
-            ),
+            or (ZygoteSpawner(settings.zygote_preload) if use_zygote else SubprocessSpawner()),
             self._state_dir,
+            [
+                {**local_env(self.devices, i), **self._handover_env()}
+                for i in range(self.devices.workers)
+            ],
             may_prewarm=lambda: self.state not in LEAVING,
             on_exit=self._on_worker_exit,
             on_message=self._on_worker_message,
@@ -118,6 +139,13 @@ class Launcher:
     @property
     def member_id(self) -> str:
         return self.link.member_id
+
+    def _handover_env(self) -> dict[str, str]:
+        """The pod's shared-memory directory where a worker hands its state to the next one
+        (trainer/handover.py); none with ``handover`` off."""
+        if not self.s.handover:
+            return {}
+        return {HANDOVER_DIR_ENV: str(self._handover_dir)}
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
@@ -175,6 +203,8 @@ class Launcher:
                 await t
         await self.link.close()
         await self.workers.close()
+        # The pod's memory is the pod's: what was handed over goes with this launcher.
+        shutil.rmtree(self._handover_dir, ignore_errors=True)
 
     def stop(self, code: int = 0) -> None:
         self.exit_code = code
@@ -289,16 +319,21 @@ class Launcher:
         self._ready = asyncio.get_running_loop().create_future()
         self.workers.forget_queued()
         self._worker_done = False
-        env = rendezvous_env(d, restart_started_at)
-        worker, woke = await self.workers.start_generation(env, d.generation, rdv.rank)
+        envs = rendezvous_envs(d, self.devices, restart_started_at)
+        ranks = [
+            WorkerPlace(rdv.rank, rdv.world_size, i, self.devices.workers).rank
+            for i in range(self.devices.workers)
+        ]
+        worker, woke = await self.workers.start_generation(envs, d.generation, ranks)
         logger.info(
-            "member %s %s worker pid %d: generation %d rank %d/%d restore %d",
+            "member %s %s worker pid %d: generation %d ranks %d..%d of %d restore %d",
             self.member_id,
             "woke prewarmed" if woke else "started",
             worker.pid,
             d.generation,
-            rdv.rank,
-            rdv.world_size,
+            ranks[0],
+            ranks[-1],
+            rdv.world_size * self.devices.workers,
             rdv.restore_step,
         )
         try:
@@ -334,6 +369,12 @@ class Launcher:
             # marks the member finished instead of waiting for its silence to look like a loss.
             await self.link.final_heartbeat()
             self.stop(0)
+            return
+        if self.state is State.FAILED:
+            # Another of the pod's workers died first (or with it): the pod has failed once.
+            logger.warning(
+                "member %s: worker pid %d also exited with %d", self.member_id, worker.pid, code
+            )
             return
         logger.error(
             "member %s (job %s): worker pid %d died with %d in generation %d",

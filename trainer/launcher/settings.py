@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from tidebase.credentials import NO_CREDENTIALS, ClientCredentials
 from tidebase.errors import ConfigError
 from tidebase.grpc_options import DEFAULT_TIMEOUT_S
+from trainer.devices import Backend
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class LauncherSettings:
     zygote_preload: str | None = None
     # How long a worker asked to exit gets before SIGKILL, seconds.
     exit_grace_s: float = 1.0
+    # Collective backend: auto (nccl when the pod has GPUs, else gloo), nccl or gloo.
+    backend: str = "auto"
+    # Workers in this pod; 0: one per GPU under nccl, one on CPU (trainer/devices.py).
+    workers_per_pod: int = 0
+    # Hand state to the pod's next worker in shared memory at a planned resize.
+    handover: bool = True
     # How long a new worker may take to have its group and restore, seconds.
     start_timeout_s: float = 120.0
     # The one backoff (tidebase.retry.Backoff) of the directive stream's reconnects, the
@@ -45,6 +52,9 @@ class LauncherSettings:
             raise ConfigError(f"job must be NAMESPACE/NAME, got {self.job_id!r}")
         if not self.command:
             raise ConfigError("command must be given after --, got nothing")
+        Backend.parse(self.backend)
+        if self.workers_per_pod < 0:
+            raise ConfigError(f"workers_per_pod must be >= 0, got {self.workers_per_pod}")
         if self.pod_index < 0:
             raise ConfigError(f"pod_index must be >= 0, got {self.pod_index}")
         for name in ("exit_grace_s", "start_timeout_s", "backoff_initial_s", "rpc_timeout_s"):

@@ -67,6 +67,7 @@ class WorkerSupervisor:
         on_exit: Callable[[WorkerHandle, int, bool], Awaitable[None]],
         on_message: Callable[[ToLauncher], Awaitable[None]],
         member_id: Callable[[], str] = lambda: "",
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         # on_exit(worker, code, expected) runs when the current worker has exited and its
         # connection is drained; on_message(msg) for each message of the current worker.
@@ -88,6 +89,8 @@ class WorkerSupervisor:
         self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._member_id = member_id
+        # What this worker always has (its device pinning, its local rank): trainer/devices.py.
+        self._extra_env = dict(extra_env or {})
 
     @property
     def member_id(self) -> str:
@@ -120,6 +123,7 @@ class WorkerSupervisor:
         # PADDLE_TRAINER_ID is the pod index, Kubeflow's PADDLE_NNODES the replicas);
         # under Tide each generation's world comes from the coordinator instead.
         env = {k: v for k, v in os.environ.items() if k not in OPERATOR_PADDLE_ENV}
+        env.update(self._extra_env)
         env[CONTROL_SOCKET_ENV] = self.control.path
         return env
 

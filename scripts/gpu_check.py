@@ -1,0 +1,193 @@
+"""The trainer's GPU paths on a real GPU, in one short run (a few minutes on one H200).
+
+Needs a machine with an NVIDIA GPU, its driver, and ``paddlepaddle-gpu`` in place of
+``paddlepaddle`` (``pip install paddlepaddle-gpu``; the code path is the same):
+
+    python scripts/gpu_check.py [--workdir DIR]
+
+It checks, in order, and stops at the first failure (each check's outcome is in the result):
+
+1. ``nvml``: real NVML readings through the agent's own source
+   (services.agent.nvml.NvmlSource): utilization, memory, power, temperature, health.
+2. ``devices``: the launcher's view of the pod (trainer/devices.py): backend nccl, one
+   worker per visible GPU.
+3. ``launcher_nccl``: the BatchNorm CNN (trainer/examples/train_bn.py) under the real
+   coordinator and launcher with ``--backend nccl`` at world size 1: the worker is pinned
+   (CUDA_VISIBLE_DEVICES, FLAGS_selected_gpus) and trains on gpu:0 to the end of its budget.
+4. ``restore_parity``: the same script run 0 -> N/2, restored from its checkpoint, then
+   N/2 -> N, against one straight run, on the GPU: relative difference of every step's loss
+   and of the final parameters and buffers.
+5. ``amp``: ``paddle.amp`` with a ``GradScaler`` on the GPU (enabled only there): losses
+   finite, the scaler's state in the checkpoint, and restore parity as in 4.
+
+The last line is ``RESULT {json}``; the exit code is 0 when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+
+BN = str(ROOT / "trainer" / "examples" / "train_bn.py")
+STEPS = 40
+TRAIN = [
+    "--dataset-size", "512",
+    "--global-batch", "64",
+    "--width", "32",
+    "--seed", "11",
+    "--virtual-ranks", "2",
+    "--ckpt-every-steps", "10",
+]  # fmt: skip
+
+
+def check_nvml() -> dict[str, Any]:
+    from services.agent.nvml import NvmlSource
+
+    source = NvmlSource()
+    count = source.open()
+    try:
+        readings = []
+        for _ in range(3):
+            readings = source.sample()
+            time.sleep(0.5)
+    finally:
+        source.close()
+    gpus = [
+        {
+            "index": r.index,
+            "uuid": r.uuid,
+            "utilization_pct": r.utilization_pct,
+            "memory_used_bytes": r.memory_used_bytes,
+            "memory_total_bytes": r.memory_total_bytes,
+            "power_w": r.power_w,
+            "temperature_c": r.temperature_c,
+            "health": r.health.name,
+        }
+        for r in readings
+    ]
+    ok = count > 0 and all(r.memory_total_bytes > 0 and r.health.name == "OK" for r in readings)
+    return {"ok": ok, "gpus": gpus}
+
+
+def check_devices() -> dict[str, Any]:
+    from trainer.devices import Backend, detect
+
+    pod = detect()
+    return {
+        "ok": pod.backend is Backend.NCCL and len(pod.gpus) > 0 and pod.workers == len(pod.gpus),
+        "backend": pod.backend.value,
+        "gpus": list(pod.gpus),
+        "workers": pod.workers,
+    }
+
+
+async def check_launcher(workdir: Path) -> dict[str, Any]:
+    from tide.v1 import coordinator_pb2 as pb
+
+    from services.testing.localjob import LocalJob, loss_records, read_jsonl
+
+    job = LocalJob(
+        workdir,
+        [*TRAIN, "--steps", str(STEPS)],
+        heartbeat_timeout_s=20.0,
+        example=BN,
+        launcher_args=["--backend", "nccl"],
+    )
+    job.start_coordinator()
+    try:
+        job.add_pod(0)
+        await job.wait_standby(1, timeout_s=180)
+        started = time.monotonic()
+        final = (await job.resize(1, deadline_s=180, timeout_s=300))[-1]
+        codes = await job.wait_pods_exit(300)
+        wall = time.monotonic() - started
+    finally:
+        await job.close()
+    firsts = [r for r in read_jsonl(job.log_dir / "timings.jsonl") if r["event"] == "first_step"]
+    losses = [float(r["loss"]) for r in loss_records(job.log_dir)]
+    return {
+        "ok": final.phase == pb.RESIZE_PHASE_COMPLETED
+        and codes == [0]
+        and len(losses) == STEPS
+        and all(r.get("device", "").startswith("gpu") for r in firsts),
+        "phase": pb.ResizePhase.Name(final.phase),
+        "exit_codes": codes,
+        "steps": len(losses),
+        "devices": sorted({r.get("device", "") for r in firsts}),
+        "steps_per_s": round(len(losses) / wall, 2) if wall else 0.0,
+    }
+
+
+def check_restore(workdir: Path, extra: list[str]) -> dict[str, Any]:
+    from services.testing.localjob import reference_run
+    from services.testing.parity import final_losses, max_rel_loss_diff, max_rel_param_diff
+
+    args = [*TRAIN, *extra]
+    straight = reference_run(workdir / "straight", [*args, "--steps", str(STEPS)], 1, example=BN)
+    reference_run(workdir / "resumed", [*args, "--steps", str(STEPS // 2)], 1, example=BN)
+    resumed = reference_run(workdir / "resumed", [*args, "--steps", str(STEPS)], 1, example=BN)
+    losses = final_losses(resumed)
+    loss_diff = max_rel_loss_diff(losses, final_losses(straight))
+    param_diff = max_rel_param_diff(resumed / "final_params.npz", straight / "final_params.npz")
+    ckpts = sorted((workdir / "resumed" / "ckpt").glob("step-*"))
+    files = sorted(p.name for p in ckpts[-1].iterdir()) if ckpts else []
+    return {
+        "ok": max(loss_diff, param_diff) <= 1e-5 and all(map(_finite, losses.values())),
+        "loss_rel_diff": float(f"{loss_diff:.3g}"),
+        "param_rel_diff": float(f"{param_diff:.3g}"),
+        "checkpoint_files": files,
+    }
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--workdir", default="", help="keep the runs here (default: a temp dir)")
+    args = p.parse_args(argv)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tide-gpu-check-"))
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # cuDNN picks kernels that add in a varying order otherwise: parity needs the same one.
+    os.environ.setdefault("FLAGS_cudnn_deterministic", "1")
+    result: dict[str, Any] = {"workdir": str(workdir)}
+    started = time.monotonic()
+    checks = [
+        ("nvml", check_nvml),
+        ("devices", check_devices),
+        ("launcher_nccl", lambda: asyncio.run(check_launcher(workdir / "launcher"))),
+        ("restore_parity", lambda: check_restore(workdir / "restore", [])),
+        ("amp", lambda: check_restore(workdir / "amp", ["--amp"])),
+    ]
+    for name, check in checks:
+        t0 = time.monotonic()
+        try:
+            outcome = check()
+        except Exception as exc:
+            outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        outcome["s"] = round(time.monotonic() - t0, 1)
+        result[name] = outcome
+        print(f"{name}: {json.dumps(outcome)}", flush=True)
+        if not outcome["ok"]:
+            break
+    if "amp" in result and result["amp"]["ok"]:
+        result["amp"]["ok"] = "scaler.pdstate" in result["amp"].get("checkpoint_files", [])
+    result["ok"] = all(result.get(n, {}).get("ok") for n, _ in checks)
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    print("RESULT " + json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,197 @@
+"""Where a new worker's state comes from (transfer.py), the handover in the pod's memory
+(handover.py) and durable writes off the critical path (persist.py)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.poll import wait_for
+from trainer.checkpoint import CheckpointStore, WrittenCheckpoint
+from trainer.handover import ShmHandover, StateHandover, pod_handover_dir
+from trainer.persist import DurableWriter, Snapshot
+from trainer.restore import locate
+from trainer.transfer import Holding, RestorePlan, Where, pack, plan_restore, unpack
+
+pytestmark = pytest.mark.unit
+
+M, D, N = Where.MEMORY, Where.DISK, Where.NOWHERE
+
+
+@pytest.mark.parametrize(
+    ("holdings", "plan"),
+    [
+        # A planned resize of stayers only: each takes its own, nothing moves.
+        ([(7, M), (7, M)], RestorePlan(7, -1)),
+        # A newcomer: the first stayer with the step in memory sends it.
+        ([(7, M), (7, M), (0, N)], RestorePlan(7, 0)),
+        ([(0, N), (7, M)], RestorePlan(7, 1)),
+        # After a crash: the durable store's newest, read by one rank only.
+        ([(0, N), (10, D), (10, D)], RestorePlan(10, 1)),
+        # Memory beats disk for the same step; the newest step beats both.
+        ([(10, D), (10, M)], RestorePlan(10, 1)),
+        ([(10, M), (12, D)], RestorePlan(12, 1)),
+        ([(0, N), (0, N)], RestorePlan(0, -1)),
+    ],
+)
+def test_the_newest_step_from_memory_first(
+    holdings: list[tuple[int, Where]], plan: RestorePlan
+) -> None:
+    assert plan_restore([Holding(s, w) for s, w in holdings]) == plan
+
+
+def test_files_travel_as_one_blob() -> None:
+    files = {"model.pdparams": b"\x00" * 5, "empty": b"", "tide.step": b"12"}
+    assert unpack(pack(files)) == files
+    with pytest.raises(ValueError, match="stray"):
+        unpack(pack(files) + b"x")
+
+
+class MemoryHandover:
+    """A handover in this process's memory: the fake, with the real one's semantics."""
+
+    def __init__(self) -> None:
+        self._held: tuple[int, dict[str, bytes], str] | None = None
+
+    def put(
+        self, step: int, files: Mapping[str, bytes], meta: Mapping[str, Any]
+    ) -> WrittenCheckpoint:
+        digest = f"{step:064x}"
+        self._held = (step, dict(files), digest)
+        return WrittenCheckpoint(step, Path("memory"), digest, 0.0)
+
+    def latest_step(self) -> int | None:
+        return self._held[0] if self._held else None
+
+    def take(self) -> Any:
+        from trainer.checkpoint import LoadedCheckpoint
+
+        if self._held is None:
+            return None
+        step, files, digest = self._held
+        return LoadedCheckpoint(step, Path("memory"), digest, files, {})
+
+
+@pytest.fixture(params=["shm", "memory"])
+def handover(request: pytest.FixtureRequest, tmp_path: Path) -> StateHandover:
+    if request.param == "shm":
+        return ShmHandover(tmp_path / "shm")
+    return MemoryHandover()
+
+
+def test_handover_contract_keeps_the_newest_state(handover: StateHandover) -> None:
+    assert handover.latest_step() is None and handover.take() is None
+    handover.put(3, {"a": b"1"}, {})
+    first = handover.put(5, {"a": b"2"}, {"step": 5})
+    assert handover.latest_step() == 5
+    taken = handover.take()
+    assert taken is not None and (taken.step, dict(taken.files)) == (5, {"a": b"2"})
+    assert len(first.digest) == 64
+
+
+def test_a_lone_rank_restores_from_memory_before_disk(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.write(4, {"x": b"disk"}, {})
+    mem = MemoryHandover()
+    mem.put(6, {"x": b"memory"}, {})
+    got = locate(mem, store, rank=0, world_size=1)
+    assert (got.step, got.source, dict(got.files)) == (6, "memory", {"x": b"memory"})
+    assert got.disk_read_s == 0.0
+    assert locate(None, store, 0, 1).source == "disk"
+
+
+def test_pod_handover_dirs_are_per_pod_and_launcher() -> None:
+    a = pod_handover_dir("ns/job", "pod-0", "aaaaaaaa11")
+    assert a != pod_handover_dir("ns/job", "pod-1", "aaaaaaaa11")
+    assert a != pod_handover_dir("ns/job", "pod-0", "bbbbbbbb11")
+    assert "/" not in a.name
+
+
+class SlowStore:
+    """A durable store whose writes wait for the test to let them through."""
+
+    def __init__(self, root: Path) -> None:
+        self.inner = CheckpointStore(root)
+        self.gate = threading.Event()
+        self.started: list[int] = []
+
+    def write(
+        self, step: int, files: Mapping[str, bytes], meta: Mapping[str, Any]
+    ) -> WrittenCheckpoint:
+        self.started.append(step)
+        self.gate.wait(10)
+        return self.inner.write(step, files, meta)
+
+
+def test_durable_writes_run_beside_training_and_the_newest_waiting_one_wins(
+    tmp_path: Path,
+) -> None:
+    store = SlowStore(tmp_path / "ckpt")
+    writer = DurableWriter(store)  # type: ignore[arg-type]
+    writer.submit(Snapshot(1, {"f": b"1"}, {}, True))
+    # submit returned; step 1 is being written beside this thread; 2 waits, 3 replaces it.
+    wait_for(lambda: store.started == [1], what="the write of step 1 under way")
+    assert not writer.idle()
+    writer.submit(Snapshot(2, {"f": b"2"}, {}, True))
+    writer.submit(Snapshot(3, {"f": b"3"}, {}, False))
+    assert writer.poll() == []
+    store.gate.set()
+    assert writer.wait(10)
+    done = writer.poll()
+    assert [d.snapshot.step for d in done] == [1, 3] and store.started == [1, 3]
+    assert all(d.checkpoint is not None for d in done)
+    assert store.inner.list_steps() == [1, 3]
+
+
+def test_a_failed_durable_write_is_reported_not_raised(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    writer = DurableWriter(CheckpointStore(blocker / "ckpt"))
+    writer.submit(Snapshot(1, {"f": b"1"}, {}, True))
+    assert writer.wait(10)
+    (done,) = writer.poll()
+    assert done.checkpoint is None and "Error" in done.error
+
+
+@pytest.fixture(params=["dir", "object"])
+def durable(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    from trainer.objstore import make_store
+
+    if request.param == "dir":
+        return make_store(str(tmp_path / "ckpt"), keep=2)
+    return make_store(f"memory://tide-test/{tmp_path.name}", keep=2)
+
+
+def test_durable_store_contract(durable: Any) -> None:
+    """A directory and an object store commit, verify, prune and clean up alike."""
+    from trainer.checkpoint import CheckpointNotFound
+
+    with pytest.raises(CheckpointNotFound):
+        durable.load_latest()
+    for step in (1, 2, 3):
+        durable.write(step, {"m": bytes([step]) * 4}, {"step": step})
+    assert durable.list_steps() == [2, 3]
+    latest = durable.load_latest()
+    assert (latest.step, dict(latest.files)) == (3, {"m": b"\x03" * 4})
+    assert durable.load_latest(at_most=2).step == 2
+    assert durable.cleanup_tmp() == 0
+
+
+def test_an_object_store_checkpoint_is_visible_only_with_a_manifest_that_verifies() -> None:
+    from trainer.objstore import ObjectStore
+
+    store = ObjectStore("memory://tide-test/torn", keep=3)
+    store.write(1, {"m": b"good"}, {})
+    store.write(2, {"m": b"newer"}, {})
+    # A torn write: data without a manifest; a damaged one: data that lies.
+    store.fs.pipe_file(f"{store.root}/step-00000003.abcd/m", b"torn")
+    (newest,) = [p for s, p, _ in store._prefixes() if s == 2]
+    store.fs.pipe_file(f"{newest}/m", b"bitrot")
+    assert store.list_steps() == [1, 2]
+    loaded = store.load_latest()
+    assert loaded.step == 1 and len(loaded.skipped) == 1
+    assert store.cleanup_tmp() == 1 and store.list_steps() == [1, 2]

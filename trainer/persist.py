@@ -1,0 +1,112 @@
+"""Durable checkpoints off the training loop's critical path.
+
+The state is serialised at the step boundary, on the training thread (a consistent
+snapshot, and Paddle is not asked to work from two threads); writing it (files, fsyncs,
+sha256, the manifest, the rename) happens on one background thread, into the durable
+store: a local directory or a PVC (:class:`~trainer.checkpoint.CheckpointStore`), or object
+storage (:class:`~trainer.objstore.ObjectStore`). The training thread collects what has
+been written at its next step boundary (:meth:`DurableWriter.poll`) and reports it then.
+
+One write at a time; a snapshot that arrives while one is being written waits, and a newer
+one replaces a waiting one (the newest state is what a crash recovery wants).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from trainer.checkpoint import LoadedCheckpoint, WrittenCheckpoint
+
+logger = logging.getLogger(__name__)
+
+
+class DurableStore(Protocol):
+    def write(
+        self, step: int, files: Mapping[str, bytes], meta: Mapping[str, Any]
+    ) -> WrittenCheckpoint: ...
+
+    def list_steps(self) -> list[int]: ...
+
+    def load_latest(self, at_most: int | None = None) -> LoadedCheckpoint: ...
+
+    def cleanup_tmp(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    step: int
+    files: Mapping[str, bytes]
+    meta: Mapping[str, Any]
+    periodic: bool
+
+
+@dataclass(frozen=True)
+class Written:
+    snapshot: Snapshot
+    checkpoint: WrittenCheckpoint | None
+    error: str = ""
+
+
+class DurableWriter:
+    def __init__(self, store: DurableStore) -> None:
+        self.store = store
+        self._lock = threading.Condition()
+        self._waiting: Snapshot | None = None
+        self._busy = False
+        self._done: list[Written] = []
+        self._thread: threading.Thread | None = None
+
+    def submit(self, snapshot: Snapshot) -> None:
+        with self._lock:
+            if self._waiting is not None:
+                logger.info(
+                    "durable checkpoint of step %d superseded by step %d before its write",
+                    self._waiting.step,
+                    snapshot.step,
+                )
+            self._waiting = snapshot
+            if self._thread is None or not self._thread.is_alive():
+                # A daemon: a worker that is killed does not wait for it (the store's
+                # commit protocol makes a torn write invisible).
+                self._thread = threading.Thread(target=self._run, name="durable", daemon=True)
+                self._thread.start()
+            self._lock.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._waiting is None:
+                    self._thread = None
+                    self._lock.notify_all()
+                    return
+                snap, self._waiting, self._busy = self._waiting, None, True
+            try:
+                written = Written(snap, self.store.write(snap.step, snap.files, snap.meta))
+            except Exception as exc:
+                logger.exception("durable checkpoint of step %d failed", snap.step)
+                written = Written(snap, None, f"{type(exc).__name__}: {exc}")
+            with self._lock:
+                self._busy = False
+                self._done.append(written)
+                self._lock.notify_all()
+
+    def poll(self) -> list[Written]:
+        """What was written (or failed) since the last poll."""
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def idle(self) -> bool:
+        with self._lock:
+            return self._waiting is None and not self._busy
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until nothing is waiting or being written; False if ``timeout_s`` passed first."""
+        with self._lock:
+            return self._lock.wait_for(
+                lambda: self._waiting is None and not self._busy, timeout=timeout_s
+            )
