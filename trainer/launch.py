@@ -42,6 +42,8 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
     p.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
     p.add_argument("--job", required=True, help="NAMESPACE/NAME of the job")
     p.add_argument("--pod", default=os.environ.get("POD_NAME", socket.gethostname()))
+    # The Downward API's metadata.uid: the coordinator drains a preempted pod by it.
+    p.add_argument("--pod-uid", default=os.environ.get("POD_UID", ""))
     p.add_argument("--pod-index", type=int, default=int(os.environ.get("TIDE_POD_INDEX", "0")))
     p.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"))
     p.add_argument("--state-dir", default="", help="worker logs (default: a temp dir)")
@@ -69,6 +71,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         job_id=ns.job,
         command=tuple(command),
         pod_name=ns.pod,
+        pod_uid=ns.pod_uid,
         pod_index=ns.pod_index,
         host=ns.host,
         state_dir=ns.state_dir,

@@ -18,7 +18,7 @@ from typing import Any
 
 from services.common import logs, tracing
 from services.common.clock import Clock
-from services.scaler.actuators import Actuator
+from services.scaler.actuators import Actuator, remove_pods
 from services.scaler.coordination import CoordinatorClient, Phase, Progress, ResizeSpec
 from services.scaler.errors import StaleEpoch
 from services.scaler.lifecycle import FaultHook
@@ -35,6 +35,12 @@ EventSink = Callable[[DecisionRecord, str], None]
 
 def _no_fault(point: str) -> None:
     return None
+
+
+def _leaving_pods(d: DecisionRecord) -> tuple[str, ...]:
+    """The pods the decision names to leave (uids or names), persisted in its inputs so
+    that a restarted scaler drains and removes the same ones."""
+    return tuple(str(p) for p in d.inputs.get("leaving_pods", []) or [])
 
 
 def _with_message(detail: str, p: Progress) -> str:
@@ -311,9 +317,21 @@ class Controller:
                 generation=result.generation,
                 lost_steps=result.lost_steps,
             )
-        await self._set_replicas(d, d.to_replicas)
+        leaving = _leaving_pods(d)
+        with tracing.tracer().start_as_current_span(
+            "tide.actuator.remove_pods",
+            attributes={"tide.replicas": d.to_replicas, "tide.pods": list(leaving)},
+        ):
+            # The pods the coordinator drained, named: lowering the count alone would
+            # stop the highest index, a member of the generation just formed.
+            await remove_pods(
+                self.actuator, d.job_id, leaving, replicas=d.to_replicas, decision_id=d.id
+            )
         fault("decision:ACTUATING+effect")
-        return await self._step(d, S.COMPLETED, f"replicas lowered to {d.to_replicas}", fault)
+        named = f" ({', '.join(leaving)} removed)" if leaving else ""
+        return await self._step(
+            d, S.COMPLETED, f"replicas lowered to {d.to_replicas}{named}", fault
+        )
 
     async def _set_replicas(self, d: DecisionRecord, replicas: int) -> None:
         with tracing.tracer().start_as_current_span(
@@ -332,7 +350,7 @@ class Controller:
     async def _resize_until_final(self, d: DecisionRecord, deadline_s: float) -> Progress:
         """Run (or re-attach to) the coordinator's resize until a final phase. A broken
         stream is re-attached with the same decision id until the deadline passes."""
-        leaving = tuple(str(p) for p in d.inputs.get("leaving_pods", []) or [])
+        leaving = _leaving_pods(d)
         spec = ResizeSpec(
             decision_id=d.id,
             job_id=d.job_id,

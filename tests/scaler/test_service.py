@@ -193,6 +193,24 @@ async def test_termination_notice_shrinks_off_the_node(rig: Rig) -> None:
     assert dec.inputs["leaving_pods"] == ["uid-a-1"]
     assert await final(rig, dec.id) is DecisionState.COMPLETED
     assert rig.coordinator.calls[0].leaving_pods == ("uid-a-1",)
+    # The actuator is told which pod goes, not only how many stay.
+    assert rig.actuator.removed == [("ns/a", ("uid-a-1",), dec.id)]
+
+
+async def test_a_notice_for_a_pod_below_the_highest_index_removes_that_pod(rig: Rig) -> None:
+    await rig.core.upsert_job("ns/a", {"min_replicas": 1})
+    feed(rig, 5, 60.0)
+    st = rig.core.engine.open_stream()
+    # Pod 0 of 2, the lowest index: a count alone would have the actuator stop pod 1.
+    r = report("n0", 1, t=rig.clock.now(), utils=[60.0] * 4, pods=["uid-a-0"] * 4)
+    r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
+    rig.core.engine.process(st, r)
+    d = await rig.core.evaluate("ns/a")
+    assert (d.reason, d.to_replicas) == (Reason.NODE_TERMINATION, 1)
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert dec.inputs["leaving_pods"] == ["uid-a-0"]
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    assert rig.actuator.removed == [("ns/a", ("uid-a-0",), dec.id)]
 
 
 async def test_manual_resize_and_pause(rig: Rig) -> None:

@@ -156,6 +156,7 @@ class CoordinatorLink:
             pb.RegisterRequest(
                 job_id=self.s.job_id,
                 pod_name=self.s.pod_name,
+                pod_uid=self.s.pod_uid,
                 pod_index=self.s.pod_index,
                 host=self.s.host,
                 launcher_id=self.s.launcher_id,

@@ -15,6 +15,8 @@ class LauncherSettings:
     job_id: str
     command: tuple[str, ...]
     pod_name: str = ""
+    # The pod's uid ("": unknown); a pod name comes back with its replacement, a uid does not.
+    pod_uid: str = ""
     pod_index: int = 0
     host: str = "127.0.0.1"
     state_dir: str = ""
