@@ -79,6 +79,9 @@ class Controller:
         self.tasks: dict[int, asyncio.Task[DecisionRecord | None]] = {}
         #: Each driven decision's root span (services.common.tracing), until it is final.
         self.spans: dict[int, Any] = {}
+        #: Each job's last measured checkpoint write, seconds: a preemption's margin
+        #: (services.scaler.preemption) is sized from it.
+        self.checkpoint_s: dict[str, float] = {}
 
     def start(
         self,
@@ -170,6 +173,8 @@ class Controller:
         # store, the actuator, the coordinator client under it) logs carries both ids.
         logs.bind(job_id=d.job_id, decision_id=d.id)
         span = self.spans.get(d.id)
+        # A preemption's barrier deadline was planned from its notice and persisted.
+        deadline_s = float(d.inputs.get("barrier_deadline_s") or deadline_s)
         try:
             # The decision's span is current in its task: the actuator's and the
             # coordinator's calls are its children, and Resize carries it to the coordinator.
@@ -345,6 +350,8 @@ class Controller:
         ) as span:
             result = await self._resize_until_final(d, deadline_s)
             span.set_attribute("tide.phase", result.phase.name)
+            if result.checkpoint_write_s > 0:
+                self.checkpoint_s[d.job_id] = result.checkpoint_write_s
             return result
 
     async def _resize_until_final(self, d: DecisionRecord, deadline_s: float) -> Progress:

@@ -63,6 +63,8 @@ class Progress:
     pause_s: float = 0.0
     lost_steps: int = 0
     message: str = ""
+    # Rank 0's write of the coordinated checkpoint, seconds; 0 until measured.
+    checkpoint_write_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,7 @@ class GrpcCoordinatorClient:
                     pause_s=p.pause_s,
                     lost_steps=p.lost_steps,
                     message=p.message,
+                    checkpoint_write_s=p.pause.checkpoint_write_s,
                 )
         except grpc.RpcError as exc:
             raise domain_error(exc) from exc

@@ -33,6 +33,7 @@ from services.scaler.lifecycle import FaultHook
 from services.scaler.members import CoordinatorMemberRegistry
 from services.scaler.metrics import ScalerMetrics
 from services.scaler.pool import PoolClaims
+from services.scaler.preemption import plan_notice
 from services.scaler.store import DecisionRecord, DecisionState, DecisionStore, JobRecord
 from services.scaler.triggers import Triggers
 from services.store.probe import StoreProbe
@@ -430,6 +431,14 @@ class ScalerCore:
             inputs["leaving_pods"] = sorted(pods)
             inputs["node_name"] = node
             inputs["node_deadline_s"] = deadline
+            plan = plan_notice(
+                st.policy.phase_timeout_s,
+                deadline,
+                self.clock.now(),
+                self.controller.checkpoint_s.get(job_id),
+            )
+            inputs["barrier_deadline_s"] = plan.barrier_deadline_s
+            inputs["notice_plan"] = {"reason": plan.reason.name, "message": plan.message}
         try:
             record = await self._create(d, inputs, "", started_s=st.tipping_s)
         except DecisionInProgress:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from tide.v1 import telemetry_pb2
 
+from services.scaler.convert import inputs_to_proto
 from services.scaler.coordination import Phase, Progress, ResizeSpec
 from services.scaler.ingest import IngestSettings
 from services.scaler.policy import PolicySettings, Reason
@@ -211,6 +212,28 @@ async def test_a_notice_for_a_pod_below_the_highest_index_removes_that_pod(rig: 
     assert dec.inputs["leaving_pods"] == ["uid-a-0"]
     assert await final(rig, dec.id) is DecisionState.COMPLETED
     assert rig.actuator.removed == [("ns/a", ("uid-a-0",), dec.id)]
+
+
+async def test_the_notice_deadline_rules_the_barrier_deadline(rig: Rig) -> None:
+    """The node goes in 30 s: the resize gets 30 s less the margin, not the 60 s phase
+    timeout; the plan is in the decision's inputs for `tide explain`."""
+    await rig.core.upsert_job("ns/a", {"min_replicas": 1})
+    feed(rig, 5, 60.0)
+    st = rig.core.engine.open_stream()
+    r = report("n2", 1, t=rig.clock.now(), utils=[60.0] * 4, pods=["uid-a-1"] * 4)
+    ev = r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
+    ev.deadline.FromNanoseconds(int((rig.clock.now() + 30.0) * 1e9))
+    rig.core.engine.process(st, r)
+    await rig.core.evaluate("ns/a")
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    # No checkpoint measured yet: a 2 x 5 s margin.
+    assert dec.inputs["barrier_deadline_s"] == pytest.approx(20.0)
+    assert dec.inputs["notice_plan"]["reason"] == "NOTICE"
+    assert rig.coordinator.calls[0].deadline_s == pytest.approx(20.0)
+    msg = inputs_to_proto(dec.inputs)
+    assert (list(msg.leaving_pods), msg.barrier_deadline_s) == (["uid-a-1"], 20.0)
+    assert msg.notice_plan.startswith("NOTICE: 30.0s left")
 
 
 async def test_manual_resize_and_pause(rig: Rig) -> None:
