@@ -78,6 +78,13 @@ class _Staged:
         return self.decision.job_id
 
 
+def _leaving_of(d: DecisionRecord) -> frozenset[str] | None:
+    """The pods a preemption drains; None for any other decision."""
+    if d.trigger != pol.Trigger.EMERGENCY.name:
+        return None
+    return frozenset(str(p) for p in d.inputs.get("leaving_pods", []) or [])
+
+
 class ScalerCore:
     def __init__(
         self,
@@ -138,6 +145,11 @@ class ScalerCore:
         self.policies: dict[str, pol.PolicySettings] = {}
         self.evaluations: dict[str, Evaluation] = {}
         self.active: dict[str, int] = {}
+        #: The pods each decision in flight drains, by decision id (None: not a preemption).
+        self._leaving: dict[int, frozenset[str] | None] = {}
+        #: Decisions in flight that a preemption asked the coordinator to abort.
+        self._superseded: set[int] = set()
+        self._background: set[asyncio.Task[None]] = set()
         self._recs: dict[str, list[tuple[float, int]]] = {}
         self._last_dir: dict[str, int] = {}
         self._last_from: dict[str, int] = {}
@@ -200,10 +212,13 @@ class ScalerCore:
                     )
         for d in await self.store.non_final():
             self.active[d.job_id] = d.id
+            self._leaving[d.id] = _leaving_of(d)
             self.metrics.decision_started(d)
         await self.controller.recover(self._deadline_of)
 
     async def close(self) -> None:
+        for t in list(self._background):
+            t.cancel()
         await self.controller.close()
         await self.registry.close()
         self.feed.close()
@@ -323,6 +338,7 @@ class ScalerCore:
     def job_state(self, job_id: str, free_gpus: int | None) -> pol.JobState:
         job = self._job(job_id)
         pods, node, deadline = self.engine.terminating_pods(job_id)
+        in_flight = self.active.get(job_id, 0)
         return pol.JobState(
             job_id=job_id,
             current_replicas=job.current_replicas,
@@ -333,6 +349,9 @@ class ScalerCore:
             terminating_replicas=len(pods),
             terminating_node=node,
             terminating_deadline_s=deadline,
+            terminating_pods=frozenset(pods),
+            in_flight_decision=in_flight,
+            in_flight_leaving=self._leaving.get(in_flight),
         )
 
     def window_of(
@@ -420,6 +439,9 @@ class ScalerCore:
         d = self.pool.share(d, state)
         job_id = d.job_id
         self.evaluations[job_id] = Evaluation(d, st.now)
+        if d.supersedes:
+            await self._supersede(job_id, d.supersedes, d.message)
+            return d
         if not d.resize:
             return d
         job = self._job(job_id)
@@ -461,6 +483,45 @@ class ScalerCore:
             extra={"job_id": job_id, "decision_id": record.id},
         )
         return d
+
+    async def _supersede(self, job_id: str, decision_id: int, message: str) -> None:
+        """A preemption cannot wait for the decision in flight: ask the coordinator to
+        abort it (its record ends ABORTED with this reason in its history), and evaluate
+        the job again the moment it is final, when the preemption goes ahead alone."""
+        if decision_id in self._superseded:
+            return
+        self._superseded.add(decision_id)
+        logger.warning(
+            "job %s: decision %d superseded: %s",
+            job_id,
+            decision_id,
+            message,
+            extra={"job_id": job_id, "decision_id": decision_id},
+        )
+        try:
+            await self.coordinator.abort_resize(
+                decision_id, job_id, f"superseded by a node termination: {message}"
+            )
+        except TideError as exc:
+            # The decision runs its course; the preemption follows it.
+            logger.warning(
+                "job %s: could not abort decision %d: %s",
+                job_id,
+                decision_id,
+                exc,
+                extra={"job_id": job_id, "decision_id": decision_id},
+            )
+        task = self.controller.tasks.get(decision_id)
+
+        async def again() -> None:
+            if task is not None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(task)
+            self._noticed(job_id)
+
+        t = asyncio.create_task(again(), name=f"supersede-{decision_id}")
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
 
     @contextlib.contextmanager
     def _guard(self, job_id: str) -> Iterator[None]:
@@ -519,6 +580,7 @@ class ScalerCore:
         """Hand a committed PENDING decision to the controller (its trace starts at
         ``started_s``, the tipping sample, when the policy made it)."""
         self.active[record.job_id] = record.id
+        self._leaving[record.id] = _leaving_of(record)
         self.metrics.decision_started(record)
         self._publish(record, message)
         self.controller.fault("decision:PENDING")
@@ -544,6 +606,8 @@ class ScalerCore:
     def _on_final(self, d: DecisionRecord) -> None:
         if self.active.get(d.job_id) == d.id:
             del self.active[d.job_id]
+        self._leaving.pop(d.id, None)
+        self._superseded.discard(d.id)
         job = self.jobs.get(d.job_id)
         if job is not None:
             # Mirror what the store did in the same transaction, so the very next

@@ -214,6 +214,64 @@ async def test_a_notice_for_a_pod_below_the_highest_index_removes_that_pod(rig: 
     assert rig.actuator.removed == [("ns/a", ("uid-a-0",), dec.id)]
 
 
+def notice(rig: Rig, node: str, pod: str) -> None:
+    st = rig.core.engine.open_stream()
+    r = report(node, 1, t=rig.clock.now(), utils=[60.0] * 4, pods=[pod] * 4)
+    r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
+    rig.core.engine.process(st, r)
+
+
+async def test_a_notice_supersedes_a_grow_in_flight(rig: Rig) -> None:
+    """The grow is aborted (ABORTED in the history, with the reason), then the leave."""
+    await rig.core.upsert_job("ns/a", {"min_replicas": 1})
+    feed(rig, 5, 60.0)
+    rig.coordinator.step_s = 0.3
+    grow = await rig.core.request_resize("ns/a", 4, "load test", "alice")
+    await eventually(lambda: rig.coordinator.calls)
+    notice(rig, "n0", "uid-a-0")
+    d = await rig.core.evaluate("ns/a")
+    assert (d.reason, d.supersedes) == (Reason.NODE_TERMINATION, grow.id)
+    assert await final(rig, grow.id) is DecisionState.ABORTED
+    aborted = (await rig.store.get_decision(grow.id)).decision
+    assert "superseded by a node termination" in (aborted.error or "")
+    assert [(c.old, c.new) for c in rig.actuator.changes] == [(2, 4), (4, 2)]
+    rig.coordinator.step_s = 0.0
+    d = await rig.core.evaluate("ns/a")
+    assert (d.reason, d.from_replicas, d.to_replicas, d.supersedes) == (
+        Reason.NODE_TERMINATION,
+        2,
+        1,
+        0,
+    )
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    assert rig.actuator.removed == [("ns/a", ("uid-a-0",), dec.id)]
+
+
+async def test_a_second_nodes_notice_merges_into_one_leave(rig: Rig) -> None:
+    await rig.core.upsert_job("ns/a", {"min_replicas": 1})
+    feed(rig, 5, 60.0)
+    dec = await rig.core.request_resize("ns/a", 4, "load test", "alice")
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    rig.coordinator.step_s = 0.3
+    notice(rig, "n0", "uid-a-0")
+    first = await rig.core.evaluate("ns/a")
+    assert (first.from_replicas, first.to_replicas) == (4, 3)
+    one = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    # The same notice again is the leave in flight: nothing new.
+    assert (await rig.core.evaluate("ns/a")).reason is Reason.RESIZE_IN_PROGRESS
+    notice(rig, "n3", "uid-a-3")
+    assert (await rig.core.evaluate("ns/a")).supersedes == one.id
+    assert await final(rig, one.id) is DecisionState.ABORTED
+    rig.coordinator.step_s = 0.0
+    d = await rig.core.evaluate("ns/a")
+    assert (d.from_replicas, d.to_replicas) == (4, 2)
+    merged = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert merged.inputs["leaving_pods"] == ["uid-a-0", "uid-a-3"]
+    assert await final(rig, merged.id) is DecisionState.COMPLETED
+    assert rig.actuator.removed == [("ns/a", ("uid-a-0", "uid-a-3"), merged.id)]
+
+
 async def test_the_notice_deadline_rules_the_barrier_deadline(rig: Rig) -> None:
     """The node goes in 30 s: the resize gets 30 s less the margin, not the 60 s phase
     timeout; the plan is in the decision's inputs for `tide explain`."""
