@@ -338,6 +338,24 @@ class Controller:
             d, S.COMPLETED, f"replicas lowered to {d.to_replicas}{named}", fault
         )
 
+    async def record_unplanned(
+        self, d: DecisionRecord, *, generation: int, lost_steps: int, detail: str
+    ) -> DecisionRecord:
+        """A change of world size nobody decided (a member lost without notice), put
+        through the lifecycle so that the history, the feed and the job's record see it
+        like any other; nothing is acted on (the coordinator already re-formed)."""
+        d = await self._step(d, S.PREPARING, "the coordinator recovered without it", _no_fault)
+        d = await self._step(d, S.ACTUATING, detail, _no_fault)
+        return await self._step(
+            d,
+            S.COMPLETED,
+            f"generation {generation} runs with {d.to_replicas} member(s);"
+            f" {lost_steps} step(s) lost",
+            _no_fault,
+            generation=generation,
+            lost_steps=lost_steps,
+        )
+
     async def _set_replicas(self, d: DecisionRecord, replicas: int) -> None:
         with tracing.tracer().start_as_current_span(
             "tide.actuator.set_replicas", attributes={"tide.replicas": replicas}

@@ -75,6 +75,10 @@ class JobStatusView:
     members: tuple[Member, ...]
     step: int = 0
     samples_per_s: float = 0.0
+    # Steps lost to unplanned member losses since the job started.
+    lost_steps_total: int = 0
+    # Every member of the last generation finished its budget: nothing more to resize.
+    finished: bool = False
 
 
 class CoordinatorClient(Protocol):
@@ -177,5 +181,12 @@ def _status_view(st: coordinator_pb2.JobStatus) -> JobStatusView:
         if m.state != coordinator_pb2.MEMBER_STATE_GONE
     )
     return JobStatusView(
-        st.job_id, st.generation, st.world_size, members, st.step, st.samples_per_s
+        st.job_id,
+        st.generation,
+        st.world_size,
+        members,
+        st.step,
+        st.samples_per_s,
+        lost_steps_total=st.lost_steps_total,
+        finished=st.finished,
     )

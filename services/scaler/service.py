@@ -150,6 +150,8 @@ class ScalerCore:
         #: Decisions in flight that a preemption asked the coordinator to abort.
         self._superseded: set[int] = set()
         self._background: set[asyncio.Task[None]] = set()
+        #: Each job's lost_steps_total as last seen, to tell what a loss cost.
+        self._lost_seen: dict[str, int] = {}
         self._recs: dict[str, list[tuple[float, int]]] = {}
         self._last_dir: dict[str, int] = {}
         self._last_from: dict[str, int] = {}
@@ -632,7 +634,65 @@ class ScalerCore:
         jobs = [j for j in self.jobs if j not in self.fenced]
         for job_id in jobs:
             self._measure(job_id, now)
-        await self.evaluate_many([(j, None) for j in jobs], fresh)
+            with self._guard(job_id):
+                await self._record_loss(job_id)
+        await self.evaluate_many([(j, None) for j in jobs if not self._finished(j)], fresh)
+
+    def _finished(self, job_id: str) -> bool:
+        """The coordinator says every member finished its budget: no more resizes."""
+        st = self.coordinator.latest_status(job_id)
+        return st is not None and st.finished
+
+    async def _record_loss(self, job_id: str) -> None:
+        """A generation that formed smaller with no decision of ours in flight lost a
+        member without notice: a MEMBER_LOST record, with the steps it cost, so that
+        the history holds every change of world size."""
+        job, st = self.jobs[job_id], self.coordinator.latest_status(job_id)
+        if st is None:
+            return
+        seen = self._lost_seen.setdefault(job_id, st.lost_steps_total)
+        if (
+            job_id in self.active
+            or st.finished
+            or st.generation <= job.generation
+            or not 0 < st.world_size < job.current_replicas
+        ):
+            return
+        lost = max(0, st.lost_steps_total - seen)
+        message = (
+            f"{job.current_replicas - st.world_size} member(s) lost without notice;"
+            f" generation {st.generation} re-formed with {st.world_size}, {lost} step(s) lost"
+        )
+        d = pol.Decision(
+            job_id, pol.Reason.MEMBER_LOST, message, job.current_replicas, st.world_size
+        )
+        inputs = {"current_replicas": job.current_replicas, "lost_steps": lost}
+        try:
+            record = await self.store.create(
+                job_id=job_id,
+                from_replicas=d.from_replicas,
+                to_replicas=d.to_replicas,
+                reason=d.reason.name,
+                trigger=d.trigger.name,
+                message=message,
+                inputs=inputs,
+            )
+        except DecisionInProgress:
+            return
+        self._lost_seen[job_id] = st.lost_steps_total
+        self.active[job_id] = record.id
+        self.metrics.decision_started(record)
+        self._publish(record, message)
+        logger.warning(
+            "job %s: decision %d: %s",
+            job_id,
+            record.id,
+            message,
+            extra={"job_id": job_id, "decision_id": record.id},
+        )
+        await self.controller.record_unplanned(
+            record, generation=st.generation, lost_steps=lost, detail=message
+        )
 
     def _measure(self, job_id: str, now: float) -> None:
         job, status = self.jobs[job_id], self.coordinator.latest_status(job_id)
@@ -696,6 +756,7 @@ class ScalerCore:
             self.active,
             self.clock.now(),
         )
+        due = [(j, t) for j, t in due if not self._finished(j)]
         if due:
             await self.evaluate_many(due)
 

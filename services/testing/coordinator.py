@@ -44,6 +44,8 @@ class _Job:
     generation: int = 0
     world_size: int = 0
     step: int = 0
+    lost_steps_total: int = 0
+    finished: bool = False
 
 
 @dataclass
@@ -260,7 +262,24 @@ class InMemoryCoordinator:
             w,
             tuple(self._members.get(job_id, [])),
             samples_per_s=rate(w) if rate is not None and w > 0 else 0.0,
+            lost_steps_total=self._state.jobs[job_id].lost_steps_total,
+            finished=self._state.jobs[job_id].finished,
         )
+
+    def lose_member(self, job_id: str, lost_steps: int) -> None:
+        """A member lost without notice: the rest re-form one smaller, as the real
+        coordinator's recovery does, having lost ``lost_steps``."""
+        job = self._state.jobs[job_id]
+        job.generation += 1
+        job.world_size -= 1
+        job.lost_steps_total += lost_steps
+        self._set_members(job_id, job.world_size)
+        self._save()
+
+    def finish(self, job_id: str) -> None:
+        """Every member finished its training budget."""
+        self._state.jobs[job_id].finished = True
+        self._save()
 
     async def watch_members(self, job_id: str) -> AsyncIterator[list[Member]]:
         q: asyncio.Queue[list[Member]] = asyncio.Queue()

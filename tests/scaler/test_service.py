@@ -272,6 +272,35 @@ async def test_a_second_nodes_notice_merges_into_one_leave(rig: Rig) -> None:
     assert rig.actuator.removed == [("ns/a", ("uid-a-0", "uid-a-3"), merged.id)]
 
 
+async def test_a_member_lost_without_notice_is_a_member_lost_record(rig: Rig) -> None:
+    await rig.core.tick()  # the baseline of lost steps is what the scaler first saw
+    rig.coordinator.lose_member("ns/a", lost_steps=7)
+    await rig.core.tick()
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert (dec.reason, dec.trigger, dec.from_replicas, dec.to_replicas) == (
+        "MEMBER_LOST",
+        "POLICY",
+        2,
+        1,
+    )
+    detail = await rig.store.get_decision(dec.id)
+    assert detail.decision.state is DecisionState.COMPLETED
+    assert (detail.decision.lost_steps, detail.decision.generation) == (7, 2)
+    assert rig.core.jobs["ns/a"].current_replicas == 1
+    assert rig.actuator.changes == []  # nothing was acted on
+    # Seen once: the next tick records nothing more.
+    await rig.core.tick()
+    assert len((await rig.store.list_decisions(job_id="ns/a")).decisions) == 1
+
+
+async def test_a_finished_job_is_no_longer_evaluated(rig: Rig) -> None:
+    rig.coordinator.finish("ns/a")
+    feed(rig, 35, 95.0)
+    await rig.core.tick()
+    assert "ns/a" not in rig.core.evaluations
+    assert (await rig.store.list_decisions(job_id="ns/a")).decisions == ()
+
+
 async def test_the_notice_deadline_rules_the_barrier_deadline(rig: Rig) -> None:
     """The node goes in 30 s: the resize gets 30 s less the margin, not the 60 s phase
     timeout; the plan is in the decision's inputs for `tide explain`."""
