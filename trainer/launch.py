@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from tidebase import logs
 from tidebase.errors import ConfigError
 from trainer.launcher import Launcher, LauncherSettings, State
+from trainer.launcher.leave import LeaveOnSigterm
 
 __all__ = ["Launcher", "LauncherSettings", "State", "main", "parse_args"]
 
@@ -55,6 +56,13 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         default=_default("exit_grace_s"),
         help="how long a worker asked to exit gets before SIGKILL, seconds",
     )
+    p.add_argument(
+        "--leave-grace-s",
+        type=float,
+        default=float(os.environ.get("TIDE_LEAVE_GRACE_S", "0")),
+        help="on SIGTERM, ask for a coordinated leave and wait this long for it, seconds"
+        " (env TIDE_LEAVE_GRACE_S; 0: stop at once)",
+    )
     p.add_argument("--log-level", default=os.environ.get("TIDE_LOG_LEVEL", "INFO"))
     p.add_argument(
         "--log-format",
@@ -78,14 +86,15 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         use_zygote=not ns.no_zygote,
         prewarm=not ns.no_prewarm,
         exit_grace_s=ns.exit_grace_s,
+        leave_grace_s=ns.leave_grace_s,
     )
 
 
 async def _amain(settings: LauncherSettings) -> int:
     launcher = Launcher(settings)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, launcher.stop, 0)
+    loop.add_signal_handler(signal.SIGTERM, LeaveOnSigterm(launcher))
+    loop.add_signal_handler(signal.SIGINT, launcher.stop, 0)
     return await launcher.run()
 
 

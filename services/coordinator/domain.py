@@ -181,6 +181,8 @@ class Member:
     steps_per_s: float = 0.0
     first_step_at: float | None = None
     startup: Breakdown = field(default_factory=Breakdown)
+    # Its pod asked for a coordinated leave (a SIGTERM the launcher got).
+    leave_requested: bool = False
 
     @property
     def endpoint(self) -> str:

@@ -176,7 +176,12 @@ class GrpcCoordinatorClient:
 
 def _status_view(st: coordinator_pb2.JobStatus) -> JobStatusView:
     members = tuple(
-        Member(m.pod_name, m.pod_uid, m.state == coordinator_pb2.MEMBER_STATE_ACTIVE)
+        Member(
+            m.pod_name,
+            m.pod_uid,
+            m.state == coordinator_pb2.MEMBER_STATE_ACTIVE,
+            m.leave_requested,
+        )
         for m in st.members
         if m.state != coordinator_pb2.MEMBER_STATE_GONE
     )

@@ -337,9 +337,24 @@ class ScalerCore:
             if self._wake is not None:
                 self._wake.set()
 
+    def _doomed(self, job_id: str) -> tuple[set[str], str, float | None]:
+        """Pods of the job that must go: on nodes with a notice (one such node, the
+        earliest deadline), and those whose launcher asked to leave (SIGTERM)."""
+        pods, node, deadline = self.engine.terminating_pods(job_id)
+        asked = {
+            m.pod_uid or m.pod_name
+            for m in self.registry.members(job_id)
+            if m.active
+            and m.leave_requested
+            # The agent may name the same pod already (by name or uid): once is enough.
+            and m.pod_name not in pods
+            and m.pod_uid not in pods
+        }
+        return pods | asked, node or ("pod SIGTERM" if asked else ""), deadline
+
     def job_state(self, job_id: str, free_gpus: int | None) -> pol.JobState:
         job = self._job(job_id)
-        pods, node, deadline = self.engine.terminating_pods(job_id)
+        pods, node, deadline = self._doomed(job_id)
         in_flight = self.active.get(job_id, 0)
         return pol.JobState(
             job_id=job_id,
@@ -451,7 +466,7 @@ class ScalerCore:
             job.current_replicas, st.policy, st.view, state.free_gpus, d, st.at
         )
         if d.trigger is pol.Trigger.EMERGENCY:
-            pods, node, deadline = self.engine.terminating_pods(job_id)
+            pods, node, deadline = self._doomed(job_id)
             inputs["leaving_pods"] = sorted(pods)
             inputs["node_name"] = node
             inputs["node_deadline_s"] = deadline

@@ -23,7 +23,7 @@ import asyncio
 import json
 import os
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from services.scaler.coordination import JobStatusView, Phase, Progress, ResizeSpec
@@ -275,6 +275,13 @@ class InMemoryCoordinator:
         job.lost_steps_total += lost_steps
         self._set_members(job_id, job.world_size)
         self._save()
+
+    def request_leave(self, job_id: str, index: int) -> None:
+        """Member ``index``'s launcher got SIGTERM and asks for a coordinated leave."""
+        ms = self._members[job_id]
+        ms[index] = replace(ms[index], leave_requested=True)
+        for q in self._watchers.get(job_id, []):
+            q.put_nowait(list(ms))
 
     def finish(self, job_id: str) -> None:
         """Every member finished its training budget."""

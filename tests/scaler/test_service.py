@@ -272,6 +272,19 @@ async def test_a_second_nodes_notice_merges_into_one_leave(rig: Rig) -> None:
     assert rig.actuator.removed == [("ns/a", ("uid-a-0", "uid-a-3"), merged.id)]
 
 
+async def test_a_pod_that_got_sigterm_is_drained_like_a_noticed_one(rig: Rig) -> None:
+    """The launcher's leave request (docs/preemption.md) names its pod: pod 0 goes."""
+    await rig.core.upsert_job("ns/a", {"min_replicas": 1})
+    rig.coordinator.request_leave("ns/a", 0)
+    await eventually(lambda: any(m.leave_requested for m in rig.core.registry.members("ns/a")))
+    d = await rig.core.evaluate("ns/a")
+    assert (d.reason, d.from_replicas, d.to_replicas) == (Reason.NODE_TERMINATION, 2, 1)
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert dec.inputs["leaving_pods"] == ["uid-a-0"]
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    assert rig.actuator.removed == [("ns/a", ("uid-a-0",), dec.id)]
+
+
 async def test_a_member_lost_without_notice_is_a_member_lost_record(rig: Rig) -> None:
     await rig.core.tick()  # the baseline of lost steps is what the scaler first saw
     rig.coordinator.lose_member("ns/a", lost_steps=7)

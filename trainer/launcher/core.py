@@ -91,6 +91,8 @@ class Launcher:
         # heartbeats report it so that the coordinator names it after a loss.
         self.last_checkpoint_step = 0
         self.last_checkpoint_digest = ""
+        # Set by trainer/launcher/leave.py when the pod is told to go.
+        self.leave_requested = False
         self._state_dir = Path(settings.state_dir or tempfile.mkdtemp(prefix="tide-launcher-"))
         self.link = CoordinatorLink(settings, self._beat)
         self.workers = WorkerSupervisor(
@@ -131,6 +133,7 @@ class Launcher:
             progress=dataclasses.replace(self.progress),
             last_checkpoint_step=self.last_checkpoint_step,
             last_checkpoint_digest=self.last_checkpoint_digest,
+            leave_requested=self.leave_requested,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -339,6 +339,7 @@ class CoordinatorLink:
             free_port=find_free_port(self.s.host),
             last_checkpoint_step=beat.last_checkpoint_step,
             last_checkpoint_digest=beat.last_checkpoint_digest,
+            leave_requested=beat.leave_requested,
             first_step_at=ts_from_seconds(p.first_step_at) if p.first_step_at else None,
         )
 

@@ -29,6 +29,10 @@ class LauncherSettings:
     zygote_preload: str | None = None
     # How long a worker asked to exit gets before SIGKILL, seconds.
     exit_grace_s: float = 1.0
+    # On SIGTERM, ask the coordinator for a coordinated leave and wait this long for
+    # the DRAIN before stopping anyway, seconds; 0: stop at once (docs/preemption.md).
+    # Keep it under the pod's terminationGracePeriodSeconds.
+    leave_grace_s: float = 0.0
     # How long a new worker may take to have its group and restore, seconds.
     start_timeout_s: float = 120.0
     # The one backoff (tidebase.retry.Backoff) of the directive stream's reconnects, the
@@ -49,6 +53,8 @@ class LauncherSettings:
         for name in ("exit_grace_s", "start_timeout_s", "backoff_initial_s", "rpc_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.leave_grace_s >= 0:
+            raise ConfigError(f"leave_grace_s must be >= 0, got {self.leave_grace_s}")
         if self.backoff_max_s < self.backoff_initial_s:
             raise ConfigError(
                 f"backoff_max_s must be >= backoff_initial_s, got {self.backoff_max_s}"
