@@ -44,6 +44,7 @@ bench: setup
 	$(PY) -m bench.agent --quick
 	$(PY) -m bench.coordinator --quick
 	$(PY) -m bench.rescale --quick
+	$(PY) -m bench.preemption --quick
 	$(PY) -m bench.simulate --quick
 	$(PY) -m bench.soak --quick
 
