@@ -82,6 +82,9 @@ class Controller:
         #: Each job's last measured checkpoint write, seconds: a preemption's margin
         #: (services.scaler.preemption) is sized from it.
         self.checkpoint_s: dict[str, float] = {}
+        #: Decisions a preemption supersedes, with why: one that has not reached the
+        #: coordinator yet (a grow still starting its pods) ends ABORTED before Resize.
+        self.superseded: dict[int, str] = {}
 
     def start(
         self,
@@ -387,6 +390,8 @@ class Controller:
         backoff = Backoff(self.retry_s, self.retry_max_s)
         last_err: Exception | None = None
         while self.clock.monotonic() < give_up:
+            if d.id in self.superseded:
+                return Progress(d.id, Phase.ABORTED, message=self.superseded[d.id])
             try:
                 async for p in self.coordinator.resize(spec):
                     if p.phase.final:

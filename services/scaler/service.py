@@ -38,6 +38,7 @@ from services.scaler.store import DecisionRecord, DecisionState, DecisionStore, 
 from services.scaler.triggers import Triggers
 from services.store.probe import StoreProbe
 from tidebase.errors import InvalidArgument, NotFound, TideError, Unavailable
+from tidebase.retry import Backoff
 
 logger = logging.getLogger(__name__)
 
@@ -502,9 +503,9 @@ class ScalerCore:
         return d
 
     async def _supersede(self, job_id: str, decision_id: int, message: str) -> None:
-        """A preemption cannot wait for the decision in flight: ask the coordinator to
-        abort it (its record ends ABORTED with this reason in its history), and evaluate
-        the job again the moment it is final, when the preemption goes ahead alone."""
+        """A preemption cannot wait for the decision in flight: it is aborted (its record
+        ends ABORTED with this reason in its history), and the job is evaluated again the
+        moment it is final, when the preemption goes ahead alone."""
         if decision_id in self._superseded:
             return
         self._superseded.add(decision_id)
@@ -515,30 +516,49 @@ class ScalerCore:
             message,
             extra={"job_id": job_id, "decision_id": decision_id},
         )
-        try:
-            await self.coordinator.abort_resize(
-                decision_id, job_id, f"superseded by a node termination: {message}"
-            )
-        except TideError as exc:
-            # The decision runs its course; the preemption follows it.
-            logger.warning(
-                "job %s: could not abort decision %d: %s",
-                job_id,
-                decision_id,
-                exc,
-                extra={"job_id": job_id, "decision_id": decision_id},
-            )
+        reason = f"superseded by a node termination: {message}"
+        # Before Resize (a grow still starting its pods) the controller ends it itself.
+        self.controller.superseded[decision_id] = reason
         task = self.controller.tasks.get(decision_id)
-
-        async def again() -> None:
-            if task is not None:
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(task)
-            self._noticed(job_id)
-
-        t = asyncio.create_task(again(), name=f"supersede-{decision_id}")
+        t = asyncio.create_task(
+            self._abort_then_evaluate(job_id, decision_id, reason, task),
+            name=f"supersede-{decision_id}",
+        )
         self._background.add(t)
         t.add_done_callback(self._background.discard)
+
+    async def _abort_then_evaluate(
+        self,
+        job_id: str,
+        decision_id: int,
+        reason: str,
+        task: asyncio.Task[DecisionRecord | None] | None,
+    ) -> None:
+        backoff = Backoff(0.1, 1.0)
+        # NotFound: the coordinator has not seen the Resize yet; it may be on its way,
+        # so the abort is asked again until the decision is final.
+        while task is not None and not task.done():
+            try:
+                await self.coordinator.abort_resize(decision_id, job_id, reason)
+                break
+            except NotFound:
+                pass
+            except TideError as exc:
+                # The decision runs its course; the preemption follows it.
+                logger.warning(
+                    "job %s: could not abort decision %d: %s",
+                    job_id,
+                    decision_id,
+                    exc,
+                    extra={"job_id": job_id, "decision_id": decision_id},
+                )
+                break
+            await asyncio.wait({task}, timeout=backoff.next_delay_s())
+        if task is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(task)
+        self.controller.superseded.pop(decision_id, None)
+        self._noticed(job_id)
 
     @contextlib.contextmanager
     def _guard(self, job_id: str) -> Iterator[None]:

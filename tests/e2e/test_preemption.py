@@ -117,3 +117,59 @@ async def test_sigterm_to_a_trainer_pod_is_a_coordinated_leave(leaving_rig: Pree
     st = await rig.job.wait_status(lambda s: s.finished, 120, "the job finished")
     assert st.lost_steps_total == 0 and st.step == STEPS, st
     check_exactly_once(rig.job.log_dir, DATASET, STEPS, SPE)
+
+
+async def test_a_notice_for_a_node_with_two_pods_of_the_job_is_one_leave(
+    rig: PreemptRig,
+) -> None:
+    await rig.core.upsert_job(JOB, {"min_replicas": 1}, initial_replicas=3, gpus_per_replica=1)
+    await rig.job.wait_status(lambda s: s.world_size == 3 and s.step >= 15, 90, "3 members")
+    before = {p.index: p.pid for p in rig.actuator.pods(JOB)}
+    await eventually(lambda: rig.core.registry.by_name.get("e2e-trainer-2") == JOB)
+    notice(rig.core, "spot-2", ["e2e-trainer-0", "e2e-trainer-2"], deadline_in_s=20.0)
+    d = await rig.core.evaluate(JOB)
+    assert (d.reason, d.from_replicas, d.to_replicas) == (Reason.NODE_TERMINATION, 3, 1)
+    for task in list(rig.core.controller.tasks.values()):
+        await task
+    dec = (await rig.store.list_decisions(job_id=JOB)).decisions[0]
+    assert dec.inputs["leaving_pods"] == ["e2e-trainer-0", "e2e-trainer-2"]
+    detail = await rig.store.get_decision(dec.id)
+    assert detail.decision.state is DecisionState.COMPLETED, detail.decision
+    assert detail.decision.lost_steps == 0
+    # Pod 1, the one not on the node, alone trains on as rank 0 of the new generation.
+    assert {p.index: p.pid for p in rig.actuator.pods(JOB)} == {1: before[1]}
+    st = await rig.job.wait_status(lambda s: s.finished, 120, "the job finished")
+    assert st.lost_steps_total == 0 and st.step == STEPS, st
+    check_exactly_once(rig.job.log_dir, DATASET, STEPS, SPE)
+
+
+async def test_a_notice_during_a_grow_aborts_the_grow_then_removes_the_pod(
+    rig: PreemptRig,
+) -> None:
+    await rig.core.upsert_job(JOB, {"min_replicas": 1}, initial_replicas=3, gpus_per_replica=1)
+    await rig.job.wait_status(lambda s: s.world_size == 3 and s.step >= 10, 90, "3 members")
+    before = {p.index: p.pid for p in rig.actuator.pods(JOB)}
+    await eventually(lambda: rig.core.registry.by_name.get("e2e-trainer-1") == JOB)
+    grow = await rig.core.request_resize(JOB, 4, "load test", "alice")
+    # The newcomer's launcher is importing Paddle: the grow waits for it.
+    await eventually(lambda: 3 in {p.index for p in rig.actuator.pods(JOB)}, what="pod 3")
+    notice(rig.core, "spot-1", ["e2e-trainer-1"], deadline_in_s=20.0)
+    d = await rig.core.evaluate(JOB)
+    assert (d.reason, d.supersedes) == (Reason.NODE_TERMINATION, grow.id)
+    await rig.core.controller.tasks[grow.id]
+    aborted = (await rig.store.get_decision(grow.id)).decision
+    assert aborted.state is DecisionState.ABORTED, aborted
+    assert "superseded by a node termination" in (aborted.error or "")
+    d = await rig.core.evaluate(JOB)
+    assert (d.reason, d.from_replicas, d.to_replicas) == (Reason.NODE_TERMINATION, 3, 2)
+    for task in list(rig.core.controller.tasks.values()):
+        await task
+    dec = (await rig.store.list_decisions(job_id=JOB)).decisions[0]
+    detail = await rig.store.get_decision(dec.id)
+    assert detail.decision.state is DecisionState.COMPLETED, detail.decision
+    assert detail.decision.lost_steps == 0
+    # The newcomer (never a member of a generation) was given back by the abort.
+    assert {p.index: p.pid for p in rig.actuator.pods(JOB)} == {0: before[0], 2: before[2]}
+    st = await rig.job.wait_status(lambda s: s.finished, 120, "the job finished")
+    assert st.lost_steps_total == 0 and st.step == STEPS, st
+    check_exactly_once(rig.job.log_dir, DATASET, STEPS, SPE)
