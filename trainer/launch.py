@@ -35,6 +35,7 @@ from tidebase.credentials import (
 from tidebase.errors import ConfigError
 from trainer.devices import Backend
 from trainer.launcher import Launcher, LauncherSettings, State
+from trainer.launcher.leave import LeaveOnSigterm
 from trainer.podenv import pod_identity
 
 __all__ = ["Launcher", "LauncherSettings", "State", "main", "parse_args"]
@@ -76,6 +77,8 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         default=pod.pod_index if pod.pod_index is not None else 0,
         help="this pod's index (env TIDE_POD_INDEX, PADDLE_TRAINER_ID, or NAME-worker-INDEX)",
     )
+    # The Downward API's metadata.uid: the coordinator drains a preempted pod by it.
+    p.add_argument("--pod-uid", default=os.environ.get("POD_UID", ""))
     p.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"))
     p.add_argument("--state-dir", default="", help="worker logs (default: a temp dir)")
     p.add_argument("--no-zygote", action="store_true", help="start fresh worker processes")
@@ -110,6 +113,13 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         default=int(os.environ.get("TIDE_WORKERS_PER_POD", str(_default("workers_per_pod")))),
         help="workers in this pod; 0: one per GPU, or one on CPU (env TIDE_WORKERS_PER_POD)",
     )
+    p.add_argument(
+        "--leave-grace-s",
+        type=float,
+        default=float(os.environ.get("TIDE_LEAVE_GRACE_S", "0")),
+        help="on SIGTERM, ask for a coordinated leave and wait this long for it, seconds"
+        " (env TIDE_LEAVE_GRACE_S; 0: stop at once)",
+    )
     p.add_argument("--log-level", default=os.environ.get("TIDE_LOG_LEVEL", "INFO"))
     p.add_argument(
         "--log-format",
@@ -126,6 +136,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         job_id=ns.job,
         command=tuple(command),
         pod_name=ns.pod,
+        pod_uid=ns.pod_uid,
         pod_index=ns.pod_index,
         host=ns.host,
         state_dir=ns.state_dir,
@@ -141,14 +152,15 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         ),
         backend=ns.backend,
         workers_per_pod=ns.workers_per_pod,
+        leave_grace_s=ns.leave_grace_s,
     )
 
 
 async def _amain(settings: LauncherSettings) -> int:
     launcher = Launcher(settings)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, launcher.stop, 0)
+    loop.add_signal_handler(signal.SIGTERM, LeaveOnSigterm(launcher))
+    loop.add_signal_handler(signal.SIGINT, launcher.stop, 0)
     return await launcher.run()
 
 

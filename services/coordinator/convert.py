@@ -112,6 +112,7 @@ def status_to_proto(v: JobView) -> pb.JobStatus:
             phase=int(m.phase),
             step=m.step,
             samples_per_s=m.samples_per_s,
+            leave_requested=m.leave_requested,
         )
         seen = _ts(m.last_heartbeat_at)
         if seen is not None:
@@ -179,6 +180,7 @@ def heartbeat_from_proto(r: pb.HeartbeatRequest) -> HeartbeatInput:
         free_port=r.free_port,
         last_checkpoint_step=r.last_checkpoint_step,
         last_checkpoint_digest=r.last_checkpoint_digest,
+        leave_requested=r.leave_requested,
     )
 
 

@@ -181,6 +181,8 @@ class Member:
     steps_per_s: float = 0.0
     first_step_at: float | None = None
     startup: Breakdown = field(default_factory=Breakdown)
+    # Its pod asked for a coordinated leave (a SIGTERM the launcher got).
+    leave_requested: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -325,12 +327,14 @@ def choose_checkpoint_step(
 def choose_leaving(
     actives: Sequence[Member], n_leave: int, named: Sequence[str]
 ) -> tuple[Member, ...]:
-    """Who leaves a shrink: the named pods first (a node being drained), then the
-    highest pod indexes, since a PaddleJob operator removes those."""
+    """Who leaves a shrink: the named pods first (a node being drained; by name or by
+    uid, as the agent knows a pod by either), then the highest pod indexes, since a
+    PaddleJob operator removes those."""
     if n_leave <= 0:
         return ()
     by_index_desc = sorted(actives, key=lambda m: (-m.pod_index, m.pod_name))
-    chosen = [m for m in by_index_desc if m.pod_name in set(named)]
+    names = set(named)
+    chosen = [m for m in by_index_desc if m.pod_name in names or (m.pod_uid and m.pod_uid in names)]
     chosen += [m for m in by_index_desc if m not in chosen]
     return tuple(chosen[:n_leave])
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from services.common import logs, tracing
 from services.common.clock import Clock
-from services.scaler.actuators import Actuator
+from services.scaler.actuators import Actuator, remove_pods
 from services.scaler.coordination import CoordinatorClient, Phase, Progress, ResizeSpec
 from services.scaler.errors import StaleEpoch
 from services.scaler.lifecycle import FaultHook
@@ -35,6 +35,12 @@ EventSink = Callable[[DecisionRecord, str], None]
 
 def _no_fault(point: str) -> None:
     return None
+
+
+def _leaving_pods(d: DecisionRecord) -> tuple[str, ...]:
+    """The pods the decision names to leave (uids or names), persisted in its inputs so
+    that a restarted scaler drains and removes the same ones."""
+    return tuple(str(p) for p in d.inputs.get("leaving_pods", []) or [])
 
 
 def _with_message(detail: str, p: Progress) -> str:
@@ -78,6 +84,12 @@ class Controller:
         self.tasks: dict[int, asyncio.Task[DecisionRecord | None]] = {}
         #: Each driven decision's root span (services.common.tracing), until it is final.
         self.spans: dict[int, Any] = {}
+        #: Each job's last measured checkpoint write, seconds: a preemption's margin
+        #: (services.scaler.preemption) is sized from it.
+        self.checkpoint_s: dict[str, float] = {}
+        #: Decisions a preemption supersedes, with why: one that has not reached the
+        #: coordinator yet (a grow still starting its pods) ends ABORTED before Resize.
+        self.superseded: dict[int, str] = {}
 
     def start(
         self,
@@ -169,6 +181,8 @@ class Controller:
         # store, the actuator, the coordinator client under it) logs carries both ids.
         logs.bind(job_id=d.job_id, decision_id=d.id)
         span = self.spans.get(d.id)
+        # A preemption's barrier deadline was planned from its notice and persisted.
+        deadline_s = float(d.inputs.get("barrier_deadline_s") or deadline_s)
         try:
             # The decision's span is current in its task: the actuator's and the
             # coordinator's calls are its children, and Resize carries it to the coordinator.
@@ -316,9 +330,39 @@ class Controller:
                 generation=result.generation,
                 lost_steps=result.lost_steps,
             )
-        await self._set_replicas(d, d.to_replicas)
+        leaving = _leaving_pods(d)
+        with tracing.tracer().start_as_current_span(
+            "tide.actuator.remove_pods",
+            attributes={"tide.replicas": d.to_replicas, "tide.pods": list(leaving)},
+        ):
+            # The pods the coordinator drained, named: lowering the count alone would
+            # stop the highest index, a member of the generation just formed.
+            await remove_pods(
+                self.actuator, d.job_id, leaving, replicas=d.to_replicas, decision_id=d.id
+            )
         fault("decision:ACTUATING+effect")
-        return await self._step(d, S.COMPLETED, f"replicas lowered to {d.to_replicas}", fault)
+        named = f" ({', '.join(leaving)} removed)" if leaving else ""
+        return await self._step(
+            d, S.COMPLETED, f"replicas lowered to {d.to_replicas}{named}", fault
+        )
+
+    async def record_unplanned(
+        self, d: DecisionRecord, *, generation: int, lost_steps: int, detail: str
+    ) -> DecisionRecord:
+        """A change of world size nobody decided (a member lost without notice), put
+        through the lifecycle so that the history, the feed and the job's record see it
+        like any other; nothing is acted on (the coordinator already re-formed)."""
+        d = await self._step(d, S.PREPARING, "the coordinator recovered without it", _no_fault)
+        d = await self._step(d, S.ACTUATING, detail, _no_fault)
+        return await self._step(
+            d,
+            S.COMPLETED,
+            f"generation {generation} runs with {d.to_replicas} member(s);"
+            f" {lost_steps} step(s) lost",
+            _no_fault,
+            generation=generation,
+            lost_steps=lost_steps,
+        )
 
     def _check_lead(self, d: DecisionRecord) -> None:
         if not self.may_act():
@@ -338,12 +382,14 @@ class Controller:
         ) as span:
             result = await self._resize_until_final(d, deadline_s)
             span.set_attribute("tide.phase", result.phase.name)
+            if result.checkpoint_write_s > 0:
+                self.checkpoint_s[d.job_id] = result.checkpoint_write_s
             return result
 
     async def _resize_until_final(self, d: DecisionRecord, deadline_s: float) -> Progress:
         """Run (or re-attach to) the coordinator's resize until a final phase. A broken
         stream is re-attached with the same decision id until the deadline passes."""
-        leaving = tuple(str(p) for p in d.inputs.get("leaving_pods", []) or [])
+        leaving = _leaving_pods(d)
         spec = ResizeSpec(
             decision_id=d.id,
             job_id=d.job_id,
@@ -355,6 +401,8 @@ class Controller:
         backoff = Backoff(self.retry_s, self.retry_max_s)
         last_err: Exception | None = None
         while self.clock.monotonic() < give_up:
+            if d.id in self.superseded:
+                return Progress(d.id, Phase.ABORTED, message=self.superseded[d.id])
             try:
                 async for p in self.coordinator.resize(spec):
                     if p.phase.final:

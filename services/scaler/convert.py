@@ -126,7 +126,12 @@ def inputs_to_proto(inputs: dict[str, Any]) -> scaler_pb2.DecisionInputs:
         free_gpus=int(inputs.get("free_gpus", -1)),
         raw_target_replicas=max(0, int(inputs.get("raw_target_replicas", 0))),
         node_name=str(inputs.get("node_name", "") or ""),
+        leaving_pods=[str(x) for x in inputs.get("leaving_pods", []) or []],
+        barrier_deadline_s=float(inputs.get("barrier_deadline_s", 0.0) or 0.0),
     )
+    plan = inputs.get("notice_plan")
+    if plan:
+        msg.notice_plan = f"{plan.get('reason', '')}: {plan.get('message', '')}"
     w = inputs.get("window")
     if w:
         mean = w.get("mean_pct")

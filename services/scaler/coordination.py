@@ -63,6 +63,8 @@ class Progress:
     pause_s: float = 0.0
     lost_steps: int = 0
     message: str = ""
+    # Rank 0's write of the coordinated checkpoint, seconds; 0 until measured.
+    checkpoint_write_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,10 @@ class JobStatusView:
     members: tuple[Member, ...]
     step: int = 0
     samples_per_s: float = 0.0
+    # Steps lost to unplanned member losses since the job started.
+    lost_steps_total: int = 0
+    # Every member of the last generation finished its budget: nothing more to resize.
+    finished: bool = False
 
 
 class CoordinatorClient(Protocol):
@@ -130,6 +136,7 @@ class GrpcCoordinatorClient:
                     pause_s=p.pause_s,
                     lost_steps=p.lost_steps,
                     message=p.message,
+                    checkpoint_write_s=p.pause.checkpoint_write_s,
                 )
         except grpc.RpcError as exc:
             raise domain_error(exc) from exc
@@ -169,10 +176,22 @@ class GrpcCoordinatorClient:
 
 def _status_view(st: coordinator_pb2.JobStatus) -> JobStatusView:
     members = tuple(
-        Member(m.pod_name, m.pod_uid, m.state == coordinator_pb2.MEMBER_STATE_ACTIVE)
+        Member(
+            m.pod_name,
+            m.pod_uid,
+            m.state == coordinator_pb2.MEMBER_STATE_ACTIVE,
+            m.leave_requested,
+        )
         for m in st.members
         if m.state != coordinator_pb2.MEMBER_STATE_GONE
     )
     return JobStatusView(
-        st.job_id, st.generation, st.world_size, members, st.step, st.samples_per_s
+        st.job_id,
+        st.generation,
+        st.world_size,
+        members,
+        st.step,
+        st.samples_per_s,
+        lost_steps_total=st.lost_steps_total,
+        finished=st.finished,
     )

@@ -34,6 +34,8 @@ class Member:
     pod_name: str
     pod_uid: str = ""
     active: bool = True
+    # Its pod got SIGTERM and asks for a coordinated leave (docs/preemption.md).
+    leave_requested: bool = False
 
 
 class MemberRegistry(Protocol):

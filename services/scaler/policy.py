@@ -187,6 +187,11 @@ class JobState:
     terminating_replicas: int = 0
     terminating_node: str = ""
     terminating_deadline_s: float | None = None
+    # Those pods (uids or names, as the agents reported them).
+    terminating_pods: frozenset[str] = frozenset()
+    # The decision in flight (0: none) and, when it is a preemption, the pods it drains.
+    in_flight_decision: int = 0
+    in_flight_leaving: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,9 @@ class Decision:
     wanted_replicas: int = 0
     # Evidence beyond the window and the policy (goodput, pool), stored with the decision.
     inputs: dict[str, Any] = field(default_factory=dict)
+    # A preemption that must first abort this decision in flight (0: none); the
+    # caller aborts it and evaluates again once it is final.
+    supersedes: int = 0
 
     @property
     def resize(self) -> bool:
@@ -305,20 +313,40 @@ def decide(
             inputs=inputs or {},
         )
 
-    if job.terminating_replicas > 0 and not job.resize_in_progress:
+    if job.terminating_replicas > 0:
         # The node goes whatever we do; a coordinated checkpoint beats lost work,
         # so neither cooldown, pause nor min_replicas holds this back (floor 1).
         to = max(1, cur - job.terminating_replicas)
-        if to < cur:
+        message = (
+            f"node {job.terminating_node or '?'} is terminating with "
+            f"{job.terminating_replicas} replica(s) of the job: shrink {cur} -> {to}"
+        )
+        if to < cur and not job.resize_in_progress:
             return Decision(
                 job.job_id,
                 Reason.NODE_TERMINATION,
-                f"node {job.terminating_node or '?'} is terminating with "
-                f"{job.terminating_replicas} replica(s) of the job: shrink {cur} -> {to}",
+                message,
                 cur,
                 to,
                 trigger=Trigger.EMERGENCY,
                 raw_target=to,
+            )
+        covered = job.in_flight_leaving is not None and job.terminating_pods <= (
+            job.in_flight_leaving
+        )
+        if to < cur and job.in_flight_decision and not covered:
+            # A grow or shrink in flight (or a preemption of fewer pods) would hold the
+            # leave back past the node's deadline: it is aborted, and the leave that
+            # follows names every noticed pod at once (two nodes' notices, one leave).
+            return Decision(
+                job.job_id,
+                Reason.NODE_TERMINATION,
+                f"{message}, after aborting decision {job.in_flight_decision} in flight",
+                cur,
+                to,
+                trigger=Trigger.EMERGENCY,
+                raw_target=to,
+                supersedes=job.in_flight_decision,
             )
     if job.resize_in_progress:
         return noop(Reason.RESIZE_IN_PROGRESS, "another decision of this job is not final yet")

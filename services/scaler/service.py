@@ -34,10 +34,12 @@ from services.scaler.lifecycle import FaultHook
 from services.scaler.members import CoordinatorMemberRegistry
 from services.scaler.metrics import ScalerMetrics
 from services.scaler.pool import PoolClaims
+from services.scaler.preemption import plan_notice
 from services.scaler.store import DecisionRecord, DecisionState, DecisionStore, JobRecord
 from services.scaler.triggers import Triggers
 from services.store.probe import StoreProbe
 from tidebase.errors import InvalidArgument, NotFound, TideError, Unavailable
+from tidebase.retry import Backoff
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,13 @@ class _Staged:
     @property
     def job_id(self) -> str:
         return self.decision.job_id
+
+
+def _leaving_of(d: DecisionRecord) -> frozenset[str] | None:
+    """The pods a preemption drains; None for any other decision."""
+    if d.trigger != pol.Trigger.EMERGENCY.name:
+        return None
+    return frozenset(str(p) for p in d.inputs.get("leaving_pods", []) or [])
 
 
 class ScalerCore:
@@ -145,6 +154,13 @@ class ScalerCore:
         self.policies: dict[str, pol.PolicySettings] = {}
         self.evaluations: dict[str, Evaluation] = {}
         self.active: dict[str, int] = {}
+        #: The pods each decision in flight drains, by decision id (None: not a preemption).
+        self._leaving: dict[int, frozenset[str] | None] = {}
+        #: Decisions in flight that a preemption asked the coordinator to abort.
+        self._superseded: set[int] = set()
+        self._background: set[asyncio.Task[None]] = set()
+        #: Each job's lost_steps_total as last seen, to tell what a loss cost.
+        self._lost_seen: dict[str, int] = {}
         self._recs: dict[str, list[tuple[float, int]]] = {}
         self._last_dir: dict[str, int] = {}
         self._last_from: dict[str, int] = {}
@@ -206,6 +222,7 @@ class ScalerCore:
                 self._restore_last(job_id, last)
         for d in await self.store.non_final():
             self.active[d.job_id] = d.id
+            self._leaving[d.id] = _leaving_of(d)
             self.metrics.decision_started(d)
         await self.controller.recover(self._deadline_of)
 
@@ -225,6 +242,8 @@ class ScalerCore:
 
     async def close(self) -> None:
         await self.history.close()
+        for t in list(self._background):
+            t.cancel()
         await self.controller.close()
         await self.registry.close()
         self.feed.close()
@@ -355,9 +374,25 @@ class ScalerCore:
             if self._wake is not None:
                 self._wake.set()
 
+    def _doomed(self, job_id: str) -> tuple[set[str], str, float | None]:
+        """Pods of the job that must go: on nodes with a notice (one such node, the
+        earliest deadline), and those whose launcher asked to leave (SIGTERM)."""
+        pods, node, deadline = self.engine.terminating_pods(job_id)
+        asked = {
+            m.pod_uid or m.pod_name
+            for m in self.registry.members(job_id)
+            if m.active
+            and m.leave_requested
+            # The agent may name the same pod already (by name or uid): once is enough.
+            and m.pod_name not in pods
+            and m.pod_uid not in pods
+        }
+        return pods | asked, node or ("pod SIGTERM" if asked else ""), deadline
+
     def job_state(self, job_id: str, free_gpus: int | None) -> pol.JobState:
         job = self._job(job_id)
-        pods, node, deadline = self.engine.terminating_pods(job_id)
+        pods, node, deadline = self._doomed(job_id)
+        in_flight = self.active.get(job_id, 0)
         return pol.JobState(
             job_id=job_id,
             current_replicas=job.current_replicas,
@@ -368,6 +403,9 @@ class ScalerCore:
             terminating_replicas=len(pods),
             terminating_node=node,
             terminating_deadline_s=deadline,
+            terminating_pods=frozenset(pods),
+            in_flight_decision=in_flight,
+            in_flight_leaving=self._leaving.get(in_flight),
         )
 
     def window_of(
@@ -457,6 +495,9 @@ class ScalerCore:
         d = self.pool.share(d, state)
         job_id = d.job_id
         self.evaluations[job_id] = Evaluation(d, st.now)
+        if d.supersedes:
+            await self._supersede(job_id, d.supersedes, d.message)
+            return d
         if not d.resize:
             return d
         job = self._job(job_id)
@@ -464,10 +505,18 @@ class ScalerCore:
             job.current_replicas, st.policy, st.view, state.free_gpus, d, st.at
         )
         if d.trigger is pol.Trigger.EMERGENCY:
-            pods, node, deadline = self.engine.terminating_pods(job_id)
+            pods, node, deadline = self._doomed(job_id)
             inputs["leaving_pods"] = sorted(pods)
             inputs["node_name"] = node
             inputs["node_deadline_s"] = deadline
+            plan = plan_notice(
+                st.policy.phase_timeout_s,
+                deadline,
+                self.clock.now(),
+                self.controller.checkpoint_s.get(job_id),
+            )
+            inputs["barrier_deadline_s"] = plan.barrier_deadline_s
+            inputs["notice_plan"] = {"reason": plan.reason.name, "message": plan.message}
         try:
             record = await self._create(d, inputs, "", started_s=st.tipping_s)
         except DecisionInProgress:
@@ -490,6 +539,64 @@ class ScalerCore:
             extra={"job_id": job_id, "decision_id": record.id},
         )
         return d
+
+    async def _supersede(self, job_id: str, decision_id: int, message: str) -> None:
+        """A preemption cannot wait for the decision in flight: it is aborted (its record
+        ends ABORTED with this reason in its history), and the job is evaluated again the
+        moment it is final, when the preemption goes ahead alone."""
+        if decision_id in self._superseded:
+            return
+        self._superseded.add(decision_id)
+        logger.warning(
+            "job %s: decision %d superseded: %s",
+            job_id,
+            decision_id,
+            message,
+            extra={"job_id": job_id, "decision_id": decision_id},
+        )
+        reason = f"superseded by a node termination: {message}"
+        # Before Resize (a grow still starting its pods) the controller ends it itself.
+        self.controller.superseded[decision_id] = reason
+        task = self.controller.tasks.get(decision_id)
+        t = asyncio.create_task(
+            self._abort_then_evaluate(job_id, decision_id, reason, task),
+            name=f"supersede-{decision_id}",
+        )
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
+    async def _abort_then_evaluate(
+        self,
+        job_id: str,
+        decision_id: int,
+        reason: str,
+        task: asyncio.Task[DecisionRecord | None] | None,
+    ) -> None:
+        backoff = Backoff(0.1, 1.0)
+        # NotFound: the coordinator has not seen the Resize yet; it may be on its way,
+        # so the abort is asked again until the decision is final.
+        while task is not None and not task.done():
+            try:
+                await self.coordinator.abort_resize(decision_id, job_id, reason)
+                break
+            except NotFound:
+                pass
+            except TideError as exc:
+                # The decision runs its course; the preemption follows it.
+                logger.warning(
+                    "job %s: could not abort decision %d: %s",
+                    job_id,
+                    decision_id,
+                    exc,
+                    extra={"job_id": job_id, "decision_id": decision_id},
+                )
+                break
+            await asyncio.wait({task}, timeout=backoff.next_delay_s())
+        if task is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(task)
+        self.controller.superseded.pop(decision_id, None)
+        self._noticed(job_id)
 
     @contextlib.contextmanager
     def _guard(self, job_id: str) -> Iterator[None]:
@@ -548,6 +655,7 @@ class ScalerCore:
         """Hand a committed PENDING decision to the controller (its trace starts at
         ``started_s``, the tipping sample, when the policy made it)."""
         self.active[record.job_id] = record.id
+        self._leaving[record.id] = _leaving_of(record)
         self.metrics.decision_started(record)
         self._publish(record, message)
         self.controller.fault("decision:PENDING")
@@ -574,6 +682,8 @@ class ScalerCore:
     def _on_final(self, d: DecisionRecord) -> None:
         if self.active.get(d.job_id) == d.id:
             del self.active[d.job_id]
+        self._leaving.pop(d.id, None)
+        self._superseded.discard(d.id)
         job = self.jobs.get(d.job_id)
         if job is not None:
             # Mirror what the store did in the same transaction, so the very next
@@ -598,7 +708,65 @@ class ScalerCore:
         jobs = [j for j in self.jobs if j not in self.fenced]
         for job_id in jobs:
             self._measure(job_id, now)
-        await self.evaluate_many([(j, None) for j in jobs], fresh)
+            with self._guard(job_id):
+                await self._record_loss(job_id)
+        await self.evaluate_many([(j, None) for j in jobs if not self._finished(j)], fresh)
+
+    def _finished(self, job_id: str) -> bool:
+        """The coordinator says every member finished its budget: no more resizes."""
+        st = self.coordinator.latest_status(job_id)
+        return st is not None and st.finished
+
+    async def _record_loss(self, job_id: str) -> None:
+        """A generation that formed smaller with no decision of ours in flight lost a
+        member without notice: a MEMBER_LOST record, with the steps it cost, so that
+        the history holds every change of world size."""
+        job, st = self.jobs[job_id], self.coordinator.latest_status(job_id)
+        if st is None:
+            return
+        seen = self._lost_seen.setdefault(job_id, st.lost_steps_total)
+        if (
+            job_id in self.active
+            or st.finished
+            or st.generation <= job.generation
+            or not 0 < st.world_size < job.current_replicas
+        ):
+            return
+        lost = max(0, st.lost_steps_total - seen)
+        message = (
+            f"{job.current_replicas - st.world_size} member(s) lost without notice;"
+            f" generation {st.generation} re-formed with {st.world_size}, {lost} step(s) lost"
+        )
+        d = pol.Decision(
+            job_id, pol.Reason.MEMBER_LOST, message, job.current_replicas, st.world_size
+        )
+        inputs = {"current_replicas": job.current_replicas, "lost_steps": lost}
+        try:
+            record = await self.store.create(
+                job_id=job_id,
+                from_replicas=d.from_replicas,
+                to_replicas=d.to_replicas,
+                reason=d.reason.name,
+                trigger=d.trigger.name,
+                message=message,
+                inputs=inputs,
+            )
+        except DecisionInProgress:
+            return
+        self._lost_seen[job_id] = st.lost_steps_total
+        self.active[job_id] = record.id
+        self.metrics.decision_started(record)
+        self._publish(record, message)
+        logger.warning(
+            "job %s: decision %d: %s",
+            job_id,
+            record.id,
+            message,
+            extra={"job_id": job_id, "decision_id": record.id},
+        )
+        await self.controller.record_unplanned(
+            record, generation=st.generation, lost_steps=lost, detail=message
+        )
 
     def _measure(self, job_id: str, now: float) -> None:
         job, status = self.jobs[job_id], self.coordinator.latest_status(job_id)
@@ -666,6 +834,7 @@ class ScalerCore:
             self.active,
             self.clock.now(),
         )
+        due = [(j, t) for j, t in due if not self._finished(j)]
         if due:
             await self.evaluate_many(due)
 

@@ -15,7 +15,7 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +46,8 @@ class InMemoryActuator:
         self.replicas: dict[str, int] = {}
         self.gpus_per_replica: dict[str, int] = {}
         self.changes: list[ReplicaChange] = []
+        #: Every ``remove_pods`` that changed the count: (job, pods named, decision id).
+        self.removed: list[tuple[str, tuple[str, ...], int]] = []
         # The in-memory coordinator learns a running job's first generation here
         # (services.testing.scaler wires it), as a real one would from its pods.
         self.on_adopt: list[AdoptListener] = []
@@ -68,6 +70,15 @@ class InMemoryActuator:
             return
         self.replicas[job_id] = replicas
         self.changes.append(ReplicaChange(job_id, old, replicas, decision_id))
+
+    async def remove_pods(
+        self, job_id: str, pods: Sequence[str], *, replicas: int, decision_id: int
+    ) -> None:
+        # Pods have no identity here: the names are recorded with the count's change.
+        before = len(self.changes)
+        await self.set_replicas(job_id, replicas, decision_id=decision_id)
+        if len(self.changes) > before:
+            self.removed.append((job_id, tuple(pods), decision_id))
 
     async def get_replicas(self, job_id: str) -> int | None:
         return self.replicas.get(job_id)

@@ -23,7 +23,7 @@ import asyncio
 import json
 import os
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from services.scaler.coordination import JobStatusView, Phase, Progress, ResizeSpec
@@ -44,6 +44,8 @@ class _Job:
     generation: int = 0
     world_size: int = 0
     step: int = 0
+    lost_steps_total: int = 0
+    finished: bool = False
 
 
 @dataclass
@@ -264,7 +266,31 @@ class InMemoryCoordinator:
             w,
             tuple(self._members.get(job_id, [])),
             samples_per_s=rate(w) if rate is not None and w > 0 else 0.0,
+            lost_steps_total=self._state.jobs[job_id].lost_steps_total,
+            finished=self._state.jobs[job_id].finished,
         )
+
+    def lose_member(self, job_id: str, lost_steps: int) -> None:
+        """A member lost without notice: the rest re-form one smaller, as the real
+        coordinator's recovery does, having lost ``lost_steps``."""
+        job = self._state.jobs[job_id]
+        job.generation += 1
+        job.world_size -= 1
+        job.lost_steps_total += lost_steps
+        self._set_members(job_id, job.world_size)
+        self._save()
+
+    def request_leave(self, job_id: str, index: int) -> None:
+        """Member ``index``'s launcher got SIGTERM and asks for a coordinated leave."""
+        ms = self._members[job_id]
+        ms[index] = replace(ms[index], leave_requested=True)
+        for q in self._watchers.get(job_id, []):
+            q.put_nowait(list(ms))
+
+    def finish(self, job_id: str) -> None:
+        """Every member finished its training budget."""
+        self._state.jobs[job_id].finished = True
+        self._save()
 
     async def watch_members(self, job_id: str) -> AsyncIterator[list[Member]]:
         q: asyncio.Queue[list[Member]] = asyncio.Queue()

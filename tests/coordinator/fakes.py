@@ -73,6 +73,9 @@ class FakeLauncher:
         self.handled: dict[str, pb.Directive] = {}
         self.ack_errors: list[grpc.aio.AioRpcError] = []
         self.exited = False
+        # The pod's uid sent at Register, and whether its heartbeats ask to leave (SIGTERM).
+        self.pod_uid = f"uid-{pod_index}"
+        self.leave_requested = False
         # Behaviour switches a test flips.
         self.answer_checkpoint = True
         self.answer_rendezvous = True
@@ -87,6 +90,7 @@ class FakeLauncher:
             pb.RegisterRequest(
                 job_id=self.job_id,
                 pod_name=self.pod_name,
+                pod_uid=self.pod_uid,
                 pod_index=self.pod_index,
                 host="127.0.0.1",
                 launcher_id=self.launcher_id,
@@ -142,6 +146,7 @@ class FakeLauncher:
             samples_consumed=self.step * 48,
             samples_per_s=100.0,
             free_port=self.port,
+            leave_requested=self.leave_requested,
             startup=pb.PauseBreakdown(worker_restart_s=0.02, group_init_s=0.4, restore_s=0.1),
             last_checkpoint_step=self.last_checkpoint,
             last_checkpoint_digest=digest_of(self.job_id, self.last_checkpoint)

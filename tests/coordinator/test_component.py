@@ -65,6 +65,24 @@ async def test_grow_2_to_3_checkpoints_ahead_and_measures_the_pause(env: Env) ->
     assert (st.generation, st.world_size, st.last_checkpoint_step) == (2, 3, 13)
 
 
+async def test_a_leave_request_is_shown_and_a_named_uid_drains_that_member(env: Env) -> None:
+    """Preemption (docs/preemption.md): the launcher's SIGTERM reaches the scaler as the
+    member's leave_requested; the scaler's Resize names its pod by uid: only it drains."""
+    ls = await form(env, 3)
+    ls[1].leave_requested = True
+    await env.heartbeat_all()
+    st = await env.status()
+    assert [m.leave_requested for m in st.members] == [False, True, False]
+    assert [m.pod_uid for m in st.members] == ["uid-0", "uid-1", "uid-2"]
+    w = ResizeWatch(env.stub, JOB, 2, 2, leaving=("uid-1",))
+    await eventually(lambda: ls[1].exited, what="pod 1 drained")
+    await eventually(lambda: ls[0].generation == 2 and ls[2].generation == 2, what="gen 2")
+    await env.heartbeat_all()
+    final = await w.final()
+    assert final.phase == P.RESIZE_PHASE_COMPLETED and final.lost_steps == 0
+    assert not ls[0].exited and not ls[2].exited
+
+
 async def test_shrink_3_to_1_drains_the_highest_indexes(env: Env) -> None:
     ls = await form(env, 3)
     await env.heartbeat_all()

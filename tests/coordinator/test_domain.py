@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from services.coordinator.domain import (
@@ -180,6 +182,13 @@ def test_checkpoint_step_is_ahead_of_every_member(
 def test_choose_leaving(n_leave: int, named: tuple[str, ...], expected: list[str]) -> None:
     actives = [_member(i, rank=i) for i in range(4)]
     assert [m.pod_name for m in choose_leaving(actives, n_leave, named)] == expected
+
+
+def test_choose_leaving_matches_a_named_uid() -> None:
+    """The agent names a pod by its uid where the launcher sent one (docs/preemption.md)."""
+    actives = [dataclasses.replace(_member(i, rank=i), pod_uid=f"u{i}") for i in range(4)]
+    assert [m.pod_name for m in choose_leaving(actives, 1, ("u1",))] == ["p-1"]
+    assert [m.pod_name for m in choose_leaving(actives, 2, ("u0", "p-2"))] == ["p-2", "p-0"]
 
 
 def test_rank_order_keeps_stayers_order_then_newcomers_by_index() -> None:

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import pytest
 
-from services.scaler.actuators import Actuator
+from services.scaler.actuators import Actuator, PodRemover, remove_pods
 from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
 from services.scaler.actuators.local import JobSpec, LocalActuator, LocalActuatorSettings
 from services.testing.actuators import FileActuator, InMemoryActuator, read_changes
@@ -174,6 +174,19 @@ async def test_set_replicas_is_what_runs_and_is_idempotent(world: World) -> None
     assert await a.get_replicas(JOB) == 1 and world.running(JOB) == 1
     await a.set_replicas(JOB, 0, decision_id=3)
     assert await a.get_replicas(JOB) == 0 and world.running(JOB) == 0
+
+
+async def test_remove_pods_lowers_to_the_count_asked(world: World) -> None:
+    """Every actuator here can name the pods that go (PodRemover); which ones went is
+    each actuator's own test (test_actuator_local), the count is the contract."""
+    world.define(JOB, 1)
+    a = world.actuator
+    assert isinstance(a, PodRemover)
+    await a.set_replicas(JOB, 3, decision_id=1)
+    await remove_pods(a, JOB, ["nobody"], replicas=2, decision_id=2)
+    assert await a.get_replicas(JOB) == 2 and world.running(JOB) == 2
+    await remove_pods(a, JOB, ["nobody"], replicas=2, decision_id=2)
+    assert await a.get_replicas(JOB) == 2 and world.running(JOB) == 2
 
 
 async def test_adopt_changes_no_pod(world: World) -> None:

@@ -111,6 +111,35 @@ async def test_shrink_stops_the_highest_indexes_first_with_their_workers(
         wait_for(lambda i=index: gone(workers[i]), what=f"worker of pod {index} gone")
 
 
+async def test_remove_pods_stops_exactly_the_named_pod_and_a_grow_fills_its_index(
+    make: Factory, log: Path
+) -> None:
+    """A preempted node's pod is not the highest index: it goes, the others keep running
+    (the generation that formed without it), and the gap stays until a grow."""
+    a = make()
+    a.write_spec(JOB, JobSpec(command=("train",)))
+    await a.set_replicas(JOB, 3, decision_id=1)
+    started(log, 3)
+    pods = {p.index: p for p in a.pods(JOB)}
+    assert len({p.uid for p in pods.values()}) == 3 and all(p.uid for p in pods.values())
+    await a.remove_pods(JOB, [pods[1].uid], replicas=2, decision_id=2)
+    assert terms(log) == [1]
+    assert [(p.index, p.pid) for p in a.pods(JOB)] == [(0, pods[0].pid), (2, pods[2].pid)]
+    assert await a.get_replicas(JOB) == 2
+    # A repeat (a resumed decision), and the count asked again, change nothing.
+    await a.remove_pods(JOB, [pods[1].uid], replicas=2, decision_id=2)
+    await a.set_replicas(JOB, 2, decision_id=2)
+    assert [p.index for p in a.pods(JOB)] == [0, 2] and terms(log) == [1]
+    # A restarted actuator keeps the gap; a grow fills the lowest free index.
+    b = make()
+    await b.set_replicas(JOB, 3, decision_id=3)
+    started(log, 4)
+    assert [p.index for p in b.pods(JOB)] == [0, 1, 2] and terms(log) == [1]
+    # Named by pod name works too; a shrink past the named ones cuts the highest.
+    await b.remove_pods(JOB, ["resnet-trainer-0"], replicas=1, decision_id=4)
+    assert sorted(terms(log)) == [0, 1, 2] and [p.index for p in b.pods(JOB)] == [1]
+
+
 def gone(pid: int) -> bool:
     stat = _proc_stat(pid)
     return stat is None or stat[0] == "Z"

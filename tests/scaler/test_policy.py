@@ -172,6 +172,44 @@ CASES = [
         current=2,
         job={"terminating_replicas": 1, "terminating_node": "n1"},
     ),
+    Case(
+        "emergency supersedes a grow in flight",
+        flat(95),
+        Reason.NODE_TERMINATION,
+        3,
+        job={
+            "terminating_replicas": 1,
+            "terminating_pods": frozenset({"u1"}),
+            "resize_in_progress": True,
+            "in_flight_decision": 7,
+        },
+    ),
+    Case(
+        "a preemption in flight for the same pods is waited for",
+        flat(95),
+        Reason.RESIZE_IN_PROGRESS,
+        4,
+        job={
+            "terminating_replicas": 1,
+            "terminating_pods": frozenset({"u1"}),
+            "resize_in_progress": True,
+            "in_flight_decision": 7,
+            "in_flight_leaving": frozenset({"u1"}),
+        },
+    ),
+    Case(
+        "a preemption in flight for fewer pods is superseded by the merged one",
+        flat(95),
+        Reason.NODE_TERMINATION,
+        2,
+        job={
+            "terminating_replicas": 2,
+            "terminating_pods": frozenset({"u1", "u2"}),
+            "resize_in_progress": True,
+            "in_flight_decision": 7,
+            "in_flight_leaving": frozenset({"u1"}),
+        },
+    ),
     # The goodput guard: throughput (samples/s) by replicas, as the coordinator measured it.
     Case(
         "a grow that made training slower is reverted",

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from tide.v1 import telemetry_pb2
 
+from services.scaler.convert import inputs_to_proto
 from services.scaler.coordination import Phase, Progress, ResizeSpec
 from services.scaler.ingest import IngestSettings
 from services.scaler.policy import PolicySettings, Reason
@@ -193,6 +194,146 @@ async def test_termination_notice_shrinks_off_the_node(rig: Rig) -> None:
     assert dec.inputs["leaving_pods"] == ["uid-a-1"]
     assert await final(rig, dec.id) is DecisionState.COMPLETED
     assert rig.coordinator.calls[0].leaving_pods == ("uid-a-1",)
+    # The actuator is told which pod goes, not only how many stay.
+    assert rig.actuator.removed == [("ns/a", ("uid-a-1",), dec.id)]
+
+
+async def test_a_notice_for_a_pod_below_the_highest_index_removes_that_pod(rig: Rig) -> None:
+    await rig.core.upsert_job("ns/a", {"min_replicas": 1})
+    feed(rig, 5, 60.0)
+    st = rig.core.engine.open_stream()
+    # Pod 0 of 2, the lowest index: a count alone would have the actuator stop pod 1.
+    r = report("n0", 1, t=rig.clock.now(), utils=[60.0] * 4, pods=["uid-a-0"] * 4)
+    r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
+    rig.core.engine.process(st, r)
+    d = await rig.core.evaluate("ns/a")
+    assert (d.reason, d.to_replicas) == (Reason.NODE_TERMINATION, 1)
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert dec.inputs["leaving_pods"] == ["uid-a-0"]
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    assert rig.actuator.removed == [("ns/a", ("uid-a-0",), dec.id)]
+
+
+def notice(rig: Rig, node: str, pod: str) -> None:
+    st = rig.core.engine.open_stream()
+    r = report(node, 1, t=rig.clock.now(), utils=[60.0] * 4, pods=[pod] * 4)
+    r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
+    rig.core.engine.process(st, r)
+
+
+async def test_a_notice_supersedes_a_grow_in_flight(rig: Rig) -> None:
+    """The grow is aborted (ABORTED in the history, with the reason), then the leave."""
+    await rig.core.upsert_job("ns/a", {"min_replicas": 1})
+    feed(rig, 5, 60.0)
+    rig.coordinator.step_s = 0.3
+    grow = await rig.core.request_resize("ns/a", 4, "load test", "alice")
+    await eventually(lambda: rig.coordinator.calls)
+    notice(rig, "n0", "uid-a-0")
+    d = await rig.core.evaluate("ns/a")
+    assert (d.reason, d.supersedes) == (Reason.NODE_TERMINATION, grow.id)
+    assert await final(rig, grow.id) is DecisionState.ABORTED
+    aborted = (await rig.store.get_decision(grow.id)).decision
+    assert "superseded by a node termination" in (aborted.error or "")
+    assert [(c.old, c.new) for c in rig.actuator.changes] == [(2, 4), (4, 2)]
+    rig.coordinator.step_s = 0.0
+    d = await rig.core.evaluate("ns/a")
+    assert (d.reason, d.from_replicas, d.to_replicas, d.supersedes) == (
+        Reason.NODE_TERMINATION,
+        2,
+        1,
+        0,
+    )
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    assert rig.actuator.removed == [("ns/a", ("uid-a-0",), dec.id)]
+
+
+async def test_a_second_nodes_notice_merges_into_one_leave(rig: Rig) -> None:
+    await rig.core.upsert_job("ns/a", {"min_replicas": 1})
+    feed(rig, 5, 60.0)
+    dec = await rig.core.request_resize("ns/a", 4, "load test", "alice")
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    rig.coordinator.step_s = 0.3
+    notice(rig, "n0", "uid-a-0")
+    first = await rig.core.evaluate("ns/a")
+    assert (first.from_replicas, first.to_replicas) == (4, 3)
+    one = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    # The same notice again is the leave in flight: nothing new.
+    assert (await rig.core.evaluate("ns/a")).reason is Reason.RESIZE_IN_PROGRESS
+    notice(rig, "n3", "uid-a-3")
+    assert (await rig.core.evaluate("ns/a")).supersedes == one.id
+    assert await final(rig, one.id) is DecisionState.ABORTED
+    rig.coordinator.step_s = 0.0
+    d = await rig.core.evaluate("ns/a")
+    assert (d.from_replicas, d.to_replicas) == (4, 2)
+    merged = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert merged.inputs["leaving_pods"] == ["uid-a-0", "uid-a-3"]
+    assert await final(rig, merged.id) is DecisionState.COMPLETED
+    assert rig.actuator.removed == [("ns/a", ("uid-a-0", "uid-a-3"), merged.id)]
+
+
+async def test_a_pod_that_got_sigterm_is_drained_like_a_noticed_one(rig: Rig) -> None:
+    """The launcher's leave request (docs/preemption.md) names its pod: pod 0 goes."""
+    await rig.core.upsert_job("ns/a", {"min_replicas": 1})
+    rig.coordinator.request_leave("ns/a", 0)
+    await eventually(lambda: any(m.leave_requested for m in rig.core.registry.members("ns/a")))
+    d = await rig.core.evaluate("ns/a")
+    assert (d.reason, d.from_replicas, d.to_replicas) == (Reason.NODE_TERMINATION, 2, 1)
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert dec.inputs["leaving_pods"] == ["uid-a-0"]
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    assert rig.actuator.removed == [("ns/a", ("uid-a-0",), dec.id)]
+
+
+async def test_a_member_lost_without_notice_is_a_member_lost_record(rig: Rig) -> None:
+    await rig.core.tick()  # the baseline of lost steps is what the scaler first saw
+    rig.coordinator.lose_member("ns/a", lost_steps=7)
+    await rig.core.tick()
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert (dec.reason, dec.trigger, dec.from_replicas, dec.to_replicas) == (
+        "MEMBER_LOST",
+        "POLICY",
+        2,
+        1,
+    )
+    detail = await rig.store.get_decision(dec.id)
+    assert detail.decision.state is DecisionState.COMPLETED
+    assert (detail.decision.lost_steps, detail.decision.generation) == (7, 2)
+    assert rig.core.jobs["ns/a"].current_replicas == 1
+    assert rig.actuator.changes == []  # nothing was acted on
+    # Seen once: the next tick records nothing more.
+    await rig.core.tick()
+    assert len((await rig.store.list_decisions(job_id="ns/a")).decisions) == 1
+
+
+async def test_a_finished_job_is_no_longer_evaluated(rig: Rig) -> None:
+    rig.coordinator.finish("ns/a")
+    feed(rig, 35, 95.0)
+    await rig.core.tick()
+    assert "ns/a" not in rig.core.evaluations
+    assert (await rig.store.list_decisions(job_id="ns/a")).decisions == ()
+
+
+async def test_the_notice_deadline_rules_the_barrier_deadline(rig: Rig) -> None:
+    """The node goes in 30 s: the resize gets 30 s less the margin, not the 60 s phase
+    timeout; the plan is in the decision's inputs for `tide explain`."""
+    await rig.core.upsert_job("ns/a", {"min_replicas": 1})
+    feed(rig, 5, 60.0)
+    st = rig.core.engine.open_stream()
+    r = report("n2", 1, t=rig.clock.now(), utils=[60.0] * 4, pods=["uid-a-1"] * 4)
+    ev = r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
+    ev.deadline.FromNanoseconds(int((rig.clock.now() + 30.0) * 1e9))
+    rig.core.engine.process(st, r)
+    await rig.core.evaluate("ns/a")
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    # No checkpoint measured yet: a 2 x 5 s margin.
+    assert dec.inputs["barrier_deadline_s"] == pytest.approx(20.0)
+    assert dec.inputs["notice_plan"]["reason"] == "NOTICE"
+    assert rig.coordinator.calls[0].deadline_s == pytest.approx(20.0)
+    msg = inputs_to_proto(dec.inputs)
+    assert (list(msg.leaving_pods), msg.barrier_deadline_s) == (["uid-a-1"], 20.0)
+    assert msg.notice_plan.startswith("NOTICE: 30.0s left")
 
 
 async def test_an_evaluation_reads_only_the_jobs_own_nodes(rig: Rig) -> None:

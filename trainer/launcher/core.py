@@ -101,6 +101,8 @@ class Launcher:
         # heartbeats report it so that the coordinator names it after a loss.
         self.last_checkpoint_step = 0
         self.last_checkpoint_digest = ""
+        # Set by trainer/launcher/leave.py when the pod is told to go.
+        self.leave_requested = False
         self._state_dir = Path(settings.state_dir or tempfile.mkdtemp(prefix="tide-launcher-"))
         self._handover_dir = pod_handover_dir(
             settings.job_id, settings.pod_name or "pod", settings.launcher_id
@@ -159,6 +161,7 @@ class Launcher:
             progress=dataclasses.replace(self.progress),
             last_checkpoint_step=self.last_checkpoint_step,
             last_checkpoint_digest=self.last_checkpoint_digest,
+            leave_requested=self.leave_requested,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -156,6 +156,7 @@ class CoordinatorLink:
             pb.RegisterRequest(
                 job_id=self.s.job_id,
                 pod_name=self.s.pod_name,
+                pod_uid=self.s.pod_uid,
                 pod_index=self.s.pod_index,
                 host=self.s.host,
                 launcher_id=self.s.launcher_id,
@@ -340,6 +341,7 @@ class CoordinatorLink:
             free_port=find_free_port(self.s.host),
             last_checkpoint_step=beat.last_checkpoint_step,
             last_checkpoint_digest=beat.last_checkpoint_digest,
+            leave_requested=beat.leave_requested,
             first_step_at=ts_from_seconds(p.first_step_at) if p.first_step_at else None,
         )
 

@@ -107,3 +107,5 @@ class Beat:
     # The newest checkpoint a worker of this launcher wrote and verified (rank 0 only).
     last_checkpoint_step: int = 0
     last_checkpoint_digest: str = ""
+    # The pod got SIGTERM: this member asks for a coordinated leave (trainer/launcher/leave.py).
+    leave_requested: bool = False

@@ -17,6 +17,8 @@ class LauncherSettings:
     job_id: str
     command: tuple[str, ...]
     pod_name: str = ""
+    # The pod's uid ("": unknown); a pod name comes back with its replacement, a uid does not.
+    pod_uid: str = ""
     pod_index: int = 0
     host: str = "127.0.0.1"
     state_dir: str = ""
@@ -35,6 +37,10 @@ class LauncherSettings:
     workers_per_pod: int = 0
     # Hand state to the pod's next worker in shared memory at a planned resize.
     handover: bool = True
+    # On SIGTERM, ask the coordinator for a coordinated leave and wait this long for
+    # the DRAIN before stopping anyway, seconds; 0: stop at once (docs/preemption.md).
+    # Keep it under the pod's terminationGracePeriodSeconds.
+    leave_grace_s: float = 0.0
     # How long a new worker may take to have its group and restore, seconds.
     start_timeout_s: float = 120.0
     # The one backoff (tidebase.retry.Backoff) of the directive stream's reconnects, the
@@ -60,6 +66,8 @@ class LauncherSettings:
         for name in ("exit_grace_s", "start_timeout_s", "backoff_initial_s", "rpc_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.leave_grace_s >= 0:
+            raise ConfigError(f"leave_grace_s must be >= 0, got {self.leave_grace_s}")
         if self.backoff_max_s < self.backoff_initial_s:
             raise ConfigError(
                 f"backoff_max_s must be >= backoff_initial_s, got {self.backoff_max_s}"

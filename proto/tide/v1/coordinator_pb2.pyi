@@ -437,6 +437,7 @@ class HeartbeatRequest(_message.Message):
     FREE_PORT_FIELD_NUMBER: _builtins.int
     LAST_CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
     LAST_CHECKPOINT_DIGEST_FIELD_NUMBER: _builtins.int
+    LEAVE_REQUESTED_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     generation: _builtins.int
     phase: Global___WorkerPhase.ValueType
@@ -455,6 +456,11 @@ class HeartbeatRequest(_message.Message):
     coordinator name the restore step exactly after an unplanned loss.
     """
     last_checkpoint_digest: _builtins.str
+    leave_requested: _builtins.bool
+    """The pod was told to go (SIGTERM: eviction, graceful node shutdown, a deleted
+    pod) and asks for a coordinated leave before its grace period ends; the
+    scaler drains it like a pod on a noticed node (docs/preemption.md).
+    """
     @_builtins.property
     def first_step_at(self) -> _timestamp_pb2.Timestamp:
         """Wall time of the first completed step in this generation; unset until then."""
@@ -480,10 +486,11 @@ class HeartbeatRequest(_message.Message):
         free_port: _builtins.int = ...,
         last_checkpoint_step: _builtins.int = ...,
         last_checkpoint_digest: _builtins.str = ...,
+        leave_requested: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["first_step_at", b"first_step_at", "startup", b"startup"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_at", b"first_step_at", "free_port", b"free_port", "generation", b"generation", "last_checkpoint_digest", b"last_checkpoint_digest", "last_checkpoint_step", b"last_checkpoint_step", "member_id", b"member_id", "phase", b"phase", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "startup", b"startup", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_at", b"first_step_at", "free_port", b"free_port", "generation", b"generation", "last_checkpoint_digest", b"last_checkpoint_digest", "last_checkpoint_step", b"last_checkpoint_step", "leave_requested", b"leave_requested", "member_id", b"member_id", "phase", b"phase", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "startup", b"startup", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -718,6 +725,7 @@ class Member(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     SAMPLES_PER_S_FIELD_NUMBER: _builtins.int
     LAST_HEARTBEAT_FIELD_NUMBER: _builtins.int
+    LEAVE_REQUESTED_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     pod_name: _builtins.str
     pod_index: _builtins.int
@@ -729,6 +737,8 @@ class Member(_message.Message):
     phase: Global___WorkerPhase.ValueType
     step: _builtins.int
     samples_per_s: _builtins.float
+    leave_requested: _builtins.bool
+    """The member's pod asked for a coordinated leave (HeartbeatRequest.leave_requested)."""
     @_builtins.property
     def last_heartbeat(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -745,10 +755,11 @@ class Member(_message.Message):
         step: _builtins.int = ...,
         samples_per_s: _builtins.float = ...,
         last_heartbeat: _timestamp_pb2.Timestamp | None = ...,
+        leave_requested: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_heartbeat", b"last_heartbeat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "last_heartbeat", b"last_heartbeat", "member_id", b"member_id", "phase", b"phase", "pod_index", b"pod_index", "pod_name", b"pod_name", "pod_uid", b"pod_uid", "rank", b"rank", "samples_per_s", b"samples_per_s", "state", b"state", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "last_heartbeat", b"last_heartbeat", "leave_requested", b"leave_requested", "member_id", b"member_id", "phase", b"phase", "pod_index", b"pod_index", "pod_name", b"pod_name", "pod_uid", b"pod_uid", "rank", b"rank", "samples_per_s", b"samples_per_s", "state", b"state", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -362,6 +362,9 @@ class DecisionInputs(_message.Message):
     NODE_DEADLINE_FIELD_NUMBER: _builtins.int
     GOODPUT_FIELD_NUMBER: _builtins.int
     POOL_FIELD_NUMBER: _builtins.int
+    LEAVING_PODS_FIELD_NUMBER: _builtins.int
+    BARRIER_DEADLINE_S_FIELD_NUMBER: _builtins.int
+    NOTICE_PLAN_FIELD_NUMBER: _builtins.int
     current_replicas: _builtins.int
     """Replicas before the decision."""
     free_gpus: _builtins.int
@@ -370,6 +373,14 @@ class DecisionInputs(_message.Message):
     """Replicas the proportional rule asked for, before clamping."""
     node_name: _builtins.str
     """For emergencies: the node and its deadline."""
+    barrier_deadline_s: _builtins.float
+    """For NODE_TERMINATION: the resize's barrier deadline planned from the notice,
+    seconds (the notice's time left less a margin sized from the checkpoint time).
+    """
+    notice_plan: _builtins.str
+    """For NODE_TERMINATION: how that deadline was planned (NOTICE, PHASE_TIMEOUT,
+    CHECKPOINT_FIRST) and why.
+    """
     @_builtins.property
     def window(self) -> _common_pb2.WindowStats:
         """The window at the moment of the decision."""
@@ -388,6 +399,12 @@ class DecisionInputs(_message.Message):
     def pool(self) -> Global___PoolEvidence:
         """How contended free GPUs were shared (grows only); unset when they were not."""
 
+    @_builtins.property
+    def leaving_pods(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """For NODE_TERMINATION: the pods that leave (uid or name, as the agent reported
+        them); the coordinator drains exactly these and the actuator removes them.
+        """
+
     def __init__(
         self,
         *,
@@ -400,10 +417,13 @@ class DecisionInputs(_message.Message):
         node_deadline: _timestamp_pb2.Timestamp | None = ...,
         goodput: Global___GoodputEvidence | None = ...,
         pool: Global___PoolEvidence | None = ...,
+        leaving_pods: _abc.Iterable[_builtins.str] | None = ...,
+        barrier_deadline_s: _builtins.float = ...,
+        notice_plan: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["goodput", b"goodput", "node_deadline", b"node_deadline", "policy", b"policy", "pool", b"pool", "window", b"window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_replicas", b"current_replicas", "free_gpus", b"free_gpus", "goodput", b"goodput", "node_deadline", b"node_deadline", "node_name", b"node_name", "policy", b"policy", "pool", b"pool", "raw_target_replicas", b"raw_target_replicas", "window", b"window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["barrier_deadline_s", b"barrier_deadline_s", "current_replicas", b"current_replicas", "free_gpus", b"free_gpus", "goodput", b"goodput", "leaving_pods", b"leaving_pods", "node_deadline", b"node_deadline", "node_name", b"node_name", "notice_plan", b"notice_plan", "policy", b"policy", "pool", b"pool", "raw_target_replicas", b"raw_target_replicas", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -94,7 +94,9 @@ def heartbeat(
     # arrive after its first heartbeat in the next one.
     m.reported_generation = max(m.reported_generation, inp.generation)
     out: list[Effect] = []
-    changed = False
+    # Watchers (the scaler) must see a leave request at once: it starts a preemption.
+    changed = inp.leave_requested and not m.leave_requested
+    m.leave_requested = m.leave_requested or inp.leave_requested
     if m.rank is not None and inp.generation == s.job.generation > 0:
         if inp.step > m.step and m.last_seen_mono > 0 and mono > m.last_seen_mono:
             m.steps_per_s = (inp.step - m.step) / (mono - m.last_seen_mono)
@@ -126,7 +128,7 @@ def heartbeat(
             # The worker ran the job's budget to its end and exited 0: not a loss.
             out.append(Finish(m.member_id))
         else:
-            changed = prev_phase != inp.phase
+            changed = changed or prev_phase != inp.phase
     elif m.state == MemberState.STANDBY:
         m.phase = inp.phase
     elif 0 < inp.generation < s.job.generation:

@@ -47,6 +47,8 @@ class HeartbeatInput:
     # The newest good checkpoint the member's worker wrote (periodic ones included); 0: none.
     last_checkpoint_step: int = 0
     last_checkpoint_digest: str = ""
+    # The pod was told to go (SIGTERM) and asks for a coordinated leave.
+    leave_requested: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,7 @@ class MemberView:
     step: int
     samples_per_s: float
     last_heartbeat_at: float
+    leave_requested: bool = False
 
 
 @dataclass(frozen=True)

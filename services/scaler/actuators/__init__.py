@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.common.clock import Clock
-from services.scaler.actuators.base import Actuator
+from services.scaler.actuators.base import Actuator, PodRemover, remove_pods
 from tidebase.errors import ConfigError
 
-__all__ = ["KINDS", "Actuator", "make_actuator", "parse_actuator"]
+__all__ = ["KINDS", "Actuator", "PodRemover", "make_actuator", "parse_actuator", "remove_pods"]
 
 #: The kinds ``--actuator KIND:ARG`` accepts.
 KINDS = ("local", "kubernetes")

@@ -3,11 +3,14 @@
 Same contract as every actuator (services.scaler.actuators.base.Actuator):
 
 - pod ``i`` of job ``ns/name`` is a launcher named ``name-trainer-i`` started
-  with ``--pod-index i``; a job with n replicas runs pods 0..n-1, so a shrink
-  removes the highest indexes first (as the PaddleJob operator does);
-- ``set_replicas(job, n)`` is idempotent: it makes pods 0..n-1 run (starting
-  missing or dead ones, as a ReplicaSet would) and stops the others, highest
-  index first;
+  with ``--pod-index i`` and a fresh uid (``POD_UID``, as the Downward API
+  gives a real pod); a job with n replicas runs n pods, 0..n-1 unless a named
+  pod was removed (``remove_pods``: a preempted node's pod), after which the
+  gap stays until a grow fills the lowest free index again;
+- ``set_replicas(job, n)`` is idempotent: it makes the job's wanted pods run
+  (starting missing or dead ones, as a ReplicaSet would) and stops the others,
+  highest index first; the wanted indexes are kept in ``indexes`` beside
+  ``replicas``;
 - everything lives under the state dir, so a restarted scaler finds the
   launchers it started before: each pod has a pid file holding the pid and the
   kernel's start time of the process, which tells a live launcher from a
@@ -33,6 +36,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +112,20 @@ class Pod:
     pid: int
     # Kernel start time (clock ticks since boot): with the pid, identifies the process.
     start_ticks: int
+    # The pod's uid (POD_UID), new at every start; "" in a pid file from before uids.
+    uid: str = ""
+
+
+def _resize_indexes(indexes: set[int], replicas: int) -> set[int]:
+    """``indexes`` grown by the lowest free ones or cut from the highest, to ``replicas``."""
+    out = set(indexes)
+    for i in sorted(out, reverse=True)[: max(0, len(out) - replicas)]:
+        out.discard(i)
+    i = 0
+    while len(out) < replicas:
+        out.add(i)
+        i += 1
+    return out
 
 
 def job_dir_name(job_id: str) -> str:
@@ -211,7 +229,12 @@ class LocalActuator:
             try:
                 doc: dict[str, Any] = json.loads(f.read_text())
                 pod = Pod(
-                    job_id, int(doc["index"]), doc["name"], int(doc["pid"]), int(doc["start"])
+                    job_id,
+                    int(doc["index"]),
+                    doc["name"],
+                    int(doc["pid"]),
+                    int(doc["start"]),
+                    str(doc.get("uid", "")),
                 )
             except (OSError, ValueError, KeyError) as exc:
                 logger.warning(
@@ -250,20 +273,46 @@ class LocalActuator:
         return None
 
     async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
+        await self.remove_pods(job_id, (), replicas=replicas, decision_id=decision_id)
+
+    async def remove_pods(
+        self, job_id: str, pods: Sequence[str], *, replicas: int, decision_id: int
+    ) -> None:
         if replicas < 0:
             raise InvalidArgument(f"job {job_id}: replicas must be >= 0, got {replicas}")
         spec = self.read_spec(job_id)
         lock = self._locks.setdefault(job_id, asyncio.Lock())
         async with lock, self._job_file_lock(job_id):
-            # The wanted count is written first: a scaler that dies half-way
-            # comes back knowing what it was asked for.
-            _write_atomic(self.job_dir(job_id) / "replicas", f"{replicas}\n")
             live = {p.index: p for p in self.pods(job_id)}
-            for index in range(replicas):
+            named = set(pods)
+            doomed = {i for i, p in live.items() if p.name in named or (p.uid and p.uid in named)}
+            before = self._wanted(job_id)
+            # A named pod that died already (its node went first) leaves its index too.
+            doomed |= {i for i in before - live.keys() if pod_name(job_id, i) in named}
+            wanted = _resize_indexes(before - doomed, replicas)
+            # The wanted pods are written first: a scaler that dies half-way
+            # comes back knowing what it was asked for.
+            _write_atomic(self.job_dir(job_id) / "indexes", json.dumps(sorted(wanted)))
+            _write_atomic(self.job_dir(job_id) / "replicas", f"{replicas}\n")
+            for index in sorted(wanted):
                 if index not in live:
                     self._start(job_id, index, spec, decision_id)
-            for index in sorted((i for i in live if i >= replicas), reverse=True):
+            for index in sorted((i for i in live if i not in wanted), reverse=True):
                 await self._stop(live[index])
+
+    def _wanted(self, job_id: str) -> set[int]:
+        """The indexes the job is asked to run: 0..replicas-1 but for removed pods."""
+        d = self.job_dir(job_id)
+        try:
+            replicas = int((d / "replicas").read_text())
+        except (FileNotFoundError, ValueError):
+            return set()
+        try:
+            got = {int(i) for i in json.loads((d / "indexes").read_text())}
+        except (FileNotFoundError, ValueError, TypeError):
+            got = set(range(replicas))
+        # A replicas file written by an older actuator, or by hand, wins over the list.
+        return _resize_indexes(got, replicas)
 
     @contextlib.asynccontextmanager
     async def _job_file_lock(self, job_id: str) -> AsyncIterator[None]:
@@ -311,6 +360,7 @@ class LocalActuator:
 
     def _start(self, job_id: str, index: int, spec: JobSpec, decision_id: int) -> Pod:
         name = pod_name(job_id, index)
+        uid = str(uuid.uuid4())
         log_path = self.settings.state_dir / "logs" / f"{name}.log"
         argv = [
             *self.settings.launcher,
@@ -333,6 +383,7 @@ class LocalActuator:
             **{k: v for k, v in os.environ.items() if k not in CLIENT_ENV},
             **spec.env,
             "POD_NAME": name,
+            "POD_UID": uid,
             "TIDE_POD_INDEX": str(index),
             "TIDE_JOB_ID": job_id,
             "PYTHONUNBUFFERED": "1",
@@ -350,7 +401,14 @@ class LocalActuator:
         stat = _proc_stat(proc.pid)
         start = stat[1] if stat else 0
         self._children[proc.pid] = proc
-        doc = {"index": index, "name": name, "pid": proc.pid, "start": start, "log": str(log_path)}
+        doc = {
+            "index": index,
+            "name": name,
+            "uid": uid,
+            "pid": proc.pid,
+            "start": start,
+            "log": str(log_path),
+        }
         _write_atomic(self._pid_file(job_id, index), json.dumps(doc))
         logger.info(
             "job %s: started pod %s (pid %d) for decision %d",
@@ -360,7 +418,7 @@ class LocalActuator:
             decision_id,
             extra={"job_id": job_id, "decision_id": decision_id or None},
         )
-        return Pod(job_id, index, name, proc.pid, start)
+        return Pod(job_id, index, name, proc.pid, start, uid)
 
     def _credential_flags(self, job_id: str, name: str) -> list[str]:
         if self.settings.ca_dir is None:

@@ -1,0 +1,101 @@
+"""A preemption rig: the real coordinator, a scaler core in this process (SQLite store,
+the coordinator's gRPC client, the local actuator starting real launchers), and node
+notices delivered as an agent's report would be. Shared by tests/e2e/test_preemption.py
+and bench/preemption.py."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from tide.v1 import common_pb2, telemetry_pb2
+
+from services.common.clock import SystemClock
+from services.scaler.actuators.local import JobSpec, LocalActuator, LocalActuatorSettings
+from services.scaler.coordination import GrpcCoordinatorClient
+from services.scaler.ingest import IngestSettings
+from services.scaler.service import ScalerCore
+from services.scaler.store import DecisionStore
+from services.store import db
+from services.testing.localjob import EXAMPLE, LocalJob
+from tidebase.timeconv import ts_from_seconds
+
+
+@dataclass
+class PreemptRig:
+    job: LocalJob
+    core: ScalerCore
+    actuator: LocalActuator
+    store: DecisionStore
+
+
+@asynccontextmanager
+async def preempt_rig(
+    workdir: Path,
+    train_args: Sequence[str],
+    job_id: str = "ns/e2e",
+    env: Mapping[str, str] | None = None,
+) -> AsyncIterator[PreemptRig]:
+    """``env``: the pods' environment beyond the local actuator's (TIDE_LEAVE_GRACE_S)."""
+    # A generous heartbeat timeout: a starved coordinator on 2 shared cores must not
+    # declare members lost (tests/e2e/test_elastic.py).
+    job = LocalJob(workdir / "job", train_args, job_id=job_id, heartbeat_timeout_s=10.0)
+    job.start_coordinator()
+    actuator = LocalActuator(
+        LocalActuatorSettings(
+            state_dir=workdir / "pods", coordinator=f"127.0.0.1:{job.port}", stop_grace_s=15.0
+        )
+    )
+    command = (sys.executable, EXAMPLE, "--ckpt-dir", str(job.ckpt_dir))
+    actuator.write_spec(
+        job_id,
+        JobSpec(
+            command=(*command, "--log-dir", str(job.log_dir), *train_args), env=dict(env or {})
+        ),
+    )
+    url = f"sqlite:///{workdir / 'scaler.db'}"
+    db.upgrade(url)
+    store = DecisionStore(db.make_engine(url), "s1", SystemClock())
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{job.port}")
+    core = ScalerCore(
+        store=store,
+        actuator=actuator,
+        coordinator=GrpcCoordinatorClient(channel),
+        clock=SystemClock(),
+        ingest=IngestSettings(stagger_slots=False),
+    )
+    await core.start()
+    try:
+        yield PreemptRig(job, core, actuator, store)
+    finally:
+        await core.close()
+        await actuator.stop_all()
+        await channel.close()
+        await job.close()
+        store.engine.dispose()
+
+
+def notice(
+    core: ScalerCore, node: str, pods: Sequence[str], deadline_in_s: float, namespace: str = "ns"
+) -> None:
+    """What an agent reports when its node gets a spot interruption notice: the node's
+    GPUs, held by ``pods``, and the termination event with its deadline."""
+    now = time.time()
+    r = telemetry_pb2.NodeReport(node_name=node, boot_id="b1", seq=1, gpu_capacity=len(pods))
+    at = ts_from_seconds(now)
+    deadline = ts_from_seconds(now + deadline_in_s)
+    assert at is not None and deadline is not None
+    r.sampled_at.CopyFrom(at)
+    for i, pod in enumerate(pods):
+        g = r.gpus.add(index=i, uuid=f"GPU-{node}-{i}", utilization_pct=60.0)
+        g.pod.CopyFrom(common_pb2.PodRef(namespace=namespace, name=pod))
+    ev = r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
+    ev.deadline.CopyFrom(deadline)
+    st = core.engine.open_stream()
+    core.engine.process(st, r)
+    core.engine.close_stream(st)

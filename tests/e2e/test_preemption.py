@@ -1,0 +1,175 @@
+"""Preemption end to end with real Paddle workers on gloo: a node's termination notice, seen
+by the scaler, becomes a coordinated leave of exactly the pod on it (docs/preemption.md).
+
+The scaler runs in this process (services.testing.preempt: ScalerCore, a SQLite store, the
+real coordinator's gRPC client and the local actuator starting real launchers); the notice
+arrives as an agent's node report would, through the ingest engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from services.scaler.policy import Reason
+from services.scaler.store import DecisionState
+from services.testing.preempt import PreemptRig, notice, preempt_rig
+from tests.e2e.checks import check_exactly_once, steps_by_generation
+from tests.support.poll import eventually
+
+pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
+
+JOB = "ns/e2e"
+DATASET, BATCH = 600, 60
+SPE = DATASET // BATCH
+STEPS = 120
+TRAIN = [
+    "--dataset-size", str(DATASET),
+    "--global-batch", str(BATCH),
+    "--hidden", "16",
+    "--seed", "5",
+    "--steps", str(STEPS),
+    "--ckpt-every-steps", "10",
+    "--keep", "4",
+    "--step-delay-s", "0.05",
+]  # fmt: skip
+
+
+@pytest.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[PreemptRig]:
+    async with preempt_rig(tmp_path, TRAIN, JOB) as r:
+        yield r
+
+
+async def test_a_notice_for_a_middle_pod_removes_exactly_that_pod_and_loses_nothing(
+    rig: PreemptRig,
+) -> None:
+    await rig.core.upsert_job(JOB, {"min_replicas": 1}, initial_replicas=3, gpus_per_replica=1)
+    await rig.job.wait_status(lambda s: s.world_size == 3 and s.step >= 15, 90, "3 members")
+    before = {p.index: p.pid for p in rig.actuator.pods(JOB)}
+    assert sorted(before) == [0, 1, 2]
+    # The registry follows the coordinator's members: the doomed pod must be known as one.
+    await eventually(lambda: rig.core.registry.by_name.get("e2e-trainer-1") == JOB)
+
+    t0 = time.monotonic()
+    notice(rig.core, "spot-1", ["e2e-trainer-1"], deadline_in_s=20.0)
+    d = await rig.core.evaluate(JOB)
+    assert (d.reason, d.from_replicas, d.to_replicas) == (Reason.NODE_TERMINATION, 3, 2)
+    dec = (await rig.store.list_decisions(job_id=JOB)).decisions[0]
+    assert dec.inputs["leaving_pods"] == ["e2e-trainer-1"]
+    for task in list(rig.core.controller.tasks.values()):
+        await task
+    released_s = time.monotonic() - t0
+    detail = await rig.store.get_decision(dec.id)
+    assert detail.decision.state is DecisionState.COMPLETED, detail.decision
+    assert detail.decision.lost_steps == 0
+    assert released_s < 20.0, f"the pod was free to go {released_s:.1f}s after a 20s notice"
+
+    # Exactly pod 1 went; pods 0 and 2 are the same processes as before.
+    after = {p.index: p.pid for p in rig.actuator.pods(JOB)}
+    assert after == {0: before[0], 2: before[2]}
+    assert await rig.actuator.get_replicas(JOB) == 2
+
+    st = await rig.job.wait_status(lambda s: s.finished, 120, "the job finished")
+    assert st.lost_steps_total == 0 and st.step == STEPS, st
+    # The last generation was pods 0 and 2, which trained to the end.
+    assert sorted(m.pod_name for m in st.members) == ["e2e-trainer-0", "e2e-trainer-2"]
+    gens = steps_by_generation(rig.job.log_dir)
+    assert len(gens) == 2, gens
+    check_exactly_once(rig.job.log_dir, DATASET, STEPS, SPE)
+
+
+@pytest.fixture
+async def leaving_rig(tmp_path: Path) -> AsyncIterator[PreemptRig]:
+    async with preempt_rig(tmp_path, TRAIN, JOB, env={"TIDE_LEAVE_GRACE_S": "25"}) as r:
+        yield r
+
+
+async def test_sigterm_to_a_trainer_pod_is_a_coordinated_leave(leaving_rig: PreemptRig) -> None:
+    """Eviction, graceful node shutdown, `kubectl delete pod`: the launcher asks to leave,
+    the scaler drains it, it exits 0 within its grace, and nothing is lost."""
+    rig = leaving_rig
+    await rig.core.upsert_job(JOB, {"min_replicas": 1}, initial_replicas=3, gpus_per_replica=1)
+    await rig.job.wait_status(lambda s: s.world_size == 3 and s.step >= 15, 90, "3 members")
+    before = {p.index: p.pid for p in rig.actuator.pods(JOB)}
+    t0 = time.monotonic()
+    os.kill(before[1], signal.SIGTERM)
+    await eventually(
+        lambda: any(m.leave_requested for m in rig.core.registry.members(JOB)),
+        what="the leave request seen by the scaler",
+    )
+    d = await rig.core.evaluate(JOB)
+    assert (d.reason, d.from_replicas, d.to_replicas) == (Reason.NODE_TERMINATION, 3, 2)
+    for task in list(rig.core.controller.tasks.values()):
+        await task
+    left_s = time.monotonic() - t0
+    dec = (await rig.store.list_decisions(job_id=JOB)).decisions[0]
+    detail = await rig.store.get_decision(dec.id)
+    assert detail.decision.state is DecisionState.COMPLETED, detail.decision
+    assert detail.decision.lost_steps == 0
+    assert left_s < 25.0, f"the pod left {left_s:.1f}s after SIGTERM, past its grace"
+    after = {p.index: p.pid for p in rig.actuator.pods(JOB)}
+    assert after == {0: before[0], 2: before[2]}
+    st = await rig.job.wait_status(lambda s: s.finished, 120, "the job finished")
+    assert st.lost_steps_total == 0 and st.step == STEPS, st
+    check_exactly_once(rig.job.log_dir, DATASET, STEPS, SPE)
+
+
+async def test_a_notice_for_a_node_with_two_pods_of_the_job_is_one_leave(
+    rig: PreemptRig,
+) -> None:
+    await rig.core.upsert_job(JOB, {"min_replicas": 1}, initial_replicas=3, gpus_per_replica=1)
+    await rig.job.wait_status(lambda s: s.world_size == 3 and s.step >= 15, 90, "3 members")
+    before = {p.index: p.pid for p in rig.actuator.pods(JOB)}
+    await eventually(lambda: rig.core.registry.by_name.get("e2e-trainer-2") == JOB)
+    notice(rig.core, "spot-2", ["e2e-trainer-0", "e2e-trainer-2"], deadline_in_s=20.0)
+    d = await rig.core.evaluate(JOB)
+    assert (d.reason, d.from_replicas, d.to_replicas) == (Reason.NODE_TERMINATION, 3, 1)
+    for task in list(rig.core.controller.tasks.values()):
+        await task
+    dec = (await rig.store.list_decisions(job_id=JOB)).decisions[0]
+    assert dec.inputs["leaving_pods"] == ["e2e-trainer-0", "e2e-trainer-2"]
+    detail = await rig.store.get_decision(dec.id)
+    assert detail.decision.state is DecisionState.COMPLETED, detail.decision
+    assert detail.decision.lost_steps == 0
+    # Pod 1, the one not on the node, alone trains on as rank 0 of the new generation.
+    assert {p.index: p.pid for p in rig.actuator.pods(JOB)} == {1: before[1]}
+    st = await rig.job.wait_status(lambda s: s.finished, 120, "the job finished")
+    assert st.lost_steps_total == 0 and st.step == STEPS, st
+    check_exactly_once(rig.job.log_dir, DATASET, STEPS, SPE)
+
+
+async def test_a_notice_during_a_grow_aborts_the_grow_then_removes_the_pod(
+    rig: PreemptRig,
+) -> None:
+    await rig.core.upsert_job(JOB, {"min_replicas": 1}, initial_replicas=3, gpus_per_replica=1)
+    await rig.job.wait_status(lambda s: s.world_size == 3 and s.step >= 10, 90, "3 members")
+    before = {p.index: p.pid for p in rig.actuator.pods(JOB)}
+    await eventually(lambda: rig.core.registry.by_name.get("e2e-trainer-1") == JOB)
+    grow = await rig.core.request_resize(JOB, 4, "load test", "alice")
+    # The newcomer's launcher is importing Paddle: the grow waits for it.
+    await eventually(lambda: 3 in {p.index for p in rig.actuator.pods(JOB)}, what="pod 3")
+    notice(rig.core, "spot-1", ["e2e-trainer-1"], deadline_in_s=20.0)
+    d = await rig.core.evaluate(JOB)
+    assert (d.reason, d.supersedes) == (Reason.NODE_TERMINATION, grow.id)
+    await rig.core.controller.tasks[grow.id]
+    aborted = (await rig.store.get_decision(grow.id)).decision
+    assert aborted.state is DecisionState.ABORTED, aborted
+    assert "superseded by a node termination" in (aborted.error or "")
+    d = await rig.core.evaluate(JOB)
+    assert (d.reason, d.from_replicas, d.to_replicas) == (Reason.NODE_TERMINATION, 3, 2)
+    for task in list(rig.core.controller.tasks.values()):
+        await task
+    dec = (await rig.store.list_decisions(job_id=JOB)).decisions[0]
+    detail = await rig.store.get_decision(dec.id)
+    assert detail.decision.state is DecisionState.COMPLETED, detail.decision
+    assert detail.decision.lost_steps == 0
+    # The newcomer (never a member of a generation) was given back by the abort.
+    assert {p.index: p.pid for p in rig.actuator.pods(JOB)} == {0: before[0], 2: before[2]}
+    st = await rig.job.wait_status(lambda s: s.finished, 120, "the job finished")
+    assert st.lost_steps_total == 0 and st.step == STEPS, st
+    check_exactly_once(rig.job.log_dir, DATASET, STEPS, SPE)
