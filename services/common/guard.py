@@ -44,6 +44,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
+from services.common.rpc import rewrap
 from tidebase.errors import InvalidArgument, PermissionDenied, TideError, Unauthenticated
 
 logger = logging.getLogger(__name__)
@@ -366,21 +367,17 @@ class Guard(grpc.aio.ServerInterceptor):
         method = details.method
         rule = self.rules.get(method, OPEN)
         metadata = tuple(details.invocation_metadata or ())
-        codec = {
-            "request_deserializer": _safe(handler.request_deserializer),
-            "response_serializer": handler.response_serializer,
-        }
-        if not handler.request_streaming:
-            behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
-            wrapped = self._unary_request(behavior, method, rule, metadata)
-            if handler.response_streaming:
-                return grpc.unary_stream_rpc_method_handler(wrapped, **codec)
-            return grpc.unary_unary_rpc_method_handler(wrapped, **codec)
-        behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
-        wrapped = self._stream_request(behavior, method, rule, metadata)
-        if handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(wrapped, **codec)
-        return grpc.stream_unary_rpc_method_handler(wrapped, **codec)
+        if handler.request_streaming:
+            return rewrap(
+                handler,
+                lambda b: self._stream_request(b, method, rule, metadata),
+                request_deserializer=_safe(handler.request_deserializer),
+            )
+        return rewrap(
+            handler,
+            lambda b: self._unary_request(b, method, rule, metadata),
+            request_deserializer=_safe(handler.request_deserializer),
+        )
 
     async def _admit(self, context: Any, method: str, rule: Rule, metadata: Any) -> Identity:
         try:

@@ -24,6 +24,8 @@ from typing import Any, Final
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 
+from services.common.rpc import rewrap
+
 #: Buckets of short operations, seconds: an evaluation, a commit, a unary call.
 SHORT_BUCKETS_S: Final = (
     0.0005,
@@ -119,25 +121,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         kind = _rpc_type(handler)
         service, name = _split(handler_call_details.method)
         labels = (kind, service, name)
-        codec = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if kind == "unary":
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap(handler.unary_unary, labels), **codec
-            )
-        if kind == "server_stream":
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap(handler.unary_stream, labels), **codec
-            )
-        if kind == "client_stream":
-            return grpc.stream_unary_rpc_method_handler(
-                self._wrap(handler.stream_unary, labels), **codec
-            )
-        return grpc.stream_stream_rpc_method_handler(
-            self._wrap(handler.stream_stream, labels), **codec
-        )
+        return rewrap(handler, lambda behavior: self._wrap(behavior, labels))
 
     def _done(self, labels: tuple[str, str, str], started: float, code: str) -> None:
         self.handled.labels(*labels, code).inc()

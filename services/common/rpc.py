@@ -74,3 +74,25 @@ def rpc_errors(fn: F) -> F:
                 await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
 
     return cast(F, unary_wrapper)
+
+
+def rewrap(
+    handler: grpc.RpcMethodHandler[Any, Any],
+    wrap: Callable[[Any], Any],
+    *,
+    request_deserializer: Callable[[bytes], Any] | None = None,
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """``handler`` with its behaviour replaced by ``wrap(behaviour)``, of the same RPC
+    kind: what every server interceptor that runs code around a call (metrics,
+    shedding, the guard) needs, since grpc.aio offers no hook around the behaviour."""
+    codec = {
+        "request_deserializer": request_deserializer or handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream), **codec)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary), **codec)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream), **codec)
+    return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary), **codec)

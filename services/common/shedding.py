@@ -24,6 +24,8 @@ from typing import Any
 import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
+from services.common.rpc import rewrap
+
 #: Methods of these services are never shed (probes, tooling).
 EXEMPT_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 
@@ -75,23 +77,7 @@ class ConcurrencyLimit(grpc.aio.ServerInterceptor):
             return handler
         streaming = handler.request_streaming or handler.response_streaming
         kind = "stream" if streaming else "unary"
-        codec = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                self._wrap(handler.stream_stream, kind), **codec
-            )
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(
-                self._wrap(handler.stream_unary, kind), **codec
-            )
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap(handler.unary_stream, kind), **codec
-            )
-        return grpc.unary_unary_rpc_method_handler(self._wrap(handler.unary_unary, kind), **codec)
+        return rewrap(handler, lambda behavior: self._wrap(behavior, kind))
 
     async def _refuse(
         self, kind: str, request: Any, context: grpc.aio.ServicerContext[Any, Any]
