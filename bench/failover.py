@@ -224,8 +224,6 @@ def scaler_failover(url: str, tmp: Path, engine: sa.Engine) -> dict[str, Any]:
     per_decision: dict[int, list[tuple[int, int]]] = {}
     for c in changes:
         per_decision.setdefault(c.decision_id, []).append((c.old, c.new))
-    if any(len(ch) > 1 for ch in per_decision.values()):
-        print((tmp / "actuator.jsonl").read_text(), file=sys.stderr)
     bound_s = LEASE_S + RENEW_S + 1.0
     return {
         "failover_s": round(failover_s, 2),
