@@ -42,10 +42,6 @@ class Readiness:
     def ready(self) -> bool:
         return not self._down and self._dead is None
 
-    @property
-    def causes(self) -> dict[str, str]:
-        return dict(self._down)
-
     async def bind(self, health: Any, names: Sequence[str]) -> None:
         self._health = health
         self._names = ("", *names)

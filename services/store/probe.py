@@ -47,7 +47,6 @@ class StoreProbe:
         self._up = asyncio.Event()
         self._up.set()
         self._listeners: list[Listener] = []
-        self.why = ""
         self._pending: asyncio.Future[None] | None = None
 
     @property
@@ -93,7 +92,6 @@ class StoreProbe:
     async def _set(self, ok: bool, why: str) -> None:
         if ok == self.ok:
             return
-        self.why = why
         if ok:
             self._up.set()
             logger.warning("store is back")

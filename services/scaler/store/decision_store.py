@@ -143,9 +143,6 @@ class DecisionStore:
             what=f"release lease {name}",
         )
 
-    async def read_lease(self, name: str) -> leases.LeaseRecord | None:
-        return await self._run(lambda s: leases.read_lease(s, name), write=False)
-
     # -- jobs ----------------------------------------------------------------------
 
     async def acquire(self, job_id: str) -> int:
