@@ -212,8 +212,6 @@ def _seed_pg(engine: sa.Engine, total: int) -> None:
 
 
 def _seed_sqlite(engine: sa.Engine, total: int) -> None:
-    from services.store import db
-
     def fmt(row: tuple[Any, ...]) -> tuple[Any, ...]:
         # The store's SQLite format for times (services/store/db.py UTCDateTime).
         return tuple(
@@ -241,7 +239,6 @@ def _seed_sqlite(engine: sa.Engine, total: int) -> None:
         cur.execute("ANALYZE")
     finally:
         raw.close()
-    del db
 
 
 # --- the CLI -------------------------------------------------------------------------------

@@ -41,6 +41,16 @@ SECONDS_CHUNK = timedelta(days=1)
 # --- gRPC -----------------------------------------------------------------------------------
 
 
+async def all_pages(
+    pages: AsyncIterator[tuple[list[scaler_pb2.Decision], bool]],
+) -> list[scaler_pb2.Decision]:
+    """Every decision of a source's ``decision_pages``, in order."""
+    out: list[scaler_pb2.Decision] = []
+    async for page, _ in pages:
+        out.extend(page)
+    return out
+
+
 class GrpcScaler:
     """The scaler's API over one channel. Use as ``async with GrpcScaler(...) as s``."""
 
@@ -146,10 +156,7 @@ class GrpcScaler:
         until: datetime | None,
         states: Sequence[int],
     ) -> list[scaler_pb2.Decision]:
-        out: list[scaler_pb2.Decision] = []
-        async for page, _ in self.decision_pages(job_id, since, until, states):
-            out.extend(page)
-        return out
+        return await all_pages(self.decision_pages(job_id, since, until, states))
 
     async def get_decision(
         self, decision_id: int, context_minutes: int
@@ -368,10 +375,7 @@ class SqlHistory:
         until: datetime | None,
         states: Sequence[int],
     ) -> list[scaler_pb2.Decision]:
-        out: list[scaler_pb2.Decision] = []
-        async for page, _ in self.decision_pages(job_id, since, until, states):
-            out.extend(page)
-        return out
+        return await all_pages(self.decision_pages(job_id, since, until, states))
 
     async def get_decision(
         self, decision_id: int, context_minutes: int

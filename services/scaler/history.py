@@ -118,11 +118,6 @@ class RollupHistory:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def apply_retention(self) -> int:
-        """Start a retention pass if due and wait for it; returns how many rows went."""
-        self.start_retention()
-        return await self.settled()
-
     async def _retention(self) -> int:
         now = utc_from_epoch(self.clock.now())
         steps: list[tuple[str, Callable[[datetime, int], Awaitable[int]], datetime]] = [

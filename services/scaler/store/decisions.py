@@ -28,6 +28,7 @@ from services.scaler.store.records import (
 from services.scaler.store.rows import (
     JOBS,
     aware,
+    check_limit,
     decision_record,
     event_record,
     execute,
@@ -300,8 +301,7 @@ def delete_decisions_before(session: Session, before: datetime, *, limit: int) -
     first, with their events; returns how many decisions went. A decision that is not
     final is kept whatever its age: a restarted scaler must still resume it."""
     aware("before", before)
-    if limit < 1:
-        raise InvalidArgument(f"limit must be >= 1, got {limit}")
+    check_limit(limit)
     final: list[ColumnElement[str]] = [literal_column(f"'{s.value}'") for s in FINAL_STATES]
     ids = list(
         session.scalars(

@@ -13,7 +13,14 @@ from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
 from services.scaler.store.records import RollupRecord
-from services.scaler.store.rows import ROLLUPS, SECONDS, aware, rollup_record, validate_job_id
+from services.scaler.store.rows import (
+    ROLLUPS,
+    SECONDS,
+    aware,
+    check_limit,
+    rollup_record,
+    validate_job_id,
+)
 from services.store.models.scaler import UtilizationRollup, UtilizationSeconds
 from tidebase.errors import FailedPrecondition, InvalidArgument
 
@@ -195,7 +202,7 @@ def delete_seconds_before(session: Session, before: datetime, *, limit: int | No
     old = table.c.minute < before
     if limit is None:
         return _deleted(session, table.delete().where(old))
-    _check_limit(limit)
+    check_limit(limit)
     ids = select(table.c.id).where(old).order_by(table.c.minute, table.c.id).limit(limit)
     return _deleted(session, table.delete().where(table.c.id.in_(ids.scalar_subquery())))
 
@@ -208,14 +215,9 @@ def delete_rollups_before(session: Session, before: datetime, *, limit: int | No
     old = table.c.minute < before
     if limit is None:
         return _deleted(session, table.delete().where(old))
-    _check_limit(limit)
+    check_limit(limit)
     keys = select(table.c.job_id, table.c.minute).where(old).order_by(table.c.minute).limit(limit)
     return _deleted(session, table.delete().where(tuple_(table.c.job_id, table.c.minute).in_(keys)))
-
-
-def _check_limit(limit: int) -> None:
-    if limit < 1:
-        raise InvalidArgument(f"limit must be >= 1, got {limit}")
 
 
 def _deleted(session: Session, stmt: Delete) -> int:

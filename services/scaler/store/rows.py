@@ -116,6 +116,12 @@ def validate_job_id(job_id: str) -> None:
         raise InvalidArgument(f"job_id must not contain whitespace, got {job_id!r}")
 
 
+def check_limit(limit: int) -> None:
+    """A batch bound of a bounded delete (retention): at least one row."""
+    if limit < 1:
+        raise InvalidArgument(f"limit must be >= 1, got {limit}")
+
+
 def aware(name: str, value: datetime) -> datetime:
     if value.tzinfo is None or value.utcoffset() is None:
         raise InvalidArgument(f"{name} must be timezone-aware, got naive {value.isoformat()}")
