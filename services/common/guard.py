@@ -492,36 +492,13 @@ class Guard(grpc.aio.ServerInterceptor):
 
 
 def _peer_uris(context: Any) -> list[str]:
+    # grpc puts a client certificate's URI SANs in peer_uri (a certificate without
+    # one has none there, nor in its PEM), so there is nothing to parse here.
     try:
         auth = context.auth_context()
     except Exception:
         return []
-    uris = [u.decode() if isinstance(u, bytes) else str(u) for u in auth.get("peer_uri", ())]
-    if uris:
-        return uris
-    pem = auth.get("x509_pem_cert")
-    return list(_uris_of_pem(pem[0])) if pem else []
-
-
-_PEM_CACHE: dict[bytes, tuple[str, ...]] = {}
-
-
-def _uris_of_pem(pem: bytes) -> tuple[str, ...]:
-    found = _PEM_CACHE.get(pem)
-    if found is not None:
-        return found
-    from cryptography import x509
-
-    try:
-        cert = x509.load_pem_x509_certificate(pem)
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        found = tuple(san.get_values_for_type(x509.UniformResourceIdentifier))
-    except Exception:
-        found = ()
-    if len(_PEM_CACHE) > 1024:
-        _PEM_CACHE.clear()
-    _PEM_CACHE[pem] = found
-    return found
+    return [u.decode() if isinstance(u, bytes) else str(u) for u in auth.get("peer_uri", ())]
 
 
 _COUNTERS: dict[tuple[int, str], Any] = {}

@@ -23,7 +23,7 @@ from services.common.guard import (
     requested_by,
 )
 from services.common.validate import validate_message
-from tidebase.credentials import ClientCredentials, TokenFile
+from tidebase.credentials import ClientCredentials
 from tidebase.errors import ConfigError, InvalidArgument, PermissionDenied
 
 pytestmark = pytest.mark.unit
@@ -190,6 +190,7 @@ def test_a_token_file_is_read_again_when_it_changes_and_never_shown(tmp_path: ob
     new.write_text("second")
     new.replace(path)
     assert creds.token() == "second"
-    assert "second" not in repr(creds) and "second" not in repr(TokenFile(str(path)))
+    # The token file that has just read the token shows it in neither repr.
+    assert "second" not in repr(creds) and "second" not in repr(creds._token)
     path.unlink()
     assert creds.token() == "second"  # a Secret mid-swap: keep the last one
