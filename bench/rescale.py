@@ -383,7 +383,7 @@ async def run(quick: bool, workdir: Path) -> dict[str, Any]:
         )
     print(f"pure gloo group init (pre-imported, started together): {group_init}")
     print("pause = gap between the last old and the first new step, less one ordinary step")
-    tide = [m for m in rows if m.way == "tide"]
+    tide = tide_rows(rows)
     paddle = [m for m in rows if m.way == "paddle"]
     worst = max(tide, key=lambda m: m.pause_s / m.unavoidable_s)
     result = {

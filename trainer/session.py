@@ -586,16 +586,6 @@ class ElasticSession:
         if self.channel.closed:
             self._want_exit = True
 
-    def _agree_min(self, value: int) -> int:
-        if self.world_size == 1:
-            return value
-        import paddle
-        import paddle.distributed as dist
-
-        t = paddle.to_tensor([-value], dtype="int64")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return -int(t.numpy()[0])
-
     def _agree(self) -> tuple[int, bool, bool]:
         mine = [self._stop_at, int(self._want_checkpoint), int(self._want_exit)]
         if self.world_size == 1:

@@ -169,7 +169,7 @@ def test_a_watch_replays_from_a_resource_version_and_gets_410_once_it_is_compact
     assert kube.stats.gone >= 1
 
 
-def test_the_bounded_history_expires_old_resource_versions(kclient: client.ApiClient) -> None:
+def test_the_bounded_history_expires_old_resource_versions() -> None:
     with KubeApiServer(history=5) as small:
         cfg = client.Configuration()
         cfg.host = small.host

@@ -116,7 +116,6 @@ class KubernetesActuator:
         )
         #: The kind of each job (told by discovery, else found on first read).
         self.kinds: dict[str, Kind] = {}
-        self.gpus_per_replica: dict[str, int] = {}
         #: 409s answered to a resize patch and retried after a re-read.
         self.conflicts_retried = 0
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
@@ -202,8 +201,8 @@ class KubernetesActuator:
     # -- the Actuator protocol ------------------------------------------------------------
 
     def adopt(self, job_id: str, *, replicas: int, gpus_per_replica: int) -> None:
-        # The PaddleJob is the record of the replicas; only the GPUs are noted.
-        self.gpus_per_replica[job_id] = gpus_per_replica
+        # The PaddleJob is the record of the replicas and the pods' GPUs: nothing to note.
+        return None
 
     async def get_replicas(self, job_id: str) -> int | None:
         try:

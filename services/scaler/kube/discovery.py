@@ -153,7 +153,6 @@ class Discovery:
         #: Each managed job's PaddleJob, for its Events.
         self.views: dict[str, JobView] = {}
         self._warned: dict[str, tuple[str, ...]] = {}
-        self.resyncs = 0
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -219,7 +218,6 @@ class Discovery:
             h.synced.is_set() for h in self.hpas
         ):
             return  # a partial picture would read as deletions
-        self.resyncs += 1
         views = self._views()
         for job_id, v in views.items():
             try:

@@ -51,8 +51,6 @@ class Kind:
     plural: str
     #: Path of the worker ResourceSpec / ReplicaSpec in the object.
     worker_path: tuple[str, ...]
-    #: Label selector of a job's worker pods ({name}: the job's name).
-    pod_selector: str
 
     @property
     def api_version(self) -> str:
@@ -78,7 +76,6 @@ PADDLE_OPERATOR = Kind(
     "v1",
     "paddlejobs",
     ("spec", "worker"),
-    "paddle-res-type=worker",
 )
 KUBEFLOW = Kind(
     "kubeflow",
@@ -86,13 +83,8 @@ KUBEFLOW = Kind(
     "v1",
     "paddlejobs",
     ("spec", "paddleReplicaSpecs", "Worker"),
-    "training.kubeflow.org/job-name={name},training.kubeflow.org/replica-type=worker",
 )
 KINDS = (PADDLE_OPERATOR, KUBEFLOW)
-
-
-def kind_of(api_version: str) -> Kind | None:
-    return next((k for k in KINDS if k.api_version == api_version), None)
 
 
 def pod_index(pod_name: str) -> int | None:
