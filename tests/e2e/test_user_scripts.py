@@ -99,7 +99,9 @@ async def test_batchnorm_with_a_dataloader_resized_2_3_1_2_matches_a_fixed_run(
 
 @pytest.fixture
 async def dp_job(tmp_path: Path) -> AsyncIterator[LocalJob]:
-    job = await _job(tmp_path, _train(50, "--data-parallel"))
+    # A pause per step (the trajectory does not see it) keeps the 50 steps longer than a
+    # resize takes on a loaded machine; without it the job once ended mid-barrier.
+    job = await _job(tmp_path, _train(50, "--data-parallel", "--step-delay-s", "0.15"))
     yield job
     await job.close()
 
