@@ -153,6 +153,31 @@ class RendezvousInfo:
     restore_step: int
 
 
+#: The shortest span a step rate is measured over. A phase change is reported at once,
+#: so two heartbeats can arrive milliseconds apart one step apart; their ratio once made
+#: a 12-steps-a-second job look like 60, and the barrier's step land past the job's end.
+RATE_WINDOW_S = 1.0
+
+
+@dataclass
+class StepRate:
+    """A member's steps a second, over at least RATE_WINDOW_S of one generation."""
+
+    generation: int = 0
+    anchor_step: int = 0
+    anchor_mono: float = 0.0
+    per_s: float = 0.0
+
+    def observe(self, generation: int, step: int, mono: float) -> float:
+        if generation != self.generation or step < self.anchor_step or self.anchor_mono <= 0:
+            # A new generation restarts from a checkpoint after a pause: no span across it.
+            self.generation, self.anchor_step, self.anchor_mono = generation, step, mono
+        elif mono - self.anchor_mono >= RATE_WINDOW_S:
+            self.per_s = (step - self.anchor_step) / (mono - self.anchor_mono)
+            self.anchor_step, self.anchor_mono = step, mono
+        return self.per_s
+
+
 @dataclass
 class Member:
     member_id: str
@@ -179,6 +204,7 @@ class Member:
     samples_consumed: int = 0
     samples_per_s: float = 0.0
     steps_per_s: float = 0.0
+    rate: StepRate = field(default_factory=lambda: StepRate())
     first_step_at: float | None = None
     startup: Breakdown = field(default_factory=Breakdown)
     # Its pod asked for a coordinated leave (a SIGTERM the launcher got).

@@ -14,6 +14,7 @@ from services.coordinator.domain import (
     MemberState,
     Resize,
     ResizePhase,
+    StepRate,
     choose_checkpoint_step,
     choose_leaving,
     measure_pause,
@@ -166,6 +167,18 @@ def test_checkpoint_step_is_ahead_of_every_member(
 ) -> None:
     got = choose_checkpoint_step(steps, rates, min_lead_steps=min_lead, lead_s=lead_s)
     assert got == expected
+
+
+def test_step_rate_is_measured_over_a_window_not_between_two_close_heartbeats() -> None:
+    rate = StepRate()
+    assert rate.observe(1, 10, 100.0) == 0.0  # the anchor
+    # A phase change reported 10 ms after a heartbeat, one step later: not 100 steps/s.
+    assert rate.observe(1, 11, 100.01) == 0.0
+    assert rate.observe(1, 22, 101.0) == pytest.approx(12.0)
+    assert rate.observe(1, 23, 101.01) == pytest.approx(12.0)
+    # A new generation restarts from a checkpoint: the rate carries, the span does not.
+    assert rate.observe(2, 15, 130.0) == pytest.approx(12.0)
+    assert rate.observe(2, 25, 131.0) == pytest.approx(10.0)
 
 
 @pytest.mark.parametrize(

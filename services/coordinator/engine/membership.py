@@ -98,8 +98,7 @@ def heartbeat(
     changed = inp.leave_requested and not m.leave_requested
     m.leave_requested = m.leave_requested or inp.leave_requested
     if m.rank is not None and inp.generation == s.job.generation > 0:
-        if inp.step > m.step and m.last_seen_mono > 0 and mono > m.last_seen_mono:
-            m.steps_per_s = (inp.step - m.step) / (mono - m.last_seen_mono)
+        m.steps_per_s = m.rate.observe(inp.generation, inp.step, mono) or m.steps_per_s
         prev_phase = m.phase
         m.phase = inp.phase
         m.step = inp.step
