@@ -97,6 +97,8 @@ def heartbeat(
     # Watchers (the scaler) must see a leave request at once: it starts a preemption.
     changed = inp.leave_requested and not m.leave_requested
     m.leave_requested = m.leave_requested or inp.leave_requested
+    if inp.leave_requested and inp.leave_deadline_s is not None:
+        m.leave_deadline_s = inp.leave_deadline_s
     if m.rank is not None and inp.generation == s.job.generation > 0:
         m.steps_per_s = m.rate.observe(inp.generation, inp.step, mono) or m.steps_per_s
         prev_phase = m.phase
