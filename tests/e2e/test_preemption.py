@@ -7,6 +7,8 @@ arrives as an agent's node report would, through the ingest engine."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -245,4 +247,36 @@ async def test_through_the_kubernetes_actuator_a_middle_pod_goes_and_no_member_s
     # One change of generation, the preemption's: nothing was lost and re-formed.
     assert st.generation == 2, st
     assert before[doomed][0] not in {m.pod_uid for m in st.members}
+    check_exactly_once(rig.job.log_dir, DATASET, STEPS, SPE)
+
+
+async def test_a_notice_shorter_than_a_resize_checkpoints_first(rig: PreemptRig) -> None:
+    """2 s of notice, under the 11 s a resize is planned to take before a checkpoint
+    was measured (CHECKPOINT_FIRST): the barrier, whose checkpoint is its first act,
+    gets all of it; the node takes the pod at the deadline wherever the resize is; at
+    most the step in flight is lost, every sample once, pods 0 and 2 never stop."""
+    await rig.core.upsert_job(JOB, {"min_replicas": 1}, initial_replicas=3, gpus_per_replica=1)
+    await rig.job.wait_status(lambda s: s.world_size == 3 and s.step >= 15, 90, "3 members")
+    before = {p.index: p.pid for p in rig.actuator.pods(JOB)}
+    await eventually(lambda: rig.core.registry.by_name.get("e2e-trainer-1") == JOB)
+    deadline_s = 2.0
+    t0 = time.monotonic()
+    notice(rig.core, "spot-1", ["e2e-trainer-1"], deadline_in_s=deadline_s)
+    d = await rig.core.evaluate(JOB)
+    assert (d.reason, d.from_replicas, d.to_replicas) == (Reason.NODE_TERMINATION, 3, 2)
+    dec = (await rig.store.list_decisions(job_id=JOB)).decisions[0]
+    assert dec.inputs["notice_plan"]["reason"] == "CHECKPOINT_FIRST", dec.inputs
+    assert dec.inputs["barrier_deadline_s"] == pytest.approx(deadline_s, abs=0.5)
+    # The node goes at its deadline: not a poll, the notice's own time.
+    await asyncio.sleep(max(0.0, t0 + deadline_s - time.monotonic()))
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(before[1], signal.SIGKILL)
+    for task in list(rig.core.controller.tasks.values()):
+        await task
+    # An aborted barrier would have resumed the training the node then cut short.
+    detail = await rig.store.get_decision(dec.id)
+    assert detail.decision.state is not DecisionState.ABORTED, detail.decision
+    st = await rig.job.wait_status(lambda s: s.finished, 150, "the job finished")
+    assert st.lost_steps_total <= 1 and st.step == STEPS, st
+    assert {p.index: p.pid for p in rig.actuator.pods(JOB)} == {0: before[0], 2: before[2]}
     check_exactly_once(rig.job.log_dir, DATASET, STEPS, SPE)
