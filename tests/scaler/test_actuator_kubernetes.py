@@ -156,18 +156,27 @@ async def test_remove_pods_stops_exactly_the_named_pod_and_no_member(
     assert running(c, rtype) == {**before, "j-worker-1": spare}
 
 
-async def test_remove_pods_of_the_highest_index_lowers_the_count(
+async def test_remove_pods_lowers_the_count_only_across_named_pods(
     world: tuple[Cluster, KubernetesActuator],
 ) -> None:
     c, a = world
     c.api.create(PADDLE_OPERATOR, paddle_operator_job("j", 4))
     await eventually(lambda: len(running(c, PADDLE_OPERATOR)) == 4, 15, what="4 pods running")
     before = running(c, PADDLE_OPERATOR)
-    # Pods 1 and 3 named, one more to go by count: 3 (named) and 2 (the highest left) go
-    # by the count, 1 by its deletion; 0 stays.
-    await a.remove_pods("default/j", ["j-worker-3", "j-worker-1"], replicas=1, decision_id=8)
-    assert await a.get_replicas("default/j") == 1
-    assert uids(c, PADDLE_OPERATOR) == {"j-worker-0": before["j-worker-0"]}
+    # Pods 3 and 1 named: 3 goes with the count, 1 by its deletion (then a spare);
+    # 2 is no named pod, so it stays although the count asked is 2: it may be a member
+    # while the spare at 1 is not.
+    await a.remove_pods("default/j", ["j-worker-3", "j-worker-1"], replicas=2, decision_id=8)
+    assert await a.get_replicas("default/j") == 3
+    now = uids(c, PADDLE_OPERATOR)
+    assert {n: now[n] for n in ("j-worker-0", "j-worker-2")} == {
+        n: before[n] for n in ("j-worker-0", "j-worker-2")
+    }
+    assert before["j-worker-1"] not in now.values() and "j-worker-3" not in now
+    # Pod 2's node goes next, with the spare at 1: only pod 2 goes.
+    await a.remove_pods("default/j", ["j-worker-2"], replicas=1, decision_id=9)
+    assert await a.get_replicas("default/j") == 2
+    assert uids(c, PADDLE_OPERATOR)["j-worker-0"] == before["j-worker-0"]
 
 
 def uids(c: Cluster, rtype: Any) -> dict[str, str]:

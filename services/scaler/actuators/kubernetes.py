@@ -20,7 +20,9 @@ both PaddleJob kinds (services.scaler.kube.paddlejob):
   replicas drop only to just above the highest pod that stays, and each named
   pod below that is deleted (with its uid as the precondition, so a repeat never
   deletes the operator's replacement): the operator recreates it, a newcomer
-  that waits as a spare until a grow admits it (docs/preemption.md). The count
+  that waits as a spare until a grow admits it (docs/preemption.md). Only the
+  named pods go, never the highest by count: the PaddleJob cannot tell a member
+  from a spare of an earlier preemption. The count
   chosen is written on the PaddleJob with the patch (``REMOVAL``), so that a
   resumed decision, whose named pods are gone, keeps it instead of taking the
   spare for a member and a member's index for the spare.
@@ -272,10 +274,19 @@ class KubernetesActuator:
         if decided == str(decision_id) and chosen.isdigit():
             count = int(chosen)  # a repeat: the named pods may be spares by now
         else:
-            keep = [i for i in range(job.replicas) if i not in doomed]
-            # The named pods go first; the highest of the others only for the rest.
-            stay = keep[:replicas]
-            count = max(stay) + 1 if stay else 0
+            # A named pod gone already (its node went first) leaves its index too.
+            gone = {pod_index(n) for n in named if n.startswith(f"{job.name}-worker-")}
+            indexes = doomed.keys() | {i for i in gone if i is not None}
+            if not indexes:
+                # None of them is the job's: the count, as the operator would do it.
+                await self.set_replicas(job_id, replicas, decision_id=decision_id)
+                return
+            # Only the named pods go. The count cannot say which pods are members (a
+            # spare from an earlier preemption is not), so it falls only across the
+            # named indexes at the top; a named pod below is deleted and recreated.
+            count = job.replicas
+            while count > replicas and count - 1 in indexes:
+                count -= 1
         job = await asyncio.to_thread(
             self._patch_replicas, job_id, count, decision_id, f"{decision_id}:{count}"
         )
