@@ -318,7 +318,10 @@ class Launcher:
             # step past what the coordinator heard, and it counts the lost steps from it.
             self.link.send_last_word(self._beat())
         self.generation = d.generation
-        self.progress = WorkerProgress()
+        # At the restore step, not 0: the coordinator measures step rates from heartbeats,
+        # and a 0 before the worker's Ready made the first second of a generation look
+        # like restore_step steps.
+        self.progress = WorkerProgress(step=rdv.restore_step)
         self._ready = asyncio.get_running_loop().create_future()
         self.workers.forget_queued()
         self._worker_done = False

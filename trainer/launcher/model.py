@@ -85,7 +85,7 @@ class Ack:
 
 @dataclass
 class WorkerProgress:
-    """What the current worker said last about its training (zero for a new generation)."""
+    """What the current worker said last about its training (a new generation starts at its restore step)."""
 
     step: int = 0
     epoch: int = 0
