@@ -26,7 +26,9 @@ from services.common.validate import validate_request
 from services.scaler.actuators import Actuator
 from services.scaler.actuators.counted import CountedActuator
 from services.scaler.coordination import CoordinatorClient
-from services.scaler.leader import LeaderElector
+from services.scaler.kube.client import api_client
+from services.scaler.kube.lease import KubernetesLease
+from services.scaler.leader import LeaderElector, LeaseBackend
 from services.scaler.lifecycle import FaultHook
 from services.scaler.metrics import IngestCollector, ScalerMetrics
 from services.scaler.service import ScalerCore
@@ -92,7 +94,11 @@ async def serve_scaler(
         background += [core.run, *attached]
     else:
         elector = LeaderElector(
-            store, clock, settings.lease(), address=settings.advertise_address or settings.listen
+            _lease_backend(settings, store, clock),
+            clock,
+            settings.lease(),
+            address=settings.advertise_address or settings.listen,
+            name=settings.lease_name,
         )
         core.leader = elector
         core.controller.may_act = elector.may_act
@@ -132,6 +138,20 @@ async def serve_scaler(
         on_shutdown=[shutdown],
         readiness=readiness,
     )
+
+
+def _lease_backend(settings: ScalerSettings, store: DecisionStore, clock: Clock) -> LeaseBackend:
+    if settings.leader_election == "kubernetes":
+        api = api_client(settings.lease_kubeconfig, what="lease_kubeconfig")
+        # One try must end within the renewal period, or the elector gives up on it.
+        return KubernetesLease(
+            api,
+            settings.lease_namespace,
+            store.owner_id,
+            clock,
+            request_timeout_s=settings.lease_renew_s,
+        )
+    return store
 
 
 #: Exit status of a scaler replica that lost its lease: the kubelet restarts it,
