@@ -38,6 +38,7 @@ from services.scaler.store import DecisionStore
 from services.scaler.store.leases import LeaseRecord
 from services.store import db
 from services.store.probe import StoreProbe
+from tidebase.errors import TideError
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +170,11 @@ def _elect(
 
     async def follow(message: str) -> None:
         await readiness.set_down("leadership", message)
+        try:
+            await core.follow()
+        except TideError as exc:
+            # The store is away: reads answer from the last view, and the probe says so.
+            logger.warning("follower: jobs not refreshed from the store: %s", exc)
 
     def lost(why: str) -> None:
         # Nothing may act once the lease is gone, not even a graceful shutdown's
