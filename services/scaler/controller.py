@@ -18,7 +18,7 @@ from typing import Any
 
 from services.common import logs, tracing
 from services.common.clock import Clock
-from services.scaler.actuators import Actuator, remove_pods
+from services.scaler.actuators import Actuator, acting_while, remove_pods
 from services.scaler.coordination import CoordinatorClient, Phase, Progress, ResizeSpec
 from services.scaler.errors import StaleEpoch
 from services.scaler.lifecycle import FaultHook
@@ -331,9 +331,12 @@ class Controller:
                 lost_steps=result.lost_steps,
             )
         leaving = _leaving_pods(d)
-        with tracing.tracer().start_as_current_span(
-            "tide.actuator.remove_pods",
-            attributes={"tide.replicas": d.to_replicas, "tide.pods": list(leaving)},
+        with (
+            tracing.tracer().start_as_current_span(
+                "tide.actuator.remove_pods",
+                attributes={"tide.replicas": d.to_replicas, "tide.pods": list(leaving)},
+            ),
+            acting_while(self.may_act),
         ):
             # The pods the coordinator drained, named: lowering the count alone would
             # stop the highest index, a member of the generation just formed.
@@ -370,8 +373,11 @@ class Controller:
 
     async def _set_replicas(self, d: DecisionRecord, replicas: int) -> None:
         self._check_lead(d)
-        with tracing.tracer().start_as_current_span(
-            "tide.actuator.set_replicas", attributes={"tide.replicas": replicas}
+        with (
+            tracing.tracer().start_as_current_span(
+                "tide.actuator.set_replicas", attributes={"tide.replicas": replicas}
+            ),
+            acting_while(self.may_act),
         ):
             await self.actuator.set_replicas(d.job_id, replicas, decision_id=d.id)
 

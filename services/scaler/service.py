@@ -193,23 +193,42 @@ class ScalerCore:
         )
 
     def _adopt(self, job: JobRecord) -> None:
+        self._know(job)
+        self.actuator.adopt(
+            job.job_id, replicas=job.current_replicas, gpus_per_replica=job.gpus_per_replica
+        )
+
+    def _know(self, job: JobRecord) -> None:
+        """Hold ``job`` as the store has it: its policy, its windows' shape, its members
+        watched (so telemetry is attributed to it), its metrics. Nothing acts on it."""
         old = self.policies.get(job.job_id)
         p = self.policy_of(job)
         self.jobs[job.job_id] = job
         self.policies[job.job_id] = p
         if old is not None and (old.bucket_s, old.sustain_s) != (p.bucket_s, p.sustain_s):
             self.engine.reshape(job.job_id)
-        self.actuator.adopt(
-            job.job_id, replicas=job.current_replicas, gpus_per_replica=job.gpus_per_replica
-        )
         self.registry.track(job.job_id)
         self.metrics.job(job, p, resizing=job.job_id in self.active)
+
+    async def follow(self) -> None:
+        """A follower's view, refreshed while it follows: every job and the decisions in
+        flight as the store has them, for the read API, and each job's members watched so
+        the telemetry it ingests fills warm windows. It takes no job (no epoch) and tells
+        the actuator nothing: the leader does both, and :meth:`start` on election."""
+        jobs = await self.store.list_jobs()
+        in_flight = await self.store.non_final()
+        for job in jobs:
+            self._know(job)
+        self.active.clear()
+        self.active.update((d.job_id, d.id) for d in in_flight)
 
     async def start(self) -> None:
         """Load jobs, take ownership of them, derive cooldowns from the database and
         resume every decision that is not final."""
         self._wake = asyncio.Event()
         await self.store.warm_up()
+        # What a follower saw in flight may have ended since: the store says what is.
+        self.active.clear()
         jobs = await self.store.list_jobs()
         for job in jobs:
             self._adopt(job)

@@ -224,6 +224,9 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
     async def WatchDecisions(
         self, request: scaler_pb2.WatchDecisionsRequest, context: Ctx
     ) -> AsyncIterator[scaler_pb2.DecisionEvent]:
+        # A follower decides nothing, so it would never send an event: UNAVAILABLE
+        # naming the leader, which the caller watches instead.
+        self.core._require_leader()
         q = self.core.subscribe(request.job_id)
         # Headers go out once subscribed: a client that awaits them knows no
         # later change can be missed.

@@ -32,6 +32,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from services.scaler.actuators.base import check_still_leading
 from services.scaler.kube.capacity import CapacityCache
 from services.scaler.kube.client import IN_CLUSTER, api_client, raw
 from services.scaler.kube.paddlejob import KINDS, JobView, Kind, owned_by, pod_index, view
@@ -237,6 +238,7 @@ class KubernetesActuator:
         """Read, check, patch with the resourceVersion read; on 409 the same again."""
         ns, name = _split(job_id)
         for attempt in range(self.settings.conflict_retries + 1):
+            check_still_leading(job_id, decision_id)
             job = self._read(job_id)
             self._recheck(job, replicas)
             if job.replicas == replicas:
