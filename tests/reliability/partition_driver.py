@@ -1,0 +1,171 @@
+"""The partition tests' driver, run *inside* the server namespace (tests/support/netns.py):
+``ip netns exec SERVER_NS python -m tests.reliability.partition_driver LINK SERVER_NS CLIENT_NS
+SERVER_DEV CLIENT_DEV``.
+
+The services of one side of the link run here, beside this driver, and it reads
+them over this namespace's loopback, which a partition does not touch; the other
+side runs in the client namespace and is read from its log. The driver cuts and
+heals the link itself, so every figure is measured on one clock. Its last line is
+``RESULT {json}``; the pytest side (test_partitions.py) checks the bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from tests.support.netns import SERVER_ADDR, NetnsPair
+from tests.support.poll import wait_for
+from tests.support.procs import ROOT, ServiceProcess, start_memory_scaler
+
+#: Test keepalive: the agent pings after 2 s without reads, and gives up 1 s later.
+KEEPALIVE_TIME_S = 2.0
+KEEPALIVE_TIMEOUT_S = 1.0
+BACKOFF_MAX_S = 1.0
+#: The scaler closes a stream that sent nothing for this long (1 to 1.25 times it).
+STREAM_IDLE_TIMEOUT_S = 2.0
+STALE_AFTER_S = 2.0
+#: How long the link stays cut: past every detection bound above.
+PARTITION_S = 6.0
+
+
+@dataclass
+class LogTail:
+    """A process's stderr, each line stamped with the monotonic time it arrived."""
+
+    proc: subprocess.Popen[str]
+    lines: list[tuple[float, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append((time.monotonic(), line.rstrip()))
+
+    def first(self, after: float, *needles: str) -> tuple[float, str] | None:
+        for at, line in list(self.lines):
+            if at >= after and all(n in line for n in needles):
+                return at, line
+        return None
+
+
+def scrape(proc: ServiceProcess, series: str) -> float:
+    url = f"http://127.0.0.1:{proc.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(series + " "):
+                return float(line.split()[-1])
+    return 0.0
+
+
+def agent_scaler(pair: NetnsPair, db_url: str) -> dict[str, object]:
+    """T06: the agent in the client namespace streams to the scaler here; the link is cut."""
+    scaler = start_memory_scaler(
+        db_url,
+        "--listen",
+        "0.0.0.0:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--stream-idle-timeout-s",
+        str(STREAM_IDLE_TIMEOUT_S),
+        "--stale-after-s",
+        str(STALE_AFTER_S),
+        "--log-level",
+        "WARNING",
+    )
+    agent = subprocess.Popen(
+        [
+            *pair.exec_in("client"),
+            sys.executable,
+            "-m",
+            "services.agent",
+            f"--scaler={SERVER_ADDR}:{scaler.port}",
+            "--node-name=part-node",
+            "--source=synthetic",
+            "--synthetic-gpus=2",
+            "--interval-s=0.2",
+            "--no-watch-node",
+            "--pod-resources-socket=",
+            "--backoff-initial-s=0.2",
+            f"--backoff-max-s={BACKOFF_MAX_S}",
+            f"--keepalive-time-s={KEEPALIVE_TIME_S}",
+            f"--keepalive-timeout-s={KEEPALIVE_TIMEOUT_S}",
+            # Far above the partition: the transport's keepalive must be what notices.
+            "--ack-timeout-s=30",
+            "--log-level=INFO",
+        ],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    log = LogTail(agent)
+    streams = "tide_scaler_telemetry_streams"
+    fresh = 'tide_scaler_telemetry_nodes{freshness="fresh"}'
+    stale = 'tide_scaler_telemetry_nodes{freshness="stale"}'
+    try:
+        wait_for(lambda: scrape(scaler, streams) == 1, timeout_s=30, what="the agent's stream")
+        wait_for(lambda: scrape(scaler, fresh) == 1, timeout_s=10, what="a fresh node")
+        accepted_before = scrape(scaler, 'tide_scaler_telemetry_reports_total{result="accepted"}')
+
+        t_cut = pair.cut()
+        ended = wait_for(
+            lambda: log.first(t_cut, "telemetry stream to", "ended ("),
+            timeout_s=PARTITION_S + 20,
+            what="the agent noticing",
+        )
+        wait_for(lambda: scrape(scaler, streams) == 0, timeout_s=20, what="the scaler noticing")
+        scaler_detect_s = time.monotonic() - t_cut
+        wait_for(lambda: scrape(scaler, stale) == 1, timeout_s=20, what="the node stale")
+        stale_s = time.monotonic() - t_cut
+        remaining = PARTITION_S - (time.monotonic() - t_cut)
+        if remaining > 0:
+            time.sleep(remaining)  # the partition's length is the point here, not a poll
+
+        t_heal = pair.heal()
+        up = wait_for(
+            lambda: log.first(t_heal, "telemetry stream to", " up; resuming at seq"),
+            timeout_s=30,
+            what="the agent back",
+        )
+        wait_for(lambda: scrape(scaler, fresh) == 1, timeout_s=10, what="the node fresh again")
+        fresh_s = time.monotonic() - t_heal
+        accepted_after = scrape(scaler, 'tide_scaler_telemetry_reports_total{result="accepted"}')
+        return {
+            "link": "agent-scaler",
+            "method": pair.method,
+            "agent_detect_s": round(ended[0] - t_cut, 3),
+            "agent_reason": ended[1].split("ended (", 1)[1].split(")", 1)[0],
+            "scaler_detect_s": round(scaler_detect_s, 3),
+            "node_stale_s": round(stale_s, 3),
+            "agent_reconnect_s": round(up[0] - t_heal, 3),
+            "node_fresh_s": round(fresh_s, 3),
+            "seq_gaps": scrape(scaler, "tide_scaler_telemetry_seq_gaps_total"),
+            "reports_accepted_across": accepted_after - accepted_before,
+            "too_many_pings": sum("too_many_pings" in line for _, line in log.lines),
+        }
+    finally:
+        agent.kill()
+        agent.wait(timeout=10)
+        scaler.kill()
+
+
+LINKS = {"agent-scaler": agent_scaler}
+
+
+def main(argv: list[str]) -> None:
+    link, server, client, server_dev, client_dev, db_url = argv
+    pair = NetnsPair(server, client, server_dev, client_dev)
+    result = LINKS[link](pair, db_url)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,63 @@
+"""Reliability catalog T06/T07: a link cut for real between two network namespaces
+(tests/support/netns.py), then healed (docs/reliability.md).
+
+Skipped unless root with ``ip`` and ``tc``. Each test runs a driver inside the
+server namespace (partition_driver.py) and checks its RESULT line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.reliability import partition_driver as drv
+from tests.support.netns import NetnsPair, netns_pair
+from tests.support.procs import ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def drive(pair: NetnsPair, link: str, *args: str, timeout_s: float = 90.0) -> dict[str, Any]:
+    done = subprocess.run(
+        [
+            *pair.exec_in("server"),
+            sys.executable,
+            "-m",
+            "tests.reliability.partition_driver",
+            link,
+            pair.server,
+            pair.client,
+            pair.server_dev,
+            pair.client_dev,
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines and lines[-1].startswith("RESULT "), done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    print(f"{link} {json.dumps(result)}")  # the figures docs/reliability.md quotes (-s)
+    return result
+
+
+def test_agent_scaler_partition_is_detected_within_keepalive_and_heals(tmp_path: Path) -> None:
+    with netns_pair("as") as pair:
+        r = drive(pair, "agent-scaler", f"sqlite:///{tmp_path / 'tide.db'}")
+    # The agent's transport: keepalive time + timeout + 1 s (T06's bound).
+    assert r["agent_detect_s"] <= drv.KEEPALIVE_TIME_S + drv.KEEPALIVE_TIMEOUT_S + 1.0, r
+    assert r["agent_reason"].startswith("UNAVAILABLE"), r
+    # The scaler's side: the stream idle timeout (1 to 1.25 of it) + 1 s.
+    assert r["scaler_detect_s"] <= drv.STREAM_IDLE_TIMEOUT_S * 1.25 + 1.0, r
+    assert r["node_stale_s"] <= drv.STALE_AFTER_S + 2.0, r
+    # Back within the agent's largest backoff + 2 s, nothing lost on the way.
+    assert r["agent_reconnect_s"] <= drv.BACKOFF_MAX_S + 2.0, r
+    assert r["seq_gaps"] == 0 and r["reports_accepted_across"] > 0, r
+    assert r["too_many_pings"] == 0, r
