@@ -11,17 +11,26 @@ heals the link itself, so every figure is measured on one clock. Its last line i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from tests.support.netns import SERVER_ADDR, NetnsPair
+import grpc
+from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
+
+from services.testing.actuators import read_changes
+from tests.coordinator.test_process import JOB as PEER_JOB
+from tests.coordinator.test_process import LiveLauncher
+from tests.support.netns import CLIENT_ADDR, SERVER_ADDR, NetnsPair
 from tests.support.poll import wait_for
-from tests.support.procs import ROOT, ServiceProcess, start_memory_scaler
+from tests.support.procs import ROOT, ServiceProcess, start_memory_scaler, start_service
 
 #: Test keepalive: the agent pings after 2 s without reads, and gives up 1 s later.
 KEEPALIVE_TIME_S = 2.0
@@ -32,6 +41,11 @@ STREAM_IDLE_TIMEOUT_S = 2.0
 STALE_AFTER_S = 2.0
 #: How long the link stays cut: past every detection bound above.
 PARTITION_S = 6.0
+#: The scaler's coordinator channel keeps the production keepalive (20 s + 10 s); a
+#: call on a cut link fails when its unacknowledged bytes pass the TCP user timeout,
+#: which gRPC sets to the keepalive timeout (10 s).
+COORDINATOR_KEEPALIVE_TIMEOUT_S = 10.0
+CUT_AFTER_NOTICE_S = 2.0
 
 
 @dataclass
@@ -157,10 +171,162 @@ def agent_scaler(pair: NetnsPair, db_url: str) -> dict[str, object]:
         scaler.kill()
 
 
-LINKS = {"agent-scaler": agent_scaler}
+async def coordinator_peer(db_path: str, launchers: int) -> None:
+    """The coordinator's side, run in the client namespace: the coordinator and its
+    launchers (heartbeating fakes) on that namespace's loopback, so only the scaler's
+    link crosses the veth. Prints ``PORT n``; stops when its stdin closes."""
+    coordinator = start_service(
+        [
+            "-m",
+            "services.coordinator",
+            "--listen",
+            "0.0.0.0:0",
+            "--db",
+            f"sqlite:///{db_path}",
+            "--heartbeat-timeout-s",
+            "10",
+            "--heartbeat-interval-s",
+            "1",
+            "--tick-interval-s",
+            "0.2",
+            "--log-level",
+            "WARNING",
+        ]
+    )
+    members = [LiveLauncher(f"127.0.0.1:{coordinator.port}", i) for i in range(launchers)]
+    try:
+        for m in members:
+            await m.start()
+        print(f"PORT {coordinator.port}", flush=True)
+        await asyncio.to_thread(sys.stdin.read)
+    finally:
+        for m in members:
+            await m.stop()
+        coordinator.kill()
+
+
+def scaler_coordinator(pair: NetnsPair, db_url: str) -> dict[str, object]:
+    """The scaler here, the coordinator and three launchers in the client namespace; a
+    manual grow 2 -> 3 is decided while the link is cut."""
+    workdir = Path(tempfile.mkdtemp(prefix="tide-part-"))
+    peer = subprocess.Popen(
+        [
+            *pair.exec_in("client"),
+            sys.executable,
+            "-m",
+            "tests.reliability.partition_driver",
+            "coordinator-peer",
+            str(workdir / "coordinator.db"),
+        ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert peer.stdout is not None and peer.stdin is not None
+    line = peer.stdout.readline()
+    assert line.startswith("PORT "), line
+    changes = workdir / "replicas.jsonl"
+    scaler = start_service(
+        [
+            "-m",
+            "services.testing.scaler",
+            "--coordinator",
+            f"{CLIENT_ADDR}:{int(line.split()[1])}",
+            "--actuator",
+            f"file:{changes}",
+            "--db",
+            db_url,
+            "--listen",
+            "127.0.0.1:0",
+            "--log-level",
+            "WARNING",
+        ]
+    )
+    log = LogTail(scaler.proc)
+    ch = grpc.insecure_channel(scaler.target)
+    stub = scaler_pb2_grpc.ScalerStub(ch)
+    try:
+        stub.UpsertJob(
+            scaler_pb2.UpsertJobRequest(
+                job_id=PEER_JOB,
+                initial_replicas=2,
+                policy=scaler_pb2.Policy(min_replicas=1, max_replicas=4, cooldown_s=0.0),
+            ),
+            timeout=10,
+        )
+
+        def job() -> scaler_pb2.Job:
+            return stub.GetJob(scaler_pb2.GetJobRequest(job_id=PEER_JOB), timeout=10)
+
+        wait_for(
+            lambda: job().active_decision_id == 0 and job().current_replicas == 2,
+            timeout_s=30,
+            what="the job's first generation",
+        )
+        generation_before = job().generation
+
+        t_cut = pair.cut()
+        d = stub.RequestResize(
+            scaler_pb2.RequestResizeRequest(
+                job_id=PEER_JOB, replicas=3, reason="across a partition", requested_by="t"
+            ),
+            timeout=10,
+        )
+        noticed = wait_for(
+            lambda: log.first(t_cut, f"decision {d.id} ", "coordinator unreachable"),
+            timeout_s=PARTITION_S + 30,
+            what="the scaler noticing",
+        )
+        # The link stays down a while after the scaler noticed: its re-attach attempts
+        # meet the partition too.
+        time.sleep(CUT_AFTER_NOTICE_S)
+        state_during = stub.GetDecision(
+            scaler_pb2.GetDecisionRequest(id=d.id), timeout=10
+        ).decision.state
+
+        t_heal = pair.heal()
+        wait_for(
+            lambda: job().active_decision_id == 0,
+            timeout_s=60,
+            what="the decision's end after the heal",
+        )
+        done_s = time.monotonic() - t_heal
+        detail = stub.GetDecision(scaler_pb2.GetDecisionRequest(id=d.id), timeout=10)
+        applied = [c for c in read_changes(changes) if c.decision_id == d.id]
+        return {
+            "link": "scaler-coordinator",
+            "method": pair.method,
+            "scaler_detect_s": round(noticed[0] - t_cut, 3),
+            "partition_s": round(t_heal - t_cut, 3),
+            "state_during": common_pb2.DecisionState.Name(state_during),
+            "final_state": common_pb2.DecisionState.Name(detail.decision.state),
+            "completed_after_heal_s": round(done_s, 3),
+            "to_replicas": detail.decision.to_replicas,
+            "generations_opened": job().generation - generation_before,
+            "actuator_changes": [[c.old, c.new] for c in applied],
+            "completed_events": sum(
+                e.state == common_pb2.DECISION_STATE_COMPLETED for e in detail.events
+            ),
+        }
+    finally:
+        ch.close()
+        scaler.kill()
+        peer.stdin.close()
+        try:
+            peer.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+            peer.wait(timeout=10)
+
+
+LINKS = {"agent-scaler": agent_scaler, "scaler-coordinator": scaler_coordinator}
 
 
 def main(argv: list[str]) -> None:
+    if argv[0] == "coordinator-peer":
+        asyncio.run(coordinator_peer(argv[1], launchers=3))
+        return
     link, server, client, server_dev, client_dev, db_url = argv
     pair = NetnsPair(server, client, server_dev, client_dev)
     result = LINKS[link](pair, db_url)

@@ -61,3 +61,19 @@ def test_agent_scaler_partition_is_detected_within_keepalive_and_heals(tmp_path:
     assert r["agent_reconnect_s"] <= drv.BACKOFF_MAX_S + 2.0, r
     assert r["seq_gaps"] == 0 and r["reports_accepted_across"] > 0, r
     assert r["too_many_pings"] == 0, r
+
+
+def test_a_decision_across_a_scaler_coordinator_partition_is_applied_once_after_the_heal(
+    tmp_path: Path,
+) -> None:
+    with netns_pair("sc") as pair:
+        r = drive(pair, "scaler-coordinator", f"sqlite:///{tmp_path / 'tide.db'}")
+    # The Resize call on the cut link fails within the keepalive timeout + 1 s...
+    assert r["scaler_detect_s"] <= drv.COORDINATOR_KEEPALIVE_TIMEOUT_S + 1.0, r
+    # ...the decision waits (committed, not final) while the link is down...
+    assert r["state_during"] in ("DECISION_STATE_PREPARING", "DECISION_STATE_ACTUATING"), r
+    # ...and is carried out exactly once after the heal: one replica change, one new
+    # generation, one COMPLETED.
+    assert r["final_state"] == "DECISION_STATE_COMPLETED" and r["to_replicas"] == 3, r
+    assert r["actuator_changes"] == [[2, 3]], r
+    assert r["generations_opened"] == 1 and r["completed_events"] == 1, r
