@@ -19,15 +19,25 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
-from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
+from tide.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    scaler_pb2,
+    scaler_pb2_grpc,
+)
+from tide.v1.coordinator_pb2 import Directive
 
 from services.testing.actuators import read_changes
+from tests.coordinator.fakes import ResizeWatch
+from tests.coordinator.test_process import HEARTBEAT_S, LiveLauncher
 from tests.coordinator.test_process import JOB as PEER_JOB
-from tests.coordinator.test_process import LiveLauncher
 from tests.support.netns import CLIENT_ADDR, SERVER_ADDR, NetnsPair
 from tests.support.poll import wait_for
 from tests.support.procs import ROOT, ServiceProcess, start_memory_scaler, start_service
@@ -46,21 +56,28 @@ PARTITION_S = 6.0
 #: which gRPC sets to the keepalive timeout (10 s).
 COORDINATOR_KEEPALIVE_TIMEOUT_S = 10.0
 CUT_AFTER_NOTICE_S = 2.0
+#: The coordinator's member heartbeat timeout in the launcher test: past the partition.
+MEMBER_TIMEOUT_S = 20.0
+
+K = Directive
+T = TypeVar("T")
 
 
 @dataclass
 class LogTail:
-    """A process's stderr, each line stamped with the monotonic time it arrived."""
+    """A process's stderr (or stdout), each line stamped with the monotonic time it arrived."""
 
     proc: subprocess.Popen[str]
+    stdout: bool = False
     lines: list[tuple[float, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
+        stream = self.proc.stdout if self.stdout else self.proc.stderr
+        assert stream is not None
+        for line in stream:
             self.lines.append((time.monotonic(), line.rstrip()))
 
     def first(self, after: float, *needles: str) -> tuple[float, str] | None:
@@ -320,12 +337,183 @@ def scaler_coordinator(pair: NetnsPair, db_url: str) -> dict[str, object]:
             peer.wait(timeout=10)
 
 
-LINKS = {"agent-scaler": agent_scaler, "scaler-coordinator": scaler_coordinator}
+async def launcher_peer(target: str, count: int) -> None:
+    """The launchers' side, run in the client namespace: ``count`` heartbeating fake
+    launchers of PEER_JOB. Prints ``UP``, then ``FAIL t i CODE`` / ``BACK t i`` (t on
+    the machine's monotonic clock, which namespaces share) as each one's calls start
+    and stop failing, and ``FINAL {json}`` once its stdin closes."""
+    members = [LiveLauncher(target, i) for i in range(count)]
+    for m in members:
+        await m.fl.join()
+    ids: list[list[str]] = [[m.fl.member_id] for m in members]
+    failing = [False] * count
+
+    async def beat(i: int, m: LiveLauncher) -> None:
+        fl = m.fl
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                if fl.stream_ended():
+                    await fl.register()  # the same launcher id, as the real launcher
+                    await fl.connect()
+                    if fl.member_id != ids[i][-1]:
+                        ids[i].append(fl.member_id)
+                await fl.heartbeat()
+                if failing[i]:
+                    failing[i] = False
+                    print(f"BACK {time.monotonic()} {i}", flush=True)
+            except grpc.aio.AioRpcError as exc:
+                if not failing[i]:
+                    failing[i] = True
+                    print(f"FAIL {time.monotonic()} {i} {exc.code().name}", flush=True)
+                await fl.disconnect()
+
+    tasks = [asyncio.create_task(beat(i, m)) for i, m in enumerate(members)]
+    print("UP", flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+    for t in tasks:
+        t.cancel()
+    final = [
+        {
+            "member_ids": ids[i],
+            "generation": m.fl.generation,
+            "world_size": m.fl.world_size,
+            "rendezvous": sorted(
+                d.rendezvous.generation
+                for d in m.fl.handled.values()
+                if d.kind == K.KIND_RENDEZVOUS
+            ),
+        }
+        for i, m in enumerate(members)
+    ]
+    for m in members:
+        await m.fl.close()
+    print("FINAL " + json.dumps(final), flush=True)
+
+
+def launcher_coordinator(pair: NetnsPair, db_url: str) -> dict[str, object]:
+    """The coordinator here, three launchers in the client namespace; a grow 2 -> 3 is
+    asked of the coordinator while the link is cut."""
+    coordinator = start_service(
+        [
+            "-m",
+            "services.coordinator",
+            "--listen",
+            "0.0.0.0:0",
+            "--db",
+            db_url,
+            # Longer than the partition: a member that is only unreachable is kept.
+            "--heartbeat-timeout-s",
+            str(MEMBER_TIMEOUT_S),
+            "--heartbeat-interval-s",
+            "1",
+            "--tick-interval-s",
+            "0.2",
+            "--log-level",
+            "WARNING",
+        ]
+    )
+    peer = subprocess.Popen(
+        [
+            *pair.exec_in("client"),
+            sys.executable,
+            "-m",
+            "tests.reliability.partition_driver",
+            "launcher-peer",
+            f"{SERVER_ADDR}:{coordinator.port}",
+            "3",
+        ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        return asyncio.run(_launcher_coordinator(pair, coordinator, peer))
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait(timeout=10)
+        coordinator.kill()
+
+
+async def _launcher_coordinator(
+    pair: NetnsPair, coordinator: ServiceProcess, peer: subprocess.Popen[str]
+) -> dict[str, object]:
+    out = LogTail(peer, stdout=True)
+    assert peer.stdin is not None
+    await _poll(lambda: out.first(0.0, "UP"), timeout_s=30)
+    async with grpc.aio.insecure_channel(coordinator.target) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        first = await ResizeWatch(stub, PEER_JOB, 1, 2).final(30.0)
+        assert first.phase == coordinator_pb2.RESIZE_PHASE_COMPLETED, first
+
+        t_cut = pair.cut()
+        grow = ResizeWatch(stub, PEER_JOB, 2, 3, deadline_s=60.0)
+        fails = await _poll(
+            lambda: (
+                [ln for ln in out.lines if ln[0] >= t_cut and ln[1].startswith("FAIL")]
+                if sum(ln[0] >= t_cut and ln[1].startswith("FAIL") for ln in out.lines) >= 3
+                else None
+            ),
+            timeout_s=PARTITION_S + 20,
+        )
+        remaining = PARTITION_S - (time.monotonic() - t_cut)
+        if remaining > 0:
+            await asyncio.sleep(remaining)  # the partition's length is the point
+        during = await stub.GetJobStatus(
+            coordinator_pb2.GetJobStatusRequest(job_id=PEER_JOB), timeout=5
+        )
+
+        t_heal = pair.heal()
+        result = await grow.final(60.0)
+        done_s = time.monotonic() - t_heal
+        after = await stub.GetJobStatus(
+            coordinator_pb2.GetJobStatusRequest(job_id=PEER_JOB), timeout=5
+        )
+    peer.stdin.close()
+    final = await _poll(lambda: out.first(t_heal, "FINAL "), timeout_s=15)
+    launchers = json.loads(final[1][len("FINAL ") :])
+    return {
+        "link": "launcher-coordinator",
+        "method": pair.method,
+        "launcher_detect_s": round(max(ln[0] for ln in fails) - t_cut, 3),
+        "partition_s": round(t_heal - t_cut, 3),
+        "generation_during": during.generation,
+        "members_during": sum(m.state != coordinator_pb2.MEMBER_STATE_GONE for m in during.members),
+        "final_phase": coordinator_pb2.ResizePhase.Name(result.phase),
+        "completed_after_heal_s": round(done_s, 3),
+        "generation_after": after.generation,
+        "world_size_after": after.world_size,
+        "lost_steps_total": after.lost_steps_total,
+        "launchers": launchers,
+    }
+
+
+async def _poll(condition: Callable[[], T | None], timeout_s: float) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s")
+        await asyncio.sleep(0.02)
+
+
+LINKS = {
+    "agent-scaler": agent_scaler,
+    "scaler-coordinator": scaler_coordinator,
+    "launcher-coordinator": launcher_coordinator,
+}
 
 
 def main(argv: list[str]) -> None:
     if argv[0] == "coordinator-peer":
         asyncio.run(coordinator_peer(argv[1], launchers=3))
+        return
+    if argv[0] == "launcher-peer":
+        asyncio.run(launcher_peer(argv[1], int(argv[2])))
         return
     link, server, client, server_dev, client_dev, db_url = argv
     pair = NetnsPair(server, client, server_dev, client_dev)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.coordinator.fakes import TIMEOUT_S as FAKE_CALL_TIMEOUT_S
 from tests.reliability import partition_driver as drv
 from tests.support.netns import NetnsPair, netns_pair
 from tests.support.procs import ROOT
@@ -77,3 +78,21 @@ def test_a_decision_across_a_scaler_coordinator_partition_is_applied_once_after_
     assert r["final_state"] == "DECISION_STATE_COMPLETED" and r["to_replicas"] == 3, r
     assert r["actuator_changes"] == [[2, 3]], r
     assert r["generations_opened"] == 1 and r["completed_events"] == 1, r
+
+
+def test_launchers_cut_from_the_coordinator_keep_their_membership_and_rendezvous_once(
+    tmp_path: Path,
+) -> None:
+    with netns_pair("lc") as pair:
+        r = drive(pair, "launcher-coordinator", f"sqlite:///{tmp_path / 'coordinator.db'}")
+    # Each launcher's calls fail within its call deadline + one heartbeat period + 2 s
+    # (three launchers on one event loop, on a loaded machine).
+    assert r["launcher_detect_s"] <= FAKE_CALL_TIMEOUT_S + drv.HEARTBEAT_S + 2.0, r
+    # Unreachable is not lost: nobody is dropped while the link is down...
+    assert r["generation_during"] == 1 and r["members_during"] == 3, r
+    # ...and the grow asked meanwhile completes after the heal, once: one new generation,
+    # one rendezvous per launcher for it, no member registered anew, no step lost.
+    assert r["final_phase"] == "RESIZE_PHASE_COMPLETED", r
+    assert (r["generation_after"], r["world_size_after"], r["lost_steps_total"]) == (2, 3, 0), r
+    for launcher in r["launchers"]:
+        assert launcher["rendezvous"].count(2) == 1 and len(launcher["member_ids"]) == 1, r
