@@ -96,3 +96,19 @@ def test_launchers_cut_from_the_coordinator_keep_their_membership_and_rendezvous
     assert (r["generation_after"], r["world_size_after"], r["lost_steps_total"]) == (2, 3, 0), r
     for launcher in r["launchers"]:
         assert launcher["rendezvous"].count(2) == 1 and len(launcher["member_ids"]) == 1, r
+
+
+def test_a_decision_across_a_scaler_apiserver_partition_waits_and_is_applied_once(
+    tmp_path: Path,
+) -> None:
+    with netns_pair("sa") as pair:
+        r = drive(pair, "scaler-apiserver", f"sqlite:///{tmp_path / 'tide.db'}")
+    # A call on the cut link ends, Unavailable, within its timeout (urllib3 tries an
+    # idempotent read up to 4 times) + 1 s: no call hangs.
+    assert r["read_error"].startswith("job default/cut: Kubernetes API unreachable"), r
+    assert r["read_s"] <= 4 * drv.API_REQUEST_TIMEOUT_S + 1.0, r
+    # The decision waits, committed and not final, while the API server is away...
+    assert r["state_during"] in ("PREPARING", "ACTUATING"), r
+    # ...and after the heal the PaddleJob is patched once, to the decided size.
+    assert r["final_state"] == "COMPLETED" and r["replicas"] == 3, r
+    assert r["patches"] == 1, r
