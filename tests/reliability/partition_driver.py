@@ -590,8 +590,7 @@ async def _scaler_apiserver(
         coordinator.adopt(job_id, 2)
         # Every call on the cut link ends within its timeout (+ urllib3's own retries
         # of an idempotent read): measured on a bare read.
-        t_cut = pair.cut()
-        t0 = time.monotonic()
+        t0 = pair.cut()
         try:
             await actuator.get_replicas(job_id)
             read_error = ""
