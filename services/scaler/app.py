@@ -77,6 +77,7 @@ async def serve_scaler(
         ingest=settings.ingest(),
         fault=fault,
         evaluate_interval_s=settings.evaluate_interval_s,
+        reconcile_interval_s=settings.reconcile_interval_s,
         rollup_flush_interval_s=settings.rollup_flush_interval_s,
         rollup_retention_days=settings.rollup_retention_days,
         metrics=metrics,

@@ -20,6 +20,7 @@ from typing import Any
 from services.common import logs, tracing
 from services.common.clock import Clock
 from services.scaler import policy as pol
+from services.scaler import reconcile
 from services.scaler.actuators import Actuator
 from services.scaler.controller import Controller
 from services.scaler.convert import decision_inputs
@@ -35,6 +36,7 @@ from services.scaler.members import CoordinatorMemberRegistry
 from services.scaler.metrics import ScalerMetrics
 from services.scaler.pool import PoolClaims
 from services.scaler.preemption import plan_notice
+from services.scaler.reconcile import Drift
 from services.scaler.store import DecisionRecord, DecisionState, DecisionStore, JobRecord
 from services.scaler.triggers import Triggers
 from services.store.probe import StoreProbe
@@ -102,6 +104,7 @@ class ScalerCore:
         ingest: IngestSettings | None = None,
         fault: FaultHook | None = None,
         evaluate_interval_s: float = 1.0,
+        reconcile_interval_s: float = 30.0,
         rollup_flush_interval_s: float = 15.0,
         rollup_retention_days: float = 30.0,
         metrics: ScalerMetrics | None = None,
@@ -139,6 +142,7 @@ class ScalerCore:
             wait_store=store_probe.wait_up if store_probe is not None else None,
         )
         self.evaluate_interval_s = evaluate_interval_s
+        self.reconcile_interval_s = reconcile_interval_s
         self.rollup_flush_interval_s = rollup_flush_interval_s
         self.feed = DecisionFeed()
         self.history = RollupHistory(
@@ -164,6 +168,9 @@ class ScalerCore:
         self._recs: dict[str, list[tuple[float, int]]] = {}
         self._last_dir: dict[str, int] = {}
         self._last_from: dict[str, int] = {}
+        #: Replicas the actuator is still asked for after a member was lost without
+        #: notice (the last completed decision was MEMBER_LOST): its from_replicas.
+        self._asked: dict[str, int] = {}
         self.throughput = ThroughputBook()
         self.pool = PoolClaims(stale_after_s=3 * evaluate_interval_s + 1.0)
         self.triggers = Triggers()
@@ -247,6 +254,7 @@ class ScalerCore:
 
     def _restore_last(self, job_id: str, last: DecisionRecord) -> None:
         """What the job's last completed resize tells the policy and the goodput guard."""
+        self._note_asked(last)
         self._last_dir[job_id] = (last.to_replicas > last.from_replicas) - (
             last.to_replicas < last.from_replicas
         )
@@ -711,6 +719,10 @@ class ScalerCore:
             if d.state is DecisionState.COMPLETED:
                 changes["current_replicas"] = d.to_replicas
                 changes["generation"] = max(job.generation, d.generation)
+                self._note_asked(d)
+            if d.state is DecisionState.COMPLETED and d.reason != pol.Reason.RECONCILE.name:
+                # A correction puts back the recorded size: not a resize the goodput
+                # guard or the direction rules should learn from.
                 self._last_dir[d.job_id] = (d.to_replicas > d.from_replicas) - (
                     d.to_replicas < d.from_replicas
                 )
@@ -718,6 +730,13 @@ class ScalerCore:
             self.jobs[d.job_id] = dataclasses.replace(job, **changes)
             self.metrics.decision_finished(d, self.jobs[d.job_id].current_replicas)
         self._recs.pop(d.job_id, None)
+
+    def _note_asked(self, d: DecisionRecord) -> None:
+        """After a completed decision: what the actuator is asked for, if not its size."""
+        if d.reason == pol.Reason.MEMBER_LOST.name:
+            self._asked.setdefault(d.job_id, d.from_replicas)
+        else:
+            self._asked.pop(d.job_id, None)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -787,6 +806,50 @@ class ScalerCore:
             record, generation=st.generation, lost_steps=lost, detail=message
         )
 
+    async def reconcile(self) -> list[Drift]:
+        """Compare every idle job's recorded size with the actuator's replicas and the
+        coordinator's world size; correct each drift through a recorded decision
+        (services/scaler/reconcile.py). Returns the drifts found."""
+        self.metrics.reconcile_passes.inc()
+        found: list[Drift] = []
+        for job_id in list(self.jobs):
+            if job_id in self.fenced or job_id in self.active or self._finished(job_id):
+                continue
+            with self._guard(job_id):
+                observed = await reconcile.observe(job_id, self.actuator, self.coordinator)
+                job = self.jobs[job_id]
+                drift = reconcile.compare(
+                    job_id,
+                    job.current_replicas,
+                    job.generation,
+                    observed,
+                    asked_replicas=self._asked.get(job_id),
+                )
+                # A decision may have started while the parties were asked: not a drift.
+                if drift is None or job_id in self.active:
+                    continue
+                found.append(drift)
+                for source in drift.sources:
+                    self.metrics.drift.labels(source).inc()
+                await self._correct(drift)
+        self.metrics.drifting.set(len(found))
+        return found
+
+    async def _correct(self, drift: Drift) -> None:
+        d = drift.decision()
+        try:
+            record = await self._create(d, drift.inputs(), "")
+        except DecisionInProgress:
+            return  # a decision of its own started meanwhile: it sets the size
+        logger.warning(
+            "job %s: drift (%s): %s; decision %d",
+            drift.job_id,
+            ", ".join(drift.sources),
+            d.message,
+            record.id,
+            extra={"job_id": drift.job_id, "decision_id": record.id},
+        )
+
     def _measure(self, job_id: str, now: float) -> None:
         job, status = self.jobs[job_id], self.coordinator.latest_status(job_id)
         if status is not None and job_id not in self.active:
@@ -803,6 +866,8 @@ class ScalerCore:
         wake = self._wake
         next_tick = self.clock.monotonic()
         next_flush = next_tick + self.rollup_flush_interval_s
+        # At once: this runs at start and each time this replica takes the lead.
+        next_reconcile = next_tick
         while True:
             timeout = max(0.0, next_tick - self.clock.monotonic())
             with contextlib.suppress(TimeoutError):
@@ -824,6 +889,9 @@ class ScalerCore:
                 if mono >= next_flush:
                     await self.flush_rollups()
                     next_flush = mono + self.rollup_flush_interval_s
+                if mono >= next_reconcile:
+                    next_reconcile = mono + self.reconcile_interval_s
+                    await self.reconcile()
             except Unavailable as exc:
                 # The store (or the coordinator) went away mid-pass: this pass is
                 # lost, the loop is not. Ended once, it would decide nothing more

@@ -65,6 +65,11 @@ class ScalerSettings(CommonSettings, ClientSettings):
     )
     owner_id: str = setting("", "this scaler's name in the fencing record; default host:pid")
     evaluate_interval_s: float = setting(1.0, "every job is evaluated at least this often")
+    reconcile_interval_s: float = setting(
+        30.0,
+        "compare each job's size with the actuator's replicas and the coordinator's"
+        " world size this often (and at start, and on taking the lead)",
+    )
     leader_election: str = setting(
         "off",
         "off (one replica); sql: replicas elect a leader through a lease row in the store;"
@@ -158,6 +163,8 @@ class ScalerSettings(CommonSettings, ClientSettings):
         self.ingest()
         if not (self.evaluate_interval_s > 0 and math.isfinite(self.evaluate_interval_s)):
             raise ConfigError(f"evaluate_interval_s={self.evaluate_interval_s!r}: must be > 0")
+        if not (self.reconcile_interval_s > 0 and math.isfinite(self.reconcile_interval_s)):
+            raise ConfigError(f"reconcile_interval_s={self.reconcile_interval_s!r}: must be > 0")
         if not (self.rollup_flush_interval_s > 0):
             raise ConfigError(
                 f"rollup_flush_interval_s={self.rollup_flush_interval_s!r}: must be > 0"

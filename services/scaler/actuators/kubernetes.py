@@ -31,6 +31,7 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
 
 from services.scaler.actuators.base import check_still_leading
 from services.scaler.kube.capacity import CapacityCache
@@ -63,6 +64,9 @@ class KubernetesActuatorSettings:
     pod_wait_s: float = 120.0
     # Server-side timeout of each watch, seconds (then it is renewed).
     watch_timeout_s: int = 60
+    # Bound of each read and patch of a PaddleJob, seconds: a partitioned API server
+    # answers nothing, and the call must end (Unavailable) rather than hang.
+    request_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -75,6 +79,8 @@ class KubernetesActuatorSettings:
             raise ConfigError(f"pod_wait_s: must be > 0, got {self.pod_wait_s}")
         if self.watch_timeout_s < 1:
             raise ConfigError(f"watch_timeout_s: must be >= 1, got {self.watch_timeout_s}")
+        if not self.request_timeout_s > 0:
+            raise ConfigError(f"request_timeout_s: must be > 0, got {self.request_timeout_s}")
 
 
 def _split(job_id: str) -> tuple[str, str]:
@@ -93,6 +99,11 @@ def _error(job_id: str, exc: ApiException) -> TideError:
     if exc.status in (400, 422):
         return InvalidArgument(what)
     return Unavailable(what)
+
+
+def _unreachable(job_id: str, exc: HTTPError) -> Unavailable:
+    """A transport failure (timeout, refused, reset): the API server is out of reach."""
+    return Unavailable(f"job {job_id}: Kubernetes API unreachable: {type(exc).__name__}: {exc}")
 
 
 def _considered(pod: dict[str, Any]) -> bool:
@@ -187,7 +198,7 @@ class KubernetesActuator:
                         kind.plural,
                         name,
                         _preload_content=False,
-                        _request_timeout=30,
+                        _request_timeout=self.settings.request_timeout_s,
                     )
                 )
             except ApiException as exc:
@@ -195,6 +206,8 @@ class KubernetesActuator:
                     raise _error(job_id, exc) from None
                 last = exc
                 continue
+            except HTTPError as exc:
+                raise _unreachable(job_id, exc) from None
             self.kinds[job_id] = kind
             return view(kind, obj)
         raise NotFound(f"job {job_id}: no PaddleJob {name} in namespace {ns}") from last
@@ -252,8 +265,12 @@ class KubernetesActuator:
                     kind.plural,
                     name,
                     kind.replicas_patch(replicas, job.resource_version),
-                    _request_timeout=30,
+                    _request_timeout=self.settings.request_timeout_s,
                 )
+            except HTTPError as exc:
+                # Whether the patch landed is unknown: the retry reads the job first,
+                # and one that landed is not patched again.
+                raise _unreachable(job_id, exc) from None
             except ApiException as exc:
                 if exc.status != 409:
                     raise _error(job_id, exc) from None
