@@ -59,11 +59,13 @@ from trainer.messages import (
     Held,
     Hello,
     Hold,
+    Prepared,
     Progress,
     Ready,
     Rendezvous,
     Resume,
     Resumed,
+    Start,
     ToWorker,
 )
 from trainer.objstore import make_store
@@ -138,6 +140,9 @@ class Timings:
     disk_read_s: float = 0.0
     transfer_s: float = 0.0
     first_step_at: float = 0.0
+    # Overlap mode: the group init done ahead, while the previous worker trained (not in
+    # the pause; group_init_s is then 0).
+    prepare_s: float = 0.0
 
 
 class ElasticSession:
@@ -231,6 +236,33 @@ class ElasticSession:
             "prewarmed worker pid %d warmed up in %.3fs", os.getpid(), time.monotonic() - started
         )
 
+    def _wait_for_start(self) -> None:
+        """A prepared worker: its group is formed; it takes over once the previous worker
+        held at the barrier and handed its state over (the launcher's Start)."""
+        logger.info(
+            "prepared worker pid %d (rank %d of generation %d) waiting for its start",
+            os.getpid(),
+            self.rank,
+            self.env.generation,
+        )
+        while True:
+            msg = self.channel.wait(0.1)
+            if msg is None:
+                if self.channel.closed:
+                    self._exit()
+                continue
+            if isinstance(msg, Exit):
+                self._exit()
+            if isinstance(msg, Start):
+                os.environ.update(msg.env)
+                self.env = DistEnv.from_env({**os.environ, PREWARM_ENV: "0"})
+                if self.env.restart_started_at:
+                    self.timings.worker_restart_s = max(
+                        0.0, time.time() - self.env.restart_started_at
+                    )
+                return
+            logger.warning("prepared worker: ignoring %s before its start", msg.TYPE)
+
     def _wait_for_rendezvous(self) -> None:
         """A prewarmed worker: imports done and model built, it waits for its generation."""
         logger.info("prewarmed worker pid %d waiting for a rendezvous", os.getpid())
@@ -275,6 +307,12 @@ class ElasticSession:
             self.env.generation,
             self.timings.group_init_s,
         )
+        if self.env.prepared:
+            # Formed ahead, outside the pause: the pause's own group init is none.
+            self.timings.prepare_s, self.timings.group_init_s = self.timings.group_init_s, 0.0
+            self.channel.send(
+                Prepared(generation=self.env.generation, group_init_s=self.timings.prepare_s)
+            )
 
     def attach(
         self, model: Any, optimizer: Any, lr_scheduler: Any = None, scaler: Any = None
@@ -327,6 +365,8 @@ class ElasticSession:
         fewer steps; every checkpoint of the job lies on the same trajectory. Where it comes
         from (the pod's memory, a peer over the new group, the durable store) is
         trainer/restore.py's rule: a planned resize reads nothing from disk."""
+        if self.env.prepared:
+            self._wait_for_start()
         started = time.monotonic()
         if self.rank == 0:
             # Rank 0 is the only durable writer, and a new generation starts here: what a
