@@ -14,11 +14,13 @@ from trainer.messages import (
     Exit,
     Held,
     Hello,
+    Prepared,
     Progress,
     Ready,
     Rendezvous,
     Resume,
     Resumed,
+    Start,
 )
 
 
@@ -32,6 +34,16 @@ def main() -> int:
             if ch.closed or isinstance(msg, Exit):
                 return 0
             if isinstance(msg, Rendezvous):
+                os.environ.update(msg.env)
+                break
+    if os.environ.get("TIDE_PREPARED") == "1":
+        # Overlap mode: "the group" is formed; wait for the start after the barrier.
+        ch.send(Prepared(generation=int(os.environ["TIDE_GENERATION"]), group_init_s=0.01))
+        while True:
+            msg = ch.wait(0.1)
+            if ch.closed or isinstance(msg, Exit):
+                return 0
+            if isinstance(msg, Start):
                 os.environ.update(msg.env)
                 break
     step = int(os.environ.get("TIDE_RESTORE_STEP", "0") or 0)

@@ -18,11 +18,13 @@ from trainer.messages import (
     Hello,
     Hold,
     MessageError,
+    Prepared,
     Progress,
     Ready,
     Rendezvous,
     Resume,
     Resumed,
+    Start,
     decode_to_launcher,
     decode_to_worker,
     encode,
@@ -32,6 +34,7 @@ pytestmark = pytest.mark.unit
 
 TO_WORKER = [
     Rendezvous(env={"PADDLE_TRAINER_ID": "1", "TIDE_GENERATION": "3"}),
+    Start(env={"TIDE_RESTORE_STEP": "40"}),
     CheckpointAt(directive_id="d1", step=40),
     Hold(directive_id="d2"),
     Resume(directive_id="d3"),
@@ -40,6 +43,7 @@ TO_WORKER = [
 TO_LAUNCHER = [
     Hello(pid=123, generation=2),
     Ready(restored_step=30, generation=2, worker_restart_s=0.01, group_init_s=0.4, restore_s=0.03),
+    Prepared(generation=3, group_init_s=0.4),
     Progress(step=31, epoch=1, cursor=64, samples_per_s=900.0, first_step_at=1.7e9),
     Held(step=40, held_at=1.7e9, directive_ids=("d1",), checkpoint=CheckpointInfo(40, "ab", 0.02)),
     Held(step=41, held_at=1.7e9, directive_ids=("h",), checkpoint=None),

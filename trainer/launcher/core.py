@@ -31,7 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from tidebase.errors import Unavailable
-from trainer.devices import Backend, PodDevices, WorkerPlace, detect, local_env, worker_env
+from trainer.devices import (
+    Backend,
+    PodDevices,
+    WorkerPlace,
+    detect,
+    gpu_free_mib,
+    local_env,
+    memory_shortfall,
+    worker_env,
+)
 from trainer.distenv import (
     GENERATION_ENV,
     PREPARED_ENV,
@@ -327,6 +336,11 @@ class Launcher:
         if self.state in LEAVING:
             await self._ack(self._ack_of(d, ok=False, message="this member is leaving"))
             return
+        short = self._memory_shortfall()
+        if short:
+            logger.warning("member %s cannot prepare: %s", self.member_id, short)
+            await self._ack(self._ack_of(d, ok=False, message=short))
+            return
         ranks = [
             WorkerPlace(rdv.rank, rdv.world_size, i, self.devices.workers).rank
             for i in range(self.devices.workers)
@@ -357,6 +371,16 @@ class Launcher:
             time.monotonic() - started,
         )
         await self._ack(self._ack_of(d))
+
+    def _memory_shortfall(self) -> str:
+        """Why a prepared worker would not fit on this pod's GPUs now, or ""."""
+        if self.devices.backend is not Backend.NCCL or not self.s.prepare_min_free_mib:
+            return ""
+        gpus = [g for i in range(self.devices.workers) if (g := self.devices.gpu_of(i))]
+        free = gpu_free_mib(gpus)
+        if free is None:
+            return "NVML cannot tell the GPUs' free memory; prepare_min_free_mib needs it"
+        return memory_shortfall(free, self.s.prepare_min_free_mib)
 
     async def _cancel_rendezvous(self) -> None:
         task, self._rendezvous_task = self._rendezvous_task, None
