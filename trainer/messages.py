@@ -69,8 +69,9 @@ class Rendezvous(_Message):
 
 @dataclass(frozen=True)
 class Start(_Message):
-    """Overlap mode: a prepared worker (its group of the generation formed ahead) takes
-    over; ``env`` adds what the barrier decided (the restore step, the restart's start)."""
+    """Overlap mode: a prepared worker (its group of the generation formed ahead) restores
+    now (a stayer's at its pod's hold, a newcomer's once prepared) and waits for :class:`Go`;
+    ``env`` has the restore step."""
 
     TYPE: ClassVar[str] = "start"
     env: Mapping[str, str] = field(default_factory=dict)
@@ -80,6 +81,22 @@ class Start(_Message):
         env = data.get("env") or {}
         if not isinstance(env, Mapping):
             raise MessageError(f"start env must be an object, got {env!r}")
+        return cls(env={str(k): str(v) for k, v in env.items()})
+
+
+@dataclass(frozen=True)
+class Go(_Message):
+    """Overlap mode: the barrier completed (the coordinator's RENDEZVOUS); a prepared
+    worker that restored trains from here; ``env`` has the restart's start time."""
+
+    TYPE: ClassVar[str] = "go"
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Go:
+        env = data.get("env") or {}
+        if not isinstance(env, Mapping):
+            raise MessageError(f"go env must be an object, got {env!r}")
         return cls(env={str(k): str(v) for k, v in env.items()})
 
 
@@ -115,7 +132,7 @@ class Exit(_Message):
     TYPE: ClassVar[str] = "exit"
 
 
-ToWorker = Rendezvous | Start | CheckpointAt | Hold | Resume | Exit
+ToWorker = Rendezvous | Start | Go | CheckpointAt | Hold | Resume | Exit
 
 
 # -- worker → launcher ------------------------------------------------------------------------
@@ -227,7 +244,7 @@ class Done(_Message):
 ToLauncher = Hello | Ready | Prepared | Progress | Held | Resumed | CheckpointWritten | Done
 
 _TO_WORKER: dict[str, type[_Message]] = {
-    c.TYPE: c for c in (Rendezvous, Start, CheckpointAt, Hold, Resume, Exit)
+    c.TYPE: c for c in (Rendezvous, Start, Go, CheckpointAt, Hold, Resume, Exit)
 }
 _TO_LAUNCHER: dict[str, type[_Message]] = {
     c.TYPE: c for c in (Hello, Ready, Prepared, Progress, Held, Resumed, CheckpointWritten, Done)

@@ -31,7 +31,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tidebase.errors import ConfigError
 from trainer import paddle_state
@@ -56,6 +56,7 @@ from trainer.messages import (
     CheckpointWritten,
     Done,
     Exit,
+    Go,
     Held,
     Hello,
     Hold,
@@ -76,6 +77,8 @@ from trainer.steplog import StepLog
 from trainer.stepper import Stepper
 
 logger = logging.getLogger(__name__)
+
+_Waited = TypeVar("_Waited", Start, Go)
 
 # Re-exported: scripts and older callers import them from here.
 __all__ = [
@@ -141,8 +144,10 @@ class Timings:
     transfer_s: float = 0.0
     first_step_at: float = 0.0
     # Overlap mode: the group init done ahead, while the previous worker trained (not in
-    # the pause; group_init_s is then 0).
+    # the pause; group_init_s is then 0), and how long the restored worker waited for the
+    # barrier's end.
     prepare_s: float = 0.0
+    go_wait_s: float = 0.0
 
 
 class ElasticSession:
@@ -236,14 +241,14 @@ class ElasticSession:
             "prewarmed worker pid %d warmed up in %.3fs", os.getpid(), time.monotonic() - started
         )
 
-    def _wait_for_start(self) -> None:
-        """A prepared worker: its group is formed; it takes over once the previous worker
-        held at the barrier and handed its state over (the launcher's Start)."""
+    def _wait_for(self, kind: type[_Waited], what: str) -> _Waited:
+        """A prepared worker: the next ``kind`` message, exiting when asked to."""
         logger.info(
-            "prepared worker pid %d (rank %d of generation %d) waiting for its start",
+            "prepared worker pid %d (rank %d of generation %d) waiting for its %s",
             os.getpid(),
             self.rank,
             self.env.generation,
+            what,
         )
         while True:
             msg = self.channel.wait(0.1)
@@ -253,15 +258,13 @@ class ElasticSession:
                 continue
             if isinstance(msg, Exit):
                 self._exit()
-            if isinstance(msg, Start):
-                os.environ.update(msg.env)
-                self.env = DistEnv.from_env({**os.environ, PREWARM_ENV: "0"})
-                if self.env.restart_started_at:
-                    self.timings.worker_restart_s = max(
-                        0.0, time.time() - self.env.restart_started_at
-                    )
-                return
-            logger.warning("prepared worker: ignoring %s before its start", msg.TYPE)
+            if isinstance(msg, kind):
+                return msg
+            logger.warning("prepared worker: ignoring %s before its %s", msg.TYPE, what)
+
+    def _take_env(self, env: Mapping[str, str]) -> None:
+        os.environ.update(env)
+        self.env = DistEnv.from_env({**os.environ, PREWARM_ENV: "0"})
 
     def _wait_for_rendezvous(self) -> None:
         """A prewarmed worker: imports done and model built, it waits for its generation."""
@@ -366,7 +369,9 @@ class ElasticSession:
         from (the pod's memory, a peer over the new group, the durable store) is
         trainer/restore.py's rule: a planned resize reads nothing from disk."""
         if self.env.prepared:
-            self._wait_for_start()
+            # A stayer's state is in its pod's memory once its pod's worker held; a newcomer
+            # takes it from a peer as soon as those stayers join the broadcast.
+            self._take_env(self._wait_for(Start, "start").env)
         started = time.monotonic()
         if self.rank == 0:
             # Rank 0 is the only durable writer, and a new generation starts here: what a
@@ -417,6 +422,14 @@ class ElasticSession:
                 restore_s=t.restore_s,
             )
         )
+        if self.env.prepared:
+            # Restored while the barrier still completed at the coordinator: train only once
+            # it has (the old generation may still resume if the resize is aborted).
+            waited = time.monotonic()
+            self._take_env(self._wait_for(Go, "go").env)
+            t.go_wait_s = time.monotonic() - waited
+            if self.env.restart_started_at:
+                t.worker_restart_s = max(0.0, time.time() - self.env.restart_started_at)
         self._report_progress()
         self._first_step_started = time.monotonic()
         self._current()

@@ -14,6 +14,7 @@ from trainer.messages import (
     CheckpointWritten,
     Done,
     Exit,
+    Go,
     Held,
     Hello,
     Hold,
@@ -35,6 +36,7 @@ pytestmark = pytest.mark.unit
 TO_WORKER = [
     Rendezvous(env={"PADDLE_TRAINER_ID": "1", "TIDE_GENERATION": "3"}),
     Start(env={"TIDE_RESTORE_STEP": "40"}),
+    Go(env={"TIDE_RESTART_STARTED_AT": "1.7e9"}),
     CheckpointAt(directive_id="d1", step=40),
     Hold(directive_id="d2"),
     Resume(directive_id="d3"),

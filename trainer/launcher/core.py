@@ -370,7 +370,14 @@ class Launcher:
             group_init_s,
             time.monotonic() - started,
         )
+        if self.workers.worker is None:
+            # A newcomer: its state comes from a peer, over the group, once the stayers join.
+            self._start_prepared(0)
         await self._ack(self._ack_of(d))
+
+    def _start_prepared(self, restore_step: int) -> None:
+        envs = [{RESTORE_STEP_ENV: str(restore_step)}] * self.devices.workers
+        self.workers.start_prepared(self.generation + 1, envs)
 
     def _memory_shortfall(self) -> str:
         """Why a prepared worker would not fit on this pod's GPUs now, or ""."""
@@ -533,6 +540,13 @@ class Launcher:
         if self.state in (State.RUNNING, State.STARTING):
             self._set_state(State.HOLDING)
         ckpt = msg.checkpoint
+        if any(
+            (d := self._pending_acks.get(did)) is not None and d.kind is DirectiveKind.CHECKPOINT
+            for did in msg.directive_ids
+        ):
+            # Overlap mode: the state of the barrier's step is in this pod's memory now, so a
+            # prepared next worker restores it while the acks travel (it trains only on go).
+            self._start_prepared(msg.step)
         for did in msg.directive_ids:
             d = self._pending_acks.pop(did, None)
             if d is None:

@@ -209,6 +209,12 @@ class WorkerGroup:
         for m in self.members:
             m.discard_prepared()
 
+    def start_prepared(self, generation: int, envs: Sequence[Mapping[str, str]]) -> None:
+        """The standbys prepared for ``generation`` restore now (each its own ``envs``)."""
+        if all(m.prepared_for(generation) for m in self.members):
+            for m, env in zip(self.members, envs, strict=True):
+                m.start_prepared(generation, env)
+
     def expect_exit(self) -> None:
         for m in self.members:
             m.expect_exit()

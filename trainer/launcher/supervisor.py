@@ -32,7 +32,16 @@ from trainer.channel import CONTROL_SOCKET_ENV
 from trainer.distenv import PREWARM_ENV
 from trainer.launcher.control import ControlServer
 from trainer.launcher.settings import LauncherSettings
-from trainer.messages import Exit, Prepared, Rendezvous, Start, ToLauncher, ToWorker
+from trainer.messages import (
+    Exit,
+    Go,
+    Prepared,
+    Ready,
+    Rendezvous,
+    Start,
+    ToLauncher,
+    ToWorker,
+)
 from trainer.spawner import Spawner, WorkerHandle
 
 logger = logging.getLogger(__name__)
@@ -96,6 +105,9 @@ class WorkerSupervisor:
         # the Prepared a standby is being waited for (pid, future).
         self._prepared: tuple[int, int] | None = None
         self._preparing: tuple[int, asyncio.Future[Prepared]] | None = None
+        # The prepared standby was told to restore (Start), and what it said once it had.
+        self._prepared_started = False
+        self._prepared_ready: Ready | None = None
 
     @property
     def member_id(self) -> str:
@@ -152,6 +164,10 @@ class WorkerSupervisor:
             want, fut = self._preparing
             if pid == want and not fut.done():
                 fut.set_result(msg)
+        elif isinstance(msg, Ready) and self._prepared is not None and self._prepared[1] == pid:
+            # Restored ahead; it becomes this member's word once the RENDEZVOUS makes the
+            # standby the current worker.
+            self._prepared_ready = msg
 
     def send(self, msg: ToWorker) -> None:
         """To the current worker; queued until it has connected."""
@@ -197,6 +213,7 @@ class WorkerSupervisor:
             return
         self.standby = None
         self._prepared = None
+        self._prepared_started, self._prepared_ready = False, None
         delay = self._standby_backoff.next_delay_s()
         logger.warning(
             "member %s (job %s): prewarmed worker pid %d exited with %d; another in %.2fs",
@@ -231,6 +248,7 @@ class WorkerSupervisor:
         if self._prepared is None:
             return
         standby, self.standby, self._prepared = self.standby, None, None
+        self._prepared_started, self._prepared_ready = False, None
         if standby is not None and standby.returncode is None:
             logger.info("member %s: prepared worker pid %d discarded", self.member_id, standby.pid)
             standby.kill()
@@ -259,7 +277,17 @@ class WorkerSupervisor:
             finally:
                 self._preparing = None
         self._prepared = (generation, standby.pid)
+        self._prepared_started, self._prepared_ready = False, None
         return prepared
+
+    def start_prepared(self, generation: int, env: Mapping[str, str]) -> None:
+        """The standby prepared for ``generation`` restores now (``env``: the restore step)
+        and then waits for its go; at most once."""
+        s = self.standby
+        if s is None or self._prepared_started or not self.prepared_for(generation):
+            return
+        self._prepared_started = True
+        self.control.send(s.pid, Start(env=dict(env)))
 
     # -- a generation's worker ------------------------------------------------------------
 
@@ -272,17 +300,22 @@ class WorkerSupervisor:
         generation's group ahead and only needs its Start."""
         old = self.worker
         if prepared and self.prepared_for(generation):
+            self.start_prepared(generation, env)
             standby = self.standby
             assert standby is not None
+            ready = self._prepared_ready
             self.standby, self._prepared = None, None
+            self._prepared_started, self._prepared_ready = False, None
             self._standby_backoff.reset()
             self.worker = standby
             self._expected_exit = False
             if old is not None:
                 self._spawn_task(self.stop(old), "stop-old-worker")
-            self.send(Start(env=dict(env)))
+            self.send(Go(env=dict(env)))
             worker = self.worker
             self._spawn_task(self._watch(worker), "watch-worker")
+            if ready is not None:
+                await self._on_current_message(ready)
             return worker, True
         self.discard_prepared()
         if self.standby_ready():
