@@ -231,8 +231,8 @@ class IngestEngine:
         # that owns it, as partial aggregates, instead of into a window here.
         self.forward: Callable[[str], bool] | None = None
         self.partials = Partials()
-        # Coverage shipped by other replicas: job → sender → its GPUs' last sample times.
-        self.remote_seen: dict[str, dict[str, list[float]]] = {}
+        # Coverage shipped by other replicas: job → (node, GPU index) → last sample time.
+        self.remote_seen: dict[str, dict[tuple[str, int], float]] = {}
         # Plain ints on the hot path; exported by metrics.IngestCollector at scrape time.
         self.reports_accepted = 0
         self.reports_duplicate = 0
@@ -532,17 +532,23 @@ class IngestEngine:
         out = list(self.partials.take().values())
         for p in out:
             for node in self.job_nodes.get(p.job_id, {}).values():
-                g = node.gpus
-                p.seen_s.extend(s for j, s in zip(g.job, g.seen_s, strict=True) if j == p.job_id)
+                for i, (j, s) in enumerate(zip(node.gpus.job, node.gpus.seen_s, strict=True)):
+                    if j == p.job_id:
+                        p.seen_s[(node.name, i)] = s
         return out
 
     def merge_partials(self, sender: str, parts: Iterable[JobPartial]) -> None:
         """Add another replica's partial aggregates of jobs owned here to their windows
         and rollups, as if its samples had come here."""
+        horizon = self.clock.now() - self.settings.stale_after_s
         for p in parts:
             job = p.job_id
             seen = self.remote_seen.setdefault(job, {})
-            seen[sender] = p.seen_s
+            for gpu, s in p.seen_s.items():
+                if s > seen.get(gpu, -_INF):
+                    seen[gpu] = s
+            for gpu in [g for g, s in seen.items() if s < horizon]:
+                del seen[gpu]  # stale already: it counts for nothing, now or later
             bucket_s, buckets = self._shape(job)
             if (p.bucket_s, p.buckets) == (bucket_s, buckets):
                 w = self.windows.get(job)
@@ -559,20 +565,10 @@ class IngestEngine:
             for sec, (total, count, lo, hi) in p.seconds.items():
                 self.rollups.add(job, float(sec), total, int(count), lo, hi)
 
-    def _remote_fresh(self, job_id: str, horizon: float) -> int:
-        senders = self.remote_seen.get(job_id)
-        if not senders:
-            return 0
-        return sum(1 for seen in senders.values() for s in seen if s >= horizon)
-
     def fresh_gpus(self, now_s: float) -> dict[str, int]:
         """Per job, GPUs with a sample newer than the staleness limit."""
         horizon = now_s - self.settings.stale_after_s
         out: dict[str, int] = {}
-        for job_id in self.remote_seen:
-            n = self._remote_fresh(job_id, horizon)
-            if n:
-                out[job_id] = n
         for node in self.nodes.values():
             g = node.gpus
             if node.last_sampled_s < horizon:
@@ -580,16 +576,27 @@ class IngestEngine:
             for job, seen in zip(g.job, g.seen_s, strict=True):
                 if job is not None and seen >= horizon:
                     out[job] = out.get(job, 0) + 1
+        for job_id in self.remote_seen:
+            out[job_id] = self.fresh_gpus_of(job_id, now_s)
         return out
 
     def fresh_gpus_of(self, job_id: str, now_s: float) -> int:
         """The job's GPUs with a sample newer than the staleness limit: ``fresh_gpus``
         for one job, reading only the nodes that hold its GPUs (O(the job's GPUs))."""
         horizon = now_s - self.settings.stale_after_s
-        fresh = self._remote_fresh(job_id, horizon)
+        remote = self.remote_seen.get(job_id)
+        if remote:
+            # Shipped by other replicas: each GPU once, at its latest sample anywhere.
+            latest = dict(remote)
+            for node in self.job_nodes.get(job_id, {}).values():
+                for i, (j, s) in enumerate(zip(node.gpus.job, node.gpus.seen_s, strict=True)):
+                    if j == job_id and s > latest.get((node.name, i), -_INF):
+                        latest[(node.name, i)] = s
+            return sum(1 for s in latest.values() if s >= horizon)
+        fresh = 0
         nodes = self.job_nodes.get(job_id)
         if not nodes:
-            return fresh
+            return 0
         gone: list[str] = []
         for name, node in nodes.items():
             held = False

@@ -28,8 +28,10 @@ class JobPartial:
     slots: dict[int, list[float]] = field(default_factory=dict)
     #: epoch second → [sum, samples, min, max] (the rollups)
     seconds: dict[int, list[float]] = field(default_factory=dict)
-    #: The last sample time of each of the job's GPUs on the sender's nodes.
-    seen_s: list[float] = field(default_factory=list)
+    #: (node, GPU index) → the last sample time of each of the job's GPUs on the
+    #: sender's nodes. By GPU, not a count: a node that moved to another replica is
+    #: still fresh in its old one's last shipment, and must count once.
+    seen_s: dict[tuple[str, int], float] = field(default_factory=dict)
 
 
 class Partials:
