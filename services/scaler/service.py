@@ -56,6 +56,10 @@ LOOP_LOG_EVERY_S = 10.0
 
 #: Jobs a starting scaler takes (and reads the last resize of) per transaction.
 START_BATCH = 200
+#: A pass over every job hands the event loop back this often: a pass over 1,000 jobs
+#: takes a few hundred milliseconds here, and every telemetry stream's ack would wait
+#: behind it (bench.scale's ack p99); 64 jobs take about 10 ms.
+YIELD_EVERY_JOBS = 64
 
 
 @dataclass(frozen=True)
@@ -463,12 +467,16 @@ class ScalerCore:
         async with self._eval_lock:
             raw = await self.actuator.free_gpus()
             staged: list[tuple[_Staged, float]] = []
-            for job_id, tipping_s in items:
+            for n, (job_id, tipping_s) in enumerate(items, 1):
+                if n % YIELD_EVERY_JOBS == 0:
+                    await asyncio.sleep(0)
                 with self._guard(job_id):
                     t0 = time.perf_counter()
                     st = self._stage(job_id, tipping_s, fresh, raw)
                     staged.append((st, time.perf_counter() - t0))
-            for st, spent in staged:
+            for n, (st, spent) in enumerate(staged, 1):
+                if n % YIELD_EVERY_JOBS == 0:
+                    await asyncio.sleep(0)
                 with self._guard(st.job_id):
                     t0 = time.perf_counter()
                     await self._commit(st)
@@ -744,7 +752,9 @@ class ScalerCore:
         now = self.clock.now()
         fresh = self.engine.fresh_gpus(now)
         jobs = [j for j in self.jobs if j not in self.fenced]
-        for job_id in jobs:
+        for n, job_id in enumerate(jobs, 1):
+            if n % YIELD_EVERY_JOBS == 0:
+                await asyncio.sleep(0)
             self._measure(job_id, now)
             with self._guard(job_id):
                 await self._record_loss(job_id)
