@@ -409,15 +409,20 @@ class ScalerCore:
         """Pods of the job that must go: on nodes with a notice (one such node, the
         earliest deadline), and those whose launcher asked to leave (SIGTERM)."""
         pods, node, deadline = self.engine.terminating_pods(job_id)
-        asked = {
-            m.pod_uid or m.pod_name
+        leaving = [
+            m
             for m in self.registry.members(job_id)
             if m.active
             and m.leave_requested
             # The agent may name the same pod already (by name or uid): once is enough.
             and m.pod_name not in pods
             and m.pod_uid not in pods
-        }
+        ]
+        asked = {m.pod_uid or m.pod_name for m in leaving}
+        # A pod's grace end is its deadline as a node's notice is: the earliest rules.
+        ends = [m.leave_deadline_s for m in leaving if m.leave_deadline_s is not None]
+        if ends:
+            deadline = min([*ends, *([deadline] if deadline is not None else [])])
         return pods | asked, node or ("pod SIGTERM" if asked else ""), deadline
 
     def job_state(self, job_id: str, free_gpus: int | None) -> pol.JobState:

@@ -178,13 +178,12 @@ async def test_set_replicas_is_what_runs_and_is_idempotent(world: World) -> None
 
 
 async def test_remove_pods_lowers_to_the_count_asked(world: World) -> None:
-    """The local actuator and the doubles name the pods that go (PodRemover; which
-    ones went is test_actuator_local's); the Kubernetes one cannot, since both
-    operators remove the highest indexes, and lowers the count. The count is the
-    contract."""
+    """Every actuator names the pods that go (PodRemover; which ones went is
+    test_actuator_local's and test_actuator_kubernetes's); with no named pod among
+    the job's, the highest go. The count is the contract."""
     world.define(JOB, 1)
     a = world.actuator
-    assert isinstance(a, PodRemover) != isinstance(a, KubernetesActuator)
+    assert isinstance(a, PodRemover)
     await a.set_replicas(JOB, 3, decision_id=1)
     await remove_pods(a, JOB, ["nobody"], replicas=2, decision_id=2)
     assert await a.get_replicas(JOB) == 2 and world.running(JOB) == 2

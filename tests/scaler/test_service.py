@@ -285,6 +285,20 @@ async def test_a_pod_that_got_sigterm_is_drained_like_a_noticed_one(rig: Rig) ->
     assert rig.actuator.removed == [("ns/a", ("uid-a-0",), dec.id)]
 
 
+async def test_a_sigterm_leave_is_planned_within_its_grace(rig: Rig) -> None:
+    """The launcher sends when its grace ends: the barrier fits in it (not the phase
+    timeout), as for a node notice's deadline."""
+    await rig.core.upsert_job("ns/a", {"min_replicas": 1})
+    rig.coordinator.request_leave("ns/a", 0, deadline_s=rig.clock.now() + 25.0)
+    await eventually(lambda: any(m.leave_requested for m in rig.core.registry.members("ns/a")))
+    d = await rig.core.evaluate("ns/a")
+    assert (d.reason, d.from_replicas, d.to_replicas) == (Reason.NODE_TERMINATION, 2, 1)
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert dec.inputs["node_deadline_s"] == pytest.approx(rig.clock.now() + 25.0)
+    assert dec.inputs["notice_plan"]["reason"] == "NOTICE"
+    assert dec.inputs["barrier_deadline_s"] < 25.0
+
+
 async def test_a_member_lost_without_notice_is_a_member_lost_record(rig: Rig) -> None:
     await rig.core.tick()  # the baseline of lost steps is what the scaler first saw
     rig.coordinator.lose_member("ns/a", lost_steps=7)

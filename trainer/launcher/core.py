@@ -123,6 +123,7 @@ class Launcher:
         self.last_checkpoint_digest = ""
         # Set by trainer/launcher/leave.py when the pod is told to go.
         self.leave_requested = False
+        self.leave_deadline_s = 0.0
         self._state_dir = Path(settings.state_dir or tempfile.mkdtemp(prefix="tide-launcher-"))
         self._handover_dir = pod_handover_dir(
             settings.job_id, settings.pod_name or "pod", settings.launcher_id
@@ -183,6 +184,7 @@ class Launcher:
             last_checkpoint_step=self.last_checkpoint_step,
             last_checkpoint_digest=self.last_checkpoint_digest,
             leave_requested=self.leave_requested,
+            leave_deadline_s=self.leave_deadline_s,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -97,6 +97,8 @@ def heartbeat(
     # Watchers (the scaler) must see a leave request at once: it starts a preemption.
     changed = inp.leave_requested and not m.leave_requested
     m.leave_requested = m.leave_requested or inp.leave_requested
+    if inp.leave_requested and inp.leave_deadline_s is not None:
+        m.leave_deadline_s = inp.leave_deadline_s
     if m.rank is not None and inp.generation == s.job.generation > 0:
         if inp.phase == WorkerPhase.RUNNING:
             # Only a training worker's steps are progress: a starting one reports where it
