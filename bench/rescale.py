@@ -1,6 +1,10 @@
-"""The pause and the lost steps of a resize, Tide's way against Paddle's way, on this machine.
+"""The pause and the lost steps of a resize, Tide's way (both resize modes) against Paddle's
+way, on this machine.
 
-Tide's way: the real coordinator and one launcher per "pod" (each with a warm zygote), the MLP of
+Tide's way, once per resize mode (the coordinator's ``resize_mode``): ``plain`` forms the new
+generation's group inside the pause; ``overlap`` forms it in standby workers before the
+barrier, while the old generation trains (docs/resize-protocol.md, "Overlap mode"). Each: the
+real coordinator and one launcher per "pod" (each with a warm zygote), the MLP of
 trainer/examples/train_mlp.py on gloo; resizes 2 -> 4 and 4 -> 2 through ``Resize`` (the
 scaler's call). The pause is the time training stood still: the gap between rank 0's last step of the
 old generation and its first step of the new one (from the loss log's wall times), less one
@@ -24,9 +28,12 @@ A planned resize reads nothing from disk: stayers restore from their pod's memor
 from a peer over the new group (trainer/restore.py); ``disk_read_s`` (target 0) is the most any
 rank of a new generation read from the durable store.
 
-The last line is ``RESULT {json}`` with pause_s, unavoidable_s, lost_steps, disk_read_s and
-transfer_s (Tide, worst resize),
-baseline_lost_steps and baseline_pause_s (Paddle's way, worst), and per-resize details.
+The last line is ``RESULT {json}`` with plain_pause_over_unavoidable and
+overlap_pause_over_unavoidable (each mode's worse of 2 -> 4 and 4 -> 2; targets 1.5 and 0.35),
+unavoidable_s (of the plain mode's worse resize), lost_steps (over both modes), pause_s_by_mode
+(each mode's and direction's pause), pause_s and pause_over_unavoidable (the plain mode's, as
+before), disk_read_s and transfer_s (worst over both modes), baseline_lost_steps and
+baseline_pause_s (Paddle's way, worst), and per-resize details.
 """
 
 from __future__ import annotations
@@ -99,7 +106,12 @@ async def _wait_step(job: LocalJob, step: int, timeout_s: float = 120.0) -> None
     await job.wait_status(lambda s: s.step >= step, timeout_s, f"step {step}")
 
 
-async def tide_way(workdir: Path, reps: int, group_init: dict[int, float]) -> list[Measure]:
+MODES = ("plain", "overlap")
+
+
+async def tide_way(
+    workdir: Path, reps: int, group_init: dict[int, float], mode: str = "plain"
+) -> list[Measure]:
     # Enough budget that the job never ends inside a barrier; it is stopped after the last resize.
     steps = 100 + reps * 300
     job = LocalJob(
@@ -110,6 +122,7 @@ async def tide_way(workdir: Path, reps: int, group_init: dict[int, float]) -> li
         heartbeat_timeout_s=15.0,
         heartbeat_interval_s=0.5,
         checkpoint_lead_s=1.5,
+        resize_mode=mode,
     )
     job.start_coordinator()
     out: list[Measure] = []
@@ -145,7 +158,7 @@ async def tide_way(workdir: Path, reps: int, group_init: dict[int, float]) -> li
                 gap = times[(gen, restored + 1)] - times[(gen - 1, ckpt)]
                 step_s = _step_s(times, gen)
                 pause = gap - step_s
-                m = _breakdown(job.log_dir, gen, ckpt)
+                m = _breakdown(job.log_dir, gen, ckpt, mode)
                 m.resize = f"{4 if target == 2 else 2}->{target}"
                 m.pause_s = pause
                 m.gap_s = gap
@@ -163,7 +176,7 @@ async def tide_way(workdir: Path, reps: int, group_init: dict[int, float]) -> li
     return out
 
 
-def _breakdown(log_dir: Path, gen: int, ckpt: int) -> Measure:
+def _breakdown(log_dir: Path, gen: int, ckpt: int, mode: str) -> Measure:
     """Where the pause into generation ``gen`` went, from the workers' timings.jsonl."""
     events = read_jsonl(log_dir / "timings.jsonl")
     held = [e for e in events if e["event"] == "held" and e["gen"] == gen - 1 and e["step"] == ckpt]
@@ -173,7 +186,7 @@ def _breakdown(log_dir: Path, gen: int, ckpt: int) -> Measure:
     held_at = max((e["held_at"] for e in held), default=rendezvous_at)
     write_s = max(((e["checkpoint"] or {}).get("write_s", 0.0) for e in held), default=0.0)
     return Measure(
-        way="tide",
+        way=mode,
         resize="",
         pause_s=0.0,
         lost_steps=0,
@@ -347,15 +360,22 @@ def _median(ms: list[Measure], way: str, resize: str) -> Measure:
     return Measure(**fields)
 
 
-def tide_rows(rows: list[Measure]) -> list[Measure]:
-    return [m for m in rows if m.way == "tide"]
+def tide_rows(rows: list[Measure], mode: str = "") -> list[Measure]:
+    """Tide's rows: of one resize mode, or of both."""
+    return [m for m in rows if m.way == mode or (not mode and m.way in MODES)]
+
+
+def _ratio(m: Measure) -> float:
+    return m.pause_s / m.unavoidable_s if m.unavoidable_s else float("nan")
 
 
 async def run(quick: bool, workdir: Path) -> dict[str, Any]:
     reps = 1 if quick else 3
     t0 = time.monotonic()
     group_init = {w: await pure_group_init(workdir / "probe", w, 1 if quick else 3) for w in (2, 4)}
-    measures = await tide_way(workdir / "tide", reps, group_init)
+    measures: list[Measure] = []
+    for mode in MODES:
+        measures += await tide_way(workdir / f"tide-{mode}", reps, group_init, mode)
     zygote = ZygoteSpawner()
     try:
         for rep in range(reps):
@@ -363,34 +383,44 @@ async def run(quick: bool, workdir: Path) -> dict[str, Any]:
             measures.append(await paddle_way(workdir / f"paddle-down-{rep}", 4, 2, zygote))
     finally:
         await zygote.close()
-    rows = [_median(measures, way, r) for way in ("tide", "paddle") for r in ("2->4", "4->2")]
+    ways = (*MODES, "paddle")
+    rows = [_median(measures, way, r) for way in ways for r in ("2->4", "4->2")]
     print(
-        f"{'way':7}{'resize':8}{'gap':>7}{'step':>7}{'pause':>8}{'lost':>6}{'barrier':>9}"
+        f"{'way':8}{'resize':8}{'gap':>7}{'step':>7}{'pause':>8}{'lost':>6}{'barrier':>9}"
         f"{'write':>8}{'restart':>9}{'init':>7}{'restore':>9}{'unavoid.':>10}{'ratio':>7}"
     )
     for m in rows:
-        ratio = m.pause_s / m.unavoidable_s if m.unavoidable_s else float("nan")
+        ratio = _ratio(m)
         print(
-            f"{m.way:7}{m.resize:8}{m.gap_s:7.3f}{m.step_s:7.3f}{m.pause_s:8.3f}{m.lost_steps:6d}"
+            f"{m.way:8}{m.resize:8}{m.gap_s:7.3f}{m.step_s:7.3f}{m.pause_s:8.3f}{m.lost_steps:6d}"
             f"{m.barrier_s:9.3f}"
             f"{m.checkpoint_write_s:8.3f}{m.worker_restart_s:9.3f}{m.group_init_s:7.3f}"
             f"{m.restore_s:9.3f}{m.unavoidable_s:10.3f}{ratio:7.2f}"
         )
     for m in tide_rows(rows):
         print(
-            f"{m.resize}: restore from memory {m.handover_s:.4f}s, "
+            f"{m.way} {m.resize}: restore from memory {m.handover_s:.4f}s, "
             f"from a peer {m.transfer_s:.4f}s, from disk {m.disk_read_s:.4f}s"
         )
     print(f"pure gloo group init (pre-imported, started together): {group_init}")
     print("pause = gap between the last old and the first new step, less one ordinary step")
     tide = tide_rows(rows)
     paddle = [m for m in rows if m.way == "paddle"]
-    worst = max(tide, key=lambda m: m.pause_s / m.unavoidable_s)
+    worst = {mode: max(tide_rows(rows, mode), key=_ratio) for mode in MODES}
+    plain = worst["plain"]
     result = {
-        "pause_s": round(worst.pause_s, 3),
-        "unavoidable_s": round(worst.unavoidable_s, 3),
-        "pause_over_unavoidable": round(worst.pause_s / worst.unavoidable_s, 2),
-        "worst_resize": worst.resize,
+        "plain_pause_over_unavoidable": round(_ratio(plain), 2),
+        "overlap_pause_over_unavoidable": round(_ratio(worst["overlap"]), 2),
+        "pause_s_by_mode": {
+            mode: {m.resize: round(m.pause_s, 3) for m in tide_rows(rows, mode)} for mode in MODES
+        },
+        "unavoidable_s_by_resize": {
+            m.resize: round(m.unavoidable_s, 3) for m in tide_rows(rows, "plain")
+        },
+        "pause_s": round(plain.pause_s, 3),
+        "unavoidable_s": round(plain.unavoidable_s, 3),
+        "pause_over_unavoidable": round(_ratio(plain), 2),
+        "worst_resize": {mode: m.resize for mode, m in worst.items()},
         "lost_steps": max(m.lost_steps for m in tide),
         # Read from disk in a planned resize's pause (the slowest rank; target 0).
         "disk_read_s": round(max(m.disk_read_s for m in tide), 4),
@@ -398,7 +428,7 @@ async def run(quick: bool, workdir: Path) -> dict[str, Any]:
         "baseline_lost_steps": max(m.lost_steps for m in paddle),
         "baseline_pause_s": round(max(m.pause_s for m in paddle), 3),
         "baseline_pause_ratio": round(
-            max(m.pause_s for m in paddle) / max(m.pause_s for m in tide), 2
+            max(m.pause_s for m in paddle) / max(m.pause_s for m in tide_rows(rows, "plain")), 2
         ),
         "group_init_s": group_init,
         "resizes": [asdict(m) for m in rows],

@@ -77,6 +77,42 @@ def _nvml_count() -> int | None:
         pynvml.nvmlShutdown()
 
 
+def gpu_free_mib(gpus: Sequence[str]) -> dict[str, int] | None:
+    """Free memory of each GPU (an index or a UUID, as CUDA_VISIBLE_DEVICES names it), MiB;
+    None when NVML cannot say."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        out: dict[str, int] = {}
+        for gpu in gpus:
+            handle = (
+                pynvml.nvmlDeviceGetHandleByIndex(int(gpu))
+                if gpu.isdigit()
+                else pynvml.nvmlDeviceGetHandleByUUID(gpu)
+            )
+            out[gpu] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).free) // (1 << 20)
+        return out
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def memory_shortfall(free_mib: Mapping[str, int], min_free_mib: int) -> str:
+    """Why a second worker per GPU does not fit (overlap mode's prepared standby next to
+    the worker that trains), or "": each GPU needs ``min_free_mib`` free."""
+    short = [f"GPU {g} has {m} MiB free" for g, m in sorted(free_mib.items()) if m < min_free_mib]
+    if not short:
+        return ""
+    return f"{', '.join(short)}; a prepared worker needs {min_free_mib} MiB (prepare_min_free_mib)"
+
+
 def _device_nodes() -> int:
     return sum(1 for path in glob.glob("/dev/nvidia*") if _DEV_NODE.search(path))
 

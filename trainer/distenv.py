@@ -22,6 +22,9 @@ RESTORE_STEP_ENV = "TIDE_RESTORE_STEP"
 RESTART_STARTED_AT_ENV = "TIDE_RESTART_STARTED_AT"
 # Set for a worker forked ahead of time: it learns its generation over the channel.
 PREWARM_ENV = "TIDE_PREWARM"
+# Set in a prewarmed worker's Rendezvous when it prepares a generation ahead (overlap mode):
+# after its group forms it reports Prepared and waits for Start before it restores.
+PREPARED_ENV = "TIDE_PREPARED"
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class DistEnv:
     device: str = ""
     # The pod's shared-memory directory for handing state to the next worker; "": none.
     handover_dir: str = ""
+    # Its generation's group forms ahead, while the previous worker still trains.
+    prepared: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -75,6 +80,7 @@ class DistEnv:
             pod_rank=int(e.get(POD_RANK_ENV, "0")),
             handover_dir=e.get(HANDOVER_DIR_ENV, ""),
             device=e.get(DEVICE_ENV, ""),
+            prepared=e.get(PREPARED_ENV, "0") == "1",
         )
 
     @property

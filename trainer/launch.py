@@ -120,6 +120,15 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         help="on SIGTERM, ask for a coordinated leave and wait this long for it, seconds"
         " (env TIDE_LEAVE_GRACE_S; 0: stop at once)",
     )
+    p.add_argument(
+        "--prepare-min-free-mib",
+        type=int,
+        default=int(
+            os.environ.get("TIDE_PREPARE_MIN_FREE_MIB", str(_default("prepare_min_free_mib")))
+        ),
+        help="overlap mode on GPUs: nack a PREPARE unless every GPU of the pod has this much"
+        " memory free, MiB (env TIDE_PREPARE_MIN_FREE_MIB; 0: no check)",
+    )
     p.add_argument("--log-level", default=os.environ.get("TIDE_LOG_LEVEL", "INFO"))
     p.add_argument(
         "--log-format",
@@ -144,6 +153,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         prewarm=not ns.no_prewarm,
         handover=not ns.no_handover,
         exit_grace_s=ns.exit_grace_s,
+        prepare_min_free_mib=ns.prepare_min_free_mib,
         credentials=ClientCredentials(
             tls_ca_file=ns.tls_ca_file,
             tls_client_cert_file=ns.tls_client_cert_file,

@@ -68,6 +68,39 @@ class Rendezvous(_Message):
 
 
 @dataclass(frozen=True)
+class Start(_Message):
+    """Overlap mode: a prepared worker (its group of the generation formed ahead) restores
+    now (a stayer's at its pod's hold, a newcomer's once prepared) and waits for :class:`Go`;
+    ``env`` has the restore step."""
+
+    TYPE: ClassVar[str] = "start"
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Start:
+        env = data.get("env") or {}
+        if not isinstance(env, Mapping):
+            raise MessageError(f"start env must be an object, got {env!r}")
+        return cls(env={str(k): str(v) for k, v in env.items()})
+
+
+@dataclass(frozen=True)
+class Go(_Message):
+    """Overlap mode: the barrier completed (the coordinator's RENDEZVOUS); a prepared
+    worker that restored trains from here; ``env`` has the restart's start time."""
+
+    TYPE: ClassVar[str] = "go"
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Go:
+        env = data.get("env") or {}
+        if not isinstance(env, Mapping):
+            raise MessageError(f"go env must be an object, got {env!r}")
+        return cls(env={str(k): str(v) for k, v in env.items()})
+
+
+@dataclass(frozen=True)
 class CheckpointAt(_Message):
     """Stop after ``step`` (every rank at the same one), checkpoint it, hold."""
 
@@ -99,7 +132,7 @@ class Exit(_Message):
     TYPE: ClassVar[str] = "exit"
 
 
-ToWorker = Rendezvous | CheckpointAt | Hold | Resume | Exit
+ToWorker = Rendezvous | Start | Go | CheckpointAt | Hold | Resume | Exit
 
 
 # -- worker → launcher ------------------------------------------------------------------------
@@ -124,6 +157,16 @@ class Ready(_Message):
     worker_restart_s: float = 0.0
     group_init_s: float = 0.0
     restore_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Prepared(_Message):
+    """Overlap mode: a standby worker has the process group of ``generation`` (formed in
+    ``group_init_s`` while the current worker trained) and waits for :class:`Start`."""
+
+    TYPE: ClassVar[str] = "prepared"
+    generation: int = 0
+    group_init_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -198,13 +241,13 @@ class Done(_Message):
     step: int = 0
 
 
-ToLauncher = Hello | Ready | Progress | Held | Resumed | CheckpointWritten | Done
+ToLauncher = Hello | Ready | Prepared | Progress | Held | Resumed | CheckpointWritten | Done
 
 _TO_WORKER: dict[str, type[_Message]] = {
-    c.TYPE: c for c in (Rendezvous, CheckpointAt, Hold, Resume, Exit)
+    c.TYPE: c for c in (Rendezvous, Start, Go, CheckpointAt, Hold, Resume, Exit)
 }
 _TO_LAUNCHER: dict[str, type[_Message]] = {
-    c.TYPE: c for c in (Hello, Ready, Progress, Held, Resumed, CheckpointWritten, Done)
+    c.TYPE: c for c in (Hello, Ready, Prepared, Progress, Held, Resumed, CheckpointWritten, Done)
 }
 
 

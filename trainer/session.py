@@ -31,7 +31,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tidebase.errors import ConfigError
 from trainer import paddle_state
@@ -56,14 +56,17 @@ from trainer.messages import (
     CheckpointWritten,
     Done,
     Exit,
+    Go,
     Held,
     Hello,
     Hold,
+    Prepared,
     Progress,
     Ready,
     Rendezvous,
     Resume,
     Resumed,
+    Start,
     ToWorker,
 )
 from trainer.objstore import make_store
@@ -74,6 +77,8 @@ from trainer.steplog import StepLog
 from trainer.stepper import Stepper
 
 logger = logging.getLogger(__name__)
+
+_Waited = TypeVar("_Waited", Start, Go)
 
 # Re-exported: scripts and older callers import them from here.
 __all__ = [
@@ -138,6 +143,11 @@ class Timings:
     disk_read_s: float = 0.0
     transfer_s: float = 0.0
     first_step_at: float = 0.0
+    # Overlap mode: the group init done ahead, while the previous worker trained (not in
+    # the pause; group_init_s is then 0), and how long the restored worker waited for the
+    # barrier's end.
+    prepare_s: float = 0.0
+    go_wait_s: float = 0.0
 
 
 class ElasticSession:
@@ -231,6 +241,31 @@ class ElasticSession:
             "prewarmed worker pid %d warmed up in %.3fs", os.getpid(), time.monotonic() - started
         )
 
+    def _wait_for(self, kind: type[_Waited], what: str) -> _Waited:
+        """A prepared worker: the next ``kind`` message, exiting when asked to."""
+        logger.info(
+            "prepared worker pid %d (rank %d of generation %d) waiting for its %s",
+            os.getpid(),
+            self.rank,
+            self.env.generation,
+            what,
+        )
+        while True:
+            msg = self.channel.wait(0.1)
+            if msg is None:
+                if self.channel.closed:
+                    self._exit()
+                continue
+            if isinstance(msg, Exit):
+                self._exit()
+            if isinstance(msg, kind):
+                return msg
+            logger.warning("prepared worker: ignoring %s before its %s", msg.TYPE, what)
+
+    def _take_env(self, env: Mapping[str, str]) -> None:
+        os.environ.update(env)
+        self.env = DistEnv.from_env({**os.environ, PREWARM_ENV: "0"})
+
     def _wait_for_rendezvous(self) -> None:
         """A prewarmed worker: imports done and model built, it waits for its generation."""
         logger.info("prewarmed worker pid %d waiting for a rendezvous", os.getpid())
@@ -275,6 +310,12 @@ class ElasticSession:
             self.env.generation,
             self.timings.group_init_s,
         )
+        if self.env.prepared:
+            # Formed ahead, outside the pause: the pause's own group init is none.
+            self.timings.prepare_s, self.timings.group_init_s = self.timings.group_init_s, 0.0
+            self.channel.send(
+                Prepared(generation=self.env.generation, group_init_s=self.timings.prepare_s)
+            )
 
     def attach(
         self, model: Any, optimizer: Any, lr_scheduler: Any = None, scaler: Any = None
@@ -327,6 +368,10 @@ class ElasticSession:
         fewer steps; every checkpoint of the job lies on the same trajectory. Where it comes
         from (the pod's memory, a peer over the new group, the durable store) is
         trainer/restore.py's rule: a planned resize reads nothing from disk."""
+        if self.env.prepared:
+            # A stayer's state is in its pod's memory once its pod's worker held; a newcomer
+            # takes it from a peer as soon as those stayers join the broadcast.
+            self._take_env(self._wait_for(Start, "start").env)
         started = time.monotonic()
         if self.rank == 0:
             # Rank 0 is the only durable writer, and a new generation starts here: what a
@@ -377,6 +422,14 @@ class ElasticSession:
                 restore_s=t.restore_s,
             )
         )
+        if self.env.prepared:
+            # Restored while the barrier still completed at the coordinator: train only once
+            # it has (the old generation may still resume if the resize is aborted).
+            waited = time.monotonic()
+            self._take_env(self._wait_for(Go, "go").env)
+            t.go_wait_s = time.monotonic() - waited
+            if self.env.restart_started_at:
+                t.worker_restart_s = max(0.0, time.time() - self.env.restart_started_at)
         self._report_progress()
         self._first_step_started = time.monotonic()
         self._current()

@@ -65,6 +65,7 @@ def directive_to_proto(d: Directive) -> pb.Directive:
                 master_endpoint=rv.master_endpoint,
                 trainer_endpoints=list(rv.trainer_endpoints),
                 restore_step=rv.restore_step,
+                prepared=rv.prepared,
             )
         )
     deadline = _ts(d.deadline_at)

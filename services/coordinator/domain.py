@@ -72,6 +72,8 @@ class ResizePhase(IntEnum):
     COMPLETED = 5
     ABORTED = 6
     FAILED = 7
+    # Overlap mode only: g+1's group forms in standby workers while g trains.
+    PREPARING = 8
 
     @property
     def final(self) -> bool:
@@ -84,9 +86,20 @@ RESIZE_TRANSITIONS: TransitionTable[ResizePhase] = TransitionTable(
         ResizePhase.WAITING_FOR_MEMBERS: frozenset(
             {
                 ResizePhase.CHECKPOINTING,  # enough members (or deadline with >= min): barrier
+                ResizePhase.PREPARING,  # the same, in overlap mode: g+1's group forms first
                 ResizePhase.RENDEZVOUS,  # no generation yet: nothing to checkpoint
                 ResizePhase.COMPLETED,  # already at the target size
                 ResizePhase.ABORTED,  # deadline below min, AbortResize, member lost, restart
+            }
+        ),
+        ResizePhase.PREPARING: frozenset(
+            {
+                # Every member of g+1 formed its group (or the deadline passed, or one
+                # nacked, with the fallback "plain": the plain barrier, recorded).
+                ResizePhase.CHECKPOINTING,
+                # Deadline or nack with the fallback "abort", AbortResize, a member lost,
+                # restart: g was never stopped, so nothing needs resuming.
+                ResizePhase.ABORTED,
             }
         ),
         ResizePhase.CHECKPOINTING: frozenset(
@@ -128,6 +141,7 @@ class DirectiveKind(IntEnum):
     RENDEZVOUS = 4
     DRAIN = 5
     STOP = 6
+    PREPARE = 7
 
 
 @dataclass(frozen=True)
@@ -151,6 +165,8 @@ class RendezvousInfo:
     master_endpoint: str
     trainer_endpoints: tuple[str, ...]
     restore_step: int
+    # A RENDEZVOUS whose group the PREPARE of the same generation formed (overlap mode).
+    prepared: bool = False
 
 
 #: The shortest span a step rate is measured over. A phase change is reported at once,

@@ -14,6 +14,10 @@ def _positive(name: str, value: float) -> None:
         raise ConfigError(f"{name}: must be > 0, got {value!r}")
 
 
+RESIZE_MODES = ("plain", "overlap")
+PREPARE_FALLBACKS = ("plain", "abort")
+
+
 @dataclass(frozen=True)
 class Tuning:
     """The timing rules of the coordinator core (see docs/coordinator.md)."""
@@ -32,8 +36,23 @@ class Tuning:
     checkpoint_lead_s: float = 6.0
     # How often deadlines and heartbeat timeouts are checked.
     tick_interval_s: float = 0.5
+    # "plain": g+1's group forms after the barrier, inside the pause. "overlap": a PREPARE
+    # phase has g+1's standby workers form it while g trains (docs/resize-protocol.md).
+    resize_mode: str = "plain"
+    # Overlap mode, when a standby misses the PREPARE deadline or nacks: "plain" carries the
+    # resize on through the plain barrier, "abort" aborts it with g untouched.
+    prepare_fallback: str = "plain"
 
     def __post_init__(self) -> None:
+        if self.resize_mode not in RESIZE_MODES:
+            raise ConfigError(
+                f"resize_mode: must be one of {', '.join(RESIZE_MODES)}, got {self.resize_mode!r}"
+            )
+        if self.prepare_fallback not in PREPARE_FALLBACKS:
+            raise ConfigError(
+                f"prepare_fallback: must be one of {', '.join(PREPARE_FALLBACKS)}, "
+                f"got {self.prepare_fallback!r}"
+            )
         _positive("heartbeat_timeout_s", self.heartbeat_timeout_s)
         _positive("phase_timeout_s", self.phase_timeout_s)
         _positive("heartbeat_interval_s", self.heartbeat_interval_s)
@@ -98,6 +117,14 @@ class CoordinatorSettings(CommonSettings):
     )
     tick_interval_s: float = setting(
         _DEFAULT.tick_interval_s, "how often deadlines and timeouts are checked, seconds"
+    )
+    resize_mode: str = setting(
+        _DEFAULT.resize_mode,
+        "plain, or overlap: g+1's process group forms in standby workers while g trains",
+    )
+    prepare_fallback: str = setting(
+        _DEFAULT.prepare_fallback,
+        "overlap mode, a standby that misses the PREPARE deadline or nacks: plain or abort",
     )
 
     def __post_init__(self) -> None:

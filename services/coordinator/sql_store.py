@@ -217,6 +217,7 @@ def save_directive(session: Session, d: Directive) -> None:
                 "master_endpoint": rv.master_endpoint,
                 "trainer_endpoints": list(rv.trainer_endpoints),
                 "restore_step": rv.restore_step,
+                "prepared": rv.prepared,
             },
             "deadline_at": _opt_dt(d.deadline_at),
             "reason": d.reason,
@@ -333,6 +334,8 @@ def _directive(row: CoordDirective) -> Directive:
             master_endpoint=str(rv["master_endpoint"]),
             trainer_endpoints=tuple(rv["trainer_endpoints"]),
             restore_step=int(rv["restore_step"]),
+            # Rows written before overlap mode have no such key.
+            prepared=bool(rv.get("prepared", False)),
         ),
         deadline_at=_secs(row.deadline_at) or None,
         reason=row.reason,

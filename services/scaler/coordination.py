@@ -38,6 +38,8 @@ class Phase(enum.Enum):
     COMPLETED = 5
     ABORTED = 6
     FAILED = 7
+    # Overlap mode (--resize-mode overlap): g+1's group forms before the barrier.
+    PREPARING = 8
 
     @property
     def final(self) -> bool:

@@ -84,6 +84,9 @@ class LocalJob:
     heartbeat_timeout_s: float = 4.0
     heartbeat_interval_s: float = 0.5
     checkpoint_lead_s: float = 1.0
+    # The coordinator's resize_mode: "plain", or "overlap" (g+1's group forms before the
+    # barrier, docs/resize-protocol.md).
+    resize_mode: str = "plain"
     use_zygote: bool = True
     # The training script each pod's launcher runs, and the launcher's own extra flags
     # (``--workers-per-pod 2``).
@@ -128,6 +131,8 @@ class LocalJob:
             str(self.checkpoint_lead_s),
             "--tick-interval-s",
             "0.1",
+            "--resize-mode",
+            self.resize_mode,
             "--log-level",
             "INFO",
         ]

@@ -81,6 +81,10 @@ class FakeLauncher:
         # Behaviour switches a test flips.
         self.answer_checkpoint = True
         self.answer_rendezvous = True
+        # PREPARE (overlap mode): True acks (the group formed), False nacks, None ignores.
+        self.prepare_ok: bool | None = True
+        # What each RENDEZVOUS said about its group: formed ahead by a PREPARE or not.
+        self.rendezvous_prepared: list[bool] = []
         self.handle_directives = True
         self._reader: asyncio.Task[None] | None = None
         self._stream: Any = None
@@ -208,6 +212,12 @@ class FakeLauncher:
             return
         if d.kind == K.KIND_RENDEZVOUS and not self.answer_rendezvous:
             return
+        if d.kind == K.KIND_PREPARE:
+            if self.prepare_ok is None:
+                return
+            self.handled[d.directive_id] = d
+            await self.ack(d, ok=self.prepare_ok, message="" if self.prepare_ok else "no memory")
+            return
         self.handled[d.directive_id] = d
         if d.kind == K.KIND_RENDEZVOUS:
             rv = d.rendezvous
@@ -216,6 +226,7 @@ class FakeLauncher:
             self.world_size = rv.world_size
             self.master = rv.master_endpoint
             self.restore_step = rv.restore_step
+            self.rendezvous_prepared.append(rv.prepared)
             self.step = rv.restore_step
             self.phase = pb.WORKER_PHASE_STARTING
             self.first_step_at = None

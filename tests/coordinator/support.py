@@ -42,6 +42,7 @@ class Env:
     channel: grpc.aio.Channel
     stub: pb_grpc.CoordinatorStub
     launchers: list[FakeLauncher] = field(default_factory=list)
+    tuning: Tuning = TUNING
 
     @property
     def target(self) -> str:
@@ -56,7 +57,7 @@ class Env:
     async def restart(self) -> None:
         """A new Coordinator over the same store and a new server, as after a crash."""
         await self.server.stop(0)
-        self.coordinator = Coordinator(self.store, self.clock, TUNING)
+        self.coordinator = Coordinator(self.store, self.clock, self.tuning)
         self.coordinator.load()
         self.server = await _serve(self.coordinator)
         for fl in self.launchers:
@@ -94,13 +95,14 @@ async def _serve(coordinator: Coordinator) -> RunningServer:
     )
 
 
-async def make_env(store: CoordinatorStore) -> Env:
+async def make_env(store: CoordinatorStore, tuning: Tuning = TUNING) -> Env:
     clock = FakeClock()
-    coordinator = Coordinator(store, clock, TUNING)
+    coordinator = Coordinator(store, clock, tuning)
     coordinator.load()
     server = await _serve(coordinator)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    return Env(clock, store, coordinator, server, channel, pb_grpc.CoordinatorStub(channel))
+    stub = pb_grpc.CoordinatorStub(channel)
+    return Env(clock, store, coordinator, server, channel, stub, tuning=tuning)
 
 
 async def close_env(env: Env) -> None:

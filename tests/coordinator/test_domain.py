@@ -95,6 +95,12 @@ def test_member_transitions(old: MemberState, new: MemberState, allowed: bool) -
 RESIZE_CASES = [
     (R.WAITING_FOR_MEMBERS, R.CHECKPOINTING, True),
     (R.WAITING_FOR_MEMBERS, R.RENDEZVOUS, True),
+    (R.WAITING_FOR_MEMBERS, R.PREPARING, True),
+    (R.PREPARING, R.CHECKPOINTING, True),
+    (R.PREPARING, R.ABORTED, True),
+    # Never past the barrier without one: g's state must be held before g+1 runs.
+    (R.PREPARING, R.RENDEZVOUS, False),
+    (R.CHECKPOINTING, R.PREPARING, False),
     (R.CHECKPOINTING, R.RENDEZVOUS, True),
     (R.CHECKPOINTING, R.ABORTED, True),
     (R.CHECKPOINTING, R.COMPLETED, False),

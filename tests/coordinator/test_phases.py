@@ -6,6 +6,7 @@ a phase or an event is added without one.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ from services.coordinator.domain import (
     Directive,
     DirectiveKind,
     MemberState,
+    RendezvousInfo,
     Resize,
     ResizePhase,
 )
@@ -24,6 +26,7 @@ from services.coordinator.engine.effects import (
     Abort,
     AckedLeaver,
     BeginBarrier,
+    BeginPrepare,
     Complete,
     Drain,
     DrainOut,
@@ -33,7 +36,9 @@ from services.coordinator.engine.effects import (
     Fail,
     Lose,
     OpenGeneration,
+    Prepare,
     RecordHold,
+    RecordPrepared,
     Recover,
     SaveBarrierCheckpoint,
     Send,
@@ -53,6 +58,7 @@ from services.coordinator.engine.state import JobState
 from services.coordinator.errors import StaleGeneration
 from services.coordinator.settings import Tuning
 from tests.coordinator.builders import generation, job, resize
+from tidebase.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -65,6 +71,9 @@ TUNING = Tuning(
 )
 NOW = 100.0
 CKPT = frozenset({K.CHECKPOINT})
+PREP = frozenset({K.PREPARE})
+OVERLAP = dataclasses.replace(TUNING, resize_mode="overlap")
+ENDPOINTS = ("h:1000", "h:1001", "h:1010")
 
 
 def _barrier(s: JobState, **fields: Any) -> Resize:
@@ -215,6 +224,62 @@ def checkpointing(event: ResizeEvent) -> Result:
     return h.on_ack(c, r, _any_ack(event)), []
 
 
+def _preparing(s: JobState, **fields: Any) -> Resize:
+    base: dict[str, Any] = {"participants": ("m0", "m1"), "newcomers": ("s0",)}
+    return resize(s, P.PREPARING, **{**base, **fields})
+
+
+def _withdrawn(*ids: str) -> list[Effect]:
+    return [Supersede(mid, PREP) for mid in ids]
+
+
+def _plain_barrier(note: str = "") -> list[Effect]:
+    return [
+        BeginBarrier(1, 13, ("m0", "m1"), ("s0",), (), note),
+        Send("m0", K.CHECKPOINT, 1, "decision 1", 40.0, 13),
+        Send("m1", K.CHECKPOINT, 1, "decision 1", 40.0, 13),
+    ]
+
+
+def preparing(event: ResizeEvent) -> Result:
+    s = job()
+    r = _preparing(s)
+    c, h = Context(s, OVERLAP, NOW), PHASES[P.PREPARING]
+    every = ("m0", "m1", "s0")
+    match event:
+        case E.ADVANCE:  # the last of g+1 formed its group: the barrier, as in plain mode
+            r.acked = every
+            return h.advance(c, r), _plain_barrier()
+        case E.ACK_PREPARE:
+            return h.on_ack(c, r, _ack("s0", K.PREPARE)), [RecordPrepared(1, "s0")]
+        case E.NACK_PREPARE:  # the default fallback: the plain barrier, recorded
+            ack = _ack("s0", K.PREPARE, ok=False, message="no memory")
+            why = "member s0 could not prepare: no memory; falling back to the plain barrier"
+            return h.on_ack(c, r, ack), [*_withdrawn(*every), *_plain_barrier(why)]
+        case E.DEADLINE:
+            r.acked = ("m0", "m1")
+            why = (
+                "prepare deadline (40.0 s) passed; no group from s0; "
+                "falling back to the plain barrier"
+            )
+            return h.on_deadline(c, r), [*_withdrawn(*every), *_plain_barrier(why)]
+        case E.MEMBER_LOST:  # a newcomer: g is untouched and keeps training
+            msg = "member(s) s0 lost while g+1 prepared: gone"
+            return _lose(s, r, "s0"), [*_withdrawn(*every), Abort(1, msg)]
+        case E.ABORT_REQUEST:
+            msg = "aborted on request: scaler"
+            return h.on_abort_request(c, r, "scaler"), [*_withdrawn(*every), Abort(1, msg)]
+        case E.JOB_FINISHED:
+            _finished(s)
+            msg = "the job finished at step 10"
+            return h.on_job_finished(c, r), [*_withdrawn(*every), Abort(1, msg)]
+        case E.RESTART:
+            msg = "the coordinator restarted before the barrier completed"
+            return h.on_restart(c, r), [*_withdrawn(*every), Abort(1, msg)]
+    # Nothing but PREPARE was sent in this phase.
+    return h.on_ack(c, r, _any_ack(event)), []
+
+
 def rendezvous(event: ResizeEvent) -> Result:
     s = job(actives=3)
     r = _rendezvous(s, started=event != E.DEADLINE, leaver=True)
@@ -254,8 +319,11 @@ def _any_ack(event: ResizeEvent) -> AckEvent:
         E.NACK_CHECKPOINT: K.CHECKPOINT,
         E.ACK_RENDEZVOUS: K.RENDEZVOUS,
         E.ACK_DRAIN: K.DRAIN,
+        E.ACK_PREPARE: K.PREPARE,
+        E.NACK_PREPARE: K.PREPARE,
     }[event]
-    return _ack("m0", kind, ok=event != E.NACK_CHECKPOINT, directive_step=13)
+    ok = event not in (E.NACK_CHECKPOINT, E.NACK_PREPARE)
+    return _ack("m0", kind, ok=ok, directive_step=13)
 
 
 def final(phase: ResizePhase, event: ResizeEvent) -> Result:
@@ -277,6 +345,7 @@ def final(phase: ResizePhase, event: ResizeEvent) -> Result:
 
 HANDLERS = {
     P.WAITING_FOR_MEMBERS: waiting,
+    P.PREPARING: preparing,
     P.CHECKPOINTING: checkpointing,
     P.RENDEZVOUS: rendezvous,
 }
@@ -354,8 +423,97 @@ def test_rank_0_without_the_checkpoint_aborts_the_barrier() -> None:
 
 
 def test_the_phase_loop_is_bounded_by_the_longest_path_of_the_table() -> None:
-    # WAITING_FOR_MEMBERS -> CHECKPOINTING -> RENDEZVOUS -> COMPLETED
-    assert longest_chain() == MAX_PHASE_CHANGES == 3
+    # WAITING_FOR_MEMBERS -> PREPARING -> CHECKPOINTING -> RENDEZVOUS -> COMPLETED
+    assert longest_chain() == MAX_PHASE_CHANGES == 4
+
+
+def _prepare(
+    mid: str, rank: int, world: int = 3, endpoints: tuple[str, ...] = ENDPOINTS
+) -> Prepare:
+    info = RendezvousInfo(2, world, rank, endpoints[0], endpoints, 0)
+    return Prepare(mid, 1, info, "decision 1", 40.0)
+
+
+def test_overlap_mode_prepares_g_plus_1_while_g_trains() -> None:
+    s = job()
+    r = resize(s, P.WAITING_FOR_MEMBERS)
+    assert PHASES[r.phase].advance(Context(s, OVERLAP, NOW), r) == [
+        BeginPrepare(1, ("m0", "m1"), ("s0",), ()),
+        _prepare("m0", 0),
+        _prepare("m1", 1),
+        _prepare("s0", 2),
+    ]
+
+
+def test_an_overlap_shrink_prepares_only_the_stayers() -> None:
+    s = job(actives=3, standby=0)
+    r = resize(s, P.WAITING_FOR_MEMBERS, target=2)
+    assert PHASES[r.phase].advance(Context(s, OVERLAP, NOW), r) == [
+        BeginPrepare(1, ("m0", "m1", "m2"), (), ("m2",)),
+        _prepare("m0", 0, 2, ENDPOINTS[:2]),
+        _prepare("m1", 1, 2, ENDPOINTS[:2]),
+    ]
+
+
+def test_a_prepare_that_misses_its_deadline_aborts_with_g_untouched_when_asked() -> None:
+    s = job()
+    r = _preparing(s, acked=("m0", "s0"))
+    tuning = dataclasses.replace(OVERLAP, prepare_fallback="abort")
+    msg = (
+        "prepare deadline (40.0 s) passed; no group from m1; "
+        "aborted (prepare_fallback abort), generation untouched"
+    )
+    # No RESUME: g never stopped.
+    assert PHASES[r.phase].on_deadline(Context(s, tuning, NOW), r) == [
+        *_withdrawn("m0", "m1", "s0"),
+        Abort(1, msg),
+    ]
+
+
+def test_preparing_waits_for_every_member_of_g_plus_1_and_ignores_others() -> None:
+    s = job(actives=3, standby=0)
+    r = _preparing(s, participants=("m0", "m1", "m2"), newcomers=(), leaving=("m2",))
+    h, c = PHASES[r.phase], Context(s, OVERLAP, NOW)
+    r.acked = ("m0",)
+    assert h.advance(c, r) == []
+    assert h.on_ack(c, r, _ack("m2", K.PREPARE)) == []  # a leaver is no part of g+1
+    assert h.on_ack(c, r, _ack("m0", K.PREPARE)) == []  # acked already
+
+
+def _acked_prepare(s: JobState, seq: int, mid: str, rank: int, ok: bool = True) -> None:
+    info = RendezvousInfo(2, 3, rank, ENDPOINTS[0], ENDPOINTS, 0)
+    d = Directive("ns/j", f"d{seq}", mid, K.PREPARE, 1, 1.0, seq=seq, rendezvous=info)
+    d.acked, d.ack_ok = True, ok
+    s.directives[d.directive_id] = d
+
+
+def test_the_barrier_after_a_prepare_opens_g_plus_1_as_prepared() -> None:
+    s = job()
+    for seq, (mid, rank) in enumerate((("m0", 0), ("m1", 1), ("s0", 2)), start=1):
+        _acked_prepare(s, seq, mid, rank)
+    r = _barrier(s, acked=("m0", "m1"))
+    infos = tuple(RendezvousInfo(2, 3, rank, ENDPOINTS[0], ENDPOINTS, 0) for rank in range(3))
+    assert PHASES[r.phase].advance(Context(s, OVERLAP, NOW), r) == [
+        SaveBarrierCheckpoint(1),
+        OpenGeneration(("m0", "m1", "s0"), 13, "decision 1", 40.0, 1, prepared=infos),
+        EnterRendezvous(1),
+    ]
+
+
+def test_a_fallback_barrier_opens_g_plus_1_on_the_plain_path() -> None:
+    s = job()
+    _acked_prepare(s, 1, "m0", 0)
+    _acked_prepare(s, 2, "m1", 1)
+    _acked_prepare(s, 3, "s0", 2, ok=False)
+    r = _barrier(s, acked=("m0", "m1"))
+    got = PHASES[r.phase].advance(Context(s, OVERLAP, NOW), r)
+    assert got[1] == OpenGeneration(("m0", "m1", "s0"), 13, "decision 1", 40.0, decision_id=1)
+
+
+@pytest.mark.parametrize(("name", "value"), [("resize_mode", "fast"), ("prepare_fallback", "")])
+def test_an_unknown_mode_is_refused_naming_the_value(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"{name}: must be one of .*got '{value}'"):
+        Tuning(**{name: value})
 
 
 @pytest.mark.parametrize(

@@ -34,13 +34,14 @@ TRAIN = [
 ]  # fmt: skip
 
 
-@pytest.fixture
-async def job(tmp_path: Path) -> AsyncIterator[LocalJob]:
+@pytest.fixture(params=["plain", "overlap"])
+async def job(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[LocalJob]:
     j = LocalJob(
         tmp_path / "job",
         [*TRAIN, "--step-delay-s", "0.08"],
         heartbeat_timeout_s=10.0,
         shared_checkpoints=False,
+        resize_mode=request.param,
     )
     j.start_coordinator()
     yield j
@@ -59,9 +60,13 @@ async def test_resizes_without_a_shared_volume_lose_nothing_and_read_no_disk(
         st = await job.wait_status(lambda s: s.step >= 5, 60, "training")
         st = await job.wait_status(lambda s, at=st.step: s.step >= at + 5, 60, "5 more steps")
         assert st.step < STEPS - 15, "the run is too fast for the resize to land mid-run"
+        at_decision = st.step
         final = (await job.resize(target))[-1]
         assert final.phase == pb.RESIZE_PHASE_COMPLETED, final
         assert final.lost_steps == 0
+        # g trained on between the decision and its barrier (in overlap mode also while
+        # g+1's group formed): the barrier's step is past the step at the decision.
+        assert final.checkpoint_step > at_decision, (final, at_decision)
     assert await job.wait_pods_exit(120) == [0, 0, 0]
 
     steps = sorted(s for ss in steps_by_generation(job.log_dir).values() for s in ss)
@@ -72,6 +77,11 @@ async def test_resizes_without_a_shared_volume_lose_nothing_and_read_no_disk(
     later = [r for r in firsts if r["gen"] >= 2]
     assert {(r["gen"], r["rank"]) for r in later} == {(2, 0), (2, 1), (2, 2), (3, 0), (3, 1)}
     assert all(r["disk_read_s"] == 0.0 for r in later), later
+    if job.resize_mode == "overlap":
+        # g+1's groups formed before the barrier: no group init inside the pause.
+        assert all(r["group_init_s"] == 0.0 and r["prepare_s"] > 0 for r in later), later
+    else:
+        assert all(r["group_init_s"] > 0 and r["prepare_s"] == 0 for r in later), later
     # The newcomer (rank 2 of generation 2) received its state over the group.
     assert next(r for r in later if (r["gen"], r["rank"]) == (2, 2))["transfer_s"] > 0
     # Pod 2 never held rank 0: its own directory has no durable checkpoint of its own.

@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 
+from services.scaler.actuators import acting_while
 from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
+from services.scaler.errors import StaleEpoch
 from services.testing.kube.operators import job_pods
 from tests.scaler.kube_world import (
     KUBEFLOW,
@@ -92,6 +94,27 @@ async def test_a_conflict_is_read_again_and_rechecked(
     c.api.conflict_next("paddlejobs", change=to_one)
     await a.set_replicas("default/j", 1, decision_id=3)
     assert a.conflicts_retried == 3
+
+
+async def test_a_leader_that_lost_its_lease_while_it_retried_a_conflict_patches_nothing(
+    world: tuple[Cluster, KubernetesActuator],
+) -> None:
+    """The race bench.failover found: a leader reads, is paused, another leader
+    changes the job, the old one wakes to a 409 and reads again. Re-applying its
+    change on top of the new leader's would be a second actuation: it asks first."""
+    c, a = world
+    c.api.create(PADDLE_OPERATOR, paddle_operator_job("j", 2))
+
+    def new_leader_grew_it(obj: dict[str, Any]) -> dict[str, Any]:
+        obj["spec"]["worker"]["replicas"] = 3
+        return obj
+
+    c.api.conflict_next("paddlejobs", change=new_leader_grew_it)
+    asked = [True, False]  # it led when it read; not when it came back from the 409
+    with acting_while(lambda: asked.pop(0)), pytest.raises(StaleEpoch):
+        await a.set_replicas("default/j", 1, decision_id=1)
+    assert c.api.get(PADDLE_OPERATOR, "default", "j")["spec"]["worker"]["replicas"] == 3
+    assert a.conflicts_retried == 1
 
 
 async def test_the_pod_watch_recovers_from_410(world: tuple[Cluster, KubernetesActuator]) -> None:

@@ -567,6 +567,46 @@ async def test_unreachable_coordinator_is_reattached(scaler_db_url: str) -> None
     store.engine.dispose()
 
 
+class FlakyActuator(InMemoryActuator):
+    """Its API server out of reach for the first ``failures`` replica changes."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
+        if self.failures > 0:
+            self.failures -= 1
+            raise Unavailable("Kubernetes API unreachable: ReadTimeoutError")
+        await super().set_replicas(job_id, replicas, decision_id=decision_id)
+
+
+async def test_an_unreachable_actuator_is_retried_and_applied_once(scaler_db_url: str) -> None:
+    """T07's decision: it waits while the API server is out of reach (no FAILED, nothing
+    applied), then the change is made once."""
+    clock = FakeClock(T0)
+    actuator = FlakyActuator(3)
+    coordinator = InMemoryCoordinator()
+    follow_actuator(coordinator, actuator)
+    store = DecisionStore(db.make_engine(scaler_db_url), "s", clock)
+    core = ScalerCore(store=store, actuator=actuator, coordinator=coordinator, clock=clock)
+    await core.start()
+    await core.upsert_job("ns/a", FAST)
+    dec = await core.request_resize("ns/a", 3, "x", "t")
+    task = core.controller.tasks[dec.id]
+    while not task.done():
+        clock.advance(1.0)  # the controller waits on the clock between attempts
+        await asyncio.sleep(0.01)
+    rig = Rig(core, clock, actuator, coordinator, store)
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    assert actuator.failures == 0
+    assert [c for c in actuator.changes if c.decision_id == dec.id] == [
+        ReplicaChange("ns/a", 2, 3, dec.id)
+    ]
+    await core.close()
+    store.engine.dispose()
+
+
 async def test_new_job_with_initial_replicas_is_started_by_a_decision(scaler_db_url: str) -> None:
     r = make_rig(scaler_db_url, FakeClock(T0))
     await r.core.start()

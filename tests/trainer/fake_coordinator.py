@@ -128,23 +128,29 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
         host: str = "127.0.0.1",
         restore_step: int = 0,
         new_generation: bool = True,
+        kind: pb.Directive.Kind.ValueType = pb.Directive.KIND_RENDEZVOUS,
+        prepared: bool = False,
     ) -> list[pb.Directive]:
         """RENDEZVOUS to ``member_ids`` for the next generation (or, with
-        ``new_generation=False``, for one the test already moved the job to)."""
-        if new_generation:
+        ``new_generation=False``, for one the test already moved the job to). With ``kind``
+        PREPARE: the next generation's rendezvous, sent in the current one."""
+        preparing = kind == pb.Directive.KIND_PREPARE
+        if new_generation and not preparing:
             self.generation += 1
+        generation = self.generation + 1 if preparing else self.generation
         endpoints = [f"{host}:{self.members[m].free_port}" for m in member_ids]
         out = []
         for rank, m in enumerate(member_ids):
             rdv = pb.Rendezvous(
-                generation=self.generation,
+                generation=generation,
                 world_size=len(member_ids),
                 rank=rank,
                 master_endpoint=endpoints[0],
                 trainer_endpoints=endpoints,
                 restore_step=restore_step,
+                prepared=prepared,
             )
-            out.append(self.send(m, kind=pb.Directive.KIND_RENDEZVOUS, rendezvous=rdv))
+            out.append(self.send(m, kind=kind, rendezvous=rdv))
         return out
 
     def ack_of(self, directive: pb.Directive) -> pb.AckRequest | None:

@@ -12,14 +12,28 @@ from trainer.messages import (
     CheckpointWritten,
     Done,
     Exit,
+    Go,
     Held,
     Hello,
+    Prepared,
     Progress,
     Ready,
     Rendezvous,
     Resume,
     Resumed,
+    Start,
 )
+
+
+def _wait(ch: SocketChannel, kind: type[Start] | type[Go]) -> bool:
+    """Until ``kind`` arrives (its env applied); False when told to exit."""
+    while True:
+        msg = ch.wait(0.1)
+        if ch.closed or isinstance(msg, Exit):
+            return False
+        if isinstance(msg, kind):
+            os.environ.update(msg.env)
+            return True
 
 
 def main() -> int:
@@ -34,11 +48,19 @@ def main() -> int:
             if isinstance(msg, Rendezvous):
                 os.environ.update(msg.env)
                 break
+    prepared = os.environ.get("TIDE_PREPARED") == "1"
+    if prepared:
+        # Overlap mode: "the group" is formed; restore on Start, train on Go.
+        ch.send(Prepared(generation=int(os.environ["TIDE_GENERATION"]), group_init_s=0.01))
+        if not _wait(ch, Start):
+            return 0
     step = int(os.environ.get("TIDE_RESTORE_STEP", "0") or 0)
     # Like trainer.session: a periodic checkpoint every N steps, "done" after the budget.
     ckpt_every = int(os.environ.get("FAKE_CKPT_EVERY", "0"))
     max_steps = int(os.environ.get("FAKE_MAX_STEPS", "0"))
     ch.send(Ready(restored_step=step, group_init_s=0.01, restore_s=0.02))
+    if prepared and not _wait(ch, Go):
+        return 0
     stop_at, ids = 0, tuple[str, ...]()
     while True:
         step += 1

@@ -6,7 +6,15 @@ import pytest
 
 from tidebase.errors import ConfigError
 from trainer import devices
-from trainer.devices import Backend, PodDevices, WorkerPlace, detect, local_env, worker_env
+from trainer.devices import (
+    Backend,
+    PodDevices,
+    WorkerPlace,
+    detect,
+    local_env,
+    memory_shortfall,
+    worker_env,
+)
 from trainer.distenv import DistEnv
 
 pytestmark = pytest.mark.unit
@@ -78,3 +86,10 @@ def test_a_cpu_worker_hides_gpus_and_a_standby_has_its_pinning_before_its_rank()
     assert env["CUDA_VISIBLE_DEVICES"] == "" and "FLAGS_selected_gpus" not in env
     assert DistEnv.from_env(env).paddle_device == "cpu"
     assert local_env(PodDevices(Backend.NCCL, ("3",), 1), 0)["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+def test_a_gpu_short_of_memory_for_a_prepared_worker_is_named() -> None:
+    assert memory_shortfall({"0": 9000, "1": 12000}, 8192) == ""
+    assert memory_shortfall({"0": 9000, "1": 4000}, 8192) == (
+        "GPU 1 has 4000 MiB free; a prepared worker needs 8192 MiB (prepare_min_free_mib)"
+    )

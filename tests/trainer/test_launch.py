@@ -110,6 +110,78 @@ async def test_rendezvous_checkpoint_resume_drain(
     assert coord.ack_of(drain) is not None
 
 
+async def test_overlap_prepare_forms_the_next_generation_in_the_standby(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path
+) -> None:
+    """PREPARE hands g+1 to the standby while the worker trains; the prepared RENDEZVOUS
+    after the barrier starts that same process; a plain one discards a prepared standby."""
+    coord, port = fake
+    launcher = _launcher(port, tmp_path)
+    run = asyncio.create_task(launcher.run())
+    await eventually(lambda: coord.members, 10, what="registration")
+    (mid,) = coord.members
+    member = coord.members[mid]
+    (rdv,) = coord.rendezvous([mid])
+    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack")
+    await eventually(lambda: launcher.workers.standby is not None, 10, what="a new standby")
+    standby = launcher.workers.standby
+    assert standby is not None
+
+    (prep,) = coord.rendezvous([mid], kind=pb.Directive.KIND_PREPARE)
+    await eventually(lambda: coord.ack_of(prep), 10, what="prepare ack")
+    assert coord.ack_of(prep).ok  # type: ignore[union-attr]
+    assert prep.generation == 1 and prep.rendezvous.generation == 2
+    assert launcher.workers.members[0].prepared_for(2)
+    step = launcher.progress.step
+    await eventually(lambda: launcher.progress.step > step, 5, what="g trains on meanwhile")
+
+    target = launcher.progress.step + 3
+    ckpt = coord.send(mid, kind=pb.Directive.KIND_CHECKPOINT, checkpoint_step=target)
+    await eventually(lambda: coord.ack_of(ckpt), 5, what="checkpoint ack")
+    (go,) = coord.rendezvous([mid], restore_step=target, prepared=True)
+    await eventually(lambda: coord.ack_of(go), 10, what="prepared rendezvous ack")
+    assert coord.ack_of(go).ok  # type: ignore[union-attr]
+    assert launcher.workers.worker is not None and launcher.workers.worker.pid == standby.pid
+    await eventually(
+        lambda: member.last and member.last.generation == 2 and member.last.step > target,
+        5,
+        what="g+1 training past the barrier's step",
+    )
+
+    # Prepared for 3, then told a plain RENDEZVOUS (a fallback): the prepared one goes.
+    await eventually(lambda: launcher.workers.standby is not None, 10, what="a new standby")
+    (prep,) = coord.rendezvous([mid], kind=pb.Directive.KIND_PREPARE)
+    await eventually(lambda: coord.ack_of(prep), 10, what="prepare ack")
+    prepared = launcher.workers.standby
+    assert prepared is not None
+    (plain,) = coord.rendezvous([mid], restore_step=0)
+    await eventually(lambda: coord.ack_of(plain), 10, what="plain rendezvous ack")
+    assert launcher.workers.worker is not None and launcher.workers.worker.pid != prepared.pid
+    await eventually(lambda: prepared.returncode is not None, 5, what="the prepared one killed")
+
+    drain = coord.send(mid, kind=pb.Directive.KIND_DRAIN)
+    assert await asyncio.wait_for(run, 10) == 0
+    assert coord.ack_of(drain) is not None
+
+
+async def test_prepare_without_a_prewarmed_standby_is_nacked(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path
+) -> None:
+    coord, port = fake
+    launcher = _launcher(port, tmp_path, prewarm=False)
+    run = asyncio.create_task(launcher.run())
+    await eventually(lambda: coord.members, 10, what="registration")
+    (mid,) = coord.members
+    (rdv,) = coord.rendezvous([mid])
+    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack")
+    (prep,) = coord.rendezvous([mid], kind=pb.Directive.KIND_PREPARE)
+    await eventually(lambda: coord.ack_of(prep), 10, what="prepare nack")
+    ack = coord.ack_of(prep)
+    assert ack is not None and not ack.ok and "prewarm" in ack.message
+    coord.send(mid, kind=pb.Directive.KIND_STOP)
+    assert await asyncio.wait_for(run, 10) == 0
+
+
 async def test_worker_death_is_reported_at_once(
     fake: tuple[FakeCoordinator, int], tmp_path: Path
 ) -> None:

@@ -30,8 +30,23 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from trainer.devices import Backend, PodDevices, WorkerPlace, detect, local_env, worker_env
-from trainer.distenv import GENERATION_ENV, RESTART_STARTED_AT_ENV, RESTORE_STEP_ENV
+from tidebase.errors import Unavailable
+from trainer.devices import (
+    Backend,
+    PodDevices,
+    WorkerPlace,
+    detect,
+    gpu_free_mib,
+    local_env,
+    memory_shortfall,
+    worker_env,
+)
+from trainer.distenv import (
+    GENERATION_ENV,
+    PREPARED_ENV,
+    RESTART_STARTED_AT_ENV,
+    RESTORE_STEP_ENV,
+)
 from trainer.handover import HANDOVER_DIR_ENV, pod_handover_dir
 from trainer.launcher.group import WorkerGroup
 from trainer.launcher.link import CoordinatorLink
@@ -67,15 +82,20 @@ logger = logging.getLogger(__name__)
 def rendezvous_envs(
     d: Directive, devices: PodDevices, restart_started_at: float
 ) -> list[dict[str, str]]:
-    """The PADDLE_*/TIDE_* environment of each local worker of a RENDEZVOUS: the
-    coordinator's rank and world size count pods, the workers' count processes."""
+    """The PADDLE_*/TIDE_* environment of each local worker of a RENDEZVOUS (or of a
+    PREPARE, for the generation it prepares, whose restore step and restart come later
+    with the RENDEZVOUS): the coordinator's rank and world size count pods, the workers'
+    count processes."""
     rdv = d.rendezvous
     assert rdv is not None
+    preparing = d.kind is DirectiveKind.PREPARE
     common = {
-        GENERATION_ENV: str(d.generation),
+        GENERATION_ENV: str(rdv.generation if preparing else d.generation),
         RESTORE_STEP_ENV: str(rdv.restore_step),
         RESTART_STARTED_AT_ENV: repr(restart_started_at),
     }
+    if preparing:
+        common[PREPARED_ENV] = "1"
     return [
         {
             **worker_env(
@@ -136,6 +156,7 @@ class Launcher:
         self._handled: dict[str, Ack] = {}
         self._pending_acks: dict[str, Directive] = {}
         self._rendezvous_task: asyncio.Task[None] | None = None
+        self._prepare_task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -199,8 +220,9 @@ class Launcher:
 
     async def _shutdown(self) -> None:
         tasks = list(self._tasks)
-        if self._rendezvous_task is not None:
-            tasks.append(self._rendezvous_task)
+        for t in (self._rendezvous_task, self._prepare_task):
+            if t is not None:
+                tasks.append(t)
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -254,6 +276,11 @@ class Launcher:
         if d.kind is DirectiveKind.RENDEZVOUS:
             await self._cancel_rendezvous()
             self._rendezvous_task = asyncio.create_task(self._rendezvous(d))
+        elif d.kind is DirectiveKind.PREPARE:
+            # In the background: the current worker trains on and may get its CHECKPOINT
+            # (a fallback) while the standby still forms the group.
+            await self._cancel_prepare()
+            self._prepare_task = asyncio.create_task(self._prepare(d))
         elif d.kind is DirectiveKind.CHECKPOINT:
             self._pending_acks[d.directive_id] = d
             self.workers.send(CheckpointAt(directive_id=d.directive_id, step=d.checkpoint_step))
@@ -269,6 +296,7 @@ class Launcher:
             await self._ack(self._ack_of(d))
         elif d.kind is DirectiveKind.DRAIN:
             await self._cancel_rendezvous()
+            await self._cancel_prepare()
             self._set_state(State.DRAINING)
             # The worker is holding after the checkpoint, so it has nothing left to lose: ack
             # first, the others' rendezvous need not wait for this process to exit.
@@ -281,6 +309,7 @@ class Launcher:
             self.stop(0)
         elif d.kind is DirectiveKind.STOP:
             await self._cancel_rendezvous()
+            await self._cancel_prepare()
             self.workers.kill()
             await self._ack(self._ack_of(d))
             self._set_state(State.DONE)
@@ -294,6 +323,74 @@ class Launcher:
                 self._pending_acks.pop(did)
                 self._spawn_task(self._ack(self._ack_of(d, False, "no running worker")), "nack")
 
+    async def _cancel_prepare(self) -> None:
+        task, self._prepare_task = self._prepare_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _prepare(self, d: Directive) -> None:
+        """Overlap mode: the standby workers form the next generation's group now; acked
+        once they have, nacked when they cannot (the coordinator falls back or aborts)."""
+        rdv = d.rendezvous
+        assert rdv is not None
+        if self.state in LEAVING:
+            await self._ack(self._ack_of(d, ok=False, message="this member is leaving"))
+            return
+        short = self._memory_shortfall()
+        if short:
+            logger.warning("member %s cannot prepare: %s", self.member_id, short)
+            await self._ack(self._ack_of(d, ok=False, message=short))
+            return
+        ranks = [
+            WorkerPlace(rdv.rank, rdv.world_size, i, self.devices.workers).rank
+            for i in range(self.devices.workers)
+        ]
+        started = time.monotonic()
+        try:
+            group_init_s = await self.workers.prepare(
+                rendezvous_envs(d, self.devices, 0.0), rdv.generation, self.s.start_timeout_s
+            )
+        except (TimeoutError, Unavailable) as exc:
+            logger.warning(
+                "member %s (job %s) could not prepare generation %d: %s",
+                self.member_id,
+                self.s.job_id,
+                rdv.generation,
+                exc or "timed out",
+            )
+            await self._ack(self._ack_of(d, ok=False, message=f"could not prepare: {exc}"))
+            return
+        logger.info(
+            "member %s prepared generation %d ranks %d..%d of %d: group in %.3fs (%.3fs in all)",
+            self.member_id,
+            rdv.generation,
+            ranks[0],
+            ranks[-1],
+            rdv.world_size * self.devices.workers,
+            group_init_s,
+            time.monotonic() - started,
+        )
+        if self.workers.worker is None:
+            # A newcomer: its state comes from a peer, over the group, once the stayers join.
+            self._start_prepared(0)
+        await self._ack(self._ack_of(d))
+
+    def _start_prepared(self, restore_step: int) -> None:
+        envs = [{RESTORE_STEP_ENV: str(restore_step)}] * self.devices.workers
+        self.workers.start_prepared(self.generation + 1, envs)
+
+    def _memory_shortfall(self) -> str:
+        """Why a prepared worker would not fit on this pod's GPUs now, or ""."""
+        if self.devices.backend is not Backend.NCCL or not self.s.prepare_min_free_mib:
+            return ""
+        gpus = [g for i in range(self.devices.workers) if (g := self.devices.gpu_of(i))]
+        free = gpu_free_mib(gpus)
+        if free is None:
+            return "NVML cannot tell the GPUs' free memory; prepare_min_free_mib needs it"
+        return memory_shortfall(free, self.s.prepare_min_free_mib)
+
     async def _cancel_rendezvous(self) -> None:
         task, self._rendezvous_task = self._rendezvous_task, None
         if task is not None and not task.done():
@@ -305,6 +402,9 @@ class Launcher:
         rdv = d.rendezvous
         assert rdv is not None
         restart_started_at = time.time()
+        if not rdv.prepared:
+            # A fallback (or a plain resize): a prepare still under way is moot.
+            await self._cancel_prepare()
         left = self.state
         self._set_state(State.STARTING)
         if (
@@ -320,7 +420,10 @@ class Launcher:
             # step past what the coordinator heard, and it counts the lost steps from it.
             self.link.send_last_word(self._beat())
         self.generation = d.generation
-        self.progress = WorkerProgress()
+        # At the restore step, not 0: the coordinator measures step rates from heartbeats,
+        # and a 0 before the worker's Ready made the first second of a generation look
+        # like restore_step steps.
+        self.progress = WorkerProgress(step=rdv.restore_step)
         self._ready = asyncio.get_running_loop().create_future()
         self.workers.forget_queued()
         self._worker_done = False
@@ -329,7 +432,9 @@ class Launcher:
             WorkerPlace(rdv.rank, rdv.world_size, i, self.devices.workers).rank
             for i in range(self.devices.workers)
         ]
-        worker, woke = await self.workers.start_generation(envs, d.generation, ranks)
+        worker, woke = await self.workers.start_generation(
+            envs, d.generation, ranks, prepared=rdv.prepared
+        )
         logger.info(
             "member %s %s worker pid %d: generation %d ranks %d..%d of %d restore %d",
             self.member_id,
@@ -440,6 +545,13 @@ class Launcher:
         if self.state in (State.RUNNING, State.STARTING):
             self._set_state(State.HOLDING)
         ckpt = msg.checkpoint
+        if any(
+            (d := self._pending_acks.get(did)) is not None and d.kind is DirectiveKind.CHECKPOINT
+            for did in msg.directive_ids
+        ):
+            # Overlap mode: the state of the barrier's step is in this pod's memory now, so a
+            # prepared next worker restores it while the acks travel (it trains only on go).
+            self._start_prepared(msg.step)
         for did in msg.directive_ids:
             d = self._pending_acks.pop(did, None)
             if d is None:

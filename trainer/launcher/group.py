@@ -168,19 +168,52 @@ class WorkerGroup:
             m.forget_queued()
 
     async def start_generation(
-        self, envs: Sequence[Mapping[str, str]], generation: int, ranks: Sequence[int]
+        self,
+        envs: Sequence[Mapping[str, str]],
+        generation: int,
+        ranks: Sequence[int],
+        prepared: bool = False,
     ) -> tuple[WorkerHandle, bool]:
         """Every local worker of a new generation; returns the leader's and whether it was
-        the woken standby."""
+        the woken standby. ``prepared``: the standbys formed the generation's group ahead;
+        used only if every local worker's did (the group needs all of its ranks)."""
         self._ready.clear()
         self._rates.clear()
+        prepared = prepared and all(m.prepared_for(generation) for m in self.members)
         started = await asyncio.gather(
             *(
-                m.start_generation(env, generation, rank)
+                m.start_generation(env, generation, rank, prepared)
                 for m, env, rank in zip(self.members, envs, ranks, strict=True)
             )
         )
         return started[0]
+
+    async def prepare(
+        self, envs: Sequence[Mapping[str, str]], generation: int, timeout_s: float
+    ) -> float:
+        """Every local worker's standby joins ``generation``'s group (overlap mode); returns
+        the slowest one's group init, seconds. Nothing is kept prepared if one fails."""
+        try:
+            done = await asyncio.gather(
+                *(
+                    m.prepare(env, generation, timeout_s)
+                    for m, env in zip(self.members, envs, strict=True)
+                )
+            )
+        except BaseException:
+            self.discard_prepared()
+            raise
+        return max(p.group_init_s for p in done)
+
+    def discard_prepared(self) -> None:
+        for m in self.members:
+            m.discard_prepared()
+
+    def start_prepared(self, generation: int, envs: Sequence[Mapping[str, str]]) -> None:
+        """The standbys prepared for ``generation`` restore now (each its own ``envs``)."""
+        if all(m.prepared_for(generation) for m in self.members):
+            for m, env in zip(self.members, envs, strict=True):
+                m.start_prepared(generation, env)
 
     def expect_exit(self) -> None:
         for m in self.members:

@@ -68,6 +68,7 @@ _KINDS = {
     pb.Directive.KIND_RESUME: DirectiveKind.RESUME,
     pb.Directive.KIND_DRAIN: DirectiveKind.DRAIN,
     pb.Directive.KIND_STOP: DirectiveKind.STOP,
+    pb.Directive.KIND_PREPARE: DirectiveKind.PREPARE,
 }
 
 
@@ -84,7 +85,7 @@ def directive_of(d: pb.Directive) -> Directive:
     except ValueError:
         name = f"KIND_{d.kind}"
     plan = None
-    if kind is DirectiveKind.RENDEZVOUS:
+    if kind in (DirectiveKind.RENDEZVOUS, DirectiveKind.PREPARE):
         r = d.rendezvous
         plan = RendezvousPlan(
             rank=r.rank,
@@ -92,6 +93,8 @@ def directive_of(d: pb.Directive) -> Directive:
             master_endpoint=r.master_endpoint,
             trainer_endpoints=tuple(r.trainer_endpoints),
             restore_step=r.restore_step,
+            prepared=r.prepared,
+            generation=r.generation,
         )
     return Directive(d.directive_id, d.generation, kind, name, d.checkpoint_step, plan)
 

@@ -45,6 +45,7 @@ class DirectiveKind(enum.Enum):
     RESUME = "resume"
     DRAIN = "drain"
     STOP = "stop"
+    PREPARE = "prepare"
     UNKNOWN = "unknown"  # a kind this launcher does not know (a newer coordinator)
 
 
@@ -57,6 +58,10 @@ class RendezvousPlan:
     master_endpoint: str
     trainer_endpoints: tuple[str, ...]
     restore_step: int
+    # A RENDEZVOUS whose group the PREPARE of this generation formed ahead (overlap mode).
+    prepared: bool = False
+    # The generation it forms: a RENDEZVOUS's own; a PREPARE's next one (it is sent in g).
+    generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ class Ack:
 
 @dataclass
 class WorkerProgress:
-    """What the current worker said last about its training (zero for a new generation)."""
+    """What the current worker said last about its training (a new generation starts at its restore step)."""
 
     step: int = 0
     epoch: int = 0

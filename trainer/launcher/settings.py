@@ -43,6 +43,10 @@ class LauncherSettings:
     leave_grace_s: float = 0.0
     # How long a new worker may take to have its group and restore, seconds.
     start_timeout_s: float = 120.0
+    # Overlap mode on GPUs: a PREPARE is nacked (the coordinator falls back) unless each of
+    # the pod's GPUs has this much memory free for the prepared worker next to the one that
+    # trains, MiB; 0: no check (docs/trainer.md, "Overlap mode").
+    prepare_min_free_mib: int = 0
     # The one backoff (tidebase.retry.Backoff) of the directive stream's reconnects, the
     # completion report's retries and the respawn of a dying prewarmed worker, seconds.
     backoff_initial_s: float = 0.2
@@ -63,6 +67,10 @@ class LauncherSettings:
             raise ConfigError(f"workers_per_pod must be >= 0, got {self.workers_per_pod}")
         if self.pod_index < 0:
             raise ConfigError(f"pod_index must be >= 0, got {self.pod_index}")
+        if self.prepare_min_free_mib < 0:
+            raise ConfigError(
+                f"prepare_min_free_mib must be >= 0, got {self.prepare_min_free_mib!r}"
+            )
         for name in ("exit_grace_s", "start_timeout_s", "backoff_initial_s", "rpc_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -26,12 +26,22 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
+from tidebase.errors import Unavailable
 from tidebase.retry import Backoff
 from trainer.channel import CONTROL_SOCKET_ENV
 from trainer.distenv import PREWARM_ENV
 from trainer.launcher.control import ControlServer
 from trainer.launcher.settings import LauncherSettings
-from trainer.messages import Exit, Rendezvous, ToLauncher, ToWorker
+from trainer.messages import (
+    Exit,
+    Go,
+    Prepared,
+    Ready,
+    Rendezvous,
+    Start,
+    ToLauncher,
+    ToWorker,
+)
 from trainer.spawner import Spawner, WorkerHandle
 
 logger = logging.getLogger(__name__)
@@ -91,6 +101,13 @@ class WorkerSupervisor:
         self._member_id = member_id
         # What this worker always has (its device pinning, its local rank): trainer/devices.py.
         self._extra_env = dict(extra_env or {})
+        # Overlap mode: the standby holds the group of this generation (generation, pid); and
+        # the Prepared a standby is being waited for (pid, future).
+        self._prepared: tuple[int, int] | None = None
+        self._preparing: tuple[int, asyncio.Future[Prepared]] | None = None
+        # The prepared standby was told to restore (Start), and what it said once it had.
+        self._prepared_started = False
+        self._prepared_ready: Ready | None = None
 
     @property
     def member_id(self) -> str:
@@ -139,9 +156,18 @@ class WorkerSupervisor:
                 self.send(m)
 
     async def _on_message(self, pid: int, msg: ToLauncher) -> None:
-        # Only the current worker speaks for this member; a standby only waits.
+        # Only the current worker speaks for this member; a standby only waits, or reports
+        # that it prepared a generation.
         if self.worker is not None and pid == self.worker.pid:
             await self._on_current_message(msg)
+        elif isinstance(msg, Prepared) and self._preparing is not None:
+            want, fut = self._preparing
+            if pid == want and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, Ready) and self._prepared is not None and self._prepared[1] == pid:
+            # Restored ahead; it becomes this member's word once the RENDEZVOUS makes the
+            # standby the current worker.
+            self._prepared_ready = msg
 
     def send(self, msg: ToWorker) -> None:
         """To the current worker; queued until it has connected."""
@@ -179,9 +205,15 @@ class WorkerSupervisor:
 
     async def _watch_standby(self, standby: WorkerHandle) -> None:
         code = await standby.wait()
+        if self._preparing is not None and self._preparing[0] == standby.pid:
+            fut = self._preparing[1]
+            if not fut.done():
+                fut.set_exception(Unavailable(f"the standby worker exited with {code}"))
         if self.standby is not standby or self._closing:
             return
         self.standby = None
+        self._prepared = None
+        self._prepared_started, self._prepared_ready = False, None
         delay = self._standby_backoff.next_delay_s()
         logger.warning(
             "member %s (job %s): prewarmed worker pid %d exited with %d; another in %.2fs",
@@ -198,15 +230,94 @@ class WorkerSupervisor:
             # The next RENDEZVOUS spawns a worker itself; a standby is only a head start.
             logger.exception("member %s: could not fork a prewarmed worker", self.member_id)
 
+    # -- overlap mode: a generation prepared ahead --------------------------------------
+
+    def prepared_for(self, generation: int) -> bool:
+        """The standby holds the group of ``generation`` and is alive."""
+        s = self.standby
+        return (
+            s is not None
+            and s.returncode is None
+            and self._prepared == (generation, s.pid)
+            and self.control.connected(s.pid)
+        )
+
+    def discard_prepared(self) -> None:
+        """A standby that joined some generation's group cannot join another: it goes (a
+        fresh standby is forked when next wanted)."""
+        if self._prepared is None:
+            return
+        standby, self.standby, self._prepared = self.standby, None, None
+        self._prepared_started, self._prepared_ready = False, None
+        if standby is not None and standby.returncode is None:
+            logger.info("member %s: prepared worker pid %d discarded", self.member_id, standby.pid)
+            standby.kill()
+
+    async def prepare(self, env: Mapping[str, str], generation: int, timeout_s: float) -> Prepared:
+        """The standby joins ``generation``'s group now, while the current worker trains;
+        returns once it has (Unavailable or TimeoutError when it cannot)."""
+        if not self.s.prewarm:
+            raise Unavailable("overlap mode needs a prewarmed standby worker (prewarm is off)")
+        self.discard_prepared()
+        async with asyncio.timeout(timeout_s):
+            await self.ensure_standby()
+            standby = self.standby
+            if standby is None:
+                raise Unavailable("no standby worker could be forked")
+            while not self.control.connected(standby.pid):
+                if standby.returncode is not None:
+                    raise Unavailable(f"the standby worker exited with {standby.returncode}")
+                # Until the standby has imported, built its model and connected.
+                await asyncio.sleep(0.02)
+            fut: asyncio.Future[Prepared] = asyncio.get_running_loop().create_future()
+            self._preparing = (standby.pid, fut)
+            try:
+                self.control.send(standby.pid, Rendezvous(env=dict(env)))
+                prepared = await fut
+            finally:
+                self._preparing = None
+        self._prepared = (generation, standby.pid)
+        self._prepared_started, self._prepared_ready = False, None
+        return prepared
+
+    def start_prepared(self, generation: int, env: Mapping[str, str]) -> None:
+        """The standby prepared for ``generation`` restores now (``env``: the restore step)
+        and then waits for its go; at most once."""
+        s = self.standby
+        if s is None or self._prepared_started or not self.prepared_for(generation):
+            return
+        self._prepared_started = True
+        self.control.send(s.pid, Start(env=dict(env)))
+
     # -- a generation's worker ------------------------------------------------------------
 
     async def start_generation(
-        self, env: Mapping[str, str], generation: int, rank: int
+        self, env: Mapping[str, str], generation: int, rank: int, prepared: bool = False
     ) -> tuple[WorkerHandle, bool]:
         """The worker of a new generation, and whether it is the woken standby. The old
         worker is asked to exit: alongside when the standby takes over (they share
-        nothing), before the spawn otherwise."""
+        nothing), before the spawn otherwise. ``prepared``: the standby formed this
+        generation's group ahead and only needs its Start."""
         old = self.worker
+        if prepared and self.prepared_for(generation):
+            self.start_prepared(generation, env)
+            standby = self.standby
+            assert standby is not None
+            ready = self._prepared_ready
+            self.standby, self._prepared = None, None
+            self._prepared_started, self._prepared_ready = False, None
+            self._standby_backoff.reset()
+            self.worker = standby
+            self._expected_exit = False
+            if old is not None:
+                self._spawn_task(self.stop(old), "stop-old-worker")
+            self.send(Go(env=dict(env)))
+            worker = self.worker
+            self._spawn_task(self._watch(worker), "watch-worker")
+            if ready is not None:
+                await self._on_current_message(ready)
+            return worker, True
+        self.discard_prepared()
         if self.standby_ready():
             standby = self.standby
             assert standby is not None

@@ -103,6 +103,10 @@ class _ResizePhaseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ResizePha
     """Final: rolled back, the old generation resumed."""
     RESIZE_PHASE_FAILED: _ResizePhase.ValueType  # 7
     """Final: neither; see message."""
+    RESIZE_PHASE_PREPARING: _ResizePhase.ValueType  # 8
+    """Overlap mode: PREPARE sent to g+1's members; waiting until each has formed g+1's group
+    (while g trains) before the barrier.
+    """
 
 class ResizePhase(_ResizePhase, metaclass=_ResizePhaseEnumTypeWrapper): ...
 
@@ -121,6 +125,10 @@ RESIZE_PHASE_ABORTED: ResizePhase.ValueType  # 6
 """Final: rolled back, the old generation resumed."""
 RESIZE_PHASE_FAILED: ResizePhase.ValueType  # 7
 """Final: neither; see message."""
+RESIZE_PHASE_PREPARING: ResizePhase.ValueType  # 8
+"""Overlap mode: PREPARE sent to g+1's members; waiting until each has formed g+1's group
+(while g trains) before the barrier.
+"""
 Global___ResizePhase: _TypeAlias = ResizePhase  # noqa: Y015
 
 @_typing.final
@@ -243,6 +251,7 @@ class Rendezvous(_message.Message):
     MASTER_ENDPOINT_FIELD_NUMBER: _builtins.int
     TRAINER_ENDPOINTS_FIELD_NUMBER: _builtins.int
     RESTORE_STEP_FIELD_NUMBER: _builtins.int
+    PREPARED_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     world_size: _builtins.int
     """Number of workers in the generation (>= 1)."""
@@ -252,6 +261,11 @@ class Rendezvous(_message.Message):
     """"host:port" of rank 0's TCP store."""
     restore_step: _builtins.int
     """Step to restore from (0: start from scratch or the latest checkpoint)."""
+    prepared: _builtins.bool
+    """In a RENDEZVOUS: this generation's group was formed ahead by the PREPARE of the same
+    generation, ranks and endpoints (overlap mode); wake the prepared workers. False: the
+    plain path (a prepared worker the launcher may hold is discarded).
+    """
     @_builtins.property
     def trainer_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """"host:port" of every rank, in rank order."""
@@ -265,10 +279,11 @@ class Rendezvous(_message.Message):
         master_endpoint: _builtins.str = ...,
         trainer_endpoints: _abc.Iterable[_builtins.str] | None = ...,
         restore_step: _builtins.int = ...,
+        prepared: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "master_endpoint", b"master_endpoint", "rank", b"rank", "restore_step", b"restore_step", "trainer_endpoints", b"trainer_endpoints", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "master_endpoint", b"master_endpoint", "prepared", b"prepared", "rank", b"rank", "restore_step", b"restore_step", "trainer_endpoints", b"trainer_endpoints", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -297,6 +312,10 @@ class Directive(_message.Message):
         """Stop the workers cleanly and exit: this member leaves the job."""
         KIND_STOP: Directive._Kind.ValueType  # 6
         """Stop everything now (the job ends)."""
+        KIND_PREPARE: Directive._Kind.ValueType  # 7
+        """Overlap mode: form `rendezvous`'s group (generation g+1) in a standby worker while
+        the current one keeps training; ack once the group is formed.
+        """
 
     class Kind(_Kind, metaclass=_KindEnumTypeWrapper): ...
     KIND_UNSPECIFIED: Directive.Kind.ValueType  # 0
@@ -312,6 +331,10 @@ class Directive(_message.Message):
     """Stop the workers cleanly and exit: this member leaves the job."""
     KIND_STOP: Directive.Kind.ValueType  # 6
     """Stop everything now (the job ends)."""
+    KIND_PREPARE: Directive.Kind.ValueType  # 7
+    """Overlap mode: form `rendezvous`'s group (generation g+1) in a standby worker while
+    the current one keeps training; ack once the group is formed.
+    """
 
     DIRECTIVE_ID_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.coordinator.domain import Breakdown, DirectiveKind, Member, Resize
+from services.coordinator.domain import Breakdown, DirectiveKind, Member, RendezvousInfo, Resize
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,36 @@ class Send:
     reason: str
     deadline_s: float
     checkpoint_step: int = 0
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """PREPARE to one member of g+1 (sent in g, the job's generation when decided): its
+    standby worker forms ``rendezvous``'s group while g trains (overlap mode)."""
+
+    member_id: str
+    generation: int
+    rendezvous: RendezvousInfo
+    reason: str
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class BeginPrepare:
+    """PREPARING over the same members a barrier would take; the PREPAREs are separate."""
+
+    decision_id: int
+    participants: tuple[str, ...]
+    newcomers: tuple[str, ...]
+    leaving: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RecordPrepared:
+    """A member of g+1 acked PREPARE: its standby worker has g+1's group."""
+
+    decision_id: int
+    member_id: str
 
 
 @dataclass(frozen=True)
@@ -49,6 +79,8 @@ class BeginBarrier:
     participants: tuple[str, ...]
     newcomers: tuple[str, ...]
     leaving: tuple[str, ...]
+    # Why this barrier is the plain one after a PREPARE (the fallback), recorded; "" else.
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -95,6 +127,9 @@ class OpenGeneration:
     reason: str
     deadline_s: float
     decision_id: int | None = None
+    # Overlap mode: what each member's PREPARE said, in rank order; their groups are formed,
+    # so the RENDEZVOUS repeats it (with the restore step) and marks it prepared.
+    prepared: tuple[RendezvousInfo, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -237,6 +272,9 @@ class RenewDeadlines:
 
 Effect = (
     Send
+    | Prepare
+    | BeginPrepare
+    | RecordPrepared
     | RecordAck
     | Supersede
     | BeginBarrier

@@ -100,7 +100,10 @@ def heartbeat(
     if inp.leave_requested and inp.leave_deadline_s is not None:
         m.leave_deadline_s = inp.leave_deadline_s
     if m.rank is not None and inp.generation == s.job.generation > 0:
-        m.steps_per_s = m.rate.observe(inp.generation, inp.step, mono) or m.steps_per_s
+        if inp.phase == WorkerPhase.RUNNING:
+            # Only a training worker's steps are progress: a starting one reports where it
+            # will restore (or, from older launchers, 0).
+            m.steps_per_s = m.rate.observe(inp.generation, inp.step, mono) or m.steps_per_s
         prev_phase = m.phase
         m.phase = inp.phase
         m.step = inp.step

@@ -12,6 +12,7 @@ broken and the Coordinator reloads it from the store before its next use.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -182,6 +183,22 @@ class Outbox:
                     e.deadline_s,
                     checkpoint_step=e.checkpoint_step,
                 )
+            case fx.Prepare():
+                self._send(
+                    s.members[e.member_id],
+                    DirectiveKind.PREPARE,
+                    e.generation,
+                    e.reason,
+                    e.deadline_s,
+                    rendezvous=e.rendezvous,
+                )
+            case fx.BeginPrepare():
+                self._begin_prepare(e)
+            case fx.RecordPrepared():
+                r = s.resizes[e.decision_id]
+                if e.member_id not in r.acked:
+                    r.acked = (*r.acked, e.member_id)
+                    self._changed(r)
             case fx.RecordAck():
                 d = s.directives[e.directive_id]
                 d.acked, d.ack_ok = True, e.ok
@@ -320,20 +337,42 @@ class Outbox:
                 d.superseded = True
                 self._changed(d)
 
+    def _begin_prepare(self, e: fx.BeginPrepare) -> None:
+        r = self.state.resizes[e.decision_id]
+        transition_resize(r, ResizePhase.PREPARING, at=self._clock.now())
+        self.traces.phase(r.decision_id, ResizePhase.PREPARING)
+        r.participants, r.newcomers, r.leaving = e.participants, e.newcomers, e.leaving
+        self._changed(r)
+        self._log.info(
+            "resize %d: g+1 prepares over %d member(s), %d newcomer(s), %d leaving",
+            r.decision_id,
+            len(e.participants),
+            len(e.newcomers),
+            len(e.leaving),
+            extra={"decision_id": r.decision_id},
+        )
+
     def _begin_barrier(self, e: fx.BeginBarrier) -> None:
         r = self.state.resizes[e.decision_id]
-        transition_resize(r, ResizePhase.CHECKPOINTING, at=self._clock.now())
-        self.traces.phase(r.decision_id, ResizePhase.CHECKPOINTING)
+        transition_resize(r, ResizePhase.CHECKPOINTING, at=self._clock.now(), message=e.note)
+        self.traces.phase(r.decision_id, ResizePhase.CHECKPOINTING, e.note)
+        if e.note:
+            self._log.warning(
+                "resize %d: %s", r.decision_id, e.note, extra={"decision_id": r.decision_id}
+            )
         r.participants, r.newcomers, r.leaving = e.participants, e.newcomers, e.leaving
         r.checkpoint_step = e.step
         self._changed(r)
         self._log.info(
-            "resize %d: barrier at step %d over %d member(s), %d newcomer(s), %d leaving",
+            "resize %d: barrier at step %d over %d member(s), %d newcomer(s), %d leaving "
+            "(highest reported step %d, fastest %.1f steps/s)",
             r.decision_id,
             e.step,
             len(e.participants),
             len(e.newcomers),
             len(e.leaving),
+            max((self.state.members[m].step for m in e.participants), default=0),
+            max((self.state.members[m].steps_per_s for m in e.participants), default=0.0),
             extra={"decision_id": r.decision_id},
         )
 
@@ -388,7 +427,14 @@ class Outbox:
         s = self.state
         g = s.job.generation + 1
         ordered = [s.members[i] for i in e.member_ids]
-        infos = rendezvous_for(ordered, g, e.restore_step)
+        infos = (
+            tuple(
+                dataclasses.replace(i, restore_step=e.restore_step, prepared=True)
+                for i in e.prepared
+            )
+            if e.prepared
+            else rendezvous_for(ordered, g, e.restore_step)
+        )
         for m in s.members.values():
             if m.rank is not None and m.member_id not in e.member_ids:
                 m.rank = None

@@ -34,11 +34,13 @@ from services.coordinator.domain import (
     choose_leaving,
     measure_pause,
     rank_order,
+    rendezvous_for,
 )
 from services.coordinator.engine.effects import (
     Abort,
     AckedLeaver,
     BeginBarrier,
+    BeginPrepare,
     Complete,
     Drain,
     DrainOut,
@@ -48,7 +50,9 @@ from services.coordinator.engine.effects import (
     Fail,
     Lose,
     OpenGeneration,
+    Prepare,
     RecordHold,
+    RecordPrepared,
     Recover,
     SaveBarrierCheckpoint,
     Send,
@@ -66,6 +70,8 @@ class ResizeEvent(Enum):
     NACK_CHECKPOINT = "nack CHECKPOINT"
     ACK_RENDEZVOUS = "ack RENDEZVOUS"
     ACK_DRAIN = "ack DRAIN"
+    ACK_PREPARE = "ack PREPARE"
+    NACK_PREPARE = "nack PREPARE"
     DEADLINE = "deadline"
     MEMBER_LOST = "member lost"
     ABORT_REQUEST = "AbortResize"
@@ -126,6 +132,11 @@ class PhaseHandler:
 def _abort(c: Context, r: Resize, message: str, *, resume: bool = True) -> list[Effect]:
     """ABORTED; in a barrier the CHECKPOINTs are withdrawn and the holders RESUME."""
     out: list[Effect] = []
+    if r.phase == ResizePhase.PREPARING:
+        # g never stopped: nothing to resume. The standbys' groups are simply not used.
+        for mid in (*r.participants, *r.newcomers):
+            if mid not in r.leaving:
+                out.append(Supersede(mid, frozenset({DirectiveKind.PREPARE})))
     if r.phase == ResizePhase.CHECKPOINTING:
         for mid in r.participants:
             out.append(Supersede(mid, frozenset({DirectiveKind.CHECKPOINT})))
@@ -156,6 +167,7 @@ def _open(
             reason=f"decision {r.decision_id}",
             deadline_s=r.deadline_s,
             decision_id=r.decision_id,
+            prepared=() if first else c.state.prepared_rendezvous(r, ids),
         ),
         EnterRendezvous(r.decision_id, newcomers=ids if first else None),
     ]
@@ -206,11 +218,11 @@ class WaitingForMembers(PhaseHandler):
         if r.target_world_size > n:
             want = r.target_world_size - n
             if len(standby) >= want:
-                return _barrier(c, r, actives, standby[:want], ())
+                return _begin(c, r, actives, standby[:want], ())
             if not deadline_passed:
                 return []
             if standby and n + len(standby) >= r.min_world_size:
-                return _barrier(c, r, actives, standby, ())
+                return _begin(c, r, actives, standby, ())
             return _abort(
                 c,
                 r,
@@ -219,7 +231,7 @@ class WaitingForMembers(PhaseHandler):
             )
         if r.target_world_size < n:
             leaving = choose_leaving(actives, n - r.target_world_size, r.leaving_pods)
-            return _barrier(c, r, actives, [], leaving)
+            return _begin(c, r, actives, [], leaving)
         return [
             Complete(r.decision_id, f"already at world size {n}", to_generation=s.job.generation)
         ]
@@ -241,12 +253,48 @@ class WaitingForMembers(PhaseHandler):
         return _abort(c, r, "the coordinator restarted before the barrier completed")
 
 
+def _begin(
+    c: Context,
+    r: Resize,
+    participants: Sequence[Member],
+    newcomers: Sequence[Member],
+    leaving: Sequence[Member],
+) -> list[Effect]:
+    """The barrier, or in overlap mode first the PREPARE of g+1 to its members."""
+    if c.tuning.resize_mode != "overlap":
+        return _barrier(c, r, participants, newcomers, leaving)
+    ids = {m.member_id for m in leaving}
+    ordered = rank_order([m for m in participants if m.member_id not in ids], newcomers)
+    # The restore step is the barrier's, not chosen yet: the RENDEZVOUS brings it.
+    infos = rendezvous_for(ordered, c.state.job.generation + 1, 0)
+    out: list[Effect] = [
+        BeginPrepare(
+            r.decision_id,
+            participants=tuple(m.member_id for m in participants),
+            newcomers=tuple(m.member_id for m in newcomers),
+            leaving=tuple(m.member_id for m in leaving),
+        )
+    ]
+    for m, info in zip(ordered, infos, strict=True):
+        out.append(
+            Prepare(
+                m.member_id,
+                c.state.job.generation,
+                info,
+                reason=f"decision {r.decision_id}",
+                deadline_s=r.deadline_s,
+            )
+        )
+    return out
+
+
 def _barrier(
     c: Context,
     r: Resize,
     participants: Sequence[Member],
     newcomers: Sequence[Member],
     leaving: Sequence[Member],
+    note: str = "",
 ) -> list[Effect]:
     step = choose_checkpoint_step(
         (m.step for m in participants),
@@ -261,6 +309,7 @@ def _barrier(
             participants=tuple(m.member_id for m in participants),
             newcomers=tuple(m.member_id for m in newcomers),
             leaving=tuple(m.member_id for m in leaving),
+            note=note,
         )
     ]
     for m in participants:
@@ -275,6 +324,73 @@ def _barrier(
             )
         )
     return out
+
+
+class Preparing(PhaseHandler):
+    """Overlap mode: g+1's members form its group in standby workers while g trains; the
+    barrier starts once every one of them has. g is untouched until then, so a failure
+    here either falls back to the plain barrier or aborts with nothing to resume."""
+
+    phase = ResizePhase.PREPARING
+
+    def advance(self, c: Context, r: Resize) -> list[Effect]:
+        ids = [m.member_id for m in c.state.next_members(r)]
+        if not ids or not set(ids) <= set(r.acked):
+            return []
+        return self._barrier(c, r)
+
+    @staticmethod
+    def _barrier(c: Context, r: Resize, note: str = "") -> list[Effect]:
+        s = c.state
+        return _barrier(
+            c,
+            r,
+            [s.members[i] for i in r.participants],
+            [s.members[i] for i in r.newcomers],
+            [s.members[i] for i in r.leaving],
+            note,
+        )
+
+    def _fallback(self, c: Context, r: Resize, why: str) -> list[Effect]:
+        if c.tuning.prepare_fallback == "abort":
+            return _abort(c, r, f"{why}; aborted (prepare_fallback abort), generation untouched")
+        withdrawn: list[Effect] = [
+            Supersede(m.member_id, frozenset({DirectiveKind.PREPARE}))
+            for m in c.state.next_members(r)
+        ]
+        return [*withdrawn, *self._barrier(c, r, f"{why}; falling back to the plain barrier")]
+
+    def on_ack(self, c: Context, r: Resize, ack: AckEvent) -> list[Effect]:
+        if ack.kind != DirectiveKind.PREPARE or ack.member_id in r.acked:
+            return []
+        if ack.member_id not in {m.member_id for m in c.state.next_members(r)}:
+            return []
+        if not ack.ok:
+            why = f"member {ack.member_id} could not prepare: {ack.message or 'no reason given'}"
+            return self._fallback(c, r, why)
+        return [RecordPrepared(r.decision_id, ack.member_id)]
+
+    def on_deadline(self, c: Context, r: Resize) -> list[Effect]:
+        missing = [m.member_id for m in c.state.next_members(r) if m.member_id not in r.acked]
+        why = f"prepare deadline ({r.deadline_s:.1f} s) passed; no group from {', '.join(missing)}"
+        return self._fallback(c, r, why)
+
+    def on_loss(
+        self, c: Context, r: Resize | None, lost: Sequence[str], gen_broken: bool, reason: str
+    ) -> list[Effect]:
+        out: list[Effect] = []
+        if r is not None and any(i in r.participants or i in r.newcomers for i in lost):
+            out = _abort(c, r, f"member(s) {', '.join(lost)} lost while g+1 prepared: {reason}")
+        return [*out, Recover(reason)] if gen_broken else out
+
+    def on_abort_request(self, c: Context, r: Resize, reason: str) -> list[Effect]:
+        return _abort(c, r, f"aborted on request: {reason or 'no reason given'}")
+
+    def on_job_finished(self, c: Context, r: Resize) -> list[Effect]:
+        return _abort(c, r, _finished_message(c))
+
+    def on_restart(self, c: Context, r: Resize) -> list[Effect]:
+        return _abort(c, r, "the coordinator restarted before the barrier completed")
 
 
 class Checkpointing(PhaseHandler):
@@ -301,13 +417,7 @@ class Checkpointing(PhaseHandler):
                         deadline_s=r.deadline_s,
                     )
                 )
-        stayers = [
-            s.members[i]
-            for i in r.participants
-            if i not in r.leaving and s.members[i].state == MemberState.ACTIVE
-        ]
-        joining = [s.members[i] for i in r.newcomers if s.members[i].state == MemberState.STANDBY]
-        return [*out, *_open(c, r, rank_order(stayers, joining), r.checkpoint_step, first=False)]
+        return [*out, *_open(c, r, s.next_members(r), r.checkpoint_step, first=False)]
 
     def on_ack(self, c: Context, r: Resize, ack: AckEvent) -> list[Effect]:
         if (
@@ -473,7 +583,7 @@ _FINAL = Final()
 PHASES: Mapping[ResizePhase, PhaseHandler] = {
     **{
         h.phase: h
-        for h in (WaitingForMembers(), Checkpointing(), Rendezvous())
+        for h in (WaitingForMembers(), Preparing(), Checkpointing(), Rendezvous())
         if h.phase is not None
     },
     **{p: _FINAL for p in ResizePhase if p.final},

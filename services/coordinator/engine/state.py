@@ -13,12 +13,15 @@ from dataclasses import dataclass, field
 from services.coordinator.domain import (
     Checkpoint,
     Directive,
+    DirectiveKind,
     Generation,
     JobRecord,
     Member,
     MemberState,
+    RendezvousInfo,
     Resize,
     WorkerPhase,
+    rank_order,
 )
 from services.coordinator.errors import UnknownMember
 from services.coordinator.store import JobSnapshot
@@ -98,6 +101,50 @@ class JobState:
     def leavers_gone(self, r: Resize, besides: Sequence[str] = ()) -> bool:
         """Every leaver of ``r`` is GONE, or about to be (``besides``: leaving in this unit)."""
         return all(self.members[i].state == MemberState.GONE or i in besides for i in r.leaving)
+
+    def next_members(self, r: Resize) -> tuple[Member, ...]:
+        """g+1 of ``r`` in rank order: its participants that stay, then its newcomers."""
+        stayers = [
+            self.members[i]
+            for i in r.participants
+            if i not in r.leaving and self.members[i].state == MemberState.ACTIVE
+        ]
+        joining = [
+            self.members[i] for i in r.newcomers if self.members[i].state == MemberState.STANDBY
+        ]
+        return rank_order(stayers, joining)
+
+    def prepared_rendezvous(
+        self, r: Resize, member_ids: Sequence[str]
+    ) -> tuple[RendezvousInfo, ...]:
+        """What the PREPAREs of ``r`` told ``member_ids`` (g+1 in rank order), if every one
+        of them acked its PREPARE: their standby workers hold g+1's group. Empty otherwise
+        (no PREPARE, a nack, a fallback that superseded one, another membership)."""
+        g = self.job.generation + 1
+        out: list[RendezvousInfo] = []
+        for rank, mid in enumerate(member_ids):
+            acked = [
+                d
+                for d in self.directives.values()
+                if d.member_id == mid
+                and d.kind == DirectiveKind.PREPARE
+                and d.created_at >= r.started_at
+                and d.acked
+                and d.ack_ok
+                and not d.superseded
+                and d.rendezvous is not None
+                and d.rendezvous.generation == g
+            ]
+            if not acked:
+                return ()
+            info = max(acked, key=lambda d: d.seq).rendezvous
+            assert info is not None
+            if info.rank != rank or info.world_size != len(member_ids):
+                return ()
+            out.append(info)
+        if len({(i.master_endpoint, i.trainer_endpoints) for i in out}) != 1:
+            return ()
+        return tuple(out)
 
     def finished_members(self) -> list[Member]:
         """Members that finished the job in the current generation (GONE with a rank)."""

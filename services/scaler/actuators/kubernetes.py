@@ -45,7 +45,9 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
 
+from services.scaler.actuators.base import check_still_leading
 from services.scaler.kube.capacity import CapacityCache
 from services.scaler.kube.client import IN_CLUSTER, api_client, raw
 from services.scaler.kube.paddlejob import KINDS, JobView, Kind, owned_by, pod_index, view
@@ -80,6 +82,9 @@ class KubernetesActuatorSettings:
     pod_wait_s: float = 120.0
     # Server-side timeout of each watch, seconds (then it is renewed).
     watch_timeout_s: int = 60
+    # Bound of each read and patch of a PaddleJob, seconds: a partitioned API server
+    # answers nothing, and the call must end (Unavailable) rather than hang.
+    request_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -92,6 +97,8 @@ class KubernetesActuatorSettings:
             raise ConfigError(f"pod_wait_s: must be > 0, got {self.pod_wait_s}")
         if self.watch_timeout_s < 1:
             raise ConfigError(f"watch_timeout_s: must be >= 1, got {self.watch_timeout_s}")
+        if not self.request_timeout_s > 0:
+            raise ConfigError(f"request_timeout_s: must be > 0, got {self.request_timeout_s}")
 
 
 def _split(job_id: str) -> tuple[str, str]:
@@ -110,6 +117,11 @@ def _error(job_id: str, exc: ApiException) -> TideError:
     if exc.status in (400, 422):
         return InvalidArgument(what)
     return Unavailable(what)
+
+
+def _unreachable(job_id: str, exc: HTTPError) -> Unavailable:
+    """A transport failure (timeout, refused, reset): the API server is out of reach."""
+    return Unavailable(f"job {job_id}: Kubernetes API unreachable: {type(exc).__name__}: {exc}")
 
 
 def _considered(pod: dict[str, Any]) -> bool:
@@ -205,7 +217,7 @@ class KubernetesActuator:
                         kind.plural,
                         name,
                         _preload_content=False,
-                        _request_timeout=30,
+                        _request_timeout=self.settings.request_timeout_s,
                     )
                 )
             except ApiException as exc:
@@ -213,6 +225,8 @@ class KubernetesActuator:
                     raise _error(job_id, exc) from None
                 last = exc
                 continue
+            except HTTPError as exc:
+                raise _unreachable(job_id, exc) from None
             self.kinds[job_id] = kind
             return view(kind, obj)
         raise NotFound(f"job {job_id}: no PaddleJob {name} in namespace {ns}") from last
@@ -308,6 +322,7 @@ class KubernetesActuator:
             )
 
     def _delete_pod(self, job: JobView, name: str, uid: str, decision_id: int) -> None:
+        check_still_leading(job.job_id, decision_id)
         try:
             raw(
                 self.core.delete_namespaced_pod(
@@ -316,9 +331,12 @@ class KubernetesActuator:
                     body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
                     # Raw, as every call here: the typed model refuses what some servers send.
                     _preload_content=False,
-                    _request_timeout=30,
+                    _request_timeout=self.settings.request_timeout_s,
                 )
             )
+        except HTTPError as exc:
+            # Unknown whether it went: the retry finds it gone (404) or deletes it.
+            raise _unreachable(job.job_id, exc) from None
         except ApiException as exc:
             # 404: gone already; 409: the name is the operator's replacement now.
             if exc.status in (404, 409):
@@ -347,6 +365,7 @@ class KubernetesActuator:
         ``removal``: the REMOVAL annotation to write with the replicas."""
         ns, name = _split(job_id)
         for attempt in range(self.settings.conflict_retries + 1):
+            check_still_leading(job_id, decision_id)
             job = self._read(job_id)
             self._recheck(job, replicas)
             if job.replicas == replicas and (
@@ -365,8 +384,12 @@ class KubernetesActuator:
                     kind.plural,
                     name,
                     patch,
-                    _request_timeout=30,
+                    _request_timeout=self.settings.request_timeout_s,
                 )
+            except HTTPError as exc:
+                # Whether the patch landed is unknown: the retry reads the job first,
+                # and one that landed is not patched again.
+                raise _unreachable(job_id, exc) from None
             except ApiException as exc:
                 if exc.status != 409:
                     raise _error(job_id, exc) from None

@@ -1,0 +1,107 @@
+"""Overlap mode (docs/resize-protocol.md, "Overlap mode") over a real socket, with fake
+launchers and a fake clock: g+1's group is prepared before the barrier, and a prepare
+that fails falls back to the plain barrier or aborts with g untouched."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+from tide.v1 import coordinator_pb2 as pb
+
+from services.coordinator.store import MemoryStore
+from tests.coordinator.fakes import ResizeWatch
+from tests.coordinator.support import JOB, TUNING, Env, close_env, form, make_env, no_pending
+from tests.support.poll import eventually
+
+pytestmark = pytest.mark.component
+
+K = pb.Directive.Kind
+P = pb.ResizePhase
+OVERLAP = dataclasses.replace(TUNING, resize_mode="overlap")
+
+
+@pytest.fixture
+async def overlap() -> AsyncIterator[Env]:
+    e = await make_env(MemoryStore(), OVERLAP)
+    yield e
+    await close_env(e)
+
+
+async def test_grow_prepares_g_plus_1_before_the_barrier(overlap: Env) -> None:
+    env = overlap
+    ls = await form(env, 2)
+    assert all(fl.rendezvous_prepared == [False] for fl in ls)  # a first generation
+    await env.heartbeat_all(steps=3)
+    newcomer = await env.launcher(2)
+    w = ResizeWatch(env.stub, JOB, 2, 3)
+    everyone = [*ls, newcomer]
+    await eventually(lambda: all(fl.generation == 2 for fl in everyone), what="generation 2")
+    await eventually(lambda: no_pending(env), what="acks")
+    await env.heartbeat_all(advance_s=2.0)
+    final = await w.final()
+
+    assert final.phase == P.RESIZE_PHASE_COMPLETED
+    phases = w.phases()
+    assert phases.index(P.RESIZE_PHASE_PREPARING) < phases.index(P.RESIZE_PHASE_CHECKPOINTING)
+    for fl in everyone:
+        prepare = next(d for d in fl.received if d.kind == K.KIND_PREPARE)
+        rdv = next(d for d in fl.received if d.kind == K.KIND_RENDEZVOUS and d.generation == 2)
+        # The RENDEZVOUS repeats what the PREPARE said, with the barrier's step.
+        assert prepare.generation == 1
+        assert (prepare.rendezvous.generation, prepare.rendezvous.rank) == (2, fl.rank)
+        assert rdv.rendezvous.master_endpoint == prepare.rendezvous.master_endpoint
+        assert list(rdv.rendezvous.trainer_endpoints) == list(prepare.rendezvous.trainer_endpoints)
+        assert rdv.rendezvous.restore_step == 13
+        assert fl.rendezvous_prepared[-1] is True
+    # Stayers got their CHECKPOINT only after every PREPARE was acked.
+    for fl in ls:
+        kinds = fl.kinds()
+        assert kinds.index(K.KIND_PREPARE) < kinds.index(K.KIND_CHECKPOINT)
+    assert final.lost_steps == 0
+
+
+async def test_a_newcomer_that_cannot_prepare_falls_back_to_the_plain_barrier(
+    overlap: Env,
+) -> None:
+    env = overlap
+    ls = await form(env, 2)
+    await env.heartbeat_all(steps=3)
+    newcomer = await env.launcher(2)
+    newcomer.prepare_ok = None  # its group never forms
+    w = ResizeWatch(env.stub, JOB, 2, 3, deadline_s=5.0)
+    await eventually(lambda: w.last.phase == P.RESIZE_PHASE_PREPARING, what="preparing")
+    assert not [d for d in ls[0].received if d.kind == K.KIND_CHECKPOINT]
+    env.clock.advance(6.0)  # past the prepare deadline
+    env.coordinator.tick()
+    everyone = [*ls, newcomer]
+    await eventually(lambda: all(fl.generation == 2 for fl in everyone), what="generation 2")
+    await eventually(lambda: no_pending(env), what="acks")
+    await env.heartbeat_all(advance_s=1.0)
+    final = await w.final()
+
+    assert final.phase == P.RESIZE_PHASE_COMPLETED
+    assert any("falling back to the plain barrier" in p.message for p in w.updates)
+    assert all(fl.rendezvous_prepared[-1] is False for fl in everyone)
+    assert final.lost_steps == 0
+
+
+async def test_a_nack_with_fallback_abort_leaves_g_training() -> None:
+    env = await make_env(MemoryStore(), dataclasses.replace(OVERLAP, prepare_fallback="abort"))
+    try:
+        ls = await form(env, 2)
+        await env.heartbeat_all(steps=3)
+        newcomer = await env.launcher(2)
+        newcomer.prepare_ok = False
+        w = ResizeWatch(env.stub, JOB, 2, 3)
+        final = await w.final()
+        assert final.phase == P.RESIZE_PHASE_ABORTED
+        assert "could not prepare: no memory" in final.message
+        # g was never stopped: no CHECKPOINT, no RESUME, same generation.
+        for fl in ls:
+            assert K.KIND_CHECKPOINT not in fl.kinds() and K.KIND_RESUME not in fl.kinds()
+            assert fl.generation == 1
+        assert (await env.status()).generation == 1
+    finally:
+        await close_env(env)
