@@ -494,6 +494,13 @@ def test_scaler_settings_validate_and_feed_the_policy() -> None:
         ScalerSettings(**REAL, decision_retention_days=-1.0)
     with pytest.raises(ConfigError, match="retention_batch_rows=0"):
         ScalerSettings(**REAL, retention_batch_rows=0)
+    with pytest.raises(ConfigError, match="leader_election: expected off, sql or kubernetes"):
+        ScalerSettings(**REAL, leader_election="etcd")
+    # A Lease lives in a namespace: no guess at one that other releases may share.
+    with pytest.raises(ConfigError, match="lease_namespace: required"):
+        ScalerSettings(**REAL, leader_election="kubernetes")
+    lease = ScalerSettings(**REAL, leader_election="kubernetes", lease_namespace="tide")
+    assert (lease.lease_name, lease.lease_kubeconfig) == ("tide-scaler", "in-cluster")
     # Each policy default is PolicySettings' own.
     assert s.policy() == PolicySettings(sustain_s=60.0, bucket_s=10.0, max_replicas=16)
 
