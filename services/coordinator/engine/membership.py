@@ -98,7 +98,12 @@ def heartbeat(
     changed = inp.leave_requested and not m.leave_requested
     m.leave_requested = m.leave_requested or inp.leave_requested
     if m.rank is not None and inp.generation == s.job.generation > 0:
-        m.steps_per_s = m.rate.observe(inp.generation, inp.step, mono) or m.steps_per_s
+        if inp.phase == WorkerPhase.RUNNING:
+            # Only a running worker's steps make a rate: a starting one reports 0, then the
+            # restored step, and a span from either covers the restart (it read 32 steps/s
+            # for a job making 9 just after its generation began, and put the barrier's
+            # step past the job's end).
+            m.steps_per_s = m.rate.observe(inp.generation, inp.step, mono) or m.steps_per_s
         prev_phase = m.phase
         m.phase = inp.phase
         m.step = inp.step
