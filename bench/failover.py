@@ -1,10 +1,12 @@
 """Failover of the scaler (two replicas, one leader) and of the coordinator
 (reliability catalog T08; docs/reliability.md).
 
-    python -m bench.failover [--quick] [--pg-url URL]
+    python -m bench.failover [--quick] [--pg-url URL] [--leader-election sql|kubernetes]
 
 Scaler: two replicas of ``python -m services.testing.scaler`` with
-``--leader-election sql`` on one PostgreSQL schema, sharing the actuator's file
+``--leader-election sql`` (the default: a lease row in the store) or
+``kubernetes`` (a coordination.k8s.io/v1 Lease on the API server emulator,
+services/testing/kube, run by this process) on one PostgreSQL schema, sharing the actuator's file
 and the in-memory coordinator's state file (the cluster and the coordinator,
 which outlive any scaler). A driver asks for resizes of one job, 2 -> 3 -> 2 ...,
 through whichever replica is ready, and records every decision acknowledged.
@@ -22,7 +24,10 @@ nothing it writes may land.
 
 Coordinator: it has no standby of its own yet; ``coordinator_failover_s`` is a
 cold one: SIGKILL, a new process on the same store, until a member that was
-registered before gets its heartbeat answered (its state came from SQL). The
+registered before gets its heartbeat answered (its state came from SQL). It is
+split in two: ``coordinator_start_s``, until the new process listens (the
+interpreter, imports, migrations: what a warm standby would not pay), and
+``coordinator_restore_s``, from then until the heartbeat is answered. The
 baseline of the run is the lease itself: ``failover_over_bound`` is
 failover_s / (lease + renew + 1 s), which must stay at most 1.
 """
@@ -52,6 +57,7 @@ from tide.v1 import coordinator_pb2_grpc as cpb_grpc
 from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
 from services.testing.actuators import read_changes
+from services.testing.kube import KubeApiServer
 from tidebase.listening import parse_listening
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +104,17 @@ def _wait(cond: Any, timeout_s: float, what: str, logs: Path | None = None) -> f
     return time.monotonic() - started
 
 
-def _replica(url: str, tmp: Path, owner: str) -> tuple[subprocess.Popen[str], str]:
+def _lease_args(election: str, kubeconfig: Path | None) -> list[str]:
+    args = ["--leader-election", election]
+    if election == "kubernetes":
+        assert kubeconfig is not None
+        args += ["--lease-kubeconfig", str(kubeconfig), "--lease-namespace", "default"]
+    return args
+
+
+def _replica(
+    url: str, tmp: Path, owner: str, lease: list[str]
+) -> tuple[subprocess.Popen[str], str]:
     return _start(
         [
             "-m",
@@ -116,8 +132,7 @@ def _replica(url: str, tmp: Path, owner: str) -> tuple[subprocess.Popen[str], st
             "--insecure",
             "--owner-id",
             owner,
-            "--leader-election",
-            "sql",
+            *lease,
             "--lease-duration-s",
             str(LEASE_S),
             "--lease-renew-s",
@@ -167,10 +182,10 @@ class Driver(threading.Thread):
             c.close()
 
 
-def scaler_failover(url: str, tmp: Path, engine: sa.Engine) -> dict[str, Any]:
-    a, a_target = _replica(url, tmp, "replica-a")
+def scaler_failover(url: str, tmp: Path, engine: sa.Engine, lease: list[str]) -> dict[str, Any]:
+    a, a_target = _replica(url, tmp, "replica-a", lease)
     _wait(lambda: _serving(a_target), 30, "replica a to lead", tmp)
-    b, b_target = _replica(url, tmp, "replica-b")
+    b, b_target = _replica(url, tmp, "replica-b", lease)
     try:
         assert not _serving(b_target), "the second replica must follow"
         with grpc.insecure_channel(a_target) as ch:
@@ -246,7 +261,7 @@ def scaler_failover(url: str, tmp: Path, engine: sa.Engine) -> dict[str, Any]:
     }
 
 
-def coordinator_failover(tmp: Path) -> float:
+def coordinator_failover(tmp: Path) -> dict[str, float]:
     db_url = f"sqlite:///{tmp / 'coordinator.db'}"
     args = ["-m", "services.coordinator", "--db", db_url, "--log-level", "ERROR", "--insecure"]
     first, target = _start([*args, "--listen", "127.0.0.1:0"])
@@ -270,6 +285,7 @@ def coordinator_failover(tmp: Path) -> float:
     first.wait(timeout=10)
     killed = time.monotonic()
     second, target = _start([*args, "--listen", f"127.0.0.1:{port}"])
+    listening = time.monotonic()
     try:
         with grpc.insecure_channel(target) as ch:
             stub = cpb_grpc.CoordinatorStub(ch)
@@ -282,7 +298,12 @@ def coordinator_failover(tmp: Path) -> float:
                 return True
 
             _wait(beats, 30, "the member's heartbeat on the new coordinator")
-        return time.monotonic() - killed
+        done = time.monotonic()
+        return {
+            "coordinator_failover_s": round(done - killed, 2),
+            "coordinator_start_s": round(listening - killed, 2),
+            "coordinator_restore_s": round(done - listening, 2),
+        }
     finally:
         second.terminate()
         second.wait(timeout=20)
@@ -297,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
             "TIDE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
         ),
     )
+    ap.add_argument(
+        "--leader-election",
+        choices=("sql", "kubernetes"),
+        default="sql",
+        help="where the replicas' lease lives: a row in the store, or a Kubernetes Lease",
+    )
     args = ap.parse_args(argv)
     admin = sa.create_engine(args.pg_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
     schema = f"failover_{uuid.uuid4().hex[:10]}"
@@ -306,9 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     url = f"{args.pg_url}{sep}options={quote(f'-csearch_path={schema}')}"
     engine = sa.create_engine(url, poolclass=sa.NullPool)
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            result = scaler_failover(url, Path(tmp), engine)
-            result["coordinator_failover_s"] = round(coordinator_failover(Path(tmp)), 2)
+        with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+            kubeconfig = None
+            if args.leader_election == "kubernetes":
+                kube = stack.enter_context(KubeApiServer())
+                kubeconfig = kube.write_kubeconfig(Path(tmp) / "kubeconfig")
+            lease = _lease_args(args.leader_election, kubeconfig)
+            result: dict[str, Any] = {"leader_election": args.leader_election}
+            result |= scaler_failover(url, Path(tmp), engine, lease)
+            result |= coordinator_failover(Path(tmp))
     finally:
         engine.dispose()
         with admin.connect() as conn:

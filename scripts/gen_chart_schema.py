@@ -42,7 +42,14 @@ _TLS = {
 SERVICES: dict[str, tuple[type[Any], frozenset[str]]] = {
     "scaler": (
         ScalerSettings,
-        frozenset(_SERVER | _TLS | {"coordinator", "actuator", "kube_namespaces", "local_ca_dir"}),
+        frozenset(
+            _SERVER
+            | _TLS
+            | {"coordinator", "actuator", "kube_namespaces", "local_ca_dir"}
+            # scaler.replicas > 1: leader election on the release's own Lease.
+            | {"leader_election", "lease_name", "lease_namespace", "lease_kubeconfig"}
+            | {"advertise_address"}
+        ),
     ),
     "coordinator": (CoordinatorSettings, frozenset(_SERVER | _TLS)),
     "agent": (

@@ -198,13 +198,24 @@ class CheckpointStore:
         tmp.mkdir()
         _fault("after_mkdir")
         entries: dict[str, dict[str, Any]] = {}
-        for name, data in files.items():
-            _write_durable(tmp, name, data, "file")
-            entries[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        manifest = {"format": FORMAT_VERSION, "step": step, "files": entries, "meta": dict(meta)}
-        manifest_bytes = json.dumps(manifest, sort_keys=True, indent=1).encode()
-        _write_durable(tmp, MANIFEST, manifest_bytes, "manifest")
-        _fsync_dir(tmp)
+        try:
+            for name, data in files.items():
+                _write_durable(tmp, name, data, "file")
+                entries[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            manifest = {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "files": entries,
+                "meta": dict(meta),
+            }
+            manifest_bytes = json.dumps(manifest, sort_keys=True, indent=1).encode()
+            _write_durable(tmp, MANIFEST, manifest_bytes, "manifest")
+            _fsync_dir(tmp)
+        except OSError:
+            # A full or read-only volume: the half-written step goes now, not at the next
+            # start, so it does not hold the space the next attempt needs.
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         final = self.root / step_dir_name(step)
         _fault("before_dir_rename")
         if final.exists():

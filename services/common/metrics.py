@@ -14,10 +14,11 @@ message: a telemetry stream is one call however many reports it carries.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import platform
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from importlib import metadata
 from typing import Any, Final
 
@@ -135,9 +136,10 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
                 t0 = time.perf_counter()
                 code = "OK"
                 try:
-                    gen: AsyncIterator[Any] = behavior(request, context)
-                    async for item in gen:
-                        yield item
+                    # Closed here, so a cancelled stream's clean-up is inside its timing.
+                    async with contextlib.aclosing(behavior(request, context)) as gen:
+                        async for item in gen:
+                            yield item
                 except BaseException as exc:
                     code = _code_of(exc, context)
                     raise

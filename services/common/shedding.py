@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -107,9 +107,11 @@ class ConcurrencyLimit(grpc.aio.ServerInterceptor):
                     await self._refuse(kind, request, context)
                 self.inflight[kind] += 1
                 try:
-                    gen: AsyncIterator[Any] = behavior(request, context)
-                    async for item in gen:
-                        yield item
+                    # Closed here, not left to the garbage collector: the handler's own
+                    # clean-up runs before the slot is given back.
+                    async with contextlib.aclosing(behavior(request, context)) as gen:
+                        async for item in gen:
+                            yield item
                 finally:
                     self.inflight[kind] -= 1
 

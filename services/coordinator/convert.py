@@ -118,6 +118,9 @@ def status_to_proto(v: JobView) -> pb.JobStatus:
         seen = _ts(m.last_heartbeat_at)
         if seen is not None:
             member.last_heartbeat.CopyFrom(seen)
+        grace_end = _ts(m.leave_deadline_s)
+        if grace_end is not None:
+            member.leave_deadline.CopyFrom(grace_end)
     if v.active_resize is not None:
         out.active_resize.CopyFrom(progress_to_proto(v.active_resize))
     return out
@@ -182,6 +185,7 @@ def heartbeat_from_proto(r: pb.HeartbeatRequest) -> HeartbeatInput:
         last_checkpoint_step=r.last_checkpoint_step,
         last_checkpoint_digest=r.last_checkpoint_digest,
         leave_requested=r.leave_requested,
+        leave_deadline_s=field_seconds(r, "leave_deadline"),
     )
 
 

@@ -225,6 +225,8 @@ class Member:
     startup: Breakdown = field(default_factory=Breakdown)
     # Its pod asked for a coordinated leave (a SIGTERM the launcher got).
     leave_requested: bool = False
+    # When that pod's grace ends (unix seconds), if its launcher said.
+    leave_deadline_s: float | None = None
 
     @property
     def endpoint(self) -> str:

@@ -26,7 +26,9 @@ from services.common.validate import validate_request
 from services.scaler.actuators import Actuator
 from services.scaler.actuators.counted import CountedActuator
 from services.scaler.coordination import CoordinatorClient
-from services.scaler.leader import LeaderElector
+from services.scaler.kube.client import api_client
+from services.scaler.kube.lease import KubernetesLease
+from services.scaler.leader import LeaderElector, LeaseBackend
 from services.scaler.lifecycle import FaultHook
 from services.scaler.metrics import IngestCollector, ScalerMetrics
 from services.scaler.service import ScalerCore
@@ -36,6 +38,7 @@ from services.scaler.store import DecisionStore
 from services.scaler.store.leases import LeaseRecord
 from services.store import db
 from services.store.probe import StoreProbe
+from tidebase.errors import TideError
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ async def serve_scaler(
         ingest=settings.ingest(),
         fault=fault,
         evaluate_interval_s=settings.evaluate_interval_s,
+        reconcile_interval_s=settings.reconcile_interval_s,
         rollup_flush_interval_s=settings.rollup_flush_interval_s,
         rollup_retention_days=settings.rollup_retention_days,
         metrics=metrics,
@@ -92,7 +96,11 @@ async def serve_scaler(
         background += [core.run, *attached]
     else:
         elector = LeaderElector(
-            store, clock, settings.lease(), address=settings.advertise_address or settings.listen
+            _lease_backend(settings, store, clock),
+            clock,
+            settings.lease(),
+            address=settings.advertise_address or settings.listen,
+            name=settings.lease_name,
         )
         core.leader = elector
         core.controller.may_act = elector.may_act
@@ -134,6 +142,20 @@ async def serve_scaler(
     )
 
 
+def _lease_backend(settings: ScalerSettings, store: DecisionStore, clock: Clock) -> LeaseBackend:
+    if settings.leader_election == "kubernetes":
+        api = api_client(settings.lease_kubeconfig, what="lease_kubeconfig")
+        # One try must end within the renewal period, or the elector gives up on it.
+        return KubernetesLease(
+            api,
+            settings.lease_namespace,
+            store.owner_id,
+            clock,
+            request_timeout_s=settings.lease_renew_s,
+        )
+    return store
+
+
 #: Exit status of a scaler replica that lost its lease: the kubelet restarts it,
 #: and it comes back as a follower.
 EXIT_LEADERSHIP_LOST = 3
@@ -149,6 +171,11 @@ def _elect(
 
     async def follow(message: str) -> None:
         await readiness.set_down("leadership", message)
+        try:
+            await core.follow()
+        except TideError as exc:
+            # The store is away: reads answer from the last view, and the probe says so.
+            logger.warning("follower: jobs not refreshed from the store: %s", exc)
 
     def lost(why: str) -> None:
         # Nothing may act once the lease is gone, not even a graceful shutdown's

@@ -18,7 +18,7 @@ from typing import Any
 
 from services.common import logs, tracing
 from services.common.clock import Clock
-from services.scaler.actuators import Actuator, remove_pods
+from services.scaler.actuators import Actuator, acting_while, remove_pods
 from services.scaler.coordination import CoordinatorClient, Phase, Progress, ResizeSpec
 from services.scaler.errors import StaleEpoch
 from services.scaler.lifecycle import FaultHook
@@ -260,7 +260,7 @@ class Controller:
                 d, S.PREPARING, f"asking the actuator for {d.to_replicas} replica(s)", fault
             )
         if d.state is S.PREPARING:
-            await self._set_replicas(d, d.to_replicas)
+            await self._set_replicas(d, d.to_replicas, deadline_s)
             fault("decision:PREPARING+effect")
             d = await self._step(
                 d, S.ACTUATING, "replicas requested; coordinator admits the newcomers", fault
@@ -271,7 +271,7 @@ class Controller:
             world = result.world_size or d.to_replicas
             if world < d.to_replicas:
                 # Proceeded with the newcomers that came: give back the rest.
-                await self._set_replicas(d, world)
+                await self._set_replicas(d, world, deadline_s)
             return await self._step(
                 d,
                 S.COMPLETED,
@@ -285,7 +285,7 @@ class Controller:
                 lost_steps=result.lost_steps,
             )
         # Put the replicas back before the abort is recorded: ABORTED means "runs at N".
-        await self._set_replicas(d, d.from_replicas)
+        await self._set_replicas(d, d.from_replicas, deadline_s)
         final = S.ABORTED if result.phase is Phase.ABORTED else S.FAILED
         return await self._step(
             d,
@@ -331,14 +331,21 @@ class Controller:
                 lost_steps=result.lost_steps,
             )
         leaving = _leaving_pods(d)
-        with tracing.tracer().start_as_current_span(
-            "tide.actuator.remove_pods",
-            attributes={"tide.replicas": d.to_replicas, "tide.pods": list(leaving)},
+        with (
+            tracing.tracer().start_as_current_span(
+                "tide.actuator.remove_pods",
+                attributes={"tide.replicas": d.to_replicas, "tide.pods": list(leaving)},
+            ),
+            acting_while(self.may_act),
         ):
             # The pods the coordinator drained, named: lowering the count alone would
             # stop the highest index, a member of the generation just formed.
-            await remove_pods(
-                self.actuator, d.job_id, leaving, replicas=d.to_replicas, decision_id=d.id
+            await self._act(
+                d,
+                lambda: remove_pods(
+                    self.actuator, d.job_id, leaving, replicas=d.to_replicas, decision_id=d.id
+                ),
+                deadline_s,
             )
         fault("decision:ACTUATING+effect")
         named = f" ({', '.join(leaving)} removed)" if leaving else ""
@@ -368,12 +375,45 @@ class Controller:
         if not self.may_act():
             raise StaleEpoch(f"decision {d.id}: this scaler replica no longer leads")
 
-    async def _set_replicas(self, d: DecisionRecord, replicas: int) -> None:
-        self._check_lead(d)
-        with tracing.tracer().start_as_current_span(
-            "tide.actuator.set_replicas", attributes={"tide.replicas": replicas}
-        ):
-            await self.actuator.set_replicas(d.job_id, replicas, decision_id=d.id)
+    async def _set_replicas(self, d: DecisionRecord, replicas: int, deadline_s: float) -> None:
+        async def once() -> None:
+            with (
+                tracing.tracer().start_as_current_span(
+                    "tide.actuator.set_replicas", attributes={"tide.replicas": replicas}
+                ),
+                acting_while(self.may_act),
+            ):
+                await self.actuator.set_replicas(d.job_id, replicas, decision_id=d.id)
+
+        await self._act(d, once, deadline_s)
+
+    async def _act(
+        self, d: DecisionRecord, once: Callable[[], Awaitable[None]], deadline_s: float
+    ) -> None:
+        """An actuator call, again while it answers Unavailable (the API server out of
+        reach), until ``3 × deadline_s + 30 s`` as for the coordinator; then its error
+        ends the decision. Each call is idempotent (a count, read before it is
+        patched), so one whose answer was lost is not applied twice."""
+        give_up = self.clock.monotonic() + deadline_s * 3 + 30.0
+        backoff = Backoff(self.retry_s, self.retry_max_s)
+        while True:
+            self._check_lead(d)
+            try:
+                await once()
+                return
+            except StoreUnavailable:
+                raise
+            except Unavailable as exc:
+                if self.clock.monotonic() >= give_up:
+                    raise
+                logger.warning(
+                    "decision %d of job %s: actuator unavailable (%s); retrying",
+                    d.id,
+                    d.job_id,
+                    exc,
+                    extra={"job_id": d.job_id, "decision_id": d.id},
+                )
+            await self.clock.sleep(backoff.next_delay_s())
 
     async def _resize(self, d: DecisionRecord, deadline_s: float) -> Progress:
         self._check_lead(d)

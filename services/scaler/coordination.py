@@ -21,6 +21,7 @@ from services.common import tracing
 from services.scaler.members import Member
 from tidebase.client import domain_error
 from tidebase.grpc_options import DEFAULT_TIMEOUT_S
+from tidebase.timeconv import field_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class Phase(enum.Enum):
     COMPLETED = 5
     ABORTED = 6
     FAILED = 7
+    # Overlap mode (--resize-mode overlap): g+1's group forms before the barrier.
+    PREPARING = 8
 
     @property
     def final(self) -> bool:
@@ -181,6 +184,7 @@ def _status_view(st: coordinator_pb2.JobStatus) -> JobStatusView:
             m.pod_uid,
             m.state == coordinator_pb2.MEMBER_STATE_ACTIVE,
             m.leave_requested,
+            field_seconds(m, "leave_deadline"),
         )
         for m in st.members
         if m.state != coordinator_pb2.MEMBER_STATE_GONE

@@ -21,6 +21,7 @@ from tide.v1 import telemetry_pb2
 
 from services.common.clock import Clock
 from services.scaler.members import MemberRegistry
+from services.scaler.partials import JobPartial, Partials
 from services.scaler.policy import WindowView
 from services.scaler.windows import JobWindow, NodeGpus, Rollups, stagger_offset
 from tidebase.errors import AlreadyExists, ConfigError, InvalidArgument
@@ -226,6 +227,12 @@ class IngestEngine:
         self.windows: dict[str, JobWindow] = {}
         self._last_slot: dict[str, int] = {}
         self.rollups = Rollups()
+        # Sharded (services/scaler/shards.py): whether a job's samples go to the replica
+        # that owns it, as partial aggregates, instead of into a window here.
+        self.forward: Callable[[str], bool] | None = None
+        self.partials = Partials()
+        # Coverage shipped by other replicas: job → (node, GPU index) → last sample time.
+        self.remote_seen: dict[str, dict[tuple[str, int], float]] = {}
         # Plain ints on the hot path; exported by metrics.IngestCollector at scrape time.
         self.reports_accepted = 0
         self.reports_duplicate = 0
@@ -442,6 +449,7 @@ class IngestEngine:
         if not acc:
             return
         job_nodes = self.job_nodes
+        forward = self.forward
         for job, (total, count, lo, hi) in acc.items():
             if job is None:
                 self.samples_unattributed += int(count)
@@ -456,6 +464,9 @@ class IngestEngine:
                 bucket_s, buckets = self._shape(job)
                 w = self.windows[job] = self._new_window(job, bucket_s, buckets)
             slot = int((t - w.offset_s) // w.slot_s)
+            if forward is not None and forward(job):
+                self.partials.add(job, (w.bucket_s, w.buckets), slot, t, total, int(count), lo, hi)
+                continue
             w.add(slot, total, int(count))
             self.rollups.add(job, t, total, int(count), lo, hi)
             last = self._last_slot.get(job)
@@ -509,8 +520,50 @@ class IngestEngine:
 
     def drop_job(self, job_id: str) -> None:
         self.reshape(job_id)
+        self.remote_seen.pop(job_id, None)
         self.rollups.drop_job(job_id)
         self.job_nodes.pop(job_id, None)
+
+    # -- sharding: partial aggregates between replicas ---------------------------
+
+    def take_partials(self) -> list[JobPartial]:
+        """What was gathered for jobs owned elsewhere since the last call, each with the
+        coverage of the job's GPUs here (read from the job's nodes only)."""
+        out = list(self.partials.take().values())
+        for p in out:
+            for node in self.job_nodes.get(p.job_id, {}).values():
+                for i, (j, s) in enumerate(zip(node.gpus.job, node.gpus.seen_s, strict=True)):
+                    if j == p.job_id:
+                        p.seen_s[(node.name, i)] = s
+        return out
+
+    def merge_partials(self, sender: str, parts: Iterable[JobPartial]) -> None:
+        """Add another replica's partial aggregates of jobs owned here to their windows
+        and rollups, as if its samples had come here."""
+        horizon = self.clock.now() - self.settings.stale_after_s
+        for p in parts:
+            job = p.job_id
+            seen = self.remote_seen.setdefault(job, {})
+            for gpu, s in p.seen_s.items():
+                if s > seen.get(gpu, -_INF):
+                    seen[gpu] = s
+            for gpu in [g for g, s in seen.items() if s < horizon]:
+                del seen[gpu]  # stale already: it counts for nothing, now or later
+            bucket_s, buckets = self._shape(job)
+            if (p.bucket_s, p.buckets) == (bucket_s, buckets):
+                w = self.windows.get(job)
+                if w is None or w.bucket_s != bucket_s or w.buckets != buckets:
+                    w = self.windows[job] = self._new_window(job, bucket_s, buckets)
+                for slot in sorted(p.slots):
+                    total, count = p.slots[slot]
+                    w.add(slot, total, int(count))
+                    last = self._last_slot.get(job)
+                    if last is None or slot > last:
+                        self._last_slot[job] = slot
+                        if last is not None and self.on_slot is not None:
+                            self.on_slot(job, w.offset_s + slot * w.slot_s)
+            for sec, (total, count, lo, hi) in p.seconds.items():
+                self.rollups.add(job, float(sec), total, int(count), lo, hi)
 
     def fresh_gpus(self, now_s: float) -> dict[str, int]:
         """Per job, GPUs with a sample newer than the staleness limit."""
@@ -523,16 +576,27 @@ class IngestEngine:
             for job, seen in zip(g.job, g.seen_s, strict=True):
                 if job is not None and seen >= horizon:
                     out[job] = out.get(job, 0) + 1
+        for job_id in self.remote_seen:
+            out[job_id] = self.fresh_gpus_of(job_id, now_s)
         return out
 
     def fresh_gpus_of(self, job_id: str, now_s: float) -> int:
         """The job's GPUs with a sample newer than the staleness limit: ``fresh_gpus``
         for one job, reading only the nodes that hold its GPUs (O(the job's GPUs))."""
+        horizon = now_s - self.settings.stale_after_s
+        remote = self.remote_seen.get(job_id)
+        if remote:
+            # Shipped by other replicas: each GPU once, at its latest sample anywhere.
+            latest = dict(remote)
+            for node in self.job_nodes.get(job_id, {}).values():
+                for i, (j, s) in enumerate(zip(node.gpus.job, node.gpus.seen_s, strict=True)):
+                    if j == job_id and s > latest.get((node.name, i), -_INF):
+                        latest[(node.name, i)] = s
+            return sum(1 for s in latest.values() if s >= horizon)
+        fresh = 0
         nodes = self.job_nodes.get(job_id)
         if not nodes:
             return 0
-        horizon = now_s - self.settings.stale_after_s
-        fresh = 0
         gone: list[str] = []
         for name, node in nodes.items():
             held = False

@@ -1,4 +1,4 @@
-"""One leader among scaler replicas: a lease renewed in the store.
+"""One leader among scaler replicas: a lease renewed in the store or the API server.
 
 Every replica runs an elector. The one holding the lease leads: it takes every
 job (bumping each job's owner epoch, the fencing token its writes carry), resumes
@@ -14,9 +14,12 @@ another took over and run a few callbacks before its elector notices; the
 controller asks :meth:`may_act` before every side effect, and every write it
 attempts carries the job's old epoch, which the store refuses (StaleEpoch).
 
-The Kubernetes deployment can use a ``coordination.k8s.io`` Lease instead
-(the same compare-and-set over the API server); this SQL lease needs nothing
-but the store every replica already shares.
+The lease lives behind :class:`LeaseBackend`, with two implementations: a row
+in the store every replica already shares (``--leader-election sql``,
+:class:`~services.scaler.store.DecisionStore`) and a ``coordination.k8s.io/v1``
+Lease (``--leader-election kubernetes``, services/scaler/kube/lease.py). Either
+way the fencing epochs are the store's: whoever is elected takes every job in
+SQL before it acts.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from services.common.clock import Clock
-from services.scaler.store import DecisionStore
 from services.scaler.store.leases import LeaseRecord
 from tidebase.errors import ConfigError, TideError
 
@@ -56,17 +59,30 @@ class LeaseSettings:
             )
 
 
+class LeaseBackend(Protocol):
+    """Where the lease lives. ``try_lease`` renews it if ``owner_id`` holds it, takes
+    it if it expired or was released, and returns it as it stands after, whoever
+    holds it; of two replicas taking it at once exactly one gets it. Each take is a
+    new, higher epoch."""
+
+    owner_id: str
+
+    async def try_lease(self, name: str, address: str, *, duration_s: float) -> LeaseRecord: ...
+
+    async def release_lease(self, name: str) -> bool: ...
+
+
 class LeaderElector:
     def __init__(
         self,
-        store: DecisionStore,
+        backend: LeaseBackend,
         clock: Clock,
         settings: LeaseSettings,
         *,
         address: str,
         name: str = LEASE_NAME,
     ) -> None:
-        self.store = store
+        self.backend = backend
         self.clock = clock
         self.settings = settings
         self.address = address
@@ -87,14 +103,16 @@ class LeaderElector:
 
     def follower_message(self) -> str:
         lease = self.current
-        if lease is None or lease.held_by(self.store.owner_id):
+        if lease is None or lease.held_by(self.backend.owner_id):
             return "no leader yet"
         return f"following {lease.holder} at {lease.address or '?'} (lease epoch {lease.epoch})"
 
     async def _try(self) -> LeaseRecord | None:
         try:
             return await asyncio.wait_for(
-                self.store.try_lease(self.name, self.address, duration_s=self.settings.duration_s),
+                self.backend.try_lease(
+                    self.name, self.address, duration_s=self.settings.duration_s
+                ),
                 self.settings.renew_s,
             )
         except (TideError, TimeoutError) as exc:
@@ -108,7 +126,7 @@ class LeaderElector:
         on_follow: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         """Elect and renew until cancelled; ``on_lost`` must stop this replica acting."""
-        me = self.store.owner_id
+        me = self.backend.owner_id
         while True:
             if self.leading and self.clock.monotonic() >= self._deadline:
                 on_lost("the lease ran out before it could be renewed")
@@ -140,6 +158,6 @@ class LeaderElector:
         if self.leading:
             self.leading = False
             try:
-                await self.store.release_lease(self.name)
+                await self.backend.release_lease(self.name)
             except TideError as exc:
                 logger.warning("lease %s: not released (%s); it runs out", self.name, exc)

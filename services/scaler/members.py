@@ -36,6 +36,8 @@ class Member:
     active: bool = True
     # Its pod got SIGTERM and asks for a coordinated leave (docs/preemption.md).
     leave_requested: bool = False
+    # When that pod's grace ends (unix seconds), if its launcher said.
+    leave_deadline_s: float | None = None
 
 
 class MemberRegistry(Protocol):

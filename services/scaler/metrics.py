@@ -42,7 +42,11 @@ DECISION_KINDS: Final = (
     ("node_termination", "emergency"),
     ("manual", "manual"),
     ("job_started", "manual"),
+    ("reconcile", "reconcile"),
 )
+
+#: What a reconcile pass compares the scaler's view with (``tide_scaler_drift_total``).
+DRIFT_SOURCES: Final = ("actuator", "coordinator")
 FINAL_STATES: Final = ("completed", "aborted", "failed")
 
 #: Parts of the decision latency (``tide_scaler_decision_latency_stage_seconds``).
@@ -237,6 +241,26 @@ class ScalerMetrics:
             " (the loop goes on; the next pass takes up what this one left).",
             registry=r,
         )
+        self.drift = Counter(
+            "tide_scaler_drift_total",
+            "Jobs found by a reconcile pass whose actuator replicas or coordinator world size"
+            " differed from the scaler's last decision, by source (actuator, coordinator);"
+            " each is corrected through a recorded RECONCILE decision.",
+            ("source",),
+            registry=r,
+        )
+        self.drifting = Gauge(
+            "tide_scaler_drift_jobs",
+            "Jobs that drifted in the last reconcile pass.",
+            registry=r,
+        )
+        self.reconcile_passes = Counter(
+            "tide_scaler_reconcile_passes_total",
+            "Reconcile passes run (at start, on taking the lead, then periodically).",
+            registry=r,
+        )
+        for source in DRIFT_SOURCES:
+            self.drift.labels(source)
         self._stages = tuple(self.decision_stage.labels(s) for s in STAGES)
         # Present at 0 from the start: an increase() alert needs a sample before the error.
         for operation in ("set_replicas", "get_replicas", "free_gpus"):

@@ -27,6 +27,7 @@ class Reason(enum.Enum):
     MEMBER_LOST = 5
     JOB_STARTED = 6
     SLOWER_AFTER_SCALE_UP = 7
+    RECONCILE = 8
     WITHIN_BAND = 20
     NOT_SUSTAINED = 21
     COOLDOWN = 22
@@ -52,6 +53,7 @@ class Trigger(enum.Enum):
     POLICY = 1
     MANUAL = 2
     EMERGENCY = 3
+    RECONCILE = 4
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any
 from services.common import logs, tracing
 from services.common.clock import Clock
 from services.scaler import policy as pol
+from services.scaler import reconcile
 from services.scaler.actuators import Actuator
 from services.scaler.controller import Controller
 from services.scaler.convert import decision_inputs
@@ -35,6 +36,7 @@ from services.scaler.members import CoordinatorMemberRegistry
 from services.scaler.metrics import ScalerMetrics
 from services.scaler.pool import PoolClaims
 from services.scaler.preemption import plan_notice
+from services.scaler.reconcile import Drift
 from services.scaler.store import DecisionRecord, DecisionState, DecisionStore, JobRecord
 from services.scaler.triggers import Triggers
 from services.store.probe import StoreProbe
@@ -54,6 +56,10 @@ LOOP_LOG_EVERY_S = 10.0
 
 #: Jobs a starting scaler takes (and reads the last resize of) per transaction.
 START_BATCH = 200
+#: A pass over every job hands the event loop back this often: a pass over 1,000 jobs
+#: takes a few hundred milliseconds here, and every telemetry stream's ack would wait
+#: behind it (bench.scale's ack p99); 64 jobs take about 10 ms.
+YIELD_EVERY_JOBS = 64
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,7 @@ class ScalerCore:
         ingest: IngestSettings | None = None,
         fault: FaultHook | None = None,
         evaluate_interval_s: float = 1.0,
+        reconcile_interval_s: float = 30.0,
         rollup_flush_interval_s: float = 15.0,
         rollup_retention_days: float = 30.0,
         metrics: ScalerMetrics | None = None,
@@ -139,6 +146,7 @@ class ScalerCore:
             wait_store=store_probe.wait_up if store_probe is not None else None,
         )
         self.evaluate_interval_s = evaluate_interval_s
+        self.reconcile_interval_s = reconcile_interval_s
         self.rollup_flush_interval_s = rollup_flush_interval_s
         self.feed = DecisionFeed()
         self.history = RollupHistory(
@@ -164,6 +172,9 @@ class ScalerCore:
         self._recs: dict[str, list[tuple[float, int]]] = {}
         self._last_dir: dict[str, int] = {}
         self._last_from: dict[str, int] = {}
+        #: Replicas the actuator is still asked for after a member was lost without
+        #: notice (the last completed decision was MEMBER_LOST): its from_replicas.
+        self._asked: dict[str, int] = {}
         self.throughput = ThroughputBook()
         self.pool = PoolClaims(stale_after_s=3 * evaluate_interval_s + 1.0)
         self.triggers = Triggers()
@@ -193,23 +204,42 @@ class ScalerCore:
         )
 
     def _adopt(self, job: JobRecord) -> None:
+        self._know(job)
+        self.actuator.adopt(
+            job.job_id, replicas=job.current_replicas, gpus_per_replica=job.gpus_per_replica
+        )
+
+    def _know(self, job: JobRecord) -> None:
+        """Hold ``job`` as the store has it: its policy, its windows' shape, its members
+        watched (so telemetry is attributed to it), its metrics. Nothing acts on it."""
         old = self.policies.get(job.job_id)
         p = self.policy_of(job)
         self.jobs[job.job_id] = job
         self.policies[job.job_id] = p
         if old is not None and (old.bucket_s, old.sustain_s) != (p.bucket_s, p.sustain_s):
             self.engine.reshape(job.job_id)
-        self.actuator.adopt(
-            job.job_id, replicas=job.current_replicas, gpus_per_replica=job.gpus_per_replica
-        )
         self.registry.track(job.job_id)
         self.metrics.job(job, p, resizing=job.job_id in self.active)
+
+    async def follow(self) -> None:
+        """A follower's view, refreshed while it follows: every job and the decisions in
+        flight as the store has them, for the read API, and each job's members watched so
+        the telemetry it ingests fills warm windows. It takes no job (no epoch) and tells
+        the actuator nothing: the leader does both, and :meth:`start` on election."""
+        jobs = await self.store.list_jobs()
+        in_flight = await self.store.non_final()
+        for job in jobs:
+            self._know(job)
+        self.active.clear()
+        self.active.update((d.job_id, d.id) for d in in_flight)
 
     async def start(self) -> None:
         """Load jobs, take ownership of them, derive cooldowns from the database and
         resume every decision that is not final."""
         self._wake = asyncio.Event()
         await self.store.warm_up()
+        # What a follower saw in flight may have ended since: the store says what is.
+        self.active.clear()
         jobs = await self.store.list_jobs()
         for job in jobs:
             self._adopt(job)
@@ -228,6 +258,7 @@ class ScalerCore:
 
     def _restore_last(self, job_id: str, last: DecisionRecord) -> None:
         """What the job's last completed resize tells the policy and the goodput guard."""
+        self._note_asked(last)
         self._last_dir[job_id] = (last.to_replicas > last.from_replicas) - (
             last.to_replicas < last.from_replicas
         )
@@ -378,15 +409,20 @@ class ScalerCore:
         """Pods of the job that must go: on nodes with a notice (one such node, the
         earliest deadline), and those whose launcher asked to leave (SIGTERM)."""
         pods, node, deadline = self.engine.terminating_pods(job_id)
-        asked = {
-            m.pod_uid or m.pod_name
+        leaving = [
+            m
             for m in self.registry.members(job_id)
             if m.active
             and m.leave_requested
             # The agent may name the same pod already (by name or uid): once is enough.
             and m.pod_name not in pods
             and m.pod_uid not in pods
-        }
+        ]
+        asked = {m.pod_uid or m.pod_name for m in leaving}
+        # A pod's grace end is its deadline as a node's notice is: the earliest rules.
+        ends = [m.leave_deadline_s for m in leaving if m.leave_deadline_s is not None]
+        if ends:
+            deadline = min([*ends, *([deadline] if deadline is not None else [])])
         return pods | asked, node or ("pod SIGTERM" if asked else ""), deadline
 
     def job_state(self, job_id: str, free_gpus: int | None) -> pol.JobState:
@@ -436,12 +472,16 @@ class ScalerCore:
         async with self._eval_lock:
             raw = await self.actuator.free_gpus()
             staged: list[tuple[_Staged, float]] = []
-            for job_id, tipping_s in items:
+            for n, (job_id, tipping_s) in enumerate(items, 1):
+                if n % YIELD_EVERY_JOBS == 0:
+                    await asyncio.sleep(0)
                 with self._guard(job_id):
                     t0 = time.perf_counter()
                     st = self._stage(job_id, tipping_s, fresh, raw)
                     staged.append((st, time.perf_counter() - t0))
-            for st, spent in staged:
+            for n, (st, spent) in enumerate(staged, 1):
+                if n % YIELD_EVERY_JOBS == 0:
+                    await asyncio.sleep(0)
                 with self._guard(st.job_id):
                     t0 = time.perf_counter()
                     await self._commit(st)
@@ -692,6 +732,10 @@ class ScalerCore:
             if d.state is DecisionState.COMPLETED:
                 changes["current_replicas"] = d.to_replicas
                 changes["generation"] = max(job.generation, d.generation)
+                self._note_asked(d)
+            if d.state is DecisionState.COMPLETED and d.reason != pol.Reason.RECONCILE.name:
+                # A correction puts back the recorded size: not a resize the goodput
+                # guard or the direction rules should learn from.
                 self._last_dir[d.job_id] = (d.to_replicas > d.from_replicas) - (
                     d.to_replicas < d.from_replicas
                 )
@@ -700,13 +744,22 @@ class ScalerCore:
             self.metrics.decision_finished(d, self.jobs[d.job_id].current_replicas)
         self._recs.pop(d.job_id, None)
 
+    def _note_asked(self, d: DecisionRecord) -> None:
+        """After a completed decision: what the actuator is asked for, if not its size."""
+        if d.reason == pol.Reason.MEMBER_LOST.name:
+            self._asked.setdefault(d.job_id, d.from_replicas)
+        else:
+            self._asked.pop(d.job_id, None)
+
     # -- the loop ---------------------------------------------------------------------------
 
     async def tick(self) -> None:
         now = self.clock.now()
         fresh = self.engine.fresh_gpus(now)
         jobs = [j for j in self.jobs if j not in self.fenced]
-        for job_id in jobs:
+        for n, job_id in enumerate(jobs, 1):
+            if n % YIELD_EVERY_JOBS == 0:
+                await asyncio.sleep(0)
             self._measure(job_id, now)
             with self._guard(job_id):
                 await self._record_loss(job_id)
@@ -768,6 +821,50 @@ class ScalerCore:
             record, generation=st.generation, lost_steps=lost, detail=message
         )
 
+    async def reconcile(self) -> list[Drift]:
+        """Compare every idle job's recorded size with the actuator's replicas and the
+        coordinator's world size; correct each drift through a recorded decision
+        (services/scaler/reconcile.py). Returns the drifts found."""
+        self.metrics.reconcile_passes.inc()
+        found: list[Drift] = []
+        for job_id in list(self.jobs):
+            if job_id in self.fenced or job_id in self.active or self._finished(job_id):
+                continue
+            with self._guard(job_id):
+                observed = await reconcile.observe(job_id, self.actuator, self.coordinator)
+                job = self.jobs[job_id]
+                drift = reconcile.compare(
+                    job_id,
+                    job.current_replicas,
+                    job.generation,
+                    observed,
+                    asked_replicas=self._asked.get(job_id),
+                )
+                # A decision may have started while the parties were asked: not a drift.
+                if drift is None or job_id in self.active:
+                    continue
+                found.append(drift)
+                for source in drift.sources:
+                    self.metrics.drift.labels(source).inc()
+                await self._correct(drift)
+        self.metrics.drifting.set(len(found))
+        return found
+
+    async def _correct(self, drift: Drift) -> None:
+        d = drift.decision()
+        try:
+            record = await self._create(d, drift.inputs(), "")
+        except DecisionInProgress:
+            return  # a decision of its own started meanwhile: it sets the size
+        logger.warning(
+            "job %s: drift (%s): %s; decision %d",
+            drift.job_id,
+            ", ".join(drift.sources),
+            d.message,
+            record.id,
+            extra={"job_id": drift.job_id, "decision_id": record.id},
+        )
+
     def _measure(self, job_id: str, now: float) -> None:
         job, status = self.jobs[job_id], self.coordinator.latest_status(job_id)
         if status is not None and job_id not in self.active:
@@ -784,6 +881,8 @@ class ScalerCore:
         wake = self._wake
         next_tick = self.clock.monotonic()
         next_flush = next_tick + self.rollup_flush_interval_s
+        # At once: this runs at start and each time this replica takes the lead.
+        next_reconcile = next_tick
         while True:
             timeout = max(0.0, next_tick - self.clock.monotonic())
             with contextlib.suppress(TimeoutError):
@@ -805,6 +904,9 @@ class ScalerCore:
                 if mono >= next_flush:
                     await self.flush_rollups()
                     next_flush = mono + self.rollup_flush_interval_s
+                if mono >= next_reconcile:
+                    next_reconcile = mono + self.reconcile_interval_s
+                    await self.reconcile()
             except Unavailable as exc:
                 # The store (or the coordinator) went away mid-pass: this pass is
                 # lost, the loop is not. Ended once, it would decide nothing more

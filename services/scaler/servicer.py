@@ -9,6 +9,8 @@ only ever holds up its own stream. Acks are coalesced: one goes out after
 ``ack_every_reports`` reports or once ``ack_max_delay_s`` has passed since
 the previous one, so an agent reporting every second gets every report acked
 at once, while a burst (a resend after reconnect) costs one ack per batch.
+Held-back acks and idle streams are looked after by two tasks shared by all
+streams, not two per stream (docs/scaler.md "Scaling out").
 """
 
 from __future__ import annotations
@@ -224,6 +226,9 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
     async def WatchDecisions(
         self, request: scaler_pb2.WatchDecisionsRequest, context: Ctx
     ) -> AsyncIterator[scaler_pb2.DecisionEvent]:
+        # A follower decides nothing, so it would never send an event: UNAVAILABLE
+        # naming the leader, which the caller watches instead.
+        self.core._require_leader()
         q = self.core.subscribe(request.job_id)
         # Headers go out once subscribed: a client that awaits them knows no
         # later change can be missed.
@@ -249,6 +254,35 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
 __all__ = ["RULES", "ScalerServicer"]
 
 
+class _Acks:
+    """One stream's ack state. The servicer's two shared tasks (held-back acks, idle
+    reaping) read it, so a stream costs no task, lock or event of its own: at 1 Hz
+    with thousands of streams those were most of what a stream cost beyond gRPC."""
+
+    __slots__ = (
+        "ack",
+        "context",
+        "flight",
+        "last_s",
+        "reaped",
+        "reports",
+        "sent",
+        "since",
+        "writing",
+    )
+
+    def __init__(self, context: Ctx) -> None:
+        self.context = context
+        self.ack: tuple[str, int] | None = None  # (boot id, acked seq) to send
+        self.sent: tuple[str, int] | None = None  # the last one written
+        self.since = 0  # reports since the last ack
+        self.last_s = -1e18  # monotonic time of the last ack
+        self.reports = 0  # reports received (the reaper's counter)
+        self.writing = False  # a write is in flight: at most one per stream
+        self.flight: asyncio.Task[None] | None = None  # the flusher's write, if any
+        self.reaped = False
+
+
 class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
     def __init__(
         self,
@@ -260,9 +294,61 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         self.engine = engine
         self.ack_every_reports = max(1, ack_every_reports)
         self.ack_max_delay_s = ack_max_delay_s
+        #: Open streams (their handler tasks), and those holding back an ack.
+        self._streams: dict[_Acks, asyncio.Task[Any]] = {}
+        self._held: set[_Acks] = set()
+        self._flusher: asyncio.Task[None] | None = None
+        self._reaper: asyncio.Task[None] | None = None
+
+    async def _write(self, st: _Acks) -> None:
+        """Write the stream's newest ack, and again if a newer one came meanwhile."""
+        if st.writing:
+            return  # the write in flight sends the newest ack when it is done
+        st.writing = True
+        interval = self.engine.settings.report_interval_s
+        try:
+            while st.ack is not None and st.ack != st.sent:
+                ack = st.sent = st.ack
+                st.since = 0
+                st.last_s = self.engine.clock.monotonic()
+                await st.context.write(
+                    telemetry_pb2.TelemetryAck(
+                        boot_id=ack[0], acked_seq=ack[1], report_interval_s=interval
+                    )
+                )
+        finally:
+            st.writing = False
+
+    async def _flush_held(self) -> None:
+        # Acks held back during a burst go out once it pauses: one task for every
+        # stream, waking only while some stream holds one back.
+        while self._held:
+            await asyncio.sleep(self.ack_max_delay_s)
+            held, self._held = self._held, set()
+            for st in held:
+                if st in self._streams and not st.writing:
+                    # A task of its own: a peer that stopped reading holds up only itself.
+                    st.flight = asyncio.create_task(self._write(st))
+        self._flusher = None
+
+    async def _reap_idle(self, idle_s: float) -> None:
+        # Four looks per timeout at each stream's counter, not a clock read per report:
+        # a stream is closed between 1 and 1.25 timeouts after its last report.
+        seen: dict[_Acks, tuple[int, int]] = {}
+        while self._streams:
+            await asyncio.sleep(idle_s / 4)
+            for st, task in list(self._streams.items()):
+                count, quiet = seen.get(st, (-1, 0))
+                quiet = quiet + 1 if st.reports == count else 0
+                seen[st] = (st.reports, quiet)
+                if quiet >= 4:
+                    st.reaped = True
+                    task.cancel()
+            seen = {st: v for st, v in seen.items() if st in self._streams}
+        self._reaper = None
 
     # A coroutine handler that writes with context.write (not a generator), so the
-    # flusher task can send a held-back ack while the stream is idle.
+    # shared flusher can send a held-back ack while the stream is idle.
     async def Stream(  # type: ignore[override]
         self,
         request_iterator: AsyncIterator[telemetry_pb2.NodeReport],
@@ -270,82 +356,44 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
     ) -> None:
         engine = self.engine
         process = engine.process
-        clock = engine.clock
-        interval = engine.settings.report_interval_s
+        monotonic = engine.clock.monotonic
         stream = engine.open_stream()
         every = self.ack_every_reports
         delay = self.ack_max_delay_s
-        # [reports since the last ack, monotonic time of the last ack, ack to send,
-        #  ack sent, reports received]
-        st: list[Any] = [0, -1e18, None, None, 0]
-        dirty = asyncio.Event()
-        lock = asyncio.Lock()
-
-        async def send() -> None:
-            async with lock:
-                ack = st[2]
-                if ack is None or ack == st[3]:
-                    return
-                st[0] = 0
-                st[1] = clock.monotonic()
-                st[3] = ack
-                await context.write(
-                    telemetry_pb2.TelemetryAck(
-                        boot_id=ack[0], acked_seq=ack[1], report_interval_s=interval
-                    )
-                )
-
-        async def flusher() -> None:
-            # Acks held back during a burst go out once the burst pauses.
-            while True:
-                await dirty.wait()
-                dirty.clear()
-                await asyncio.sleep(delay)
-                await send()
-
-        idle_s = engine.settings.stream_idle_timeout_s
-        reaped: list[bool] = []
+        held = self._held
+        st = _Acks(context)
         handler = asyncio.current_task()
-
-        async def reaper() -> None:
-            # Four looks per timeout at a counter, not a clock read per report: the
-            # ingest path stays as it was, and a stream is closed between 1 and
-            # 1.25 timeouts after its last report.
-            seen, quiet = -1, 0
-            while True:
-                await asyncio.sleep(idle_s / 4)
-                quiet = quiet + 1 if st[4] == seen else 0
-                seen = st[4]
-                if quiet >= 4 and handler is not None:
-                    reaped.append(True)
-                    handler.cancel()
-                    return
-
-        flush_task = asyncio.create_task(flusher())
-        reap_task = asyncio.create_task(reaper()) if idle_s > 0 else None
+        assert handler is not None  # a gRPC handler always runs in a task
+        self._streams[st] = handler
+        idle_s = engine.settings.stream_idle_timeout_s
+        if idle_s > 0 and self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_idle(idle_s))
         try:
             try:
                 async for report in request_iterator:
-                    st[4] += 1
-                    st[2] = process(stream, report)
-                    st[0] += 1
-                    if st[0] >= every or clock.monotonic() - st[1] >= delay:
-                        await send()
+                    st.reports += 1
+                    st.ack = process(stream, report)
+                    st.since += 1
+                    if st.since >= every or monotonic() - st.last_s >= delay:
+                        await self._write(st)
                     else:
-                        dirty.set()
+                        held.add(st)
+                        if self._flusher is None:
+                            self._flusher = asyncio.create_task(self._flush_held())
             except DecodeError as exc:
                 # grpc hands a parse failure to the handler; it is the peer's fault.
                 raise engine.malformed(stream, str(exc)) from exc
-            await send()
+            if st.flight is not None:
+                await st.flight
+            await self._write(st)
         except (InvalidStream, StreamConflict) as exc:
             node = stream.node.name if stream.node is not None else "?"
             logger.warning("node %s: telemetry stream refused: %s", node, exc, extra={"node": node})
             await context.abort(grpc_status_of(exc), str(exc))
         except asyncio.CancelledError:
-            if not reaped:
+            if not st.reaped:
                 raise
-            if handler is not None:
-                handler.uncancel()
+            handler.uncancel()
             node = stream.node.name if stream.node is not None else "?"
             logger.info("node %s: telemetry stream idle, closed", node, extra={"node": node})
             await context.abort(
@@ -353,7 +401,9 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                 f"no report for {idle_s:g} s (stream_idle_timeout_s): stream closed; reconnect",
             )
         finally:
-            flush_task.cancel()
-            if reap_task is not None:
-                reap_task.cancel()
+            del self._streams[st]
+            held.discard(st)
+            if st.flight is not None and not st.flight.done():
+                # The stream is over: an ack still in flight has nowhere to go.
+                st.flight.cancel()
             engine.close_stream(stream)

@@ -15,13 +15,17 @@ from dataclasses import dataclass
 from services.common.config import ClientSettings, CommonSettings, setting
 from services.scaler.actuators import parse_actuator
 from services.scaler.ingest import IngestSettings
-from services.scaler.leader import LeaseSettings
+from services.scaler.kube.client import IN_CLUSTER
+from services.scaler.leader import LEASE_NAME, LeaseSettings
 from services.scaler.policy import PolicySettings
 from tidebase.errors import ConfigError
 
 _POLICY = PolicySettings()
 _INGEST = IngestSettings()
 _LEASE = LeaseSettings()
+
+#: How replicas elect their leader: not at all, a lease row in the store, a Kubernetes Lease.
+LEADER_ELECTIONS = ("off", "sql", "kubernetes")
 
 #: The store every Tide service shares when run from one directory (`tide up` uses its own).
 DEFAULT_DB = "sqlite:///.tide/tide.db"
@@ -61,8 +65,25 @@ class ScalerSettings(CommonSettings, ClientSettings):
     )
     owner_id: str = setting("", "this scaler's name in the fencing record; default host:pid")
     evaluate_interval_s: float = setting(1.0, "every job is evaluated at least this often")
+    reconcile_interval_s: float = setting(
+        30.0,
+        "compare each job's size with the actuator's replicas and the coordinator's"
+        " world size this often (and at start, and on taking the lead)",
+    )
     leader_election: str = setting(
-        "off", "off (one replica), or sql: replicas elect a leader through a lease in the store"
+        "off",
+        "off (one replica); sql: replicas elect a leader through a lease row in the store;"
+        " kubernetes: through a coordination.k8s.io/v1 Lease",
+    )
+    lease_name: str = setting(
+        LEASE_NAME, "leader election: the lease's name (one per set of replicas)"
+    )
+    lease_namespace: str = setting(
+        "", "leader election kubernetes: the Lease's namespace (required; the chart: its own)"
+    )
+    lease_kubeconfig: str = setting(
+        IN_CLUSTER,
+        "leader election kubernetes: in-cluster (the pod's ServiceAccount) or a kubeconfig path",
     )
     lease_duration_s: float = setting(
         _LEASE.duration_s, "leader election: a lease not renewed for this long can be taken"
@@ -142,6 +163,8 @@ class ScalerSettings(CommonSettings, ClientSettings):
         self.ingest()
         if not (self.evaluate_interval_s > 0 and math.isfinite(self.evaluate_interval_s)):
             raise ConfigError(f"evaluate_interval_s={self.evaluate_interval_s!r}: must be > 0")
+        if not (self.reconcile_interval_s > 0 and math.isfinite(self.reconcile_interval_s)):
+            raise ConfigError(f"reconcile_interval_s={self.reconcile_interval_s!r}: must be > 0")
         if not (self.rollup_flush_interval_s > 0):
             raise ConfigError(
                 f"rollup_flush_interval_s={self.rollup_flush_interval_s!r}: must be > 0"
@@ -161,8 +184,16 @@ class ScalerSettings(CommonSettings, ClientSettings):
             raise ConfigError(f"retention_batch_rows={self.retention_batch_rows!r}: must be >= 1")
         if self.total_gpus < 0:
             raise ConfigError(f"total_gpus={self.total_gpus!r}: must be >= 0")
-        if self.leader_election not in ("off", "sql"):
-            raise ConfigError(f"leader_election: expected off or sql, got {self.leader_election!r}")
+        if self.leader_election not in LEADER_ELECTIONS:
+            raise ConfigError(
+                f"leader_election: expected off, sql or kubernetes, got {self.leader_election!r}"
+            )
+        if not self.lease_name:
+            raise ConfigError("lease_name: must not be empty, got ''")
+        if self.leader_election == "kubernetes" and not self.lease_namespace:
+            raise ConfigError("lease_namespace: required with --leader-election kubernetes, got ''")
+        if not self.lease_kubeconfig:
+            raise ConfigError("lease_kubeconfig: expected in-cluster or a path, got ''")
         self.lease()
         self.check_coordinator()
         self.check_actuator()

@@ -9,7 +9,7 @@ serialization_failure, deadlock, busy
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 RETRIES = Counter(
     "tide_store_retries_total",
@@ -38,3 +38,19 @@ CAUSES = (
 for _cause in CAUSES:
     RETRIES.labels(_cause)
     FAILURES.labels(_cause)
+
+UP = Gauge(
+    "tide_store_up",
+    "1 while the store probe finds the store usable (it answers, and a SQLite file's"
+    " disk is writable with room to spare), else 0.",
+)
+UP.set(1)
+OUTAGES = Counter(
+    "tide_store_outages_total",
+    "Times the store probe found the store down, by cause: unreachable (the driver's"
+    " error), timeout, read_only, disk_full (SQLite's file system).",
+    ("cause",),
+)
+OUTAGE_CAUSES = ("unreachable", "timeout", "read_only", "disk_full")
+for _cause in OUTAGE_CAUSES:
+    OUTAGES.labels(_cause)

@@ -7,15 +7,26 @@ about when the store is back. The probe runs ``SELECT 1`` every
 driver blocks), bounded by :data:`PROBE_TIMEOUT_S`, and tells its listeners
 when the answer changes: health goes NOT_SERVING within about a second of an
 outage and back within about a second of the store's return.
+
+``SELECT 1`` still answers from a SQLite file whose disk is full or mounted
+read-only, while every write fails. So for SQLite the probe also looks at the
+file system that holds the database (``statvfs``): read-only, or less than
+``min_free_bytes`` free, counts as down too, and space coming back counts as
+up, with no restart. The reserve is what a few decisions and a rollup flush
+need (the journal included), so the scaler stops before a write half-fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from sqlalchemy import Engine, text
+
+from . import metrics as store_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +37,40 @@ PROBE_INTERVAL_S = 0.5
 #: connection hangs rather than failing; PostgreSQL's connect_timeout cannot go
 #: below 1 s, so this bound, not the driver's, is what the probe waits.
 PROBE_TIMEOUT_S = 1.0
+#: Bytes that must stay free beside a SQLite database for it to count as up: a
+#: decision's few rows plus its WAL frames are kilobytes; 8 MiB also covers a
+#: rollup flush and a WAL checkpoint, so the store is down before a write fails.
+MIN_FREE_BYTES = 8 * 1024 * 1024
+
+
+class StoreDown(Exception):
+    """The probe's own finding (the disk, not the driver); ``cause`` is its metric label."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+def sqlite_directory(engine: Engine) -> Path | None:
+    """The directory of the engine's SQLite file; None for other stores and ``:memory:``."""
+    database = engine.url.database
+    if engine.dialect.name != "sqlite" or not database or database == ":memory:":
+        return None
+    return Path(database).resolve().parent
+
+
+def check_writable(directory: Path, min_free_bytes: int) -> None:
+    """Raise :class:`StoreDown` when ``directory``'s file system is read-only or short of space."""
+    st = os.statvfs(directory)
+    if st.f_flag & os.ST_RDONLY:
+        raise StoreDown("read_only", f"the file system of {directory} is read-only")
+    free = st.f_bavail * st.f_frsize
+    if free < min_free_bytes:
+        raise StoreDown(
+            "disk_full",
+            f"{free} bytes free on the file system of {directory}, below {min_free_bytes}",
+        )
+
 
 Listener = Callable[[bool, str], Awaitable[None]]
 
@@ -40,8 +85,11 @@ class StoreProbe:
         *,
         interval_s: float = PROBE_INTERVAL_S,
         timeout_s: float = PROBE_TIMEOUT_S,
+        min_free_bytes: int = MIN_FREE_BYTES,
     ) -> None:
         self._engine = engine
+        self._directory = sqlite_directory(engine)
+        self.min_free_bytes = min_free_bytes
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._up = asyncio.Event()
@@ -64,6 +112,8 @@ class StoreProbe:
     def _ping(self) -> None:
         with self._engine.connect() as conn:
             conn.execute(text("SELECT 1"))
+        if self._directory is not None:
+            check_writable(self._directory, self.min_free_bytes)
 
     async def probe_once(self) -> bool:
         """Probe now; returns whether the store answered within the timeout."""
@@ -74,13 +124,16 @@ class StoreProbe:
         try:
             await asyncio.wait_for(asyncio.shield(self._pending), self.timeout_s)
         except TimeoutError:
-            await self._set(False, f"no answer within {self.timeout_s:.1f} s")
+            await self._set(False, f"no answer within {self.timeout_s:.1f} s", "timeout")
+            return False
+        except StoreDown as down:
+            await self._set(False, str(down), down.cause)
             return False
         except Exception as exc:  # the driver's error, whatever it is: the store is down
             first = str(getattr(exc, "orig", exc)).splitlines()[0] if str(exc) else ""
-            await self._set(False, f"{type(exc).__name__}: {first}")
+            await self._set(False, f"{type(exc).__name__}: {first}", "unreachable")
             return False
-        await self._set(True, "")
+        await self._set(True, "", "")
         return True
 
     async def run(self) -> None:
@@ -89,14 +142,16 @@ class StoreProbe:
             await self.probe_once()
             await asyncio.sleep(self.interval_s)
 
-    async def _set(self, ok: bool, why: str) -> None:
+    async def _set(self, ok: bool, why: str, cause: str) -> None:
         if ok == self.ok:
             return
+        store_metrics.UP.set(1 if ok else 0)
         if ok:
             self._up.set()
             logger.warning("store is back")
         else:
             self._up.clear()
-            logger.error("store unavailable: %s", why)
+            store_metrics.OUTAGES.labels(cause).inc()
+            logger.error("store unavailable: %s", why, extra={"cause": cause})
         for fn in self._listeners:
             await fn(ok, why)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.scaler.actuators import check_still_leading
 from tidebase.errors import InvalidArgument
 
 #: Told of each job the actuator adopts: (job id, its recorded replicas).
@@ -65,6 +66,7 @@ class InMemoryActuator:
     async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
         if replicas < 0:
             raise InvalidArgument(f"job {job_id}: replicas must be >= 0, got {replicas}")
+        check_still_leading(job_id, decision_id)
         old = self.replicas.get(job_id, 0)
         if old == replicas:
             return
@@ -130,6 +132,7 @@ class FileActuator(InMemoryActuator):
         # leader paused between its read and its write) reads again instead of
         # applying its change a second time.
         while True:
+            check_still_leading(job_id, decision_id)
             version = self._reload()
             before = len(self.changes)
             await super().set_replicas(job_id, replicas, decision_id=decision_id)

@@ -280,10 +280,11 @@ class InMemoryCoordinator:
         self._set_members(job_id, job.world_size)
         self._save()
 
-    def request_leave(self, job_id: str, index: int) -> None:
-        """Member ``index``'s launcher got SIGTERM and asks for a coordinated leave."""
+    def request_leave(self, job_id: str, index: int, deadline_s: float | None = None) -> None:
+        """Member ``index``'s launcher got SIGTERM and asks for a coordinated leave, its
+        grace ending at ``deadline_s`` (unix seconds) when it says."""
         ms = self._members[job_id]
-        ms[index] = replace(ms[index], leave_requested=True)
+        ms[index] = replace(ms[index], leave_requested=True, leave_deadline_s=deadline_s)
         for q in self._watchers.get(job_id, []):
             q.put_nowait(list(ms))
 

@@ -1,7 +1,11 @@
 """A preemption rig: the real coordinator, a scaler core in this process (SQLite store,
 the coordinator's gRPC client, the local actuator starting real launchers), and node
 notices delivered as an agent's report would be. Shared by tests/e2e/test_preemption.py
-and bench/preemption.py."""
+and bench/preemption.py.
+
+``kube_preempt_rig``: the same with the Kubernetes actuator, a PaddleJob on the API
+server emulator, paddle-operator's stand-in and a kubelet running each pod's launcher
+(services/testing/kube)."""
 
 from __future__ import annotations
 
@@ -11,18 +15,25 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from tide.v1 import common_pb2, telemetry_pb2
 
 from services.common.clock import SystemClock
+from services.scaler.actuators.base import Actuator
+from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
 from services.scaler.actuators.local import JobSpec, LocalActuator, LocalActuatorSettings
 from services.scaler.coordination import GrpcCoordinatorClient
 from services.scaler.ingest import IngestSettings
 from services.scaler.service import ScalerCore
 from services.scaler.store import DecisionStore
 from services.store import db
-from services.testing.localjob import EXAMPLE, LocalJob
+from services.testing.kube.apiserver import KubeApiServer
+from services.testing.kube.crds import PADDLE_OPERATOR, install_paddlejob_crds
+from services.testing.kube.kubelet import KubeletStandIn
+from services.testing.kube.operators import start_operators
+from services.testing.localjob import EXAMPLE, ROOT, LocalJob
 from tidebase.timeconv import ts_from_seconds
 
 
@@ -58,6 +69,107 @@ async def preempt_rig(
             command=(*command, "--log-dir", str(job.log_dir), *train_args), env=dict(env or {})
         ),
     )
+    try:
+        async with _scaler(workdir, job, actuator) as (core, store):
+            yield PreemptRig(job, core, actuator, store)
+    finally:
+        await actuator.stop_all()
+        await job.close()
+
+
+@dataclass
+class KubePreemptRig:
+    job: LocalJob
+    core: ScalerCore
+    actuator: KubernetesActuator
+    store: DecisionStore
+    api: KubeApiServer
+    kubelet: KubeletStandIn
+
+
+#: The PaddleJob of ``kube_preempt_rig``: its pods are NAME-worker-INDEX.
+KUBE_NS, KUBE_NAME = "default", "e2e"
+
+
+@asynccontextmanager
+async def kube_preempt_rig(
+    workdir: Path, train_args: Sequence[str], replicas: int, gpus: int
+) -> AsyncIterator[KubePreemptRig]:
+    """A paddle-operator PaddleJob of ``replicas`` workers on one emulated node of ``gpus``
+    GPUs; the scaler's actuator is the Kubernetes one, through the official client."""
+    job_id = f"{KUBE_NS}/{KUBE_NAME}"
+    job = LocalJob(workdir / "job", train_args, job_id=job_id, heartbeat_timeout_s=10.0)
+    job.start_coordinator()
+    api = KubeApiServer()
+    api.start()
+    install_paddlejob_crds(api, PADDLE_OPERATOR)
+    ops = start_operators(api)
+    kubelet = KubeletStandIn(
+        api,
+        "gpu-node-1",
+        workdir / "kubelet",
+        gpus=gpus,
+        images={"tide-trainer": [sys.executable, "-m", "trainer.launch"]},
+        cwd=ROOT,
+    ).start()
+    kubeconfig = api.write_kubeconfig(workdir / "kubeconfig")
+    actuator = KubernetesActuator(
+        KubernetesActuatorSettings(source=str(kubeconfig), pod_wait_s=60, watch_timeout_s=10)
+    )
+    actuator.start()
+    api.create(PADDLE_OPERATOR, _paddlejob(job, replicas), KUBE_NS)
+    try:
+        async with _scaler(workdir, job, actuator) as (core, store):
+            yield KubePreemptRig(job, core, actuator, store, api, kubelet)
+    finally:
+        actuator.stop()
+        kubelet.stop()  # kills whatever pods it still runs
+        for op in ops:
+            op.stop()
+        api.close()
+        await job.close()
+
+
+def _paddlejob(job: LocalJob, replicas: int) -> dict[str, Any]:
+    train = [
+        sys.executable, EXAMPLE, "--ckpt-dir", str(job.ckpt_dir.resolve()),
+        "--log-dir", str(job.log_dir.resolve()), *job.train_args,
+    ]  # fmt: skip
+    field_env = {
+        "POD_NAME": "metadata.name",
+        "POD_NAMESPACE": "metadata.namespace",
+        "POD_UID": "metadata.uid",
+    }
+    container = {
+        "name": "worker",
+        "image": "tide-trainer",
+        "args": ["--", *train],
+        "env": [
+            {"name": "TIDE_COORDINATOR", "value": f"127.0.0.1:{job.port}"},
+            *(
+                {"name": k, "valueFrom": {"fieldRef": {"fieldPath": v}}}
+                for k, v in field_env.items()
+            ),
+        ],
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+    }
+    return {
+        "metadata": {"name": KUBE_NAME, "annotations": {"tide.dev/autoscale": "true"}},
+        "spec": {
+            "worker": {
+                "replicas": replicas,
+                "requests": 1,
+                "limits": replicas + 1,
+                "template": {"spec": {"containers": [container]}},
+            }
+        },
+    }
+
+
+@asynccontextmanager
+async def _scaler(
+    workdir: Path, job: LocalJob, actuator: Actuator
+) -> AsyncIterator[tuple[ScalerCore, DecisionStore]]:
     url = f"sqlite:///{workdir / 'scaler.db'}"
     db.upgrade(url)
     store = DecisionStore(db.make_engine(url), "s1", SystemClock())
@@ -71,12 +183,10 @@ async def preempt_rig(
     )
     await core.start()
     try:
-        yield PreemptRig(job, core, actuator, store)
+        yield core, store
     finally:
         await core.close()
-        await actuator.stop_all()
         await channel.close()
-        await job.close()
         store.engine.dispose()
 
 

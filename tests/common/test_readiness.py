@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from grpc_health.v1 import health_pb2
+from prometheus_client import REGISTRY
 
 from services.common.readiness import LIVENESS, Readiness
 from services.store import db
@@ -74,3 +76,37 @@ async def test_store_probe_reports_changes_once(tmp_path: Path) -> None:
     finally:
         down.dispose()
         up.dispose()
+
+
+async def test_a_sqlite_store_without_room_on_its_disk_is_down_until_space_returns(
+    tmp_path: Path,
+) -> None:
+    # SELECT 1 answers from a full disk; the probe's statvfs check does not.
+    engine = db.make_engine(f"sqlite:///{tmp_path / 'tide.db'}")
+    changes: list[tuple[bool, str]] = []
+
+    async def record(ok: bool, why: str) -> None:
+        changes.append((ok, why))
+
+    try:
+        free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+        probe = StoreProbe(engine, min_free_bytes=free * 2 + 1)
+        probe.listen(record)
+        before = _sample("tide_store_outages_total", {"cause": "disk_full"})
+        assert not await probe.probe_once()
+        assert changes[0][0] is False and "bytes free" in changes[0][1]
+        assert _sample("tide_store_up", {}) == 0
+        assert _sample("tide_store_outages_total", {"cause": "disk_full"}) == before + 1
+
+        probe.min_free_bytes = 1  # space came back
+        assert await probe.probe_once()
+        assert changes[1:] == [(True, "")]
+        assert _sample("tide_store_up", {}) == 1
+    finally:
+        engine.dispose()
+
+
+def _sample(name: str, labels: dict[str, str]) -> float:
+    value = REGISTRY.get_sample_value(name, labels)
+    assert value is not None, name
+    return value

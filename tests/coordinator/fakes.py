@@ -76,6 +76,8 @@ class FakeLauncher:
         # The pod's uid sent at Register, and whether its heartbeats ask to leave (SIGTERM).
         self.pod_uid = f"uid-{pod_index}"
         self.leave_requested = False
+        # When its grace ends (unix seconds; 0: not said), sent with the leave request.
+        self.leave_deadline_s = 0.0
         # Behaviour switches a test flips.
         self.answer_checkpoint = True
         self.answer_rendezvous = True
@@ -151,6 +153,7 @@ class FakeLauncher:
             samples_per_s=100.0,
             free_port=self.port,
             leave_requested=self.leave_requested,
+            leave_deadline=ts(self.leave_deadline_s) if self.leave_deadline_s else None,
             startup=pb.PauseBreakdown(worker_restart_s=0.02, group_init_s=0.4, restore_s=0.1),
             last_checkpoint_step=self.last_checkpoint,
             last_checkpoint_digest=digest_of(self.job_id, self.last_checkpoint)

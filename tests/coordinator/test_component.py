@@ -70,9 +70,13 @@ async def test_a_leave_request_is_shown_and_a_named_uid_drains_that_member(env: 
     member's leave_requested; the scaler's Resize names its pod by uid: only it drains."""
     ls = await form(env, 3)
     ls[1].leave_requested = True
+    ls[1].leave_deadline_s = 1_900_000_000.5
     await env.heartbeat_all()
     st = await env.status()
     assert [m.leave_requested for m in st.members] == [False, True, False]
+    # The grace's end reaches the scaler, which plans the leave within it.
+    assert [m.HasField("leave_deadline") for m in st.members] == [False, True, False]
+    assert st.members[1].leave_deadline.ToNanoseconds() == 1_900_000_000_500_000_000
     assert [m.pod_uid for m in st.members] == ["uid-0", "uid-1", "uid-2"]
     w = ResizeWatch(env.stub, JOB, 2, 2, leaving=("uid-1",))
     await eventually(lambda: ls[1].exited, what="pod 1 drained")

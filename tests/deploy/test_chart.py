@@ -412,3 +412,36 @@ def test_the_service_monitor_scrapes_every_metrics_port() -> None:
     }
     assert selected == with_metrics == {"tide-scaler", "tide-coordinator", "tide-agent"}
     assert render(SMALL).all("ServiceMonitor") == []
+
+
+def test_several_scaler_replicas_elect_a_leader_on_the_release_lease(tmp_path: Path) -> None:
+    from services.scaler.settings import ScalerSettings
+
+    rendered = render(PRODUCTION, sets={"scaler.replicas": "2"})
+    assert kube_schema_errors(rendered.objects, "1.35") == []
+    deployment = rendered.one("Deployment", "tide-scaler")
+    assert deployment["spec"]["replicas"] == 2
+    # Two side by side are safe now (one leads): a rolling update, never both down.
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 1
+    scaler = _load(ScalerSettings, rendered, "Deployment", "tide-scaler", tmp_path)
+    assert scaler.leader_election == "kubernetes"
+    assert (scaler.lease_name, scaler.lease_namespace) == ("tide-scaler", NAMESPACE)
+    assert scaler.lease_kubeconfig == "in-cluster"
+    # Errors and followers name the leader by its pod IP (the kubelet expands it).
+    port = _ports(_container(rendered, "Deployment", "tide-scaler"))["grpc"]
+    assert scaler.advertise_address == f"$(POD_IP):{port}"
+    env = _container(rendered, "Deployment", "tide-scaler")["env"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in env
+    # One replica stays as it was: Recreate, no election.
+    single = render(PRODUCTION).one("Deployment", "tide-scaler")
+    assert (single["spec"]["replicas"], single["spec"]["strategy"]["type"]) == (1, "Recreate")
+    assert not any(
+        a.startswith("--leader-election")
+        for a in _container(render(PRODUCTION), "Deployment", "tide-scaler")["args"]
+    )
+
+
+def test_several_scaler_replicas_need_a_shared_store() -> None:
+    with pytest.raises(HelmFailed, match=r"scaler.replicas > 1 needs store.type postgresql"):
+        render(SMALL, sets={"scaler.replicas": "2"})

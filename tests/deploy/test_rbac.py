@@ -31,7 +31,7 @@ SCALER_RULES: set[Rule] = {
         for g in ("batch.paddlepaddle.org", "kubeflow.org")
         for v in ("get", "list", "watch", "patch")
     },
-    *{("", "pods", v) for v in ("get", "list", "watch")},
+    *{("", "pods", v) for v in ("get", "list", "watch", "delete")},
     *{("", "nodes", v) for v in ("get", "list", "watch")},
     *{(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")},
     *{("autoscaling", "horizontalpodautoscalers", v) for v in ("list", "watch")},
@@ -107,7 +107,7 @@ def test_every_rule_says_why(values: Path) -> None:
     text = helm(*template_args([values]))
     lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if re.match(r"\s*- apiGroups:", line)]
-    assert len(starts) == 9  # the scaler's seven, the agent's one, TokenReview
+    assert len(starts) == 10  # the scaler's eight, the agent's one, TokenReview
     for i in starts:
         assert lines[i - 1].strip().startswith("#"), lines[i]
 
@@ -126,3 +126,21 @@ def test_watched_namespaces_limit_the_job_rules_to_them() -> None:
     # Without watched namespaces, both are cluster-wide.
     small = roles_bound_to(render(SMALL), "tide-scaler")
     assert {b["kind"] for bs in small.values() for b in bs} == {"ClusterRoleBinding"}
+
+
+def test_several_scaler_replicas_may_use_their_lease_and_no_other() -> None:
+    rendered = render(PRODUCTION, sets={"scaler.replicas": "2"})
+    lease = {("coordination.k8s.io", "leases", v) for v in ("get", "update", "create")}
+    assert granted(rendered, "tide-scaler") == SCALER_RULES | lease
+    (binding,) = roles_bound_to(rendered, "tide-scaler")["tide-scaler-leader-election"]
+    # In the release namespace only, and get/update of its own Lease by name.
+    assert (binding["kind"], binding["metadata"]["namespace"]) == ("RoleBinding", NAMESPACE)
+    role = rendered.one("Role", "tide-scaler-leader-election")
+    named = [r for r in role["rules"] if "update" in r["verbs"]]
+    assert [r["resourceNames"] for r in named] == [["tide-scaler"]]
+    # One replica: no lease, no rule for it.
+    assert not rendered_has_role(render(PRODUCTION), "tide-scaler-leader-election")
+
+
+def rendered_has_role(rendered: Rendered, name: str) -> bool:
+    return any(r["metadata"]["name"] == name for r in rendered.all("Role"))

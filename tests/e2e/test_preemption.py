@@ -7,6 +7,8 @@ arrives as an agent's node report would, through the ingest engine."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -17,7 +19,16 @@ import pytest
 
 from services.scaler.policy import Reason
 from services.scaler.store import DecisionState
-from services.testing.preempt import PreemptRig, notice, preempt_rig
+from services.testing.kube.operators import POD
+from services.testing.preempt import (
+    KUBE_NAME,
+    KUBE_NS,
+    KubePreemptRig,
+    PreemptRig,
+    kube_preempt_rig,
+    notice,
+    preempt_rig,
+)
 from tests.e2e.checks import check_exactly_once, steps_by_generation
 from tests.support.poll import eventually
 
@@ -96,7 +107,7 @@ async def test_sigterm_to_a_trainer_pod_is_a_coordinated_leave(leaving_rig: Pree
     await rig.core.upsert_job(JOB, {"min_replicas": 1}, initial_replicas=3, gpus_per_replica=1)
     await rig.job.wait_status(lambda s: s.world_size == 3 and s.step >= 15, 90, "3 members")
     before = {p.index: p.pid for p in rig.actuator.pods(JOB)}
-    t0 = time.monotonic()
+    t0, sent = time.monotonic(), time.time()
     os.kill(before[1], signal.SIGTERM)
     await eventually(
         lambda: any(m.leave_requested for m in rig.core.registry.members(JOB)),
@@ -112,6 +123,9 @@ async def test_sigterm_to_a_trainer_pod_is_a_coordinated_leave(leaving_rig: Pree
     assert detail.decision.state is DecisionState.COMPLETED, detail.decision
     assert detail.decision.lost_steps == 0
     assert left_s < 25.0, f"the pod left {left_s:.1f}s after SIGTERM, past its grace"
+    # The launcher sent its grace's end: the barrier was planned within it.
+    assert dec.inputs["node_deadline_s"] == pytest.approx(sent + 25.0, abs=2.0)
+    assert dec.inputs["notice_plan"]["reason"] == "NOTICE"
     after = {p.index: p.pid for p in rig.actuator.pods(JOB)}
     assert after == {0: before[0], 2: before[2]}
     st = await rig.job.wait_status(lambda s: s.finished, 120, "the job finished")
@@ -172,4 +186,97 @@ async def test_a_notice_during_a_grow_aborts_the_grow_then_removes_the_pod(
     assert {p.index: p.pid for p in rig.actuator.pods(JOB)} == {0: before[0], 2: before[2]}
     st = await rig.job.wait_status(lambda s: s.finished, 120, "the job finished")
     assert st.lost_steps_total == 0 and st.step == STEPS, st
+    check_exactly_once(rig.job.log_dir, DATASET, STEPS, SPE)
+
+
+@pytest.fixture
+async def kube_rig(tmp_path: Path) -> AsyncIterator[KubePreemptRig]:
+    async with kube_preempt_rig(tmp_path, TRAIN, replicas=3, gpus=3) as r:
+        yield r
+
+
+def _pods(rig: KubePreemptRig) -> dict[str, tuple[str, int]]:
+    """The PaddleJob's pods not terminating: name -> (uid, pid of its container)."""
+    out = {}
+    for p in rig.api.list(POD, KUBE_NS)[0]:
+        name = p["metadata"]["name"]
+        proc = rig.kubelet.procs.get((KUBE_NS, name))
+        if not p["metadata"].get("deletionTimestamp") and proc is not None:
+            out[name] = (p["metadata"]["uid"], proc.pid)
+    return out
+
+
+@pytest.mark.timeout(300)
+async def test_through_the_kubernetes_actuator_a_middle_pod_goes_and_no_member_stops(
+    kube_rig: KubePreemptRig,
+) -> None:
+    """paddle-operator deletes the highest indexes on a shrink: the actuator keeps the
+    replicas and deletes the named pod (the operator recreates it as a spare), so pods 0
+    and 2, the new generation, keep their processes; 0 steps lost, every sample once."""
+    rig, job_id = kube_rig, f"{KUBE_NS}/{KUBE_NAME}"
+    await rig.core.upsert_job(job_id, {"min_replicas": 1}, initial_replicas=3, gpus_per_replica=1)
+    await rig.job.wait_status(lambda s: s.world_size == 3 and s.step >= 15, 120, "3 members")
+    before = _pods(rig)
+    assert sorted(before) == [f"{KUBE_NAME}-worker-{i}" for i in range(3)]
+    doomed = f"{KUBE_NAME}-worker-1"
+    await eventually(lambda: rig.core.registry.by_uid.get(before[doomed][0]) == job_id)
+
+    t0 = time.monotonic()
+    # The agent names pods as the kubelet's pod-resources API does: by name.
+    notice(rig.core, "spot-1", [doomed], deadline_in_s=20.0, namespace=KUBE_NS)
+    d = await rig.core.evaluate(job_id)
+    assert (d.reason, d.from_replicas, d.to_replicas) == (Reason.NODE_TERMINATION, 3, 2)
+    for task in list(rig.core.controller.tasks.values()):
+        await task
+    released_s = time.monotonic() - t0
+    dec = (await rig.store.list_decisions(job_id=job_id)).decisions[0]
+    detail = await rig.store.get_decision(dec.id)
+    assert detail.decision.state is DecisionState.COMPLETED, detail.decision
+    assert detail.decision.lost_steps == 0
+    assert released_s < 20.0, f"the pod was gone {released_s:.1f}s after a 20s notice"
+
+    after = _pods(rig)
+    keep = [f"{KUBE_NAME}-worker-0", f"{KUBE_NAME}-worker-2"]
+    assert {n: after[n] for n in keep} == {n: before[n] for n in keep}
+    assert after.get(doomed, ("", 0))[0] != before[doomed][0]  # gone, or a new pod
+    # The replicas stay 3: the operator recreates index 1 as a spare.
+    assert await rig.actuator.get_replicas(job_id) == 3
+
+    st = await rig.job.wait_status(lambda s: s.finished, 120, "the job finished")
+    assert st.lost_steps_total == 0 and st.step == STEPS, st
+    # One change of generation, the preemption's: nothing was lost and re-formed.
+    assert st.generation == 2, st
+    assert before[doomed][0] not in {m.pod_uid for m in st.members}
+    check_exactly_once(rig.job.log_dir, DATASET, STEPS, SPE)
+
+
+async def test_a_notice_shorter_than_a_resize_checkpoints_first(rig: PreemptRig) -> None:
+    """2 s of notice, under the 11 s a resize is planned to take before a checkpoint
+    was measured (CHECKPOINT_FIRST): the barrier, whose checkpoint is its first act,
+    gets all of it; the node takes the pod at the deadline wherever the resize is; at
+    most the step in flight is lost, every sample once, pods 0 and 2 never stop."""
+    await rig.core.upsert_job(JOB, {"min_replicas": 1}, initial_replicas=3, gpus_per_replica=1)
+    await rig.job.wait_status(lambda s: s.world_size == 3 and s.step >= 15, 90, "3 members")
+    before = {p.index: p.pid for p in rig.actuator.pods(JOB)}
+    await eventually(lambda: rig.core.registry.by_name.get("e2e-trainer-1") == JOB)
+    deadline_s = 2.0
+    t0 = time.monotonic()
+    notice(rig.core, "spot-1", ["e2e-trainer-1"], deadline_in_s=deadline_s)
+    d = await rig.core.evaluate(JOB)
+    assert (d.reason, d.from_replicas, d.to_replicas) == (Reason.NODE_TERMINATION, 3, 2)
+    dec = (await rig.store.list_decisions(job_id=JOB)).decisions[0]
+    assert dec.inputs["notice_plan"]["reason"] == "CHECKPOINT_FIRST", dec.inputs
+    assert dec.inputs["barrier_deadline_s"] == pytest.approx(deadline_s, abs=0.5)
+    # The node goes at its deadline: not a poll, the notice's own time.
+    await asyncio.sleep(max(0.0, t0 + deadline_s - time.monotonic()))
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(before[1], signal.SIGKILL)
+    for task in list(rig.core.controller.tasks.values()):
+        await task
+    # An aborted barrier would have resumed the training the node then cut short.
+    detail = await rig.store.get_decision(dec.id)
+    assert detail.decision.state is not DecisionState.ABORTED, detail.decision
+    st = await rig.job.wait_status(lambda s: s.finished, 150, "the job finished")
+    assert st.lost_steps_total <= 1 and st.step == STEPS, st
+    assert {p.index: p.pid for p in rig.actuator.pods(JOB)} == {0: before[0], 2: before[2]}
     check_exactly_once(rig.job.log_dir, DATASET, STEPS, SPE)

@@ -1,5 +1,6 @@
-"""Reliability catalog T08: two scaler replicas on PostgreSQL, the leader
-SIGSTOPped under resize load; the follower leads within lease + renew + 1 s, the
+"""Reliability catalog T08: two scaler replicas on PostgreSQL, electing their leader
+on a lease row in the store or on a Kubernetes Lease (the API server emulator), the
+leader SIGSTOPped under resize load; the follower leads within lease + renew + 1 s, the
 old leader exits on waking and nothing it writes lands (bench/failover.py runs
 the scenario; this asserts its pass figures)."""
 
@@ -17,9 +18,12 @@ from tests.support.procs import ROOT
 pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
 
 
-def test_leader_paused_follower_takes_over_and_old_leader_writes_nothing(pg_url: str) -> None:
+@pytest.mark.parametrize("election", ["sql", "kubernetes"])
+def test_leader_paused_follower_takes_over_and_old_leader_writes_nothing(
+    pg_url: str, election: str
+) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "bench.failover", "--pg-url", pg_url],
+        [sys.executable, "-m", "bench.failover", "--pg-url", pg_url, "--leader-election", election],
         cwd=ROOT,
         env={**os.environ},
         capture_output=True,

@@ -16,9 +16,10 @@ from typing import Protocol
 
 import pytest
 
-from services.scaler.actuators import Actuator, PodRemover, remove_pods
+from services.scaler.actuators import Actuator, PodRemover, acting_while, remove_pods
 from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
 from services.scaler.actuators.local import JobSpec, LocalActuator, LocalActuatorSettings
+from services.scaler.errors import StaleEpoch
 from services.testing.actuators import FileActuator, InMemoryActuator, read_changes
 from services.testing.kube import KubeApiServer
 from services.testing.kube.crds import PADDLE_OPERATOR, install_paddlejob_crds
@@ -177,13 +178,12 @@ async def test_set_replicas_is_what_runs_and_is_idempotent(world: World) -> None
 
 
 async def test_remove_pods_lowers_to_the_count_asked(world: World) -> None:
-    """The local actuator and the doubles name the pods that go (PodRemover; which
-    ones went is test_actuator_local's); the Kubernetes one cannot, since both
-    operators remove the highest indexes, and lowers the count. The count is the
-    contract."""
+    """Every actuator names the pods that go (PodRemover; which ones went is
+    test_actuator_local's and test_actuator_kubernetes's); with no named pod among
+    the job's, the highest go. The count is the contract."""
     world.define(JOB, 1)
     a = world.actuator
-    assert isinstance(a, PodRemover) != isinstance(a, KubernetesActuator)
+    assert isinstance(a, PodRemover)
     await a.set_replicas(JOB, 3, decision_id=1)
     await remove_pods(a, JOB, ["nobody"], replicas=2, decision_id=2)
     assert await a.get_replicas(JOB) == 2 and world.running(JOB) == 2
@@ -231,3 +231,21 @@ def test_the_file_double_survives_a_restart(tmp_path: Path) -> None:
     assert [(c.old, c.new, c.decision_id) for c in read_changes(path) if c.old != c.new] == [
         (2, 4, 9)
     ]
+
+
+async def test_a_replica_that_no_longer_leads_changes_nothing(world: World) -> None:
+    """Asked by the controller of a replica whose lease ran out (a leader paused
+    between its check and the actuator's write, or while it retried a lost race):
+    StaleEpoch, and the pods stay as they are."""
+    world.define(JOB, 1)
+    a = world.actuator
+    await a.set_replicas(JOB, 2, decision_id=1)
+    with acting_while(lambda: False), pytest.raises(StaleEpoch):
+        await a.set_replicas(JOB, 3, decision_id=2)
+    with acting_while(lambda: False), pytest.raises(StaleEpoch):
+        await remove_pods(a, JOB, [], replicas=1, decision_id=3)
+    assert await a.get_replicas(JOB) == 2 and world.running(JOB) == 2
+    # Still leading: it acts.
+    with acting_while(lambda: True):
+        await a.set_replicas(JOB, 3, decision_id=4)
+    assert await a.get_replicas(JOB) == 3

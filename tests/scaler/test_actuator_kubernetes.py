@@ -10,7 +10,10 @@ from typing import Any
 
 import pytest
 
+from services.scaler.actuators import acting_while
 from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
+from services.scaler.errors import StaleEpoch
+from services.testing.kube.operators import job_pods
 from tests.scaler.kube_world import (
     KUBEFLOW,
     PADDLE_OPERATOR,
@@ -93,6 +96,27 @@ async def test_a_conflict_is_read_again_and_rechecked(
     assert a.conflicts_retried == 3
 
 
+async def test_a_leader_that_lost_its_lease_while_it_retried_a_conflict_patches_nothing(
+    world: tuple[Cluster, KubernetesActuator],
+) -> None:
+    """The race bench.failover found: a leader reads, is paused, another leader
+    changes the job, the old one wakes to a 409 and reads again. Re-applying its
+    change on top of the new leader's would be a second actuation: it asks first."""
+    c, a = world
+    c.api.create(PADDLE_OPERATOR, paddle_operator_job("j", 2))
+
+    def new_leader_grew_it(obj: dict[str, Any]) -> dict[str, Any]:
+        obj["spec"]["worker"]["replicas"] = 3
+        return obj
+
+    c.api.conflict_next("paddlejobs", change=new_leader_grew_it)
+    asked = [True, False]  # it led when it read; not when it came back from the 409
+    with acting_while(lambda: asked.pop(0)), pytest.raises(StaleEpoch):
+        await a.set_replicas("default/j", 1, decision_id=1)
+    assert c.api.get(PADDLE_OPERATOR, "default", "j")["spec"]["worker"]["replicas"] == 3
+    assert a.conflicts_retried == 1
+
+
 async def test_the_pod_watch_recovers_from_410(world: tuple[Cluster, KubernetesActuator]) -> None:
     c, a = world
     c.api.create(PADDLE_OPERATOR, paddle_operator_job("j", 1))
@@ -122,3 +146,77 @@ async def test_free_gpus_follow_the_nodes_and_every_tenants_pods(
     await a.set_replicas("default/j", 1, decision_id=2)
     c.api.update(nodes, "", "gpu-node-1", lambda n: {**n, "spec": {}})
     await eventually(lambda: a.capacity.free_gpus() == 3, 10, what="the node back, 1 GPU used")
+
+
+@pytest.mark.parametrize("kind", ["paddle-operator", "kubeflow"])
+async def test_remove_pods_stops_exactly_the_named_pod_and_no_member(
+    world: tuple[Cluster, KubernetesActuator], kind: str
+) -> None:
+    """Pod 1 of 3 is on a dying node. Lowering the count would make the operator delete
+    pod 2, a member of the generation formed without pod 1: the replicas stay 3, pod 1
+    alone is deleted, and the operator recreates it as a spare (both operators recreate
+    a missing index below the replicas)."""
+    c, a = world
+    rtype = PADDLE_OPERATOR if kind == "paddle-operator" else KUBEFLOW
+    c.api.create(rtype, (paddle_operator_job if rtype is PADDLE_OPERATOR else kubeflow_job)("j", 3))
+    await eventually(lambda: len(running(c, rtype)) == 3, 15, what="3 pods running")
+    before = running(c, rtype)
+    # By uid (what the launcher registers with, from the Downward API) or by name.
+    named = before["j-worker-1"] if kind == "kubeflow" else "j-worker-1"
+    await a.remove_pods("default/j", [named], replicas=2, decision_id=7)
+    now = uids(c, rtype)
+    assert before["j-worker-1"] not in now.values()
+    assert now["j-worker-0"] == before["j-worker-0"] and now["j-worker-2"] == before["j-worker-2"]
+    assert await a.get_replicas("default/j") == 3
+    await eventually(
+        lambda: running(c, rtype).get("j-worker-1") not in (None, before["j-worker-1"]),
+        15,
+        what="the operator's replacement for pod 1",
+    )
+    # A repeat by uid finds the pod gone: not a change (the replacement is a new uid).
+    spare = running(c, rtype)["j-worker-1"]
+    await a.remove_pods("default/j", [before["j-worker-1"]], replicas=2, decision_id=7)
+    assert running(c, rtype) == {**before, "j-worker-1": spare}
+
+
+async def test_remove_pods_lowers_the_count_only_across_named_pods(
+    world: tuple[Cluster, KubernetesActuator],
+) -> None:
+    c, a = world
+    c.api.create(PADDLE_OPERATOR, paddle_operator_job("j", 4))
+    await eventually(lambda: len(running(c, PADDLE_OPERATOR)) == 4, 15, what="4 pods running")
+    before = running(c, PADDLE_OPERATOR)
+    # Pods 3 and 1 named: 3 goes with the count, 1 by its deletion (then a spare);
+    # 2 is no named pod, so it stays although the count asked is 2: it may be a member
+    # while the spare at 1 is not.
+    await a.remove_pods("default/j", ["j-worker-3", "j-worker-1"], replicas=2, decision_id=8)
+    assert await a.get_replicas("default/j") == 3
+    now = uids(c, PADDLE_OPERATOR)
+    assert {n: now[n] for n in ("j-worker-0", "j-worker-2")} == {
+        n: before[n] for n in ("j-worker-0", "j-worker-2")
+    }
+    assert before["j-worker-1"] not in now.values() and "j-worker-3" not in now
+    # Pod 2's node goes next, with the spare at 1: only pod 2 goes.
+    await a.remove_pods("default/j", ["j-worker-2"], replicas=1, decision_id=9)
+    assert await a.get_replicas("default/j") == 2
+    assert uids(c, PADDLE_OPERATOR)["j-worker-0"] == before["j-worker-0"]
+
+
+def uids(c: Cluster, rtype: Any) -> dict[str, str]:
+    """The job's pods not terminating, by name: their uids."""
+    job = c.api.get(rtype, "default", "j")
+    return {
+        p["metadata"]["name"]: p["metadata"]["uid"]
+        for p in job_pods(c.api, "default", job["metadata"]["uid"])
+        if not p["metadata"].get("deletionTimestamp")
+    }
+
+
+def running(c: Cluster, rtype: Any) -> dict[str, str]:
+    job = c.api.get(rtype, "default", "j")
+    return {
+        p["metadata"]["name"]: p["metadata"]["uid"]
+        for p in job_pods(c.api, "default", job["metadata"]["uid"])
+        if not p["metadata"].get("deletionTimestamp")
+        and p.get("status", {}).get("phase") == "Running"
+    }

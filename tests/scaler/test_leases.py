@@ -1,19 +1,17 @@
-"""The leader lease in SQL (services/scaler/store/leases.py) on both engines, and
-the elector's rules over it with a fake clock."""
+"""The leader lease in SQL (services/scaler/store/leases.py) on both engines, at the
+level of its transactions (the contract every backend keeps, and the elector over
+it, are in test_lease_contract.py)."""
 
 from __future__ import annotations
 
-import asyncio
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.scaler.leader import LeaderElector, LeaseSettings
-from services.scaler.store import DecisionStore
+from services.scaler.leader import LeaseSettings
 from services.scaler.store.leases import LeaseRecord, read_lease, release_lease, try_lease
 from services.store import db
-from services.testing.clock import FakeClock
 from tidebase.errors import ConfigError, InvalidArgument
 
 pytestmark = pytest.mark.integration
@@ -69,34 +67,3 @@ def test_bad_lease_requests_name_the_field(factory: sessionmaker[Session]) -> No
         lease(factory, "a", 0, duration_s=0)
     with pytest.raises(ConfigError, match="lease_renew_s"):
         LeaseSettings(duration_s=10, renew_s=10)
-
-
-async def test_electors_hand_over_when_the_leader_stops_renewing(scaler_db_url: str) -> None:
-    clock = FakeClock(T0.timestamp())
-    engine = db.make_engine(scaler_db_url)
-    settings = LeaseSettings(duration_s=3.0, renew_s=1.0)
-    a = LeaderElector(DecisionStore(engine, "a", clock), clock, settings, address="a:1")
-    b = LeaderElector(DecisionStore(engine, "b", clock), clock, settings, address="b:1")
-    events: list[str] = []
-
-    async def elected(who: str, rec: LeaseRecord) -> None:
-        events.append(f"{who} leads at epoch {rec.epoch}")
-
-    def lost(who: str, why: str) -> None:
-        events.append(f"{who} lost")
-
-    try:
-        ta = asyncio.create_task(a.run(lambda r: elected("a", r), lambda w: lost("a", w)))
-        await a.wait_elected()
-        tb = asyncio.create_task(b.run(lambda r: elected("b", r), lambda w: lost("b", w)))
-        await asyncio.sleep(0.05)
-        assert a.may_act() and not b.may_act()
-        assert b.follower_message().startswith("following a at a:1")
-        ta.cancel()  # a stops renewing (dead, or paused)
-        clock.advance(3.5)  # past a's lease: a's own view agrees it may not act
-        assert not a.may_act()
-        await asyncio.wait_for(b.wait_elected(), 10)
-        assert events == ["a leads at epoch 1", "b leads at epoch 2"]
-        tb.cancel()
-    finally:
-        engine.dispose()

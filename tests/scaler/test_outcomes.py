@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tide.v1 import coordinator_pb2 as cpb
 
 from services.scaler import store as repo
 from services.scaler.coordination import Phase, Progress, ResizeSpec
@@ -331,3 +332,10 @@ def test_the_test_entry_point_accepts_the_doubles_and_nothing_else(tmp_path: Pat
         TestScalerSettings(coordinator="memory", actuator="file:")
     with pytest.raises(ConfigError, match="coordinator: required"):
         TestScalerSettings(actuator="memory")
+
+
+def test_every_resize_phase_the_coordinator_can_send_is_known() -> None:
+    # A phase added to the proto and not here failed every scaler-driven resize that
+    # reached it (overlap mode's PREPARING did).
+    sent = [v for v in cpb.ResizePhase.values() if v != cpb.RESIZE_PHASE_UNSPECIFIED]
+    assert sorted(p.value for p in Phase) == sorted(sent)

@@ -42,6 +42,7 @@ def test_an_unmeasured_checkpoint_is_assumed_long_and_a_fast_one_keeps_a_floor()
 def test_too_little_time_puts_the_checkpoint_first() -> None:
     p = plan_notice(60.0, NOW + 4.0, NOW, 2.0)
     assert p.reason is PlanReason.CHECKPOINT_FIRST
-    assert p.barrier_deadline_s == pytest.approx(2.0)
+    # All the time left: aborting the barrier before the node goes would lose more.
+    assert p.barrier_deadline_s == pytest.approx(4.0)
     late = plan_notice(60.0, NOW - 5.0, NOW, 2.0)
     assert (late.reason, late.barrier_deadline_s) == (PlanReason.CHECKPOINT_FIRST, MIN_BARRIER_S)

@@ -285,6 +285,20 @@ async def test_a_pod_that_got_sigterm_is_drained_like_a_noticed_one(rig: Rig) ->
     assert rig.actuator.removed == [("ns/a", ("uid-a-0",), dec.id)]
 
 
+async def test_a_sigterm_leave_is_planned_within_its_grace(rig: Rig) -> None:
+    """The launcher sends when its grace ends: the barrier fits in it (not the phase
+    timeout), as for a node notice's deadline."""
+    await rig.core.upsert_job("ns/a", {"min_replicas": 1})
+    rig.coordinator.request_leave("ns/a", 0, deadline_s=rig.clock.now() + 25.0)
+    await eventually(lambda: any(m.leave_requested for m in rig.core.registry.members("ns/a")))
+    d = await rig.core.evaluate("ns/a")
+    assert (d.reason, d.from_replicas, d.to_replicas) == (Reason.NODE_TERMINATION, 2, 1)
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert dec.inputs["node_deadline_s"] == pytest.approx(rig.clock.now() + 25.0)
+    assert dec.inputs["notice_plan"]["reason"] == "NOTICE"
+    assert dec.inputs["barrier_deadline_s"] < 25.0
+
+
 async def test_a_member_lost_without_notice_is_a_member_lost_record(rig: Rig) -> None:
     await rig.core.tick()  # the baseline of lost steps is what the scaler first saw
     rig.coordinator.lose_member("ns/a", lost_steps=7)
@@ -549,6 +563,46 @@ async def test_unreachable_coordinator_is_reattached(scaler_db_url: str) -> None
         is DecisionState.COMPLETED
     )
     assert len(coordinator.calls) == 1 and coordinator.failures == 0
+    await core.close()
+    store.engine.dispose()
+
+
+class FlakyActuator(InMemoryActuator):
+    """Its API server out of reach for the first ``failures`` replica changes."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
+        if self.failures > 0:
+            self.failures -= 1
+            raise Unavailable("Kubernetes API unreachable: ReadTimeoutError")
+        await super().set_replicas(job_id, replicas, decision_id=decision_id)
+
+
+async def test_an_unreachable_actuator_is_retried_and_applied_once(scaler_db_url: str) -> None:
+    """T07's decision: it waits while the API server is out of reach (no FAILED, nothing
+    applied), then the change is made once."""
+    clock = FakeClock(T0)
+    actuator = FlakyActuator(3)
+    coordinator = InMemoryCoordinator()
+    follow_actuator(coordinator, actuator)
+    store = DecisionStore(db.make_engine(scaler_db_url), "s", clock)
+    core = ScalerCore(store=store, actuator=actuator, coordinator=coordinator, clock=clock)
+    await core.start()
+    await core.upsert_job("ns/a", FAST)
+    dec = await core.request_resize("ns/a", 3, "x", "t")
+    task = core.controller.tasks[dec.id]
+    while not task.done():
+        clock.advance(1.0)  # the controller waits on the clock between attempts
+        await asyncio.sleep(0.01)
+    rig = Rig(core, clock, actuator, coordinator, store)
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    assert actuator.failures == 0
+    assert [c for c in actuator.changes if c.decision_id == dec.id] == [
+        ReplicaChange("ns/a", 2, 3, dec.id)
+    ]
     await core.close()
     store.engine.dispose()
 

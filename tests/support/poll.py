@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -37,6 +37,23 @@ async def eventually(
     deadline = time.monotonic() + timeout_s
     while True:
         value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what or condition}")
+        await asyncio.sleep(interval_s)
+
+
+async def eventually_rpc(
+    condition: Callable[[], Awaitable[T | None]],
+    timeout_s: float = 10.0,
+    interval_s: float = 0.05,
+    what: str = "",
+) -> T:
+    """``eventually`` for a condition that awaits (an RPC to a process under test)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await condition()
         if value:
             return value
         if time.monotonic() > deadline:

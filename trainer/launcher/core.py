@@ -123,6 +123,7 @@ class Launcher:
         self.last_checkpoint_digest = ""
         # Set by trainer/launcher/leave.py when the pod is told to go.
         self.leave_requested = False
+        self.leave_deadline_s = 0.0
         self._state_dir = Path(settings.state_dir or tempfile.mkdtemp(prefix="tide-launcher-"))
         self._handover_dir = pod_handover_dir(
             settings.job_id, settings.pod_name or "pod", settings.launcher_id
@@ -183,6 +184,7 @@ class Launcher:
             last_checkpoint_step=self.last_checkpoint_step,
             last_checkpoint_digest=self.last_checkpoint_digest,
             leave_requested=self.leave_requested,
+            leave_deadline_s=self.leave_deadline_s,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -418,7 +420,10 @@ class Launcher:
             # step past what the coordinator heard, and it counts the lost steps from it.
             self.link.send_last_word(self._beat())
         self.generation = d.generation
-        self.progress = WorkerProgress()
+        # At the restore step, not 0: the coordinator measures step rates from heartbeats,
+        # and a 0 before the worker's Ready made the first second of a generation look
+        # like restore_step steps.
+        self.progress = WorkerProgress(step=rdv.restore_step)
         self._ready = asyncio.get_running_loop().create_future()
         self.workers.forget_queued()
         self._worker_done = False

@@ -2,7 +2,8 @@
 becomes a coordinated leave (docs/preemption.md).
 
 The launcher's heartbeats say ``leave_requested``; the scaler sees it on the member and
-drains the pod like one on a noticed node: a checkpoint barrier, then DRAIN, on which the
+drains the pod like one on a noticed node, with the grace's end as the notice's deadline:
+a checkpoint barrier, then DRAIN, on which the
 launcher exits 0 through its ordinary path. If no DRAIN comes within ``leave_grace_s``
 (no scaler, or one that cannot act in time), the launcher stops anyway, before the
 kubelet's SIGKILL. A launcher that is in no generation (STANDBY) has nothing to lose and
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from trainer.launcher.core import Launcher
 from trainer.launcher.model import State
@@ -34,6 +36,8 @@ class LeaveOnSigterm:
             la.stop(0)
             return
         la.leave_requested = True
+        # Sent with the request: the scaler plans the barrier within what is left.
+        la.leave_deadline_s = time.time() + grace_s
         la.link.wake_heartbeat()
         logger.info(
             "launcher %s: SIGTERM; asking for a coordinated leave (stopping in %.1fs if no DRAIN)",

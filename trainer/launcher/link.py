@@ -345,6 +345,9 @@ class CoordinatorLink:
             last_checkpoint_step=beat.last_checkpoint_step,
             last_checkpoint_digest=beat.last_checkpoint_digest,
             leave_requested=beat.leave_requested,
+            leave_deadline=ts_from_seconds(beat.leave_deadline_s)
+            if beat.leave_deadline_s
+            else None,
             first_step_at=ts_from_seconds(p.first_step_at) if p.first_step_at else None,
         )
 

@@ -90,7 +90,7 @@ class Ack:
 
 @dataclass
 class WorkerProgress:
-    """What the current worker said last about its training (zero for a new generation)."""
+    """What the current worker said last about its training (a new generation starts at its restore step)."""
 
     step: int = 0
     epoch: int = 0
@@ -114,3 +114,5 @@ class Beat:
     last_checkpoint_digest: str = ""
     # The pod got SIGTERM: this member asks for a coordinated leave (trainer/launcher/leave.py).
     leave_requested: bool = False
+    # When the pod's grace ends (unix seconds; 0: not asked), for the scaler's plan.
+    leave_deadline_s: float = 0.0

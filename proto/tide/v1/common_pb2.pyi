@@ -85,6 +85,10 @@ class _DecisionReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decisi
     """The job was started at its initial size."""
     DECISION_REASON_SLOWER_AFTER_SCALE_UP: _DecisionReason.ValueType  # 7
     """The goodput guard: the last grow made training slower; shrink back to the size before."""
+    DECISION_REASON_RECONCILE: _DecisionReason.ValueType  # 8
+    """Reconcile: the actuator's replicas or the coordinator's world size differed
+    from the last decision's size; put back through a recorded decision.
+    """
     DECISION_REASON_WITHIN_BAND: _DecisionReason.ValueType  # 20
     """No-op reasons (not persisted).
     Utilization is between the two thresholds.
@@ -139,6 +143,10 @@ DECISION_REASON_JOB_STARTED: DecisionReason.ValueType  # 6
 """The job was started at its initial size."""
 DECISION_REASON_SLOWER_AFTER_SCALE_UP: DecisionReason.ValueType  # 7
 """The goodput guard: the last grow made training slower; shrink back to the size before."""
+DECISION_REASON_RECONCILE: DecisionReason.ValueType  # 8
+"""Reconcile: the actuator's replicas or the coordinator's world size differed
+from the last decision's size; put back through a recorded decision.
+"""
 DECISION_REASON_WITHIN_BAND: DecisionReason.ValueType  # 20
 """No-op reasons (not persisted).
 Utilization is between the two thresholds.
@@ -186,6 +194,8 @@ class _DecisionTriggerEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decis
     """An operator (RequestResize)."""
     DECISION_TRIGGER_EMERGENCY: _DecisionTrigger.ValueType  # 3
     """A node notice; skips cooldown."""
+    DECISION_TRIGGER_RECONCILE: _DecisionTrigger.ValueType  # 4
+    """The scaler's periodic comparison of its view with the coordinator and the actuator."""
 
 class DecisionTrigger(_DecisionTrigger, metaclass=_DecisionTriggerEnumTypeWrapper):
     """What started a decision."""
@@ -197,6 +207,8 @@ DECISION_TRIGGER_MANUAL: DecisionTrigger.ValueType  # 2
 """An operator (RequestResize)."""
 DECISION_TRIGGER_EMERGENCY: DecisionTrigger.ValueType  # 3
 """A node notice; skips cooldown."""
+DECISION_TRIGGER_RECONCILE: DecisionTrigger.ValueType  # 4
+"""The scaler's periodic comparison of its view with the coordinator and the actuator."""
 Global___DecisionTrigger: _TypeAlias = DecisionTrigger  # noqa: Y015
 
 @_typing.final

@@ -461,6 +461,7 @@ class HeartbeatRequest(_message.Message):
     LAST_CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
     LAST_CHECKPOINT_DIGEST_FIELD_NUMBER: _builtins.int
     LEAVE_REQUESTED_FIELD_NUMBER: _builtins.int
+    LEAVE_DEADLINE_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     generation: _builtins.int
     phase: Global___WorkerPhase.ValueType
@@ -494,6 +495,12 @@ class HeartbeatRequest(_message.Message):
         restore_s); zero until known.
         """
 
+    @_builtins.property
+    def leave_deadline(self) -> _timestamp_pb2.Timestamp:
+        """When the pod's grace ends (its SIGTERM plus the launcher's leave grace):
+        the scaler plans the leave's barrier from it as from a node notice's deadline.
+        """
+
     def __init__(
         self,
         *,
@@ -510,10 +517,11 @@ class HeartbeatRequest(_message.Message):
         last_checkpoint_step: _builtins.int = ...,
         last_checkpoint_digest: _builtins.str = ...,
         leave_requested: _builtins.bool = ...,
+        leave_deadline: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["first_step_at", b"first_step_at", "startup", b"startup"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_step_at", b"first_step_at", "leave_deadline", b"leave_deadline", "startup", b"startup"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_at", b"first_step_at", "free_port", b"free_port", "generation", b"generation", "last_checkpoint_digest", b"last_checkpoint_digest", "last_checkpoint_step", b"last_checkpoint_step", "leave_requested", b"leave_requested", "member_id", b"member_id", "phase", b"phase", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "startup", b"startup", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_at", b"first_step_at", "free_port", b"free_port", "generation", b"generation", "last_checkpoint_digest", b"last_checkpoint_digest", "last_checkpoint_step", b"last_checkpoint_step", "leave_deadline", b"leave_deadline", "leave_requested", b"leave_requested", "member_id", b"member_id", "phase", b"phase", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "startup", b"startup", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -749,6 +757,7 @@ class Member(_message.Message):
     SAMPLES_PER_S_FIELD_NUMBER: _builtins.int
     LAST_HEARTBEAT_FIELD_NUMBER: _builtins.int
     LEAVE_REQUESTED_FIELD_NUMBER: _builtins.int
+    LEAVE_DEADLINE_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     pod_name: _builtins.str
     pod_index: _builtins.int
@@ -764,6 +773,10 @@ class Member(_message.Message):
     """The member's pod asked for a coordinated leave (HeartbeatRequest.leave_requested)."""
     @_builtins.property
     def last_heartbeat(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def leave_deadline(self) -> _timestamp_pb2.Timestamp:
+        """When its pod's grace ends (HeartbeatRequest.leave_deadline); unset when unknown."""
+
     def __init__(
         self,
         *,
@@ -779,10 +792,11 @@ class Member(_message.Message):
         samples_per_s: _builtins.float = ...,
         last_heartbeat: _timestamp_pb2.Timestamp | None = ...,
         leave_requested: _builtins.bool = ...,
+        leave_deadline: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["last_heartbeat", b"last_heartbeat"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_heartbeat", b"last_heartbeat", "leave_deadline", b"leave_deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "last_heartbeat", b"last_heartbeat", "leave_requested", b"leave_requested", "member_id", b"member_id", "phase", b"phase", "pod_index", b"pod_index", "pod_name", b"pod_name", "pod_uid", b"pod_uid", "rank", b"rank", "samples_per_s", b"samples_per_s", "state", b"state", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host", "last_heartbeat", b"last_heartbeat", "leave_deadline", b"leave_deadline", "leave_requested", b"leave_requested", "member_id", b"member_id", "phase", b"phase", "pod_index", b"pod_index", "pod_name", b"pod_name", "pod_uid", b"pod_uid", "rank", b"rank", "samples_per_s", b"samples_per_s", "state", b"state", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

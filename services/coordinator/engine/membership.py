@@ -97,12 +97,12 @@ def heartbeat(
     # Watchers (the scaler) must see a leave request at once: it starts a preemption.
     changed = inp.leave_requested and not m.leave_requested
     m.leave_requested = m.leave_requested or inp.leave_requested
+    if inp.leave_requested and inp.leave_deadline_s is not None:
+        m.leave_deadline_s = inp.leave_deadline_s
     if m.rank is not None and inp.generation == s.job.generation > 0:
         if inp.phase == WorkerPhase.RUNNING:
-            # Only a running worker's steps make a rate: a starting one reports 0, then the
-            # restored step, and a span from either covers the restart (it read 32 steps/s
-            # for a job making 9 just after its generation began, and put the barrier's
-            # step past the job's end).
+            # Only a training worker's steps are progress: a starting one reports where it
+            # will restore (or, from older launchers, 0).
             m.steps_per_s = m.rate.observe(inp.generation, inp.step, mono) or m.steps_per_s
         prev_phase = m.phase
         m.phase = inp.phase

@@ -49,6 +49,8 @@ class HeartbeatInput:
     last_checkpoint_digest: str = ""
     # The pod was told to go (SIGTERM) and asks for a coordinated leave.
     leave_requested: bool = False
+    # When the pod's grace ends (unix seconds), if the launcher said.
+    leave_deadline_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class MemberView:
     samples_per_s: float
     last_heartbeat_at: float
     leave_requested: bool = False
+    leave_deadline_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -364,12 +364,15 @@ class Outbox:
         r.checkpoint_step = e.step
         self._changed(r)
         self._log.info(
-            "resize %d: barrier at step %d over %d member(s), %d newcomer(s), %d leaving",
+            "resize %d: barrier at step %d over %d member(s), %d newcomer(s), %d leaving "
+            "(highest reported step %d, fastest %.1f steps/s)",
             r.decision_id,
             e.step,
             len(e.participants),
             len(e.newcomers),
             len(e.leaving),
+            max((self.state.members[m].step for m in e.participants), default=0),
+            max((self.state.members[m].steps_per_s for m in e.participants), default=0.0),
             extra={"decision_id": r.decision_id},
         )
 

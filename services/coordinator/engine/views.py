@@ -53,6 +53,7 @@ def job_view(s: JobState) -> JobView:
             samples_per_s=0.0 if m.member_id in finished else m.samples_per_s,
             last_heartbeat_at=m.last_heartbeat_at,
             leave_requested=m.leave_requested,
+            leave_deadline_s=m.leave_deadline_s,
         )
         for m in sorted(s.members.values(), key=lambda m: (m.pod_index, m.registered_at))
         if m.state != MemberState.GONE or m.member_id in finished

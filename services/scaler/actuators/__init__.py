@@ -11,10 +11,25 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.common.clock import Clock
-from services.scaler.actuators.base import Actuator, PodRemover, remove_pods
+from services.scaler.actuators.base import (
+    Actuator,
+    PodRemover,
+    acting_while,
+    check_still_leading,
+    remove_pods,
+)
 from tidebase.errors import ConfigError
 
-__all__ = ["KINDS", "Actuator", "PodRemover", "make_actuator", "parse_actuator", "remove_pods"]
+__all__ = [
+    "KINDS",
+    "Actuator",
+    "PodRemover",
+    "acting_while",
+    "check_still_leading",
+    "make_actuator",
+    "parse_actuator",
+    "remove_pods",
+]
 
 #: The kinds ``--actuator KIND:ARG`` accepts.
 KINDS = ("local", "kubernetes")

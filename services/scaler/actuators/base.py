@@ -15,8 +15,43 @@ implements :class:`PodRemover`; the controller goes through
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import Protocol, runtime_checkable
+
+from services.scaler.errors import StaleEpoch
+
+#: Whether the scaler replica that asked for this change still leads
+#: (services/scaler/leader.py), for the actuator to ask before each write it
+#: retries. The controller asks right before it calls the actuator; but an
+#: actuator that read, lost a race (409, a changed file), and read again, would
+#: otherwise apply a paused old leader's change on top of what the new leader did
+#: meanwhile (bench.failover saw exactly that). A context variable rather than a
+#: parameter: it reaches the worker threads (asyncio.to_thread copies the context)
+#: and the retry loops inside each actuator without changing the interface.
+_may_act: ContextVar[Callable[[], bool]] = ContextVar("tide_actuator_may_act")
+
+
+@contextlib.contextmanager
+def acting_while(may_act: Callable[[], bool]) -> Iterator[None]:
+    """Actuator calls inside this block check ``may_act`` before each write."""
+    token = _may_act.set(may_act)
+    try:
+        yield
+    finally:
+        _may_act.reset(token)
+
+
+def check_still_leading(job_id: str, decision_id: int) -> None:
+    """Before each write of an actuator (the first and every retry): StaleEpoch if the
+    replica that asked no longer leads. Outside :func:`acting_while`, nothing to check."""
+    may_act = _may_act.get(None)
+    if may_act is not None and not may_act():
+        raise StaleEpoch(
+            f"job {job_id}: decision {decision_id}: this scaler replica no longer leads;"
+            " the change is not applied"
+        )
 
 
 class Actuator(Protocol):

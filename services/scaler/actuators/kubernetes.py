@@ -12,6 +12,20 @@ both PaddleJob kinds (services.scaler.kube.paddlejob):
   shrink (both operators remove the highest indexes, which are the members
   the coordinator drained). A wait that runs out is logged, not failed: the
   coordinator's deadline judges the newcomers.
+- ``remove_pods`` (services.scaler.actuators.base.PodRemover: a preemption's
+  named pods). Both operators delete the pods whose index is >= the replicas
+  and recreate any missing pod below it (paddle-operator's Reconcile,
+  training-operator's ReconcilePods), so lowering the count alone would stop
+  the highest index, a member of the generation just formed. Instead the
+  replicas drop only to just above the highest pod that stays, and each named
+  pod below that is deleted (with its uid as the precondition, so a repeat never
+  deletes the operator's replacement): the operator recreates it, a newcomer
+  that waits as a spare until a grow admits it (docs/preemption.md). Only the
+  named pods go, never the highest by count: the PaddleJob cannot tell a member
+  from a spare of an earlier preemption. The count
+  chosen is written on the PaddleJob with the patch (``REMOVAL``), so that a
+  resumed decision, whose named pods are gone, keeps it instead of taking the
+  spare for a member and a member's index for the spare.
 - ``free_gpus`` comes from the watch-backed cache of nodes and pods
   (services.scaler.kube.capacity).
 
@@ -25,13 +39,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
 
+from services.scaler.actuators.base import check_still_leading
 from services.scaler.kube.capacity import CapacityCache
 from services.scaler.kube.client import IN_CLUSTER, api_client, raw
 from services.scaler.kube.paddlejob import KINDS, JobView, Kind, owned_by, pod_index, view
@@ -46,6 +62,10 @@ from tidebase.errors import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: ``DECISION_ID:REPLICAS`` of the last remove_pods, on the PaddleJob. Outside the
+#: ``tide.dev/`` prefix, which holds the policy overrides.
+REMOVAL = "scaler.tide.dev/pods-removed"
 
 
 @dataclass(frozen=True)
@@ -62,6 +82,9 @@ class KubernetesActuatorSettings:
     pod_wait_s: float = 120.0
     # Server-side timeout of each watch, seconds (then it is renewed).
     watch_timeout_s: int = 60
+    # Bound of each read and patch of a PaddleJob, seconds: a partitioned API server
+    # answers nothing, and the call must end (Unavailable) rather than hang.
+    request_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -74,6 +97,8 @@ class KubernetesActuatorSettings:
             raise ConfigError(f"pod_wait_s: must be > 0, got {self.pod_wait_s}")
         if self.watch_timeout_s < 1:
             raise ConfigError(f"watch_timeout_s: must be >= 1, got {self.watch_timeout_s}")
+        if not self.request_timeout_s > 0:
+            raise ConfigError(f"request_timeout_s: must be > 0, got {self.request_timeout_s}")
 
 
 def _split(job_id: str) -> tuple[str, str]:
@@ -94,6 +119,11 @@ def _error(job_id: str, exc: ApiException) -> TideError:
     return Unavailable(what)
 
 
+def _unreachable(job_id: str, exc: HTTPError) -> Unavailable:
+    """A transport failure (timeout, refused, reset): the API server is out of reach."""
+    return Unavailable(f"job {job_id}: Kubernetes API unreachable: {type(exc).__name__}: {exc}")
+
+
 def _considered(pod: dict[str, Any]) -> bool:
     """Bound to a node, or marked unschedulable by the scheduler."""
     if pod.get("spec", {}).get("nodeName"):
@@ -111,6 +141,7 @@ class KubernetesActuator:
         self.settings = settings
         self.api = api or api_client(settings.source)
         self.custom = client.CustomObjectsApi(self.api)
+        self.core = client.CoreV1Api(self.api)
         self.capacity = CapacityCache(
             self.api, on_change=self._changed, watch_timeout_s=settings.watch_timeout_s
         )
@@ -186,7 +217,7 @@ class KubernetesActuator:
                         kind.plural,
                         name,
                         _preload_content=False,
-                        _request_timeout=30,
+                        _request_timeout=self.settings.request_timeout_s,
                     )
                 )
             except ApiException as exc:
@@ -194,6 +225,8 @@ class KubernetesActuator:
                     raise _error(job_id, exc) from None
                 last = exc
                 continue
+            except HTTPError as exc:
+                raise _unreachable(job_id, exc) from None
             self.kinds[job_id] = kind
             return view(kind, obj)
         raise NotFound(f"job {job_id}: no PaddleJob {name} in namespace {ns}") from last
@@ -233,15 +266,116 @@ class KubernetesActuator:
                 extra={"job_id": job_id, "decision_id": decision_id},
             )
 
-    def _patch_replicas(self, job_id: str, replicas: int, decision_id: int) -> JobView:
-        """Read, check, patch with the resourceVersion read; on 409 the same again."""
+    async def remove_pods(
+        self, job_id: str, pods: Sequence[str], *, replicas: int, decision_id: int
+    ) -> None:
+        if replicas < 0:
+            raise InvalidArgument(f"job {job_id}: replicas must be >= 0, got {replicas}")
+        named = set(pods)
+        if not named:
+            await self.set_replicas(job_id, replicas, decision_id=decision_id)
+            return
+        self.start()
+        if not await self._wait_until(self.capacity.pods.synced.is_set, self.settings.pod_wait_s):
+            raise Unavailable(f"job {job_id}: the pod cache did not sync; cannot name pods")
+        job = await asyncio.to_thread(self._read, job_id)
+        doomed = {
+            i: (p["metadata"]["name"], p["metadata"].get("uid", ""))
+            for i, p in self._pods(job).items()
+            if p["metadata"]["name"] in named or p["metadata"].get("uid") in named
+        }
+        decided, _, chosen = job.annotations.get(REMOVAL, "").partition(":")
+        if decided == str(decision_id) and chosen.isdigit():
+            count = int(chosen)  # a repeat: the named pods may be spares by now
+        else:
+            # A named pod gone already (its node went first) leaves its index too.
+            gone = {pod_index(n) for n in named if n.startswith(f"{job.name}-worker-")}
+            indexes = doomed.keys() | {i for i in gone if i is not None}
+            if not indexes:
+                # None of them is the job's: the count, as the operator would do it.
+                await self.set_replicas(job_id, replicas, decision_id=decision_id)
+                return
+            # Only the named pods go. The count cannot say which pods are members (a
+            # spare from an earlier preemption is not), so it falls only across the
+            # named indexes at the top; a named pod below is deleted and recreated.
+            count = job.replicas
+            while count > replicas and count - 1 in indexes:
+                count -= 1
+        job = await asyncio.to_thread(
+            self._patch_replicas, job_id, count, decision_id, f"{decision_id}:{count}"
+        )
+        for index, (name, uid) in sorted(doomed.items()):
+            if index < count:
+                await asyncio.to_thread(self._delete_pod, job, name, uid, decision_id)
+        uids = {uid for _, uid in doomed.values()}
+        settled = await self._wait_until(
+            lambda: self._pods_gone(job, count, uids), self.settings.pod_wait_s
+        )
+        if not settled:
+            logger.warning(
+                "job %s: decision %d: the named pods were not gone within %.0f s: %s",
+                job_id,
+                decision_id,
+                self.settings.pod_wait_s,
+                self._pods_summary(job),
+                extra={"job_id": job_id, "decision_id": decision_id},
+            )
+
+    def _delete_pod(self, job: JobView, name: str, uid: str, decision_id: int) -> None:
+        check_still_leading(job.job_id, decision_id)
+        try:
+            raw(
+                self.core.delete_namespaced_pod(
+                    name,
+                    job.namespace,
+                    body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid)),
+                    # Raw, as every call here: the typed model refuses what some servers send.
+                    _preload_content=False,
+                    _request_timeout=self.settings.request_timeout_s,
+                )
+            )
+        except HTTPError as exc:
+            # Unknown whether it went: the retry finds it gone (404) or deletes it.
+            raise _unreachable(job.job_id, exc) from None
+        except ApiException as exc:
+            # 404: gone already; 409: the name is the operator's replacement now.
+            if exc.status in (404, 409):
+                return
+            raise _error(job.job_id, exc) from None
+        logger.info(
+            "job %s: decision %d: deleted pod %s (named by the decision; the operator"
+            " recreates it as a spare)",
+            job.job_id,
+            decision_id,
+            name,
+            extra={"job_id": job.job_id, "decision_id": decision_id, "pod": name},
+        )
+
+    def _pods_gone(self, job: JobView, count: int, uids: set[str]) -> bool:
+        if not self.capacity.pods.synced.is_set():
+            return False
+        return all(
+            i < count and p["metadata"].get("uid") not in uids for i, p in self._pods(job).items()
+        )
+
+    def _patch_replicas(
+        self, job_id: str, replicas: int, decision_id: int, removal: str = ""
+    ) -> JobView:
+        """Read, check, patch with the resourceVersion read; on 409 the same again.
+        ``removal``: the REMOVAL annotation to write with the replicas."""
         ns, name = _split(job_id)
         for attempt in range(self.settings.conflict_retries + 1):
+            check_still_leading(job_id, decision_id)
             job = self._read(job_id)
             self._recheck(job, replicas)
-            if job.replicas == replicas:
+            if job.replicas == replicas and (
+                not removal or job.annotations.get(REMOVAL) == removal
+            ):
                 return job  # done already (a resumed decision, or the retried patch landed)
             kind = job.kind
+            patch = kind.replicas_patch(replicas, job.resource_version)
+            if removal:
+                patch["metadata"]["annotations"] = {REMOVAL: removal}
             try:
                 self.custom.patch_namespaced_custom_object(
                     kind.group,
@@ -249,9 +383,13 @@ class KubernetesActuator:
                     ns,
                     kind.plural,
                     name,
-                    kind.replicas_patch(replicas, job.resource_version),
-                    _request_timeout=30,
+                    patch,
+                    _request_timeout=self.settings.request_timeout_s,
                 )
+            except HTTPError as exc:
+                # Whether the patch landed is unknown: the retry reads the job first,
+                # and one that landed is not patched again.
+                raise _unreachable(job_id, exc) from None
             except ApiException as exc:
                 if exc.status != 409:
                     raise _error(job_id, exc) from None

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.clock import Clock, SystemClock
+from services.scaler.actuators.base import check_still_leading
 from tidebase.credentials import CLIENT_ENV
 from tidebase.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
 
@@ -283,6 +284,8 @@ class LocalActuator:
         spec = self.read_spec(job_id)
         lock = self._locks.setdefault(job_id, asyncio.Lock())
         async with lock, self._job_file_lock(job_id):
+            # Under the job's lock, as late as it can be before the writes.
+            check_still_leading(job_id, decision_id)
             live = {p.index: p for p in self.pods(job_id)}
             named = set(pods)
             doomed = {i for i, p in live.items() if p.name in named or (p.uid and p.uid in named)}

@@ -35,8 +35,9 @@ Obj = dict[str, Any]
 IN_CLUSTER = "in-cluster"
 
 
-def api_client(source: str) -> client.ApiClient:
-    """An ApiClient from ``in-cluster`` (the pod's ServiceAccount) or a kubeconfig path."""
+def api_client(source: str, what: str = "actuator kubernetes") -> client.ApiClient:
+    """An ApiClient from ``in-cluster`` (the pod's ServiceAccount) or a kubeconfig path;
+    ``what`` names the setting in the error if it cannot be loaded."""
     cfg = client.Configuration()
     try:
         if source == IN_CLUSTER:
@@ -46,7 +47,7 @@ def api_client(source: str) -> client.ApiClient:
                 config_file=source, client_configuration=cfg
             )
     except (config.ConfigException, OSError) as exc:
-        raise ConfigError(f"actuator kubernetes:{source}: {exc}") from None
+        raise ConfigError(f"{what}:{source}: {exc}") from None
     # Several watches and the actuator's calls share the pool.
     cfg.connection_pool_maxsize = 16
     return client.ApiClient(cfg)

@@ -143,6 +143,14 @@ class DecisionStore:
             what=f"release lease {name}",
         )
 
+    async def live_leases(self, prefix: str) -> list[leases.LeaseRecord]:
+        now = self.now()
+        return await self._run(
+            lambda s: leases.live_leases(s, prefix, now=now),
+            write=False,
+            what=f"leases {prefix}*",
+        )
+
     # -- jobs ----------------------------------------------------------------------
 
     async def acquire(self, job_id: str) -> int:

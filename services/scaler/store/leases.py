@@ -112,3 +112,15 @@ def release_lease(session: Session, name: str, holder: str, *, now: datetime) ->
 def read_lease(session: Session, name: str) -> LeaseRecord | None:
     row = session.get(LeaderLease, name)
     return _record(row) if row is not None else None
+
+
+def live_leases(session: Session, prefix: str, *, now: datetime) -> list[LeaseRecord]:
+    """The unexpired leases whose name starts with ``prefix`` (the shard leases' live
+    replicas, services/scaler/shards.py), by name."""
+    aware("now", now)
+    rows = session.scalars(
+        select(LeaderLease)
+        .where(LeaderLease.name.startswith(prefix, autoescape=True), LeaderLease.expires_at > now)
+        .order_by(LeaderLease.name)
+    )
+    return [_record(r) for r in rows]

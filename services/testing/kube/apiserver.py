@@ -497,13 +497,24 @@ class KubeApiServer:
             )
         return self.update(t, ns, name, fn, subresource=subresource)
 
-    def delete(self, t: ResourceType, ns: str, name: str, grace_s: int | None = None) -> Obj:
+    def delete(
+        self, t: ResourceType, ns: str, name: str, grace_s: int | None = None, uid: str = ""
+    ) -> Obj:
+        """``uid``: the DeleteOptions' precondition (a 409 when the object of that name
+        is another one now, e.g. a pod an operator recreated)."""
         with self._cond:
             key = self._key(t, ns, name)
             cur = self._objects.get(key)
             if cur is None:
                 raise ApiError(404, "NotFound", f'{t.plural} "{name}" not found')
             meta = cur["metadata"]
+            if uid and meta.get("uid") != uid:
+                raise ApiError(
+                    409,
+                    "Conflict",
+                    f"Precondition failed: UID in precondition: {uid},"
+                    f" UID in object meta: {meta.get('uid')}",
+                )
             graceful = (
                 t.kind == "Pod"
                 and cur.get("spec", {}).get("nodeName")

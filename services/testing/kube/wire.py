@@ -309,7 +309,10 @@ def handler(api: KubeApiServer) -> type[BaseHTTPRequestHandler]:
                     raise ApiError(405, "MethodNotAllowed", "collection delete is not served")
                 body = self._body() or {}
                 grace = body.get("gracePeriodSeconds", query.get("gracePeriodSeconds"))
-                self._send(200, api.delete(t, ns, name, int(grace) if grace is not None else None))
+                uid = (body.get("preconditions") or {}).get("uid") or ""
+                self._send(
+                    200, api.delete(t, ns, name, int(grace) if grace is not None else None, uid)
+                )
 
         def _check_kind(self, t: ResourceType, body: Obj) -> None:
             if body.get("kind") not in (None, t.kind) or body.get("apiVersion") not in (

@@ -1,10 +1,10 @@
 {{/*
 The Deployment of one control-plane service (the scaler or the coordinator):
-one replica, Recreate, probed over grpc.health.v1, its settings file from
+values.replicas (default 1; 1 is Recreate), probed over grpc.health.v1, its settings file from
 its ConfigMap, its store from TIDE_DB. Call with (dict "root" $ "component"
 "scaler" "values" .Values.scaler "args" (list ...) "apiAccess" true "adminToken" true
 "client" true); "client": it dials another service (the scaler → the coordinator) with
-the CA and a projected token.
+the CA and a projected token; "env": more container environment.
 */}}
 {{- define "tide.deployment" -}}
 {{- $root := .root -}}
@@ -19,12 +19,22 @@ metadata:
   labels:
     {{- include "tide.labels" (dict "root" $root "component" $c) | nindent 4 }}
 spec:
-  # One replica, and an update stops the old pod before the new one starts:
-  # two of them side by side would split the agents' streams (scaler) or the
-  # trainers' rendezvous (coordinator) between two authorities.
-  replicas: 1
+  {{- $replicas := int ($v.replicas | default 1) }}
+  replicas: {{ $replicas }}
   strategy:
+    {{- if eq $replicas 1 }}
+    # One replica, and an update stops the old pod before the new one starts:
+    # two of them side by side would split the agents' streams (scaler) or the
+    # trainers' rendezvous (coordinator) between two authorities.
     type: Recreate
+    {{- else }}
+    # Several elect one leader (a Lease): a rolling update is safe, and the
+    # leader's clean stop hands the Lease over at once.
+    type: RollingUpdate
+    rollingUpdate:
+      maxUnavailable: 1
+      maxSurge: 0
+    {{- end }}
   selector:
     matchLabels:
       {{- include "tide.selectorLabels" (dict "root" $root "component" $c) | nindent 6 }}
@@ -86,6 +96,9 @@ spec:
             - {{ . }}
             {{- end }}
           env:
+            {{- with .env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
             {{- include "tide.dbEnv" (dict "root" $root "file" (printf "%s.db" $c)) | nindent 12 }}
             {{- if and .adminToken $root.Values.adminToken.existingSecret }}
             - name: TIDE_ADMIN_TOKEN

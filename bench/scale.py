@@ -1,0 +1,507 @@
+"""Scale benchmark: a simulated cluster of agents at 1 Hz against scaler replicas and
+PostgreSQL, one replica without sharding and several with, in the same run.
+
+    python -m bench.scale [--quick] [--agents N] [--replicas 3] [--seconds S] [--pg URL]
+
+Every figure is measured at the size it names; nothing is extrapolated. Agents are
+streams in spawned processes (loopback, many streams per process, one report of
+8 GPUs a second each; one job in RESIZING_EVERY has its utilization flip between
+95 % and 10 % every PERIOD_S, so that it keeps resizing through the in-memory
+actuator and coordinator, and the others hold 50 %).
+
+Phases:
+
+1. ``baseline``: one replica, a third of the agents (the same code, a smaller fleet);
+2. ``single``: one replica (ScalerCore, PostgreSQL store), all the agents: ack p99
+   (write → the ack that covers it, at the agent), tipping sample → committed
+   decision p99, the replica's CPU and RSS, agents per core used;
+3. ``sharded``: ``--replicas`` replicas holding shard leases in PostgreSQL
+   (services/scaler/shards.py); every agent streams to any replica, and replicas
+   fold samples of jobs they do not own into partial aggregates
+   (services/scaler/partials.py) that the benchmark hands to the owner once a
+   second. Ack p99 and CPU and RSS per replica. Half-way one replica is killed
+   (SIGKILL): its agents reconnect to the others, and ``rebalance_s`` is the time
+   until the survivors own every shard. These replicas ingest and shard but do not
+   run the policy loop (docs/scaler.md "Scaling out" says what is left), so this
+   phase has no decision latency;
+4. ``windows_match``: the same reports replayed into one engine and across replica
+   engines shipping partials (services/testing/shards.py): 1 when the owners'
+   windows, coverage and rollups equal the single engine's;
+5. ``decision_p99_ms_big_history``: decisions on a job with 20,000 past decisions in
+   PostgreSQL (bench.history's seed and measurement).
+
+The last line is ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from bench.ingest import _base, _pin, _varint, pct
+
+PERIOD_S = 10.0  # utilization of the resizing jobs flips between high and low this often
+#: One job in this many resizes (its utilization flips); the others hold 50 %, inside
+#: the policy's band. Every job resizing every flip would make the run a benchmark of
+#: decision commits (bench.ingest's paced phase is that one), not of streams.
+RESIZING_EVERY = 10
+NODES_PER_JOB = 4
+SHARDS = 12
+LEASE_S = 3.0  # shard lease duration in the sharded phase; renewed every second
+DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/tide_test"
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# --- replicas ----------------------------------------------------------------------------------
+
+
+def replica_main(mode: str, url: str, name: str, jobs: int, cpu: int, conn: Connection) -> None:
+    _pin(cpu)
+    asyncio.run(_replica(mode, url, name, jobs, conn))
+
+
+async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) -> None:
+    import grpc
+    from tide.v1 import telemetry_pb2_grpc
+
+    from services.common.clock import SystemClock
+    from services.scaler.ingest import IngestEngine, IngestSettings
+    from services.scaler.policy import PolicySettings
+    from services.scaler.service import ScalerCore
+    from services.scaler.servicer import TelemetryServicer
+    from services.scaler.settings import SWITCH_INTERVAL_S
+    from services.scaler.shards import ShardLeases, ShardSettings
+    from services.scaler.store import DecisionStore
+    from services.store import db
+    from services.testing.actuators import InMemoryActuator
+    from services.testing.coordinator import InMemoryCoordinator, follow_actuator
+    from services.testing.members import InMemoryMemberRegistry
+    from tidebase.grpc_options import server_options
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the scaler process does
+    clock = SystemClock()
+    engine = db.make_engine(url)
+    store = DecisionStore(engine, name, clock)
+    settings = IngestSettings(stale_after_s=5.0)
+    latencies: list[float] = []
+    core: Any = None  # its observe_decision is wrapped below (exact percentiles)
+    shards: ShardLeases | None = None
+    background: list[asyncio.Task[Any]] = []
+    if mode == "single":
+        actuator = InMemoryActuator()
+        coordinator = InMemoryCoordinator()
+        follow_actuator(coordinator, actuator)
+        core = ScalerCore(
+            store=store,
+            actuator=actuator,
+            coordinator=coordinator,
+            clock=clock,
+            defaults=PolicySettings(
+                bucket_s=2.0,
+                sustain_s=4.0,
+                cooldown_s=0.0,
+                scale_down_stabilization_s=0.0,
+                min_replicas=2,
+                max_replicas=8,
+            ),
+            ingest=settings,
+        )
+        observe = core.metrics.observe_decision
+
+        def record(total_s: float, stages: tuple[float, float, float]) -> None:
+            latencies.append(total_s)
+            observe(total_s, stages)
+
+        core.metrics.observe_decision = record
+        await core.start()
+        for j in range(jobs):
+            await core.upsert_job(f"bench/j{j}", {}, gpus_per_replica=4)
+        background.append(asyncio.create_task(core.run()))
+        ingest = core.engine
+    else:
+        registry = InMemoryMemberRegistry()
+        for j in range(jobs):
+            registry.set_members(f"bench/j{j}", _members(j))
+        ingest = IngestEngine(settings, registry, clock, window_shape=lambda _j: (2.0, 3))
+        shards = ShardLeases(
+            store,
+            clock,
+            ShardSettings(shards=SHARDS, duration_s=LEASE_S, renew_s=1.0),
+            address=name,
+        )
+        ingest.forward = lambda job, s=shards: not s.owns(job)
+        background.append(asyncio.create_task(shards.run()))
+
+    server = grpc.aio.server(options=server_options())
+    telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(ingest), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    conn.send(port)
+    cpu0, next_ship = time.process_time(), time.monotonic() + 1.0
+    while True:
+        await asyncio.sleep(0.05)
+        if shards is not None and time.monotonic() >= next_ship:
+            next_ship += 1.0
+            conn.send(("partials", name, ingest.take_partials()))
+        while conn.poll():
+            msg = conn.recv()
+            if msg[0] == "merge":
+                ingest.merge_partials(msg[1], msg[2])
+            elif msg[0] == "stats":
+                owned = sorted(shards.owned_shards()) if shards is not None else []
+                conn.send(("stats", time.process_time() - cpu0, ingest.reports_accepted, owned))
+            elif msg[0] == "stop":
+                for t in background:
+                    t.cancel()
+                decisions = 0
+                if core is not None:
+                    page = await core.store.list_decisions(page_size=1000)
+                    decisions = len(page.decisions)
+                    await core.close()
+                conn.send(("stopped", latencies, decisions))
+                await server.stop(0)
+                engine.dispose()
+                return
+
+
+def _members(job: int) -> list[Any]:
+    from services.scaler.members import Member
+
+    # The pods of bench.ingest._base: two of 4 GPUs per node, NODES_PER_JOB nodes.
+    return [Member(f"j{job}-trainer-{p}", f"uid-j{job}-{p}") for p in range(NODES_PER_JOB * 2)]
+
+
+# --- agents ------------------------------------------------------------------------------------
+
+
+def agents_main(
+    ports: list[int], nodes: list[tuple[str, int, int]], seconds: float, warm_s: float, q: Any
+) -> None:
+    _pin(1)
+    asyncio.run(_agents(ports, nodes, seconds, warm_s, q))
+
+
+async def _agents(
+    ports: list[int], nodes: list[tuple[str, int, int]], seconds: float, warm_s: float, q: Any
+) -> None:
+    import grpc
+    from tide.v1 import telemetry_pb2
+
+    from tidebase.grpc_options import client_options
+
+    channels = {
+        p: grpc.aio.insecure_channel(f"127.0.0.1:{p}", options=client_options()) for p in ports
+    }
+    start = time.monotonic()
+    end, warm = start + seconds, time.perf_counter() + warm_s
+    lat: list[tuple[float, float]] = []  # (sent at, perf_counter; latency)
+    errors = [0]
+
+    async def one(i: int, node: tuple[str, int, int]) -> None:
+        name, job, k = node
+        if job % RESIZING_EVERY == 0:
+            high, low = _base(name, job, k, 95.0), _base(name, job, k, 10.0)
+        else:
+            high = low = _base(name, job, k, 50.0)
+        seq = 0
+        attempt = i
+        await asyncio.sleep((i % 1000) / 1000)  # spread the fleet over the second
+        while time.monotonic() < end:
+            # Any replica behind the Service; on a failure the next one.
+            ch = channels[ports[attempt % len(ports)]]
+            method = ch.stream_stream(
+                "/tide.v1.Telemetry/Stream",
+                request_serializer=lambda b: b,
+                response_deserializer=telemetry_pb2.TelemetryAck.FromString,
+            )
+            call = method()
+            sent: dict[int, float] = {}
+
+            async def read(call: Any = call, sent: dict[int, float] = sent) -> None:
+                async for ack in call:
+                    now = time.perf_counter()
+                    for s in [s for s in sent if s <= ack.acked_seq]:
+                        t = sent.pop(s)
+                        if t > warm:
+                            lat.append((t, now - t))
+
+            reader = asyncio.create_task(read())
+            try:
+                next_at = time.monotonic()
+                while time.monotonic() < end and not reader.done():
+                    seq += 1
+                    now = time.time()
+                    base = high if int(now / PERIOD_S) % 2 == 0 else low
+                    sec = int(now)
+                    ts = b"\x08" + _varint(sec) + b"\x10" + _varint(int((now - sec) * 1e9))
+                    sent[seq] = time.perf_counter()
+                    await call.write(
+                        base + b"\x18" + _varint(seq) + b"\x22" + _varint(len(ts)) + ts
+                    )
+                    next_at += 1.0
+                    await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+                if reader.done():
+                    raise RuntimeError("stream ended")
+                await call.done_writing()
+                await reader
+                return
+            except Exception:
+                if time.monotonic() < end:
+                    errors[0] += 1
+                    attempt += 1
+                    await asyncio.sleep(0.2)
+            finally:
+                reader.cancel()
+                call.cancel()
+
+    await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)))
+    for ch in channels.values():
+        await ch.close()
+    q.put((lat, errors[0]))
+
+
+# --- phases ------------------------------------------------------------------------------------
+
+
+def _start_replicas(
+    ctx: Any, mode: str, url: str, count: int, jobs: int
+) -> list[tuple[Any, Connection, int]]:
+    out = []
+    for r in range(count):
+        parent, child = ctx.Pipe()
+        # Replicas on CPU 0, agents on CPU 1: the agents' cost is not the replicas'.
+        p = ctx.Process(target=replica_main, args=(mode, url, f"r{r}", jobs, 0, child), daemon=True)
+        p.start()
+        out.append((p, parent, parent.recv()))
+    return out
+
+
+def run_phase(
+    url: str, mode: str, agents: int, replicas: int, seconds: float, kill_at_s: float | None
+) -> dict[str, Any]:
+    from services.scaler.shards import shard_of
+
+    ctx = mp.get_context("spawn")
+    jobs = max(1, agents // NODES_PER_JOB)
+    reps = _start_replicas(ctx, mode, url, replicas, jobs)
+    ports = [port for _, _, port in reps]
+    nodes = [(f"node-{i}", i // NODES_PER_JOB % jobs, i % NODES_PER_JOB) for i in range(agents)]
+    procs = 2
+    q = ctx.Queue()
+    warm_s = min(8.0, seconds / 3)
+    fleet = [
+        ctx.Process(target=agents_main, args=(ports, nodes[k::procs], seconds, warm_s, q))
+        for k in range(procs)
+    ]
+    for a in fleet:
+        a.start()
+    alive = list(range(replicas))
+    partial_bytes = [0]
+
+    def route(msg: Any) -> None:
+        # The benchmark is the partials' transport: each shipment to its job's owner.
+        _, sender, parts = msg
+        by_owner: dict[int, list[Any]] = {}
+        for p in parts:
+            owner = owners.get(shard_of(p.job_id, SHARDS))
+            if owner is not None and owner in alive:
+                by_owner.setdefault(owner, []).append(p)
+        for owner, ps in by_owner.items():
+            partial_bytes[0] += len(pickle.dumps(ps))
+            reps[owner][1].send(("merge", sender, ps))
+
+    def pump() -> None:
+        for r in alive:
+            conn = reps[r][1]
+            while conn.poll():
+                route(conn.recv())
+
+    owners: dict[int, int] = {}
+
+    def stats() -> dict[int, tuple[float, int, list[int]]]:
+        out = {}
+        for r in alive:
+            reps[r][1].send(("stats",))
+        for r in alive:
+            while True:
+                msg = reps[r][1].recv()
+                if msg[0] == "stats":
+                    out[r] = msg[1:]
+                    break
+                route(msg)
+        owners.clear()
+        for r, (_, _, owned) in out.items():
+            for k in owned:
+                owners[k] = r
+        return out
+
+    t_start = time.monotonic()
+    deadline = t_start + seconds
+    time.sleep(warm_s)
+    s0, t0 = stats(), time.monotonic()
+    rss: dict[int, float] = {}
+    rebalance_s: float | None = None
+    killed_at: float | None = None
+    killed_perf = float("inf")
+    while time.monotonic() < deadline - 1.0:
+        time.sleep(0.2)
+        pump()
+        if mode == "sharded":
+            cur = stats()
+            if (
+                killed_at is None
+                and kill_at_s is not None
+                and time.monotonic() - t_start >= kill_at_s
+            ):
+                for r in alive:
+                    rss[r] = _rss_mib(reps[r][0].pid)
+                victim = alive[-1]
+                os.kill(reps[victim][0].pid, signal.SIGKILL)
+                alive.remove(victim)
+                killed_at = time.monotonic()
+                killed_perf = time.perf_counter()
+            elif killed_at is not None and rebalance_s is None:
+                owned = {k for _, _, o in cur.values() for k in o}
+                if owned == set(range(SHARDS)):
+                    rebalance_s = time.monotonic() - killed_at
+    s1, t1 = stats(), time.monotonic()
+    for r in alive:
+        rss.setdefault(r, _rss_mib(reps[r][0].pid))
+    results = [q.get(timeout=120) for _ in fleet]
+    for a in fleet:
+        a.join(timeout=30)
+    lat = sorted(x for r in results for _, x in r[0])
+    # Before the kill: the reconnect of a killed replica's agents (a few hundred new
+    # streams at once) is most of the tail after it.
+    steady = sorted(x for r in results for t, x in r[0] if t < killed_perf)
+    errors = sum(r[1] for r in results)
+    decision_lat: list[float] = []
+    decisions = 0
+    for r in alive:
+        reps[r][1].send(("stop",))
+        while True:
+            msg = reps[r][1].recv()
+            if msg[0] == "stopped":
+                decision_lat += msg[1]
+                decisions += msg[2]
+                break
+        reps[r][0].join(timeout=30)
+    for p, _, _ in reps:
+        if p.is_alive():
+            p.kill()
+    # CPU of the replicas that lived through the whole measurement.
+    cpu = [(s1[r][0] - s0[r][0]) / (t1 - t0) for r in s1 if r in s0]
+    reports = sum(s1[r][1] - s0[r][1] for r in s1 if r in s0)
+    lat_ms = [x * 1000 for x in lat]
+    dec_ms = [x * 1000 for x in decision_lat]
+    return {
+        "agents": agents,
+        "replicas": replicas,
+        "ack_p50_ms": round(pct(lat_ms, 0.5), 1),
+        "ack_p99_ms": round(pct(lat_ms, 0.99), 1),
+        "ack_p99_ms_before_kill": round(pct([x * 1000 for x in steady], 0.99), 1),
+        "acks": len(lat),
+        "decision_p99_ms": round(pct(dec_ms, 0.99), 1) if dec_ms else None,
+        "decisions": decisions,
+        "cpu_pct_per_replica": [round(c * 100, 1) for c in cpu],
+        "rss_mib_per_replica": [round(v, 1) for v in rss.values()],
+        "reports_per_s": round(reports / (t1 - t0)),
+        # Agents per core the replicas used: the fleet over the CPU it cost them.
+        "agents_per_core": round(agents / max(1e-9, sum(cpu))) if cpu else None,
+        "stream_errors": errors,
+        "rebalance_s": round(rebalance_s, 2) if rebalance_s is not None else None,
+        "partial_bytes_per_s": round(partial_bytes[0] / (t1 - t0)),
+    }
+
+
+def big_history(url: str) -> float:
+    from bench.history import BUSY_DECISIONS, measure_scaler, pg_schema, seed
+
+    total = BUSY_DECISIONS * 2
+    with pg_schema(url) as u:
+        seed(u, total)
+        return float(asyncio.run(measure_scaler(u, total))["decision_p99_ms"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="a fleet this 2-core machine holds")
+    ap.add_argument("--agents", type=int, default=0, help="agent streams (nodes)")
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=0.0, help="length of each phase")
+    ap.add_argument("--pg", default=os.environ.get("TIDE_TEST_PG_URL", DEFAULT_PG))
+    args = ap.parse_args(argv)
+    agents = args.agents or (1200 if args.quick else 3000)
+    seconds = args.seconds or (30.0 if args.quick else 90.0)
+    t_start = time.monotonic()
+    from bench.history import pg_schema
+    from services.store import db
+    from services.testing.shards import compare_sharded
+
+    phases: dict[str, dict[str, Any]] = {}
+    for label, mode, n, reps in (
+        ("baseline", "single", max(1, agents // 3), 1),
+        ("single", "single", agents, 1),
+        ("sharded", "sharded", agents, args.replicas),
+    ):
+        with pg_schema(args.pg) as url:
+            db.upgrade(url)
+            phases[label] = run_phase(
+                url, mode, n, reps, seconds, seconds * 0.55 if mode == "sharded" else None
+            )
+        print(f"{label}: " + json.dumps(phases[label]), flush=True)
+    diffs = compare_sharded(jobs=40, replicas=args.replicas, seconds=60)
+    for d in diffs[:5]:
+        print("windows differ:", d)
+    big = big_history(args.pg)
+    single, sharded, base = phases["single"], phases["sharded"], phases["baseline"]
+    cpu_sharded = sharded["cpu_pct_per_replica"]
+    result = {
+        "agents": agents,
+        "replicas": args.replicas,
+        "ack_p99_ms": sharded["ack_p99_ms"],
+        "ack_p99_ms_before_kill": sharded["ack_p99_ms_before_kill"],
+        "decision_p99_ms": sharded["decision_p99_ms"],
+        "cpu_pct_per_replica": round(sum(cpu_sharded) / max(1, len(cpu_sharded)), 1),
+        "rss_mib_per_replica": sharded["rss_mib_per_replica"],
+        "agents_per_core": sharded["agents_per_core"],
+        "rebalance_s": sharded["rebalance_s"],
+        "windows_match": int(not diffs),
+        "decision_p99_ms_big_history": round(big, 1),
+        "single_agents": single["agents"],
+        "single_ack_p99_ms": single["ack_p99_ms"],
+        "single_decision_p99_ms": single["decision_p99_ms"],
+        "single_cpu_pct_per_replica": single["cpu_pct_per_replica"][0],
+        "single_rss_mib": single["rss_mib_per_replica"][0],
+        "single_agents_per_core": single["agents_per_core"],
+        "baseline_agents": base["agents"],
+        "baseline_ack_p99_ms": base["ack_p99_ms"],
+        "baseline_cpu_pct": base["cpu_pct_per_replica"][0],
+        "baseline_agents_per_core": base["agents_per_core"],
+        "stream_errors": single["stream_errors"] + base["stream_errors"],
+        "partial_bytes_per_s": sharded["partial_bytes_per_s"],
+        "seconds_per_phase": seconds,
+        "wall_s": round(time.monotonic() - t_start, 1),
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

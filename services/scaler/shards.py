@@ -1,0 +1,178 @@
+"""Jobs sharded across scaler replicas: a SQL lease per shard, rebalanced as replicas
+join and leave.
+
+Every job belongs to one of ``shards`` shards (a hash of its id), and a replica
+decides a job only while it holds the job's shard lease. The leases are rows of
+the leader lease's table, taken and renewed with the same compare-and-set
+(services/scaler/store/leases.py), so a shard changes hands only once its lease
+was released or ran out, and every takeover bumps the shard's epoch.
+
+Which replica should hold which shard is a pure function of the live replicas
+(:func:`assign`, rendezvous hashing: a replica joining or leaving moves only the
+shards it gains or held). Replicas are live while their member lease (one row
+each, renewed on every round) is. Each round a replica
+
+1. renews its member lease and reads the live members;
+2. gives up the shards it holds that now belong to another replica: it stops
+   acting on them first, then releases them, so their new owner takes them on
+   its next round;
+3. takes or renews the shards assigned to it (a shard still leased by its old
+   holder is taken once that holder lets it go or its lease runs out).
+
+A replica counts each shard's deadline from before the renewing call, so its
+own view never outlasts the store's: when a lease runs out in the store, its
+old holder has already stopped deciding (the same rule as services/scaler/leader.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.clock import Clock
+from services.scaler.store import DecisionStore
+from tidebase.errors import ConfigError, TideError
+
+logger = logging.getLogger(__name__)
+
+SHARD_LEASE_PREFIX = "tide-scaler-shard-"
+MEMBER_LEASE_PREFIX = "tide-scaler-member-"
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    #: Shards the jobs are spread over: the most replicas that can share the work.
+    shards: int = 16
+    #: How long a shard or member lease lasts without renewal: the longest a dead
+    #: replica's jobs wait for a new owner.
+    duration_s: float = 15.0
+    #: How often a replica renews its leases and rebalances.
+    renew_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.shards <= 4096:
+            raise ConfigError(f"shards={self.shards!r}: must be 1..4096")
+        if not (math.isfinite(self.duration_s) and self.duration_s > 0):
+            raise ConfigError(f"shard_lease_duration_s={self.duration_s!r}: must be > 0")
+        if not (0 < self.renew_s < self.duration_s):
+            raise ConfigError(
+                f"shard_lease_renew_s={self.renew_s!r}: must be in (0, {self.duration_s})"
+            )
+
+
+def shard_of(job_id: str, shards: int) -> int:
+    """The job's shard: the same on every replica and across restarts."""
+    return zlib.crc32(job_id.encode()) % shards
+
+
+def assign(shards: int, members: Sequence[str]) -> dict[int, str]:
+    """Shard → the member that should hold it (rendezvous hashing); {} with no member."""
+    if not members:
+        return {}
+    return {
+        k: max(members, key=lambda m: (zlib.crc32(f"{k}/{m}".encode()), m)) for k in range(shards)
+    }
+
+
+class ShardLeases:
+    """This replica's shard leases; :meth:`step` is one round, :meth:`run` loops."""
+
+    def __init__(
+        self, store: DecisionStore, clock: Clock, settings: ShardSettings, *, address: str
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.settings = settings
+        self.address = address
+        #: shard → (lease epoch, monotonic deadline by this replica's clock)
+        self.held: dict[int, tuple[int, float]] = {}
+        self.members: list[str] = []
+
+    @property
+    def me(self) -> str:
+        return self.store.owner_id
+
+    def shard_of(self, job_id: str) -> int:
+        return shard_of(job_id, self.settings.shards)
+
+    def owns(self, job_id: str) -> bool:
+        """Whether this replica may decide the job now, by its own clock."""
+        held = self.held.get(self.shard_of(job_id))
+        return held is not None and self.clock.monotonic() < held[1]
+
+    def owned_shards(self) -> set[int]:
+        now = self.clock.monotonic()
+        return {k for k, (_, deadline) in self.held.items() if now < deadline}
+
+    async def step(self) -> tuple[set[int], set[int]]:
+        """One round; returns (shards gained, shards given up or lost)."""
+        s = self.settings
+        started = self.clock.monotonic()
+        gained: set[int] = set()
+        lost = {k for k, (_, deadline) in self.held.items() if started >= deadline}
+        for k in lost:
+            del self.held[k]  # not renewed in time: stop acting before anyone takes it
+        try:
+            await self.store.try_lease(
+                MEMBER_LEASE_PREFIX + self.me, self.address, duration_s=s.duration_s
+            )
+            live = await self.store.live_leases(MEMBER_LEASE_PREFIX)
+        except TideError as exc:
+            logger.warning("shard leases: round failed: %s", exc)
+            return gained, lost
+        self.members = sorted({r.holder for r in live} | {self.me})
+        want = {k for k, m in assign(s.shards, self.members).items() if m == self.me}
+        for k in sorted(set(self.held) - want):
+            # Stop acting first, then hand over: the new owner may take it at once.
+            del self.held[k]
+            lost.add(k)
+            try:
+                await self.store.release_lease(SHARD_LEASE_PREFIX + str(k))
+            except TideError as exc:
+                logger.warning("shard %d: not released (%s); it runs out", k, exc)
+        for k in sorted(want):
+            try:
+                rec = await self.store.try_lease(
+                    SHARD_LEASE_PREFIX + str(k), self.address, duration_s=s.duration_s
+                )
+            except TideError as exc:
+                logger.warning("shard %d: renewal failed: %s", k, exc)
+                continue
+            was = self.held.get(k)
+            if rec.held_by(self.me) and (was is None or was[0] == rec.epoch):
+                self.held[k] = (rec.epoch, started + s.duration_s)
+                if was is None:
+                    gained.add(k)
+            elif was is not None:
+                del self.held[k]
+                lost.add(k)
+        if gained or lost:
+            logger.info(
+                "shards: %s holds %d of %d (gained %s, gave up %s; %d replicas)",
+                self.me,
+                len(self.held),
+                s.shards,
+                sorted(gained),
+                sorted(lost),
+                len(self.members),
+            )
+        return gained, lost
+
+    async def leave(self) -> None:
+        """A clean shutdown: stop acting, then hand every shard and the member lease back."""
+        held, self.held = sorted(self.held), {}
+        for name in [SHARD_LEASE_PREFIX + str(k) for k in held] + [MEMBER_LEASE_PREFIX + self.me]:
+            try:
+                await self.store.release_lease(name)
+            except TideError as exc:
+                logger.warning("lease %s: not released (%s); it runs out", name, exc)
+
+    async def run(self) -> None:
+        """Rounds every ``renew_s`` until cancelled."""
+        while True:
+            await self.step()
+            await asyncio.sleep(self.settings.renew_s)
