@@ -105,3 +105,22 @@ async def test_a_nack_with_fallback_abort_leaves_g_training() -> None:
         assert (await env.status()).generation == 1
     finally:
         await close_env(env)
+
+
+async def test_a_shrink_prepares_the_stayers_only_and_drains_the_leaver(overlap: Env) -> None:
+    env = overlap
+    ls = await form(env, 3)
+    await env.heartbeat_all(steps=3)
+    w = ResizeWatch(env.stub, JOB, 2, 2)
+    await eventually(lambda: ls[2].exited, what="pod 2 drained")
+    await eventually(lambda: ls[0].generation == 2 and ls[1].generation == 2, what="gen 2")
+    await eventually(lambda: no_pending(env), what="acks")
+    await env.heartbeat_all()
+    final = await w.final()
+
+    assert final.phase == P.RESIZE_PHASE_COMPLETED
+    assert final.world_size == 2 and final.lost_steps == 0
+    # The leaver trains to the barrier like everyone, but gets no PREPARE: it is no part of g+1.
+    assert K.KIND_PREPARE not in ls[2].kinds()
+    assert ls[2].kinds().index(K.KIND_CHECKPOINT) < ls[2].kinds().index(K.KIND_DRAIN)
+    assert [fl.rendezvous_prepared[-1] for fl in ls[:2]] == [True, True]

@@ -7,8 +7,16 @@ import logging
 
 import pytest
 
-from services.coordinator.domain import Checkpoint, DirectiveKind, MemberState, ResizePhase
+from services.coordinator.domain import (
+    Checkpoint,
+    DirectiveKind,
+    MemberState,
+    ResizePhase,
+    WorkerPhase,
+)
 from services.coordinator.engine import effects as fx
+from services.coordinator.engine.membership import heartbeat
+from services.coordinator.engine.messages import HeartbeatInput
 from services.coordinator.engine.outbox import Outbox
 from services.coordinator.engine.recovery import late_progress, overdue, plan_recovery
 from services.coordinator.engine.state import JobState
@@ -128,3 +136,23 @@ def test_a_directive_past_its_deadline_names_its_member_once() -> None:
     out.commit()
     now = next(iter(s.directives.values())).created_at
     assert overdue(s, now + 10.0) == ("m0",)
+
+
+def test_a_step_rate_starts_from_the_first_running_heartbeat_of_a_generation() -> None:
+    s = job()
+    s.job.generation = 2
+    s.generations[2] = generation(2, ("m0", "m1"))
+    m = s.members["m0"]
+    m.steps_per_s = 9.0  # what generation 1 ran at
+
+    def beat(phase: WorkerPhase, step: int, mono: float) -> float:
+        heartbeat(s, HeartbeatInput("m0", 2, phase, step), 0.0, mono)
+        return m.steps_per_s
+
+    # The new worker is starting (step 0), then reports its restored step: neither counts.
+    assert beat(WorkerPhase.STARTING, 0, 100.0) == 9.0
+    assert beat(WorkerPhase.STARTING, 33, 100.5) == 9.0
+    assert beat(WorkerPhase.RUNNING, 34, 100.7) == 9.0  # the anchor
+    # 9 steps in 1 s, not 43 steps since the step-0 report.
+    assert beat(WorkerPhase.RUNNING, 43, 101.7) == pytest.approx(9.0)
+    assert beat(WorkerPhase.RUNNING, 55, 102.7) == pytest.approx(12.0)
