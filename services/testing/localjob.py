@@ -133,6 +133,9 @@ class LocalJob:
             "0.1",
             "--resize-mode",
             self.resize_mode,
+            # Loopback only, its callers this process's own launchers: no TLS files to
+            # serve with, as in a test; a bench run outside pytest needs it said.
+            "--insecure",
             "--log-level",
             "INFO",
         ]
