@@ -45,6 +45,9 @@ from tidebase.retry import Backoff
 
 logger = logging.getLogger(__name__)
 
+#: Jobs whose actuator and coordinator a reconcile pass asks at once.
+RECONCILE_CONCURRENCY = 16
+
 __all__ = ["Evaluation", "ScalerCore", "Watched"]
 
 _DEFAULT_POLICY = pol.PolicySettings()
@@ -824,24 +827,42 @@ class ScalerCore:
     async def reconcile(self) -> list[Drift]:
         """Compare every idle job's recorded size with the actuator's replicas and the
         coordinator's world size; correct each drift through a recorded decision
-        (services/scaler/reconcile.py). Returns the drifts found."""
+        (services/scaler/reconcile.py). Returns the drifts found.
+
+        The parties are asked for several jobs at once (a pass over a thousand jobs is
+        a thousand reads of each): the evaluation loop waits for the pass."""
         self.metrics.reconcile_passes.inc()
+        idle = [
+            (job_id, self.jobs[job_id])
+            for job_id in self.jobs
+            if job_id not in self.fenced
+            and job_id not in self.active
+            and not self._finished(job_id)
+        ]
+        bound = asyncio.Semaphore(RECONCILE_CONCURRENCY)
+
+        async def ask(job_id: str) -> reconcile.Observed:
+            async with bound:
+                return await reconcile.observe(job_id, self.actuator, self.coordinator)
+
+        answers = await asyncio.gather(*(ask(j) for j, _ in idle), return_exceptions=True)
         found: list[Drift] = []
-        for job_id in list(self.jobs):
-            if job_id in self.fenced or job_id in self.active or self._finished(job_id):
-                continue
+        for (job_id, seen), observed in zip(idle, answers, strict=True):
             with self._guard(job_id):
-                observed = await reconcile.observe(job_id, self.actuator, self.coordinator)
-                job = self.jobs[job_id]
+                if isinstance(observed, BaseException):
+                    raise observed
+                # A decision started, or ended, while the parties were asked: the
+                # answers may be from either side of it; the next pass asks again.
+                if job_id in self.active or self.jobs.get(job_id) is not seen:
+                    continue
                 drift = reconcile.compare(
                     job_id,
-                    job.current_replicas,
-                    job.generation,
+                    seen.current_replicas,
+                    seen.generation,
                     observed,
                     asked_replicas=self._asked.get(job_id),
                 )
-                # A decision may have started while the parties were asked: not a drift.
-                if drift is None or job_id in self.active:
+                if drift is None:
                     continue
                 found.append(drift)
                 for source in drift.sources:

@@ -3,6 +3,7 @@ scaler core with the in-memory coordinator and actuator, where drift is made by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import urllib.request
 from collections.abc import AsyncIterator
@@ -192,3 +193,17 @@ def test_the_scaler_process_corrects_a_hand_edit_and_exports_it(tmp_path: Path) 
             scaler.kill()
     _, err = scaler.proc.communicate(timeout=10)
     assert sum(f"job {JOB}: drift (actuator)" in line for line in err.splitlines()) == 1
+
+
+@pytest.mark.component
+async def test_a_job_whose_record_changed_while_the_parties_were_asked_is_not_compared(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def answer_after_a_decision_ended(job_id: str) -> int:
+        # As _on_final does when a decision ends: the job's record is a new one.
+        rig.core.jobs[job_id] = dataclasses.replace(rig.core.jobs[job_id])
+        return 5
+
+    monkeypatch.setattr(rig.actuator, "get_replicas", answer_after_a_decision_ended)
+    assert await rig.core.reconcile() == []
+    assert drift_count(rig, "actuator") == 0
