@@ -324,7 +324,9 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         # stream, waking only while some stream holds one back.
         while self._held:
             await asyncio.sleep(self.ack_max_delay_s)
-            held, self._held = self._held, set()
+            # Emptied in place, never replaced: every stream handler holds this set.
+            held = list(self._held)
+            self._held.clear()
             for st in held:
                 if st in self._streams and not st.writing:
                     # A task of its own: a peer that stopped reading holds up only itself.

@@ -129,3 +129,26 @@ async def test_slow_agent_does_not_hold_up_others(telemetry_server: TelemetrySer
         assert acks[-1].acked_seq == 50
         assert time.monotonic() - t0 < 5
         stuck.cancel()
+
+
+async def test_a_burst_after_a_burst_is_acked_like_the_first(
+    telemetry_server: TelemetryServer, registry: InMemoryMemberRegistry
+) -> None:
+    # An agent resending what it holds, a few in flight at a time, waits for each ack
+    # before it sends more: every burst's held-back ack must go out, not just the first
+    # one's (the shared flusher once replaced the set the streams add to, and an agent
+    # resending after a scaler restart waited forever).
+    registry.set_members("ns/a", [Member("a0", "a0")])
+    now = time.time()
+    async with grpc.aio.insecure_channel(telemetry_server.target, options=client_options()) as ch:
+        call = telemetry_pb2_grpc.TelemetryStub(ch).Stream(timeout=20)
+        seq = 0
+        for _burst in range(4):
+            for _ in range(3):
+                seq += 1
+                await call.write(report("n1", seq, t=now - 1 + seq * 0.01, pods=["a0"] * 8))
+            while (await call.read()).acked_seq < seq:
+                pass
+        await call.done_writing()
+        call.cancel()
+    assert telemetry_server.engine.reports_accepted == 12
