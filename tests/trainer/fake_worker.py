@@ -48,6 +48,10 @@ def main() -> int:
             if isinstance(msg, Rendezvous):
                 os.environ.update(msg.env)
                 break
+    if os.environ.get("TIDE_GENERATION") == os.environ.get("FAKE_HANG_IN_GENERATION"):
+        # Stuck forming the group with a peer that is gone (gloo waits on it): deaf to Exit,
+        # it only goes with the SIGKILL after the launcher's exit grace.
+        time.sleep(3600)
     prepared = os.environ.get("TIDE_PREPARED") == "1"
     if prepared:
         # Overlap mode: "the group" is formed; restore on Start, train on Go.

@@ -352,6 +352,32 @@ async def test_rendezvous_after_a_loss_reports_where_the_old_worker_stopped(
     assert await asyncio.wait_for(run, 10) == 0
 
 
+async def test_a_rendezvous_that_replaces_a_worker_still_starting_is_acked_ok(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A recovery named a peer whose pod was already gone (its silence had not yet run out):
+    # this worker hangs forming that group. When the peer's loss re-forms the job, the next
+    # RENDEZVOUS kills it (no prewarmed worker to wake) and starts a new one; the killed
+    # worker's asked-for exit must not fail the new worker's start, or the member is lost
+    # and the job re-forms without it.
+    monkeypatch.setenv("FAKE_HANG_IN_GENERATION", "1")
+    coord, port = fake
+    launcher = _launcher(port, tmp_path, prewarm=False)
+    run = asyncio.create_task(launcher.run())
+    await eventually(lambda: coord.members, 10, what="registration")
+    (mid,) = coord.members
+    (rdv1,) = coord.rendezvous([mid])
+    await eventually(lambda: launcher.workers.worker is not None, 10, what="worker of gen 1")
+    (rdv2,) = coord.rendezvous([mid])
+    await eventually(lambda: coord.ack_of(rdv2), 10, what="second rendezvous ack")
+    ack = coord.ack_of(rdv2)
+    assert ack is not None and ack.ok, ack.message if ack else None
+    await eventually(lambda: launcher.state is State.RUNNING, 10, what="running in gen 2")
+    assert coord.ack_of(rdv1) is None
+    launcher.stop()
+    assert await asyncio.wait_for(run, 10) == 0
+
+
 async def test_a_killed_zygote_is_restarted_and_the_next_rendezvous_works(
     fake: tuple[FakeCoordinator, int], tmp_path: Path
 ) -> None:

@@ -94,6 +94,9 @@ class WorkerSupervisor:
         self._standby_backoff = Backoff(settings.backoff_initial_s, settings.backoff_max_s)
         # The current worker's exit was asked for (stop, drain): not a failure.
         self._expected_exit = False
+        # The current worker while a new generation's start stops it before spawning its
+        # successor: its exit is no one's news (see _watch).
+        self._replaced: WorkerHandle | None = None
         # For the current worker until it has connected.
         self._queued: list[ToWorker] = []
         self._closing = False
@@ -331,6 +334,7 @@ class WorkerSupervisor:
             woke = True
         else:
             if old is not None:
+                self._replaced = old
                 await self.stop(old)
             self._expected_exit = False
             log_path = str(self._state_dir / f"worker-g{generation}-r{rank}.log")
@@ -380,6 +384,9 @@ class WorkerSupervisor:
         code = await worker.wait()
         # What the worker said last may still be unread; judge only after it was handled.
         await self.control.drained(worker.pid, CHANNEL_DRAIN_S)
-        if worker is not self.worker:
+        # A replaced worker's exit was asked for by the start of the next generation, which
+        # already waits on its successor: reported, it would fail that start (the member
+        # nacks its RENDEZVOUS and is lost) or, once the flag is reset, look like a crash.
+        if worker is not self.worker or worker is self._replaced:
             return
         await self._on_exit(worker, code, self._expected_exit)
