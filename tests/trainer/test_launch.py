@@ -378,6 +378,27 @@ async def test_a_rendezvous_that_replaces_a_worker_still_starting_is_acked_ok(
     assert await asyncio.wait_for(run, 10) == 0
 
 
+async def test_a_worker_that_does_not_start_in_time_is_stopped_before_the_nack(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Left running, a late starter trained in a generation the coordinator had given up,
+    # beside the next one: steps done twice.
+    monkeypatch.setenv("FAKE_HANG_IN_GENERATION", "1")
+    coord, port = fake
+    launcher = _launcher(port, tmp_path, prewarm=False, start_timeout_s=1.0)
+    run = asyncio.create_task(launcher.run())
+    await eventually(lambda: coord.members, 10, what="registration")
+    (mid,) = coord.members
+    (rdv,) = coord.rendezvous([mid])
+    await eventually(lambda: coord.ack_of(rdv), 15, what="the rendezvous's ack")
+    ack = coord.ack_of(rdv)
+    assert ack is not None and not ack.ok and "did not start" in ack.message
+    worker = launcher.workers.worker
+    assert worker is not None and worker.returncode is not None
+    launcher.stop()
+    assert await asyncio.wait_for(run, 10) == 0
+
+
 async def test_a_killed_zygote_is_restarted_and_the_next_rendezvous_works(
     fake: tuple[FakeCoordinator, int], tmp_path: Path
 ) -> None:

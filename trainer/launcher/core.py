@@ -450,6 +450,12 @@ class Launcher:
             async with asyncio.timeout(self.s.start_timeout_s):
                 ready = await asyncio.shield(self._ready)
         except (TimeoutError, RuntimeError) as exc:
+            # Stopped before the nack: the coordinator re-forms the job without this
+            # generation, and a late starter would train in it beside the next one. The
+            # start is over: its exit must not be reported to a future nobody awaits.
+            if self._ready is not None and not self._ready.done():
+                self._ready.cancel()
+            await self.workers.stop()
             await self._ack(self._ack_of(d, ok=False, message=f"worker did not start: {exc}"))
             return
         logger.info(
