@@ -321,7 +321,9 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         # stream, waking only while some stream holds one back.
         while self._held:
             await asyncio.sleep(self.ack_max_delay_s)
-            held, self._held = self._held, set()
+            # Emptied in place: each handler holds this set (no attribute look-up per report).
+            held = list(self._held)
+            self._held.clear()
             for st in held:
                 if st in self._streams and not st.writing:
                     # A task of its own: a peer that stopped reading holds up only itself.

@@ -129,3 +129,22 @@ async def test_slow_agent_does_not_hold_up_others(telemetry_server: TelemetrySer
         assert acks[-1].acked_seq == 50
         assert time.monotonic() - t0 < 5
         stuck.cancel()
+
+
+async def test_held_back_acks_of_later_bursts_go_out(telemetry_server: TelemetryServer) -> None:
+    """Bursts on one stream, each after the shared flusher emptied its set: each burst's
+    last report is acknowledged (the flusher once swapped its set for a new one while
+    streams kept adding to the old, and the second burst's ack never came)."""
+    async with grpc.aio.insecure_channel(telemetry_server.target, options=client_options()) as ch:
+        call = telemetry_pb2_grpc.TelemetryStub(ch).Stream(timeout=10)
+        t = time.time()
+        seq = 0
+        for _ in range(3):
+            for _ in range(5):
+                seq += 1
+                await call.write(report("burst", seq, t=t + seq * 0.01))
+            while (await call.read()).acked_seq < seq:
+                pass
+        await call.done_writing()
+        call.cancel()
+    assert telemetry_server.engine.reports_accepted == 15
