@@ -124,6 +124,9 @@ class ScalerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry if registry is not None else CollectorRegistry()
         job = ("job_id",)
+        # Per job, the window's labelled gauges (see ``window``).
+        self._utilization: dict[str, Gauge] = {}
+        self._coverage: dict[str, Gauge] = {}
         self.replicas = Gauge(
             "tide_scaler_job_replicas", "Replicas the job runs with now.", job, registry=r
         )
@@ -285,13 +288,22 @@ class ScalerMetrics:
                 self.decisions.labels(j, reason, trigger, state)
 
     def window(self, job_id: str, view: WindowView) -> None:
+        # Called for every job on every tick: the labelled children are kept, as
+        # ``labels()`` validates and locks on each call (a sixth of a tick's time).
         mean = view.mean_pct
         if math.isnan(mean):
             # No sample in the window: no value, rather than a NaN a graph draws as 0.
-            self.utilization.remove(job_id)
+            if self._utilization.pop(job_id, None) is not None:
+                self.utilization.remove(job_id)
         else:
-            self.utilization.labels(job_id).set(mean / 100.0)
-        self.coverage.labels(job_id).set(view.coverage)
+            u = self._utilization.get(job_id)
+            if u is None:
+                u = self._utilization[job_id] = self.utilization.labels(job_id)
+            u.set(mean / 100.0)
+        c = self._coverage.get(job_id)
+        if c is None:
+            c = self._coverage[job_id] = self.coverage.labels(job_id)
+        c.set(view.coverage)
 
     def decision_started(self, d: DecisionRecord) -> None:
         self.desired_replicas.labels(d.job_id).set(d.to_replicas)

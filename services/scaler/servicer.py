@@ -226,9 +226,6 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
     async def WatchDecisions(
         self, request: scaler_pb2.WatchDecisionsRequest, context: Ctx
     ) -> AsyncIterator[scaler_pb2.DecisionEvent]:
-        # A follower decides nothing, so it would never send an event: UNAVAILABLE
-        # naming the leader, which the caller watches instead.
-        self.core._require_leader()
         q = self.core.subscribe(request.job_id)
         # Headers go out once subscribed: a client that awaits them knows no
         # later change can be missed.
@@ -324,7 +321,7 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         # stream, waking only while some stream holds one back.
         while self._held:
             await asyncio.sleep(self.ack_max_delay_s)
-            # Emptied in place, never replaced: every stream handler holds this set.
+            # Emptied in place: each handler holds this set (no attribute look-up per report).
             held = list(self._held)
             self._held.clear()
             for st in held:
