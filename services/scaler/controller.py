@@ -330,7 +330,12 @@ class Controller:
                 generation=result.generation,
                 lost_steps=result.lost_steps,
             )
-        leaving = _leaving_pods(d)
+        # By uid and by name: either may be all that is left to find the pod by.
+        leaving = tuple(
+            dict.fromkeys(
+                (*_leaving_pods(d), *(str(n) for n in d.inputs.get("leaving_pod_names", []) or []))
+            )
+        )
         with (
             tracing.tracer().start_as_current_span(
                 "tide.actuator.remove_pods",

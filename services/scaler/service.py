@@ -550,6 +550,13 @@ class ScalerCore:
         if d.trigger is pol.Trigger.EMERGENCY:
             pods, node, deadline = self._doomed(job_id)
             inputs["leaving_pods"] = sorted(pods)
+            # Their names too, for the actuator: a pod named by uid that is gone before
+            # the replicas drop (its launcher left on SIGTERM) is found by name only.
+            inputs["leaving_pod_names"] = sorted(
+                m.pod_name
+                for m in self.registry.members(job_id)
+                if m.pod_name in pods or (m.pod_uid and m.pod_uid in pods)
+            )
             inputs["node_name"] = node
             inputs["node_deadline_s"] = deadline
             plan = plan_notice(

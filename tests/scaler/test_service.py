@@ -192,10 +192,12 @@ async def test_termination_notice_shrinks_off_the_node(rig: Rig) -> None:
     assert (d.reason, d.to_replicas) == (Reason.NODE_TERMINATION, 1)
     dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
     assert dec.inputs["leaving_pods"] == ["uid-a-1"]
+    assert dec.inputs["leaving_pod_names"] == ["a-trainer-1"]
     assert await final(rig, dec.id) is DecisionState.COMPLETED
     assert rig.coordinator.calls[0].leaving_pods == ("uid-a-1",)
-    # The actuator is told which pod goes, not only how many stay.
-    assert rig.actuator.removed == [("ns/a", ("uid-a-1",), dec.id)]
+    # The actuator is told which pod goes, not only how many stay; by name too, which is
+    # all it can find a pod by once the pod is gone.
+    assert rig.actuator.removed == [("ns/a", ("uid-a-1", "a-trainer-1"), dec.id)]
 
 
 async def test_a_notice_for_a_pod_below_the_highest_index_removes_that_pod(rig: Rig) -> None:
@@ -211,7 +213,7 @@ async def test_a_notice_for_a_pod_below_the_highest_index_removes_that_pod(rig: 
     dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
     assert dec.inputs["leaving_pods"] == ["uid-a-0"]
     assert await final(rig, dec.id) is DecisionState.COMPLETED
-    assert rig.actuator.removed == [("ns/a", ("uid-a-0",), dec.id)]
+    assert rig.actuator.removed == [("ns/a", ("uid-a-0", "a-trainer-0"), dec.id)]
 
 
 def notice(rig: Rig, node: str, pod: str) -> None:
@@ -245,7 +247,7 @@ async def test_a_notice_supersedes_a_grow_in_flight(rig: Rig) -> None:
     )
     dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
     assert await final(rig, dec.id) is DecisionState.COMPLETED
-    assert rig.actuator.removed == [("ns/a", ("uid-a-0",), dec.id)]
+    assert rig.actuator.removed == [("ns/a", ("uid-a-0", "a-trainer-0"), dec.id)]
 
 
 async def test_a_second_nodes_notice_merges_into_one_leave(rig: Rig) -> None:
@@ -269,7 +271,9 @@ async def test_a_second_nodes_notice_merges_into_one_leave(rig: Rig) -> None:
     merged = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
     assert merged.inputs["leaving_pods"] == ["uid-a-0", "uid-a-3"]
     assert await final(rig, merged.id) is DecisionState.COMPLETED
-    assert rig.actuator.removed == [("ns/a", ("uid-a-0", "uid-a-3"), merged.id)]
+    assert rig.actuator.removed == [
+        ("ns/a", ("uid-a-0", "uid-a-3", "a-trainer-0", "a-trainer-3"), merged.id)
+    ]
 
 
 async def test_a_pod_that_got_sigterm_is_drained_like_a_noticed_one(rig: Rig) -> None:
@@ -282,7 +286,7 @@ async def test_a_pod_that_got_sigterm_is_drained_like_a_noticed_one(rig: Rig) ->
     dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
     assert dec.inputs["leaving_pods"] == ["uid-a-0"]
     assert await final(rig, dec.id) is DecisionState.COMPLETED
-    assert rig.actuator.removed == [("ns/a", ("uid-a-0",), dec.id)]
+    assert rig.actuator.removed == [("ns/a", ("uid-a-0", "a-trainer-0"), dec.id)]
 
 
 async def test_a_sigterm_leave_is_planned_within_its_grace(rig: Rig) -> None:
