@@ -16,13 +16,15 @@ runtime's and the device plugin's way of saying what the pod got), then NVML, th
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import glob
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tidebase.errors import ConfigError
 
@@ -62,46 +64,48 @@ def _listed(value: str) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _nvml_count() -> int | None:
+@contextlib.contextmanager
+def _nvml() -> Iterator[Any]:
+    """pynvml, initialised for the block; None where there is no NVML."""
     try:
         import pynvml
     except ImportError:
-        return None
+        yield None
+        return
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
-        return None
+        yield None
+        return
     try:
-        return int(pynvml.nvmlDeviceGetCount())
+        yield pynvml
     finally:
         pynvml.nvmlShutdown()
+
+
+def _nvml_count() -> int | None:
+    with _nvml() as nvml:
+        return None if nvml is None else int(nvml.nvmlDeviceGetCount())
 
 
 def gpu_free_mib(gpus: Sequence[str]) -> dict[str, int] | None:
     """Free memory of each GPU (an index or a UUID, as CUDA_VISIBLE_DEVICES names it), MiB;
     None when NVML cannot say."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return None
-    try:
-        out: dict[str, int] = {}
-        for gpu in gpus:
-            handle = (
-                pynvml.nvmlDeviceGetHandleByIndex(int(gpu))
-                if gpu.isdigit()
-                else pynvml.nvmlDeviceGetHandleByUUID(gpu)
-            )
-            out[gpu] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).free) // (1 << 20)
-        return out
-    except pynvml.NVMLError:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
+    with _nvml() as nvml:
+        if nvml is None:
+            return None
+        try:
+            out: dict[str, int] = {}
+            for gpu in gpus:
+                handle = (
+                    nvml.nvmlDeviceGetHandleByIndex(int(gpu))
+                    if gpu.isdigit()
+                    else nvml.nvmlDeviceGetHandleByUUID(gpu)
+                )
+                out[gpu] = int(nvml.nvmlDeviceGetMemoryInfo(handle).free) // (1 << 20)
+            return out
+        except nvml.NVMLError:
+            return None
 
 
 def memory_shortfall(free_mib: Mapping[str, int], min_free_mib: int) -> str:

@@ -78,7 +78,7 @@ from trainer.stepper import Stepper
 
 logger = logging.getLogger(__name__)
 
-_Waited = TypeVar("_Waited", Start, Go)
+_Waited = TypeVar("_Waited", Start, Go, Rendezvous)
 
 # Re-exported: scripts and older callers import them from here.
 __all__ = [
@@ -250,6 +250,10 @@ class ElasticSession:
             self.env.generation,
             what,
         )
+        return self._next(kind, "prepared worker", what)
+
+    def _next(self, kind: type[_Waited], who: str, what: str) -> _Waited:
+        """The next ``kind`` message from the launcher; exits on Exit or a closed channel."""
         while True:
             msg = self.channel.wait(0.1)
             if msg is None:
@@ -260,7 +264,7 @@ class ElasticSession:
                 self._exit()
             if isinstance(msg, kind):
                 return msg
-            logger.warning("prepared worker: ignoring %s before its %s", msg.TYPE, what)
+            logger.warning("%s: ignoring %s before its %s", who, msg.TYPE, what)
 
     def _take_env(self, env: Mapping[str, str]) -> None:
         os.environ.update(env)
@@ -269,20 +273,8 @@ class ElasticSession:
     def _wait_for_rendezvous(self) -> None:
         """A prewarmed worker: imports done and model built, it waits for its generation."""
         logger.info("prewarmed worker pid %d waiting for a rendezvous", os.getpid())
-        while True:
-            msg = self.channel.wait(0.1)
-            if msg is None:
-                if self.channel.closed:
-                    self._exit()
-                continue
-            if isinstance(msg, Exit):
-                self._exit()
-            if isinstance(msg, Rendezvous):
-                os.environ.update(msg.env)
-                self.env = DistEnv.from_env({**os.environ, PREWARM_ENV: "0"})
-                self._joined()
-                return
-            logger.warning("prewarmed worker: ignoring %s before its rendezvous", msg.TYPE)
+        self._take_env(self._next(Rendezvous, "prewarmed worker", "rendezvous").env)
+        self._joined()
 
     def init_process_group(self, warmup: Callable[[], None] | None = None) -> None:
         """Join the generation's process group (a prewarmed worker first waits to be told
