@@ -144,9 +144,10 @@ async def test_a_named_pod_that_died_before_its_removal_is_not_restarted(
     make: Factory, log: Path
 ) -> None:
     """A SIGTERMed pod's launcher leaves and exits before the scaler lowers the replicas:
-    its pid file is gone, and the decision names it by uid. Its index must go; restarted,
-    it took the place of the highest pod, a member of the new generation, which was stopped
-    (seen in CI: pod 1 restarted, pod 2 stopped)."""
+    its pid file is gone. The decision names it by uid and by name (as the controller
+    passes them); its index must go: restarted, it took the place of the highest pod, a
+    member of the new generation, which was stopped (seen in CI: pod 1 restarted, pod 2
+    stopped)."""
     a = make()
     a.write_spec(JOB, JobSpec(command=("train",)))
     await a.set_replicas(JOB, 3, decision_id=1)
@@ -156,7 +157,7 @@ async def test_a_named_pod_that_died_before_its_removal_is_not_restarted(
     wait_for(
         lambda: [p.index for p in a.pods(JOB)] == [0, 2] or None, timeout_s=10, what="pod 1 reaped"
     )
-    await a.remove_pods(JOB, [pods[1].uid], replicas=2, decision_id=2)
+    await a.remove_pods(JOB, [pods[1].uid, pods[1].name], replicas=2, decision_id=2)
     assert [(p.index, p.pid) for p in a.pods(JOB)] == [(0, pods[0].pid), (2, pods[2].pid)]
     assert terms(log) == [] and len(started(log, 3)) == 3
 

@@ -291,14 +291,9 @@ class LocalActuator:
             doomed = {i for i, p in live.items() if p.name in named or (p.uid and p.uid in named)}
             before = self._wanted(job_id)
             # A named pod that died already (its node went first, or its launcher left on
-            # SIGTERM) leaves its index too; the decision may name it by uid, and its pid
-            # file went with it, so the uid its index was last started with is kept apart.
-            last_uid = self._last_uids(job_id)
-            doomed |= {
-                i
-                for i in before - live.keys()
-                if pod_name(job_id, i) in named or last_uid.get(i, "") in named - {""}
-            }
+            # SIGTERM) leaves its index too; its pid file went with it, so it is found by
+            # the name the decision carries beside its uid (leaving_pod_names).
+            doomed |= {i for i in before - live.keys() if pod_name(job_id, i) in named}
             wanted = _resize_indexes(before - doomed, replicas)
             # The wanted pods are written first: a scaler that dies half-way
             # comes back knowing what it was asked for.
@@ -309,17 +304,6 @@ class LocalActuator:
                     self._start(job_id, index, spec, decision_id)
             for index in sorted((i for i in live if i not in wanted), reverse=True):
                 await self._stop(live[index])
-
-    def _uids_file(self, job_id: str) -> Path:
-        return self.job_dir(job_id) / "uids"
-
-    def _last_uids(self, job_id: str) -> dict[int, str]:
-        """The uid each index was last started with, dead pods' included."""
-        try:
-            doc = json.loads(self._uids_file(job_id).read_text())
-            return {int(i): str(u) for i, u in doc.items()}
-        except (FileNotFoundError, ValueError, TypeError, AttributeError):
-            return {}
 
     def _wanted(self, job_id: str) -> set[int]:
         """The indexes the job is asked to run: 0..replicas-1 but for removed pods."""
@@ -431,9 +415,6 @@ class LocalActuator:
             "log": str(log_path),
         }
         _write_atomic(self._pid_file(job_id, index), json.dumps(doc))
-        uids = self._last_uids(job_id)
-        uids[index] = uid
-        _write_atomic(self._uids_file(job_id), json.dumps({str(i): u for i, u in uids.items()}))
         logger.info(
             "job %s: started pod %s (pid %d) for decision %d",
             job_id,
