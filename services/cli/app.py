@@ -14,13 +14,15 @@ import sys
 from collections.abc import Coroutine
 from datetime import UTC, datetime
 from enum import IntEnum
-from typing import Annotated, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
-from rich.console import Console
 
 from services.cli.timeparse import parse_duration_s, parse_time
 from tidebase import errors
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 T = TypeVar("T")
 
@@ -98,6 +100,9 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def console() -> Console:
+    # rich is imported by the commands that draw with it, not at every start-up.
+    from rich.console import Console
+
     # Piped output keeps whole rows: a pager or grep should not see folded cells.
     return Console(width=None if sys.stdout.isatty() else 200, soft_wrap=False)
 

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import typer
-import yaml
 from tide.v1 import scaler_pb2
 
 from services.cli import render
@@ -45,6 +44,8 @@ def print_event(e: scaler_pb2.DecisionEvent, out: Output) -> None:
     if out.kind == "json" or out.kind == "csv":
         typer.echo(json.dumps(doc))
     elif out.kind == "yaml":
+        import yaml  # only -o yaml needs it: not a start-up cost of every command
+
         typer.echo("---\n" + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True), nl=False)
     else:
         for value in jsonpath_values(doc, out.jsonpath):

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
 from google.protobuf import json_format
 from tide.v1 import scaler_pb2
 
@@ -40,6 +39,8 @@ def load_requests(path: str) -> list[scaler_pb2.UpsertJobRequest]:
         text = sys.stdin.read() if path == "-" else Path(path).read_text()
     except OSError as exc:
         fail(Exit.USAGE, f"-f {where}: cannot read ({exc.strerror})")
+    import yaml  # loaded by the one command that reads YAML, not at every start-up
+
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:

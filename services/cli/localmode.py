@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 
 from services.cli.app import Exit, echo, fail, run
 from tidebase import errors
@@ -150,6 +149,8 @@ def demo_cmd(
         from rich.live import Live
 
         if use_live:
+            from rich.console import Console
+
             out = Console()
             with Live(console=out, refresh_per_second=4, transient=False) as screen:
                 d = demo.Demo(settings, lambda snap: screen.update(view.render(snap)), out.print)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
-import yaml
 
 #: The formats every read command takes; ``csv`` is added where a command has rows.
 FORMATS = ("table", "wide", "json", "yaml", "jsonpath=EXPR")
@@ -171,6 +170,8 @@ def emit_document(doc: dict[str, Any], out: Output) -> bool:
     if out.kind == "json":
         typer.echo(json.dumps(doc, indent=2))
     elif out.kind == "yaml":
+        import yaml  # only -o yaml needs it: not a start-up cost of every command
+
         typer.echo(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True), nl=False)
     elif out.kind == "jsonpath":
         for value in jsonpath_values(doc, out.jsonpath):

@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
 from tide.v1 import common_pb2, scaler_pb2
 
 from services.cli.timeparse import iso, short
 from tidebase.timeconv import field_datetime
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 SCHEMA_VERSION = 1
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
 
 from services.cli import render
 from services.cli.app import Exit, echo, exit_code_of, fail
@@ -30,6 +29,8 @@ def clean(x: Any) -> Any:
 
 
 def _overrides(items: list[str] | None) -> dict[str, Any]:
+    import yaml  # loaded by the one command that reads YAML, not at every start-up
+
     out: dict[str, Any] = {}
     for item in items or []:
         key, sep, value = item.partition("=")

@@ -12,16 +12,22 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import grpc
 from google.protobuf import json_format
-from tide.v1 import scaler_pb2, scaler_pb2_grpc
+from tide.v1 import scaler_pb2
 
 from tidebase import errors
-from tidebase.client import bearer, domain_error, open_channel
 from tidebase.credentials import NO_CREDENTIALS, ClientCredentials
 from tidebase.timeconv import ts_from_datetime
+
+if TYPE_CHECKING:
+    import grpc
+    from tide.v1 import scaler_pb2_grpc
+
+# gRPC is imported when a GrpcScaler opens, not with this module: `tide history --db`
+# and `tide --help` never talk to a scaler, and the import is about a tenth of a
+# second of every invocation's start-up (issue 18).
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +76,10 @@ class GrpcScaler:
         self._stub: scaler_pb2_grpc.ScalerStub | None = None
 
     async def __aenter__(self) -> GrpcScaler:
+        from tide.v1 import scaler_pb2_grpc
+
+        from tidebase.client import open_channel
+
         self._channel = open_channel(self._target, credentials=self._credentials)
         self._stub = scaler_pb2_grpc.ScalerStub(self._channel)
         return self
@@ -90,6 +100,10 @@ class GrpcScaler:
         return self._stub
 
     async def _call(self, method: Any, request: Any, *, admin: bool = False) -> Any:
+        import grpc
+
+        from tidebase.client import bearer
+
         try:
             return await method(
                 request,
@@ -102,6 +116,8 @@ class GrpcScaler:
 
     def _error(self, exc: grpc.aio.AioRpcError) -> errors.TideError:
         """The domain error of a failed call, saying which scaler did not answer."""
+        from tidebase.client import domain_error
+
         err = domain_error(exc)
         if isinstance(err, errors.Unavailable):
             return errors.Unavailable(f"scaler at {self._target} unreachable: {exc.details()}")
@@ -212,6 +228,8 @@ class GrpcScaler:
         """Decision events of ``job_id`` (all jobs when empty) from now on. The first item
         is an empty event that marks the subscription: once it has come, no later
         change can be missed."""
+        import grpc
+
         call: Any = self.stub.WatchDecisions(scaler_pb2.WatchDecisionsRequest(job_id=job_id))
         try:
             # The scaler sends its headers once it has subscribed.
