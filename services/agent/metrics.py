@@ -31,6 +31,16 @@ class AgentMetrics:
         self.connected = Gauge(
             "tide_agent_stream_connected", "1 while a Telemetry stream is open.", registry=r
         )
+        self.scaler_replicas = Gauge(
+            "tide_agent_scaler_replicas",
+            "Scaler replicas streamed to (--scaler-fanout; 1 without it).",
+            registry=r,
+        )
+        self.scaler_replicas_connected = Gauge(
+            "tide_agent_scaler_replicas_connected",
+            "Scaler replicas whose Telemetry stream is open (--scaler-fanout).",
+            registry=r,
+        )
         self.disconnects = Counter(
             "tide_agent_stream_disconnects_total",
             "Telemetry streams that ended, by reason.",

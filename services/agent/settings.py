@@ -28,6 +28,15 @@ def _default_node_name() -> str:
 @dataclasses.dataclass(frozen=True)
 class AgentSettings(ProcessSettings, ClientSettings):
     scaler: str = setting("127.0.0.1:50051", "scaler Telemetry address, HOST:PORT")
+    scaler_fanout: bool = setting(
+        False,
+        "stream to every address --scaler's host resolves to (a headless Service of the"
+        " scaler replicas), each with its own buffer, so followers ingest too; not with"
+        " a sharded scaler",
+    )
+    scaler_resolve_interval_s: float = setting(
+        30.0, "with --scaler-fanout, how often the replicas' addresses are resolved again"
+    )
     node_name: str = setting("", "Kubernetes node name; default $NODE_NAME, then the hostname")
     source: str = setting("nvml", "where readings come from: nvml, replay or synthetic")
     replay_path: str = setting("", "JSONL or CSV trace for --source replay")
@@ -102,6 +111,7 @@ class AgentSettings(ProcessSettings, ClientSettings):
             "keepalive_time_s",
             "keepalive_timeout_s",
             "pod_resources_refresh_s",
+            "scaler_resolve_interval_s",
         )
         for name in positive:
             value = getattr(self, name)

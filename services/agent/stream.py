@@ -49,10 +49,19 @@ class StreamConfig:
     keepalive_time_s: float = grpc_options.KEEPALIVE_TIME_S
     keepalive_timeout_s: float = grpc_options.KEEPALIVE_TIMEOUT_S
     credentials: ClientCredentials = NO_CREDENTIALS
+    #: The name the scaler's certificate is checked against when ``target`` is an
+    #: address (fan-out, services/agent/fanout.py); empty: ``target``'s host.
+    tls_server_name: str = ""
 
     # BDP probing is off: reports are tiny, and an outstanding BDP ping holds back
     # the keepalive ping that detects a stalled path.
     _EXTRA_OPTIONS: ClassVar[Mapping[str, Any]] = {"grpc.http2.bdp_probe": 0}
+
+    def _extra_options(self) -> dict[str, Any]:
+        extra = dict(self._EXTRA_OPTIONS)
+        if self.tls_server_name:
+            extra["grpc.ssl_target_name_override"] = self.tls_server_name
+        return extra
 
     def open_channel(self) -> grpc.aio.Channel:
         return open_channel(
@@ -60,14 +69,14 @@ class StreamConfig:
             credentials=self.credentials,
             keepalive_time_s=self.keepalive_time_s,
             keepalive_timeout_s=self.keepalive_timeout_s,
-            extra_options=self._EXTRA_OPTIONS,
+            extra_options=self._extra_options(),
         )
 
     def channel_options(self) -> list[tuple[str, Any]]:
         return channel_options(
             keepalive_time_s=self.keepalive_time_s,
             keepalive_timeout_s=self.keepalive_timeout_s,
-            extra_options=self._EXTRA_OPTIONS,
+            extra_options=self._extra_options(),
         )
 
 

@@ -442,6 +442,31 @@ def test_several_scaler_replicas_elect_a_leader_on_the_release_lease(tmp_path: P
     )
 
 
+def test_with_several_scaler_replicas_agents_stream_to_every_one(tmp_path: Path) -> None:
+    from services.agent.settings import AgentSettings
+
+    rendered = render(PRODUCTION, sets={"scaler.replicas": "2"})
+    peers = rendered.one("Service", "tide-scaler-peers")
+    # Headless and listing pods that are not ready: followers are never ready.
+    assert peers["spec"]["clusterIP"] == "None"
+    assert peers["spec"]["publishNotReadyAddresses"] is True
+    scaler_pods = rendered.one("Deployment", "tide-scaler")["spec"]["selector"]["matchLabels"]
+    assert peers["spec"]["selector"] == scaler_pods
+    agent = _load(AgentSettings, rendered, "DaemonSet", "tide-agent", tmp_path)
+    assert agent.scaler_fanout
+    port = _ports(_container(rendered, "Deployment", "tide-scaler"))["grpc"]
+    host = f"tide-scaler-peers.{NAMESPACE}.svc"
+    assert agent.scaler == f"{host}:{port}"
+    # The agent checks each replica's certificate against the name it resolved.
+    cert = rendered.one("Certificate", "tide-scaler")
+    assert host in cert["spec"]["dnsNames"]
+    # One replica: the Service, one stream, no peers Service.
+    single = render(PRODUCTION)
+    assert not [s for s in single.all("Service") if s["metadata"]["name"] == "tide-scaler-peers"]
+    one = _load(AgentSettings, single, "DaemonSet", "tide-agent", tmp_path)
+    assert (one.scaler, one.scaler_fanout) == (f"tide-scaler.{NAMESPACE}.svc:{port}", False)
+
+
 def test_several_scaler_replicas_need_a_shared_store() -> None:
     with pytest.raises(HelmFailed, match=r"scaler.replicas > 1 needs store.type postgresql"):
         render(SMALL, sets={"scaler.replicas": "2"})

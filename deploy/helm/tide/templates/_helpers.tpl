@@ -48,6 +48,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ include "tide.fullname" . }}-scaler.{{ .Release.Namespace }}.svc:{{ .Values.scaler.grpcPort }}
 {{- end -}}
 
+{{- define "tide.scalerPeersAddress" -}}
+{{ include "tide.fullname" . }}-scaler-peers.{{ .Release.Namespace }}.svc:{{ .Values.scaler.grpcPort }}
+{{- end -}}
+
 {{- define "tide.coordinatorAddress" -}}
 {{ include "tide.fullname" . }}-coordinator.{{ .Release.Namespace }}.svc:{{ .Values.coordinator.grpcPort }}
 {{- end -}}
