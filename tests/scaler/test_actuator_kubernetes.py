@@ -253,9 +253,14 @@ async def test_the_paddlejob_is_fenced_by_the_owner_epoch(
         assert stored() == (3, "2")
 
         # The old leader wakes and acts on what it decided before the takeover.
-        with acting_while(lambda: True, epoch=1), pytest.raises(StaleEpoch, match="epoch 2"):
+        with acting_while(lambda: True, epoch=1), pytest.raises(StaleEpoch, match="epoch 2") as err:
             await old.set_replicas("default/j", 1, decision_id=1)
         assert stored() == (3, "2")
+        # The way out after a store reset, which the epochs alone cannot tell apart.
+        assert (
+            f"kubectl annotate paddlejobs.batch.paddlepaddle.org j -n default {OWNER_EPOCH}-"
+            in str(err.value)
+        )
 
         # Its read came first, the new leader's write between it and the patch: the
         # patch is a 409, and the re-read finds the newer epoch.

@@ -76,6 +76,10 @@ REMOVAL = "scaler.tide.dev/pods-removed"
 OWNER_EPOCH = "scaler.tide.dev/owner-epoch"
 
 
+def _resource(job: JobView) -> str:
+    return f"{job.kind.plural}.{job.kind.group}"
+
+
 def _stored_epoch(job: JobView) -> int:
     value = job.annotations.get(OWNER_EPOCH, "")
     return int(value) if value.isdigit() else 0
@@ -383,9 +387,14 @@ class KubernetesActuator:
             epoch = owner_epoch()
             stored = _stored_epoch(job)
             if epoch is not None and stored > epoch:
+                # The one case that is not an old leader: a store reset or restored from
+                # a backup, whose epochs start again below what the PaddleJob carries.
                 raise StaleEpoch(
                     f"job {job_id}: decision {decision_id}: the PaddleJob was last changed"
                     f" under owner epoch {stored}, this scaler holds {epoch}; not applied"
+                    " (if the scaler's store was reset or restored from a backup, remove the"
+                    f" annotation: kubectl annotate {_resource(job)} {name} -n {ns}"
+                    f" {OWNER_EPOCH}-)"
                 )
             self._recheck(job, replicas)
             if job.replicas == replicas and (
