@@ -54,6 +54,7 @@ bench: setup
 	$(PY) -m bench.preemption --quick
 	$(PY) -m bench.simulate --quick
 	$(PY) -m bench.soak --quick
+	$(PY) -m bench.contention --quick
 	$(PY) -m bench.history --quick
 	$(PY) -m bench.scale --quick
 	$(PY) -m bench.security --quick
