@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test test-fast lint proto proto-check chart-schema bench clean
+.PHONY: setup demo test test-fast nightly lint proto proto-check chart-schema bench clean
 
 setup:
 	PYTHON=$(PYTHON) scripts/setup.sh
@@ -34,7 +34,13 @@ lint: setup
 test: setup proto-check lint
 	scripts/ensure_postgres.sh
 	scripts/ensure_prometheus.sh
-	TIDE_TEST_STRICT=1 TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test $(PY) -m pytest
+	TIDE_TEST_STRICT=1 TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test $(PY) -m pytest -m "not nightly"
+
+# The full-length reliability runs (docs/reliability.md: the 10-minute soak, the long
+# write contention), left out of `make test` for its 30-minute budget.
+nightly: setup
+	scripts/ensure_postgres.sh
+	TIDE_TEST_STRICT=1 TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test $(PY) -m pytest -m nightly --timeout 1800
 
 test-fast: setup
 	$(PY) -m pytest -m "unit or component"
@@ -48,6 +54,7 @@ bench: setup
 	$(PY) -m bench.preemption --quick
 	$(PY) -m bench.simulate --quick
 	$(PY) -m bench.soak --quick
+	$(PY) -m bench.contention --quick
 	$(PY) -m bench.history --quick
 	$(PY) -m bench.scale --quick
 	$(PY) -m bench.security --quick

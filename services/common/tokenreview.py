@@ -24,6 +24,10 @@ from services.common.guard import Review
 
 POD_CLAIM = "authentication.kubernetes.io/pod-name"
 NODE_CLAIM = "authentication.kubernetes.io/node-name"
+#: Bound of one TokenReview call, seconds: without it a call waits on an API server
+#: behind a dead path for ever, and with it the RPC being authenticated (reliability
+#: catalog T24). A review that times out is a refusal, cached like one.
+REVIEW_TIMEOUT_S = 5.0
 
 
 def token_expiry_s(token: str) -> float:
@@ -98,7 +102,9 @@ class CachedReviewer:
 class KubernetesTokenReviewer(CachedReviewer):
     """TokenReview through the official client, with the in-cluster configuration."""
 
-    def __init__(self, *, audience: str, **kwargs: Any) -> None:
+    def __init__(
+        self, *, audience: str, request_timeout_s: float = REVIEW_TIMEOUT_S, **kwargs: Any
+    ) -> None:
         from kubernetes import client, config
 
         config.load_incluster_config()  # type: ignore[no-untyped-call]
@@ -109,7 +115,7 @@ class KubernetesTokenReviewer(CachedReviewer):
                 spec=client.V1TokenReviewSpec(token=token, audiences=[audience])
             )
             try:
-                status = api.create_token_review(body).status
+                status = api.create_token_review(body, _request_timeout=request_timeout_s).status
             except Exception as exc:
                 # The reason, never the token: the client's exception holds the request.
                 return Review(False, error=f"TokenReview failed: {type(exc).__name__}")

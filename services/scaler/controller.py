@@ -341,7 +341,7 @@ class Controller:
                 "tide.actuator.remove_pods",
                 attributes={"tide.replicas": d.to_replicas, "tide.pods": list(leaving)},
             ),
-            acting_while(self.may_act),
+            acting_while(self.may_act, epoch=self.store.epochs.get(d.job_id)),
         ):
             # The pods the coordinator drained, named: lowering the count alone would
             # stop the highest index, a member of the generation just formed.
@@ -386,7 +386,7 @@ class Controller:
                 tracing.tracer().start_as_current_span(
                     "tide.actuator.set_replicas", attributes={"tide.replicas": replicas}
                 ),
-                acting_while(self.may_act),
+                acting_while(self.may_act, epoch=self.store.epochs.get(d.job_id)),
             ):
                 await self.actuator.set_replicas(d.job_id, replicas, decision_id=d.id)
 

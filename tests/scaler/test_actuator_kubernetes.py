@@ -11,7 +11,11 @@ from typing import Any
 import pytest
 
 from services.scaler.actuators import acting_while
-from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
+from services.scaler.actuators.kubernetes import (
+    OWNER_EPOCH,
+    KubernetesActuator,
+    KubernetesActuatorSettings,
+)
 from services.scaler.errors import StaleEpoch
 from services.testing.kube.operators import job_pods
 from tests.scaler.kube_world import (
@@ -220,3 +224,61 @@ def running(c: Cluster, rtype: Any) -> dict[str, str]:
         if not p["metadata"].get("deletionTimestamp")
         and p.get("status", {}).get("phase") == "Running"
     }
+
+
+async def test_the_paddlejob_is_fenced_by_the_owner_epoch(
+    world: tuple[Cluster, KubernetesActuator], tmp_path: Path
+) -> None:
+    """Two scaler replicas' actuators, the old leader at epoch 1 and the new at 2, each
+    sure it leads (its own clock has not told it otherwise). The epoch each writes on
+    the PaddleJob refuses the old one's change, also when its read came before the new
+    leader's write (the 409 and the re-read compare again), and it never goes back."""
+    c, new = world
+    old = KubernetesActuator(
+        KubernetesActuatorSettings(source=str(c.kubeconfig), pod_wait_s=30, watch_timeout_s=5)
+    )
+    old.start()
+    try:
+        c.api.create(PADDLE_OPERATOR, paddle_operator_job("j", 1))
+
+        def stored() -> tuple[int, str]:
+            obj = c.api.get(PADDLE_OPERATOR, "default", "j")
+            return obj["spec"]["worker"]["replicas"], obj["metadata"]["annotations"][OWNER_EPOCH]
+
+        with acting_while(lambda: True, epoch=1):
+            await old.set_replicas("default/j", 2, decision_id=1)
+        assert stored() == (2, "1")
+        with acting_while(lambda: True, epoch=2):
+            await new.set_replicas("default/j", 3, decision_id=2)
+        assert stored() == (3, "2")
+
+        # The old leader wakes and acts on what it decided before the takeover.
+        with acting_while(lambda: True, epoch=1), pytest.raises(StaleEpoch, match="epoch 2") as err:
+            await old.set_replicas("default/j", 1, decision_id=1)
+        assert stored() == (3, "2")
+        # The way out after a store reset, which the epochs alone cannot tell apart.
+        assert (
+            f"kubectl annotate paddlejobs.batch.paddlepaddle.org j -n default {OWNER_EPOCH}-"
+            in str(err.value)
+        )
+
+        # Its read came first, the new leader's write between it and the patch: the
+        # patch is a 409, and the re-read finds the newer epoch.
+        def new_leader_wrote(obj: dict[str, Any]) -> dict[str, Any]:
+            obj["spec"]["worker"]["replicas"] = 2
+            obj["metadata"]["annotations"][OWNER_EPOCH] = "3"
+            return obj
+
+        c.api.conflict_next("paddlejobs", change=new_leader_wrote)
+        before = new.conflicts_retried
+        with acting_while(lambda: True, epoch=2), pytest.raises(StaleEpoch, match="epoch 3"):
+            await new.set_replicas("default/j", 1, decision_id=3)
+        assert new.conflicts_retried == before + 1
+        assert stored() == (2, "3")
+
+        # A leader at the stored epoch writes, and leaves the epoch as it is.
+        with acting_while(lambda: True, epoch=3):
+            await new.set_replicas("default/j", 1, decision_id=4)
+        assert stored() == (1, "3")
+    finally:
+        old.stop()

@@ -16,6 +16,7 @@ import pytest
 from tide.v1 import coordinator_pb2 as cpb
 
 from services.scaler import store as repo
+from services.scaler.actuators import owner_epoch
 from services.scaler.coordination import Phase, Progress, ResizeSpec
 from services.scaler.history import RETENTION_EVERY_S, RollupHistory
 from services.scaler.ingest import IngestEngine, IngestSettings
@@ -152,6 +153,38 @@ async def test_every_in_memory_outcome_says_nothing_moved(scaler_db_url: str) ->
     assert done.decision.pause_s == 0.0
     failed = (await core.store.get_decision(aborted.id)).decision
     assert failed.state is DecisionState.ABORTED and NOTHING_MOVED in failed.error
+    await core.close()
+    core.store.engine.dispose()
+
+
+class EpochRecordingActuator(InMemoryActuator):
+    """Records the owner epoch each change is made under (owner_epoch())."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epochs: list[int | None] = []
+
+    async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
+        self.epochs.append(owner_epoch())
+        await super().set_replicas(job_id, replicas, decision_id=decision_id)
+
+
+async def test_the_actuator_is_told_the_jobs_owner_epoch_with_each_change(
+    scaler_db_url: str,
+) -> None:
+    """The Kubernetes actuator fences the PaddleJob by it (docs/reliability.md)."""
+    clock = FakeClock(T0)
+    coordinator = InMemoryCoordinator()
+    core = await _core(scaler_db_url, clock, coordinator)
+    recording = EpochRecordingActuator()
+    core.controller.actuator = recording
+    follow_actuator(coordinator, recording)
+    for to in (3, 2):  # a grow, then a shrink (remove_pods falls back to set_replicas)
+        d = await core.request_resize(JOB, to, "t", "t")
+        await core.controller.tasks[d.id]
+    epoch = core.store.epochs[JOB]
+    assert epoch >= 1
+    assert recording.epochs == [epoch, epoch]
     await core.close()
     core.store.engine.dispose()
 

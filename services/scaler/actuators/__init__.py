@@ -16,6 +16,7 @@ from services.scaler.actuators.base import (
     PodRemover,
     acting_while,
     check_still_leading,
+    owner_epoch,
     remove_pods,
 )
 from tidebase.errors import ConfigError
@@ -27,6 +28,7 @@ __all__ = [
     "acting_while",
     "check_still_leading",
     "make_actuator",
+    "owner_epoch",
     "parse_actuator",
     "remove_pods",
 ]

@@ -31,16 +31,29 @@ from services.scaler.errors import StaleEpoch
 #: parameter: it reaches the worker threads (asyncio.to_thread copies the context)
 #: and the retry loops inside each actuator without changing the interface.
 _may_act: ContextVar[Callable[[], bool]] = ContextVar("tide_actuator_may_act")
+#: The owner epoch (services/scaler/store) under which the asking replica holds the
+#: job. An actuator whose target can carry it (the Kubernetes one: an annotation on
+#: the PaddleJob) writes it with each change and refuses to write under an older
+#: one: fencing by data, where ``may_act`` is the replica's own view of its lease.
+_owner_epoch: ContextVar[int | None] = ContextVar("tide_actuator_owner_epoch", default=None)
 
 
 @contextlib.contextmanager
-def acting_while(may_act: Callable[[], bool]) -> Iterator[None]:
-    """Actuator calls inside this block check ``may_act`` before each write."""
+def acting_while(may_act: Callable[[], bool], *, epoch: int | None = None) -> Iterator[None]:
+    """Actuator calls inside this block check ``may_act`` before each write, and carry
+    ``epoch`` (the job's owner epoch) where the actuator fences by it."""
     token = _may_act.set(may_act)
+    epoch_token = _owner_epoch.set(epoch)
     try:
         yield
     finally:
+        _owner_epoch.reset(epoch_token)
         _may_act.reset(token)
+
+
+def owner_epoch() -> int | None:
+    """The job's owner epoch given to :func:`acting_while`; None outside it or unknown."""
+    return _owner_epoch.get()
 
 
 def check_still_leading(job_id: str, decision_id: int) -> None:

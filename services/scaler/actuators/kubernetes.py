@@ -7,7 +7,10 @@ both PaddleJob kinds (services.scaler.kube.paddlejob):
   resourceVersion it read. A 409 means someone wrote in between: the job is
   read again and the change re-checked (still opted in, still within the
   PaddleJob's bounds, not already done) before the next try; it never
-  overwrites blindly. Then it waits, by watch, until the operator has made the
+  overwrites blindly. The patch also writes the scaler's owner epoch for the
+  job (``OWNER_EPOCH``), and a PaddleJob that carries a newer one refuses the
+  change (StaleEpoch): a paused old leader cannot write over a new leader's
+  work even when its own view of the lease is stale. Then it waits, by watch, until the operator has made the
   pods match: all of 0..n-1 present after a grow, none of n.. left after a
   shrink (both operators remove the highest indexes, which are the members
   the coordinator drained). A wait that runs out is logged, not failed: the
@@ -47,7 +50,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from services.scaler.actuators.base import check_still_leading
+from services.scaler.actuators.base import check_still_leading, owner_epoch
+from services.scaler.errors import StaleEpoch
 from services.scaler.kube.capacity import CapacityCache
 from services.scaler.kube.client import IN_CLUSTER, api_client, raw
 from services.scaler.kube.paddlejob import KINDS, JobView, Kind, owned_by, pod_index, view
@@ -66,6 +70,19 @@ logger = logging.getLogger(__name__)
 #: ``DECISION_ID:REPLICAS`` of the last remove_pods, on the PaddleJob. Outside the
 #: ``tide.dev/`` prefix, which holds the policy overrides.
 REMOVAL = "scaler.tide.dev/pods-removed"
+#: The owner epoch of the scaler that last changed the replicas. A change under an
+#: older epoch is refused: a paused old leader whose own clock still says it leads
+#: cannot write over a newer leader's work. It only ever rises.
+OWNER_EPOCH = "scaler.tide.dev/owner-epoch"
+
+
+def _resource(job: JobView) -> str:
+    return f"{job.kind.plural}.{job.kind.group}"
+
+
+def _stored_epoch(job: JobView) -> int:
+    value = job.annotations.get(OWNER_EPOCH, "")
+    return int(value) if value.isdigit() else 0
 
 
 @dataclass(frozen=True)
@@ -367,15 +384,34 @@ class KubernetesActuator:
         for attempt in range(self.settings.conflict_retries + 1):
             check_still_leading(job_id, decision_id)
             job = self._read(job_id)
+            epoch = owner_epoch()
+            stored = _stored_epoch(job)
+            if epoch is not None and stored > epoch:
+                # The one case that is not an old leader: a store reset or restored from
+                # a backup, whose epochs start again below what the PaddleJob carries.
+                raise StaleEpoch(
+                    f"job {job_id}: decision {decision_id}: the PaddleJob was last changed"
+                    f" under owner epoch {stored}, this scaler holds {epoch}; not applied"
+                    " (if the scaler's store was reset or restored from a backup, remove the"
+                    f" annotation: kubectl annotate {_resource(job)} {name} -n {ns}"
+                    f" {OWNER_EPOCH}-)"
+                )
             self._recheck(job, replicas)
             if job.replicas == replicas and (
                 not removal or job.annotations.get(REMOVAL) == removal
             ):
                 return job  # done already (a resumed decision, or the retried patch landed)
             kind = job.kind
+            # Conditional on the resourceVersion read: the epoch compared above is the
+            # one this write replaces, or the write is a 409 and is compared again.
             patch = kind.replicas_patch(replicas, job.resource_version)
+            annotations: dict[str, str] = {}
             if removal:
-                patch["metadata"]["annotations"] = {REMOVAL: removal}
+                annotations[REMOVAL] = removal
+            if epoch is not None and epoch > stored:
+                annotations[OWNER_EPOCH] = str(epoch)
+            if annotations:
+                patch["metadata"]["annotations"] = annotations
             try:
                 self.custom.patch_namespaced_custom_object(
                     kind.group,

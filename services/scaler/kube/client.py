@@ -89,6 +89,7 @@ class Reflector:
         *args: Any,
         on_change: Callable[[], None] | None = None,
         watch_timeout_s: int = 60,
+        read_slack_s: float = 10.0,
         backoff: Backoff | None = None,
         **kwargs: Any,
     ) -> None:
@@ -98,6 +99,10 @@ class Reflector:
         self._kwargs = kwargs
         self._on_change = on_change or (lambda: None)
         self.watch_timeout_s = watch_timeout_s
+        # How long past the server's own timeout a watch may stay silent before the
+        # read gives up on it: the API server ends a healthy watch at timeout_seconds,
+        # so a longer silence is a dead path or a stalled server.
+        self.read_slack_s = read_slack_s
         self.not_served_relist_s = 30.0
         self._backoff = backoff or Backoff(0.2, 10.0)
         self._lock = threading.Lock()
@@ -195,7 +200,7 @@ class Reflector:
             timeout_seconds=self.watch_timeout_s,
             allow_watch_bookmarks=True,
             _preload_content=False,
-            _request_timeout=self.watch_timeout_s + 10,
+            _request_timeout=self.watch_timeout_s + self.read_slack_s,
             **self._kwargs,
         )
         self._resp = resp

@@ -29,12 +29,14 @@ depends on, each as the real API server has it:
 
 Faults for tests: :meth:`KubeApiServer.conflict_next` answers the next
 updates of a resource with 409 as if someone wrote in between;
-:meth:`compact` and :meth:`drop_watches`.
+:meth:`compact` and :meth:`drop_watches`; :meth:`all_at_once` makes changes a watch
+never saw before a compaction; :meth:`hang_watches` stalls new watches.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import json
 import threading
@@ -227,6 +229,15 @@ class KubeApiServer:
             self._rv += 1
             self._history.clear()
             self._oldest_rv = self._rv
+
+    @contextlib.contextmanager
+    def all_at_once(self) -> Iterator[None]:
+        """Watches see nothing of the changes made inside until it ends, then all of
+        them together. With :meth:`compact` (and :meth:`drop_watches`) inside, every
+        watcher is behind a compaction for changes it never saw: the 410 Gone a slow
+        watcher meets on a real cluster, with the changes it must list again."""
+        with self._cond:
+            yield
 
     def drop_watches(self) -> None:
         """End every open watch (an API server restart, a load balancer's idle cut)."""
