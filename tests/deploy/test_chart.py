@@ -445,3 +445,41 @@ def test_several_scaler_replicas_elect_a_leader_on_the_release_lease(tmp_path: P
 def test_several_scaler_replicas_need_a_shared_store() -> None:
     with pytest.raises(HelmFailed, match=r"scaler.replicas > 1 needs store.type postgresql"):
         render(SMALL, sets={"scaler.replicas": "2"})
+
+
+def test_several_coordinator_replicas_stand_by_on_the_release_lease_row(tmp_path: Path) -> None:
+    from services.coordinator.settings import CoordinatorSettings
+
+    rendered = render(PRODUCTION, sets={"coordinator.replicas": "2"})
+    assert kube_schema_errors(rendered.objects, "1.35") == []
+    deployment = rendered.one("Deployment", "tide-coordinator")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    coordinator = _load(CoordinatorSettings, rendered, "Deployment", "tide-coordinator", tmp_path)
+    assert (coordinator.leader_election, coordinator.lease_name) == ("sql", "tide-coordinator")
+    # Each replica is named by its pod in the lease, and a standby names the leader's IP.
+    assert coordinator.owner_id == "$(POD_NAME)"
+    port = _ports(_container(rendered, "Deployment", "tide-coordinator"))["grpc"]
+    assert coordinator.advertise_address == f"$(POD_IP):{port}"
+    env = _container(rendered, "Deployment", "tide-coordinator")["env"]
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in env
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in env
+    # Launchers and the scaler keep dialling the Service, which routes to Ready pods:
+    # the leader only (a standby's health is NOT_SERVING).
+    service = rendered.one("Service", "tide-coordinator")
+    assert selects(
+        service["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"]
+    )
+    scaler_args = _container(rendered, "Deployment", "tide-scaler")["args"]
+    assert any(a.startswith("--coordinator=tide-coordinator.") for a in scaler_args), scaler_args
+    single = render(PRODUCTION).one("Deployment", "tide-coordinator")
+    assert (single["spec"]["replicas"], single["spec"]["strategy"]["type"]) == (1, "Recreate")
+    assert not any(
+        a.startswith("--leader-election")
+        for a in _container(render(PRODUCTION), "Deployment", "tide-coordinator")["args"]
+    )
+
+
+def test_several_coordinator_replicas_need_a_shared_store() -> None:
+    with pytest.raises(HelmFailed, match=r"coordinator.replicas > 1 needs store.type postgresql"):
+        render(SMALL, sets={"coordinator.replicas": "2"})
