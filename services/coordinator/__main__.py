@@ -37,6 +37,7 @@ from services.store import db
 from services.store.leader import LeaderElector
 from services.store.leases import Fence, LeaseRecord, SqlLease
 from services.store.probe import StoreProbe
+from tidebase.errors import TideError
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,12 @@ def _elect(
     async def elected(lease: LeaseRecord) -> None:
         # The fence first: the restart rules that load applies already write.
         store.fence = Fence(lease.name, lease.holder, lease.epoch)
-        coordinator.take_over()
+        try:
+            coordinator.take_over()
+        except TideError as exc:
+            # Holding the lease without the jobs would keep every standby out: leave,
+            # and the lease runs out for one that can read the store.
+            _lost(f"elected, but the jobs could not be loaded: {exc}")
         await readiness.set_up("leadership")
 
     async def follow(message: str) -> None:
