@@ -391,6 +391,14 @@ def test_the_disruption_budget_covers_the_scaler_and_the_coordinator_one_at_a_ti
     assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
 
 
+def test_followers_and_standbys_never_ready_do_not_use_up_the_disruption_budget() -> None:
+    # 3 scalers and 2 coordinators: 3 of the 5 pods are never Ready beside their leaders,
+    # so the budget allows them plus one leader.
+    rendered = render(PRODUCTION, sets={"scaler.replicas": "3", "coordinator.replicas": "2"})
+    (pdb,) = rendered.all("PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 4
+
+
 def test_the_service_monitor_scrapes_every_metrics_port() -> None:
     """The ServiceMonitor is a CRD kubernetes-validate has no schema for: checked here."""
     rendered = render(PRODUCTION)
