@@ -6,6 +6,7 @@ land."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from services.coordinator.domain import JobRecord
 from services.coordinator.sql_store import SqlStore
 from services.coordinator.store import Unit
 from services.store import db
-from services.store.leases import Fence, StaleLeader, try_lease
+from services.store.leases import Fence, StaleLeader, check_fence, try_lease
 from tidebase.errors import Conflict
 
 pytestmark = pytest.mark.integration
@@ -94,3 +95,28 @@ def test_a_fence_on_a_lease_never_taken_refuses(factory: sessionmaker[Session]) 
     with pytest.raises(StaleLeader, match="nobody's"):
         store.save(Unit(job=JobRecord(job_id=JOB)))
     assert store.load_all() == []
+
+
+@pytest.mark.postgres
+def test_on_postgresql_a_takeover_waits_for_a_fenced_unit_in_flight(
+    pg_schema_url: str,
+) -> None:
+    db.upgrade(pg_schema_url)
+    engine = db.make_engine(pg_schema_url)
+    factory = db.make_session_factory(engine)
+    try:
+        fence = _take(factory, "a", T0)
+        later = T0 + timedelta(seconds=LEASE_S)
+        with db.session_scope(factory) as session:
+            check_fence(session, fence)  # the unit holds the lease row FOR SHARE
+            with ThreadPoolExecutor(1) as pool:
+                takeover = pool.submit(_take, factory, "b", later)
+                # It cannot take the row while the unit is open, however long it waits.
+                done, _ = wait([takeover], timeout=0.5)
+                assert not done
+                session.commit()
+                assert takeover.result(timeout=10).epoch == fence.epoch + 1
+        with db.session_scope(factory) as session, pytest.raises(StaleLeader):
+            check_fence(session, fence)
+    finally:
+        engine.dispose()
