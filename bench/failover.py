@@ -22,14 +22,28 @@ nothing it writes may land.
   more than once;
 - ``decisions_lost``: acknowledged decisions missing from the store.
 
-Coordinator: it has no standby of its own yet; ``coordinator_failover_s`` is a
-cold one: SIGKILL, a new process on the same store, until a member that was
-registered before gets its heartbeat answered (its state came from SQL). It is
-split in two: ``coordinator_start_s``, until the new process listens (the
-interpreter, imports, migrations: what a warm standby would not pay), and
-``coordinator_restore_s``, from then until the heartbeat is answered. The
-baseline of the run is the lease itself: ``failover_over_bound`` is
+The baseline of the scaler's run is the lease itself: ``failover_over_bound`` is
 failover_s / (lease + renew + 1 s), which must stay at most 1.
+
+Coordinator, hot: a leader and a started standby (``--leader-election sql``, a
+2 s lease renewed every 0.5 s) on one SQLite store, and a member that dials
+both (IP:PORT,IP:PORT: each call goes to the replica whose health is SERVING).
+The leader is SIGSTOPped; ``coordinator_failover_s`` runs until the member's
+heartbeat, with the member id it registered under, is answered by the standby
+(which loaded the job from SQL on election). ``coordinator_takeover_s`` runs
+from the SIGSTOP until the standby's health is SERVING, and
+``coordinator_takeover_over_bound`` is that over lease + renew + 1 s, which
+must stay at most 1 (the heartbeat adds the client's routing: a call that
+went to the stopped leader waits out its 1 s deadline).
+``coordinator_old_leader_exit_code`` is the old leader's status once
+SIGCONTed (3: it found its lease gone).
+
+Coordinator, cold, the baseline in the same run: SIGKILL, a new process on the
+same store and port, until the member's heartbeat is answered
+(``coordinator_cold_failover_s``). It is split in two: ``coordinator_start_s``,
+until the new process listens (the interpreter, imports, migrations: what the
+standby does not pay), and ``coordinator_restore_s``, from then until the
+heartbeat is answered.
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
 from services.testing.actuators import read_changes
 from services.testing.kube import KubeApiServer
+from tidebase.client import channel_target
 from tidebase.listening import parse_listening
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +80,10 @@ JOB = "ns/failover"
 LEASE_S = 6.0
 RENEW_S = 2.0
 T = 3.0
+#: The coordinator's replicas: a short lease, as a coordinator's takeover is what
+#: members wait for (docs/coordinator.md, "Standby replicas").
+COORD_LEASE_S = 2.0
+COORD_RENEW_S = 0.5
 
 
 def _start(args: list[str], log: Path | None = None) -> tuple[subprocess.Popen[str], str]:
@@ -261,26 +280,23 @@ def scaler_failover(url: str, tmp: Path, engine: sa.Engine, lease: list[str]) ->
     }
 
 
-def coordinator_failover(tmp: Path) -> dict[str, float]:
-    db_url = f"sqlite:///{tmp / 'coordinator.db'}"
+def _beats(stub: Any, member: str) -> bool:
+    try:
+        stub.Heartbeat(cpb.HeartbeatRequest(member_id=member), timeout=1.0)
+    except grpc.RpcError:
+        return False
+    return True
+
+
+def coordinator_cold_failover(tmp: Path) -> dict[str, float]:
+    """No standby: SIGKILL, a new process on the same store and port."""
+    db_url = f"sqlite:///{tmp / 'cold.db'}"
     args = ["-m", "services.coordinator", "--db", db_url, "--log-level", "ERROR", "--insecure"]
     first, target = _start([*args, "--listen", "127.0.0.1:0"])
     port = target.rpartition(":")[2]
     with grpc.insecure_channel(target) as ch:
-        member = (
-            cpb_grpc.CoordinatorStub(ch)
-            .Register(
-                cpb.RegisterRequest(
-                    job_id="ns/c",
-                    pod_name="c-0",
-                    host="127.0.0.1",
-                    launcher_id="l-0",
-                    free_port=40000,
-                ),
-                timeout=T,
-            )
-            .member_id
-        )
+        stub = cpb_grpc.CoordinatorStub(ch)
+        member = _wait_value(lambda: _try_register(stub), 30, "the member registered")
     first.kill()
     first.wait(timeout=10)
     killed = time.monotonic()
@@ -289,24 +305,108 @@ def coordinator_failover(tmp: Path) -> dict[str, float]:
     try:
         with grpc.insecure_channel(target) as ch:
             stub = cpb_grpc.CoordinatorStub(ch)
-
-            def beats() -> bool:
-                try:
-                    stub.Heartbeat(cpb.HeartbeatRequest(member_id=member), timeout=T)
-                except grpc.RpcError:
-                    return False
-                return True
-
-            _wait(beats, 30, "the member's heartbeat on the new coordinator")
+            _wait(lambda: _beats(stub, member), 30, "the member's heartbeat on the new coordinator")
         done = time.monotonic()
         return {
-            "coordinator_failover_s": round(done - killed, 2),
+            "coordinator_cold_failover_s": round(done - killed, 2),
             "coordinator_start_s": round(listening - killed, 2),
             "coordinator_restore_s": round(done - listening, 2),
         }
     finally:
         second.terminate()
         second.wait(timeout=20)
+
+
+def coordinator_failover(tmp: Path) -> dict[str, Any]:
+    """A leader and a started standby on one store (``--leader-election sql``); the
+    member dials both (tidebase.client.channel_target: the replica whose health is
+    SERVING gets the call). The leader is SIGSTOPped; ``coordinator_failover_s`` runs
+    until the member's heartbeat is answered by the standby, with its old member id."""
+    db_url = f"sqlite:///{tmp / 'standby.db'}"
+    args = [
+        "-m",
+        "services.coordinator",
+        "--db",
+        db_url,
+        "--log-level",
+        "ERROR",
+        "--insecure",
+        "--listen",
+        "127.0.0.1:0",
+        "--leader-election",
+        "sql",
+        "--lease-duration-s",
+        str(COORD_LEASE_S),
+        "--lease-renew-s",
+        str(COORD_RENEW_S),
+    ]
+    a, a_target = _start([*args, "--owner-id", "a"])
+    _wait(lambda: _serving(a_target), 30, "coordinator a leads")
+    b, b_target = _start([*args, "--owner-id", "b"])
+    try:
+        target, options = channel_target(f"{a_target},{b_target}")
+        with grpc.insecure_channel(target, options=list(options.items())) as ch:
+            stub = cpb_grpc.CoordinatorStub(ch)
+            member = _wait_value(lambda: _try_register(stub), 30, "the member registered")
+            leads: list[float] = []
+            watcher = threading.Thread(
+                target=lambda: leads.append(_wait(lambda: _serving(b_target), 30, "b leads")),
+                daemon=True,
+            )
+            a.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            watcher.start()
+            _wait(lambda: _beats(stub, member), 30, "the member's heartbeat on the standby")
+            done = time.monotonic()
+            watcher.join(timeout=30)
+        a.send_signal(signal.SIGCONT)
+        a_rc = a.wait(timeout=30)
+        bound_s = COORD_LEASE_S + COORD_RENEW_S + 1.0
+        return {
+            "coordinator_failover_s": round(done - stopped, 2),
+            "coordinator_takeover_s": round(leads[0], 2) if leads else None,
+            "coordinator_lease_s": COORD_LEASE_S,
+            "coordinator_failover_bound_s": bound_s,
+            "coordinator_takeover_over_bound": round(leads[0] / bound_s, 3) if leads else None,
+            "coordinator_old_leader_exit_code": a_rc,
+        }
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.terminate()
+                p.wait(timeout=20)
+
+
+def _try_register(stub: Any) -> str:
+    try:
+        return str(
+            stub.Register(
+                cpb.RegisterRequest(
+                    job_id="ns/c",
+                    pod_name="c-0",
+                    host="127.0.0.1",
+                    launcher_id="l-0",
+                    free_port=40000,
+                ),
+                timeout=T,
+            ).member_id
+        )
+    except grpc.RpcError:
+        return ""
+
+
+def _wait_value(get: Any, timeout_s: float, what: str) -> Any:
+    box: list[Any] = []
+
+    def got() -> bool:
+        value = get()
+        if value:
+            box.append(value)
+        return bool(value)
+
+    _wait(got, timeout_s, what)
+    return box[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
             result: dict[str, Any] = {"leader_election": args.leader_election}
             result |= scaler_failover(url, Path(tmp), engine, lease)
             result |= coordinator_failover(Path(tmp))
+            result |= coordinator_cold_failover(Path(tmp))
     finally:
         engine.dispose()
         with admin.connect() as conn:

@@ -51,7 +51,15 @@ SERVICES: dict[str, tuple[type[Any], frozenset[str]]] = {
             | {"advertise_address"}
         ),
     ),
-    "coordinator": (CoordinatorSettings, frozenset(_SERVER | _TLS)),
+    "coordinator": (
+        CoordinatorSettings,
+        frozenset(
+            _SERVER
+            | _TLS
+            # coordinator.replicas > 1: leader election on the release's own lease row.
+            | {"leader_election", "lease_name", "owner_id", "advertise_address"}
+        ),
+    ),
     "agent": (
         AgentSettings,
         frozenset(

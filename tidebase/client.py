@@ -3,6 +3,8 @@ token, and the one place where a gRPC error becomes a domain error."""
 
 from __future__ import annotations
 
+import ipaddress
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,44 @@ def channel_options(
         options = [(k, v) for k, v in options if k not in extra_options]
         options += list(extra_options.items())
     return options
+
+
+#: Round robin over the replicas that report SERVING on gRPC health (the overall
+#: service, ""): a standby is NOT_SERVING, so calls go to the leader only, and to
+#: the new one once it is elected. The client-side analogue of a Kubernetes
+#: Service, which routes to ready pods only.
+_REPLICAS_SERVICE_CONFIG = json.dumps(
+    {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": ""}}
+)
+
+
+def channel_target(address: str) -> tuple[str, dict[str, Any]]:
+    """The gRPC target and channel arguments for ``address``: one HOST:PORT as it is, or
+    several comma-separated IP:PORT of one service's replicas (a coordinator and its
+    standbys, run without a Kubernetes Service), dialled as one channel that sends
+    each call to a replica whose health is SERVING. Raises ConfigError naming a bad
+    address."""
+    if "," not in address:
+        return address, {}
+    hosts: list[str] = []
+    families: set[int] = set()
+    for part in (p.strip() for p in address.split(",")):
+        host, sep, port = part.rpartition(":")
+        host = host.strip("[]")
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            ip = None
+        if not sep or ip is None or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise errors.ConfigError(
+                f"address list: expected IP:PORT,IP:PORT..., got {part!r} in {address!r}"
+            )
+        families.add(ip.version)
+        hosts.append(f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}")
+    if len(families) > 1:
+        raise errors.ConfigError(f"address list: IPv4 and IPv6 mixed, got {address!r}")
+    scheme = "ipv6" if families == {6} else "ipv4"
+    return f"{scheme}:{','.join(hosts)}", {"grpc.service_config": _REPLICAS_SERVICE_CONFIG}
 
 
 class _Token:
@@ -97,12 +137,14 @@ def open_channel(
     between channels with equal options (its global subchannel pool), so a new
     channel opened to replace one in backoff would inherit that backoff; with
     this set it starts with a connection of its own. ``extra_options``: more
-    gRPC channel arguments, overriding the shared ones by name."""
+    gRPC channel arguments, overriding the shared ones by name. A comma-separated
+    ``target`` is a list of replicas (:func:`channel_target`)."""
+    target, replicas = channel_target(target)
     options = channel_options(
         keepalive_time_s=keepalive_time_s,
         keepalive_timeout_s=keepalive_timeout_s,
         own_subchannels=own_subchannels,
-        extra_options=extra_options,
+        extra_options={**replicas, **(extra_options or {})},
     )
     interceptors = _token_interceptors(credentials)
     if not credentials.tls_ca_file:

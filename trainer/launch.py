@@ -62,7 +62,8 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         "--coordinator",
         required=not coordinator,
         default=coordinator,
-        help="HOST:PORT of the coordinator (env TIDE_COORDINATOR)",
+        help="HOST:PORT of the coordinator, or IP:PORT,IP:PORT... of its replicas"
+        " (the leader is the one whose health is SERVING; env TIDE_COORDINATOR)",
     )
     p.add_argument(
         "--job",

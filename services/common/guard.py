@@ -45,7 +45,13 @@ from google.protobuf.message import DecodeError
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from services.common.rpc import rewrap
-from tidebase.errors import InvalidArgument, PermissionDenied, TideError, Unauthenticated
+from tidebase.errors import (
+    InvalidArgument,
+    PermissionDenied,
+    TideError,
+    Unauthenticated,
+    Unavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -403,6 +409,9 @@ class Guard(grpc.aio.ServerInterceptor):
             code = grpc.StatusCode.UNAUTHENTICATED
         elif isinstance(exc, InvalidArgument):
             code = grpc.StatusCode.INVALID_ARGUMENT
+        elif isinstance(exc, Unavailable):
+            # A subject the service cannot look up now (a standby coordinator): retry.
+            code = grpc.StatusCode.UNAVAILABLE
         self.refused.labels(code.name.lower()).inc()
         self._log(f"refused:{method}:{code.name}", "refused %s: %s: %s", method, code.name, exc)
         await context.abort(code, str(exc))

@@ -3,9 +3,12 @@ that the domain core takes."""
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, fields
 
 from services.common.config import CommonSettings, setting
+from services.store.leader import LeaseSettings
 from tidebase.errors import ConfigError
 
 
@@ -85,6 +88,10 @@ class Tuning:
 
 
 _DEFAULT = Tuning()
+_LEASE = LeaseSettings()
+#: How replicas elect their leader: not at all (one replica), or a lease row in the store.
+LEADER_ELECTIONS = ("off", "sql")
+LEASE_NAME = "tide-coordinator"
 #: The README's store, shared with the scaler and the CLI; make_engine creates .tide/.
 DEFAULT_DB = "sqlite:///.tide/tide.db"
 
@@ -127,11 +134,41 @@ class CoordinatorSettings(CommonSettings):
         "overlap mode, a standby that misses the PREPARE deadline or nacks: plain or abort",
     )
 
+    leader_election: str = setting(
+        "off",
+        "off (one replica); sql: replicas elect a leader through a lease row in the store,"
+        " the others stand by (not ready, calls get UNAVAILABLE) and take over",
+    )
+    lease_name: str = setting(
+        LEASE_NAME, "leader election: the lease's name (one per set of replicas)"
+    )
+    lease_duration_s: float = setting(
+        _LEASE.duration_s, "leader election: a lease not renewed for this long can be taken"
+    )
+    lease_renew_s: float = setting(
+        _LEASE.renew_s, "leader election: how often the leader renews and a standby tries"
+    )
+    owner_id: str = setting("", "this replica's name in the lease; default host:pid")
+    advertise_address: str = setting(
+        "", "HOST:PORT a standby's health and errors name for the leader; default: listen"
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.db:
             raise ConfigError("db: a database URL is required, got ''")
+        if self.leader_election not in LEADER_ELECTIONS:
+            raise ConfigError(f"leader_election: expected off or sql, got {self.leader_election!r}")
+        if not self.lease_name:
+            raise ConfigError("lease_name: must not be empty, got ''")
         self.tuning()
+        self.lease()
+
+    def lease(self) -> LeaseSettings:
+        return LeaseSettings(duration_s=self.lease_duration_s, renew_s=self.lease_renew_s)
+
+    def owner(self) -> str:
+        return self.owner_id or f"{socket.gethostname()}:{os.getpid()}"
 
     def tuning(self) -> Tuning:
         return Tuning(**{f.name: getattr(self, f.name) for f in fields(Tuning)})

@@ -6,6 +6,11 @@ dropped connections and lock timeouts). ORM rows never leave this module.
 
 Versioned rows (job, member, resize) are compare-and-set: a row whose stored
 version differs from the one the coordinator last wrote raises Conflict.
+
+With leader election (docs/coordinator.md, "Standby replicas") every unit is
+fenced: it first reads the lease row and is refused (StaleLeader) unless this
+replica still holds the lease at the epoch it was elected with, so a leader
+paused past its lease writes nothing after a standby took over.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from services.coordinator.domain import (
 )
 from services.coordinator.store import JobSnapshot, Unit
 from services.store.db import unit_of_work, utc_from_epoch
+from services.store.leases import Fence, StaleLeader, check_fence
 from services.store.models.coordinator import (
     CoordCheckpoint,
     CoordDirective,
@@ -416,17 +422,39 @@ def load_all(session: Session) -> list[JobSnapshot]:
 class SqlStore:
     """CoordinatorStore over a session factory (see services.store.db)."""
 
-    def __init__(self, factory: sessionmaker[Session], now: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        now: Callable[[], float],
+        *,
+        on_fenced: Callable[[str], None] | None = None,
+    ) -> None:
         self._factory = factory
         self._now = now
+        #: The lease every write is checked against; None without leader election.
+        self.fence: Fence | None = None
+        #: Called with the reason when a write is fenced off: the replica must stop.
+        self._on_fenced = on_fenced
 
     def save(self, unit: Unit) -> None:
         now = self._now()
-        versions = unit_of_work(
-            self._factory,
-            lambda s: save_unit(s, unit, now),
-            what=f"coordinator unit of job {unit.job.job_id if unit.job else '?'}",
-        )
+        fence = self.fence
+
+        def work(s: Session) -> dict[int, int]:
+            if fence is not None:
+                check_fence(s, fence)
+            return save_unit(s, unit, now)
+
+        try:
+            versions = unit_of_work(
+                self._factory,
+                work,
+                what=f"coordinator unit of job {unit.job.job_id if unit.job else '?'}",
+            )
+        except StaleLeader as exc:
+            if self._on_fenced is not None:
+                self._on_fenced(str(exc))
+            raise
         # Only after the commit: a retried or failed unit leaves memory untouched.
         objs: list[JobRecord | Member | Resize] = [*unit.members, *unit.resizes]
         if unit.job is not None:

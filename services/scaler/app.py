@@ -35,8 +35,8 @@ from services.scaler.service import ScalerCore
 from services.scaler.servicer import RULES, ScalerServicer, TelemetryServicer
 from services.scaler.settings import SWITCH_INTERVAL_S, ScalerSettings
 from services.scaler.store import DecisionStore
-from services.scaler.store.leases import LeaseRecord
 from services.store import db
+from services.store.leases import LeaseRecord
 from services.store.probe import StoreProbe
 from tidebase.errors import TideError
 

@@ -1,78 +1,25 @@
-"""One leader among scaler replicas: a lease renewed in the store or the API server.
+"""The scaler's leader election: the shared elector of services/store/leader.py under
+the scaler's lease name.
 
-Every replica runs an elector. The one holding the lease leads: it takes every
-job (bumping each job's owner epoch, the fencing token its writes carry), resumes
-their decisions and evaluates them. The others follow: they serve health and
-reads, and take over once the lease has expired.
-
-A leader that cannot renew in time, or finds the lease in other hands, stops
-acting at once (:attr:`on_lost`; the scaler's exits the process, and the
-kubelet starts it again as a follower). It counts its lease from *before* the
-renewing call, so its own view of the deadline is never later than the
-store's. A leader paused (SIGSTOP, a long GC, a frozen VM) may wake after
-another took over and run a few callbacks before its elector notices; the
-controller asks :meth:`may_act` before every side effect, and every write it
-attempts carries the job's old epoch, which the store refuses (StaleEpoch).
-
-The lease lives behind :class:`LeaseBackend`, with two implementations: a row
-in the store every replica already shares (``--leader-election sql``,
-:class:`~services.scaler.store.DecisionStore`) and a ``coordination.k8s.io/v1``
-Lease (``--leader-election kubernetes``, services/scaler/kube/lease.py). Either
-way the fencing epochs are the store's: whoever is elected takes every job in
-SQL before it acts.
+The leader takes every job (bumping each job's owner epoch, the fencing token its
+writes carry), resumes their decisions and evaluates them. The others follow: they
+serve health and reads, and take over once the lease has expired. Either lease
+backend (SQL row or Kubernetes Lease), the fencing epochs are the store's: whoever
+is elected takes every job in SQL before it acts.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import math
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Protocol
-
 from services.common.clock import Clock
-from services.scaler.store.leases import LeaseRecord
-from tidebase.errors import ConfigError, TideError
-
-logger = logging.getLogger(__name__)
+from services.store.leader import LeaderElector as _Elector
+from services.store.leader import LeaseBackend, LeaseSettings
 
 LEASE_NAME = "tide-scaler"
 
-
-@dataclass(frozen=True)
-class LeaseSettings:
-    #: How long a lease lasts without renewal: the longest a dead leader blocks a
-    #: takeover. Kubernetes' controllers use 15 s.
-    duration_s: float = 15.0
-    #: How often the leader renews, and a follower tries; a third of the lease
-    #: leaves two tries before it runs out.
-    renew_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.duration_s) and self.duration_s > 0):
-            raise ConfigError(f"lease_duration_s: must be > 0, got {self.duration_s!r}")
-        if not (0 < self.renew_s < self.duration_s):
-            raise ConfigError(
-                f"lease_renew_s: must be in (0, lease_duration_s={self.duration_s}), "
-                f"got {self.renew_s!r}"
-            )
+__all__ = ["LEASE_NAME", "LeaderElector", "LeaseBackend", "LeaseSettings"]
 
 
-class LeaseBackend(Protocol):
-    """Where the lease lives. ``try_lease`` renews it if ``owner_id`` holds it, takes
-    it if it expired or was released, and returns it as it stands after, whoever
-    holds it; of two replicas taking it at once exactly one gets it. Each take is a
-    new, higher epoch."""
-
-    owner_id: str
-
-    async def try_lease(self, name: str, address: str, *, duration_s: float) -> LeaseRecord: ...
-
-    async def release_lease(self, name: str) -> bool: ...
-
-
-class LeaderElector:
+class LeaderElector(_Elector):
     def __init__(
         self,
         backend: LeaseBackend,
@@ -82,82 +29,4 @@ class LeaderElector:
         address: str,
         name: str = LEASE_NAME,
     ) -> None:
-        self.backend = backend
-        self.clock = clock
-        self.settings = settings
-        self.address = address
-        self.name = name
-        self.leading = False
-        self.epoch = 0
-        #: The lease as last read: who leads (for followers' health and errors).
-        self.current: LeaseRecord | None = None
-        self._deadline = -math.inf
-        self._elected = asyncio.Event()
-
-    def may_act(self) -> bool:
-        """Whether this replica still holds the lease by its own clock."""
-        return self.leading and self.clock.monotonic() < self._deadline
-
-    async def wait_elected(self) -> None:
-        await self._elected.wait()
-
-    def follower_message(self) -> str:
-        lease = self.current
-        if lease is None or lease.held_by(self.backend.owner_id):
-            return "no leader yet"
-        return f"following {lease.holder} at {lease.address or '?'} (lease epoch {lease.epoch})"
-
-    async def _try(self) -> LeaseRecord | None:
-        try:
-            return await asyncio.wait_for(
-                self.backend.try_lease(
-                    self.name, self.address, duration_s=self.settings.duration_s
-                ),
-                self.settings.renew_s,
-            )
-        except (TideError, TimeoutError) as exc:
-            logger.warning("lease %s: renewal failed: %s", self.name, exc)
-            return None
-
-    async def run(
-        self,
-        on_elected: Callable[[LeaseRecord], Awaitable[None]],
-        on_lost: Callable[[str], None],
-        on_follow: Callable[[str], Awaitable[None]] | None = None,
-    ) -> None:
-        """Elect and renew until cancelled; ``on_lost`` must stop this replica acting."""
-        me = self.backend.owner_id
-        while True:
-            if self.leading and self.clock.monotonic() >= self._deadline:
-                on_lost("the lease ran out before it could be renewed")
-                return
-            started = self.clock.monotonic()
-            lease = await self._try()
-            if lease is not None:
-                self.current = lease
-            if self.leading:
-                if lease is None:
-                    pass  # the deadline check above ends leadership in time
-                elif lease.held_by(me) and lease.epoch == self.epoch:
-                    self._deadline = started + self.settings.duration_s
-                else:
-                    on_lost(f"the lease is now {lease.holder}'s (epoch {lease.epoch})")
-                    return
-            elif lease is not None and lease.held_by(me):
-                self.leading, self.epoch = True, lease.epoch
-                self._deadline = started + self.settings.duration_s
-                logger.warning("leading as %s (lease %s, epoch %d)", me, self.name, lease.epoch)
-                self._elected.set()
-                await on_elected(lease)
-            elif on_follow is not None:
-                await on_follow(self.follower_message())
-            await asyncio.sleep(self.settings.renew_s)
-
-    async def release(self) -> None:
-        """Hand the lease back (a clean shutdown): a follower leads within its next try."""
-        if self.leading:
-            self.leading = False
-            try:
-                await self.backend.release_lease(self.name)
-            except TideError as exc:
-                logger.warning("lease %s: not released (%s); it runs out", self.name, exc)
+        super().__init__(backend, clock, settings, address=address, name=name)

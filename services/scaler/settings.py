@@ -18,6 +18,7 @@ from services.scaler.ingest import IngestSettings
 from services.scaler.kube.client import IN_CLUSTER
 from services.scaler.leader import LEASE_NAME, LeaseSettings
 from services.scaler.policy import PolicySettings
+from tidebase.client import channel_target
 from tidebase.errors import ConfigError
 
 _POLICY = PolicySettings()
@@ -212,6 +213,8 @@ class ScalerSettings(CommonSettings, ClientSettings):
         host, sep, port = self.coordinator.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ConfigError(f"coordinator: expected HOST:PORT, got {self.coordinator!r}")
+        # Or IP:PORT,IP:PORT...: the coordinator's replicas, the leader found by health.
+        channel_target(self.coordinator)
 
     def check_actuator(self) -> None:
         # No default: an actuator that changes nothing must never be the one a

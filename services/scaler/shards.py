@@ -4,7 +4,7 @@ join and leave.
 Every job belongs to one of ``shards`` shards (a hash of its id), and a replica
 decides a job only while it holds the job's shard lease. The leases are rows of
 the leader lease's table, taken and renewed with the same compare-and-set
-(services/scaler/store/leases.py), so a shard changes hands only once its lease
+(services/store/leases.py), so a shard changes hands only once its lease
 was released or ran out, and every takeover bumps the shard's epoch.
 
 Which replica should hold which shard is a pure function of the live replicas

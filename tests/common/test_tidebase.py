@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import enum
+import json
 from datetime import UTC, datetime
 
 import grpc
 import pytest
 from tide.v1 import coordinator_pb2
 
-from tidebase.errors import grpc_status_of
+from tidebase.client import channel_target
+from tidebase.errors import ConfigError, grpc_status_of
 from tidebase.lifecycle import InvalidTransition, TransitionTable
 from tidebase.listening import Listening, listening_line, parse_listening
 from tidebase.timeconv import (
@@ -81,3 +83,25 @@ def test_a_table_moves_only_along_its_edges_and_a_wrong_move_is_a_bug() -> None:
 def test_a_table_must_list_every_state() -> None:
     with pytest.raises(ValueError, match="OFF"):
         TransitionTable("light", {Light.RED: {Light.GREEN}, Light.GREEN: {Light.RED}})
+
+
+def test_one_address_is_dialled_as_it_is() -> None:
+    assert channel_target("coordinator.tide:50051") == ("coordinator.tide:50051", {})
+
+
+def test_replica_addresses_become_one_health_routed_target() -> None:
+    target, options = channel_target("127.0.0.1:5001, 10.0.0.2:5002")
+    assert target == "ipv4:127.0.0.1:5001,10.0.0.2:5002"
+    config = json.loads(options["grpc.service_config"])
+    assert config["loadBalancingConfig"] == [{"round_robin": {}}]
+    assert config["healthCheckConfig"] == {"serviceName": ""}
+    assert channel_target("[::1]:5001,[::1]:5002")[0] == "ipv6:[::1]:5001,[::1]:5002"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["coordinator-0:5001,coordinator-1:5001", "127.0.0.1:5001,127.0.0.1", "127.0.0.1:1,[::1]:2"],
+)
+def test_a_bad_replica_list_names_the_value(bad: str) -> None:
+    with pytest.raises(ConfigError, match="address list"):
+        channel_target(bad)

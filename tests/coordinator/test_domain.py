@@ -275,3 +275,25 @@ def test_settings_build_the_tuning_from_their_fields_and_share_its_defaults() ->
 
 def test_the_default_store_is_the_readme_one() -> None:
     assert CoordinatorSettings().db == DEFAULT_DB == "sqlite:///.tide/tide.db"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"leader_election": "kubernetes"}, "leader_election"),
+        ({"lease_name": ""}, "lease_name"),
+        ({"lease_duration_s": 0.0}, "lease_duration_s"),
+        ({"lease_duration_s": 2.0, "lease_renew_s": 2.0}, "lease_renew_s"),
+    ],
+)
+def test_leader_election_settings_name_their_bad_value(
+    kwargs: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ConfigError, match=field):
+        CoordinatorSettings(**kwargs)  # type: ignore[arg-type]
+
+
+def test_replicas_elect_on_the_coordinators_own_lease() -> None:
+    s = CoordinatorSettings(leader_election="sql", owner_id="c-0")
+    assert (s.lease_name, s.owner()) == ("tide-coordinator", "c-0")
+    assert s.lease().duration_s == s.lease_duration_s

@@ -14,9 +14,10 @@ from services.coordinator.domain import (
     ResizePhase,
     WorkerPhase,
 )
+from services.coordinator.engine import Coordinator
 from services.coordinator.engine import effects as fx
 from services.coordinator.engine.membership import heartbeat
-from services.coordinator.engine.messages import HeartbeatInput
+from services.coordinator.engine.messages import HeartbeatInput, RegisterInput
 from services.coordinator.engine.outbox import Outbox
 from services.coordinator.engine.recovery import late_progress, overdue, plan_recovery
 from services.coordinator.engine.state import JobState
@@ -156,3 +157,49 @@ def test_a_step_rate_starts_from_the_first_running_heartbeat_of_a_generation() -
     # 9 steps in 1 s, not 43 steps since the step-0 report.
     assert beat(WorkerPhase.RUNNING, 43, 101.7) == pytest.approx(9.0)
     assert beat(WorkerPhase.RUNNING, 55, 102.7) == pytest.approx(12.0)
+
+
+def _register(c: Coordinator, pod: str) -> str:
+    return c.register(
+        RegisterInput(
+            job_id="ns/standby",
+            pod_name=pod,
+            pod_index=0,
+            host="127.0.0.1",
+            launcher_id=f"l-{pod}",
+            free_port=40000,
+        )
+    ).member_id
+
+
+def test_a_standby_serves_nothing_until_it_takes_over_the_stored_jobs() -> None:
+    store = MemoryStore()
+    leader = Coordinator(store, FakeClock(), TUNING)
+    member = _register(leader, "p-0")
+    beat = HeartbeatInput(member_id=member, generation=0, phase=WorkerPhase.IDLE)
+
+    standby = Coordinator(store, FakeClock(), TUNING)
+    standby.standby = "following a at 10.0.0.1:50052 (lease epoch 1)"
+    # UNAVAILABLE (retry), never NOT_FOUND (which makes a launcher register anew).
+    for call in (
+        lambda: standby.heartbeat(beat),
+        lambda: standby.member_pod(member),
+        lambda: _register(standby, "p-1"),
+        lambda: standby.job("ns/standby"),
+    ):
+        with pytest.raises(Unavailable, match=r"following a at 10\.0\.0\.1:50052"):
+            call()
+    commits = store.commits
+    standby.tick()
+    assert store.commits == commits and standby.jobs == {}
+
+    standby.take_over()
+    assert standby.member_pod(member) == ("ns/standby", "p-0")
+    standby.heartbeat(beat)
+    # Woken past its lease before its elector noticed: it refuses and ticks nothing.
+    standby.may_act = lambda: False
+    with pytest.raises(Unavailable, match="lease ran out"):
+        standby.heartbeat(beat)
+    commits = store.commits
+    standby.tick(stalled_s=1000.0)
+    assert store.commits == commits

@@ -391,6 +391,14 @@ def test_the_disruption_budget_covers_the_scaler_and_the_coordinator_one_at_a_ti
     assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
 
 
+def test_followers_and_standbys_never_ready_do_not_use_up_the_disruption_budget() -> None:
+    # 3 scalers and 2 coordinators: 3 of the 5 pods are never Ready beside their leaders,
+    # so the budget allows them plus one leader.
+    rendered = render(PRODUCTION, sets={"scaler.replicas": "3", "coordinator.replicas": "2"})
+    (pdb,) = rendered.all("PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 4
+
+
 def test_the_service_monitor_scrapes_every_metrics_port() -> None:
     """The ServiceMonitor is a CRD kubernetes-validate has no schema for: checked here."""
     rendered = render(PRODUCTION)
@@ -470,3 +478,41 @@ def test_with_several_scaler_replicas_agents_stream_to_every_one(tmp_path: Path)
 def test_several_scaler_replicas_need_a_shared_store() -> None:
     with pytest.raises(HelmFailed, match=r"scaler.replicas > 1 needs store.type postgresql"):
         render(SMALL, sets={"scaler.replicas": "2"})
+
+
+def test_several_coordinator_replicas_stand_by_on_the_release_lease_row(tmp_path: Path) -> None:
+    from services.coordinator.settings import CoordinatorSettings
+
+    rendered = render(PRODUCTION, sets={"coordinator.replicas": "2"})
+    assert kube_schema_errors(rendered.objects, "1.35") == []
+    deployment = rendered.one("Deployment", "tide-coordinator")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    coordinator = _load(CoordinatorSettings, rendered, "Deployment", "tide-coordinator", tmp_path)
+    assert (coordinator.leader_election, coordinator.lease_name) == ("sql", "tide-coordinator")
+    # Each replica is named by its pod in the lease, and a standby names the leader's IP.
+    assert coordinator.owner_id == "$(POD_NAME)"
+    port = _ports(_container(rendered, "Deployment", "tide-coordinator"))["grpc"]
+    assert coordinator.advertise_address == f"$(POD_IP):{port}"
+    env = _container(rendered, "Deployment", "tide-coordinator")["env"]
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in env
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in env
+    # Launchers and the scaler keep dialling the Service, which routes to Ready pods:
+    # the leader only (a standby's health is NOT_SERVING).
+    service = rendered.one("Service", "tide-coordinator")
+    assert selects(
+        service["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"]
+    )
+    scaler_args = _container(rendered, "Deployment", "tide-scaler")["args"]
+    assert any(a.startswith("--coordinator=tide-coordinator.") for a in scaler_args), scaler_args
+    single = render(PRODUCTION).one("Deployment", "tide-coordinator")
+    assert (single["spec"]["replicas"], single["spec"]["strategy"]["type"]) == (1, "Recreate")
+    assert not any(
+        a.startswith("--leader-election")
+        for a in _container(render(PRODUCTION), "Deployment", "tide-coordinator")["args"]
+    )
+
+
+def test_several_coordinator_replicas_need_a_shared_store() -> None:
+    with pytest.raises(HelmFailed, match=r"coordinator.replicas > 1 needs store.type postgresql"):
+        render(SMALL, sets={"coordinator.replicas": "2"})

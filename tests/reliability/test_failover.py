@@ -38,3 +38,7 @@ def test_leader_paused_follower_takes_over_and_old_leader_writes_nothing(
     assert result["decisions_lost"] == 0, result
     assert result["old_leader_exit_code"] == 3, result
     assert result["decisions_acked"] >= 8
+    # The coordinator's hot standby, in the same run (tests/coordinator/test_standby.py
+    # checks its member and fencing; this, the bench's figures).
+    assert result["coordinator_takeover_over_bound"] <= 1.0, result
+    assert result["coordinator_old_leader_exit_code"] == 3, result

@@ -53,6 +53,9 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
         # an older one than the job's, is refused with FAILED_PRECONDITION.
         self.reject_stale = False
         self.refused: list[pb.HeartbeatRequest] = []
+        # Cleared: heartbeats wait unanswered, as on a coordinator paused (SIGSTOP).
+        self.answering = asyncio.Event()
+        self.answering.set()
 
     async def Register(self, request: pb.RegisterRequest, context: object) -> pb.RegisterResponse:
         member_id = f"m-{request.launcher_id[:8]}"
@@ -82,6 +85,7 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
         return pb.AckResponse()
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        await self.answering.wait()
         if request.member_id in self.forgotten:
             self.forgotten.discard(request.member_id)
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no member {request.member_id}")

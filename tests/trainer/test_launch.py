@@ -281,6 +281,27 @@ async def test_a_coordinator_back_after_an_outage_is_reached_on_the_launchers_ba
     await server2.stop(None)
 
 
+async def test_a_coordinator_that_stops_answering_is_dialled_afresh_as_the_same_member(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path
+) -> None:
+    coord, port = fake
+    launcher = _launcher(port, tmp_path, rpc_timeout_s=0.5)
+    run = asyncio.create_task(launcher.run())
+    await eventually(lambda: any(m.streams for m in coord.members.values()), 10, what="a stream")
+    (mid,) = coord.members
+    first = launcher.link.channel
+    coord.answering.clear()
+    await eventually(lambda: launcher.link.channel is not first, 10, what="a fresh channel")
+    coord.answering.set()
+    # The directive stream follows onto the fresh channel, as the same member.
+    await eventually(lambda: coord.members[mid].streams >= 2, 10, what="the stream reopened")
+    assert list(coord.members) == [mid]
+    (rdv,) = coord.rendezvous([mid])
+    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack on the new stream")
+    launcher.stop()
+    assert await asyncio.wait_for(run, 10) == 0
+
+
 async def test_unknown_member_registers_again_and_reopens_its_stream(
     fake: tuple[FakeCoordinator, int], tmp_path: Path
 ) -> None:

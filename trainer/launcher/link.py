@@ -9,6 +9,10 @@ link opens a fresh channel (see :meth:`CoordinatorLink._renew_channel`).
 Refused heartbeats:
 
 - NOT_FOUND: the coordinator does not know the member (it lost it): register again now.
+- DEADLINE_EXCEEDED: nobody answers (a coordinator paused, or a leader cut off while a
+  standby takes over): open a fresh channel, which the directive stream follows.
+- UNAVAILABLE: retried as it is (a standby coordinator, a store outage): the member
+  keeps its id.
 - FAILED_PRECONDITION: the coordinator fences this beat: a stale generation (the job moved
   on and the RENDEZVOUS is on its way) or a member that has left. Neither is fatal, and
   neither is cured by registering at once: the directive stream brings the next RENDEZVOUS,
@@ -35,7 +39,7 @@ from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 from tidebase import logs
 from tidebase.client import domain_error, open_channel
-from tidebase.errors import FailedPrecondition, NotFound, TideError
+from tidebase.errors import DeadlineExceeded, FailedPrecondition, NotFound, TideError
 from tidebase.retry import Backoff
 from tidebase.timeconv import ts_from_seconds
 from trainer.launcher.model import (
@@ -207,14 +211,22 @@ class CoordinatorLink:
                         t.cancel()
                         with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
                             await t
-                if reader in done:
+                if reader in done and reader.cancelled():
+                    # Its channel was closed under it: renewed after an unanswered heartbeat.
+                    logger.warning(
+                        "directive stream of member %s closed with its channel; reconnecting",
+                        self.member_id,
+                    )
+                elif reader in done:
                     reader.result()
                     logger.warning(
                         "directive stream of member %s ended; reconnecting", self.member_id
                     )
                 else:
                     logger.warning(
-                        "member %s unknown to the coordinator; registering again", self.member_id
+                        "member %s registering again (unknown to the coordinator, or its"
+                        " channel renewed)",
+                        self.member_id,
                     )
                     backoff.reset()
             except asyncio.CancelledError:
@@ -282,6 +294,20 @@ class CoordinatorLink:
                     self._reregister.set()
             except FailedPrecondition as exc:
                 self._refused(exc)
+            except DeadlineExceeded as exc:
+                # No answer at all: a coordinator paused or cut off, on a connection gRPC
+                # holds open until keepalive gives up (tens of seconds). A fresh channel
+                # reaches whoever serves now (a Service routes to the Ready leader, an
+                # address list to the replica whose health is SERVING), and the directive
+                # stream follows once the old channel is retired.
+                logger.warning(
+                    "heartbeat of member %s unanswered (%s); dialling the coordinator afresh",
+                    self.member_id,
+                    exc,
+                )
+                self._renew_channel()
+                # The stream moves at once, not when the old channel's grace runs out.
+                self._reregister.set()
             except TideError as exc:
                 logger.warning(
                     "heartbeat of member %s failed: %s: %s",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from tidebase.client import channel_target
 from tidebase.credentials import NO_CREDENTIALS, ClientCredentials
 from tidebase.errors import ConfigError
 from tidebase.grpc_options import DEFAULT_TIMEOUT_S
@@ -58,6 +59,8 @@ class LauncherSettings:
     def __post_init__(self) -> None:
         if ":" not in self.coordinator:
             raise ConfigError(f"coordinator must be HOST:PORT, got {self.coordinator!r}")
+        # Or IP:PORT,IP:PORT...: the coordinator's replicas, the leader found by health.
+        channel_target(self.coordinator)
         if self.job_id.count("/") != 1 or not all(self.job_id.split("/")):
             raise ConfigError(f"job must be NAMESPACE/NAME, got {self.job_id!r}")
         if not self.command:

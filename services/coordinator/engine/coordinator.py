@@ -4,6 +4,7 @@ and decision ids to jobs, the reload of a job whose commit failed, and the tick 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from services.common.clock import Clock
 from services.coordinator.domain import JobRecord, ResizePhase
@@ -42,6 +43,25 @@ class Coordinator:
         self.jobs: dict[str, JobRuntime] = {}
         self._member_job: dict[str, str] = {}
         self._decision_job: dict[int, str] = {}
+        #: Why this replica does not serve (a standby: who leads), or "" when it does.
+        #: A standby answers every call UNAVAILABLE, never NOT_FOUND: launchers retry
+        #: and keep their member ids instead of registering again as new members.
+        self.standby = ""
+        #: Whether this replica still holds its lease by its own clock (the elector's):
+        #: a leader woken from a pause past its lease must not act before the elector
+        #: notices. Always true without leader election.
+        self.may_act: Callable[[], bool] = lambda: True
+
+    def _serving(self) -> None:
+        if self.standby:
+            raise Unavailable(f"standby coordinator, {self.standby}: retry")
+        if not self.may_act():
+            raise Unavailable("this coordinator's lease ran out; another replica leads: retry")
+
+    def take_over(self) -> None:
+        """Elected: load every job from the store, as after a restart, and serve."""
+        self.load()
+        self.standby = ""
 
     def load(self) -> None:
         """Reload every job from the store and apply the restart rules."""
@@ -84,6 +104,7 @@ class Coordinator:
         return None
 
     def job(self, job_id: str, *, create: bool = False) -> JobRuntime:
+        self._serving()
         rt = self.jobs.get(job_id)
         if rt is not None and rt.broken:
             rt = self._reload(job_id)
@@ -98,6 +119,7 @@ class Coordinator:
         return rt
 
     def job_of_member(self, member_id: str) -> JobRuntime:
+        self._serving()
         job_id = self._member_job.get(member_id)
         if job_id is None:
             raise UnknownMember(f"member {member_id!r} is not known; register first")
@@ -106,6 +128,7 @@ class Coordinator:
     def member_pod(self, member_id: str) -> tuple[str, str]:
         """(job id, pod name) of a member, ("", "") for one not known: what the guard
         checks a launcher's identity against."""
+        self._serving()
         job_id = self._member_job.get(member_id)
         rt = self.jobs.get(job_id) if job_id is not None else None
         m = rt.members.get(member_id) if rt is not None else None
@@ -121,6 +144,7 @@ class Coordinator:
                 raise InvalidArgument(f"{name}: required, got ''")
         if not 0 < inp.free_port <= 65535:
             raise InvalidArgument(f"free_port: must be in 1..65535, got {inp.free_port}")
+        self._serving()
         rt = self.job(inp.job_id, create=True)
         res = rt.register(inp)
         self._member_job[res.member_id] = inp.job_id
@@ -133,6 +157,7 @@ class Coordinator:
         self.job_of_member(inp.member_id).ack(inp)
 
     def start_resize(self, inp: ResizeInput) -> JobRuntime:
+        self._serving()
         owner = self._decision_job.get(inp.decision_id)
         if owner is not None and owner != inp.job_id:
             raise InvalidArgument(
@@ -144,12 +169,15 @@ class Coordinator:
         return rt
 
     def abort_resize(self, decision_id: int, job_id: str, reason: str) -> ResizePhase:
+        self._serving()
         owner = self._decision_job.get(decision_id)
         if owner is None or (job_id and owner != job_id):
             raise UnknownResize(f"no resize {decision_id} for job {job_id!r}")
         return self.job(owner).abort_resize(decision_id, reason)
 
     def tick(self, stalled_s: float = 0.0) -> None:
+        if self.standby or not self.may_act():
+            return
         if stalled_s > 0:
             logger.warning(
                 "the coordinator stalled %.2f s: heartbeat timeouts and deadlines of %d job(s) "

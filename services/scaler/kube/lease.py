@@ -1,6 +1,6 @@
 """The scaler's leader lease as a ``coordination.k8s.io/v1`` Lease.
 
-The same compare-and-set as the lease row in SQL (services/scaler/store/leases.py),
+The same compare-and-set as the lease row in SQL (services/store/leases.py),
 over the API server: the Lease is read, then renewed by its holder, taken once
 expired (``renewTime + leaseDurationSeconds`` has passed, or ``holderIdentity``
 is empty after a release), or left alone. Every write is a replace carrying the
@@ -31,7 +31,7 @@ from kubernetes.client.exceptions import ApiException
 
 from services.common.clock import Clock
 from services.scaler.kube.client import Obj, raw
-from services.scaler.store.leases import LeaseRecord
+from services.store.leases import LeaseRecord
 from tidebase.errors import InvalidArgument, PermissionDenied, TideError, Unavailable
 
 logger = logging.getLogger(__name__)
