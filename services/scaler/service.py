@@ -34,7 +34,7 @@ from services.scaler.leader import LeaderElector
 from services.scaler.lifecycle import FaultHook
 from services.scaler.members import CoordinatorMemberRegistry
 from services.scaler.metrics import ScalerMetrics
-from services.scaler.pool import PoolClaims
+from services.scaler.pool import WANTING, PoolClaims
 from services.scaler.preemption import plan_notice
 from services.scaler.reconcile import Drift
 from services.scaler.store import DecisionRecord, DecisionState, DecisionStore, JobRecord
@@ -86,10 +86,64 @@ class _Staged:
     now: float
     seen: float
     tipping_s: float | None
+    # The answer of the job's last evaluation again, its inputs being the same.
+    reused: bool = False
 
     @property
     def job_id(self) -> str:
         return self.decision.job_id
+
+
+#: Answers that hold for as long as the inputs do: the others read the time (a cooldown
+#: running out, recommendations leaving the stabilization window, a sustain window
+#: sliding past the last resize) or claim free GPUs (a claim is renewed by evaluating).
+_TIMED = frozenset({pol.Reason.COOLDOWN, pol.Reason.STABILIZING})
+
+
+def _reusable(d: pol.Decision, hist: pol.History) -> bool:
+    """Whether ``decide`` gives ``d`` again for the same inputs at any later time.
+
+    ``decide`` reads the time only in the cooldown (COOLDOWN), the stabilization
+    window (STABILIZING, or a shrink) and the check that the sustain window starts
+    after the last resize (NOT_SUSTAINED once the job has resized: the window's end
+    moves with the time and is left out of the key). A resize, a preemption and a
+    job that wants GPUs are decided every time."""
+    if d.resize or d.supersedes or d.reason in _TIMED or d.reason in WANTING:
+        return False
+    return not (d.reason is pol.Reason.NOT_SUSTAINED and hist.last_resize_end_s is not None)
+
+
+def _inputs_key(
+    state: pol.JobState, view: pol.WindowView, p: pol.PolicySettings, hist: pol.History
+) -> tuple[Any, ...]:
+    """What ``decide`` reads, less the time, the free GPUs and the recommendations.
+
+    Free GPUs are read only by a grow (never reusable); recommendations only by a
+    shrink and STABILIZING (never reusable); the window's end only by the check
+    ``_reusable`` leaves out. NaN (an empty bucket) is None, so that equal windows
+    compare equal."""
+    return (
+        state.job_id,
+        state.current_replicas,
+        state.gpus_per_replica,
+        state.paused,
+        state.resize_in_progress,
+        state.terminating_replicas,
+        state.terminating_node,
+        state.terminating_deadline_s,
+        state.terminating_pods,
+        state.in_flight_decision,
+        state.in_flight_leaving,
+        view.bucket_s,
+        tuple(None if m != m else m for m in view.bucket_means),
+        view.gpus_expected,
+        view.gpus_fresh,
+        p,
+        hist.last_resize_end_s,
+        hist.last_direction,
+        hist.last_from_replicas,
+        hist.throughput,
+    )
 
 
 def _leaving_of(d: DecisionRecord) -> frozenset[str] | None:
@@ -193,6 +247,12 @@ class ScalerCore:
         self.leader: LeaderElector | None = None
         #: Told of every decision state (the Kubernetes Events); must not block.
         self.observers: list[Callable[[DecisionRecord, str], None]] = []
+        #: Per job, the inputs of its last evaluation and the answer, while that answer
+        #: may be given again for the same inputs (``_reusable``).
+        self._memo: dict[str, tuple[tuple[Any, ...], pol.Decision]] = {}
+        #: Evaluations of the pass over every job answered from ``_memo`` (a plain int;
+        #: bench.scale and the tests read it).
+        self.reused = 0
 
     # -- jobs and policies -----------------------------------------------------------
 
@@ -467,11 +527,16 @@ class ScalerCore:
                 return await self._commit(self._stage(job_id, tipping_s, fresh, raw))
 
     async def evaluate_many(
-        self, items: Sequence[tuple[str, float | None]], fresh: Mapping[str, int] | None = None
+        self,
+        items: Sequence[tuple[str, float | None]],
+        fresh: Mapping[str, int] | None = None,
+        *,
+        reuse: bool = False,
     ) -> None:
         """Evaluate several jobs: every ``decide`` first, then the pool step and the commits,
         so that a grow is shared with every job that wants to grow at the same moment.
-        A job's error is logged and ends only that job's evaluation."""
+        A job's error is logged and ends only that job's evaluation. ``reuse``: a job
+        whose inputs did not change keeps its last answer (``_stage``)."""
         async with self._eval_lock:
             raw = await self.actuator.free_gpus()
             staged: list[tuple[_Staged, float]] = []
@@ -480,8 +545,12 @@ class ScalerCore:
                     await asyncio.sleep(0)
                 with self._guard(job_id):
                     t0 = time.perf_counter()
-                    st = self._stage(job_id, tipping_s, fresh, raw)
-                    staged.append((st, time.perf_counter() - t0))
+                    st = self._stage(job_id, tipping_s, fresh, raw, reuse=reuse)
+                    if st.reused:
+                        # Nothing to share or commit: the last answer, at this time.
+                        self.evaluations[job_id] = Evaluation(st.decision, st.now)
+                    else:
+                        staged.append((st, time.perf_counter() - t0))
             for n, (st, spent) in enumerate(staged, 1):
                 if n % YIELD_EVERY_JOBS == 0:
                     await asyncio.sleep(0)
@@ -496,8 +565,15 @@ class ScalerCore:
         tipping_s: float | None,
         fresh: Mapping[str, int] | None,
         raw_free: int | None,
+        *,
+        reuse: bool = False,
     ) -> _Staged:
-        """The policy's answer for one job (no I/O); its claim on free GPUs noted."""
+        """The policy's answer for one job (no I/O); its claim on free GPUs noted.
+
+        ``reuse`` (the pass over every job): when the job's inputs equal those of its
+        last evaluation and that answer did not depend on the time, the answer is
+        that one again (``decide`` is pure), and nothing is decided, published or
+        shared (see :func:`_reusable`)."""
         free = self.pool.free(raw_free)
         job = self._job(job_id)
         p = self.policies[job_id]
@@ -507,7 +583,6 @@ class ScalerCore:
         at = max(now, tipping_s) if tipping_s is not None else now
         state = self.job_state(job_id, free)
         view = self.window_of(job_id, at, fresh)
-        self.metrics.window(job_id, view)
         last_end = job.last_resize_ended_at.timestamp() if job.last_resize_ended_at else None
         recs = self._recs.setdefault(job_id, [])
         curve = self.throughput.curve(job_id, at)
@@ -518,14 +593,30 @@ class ScalerCore:
             last_from_replicas=self._last_from.get(job_id, 0),
             throughput=curve,
         )
-        d = pol.decide(state, view, p, hist, at)
+        key = _inputs_key(state, view, p, hist)
+        memo = self._memo.get(job_id)
+        if reuse and memo is not None and memo[0] == key:
+            d = memo[1]
+            self.reused += 1
+        else:
+            d = pol.decide(state, view, p, hist, at)
+            self.metrics.window(job_id, view)
+            if _reusable(d, hist):
+                self._memo[job_id] = (key, d)
+            else:
+                self._memo.pop(job_id, None)
+            memo = None
         if d.recommendation is not None:
             recs.append((at, d.recommendation))
             horizon = at - p.scale_down_stabilization_s
             while recs and recs[0][0] < horizon:
                 recs.pop(0)
-        self.pool.note(d, state, curve, at)
-        return _Staged(d, state, view, p, hist, raw_free, at, now, seen, tipping_s)
+        if memo is None:
+            # A reused answer neither wants GPUs nor held a claim (_reusable).
+            self.pool.note(d, state, curve, at)
+        return _Staged(
+            d, state, view, p, hist, raw_free, at, now, seen, tipping_s, reused=memo is not None
+        )
 
     async def _commit(self, st: _Staged) -> pol.Decision:
         """The pool step, then a resize is committed (PENDING) and handed to the controller."""
@@ -773,7 +864,9 @@ class ScalerCore:
             self._measure(job_id, now)
             with self._guard(job_id):
                 await self._record_loss(job_id)
-        await self.evaluate_many([(j, None) for j in jobs if not self._finished(j)], fresh)
+        await self.evaluate_many(
+            [(j, None) for j in jobs if not self._finished(j)], fresh, reuse=True
+        )
 
     def _finished(self, job_id: str) -> bool:
         """The coordinator says every member finished its budget: no more resizes."""
