@@ -19,6 +19,7 @@ from typing import Any
 
 from services.common import logs, tracing
 from services.common.clock import Clock
+from services.common.heap import HeapFreezer
 from services.scaler import policy as pol
 from services.scaler import reconcile
 from services.scaler.actuators import Actuator
@@ -173,8 +174,12 @@ class ScalerCore:
         store_probe: StoreProbe | None = None,
         decision_retention_days: float | None = None,
         retention_batch_rows: int = 1000,
+        heap: HeapFreezer | None = None,
     ) -> None:
         self.store = store
+        #: Freezes the long-lived heap as the fleet grows (services/common/heap.py);
+        #: the process's entry sets it, never a test (it would freeze pytest's heap).
+        self.heap = heap
         #: Whether the store answers (services.store.probe): while it does not, no
         #: job is evaluated (nothing could be recorded, so nothing may be done).
         self.store_probe = store_probe
@@ -1038,6 +1043,9 @@ class ScalerCore:
                 if mono >= next_tick:
                     await self.tick()
                     next_tick = mono + self.evaluate_interval_s
+                    if self.heap is not None:
+                        engine = self.engine
+                        self.heap.grown(len(self.jobs) + len(engine.nodes) + engine.streams_open)
                 if mono >= next_flush:
                     await self.flush_rollups()
                     next_flush = mono + self.rollup_flush_interval_s
