@@ -12,8 +12,10 @@ the event loop writes no ack meanwhile, and the ack p99 is those pauses.
 that the collector walks only what came since. The number of freezes is logarithmic
 in the fleet's size. What it gives up: an object frozen while alive that later
 becomes part of a reference cycle is never collected (reference counting still
-frees everything that is not in a cycle); ``gc.collect()`` before each freeze keeps
-the garbage already there out of the permanent generation.
+frees everything that is not in a cycle), nor is cyclic garbage the older
+generation held when it froze. Before each freeze only the young generations are
+collected: a full collection first took 2.2 s at 1,200 agents (the whole heap,
+imports included), the very pause this is for.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class HeapFreezer:
         enough since the last freeze; True when it did."""
         if size - self.frozen_at < max(self.min_growth, self.frozen_at * self.growth_fraction):
             return False
-        gc.collect()
+        gc.collect(1)
         gc.freeze()
         self.frozen_at = size
         self.freezes += 1
