@@ -258,6 +258,9 @@ class ScalerCore:
         #: Evaluations of the pass over every job answered from ``_memo`` (a plain int;
         #: bench.scale and the tests read it).
         self.reused = 0
+        #: Whether the pass answers unchanged jobs from ``_memo`` (bench.tick turns it
+        #: off to measure the pass that decides every job).
+        self.reuse_answers = True
 
     # -- jobs and policies -----------------------------------------------------------
 
@@ -879,7 +882,7 @@ class ScalerCore:
                     await self._record_loss(job_id)
             if not st.finished:
                 running.append((job_id, None))
-        await self.evaluate_many(running, fresh, reuse=True)
+        await self.evaluate_many(running, fresh, reuse=self.reuse_answers)
 
     def _finished(self, job_id: str) -> bool:
         """The coordinator says every member finished its budget: no more resizes."""
