@@ -50,6 +50,7 @@ bench: setup
 	$(PY) -m bench.soak --quick
 	$(PY) -m bench.history --quick
 	$(PY) -m bench.scale --quick
+	$(PY) -m bench.tick --quick
 	$(PY) -m bench.security --quick
 	$(PY) -m bench.k8s --quick
 
