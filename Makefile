@@ -57,6 +57,7 @@ bench: setup
 	$(PY) -m bench.contention --quick
 	$(PY) -m bench.history --quick
 	$(PY) -m bench.scale --quick
+	$(PY) -m bench.tick --quick
 	$(PY) -m bench.security --quick
 	$(PY) -m bench.k8s --quick
 

@@ -81,6 +81,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
     from tide.v1 import telemetry_pb2_grpc
 
     from services.common.clock import SystemClock
+    from services.common.heap import HeapFreezer
     from services.scaler.ingest import IngestEngine, IngestSettings
     from services.scaler.policy import PolicySettings
     from services.scaler.service import ScalerCore
@@ -121,6 +122,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
                 max_replicas=8,
             ),
             ingest=settings,
+            heap=HeapFreezer(),  # as services/scaler/app.py does
         )
         observe = core.metrics.observe_decision
 
@@ -212,6 +214,9 @@ async def _agents(
     end, warm = start + seconds, time.perf_counter() + warm_s
     lat: list[tuple[float, float]] = []  # (sent at, perf_counter; latency)
     errors = [0]
+    # Reports written after the warm-up: whether the fleet itself kept its 1 Hz (on one
+    # core, a few thousand streams are about what a client process can write).
+    written = [0]
 
     async def one(i: int, node: tuple[str, int, int]) -> None:
         name, job, k = node
@@ -251,6 +256,8 @@ async def _agents(
                     sec = int(now)
                     ts = b"\x08" + _varint(sec) + b"\x10" + _varint(int((now - sec) * 1e9))
                     sent[seq] = time.perf_counter()
+                    if sent[seq] > warm:
+                        written[0] += 1
                     await call.write(
                         base + b"\x18" + _varint(seq) + b"\x22" + _varint(len(ts)) + ts
                     )
@@ -273,7 +280,7 @@ async def _agents(
     await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)))
     for ch in channels.values():
         await ch.close()
-    q.put((lat, errors[0]))
+    q.put((lat, errors[0], written[0]))
 
 
 # --- phases ------------------------------------------------------------------------------------
@@ -391,6 +398,7 @@ def run_phase(
     # streams at once) is most of the tail after it.
     steady = sorted(x for r in results for t, x in r[0] if t < killed_perf)
     errors = sum(r[1] for r in results)
+    written = sum(r[2] for r in results)
     decision_lat: list[float] = []
     decisions = 0
     for r in alive:
@@ -422,6 +430,8 @@ def run_phase(
         "cpu_pct_per_replica": [round(c * 100, 1) for c in cpu],
         "rss_mib_per_replica": [round(v, 1) for v in rss.values()],
         "reports_per_s": round(reports / (t1 - t0)),
+        # What the agents wrote per second after the warm-up (the fleet asks `agents`).
+        "written_per_s": round(written / max(1e-9, seconds - warm_s)),
         # Agents per core the replicas used: the fleet over the CPU it cost them.
         "agents_per_core": round(agents / max(1e-9, sum(cpu))) if cpu else None,
         "stream_errors": errors,
@@ -490,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         "single_cpu_pct_per_replica": single["cpu_pct_per_replica"][0],
         "single_rss_mib": single["rss_mib_per_replica"][0],
         "single_agents_per_core": single["agents_per_core"],
+        "single_reports_per_s": single["reports_per_s"],
+        "single_written_per_s": single["written_per_s"],
         "baseline_agents": base["agents"],
         "baseline_ack_p99_ms": base["ack_p99_ms"],
         "baseline_cpu_pct": base["cpu_pct_per_replica"][0],

@@ -19,6 +19,7 @@ from prometheus_client import REGISTRY
 from tide.v1 import scaler_pb2_grpc, telemetry_pb2_grpc
 
 from services.common.clock import Clock
+from services.common.heap import HeapFreezer
 from services.common.metrics import register_build_info
 from services.common.readiness import Readiness
 from services.common.server import ServiceSpec, serve
@@ -85,6 +86,7 @@ async def serve_scaler(
         store_probe=probe,
         decision_retention_days=settings.decision_retention_days,
         retention_batch_rows=settings.retention_batch_rows,
+        heap=HeapFreezer(),
     )
     REGISTRY.register(IngestCollector(core.engine))
     register_build_info(REGISTRY, "scaler")

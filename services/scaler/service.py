@@ -19,12 +19,13 @@ from typing import Any
 
 from services.common import logs, tracing
 from services.common.clock import Clock
+from services.common.heap import HeapFreezer
 from services.scaler import policy as pol
 from services.scaler import reconcile
 from services.scaler.actuators import Actuator
 from services.scaler.controller import Controller
 from services.scaler.convert import decision_inputs
-from services.scaler.coordination import CoordinatorClient
+from services.scaler.coordination import CoordinatorClient, JobStatusView
 from services.scaler.errors import DecisionInProgress, NotLeader, StaleEpoch
 from services.scaler.feed import DecisionFeed, Watched
 from services.scaler.goodput import ThroughputBook
@@ -34,7 +35,7 @@ from services.scaler.leader import LeaderElector
 from services.scaler.lifecycle import FaultHook
 from services.scaler.members import CoordinatorMemberRegistry
 from services.scaler.metrics import ScalerMetrics
-from services.scaler.pool import PoolClaims
+from services.scaler.pool import WANTING, PoolClaims
 from services.scaler.preemption import plan_notice
 from services.scaler.reconcile import Drift
 from services.scaler.store import DecisionRecord, DecisionState, DecisionStore, JobRecord
@@ -86,10 +87,64 @@ class _Staged:
     now: float
     seen: float
     tipping_s: float | None
+    # The answer of the job's last evaluation again, its inputs being the same.
+    reused: bool = False
 
     @property
     def job_id(self) -> str:
         return self.decision.job_id
+
+
+#: Answers that hold for as long as the inputs do: the others read the time (a cooldown
+#: running out, recommendations leaving the stabilization window, a sustain window
+#: sliding past the last resize) or claim free GPUs (a claim is renewed by evaluating).
+_TIMED = frozenset({pol.Reason.COOLDOWN, pol.Reason.STABILIZING})
+
+
+def _reusable(d: pol.Decision, hist: pol.History) -> bool:
+    """Whether ``decide`` gives ``d`` again for the same inputs at any later time.
+
+    ``decide`` reads the time only in the cooldown (COOLDOWN), the stabilization
+    window (STABILIZING, or a shrink) and the check that the sustain window starts
+    after the last resize (NOT_SUSTAINED once the job has resized: the window's end
+    moves with the time and is left out of the key). A resize, a preemption and a
+    job that wants GPUs are decided every time."""
+    if d.resize or d.supersedes or d.reason in _TIMED or d.reason in WANTING:
+        return False
+    return not (d.reason is pol.Reason.NOT_SUSTAINED and hist.last_resize_end_s is not None)
+
+
+def _inputs_key(
+    state: pol.JobState, view: pol.WindowView, p: pol.PolicySettings, hist: pol.History
+) -> tuple[Any, ...]:
+    """What ``decide`` reads, less the time, the free GPUs and the recommendations.
+
+    Free GPUs are read only by a grow (never reusable); recommendations only by a
+    shrink and STABILIZING (never reusable); the window's end only by the check
+    ``_reusable`` leaves out. NaN (an empty bucket) is None, so that equal windows
+    compare equal."""
+    return (
+        state.job_id,
+        state.current_replicas,
+        state.gpus_per_replica,
+        state.paused,
+        state.resize_in_progress,
+        state.terminating_replicas,
+        state.terminating_node,
+        state.terminating_deadline_s,
+        state.terminating_pods,
+        state.in_flight_decision,
+        state.in_flight_leaving,
+        view.bucket_s,
+        tuple(None if m != m else m for m in view.bucket_means),
+        view.gpus_expected,
+        view.gpus_fresh,
+        p,
+        hist.last_resize_end_s,
+        hist.last_direction,
+        hist.last_from_replicas,
+        hist.throughput,
+    )
 
 
 def _leaving_of(d: DecisionRecord) -> frozenset[str] | None:
@@ -119,8 +174,12 @@ class ScalerCore:
         store_probe: StoreProbe | None = None,
         decision_retention_days: float | None = None,
         retention_batch_rows: int = 1000,
+        heap: HeapFreezer | None = None,
     ) -> None:
         self.store = store
+        #: Freezes the long-lived heap as the fleet grows (services/common/heap.py);
+        #: the process's entry sets it, never a test (it would freeze pytest's heap).
+        self.heap = heap
         #: Whether the store answers (services.store.probe): while it does not, no
         #: job is evaluated (nothing could be recorded, so nothing may be done).
         self.store_probe = store_probe
@@ -193,6 +252,15 @@ class ScalerCore:
         self.leader: LeaderElector | None = None
         #: Told of every decision state (the Kubernetes Events); must not block.
         self.observers: list[Callable[[DecisionRecord, str], None]] = []
+        #: Per job, the inputs of its last evaluation and the answer, while that answer
+        #: may be given again for the same inputs (``_reusable``).
+        self._memo: dict[str, tuple[tuple[Any, ...], pol.Decision]] = {}
+        #: Evaluations of the pass over every job answered from ``_memo`` (a plain int;
+        #: bench.scale and the tests read it).
+        self.reused = 0
+        #: Whether the pass answers unchanged jobs from ``_memo`` (bench.tick turns it
+        #: off to measure the pass that decides every job).
+        self.reuse_answers = True
 
     # -- jobs and policies -----------------------------------------------------------
 
@@ -467,11 +535,16 @@ class ScalerCore:
                 return await self._commit(self._stage(job_id, tipping_s, fresh, raw))
 
     async def evaluate_many(
-        self, items: Sequence[tuple[str, float | None]], fresh: Mapping[str, int] | None = None
+        self,
+        items: Sequence[tuple[str, float | None]],
+        fresh: Mapping[str, int] | None = None,
+        *,
+        reuse: bool = False,
     ) -> None:
         """Evaluate several jobs: every ``decide`` first, then the pool step and the commits,
         so that a grow is shared with every job that wants to grow at the same moment.
-        A job's error is logged and ends only that job's evaluation."""
+        A job's error is logged and ends only that job's evaluation. ``reuse``: a job
+        whose inputs did not change keeps its last answer (``_stage``)."""
         async with self._eval_lock:
             raw = await self.actuator.free_gpus()
             staged: list[tuple[_Staged, float]] = []
@@ -480,8 +553,12 @@ class ScalerCore:
                     await asyncio.sleep(0)
                 with self._guard(job_id):
                     t0 = time.perf_counter()
-                    st = self._stage(job_id, tipping_s, fresh, raw)
-                    staged.append((st, time.perf_counter() - t0))
+                    st = self._stage(job_id, tipping_s, fresh, raw, reuse=reuse)
+                    if st.reused:
+                        # Nothing to share or commit: the last answer, at this time.
+                        self.evaluations[job_id] = Evaluation(st.decision, st.now)
+                    else:
+                        staged.append((st, time.perf_counter() - t0))
             for n, (st, spent) in enumerate(staged, 1):
                 if n % YIELD_EVERY_JOBS == 0:
                     await asyncio.sleep(0)
@@ -496,8 +573,15 @@ class ScalerCore:
         tipping_s: float | None,
         fresh: Mapping[str, int] | None,
         raw_free: int | None,
+        *,
+        reuse: bool = False,
     ) -> _Staged:
-        """The policy's answer for one job (no I/O); its claim on free GPUs noted."""
+        """The policy's answer for one job (no I/O); its claim on free GPUs noted.
+
+        ``reuse`` (the pass over every job): when the job's inputs equal those of its
+        last evaluation and that answer did not depend on the time, the answer is
+        that one again (``decide`` is pure), and nothing is decided, published or
+        shared (see :func:`_reusable`)."""
         free = self.pool.free(raw_free)
         job = self._job(job_id)
         p = self.policies[job_id]
@@ -507,7 +591,6 @@ class ScalerCore:
         at = max(now, tipping_s) if tipping_s is not None else now
         state = self.job_state(job_id, free)
         view = self.window_of(job_id, at, fresh)
-        self.metrics.window(job_id, view)
         last_end = job.last_resize_ended_at.timestamp() if job.last_resize_ended_at else None
         recs = self._recs.setdefault(job_id, [])
         curve = self.throughput.curve(job_id, at)
@@ -518,14 +601,30 @@ class ScalerCore:
             last_from_replicas=self._last_from.get(job_id, 0),
             throughput=curve,
         )
-        d = pol.decide(state, view, p, hist, at)
+        key = _inputs_key(state, view, p, hist)
+        memo = self._memo.get(job_id)
+        if reuse and memo is not None and memo[0] == key:
+            d = memo[1]
+            self.reused += 1
+        else:
+            d = pol.decide(state, view, p, hist, at)
+            self.metrics.window(job_id, view)
+            if _reusable(d, hist):
+                self._memo[job_id] = (key, d)
+            else:
+                self._memo.pop(job_id, None)
+            memo = None
         if d.recommendation is not None:
             recs.append((at, d.recommendation))
             horizon = at - p.scale_down_stabilization_s
             while recs and recs[0][0] < horizon:
                 recs.pop(0)
-        self.pool.note(d, state, curve, at)
-        return _Staged(d, state, view, p, hist, raw_free, at, now, seen, tipping_s)
+        if memo is None:
+            # A reused answer neither wants GPUs nor held a claim (_reusable).
+            self.pool.note(d, state, curve, at)
+        return _Staged(
+            d, state, view, p, hist, raw_free, at, now, seen, tipping_s, reused=memo is not None
+        )
 
     async def _commit(self, st: _Staged) -> pol.Decision:
         """The pool step, then a resize is committed (PENDING) and handed to the controller."""
@@ -767,18 +866,36 @@ class ScalerCore:
         now = self.clock.now()
         fresh = self.engine.fresh_gpus(now)
         jobs = [j for j in self.jobs if j not in self.fenced]
+        running: list[tuple[str, float | None]] = []
+        latest_status = self.coordinator.latest_status
         for n, job_id in enumerate(jobs, 1):
             if n % YIELD_EVERY_JOBS == 0:
                 await asyncio.sleep(0)
-            self._measure(job_id, now)
-            with self._guard(job_id):
-                await self._record_loss(job_id)
-        await self.evaluate_many([(j, None) for j in jobs if not self._finished(j)], fresh)
+            # One status read per job and pass (three were a tenth of the pass).
+            st = latest_status(job_id)
+            if st is None:
+                running.append((job_id, None))
+                continue
+            self._measure(job_id, now, st)
+            if self._may_have_lost(job_id, st):
+                with self._guard(job_id):
+                    await self._record_loss(job_id)
+            if not st.finished:
+                running.append((job_id, None))
+        await self.evaluate_many(running, fresh, reuse=self.reuse_answers)
 
     def _finished(self, job_id: str) -> bool:
         """The coordinator says every member finished its budget: no more resizes."""
         st = self.coordinator.latest_status(job_id)
         return st is not None and st.finished
+
+    def _may_have_lost(self, job_id: str, st: JobStatusView) -> bool:
+        """Whether ``_record_loss`` may find a loss: the coordinator's generation is newer
+        than the job's and smaller (checked without the guard's cost, for every job)."""
+        return job_id not in self._lost_seen or (
+            st.generation > self.jobs[job_id].generation
+            and 0 < st.world_size < self.jobs[job_id].current_replicas
+        )
 
     async def _record_loss(self, job_id: str) -> None:
         """A generation that formed smaller with no decision of ours in flight lost a
@@ -893,8 +1010,8 @@ class ScalerCore:
             extra={"job_id": drift.job_id, "decision_id": record.id},
         )
 
-    def _measure(self, job_id: str, now: float) -> None:
-        job, status = self.jobs[job_id], self.coordinator.latest_status(job_id)
+    def _measure(self, job_id: str, now: float, status: JobStatusView | None) -> None:
+        job = self.jobs[job_id]
         if status is not None and job_id not in self.active:
             ended = job.last_resize_ended_at.timestamp() if job.last_resize_ended_at else None
             self.throughput.settled(
@@ -929,6 +1046,9 @@ class ScalerCore:
                 if mono >= next_tick:
                     await self.tick()
                     next_tick = mono + self.evaluate_interval_s
+                    if self.heap is not None:
+                        engine = self.engine
+                        self.heap.grown(len(self.jobs) + len(engine.nodes) + engine.streams_open)
                 if mono >= next_flush:
                     await self.flush_rollups()
                     next_flush = mono + self.rollup_flush_interval_s

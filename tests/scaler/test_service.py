@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from tide.v1 import telemetry_pb2
 
+from services.scaler import policy as pol
 from services.scaler.convert import inputs_to_proto
 from services.scaler.coordination import Phase, Progress, ResizeSpec
 from services.scaler.ingest import IngestSettings
@@ -746,3 +747,40 @@ async def test_actuator_errors_are_counted_by_operation() -> None:
     get = metrics.registry.get_sample_value
     assert get("tide_scaler_actuator_errors_total", {"operation": "set_replicas"}) == 1
     assert get("tide_scaler_actuator_errors_total", {"operation": "free_gpus"}) == 0
+
+
+async def test_the_pass_decides_again_only_for_changed_inputs_or_a_timed_answer(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pass over every job runs ``decide`` for a job only when what it reads changed,
+    or when its last answer depends on the time (a cooldown running out)."""
+    decided: list[Reason] = []
+    real = pol.decide
+
+    def counting(*args: Any, **kwargs: Any) -> pol.Decision:
+        d = real(*args, **kwargs)
+        decided.append(d.reason)
+        return d
+
+    monkeypatch.setattr(pol, "decide", counting)
+    seq = feed(rig, 35, 50.0)
+    await rig.core.tick()
+    assert decided == [Reason.WITHIN_BAND]
+    rig.clock.advance(0.2)  # time alone: the same samples, still fresh
+    await rig.core.tick()
+    assert decided == [Reason.WITHIN_BAND]  # not decided again...
+    ev = rig.core.evaluations["ns/a"]
+    assert (ev.decision.reason, ev.at_s) == (Reason.WITHIN_BAND, rig.clock.now())  # ...answered
+    assert rig.core.reused == 1
+    seq = feed(rig, 1, 90.0, start_seq=seq)  # the newest bucket's mean moves
+    await rig.core.tick()
+    assert decided == [Reason.WITHIN_BAND] * 2
+
+    dec = await rig.core.request_resize("ns/a", 3, "load test", "alice")
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    await rig.core.tick()
+    await rig.core.tick()  # the same inputs, but a cooldown's answer changes with time
+    assert decided[2:] == [Reason.COOLDOWN] * 2
+    feed(rig, 61, 50.0, start_seq=seq)  # past the 60 s cooldown, the samples fresh
+    await rig.core.tick()
+    assert decided[-1] is not Reason.COOLDOWN
