@@ -105,7 +105,7 @@ async def serve_scaler(
         sharding = Sharding(
             core,
             leases,
-            GrpcPeerLink(settings.credentials()),
+            GrpcPeerLink(settings.credentials(), tls_server_name=settings.peer_tls_server_name),
             ship_interval_s=settings.partials_ship_interval_s,
         )
         await core.start_sharded()

@@ -74,14 +74,20 @@ def partial_from_proto(m: peers_pb2.JobPartial) -> JobPartial:
 
 
 class GrpcPeerLink:
-    def __init__(self, credentials: ClientCredentials) -> None:
+    def __init__(self, credentials: ClientCredentials, *, tls_server_name: str = "") -> None:
         self.credentials = credentials
+        # Replicas are dialled by pod IP; their certificate names the Service.
+        self._options = (
+            {"grpc.ssl_target_name_override": tls_server_name} if tls_server_name else None
+        )
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, address: str) -> Any:  # grpc-stubs types the aio stub as sync
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = open_channel(address, credentials=self.credentials)
+            ch = self._channels[address] = open_channel(
+                address, credentials=self.credentials, extra_options=self._options
+            )
         return peers_pb2_grpc.ScalerPeersStub(ch)
 
     async def ship(

@@ -344,6 +344,10 @@ class ScalerCore:
             self._recs.pop(job_id, None)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        # An evaluation batch under way may have staged these jobs before the drop: once
+        # it is over, nothing evaluates them (acts_on), and _commit checks again.
+        async with self._eval_lock:
+            pass
 
     async def receive_partials(self, sender: str, parts: Sequence[JobPartial]) -> int:
         """Another replica's partial aggregates: those of jobs acted on here go into their
@@ -631,6 +635,8 @@ class ScalerCore:
             d = pol.decide(state, st.view, st.policy, st.history, st.at)
         d = self.pool.share(d, state)
         job_id = d.job_id
+        if not self.acts_on(job_id):
+            return d  # its shard went while the batch was staged: the new owner decides
         self.evaluations[job_id] = Evaluation(d, st.now)
         if d.supersedes:
             await self._supersede(job_id, d.supersedes, d.message)

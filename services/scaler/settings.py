@@ -104,6 +104,12 @@ class ScalerSettings(CommonSettings, ClientSettings):
         " lease_renew_s), every replica ingests and decides for its shards; not with"
         " --leader-election",
     )
+    peer_tls_server_name: str = setting(
+        "",
+        "sharded, with TLS (tls_ca_file): the name other replicas' serving certificate"
+        " carries, checked when dialling them by address (the chart: the scaler Service's"
+        " name); empty: the address's host",
+    )
     partials_ship_interval_s: float = setting(
         1.0,
         "sharded: how often partial aggregates of jobs owned elsewhere are shipped to their"

@@ -27,6 +27,7 @@ old holder has already stopped deciding (the same rule as services/scaler/leader
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import zlib
@@ -72,13 +73,17 @@ def shard_of(job_id: str, shards: int) -> int:
     return zlib.crc32(job_id.encode()) % shards
 
 
+def _weight(shard: int, member: str) -> int:
+    # Not crc32: it is linear, so members whose names differ in one character (r0,
+    # r1; pod names) got skewed shares (8 shards: all to one of two replicas).
+    return int.from_bytes(hashlib.blake2b(f"{shard}/{member}".encode(), digest_size=8).digest())
+
+
 def assign(shards: int, members: Sequence[str]) -> dict[int, str]:
     """Shard → the member that should hold it (rendezvous hashing); {} with no member."""
     if not members:
         return {}
-    return {
-        k: max(members, key=lambda m: (zlib.crc32(f"{k}/{m}".encode()), m)) for k in range(shards)
-    }
+    return {k: max(members, key=lambda m: (_weight(k, m), m)) for k in range(shards)}
 
 
 class ShardLeases:
