@@ -81,6 +81,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
 
     from services.common.clock import SystemClock
     from services.scaler.ingest import IngestSettings
+    from services.scaler.metrics import PARTIALS_DROPPED
     from services.scaler.peers import GrpcPeerLink
     from services.scaler.policy import PolicySettings
     from services.scaler.service import ScalerCore
@@ -92,6 +93,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
     from services.store import db
     from services.testing.actuators import InMemoryActuator
     from services.testing.coordinator import InMemoryCoordinator, follow_actuator
+    from services.testing.members import InMemoryMemberRegistry
     from tidebase.credentials import NO_CREDENTIALS
     from tidebase.grpc_options import server_options
 
@@ -134,10 +136,15 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
         for j in range(jobs):
             await core.upsert_job(f"bench/j{j}", {}, gpus_per_replica=4)
     else:
-        # Every replica's in-memory coordinator knows every job's two trainers (a real
-        # coordinator is one for all): samples of jobs owned elsewhere are attributed.
+        # One member list for every replica, every pod of the fleet: the one coordinator
+        # that real replicas all follow. Their in-memory coordinators are one per
+        # process, and a non-owner's would not see the owner's resizes, so the new pods'
+        # samples it receives would be unattributed and the owner's coverage would fall.
+        fleet = InMemoryMemberRegistry()
         for j in range(jobs):
             coordinator.set_job(f"bench/j{j}", 2)
+            fleet.set_members(f"bench/j{j}", _members(j))
+        core.engine.registry = fleet
         if name == "r0":  # the first replica makes the jobs; the others start after it
             for j in range(jobs):
                 await store.upsert_job(
@@ -171,6 +178,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
     conn.send(port)
     cpu0 = time.process_time()
     shipped = core.metrics.partials_shipped_bytes
+    dropped = [core.metrics.partials_dropped.labels(r) for r in PARTIALS_DROPPED]
     while True:
         await asyncio.sleep(0.05)
         while conn.poll():
@@ -184,6 +192,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
                         ingest.reports_accepted,
                         owned,
                         shipped._value.get(),
+                        sum(c._value.get() for c in dropped),
                     )
                 )
             elif msg[0] == "stop":
@@ -331,7 +340,7 @@ def run_phase(
         a.start()
     alive = list(range(replicas))
 
-    def stats() -> dict[int, tuple[float, int, list[int], float]]:
+    def stats() -> dict[int, tuple[float, int, list[int], float, float]]:
         out = {}
         for r in alive:
             reps[r][1].send(("stats",))
@@ -365,7 +374,7 @@ def run_phase(
                 killed_at = time.monotonic()
                 killed_perf = time.perf_counter()
             elif killed_at is not None and rebalance_s is None:
-                owned = {k for _, _, o, _ in cur.values() for k in o}
+                owned = {k for _, _, o, _, _ in cur.values() for k in o}
                 if owned == set(range(SHARDS)):
                     rebalance_s = time.monotonic() - killed_at
     s1, t1 = stats(), time.monotonic()
@@ -416,6 +425,8 @@ def run_phase(
         "rebalance_s": round(rebalance_s, 2) if rebalance_s is not None else None,
         # Shipped over gRPC (ShipPartials request sizes), by the replicas that lived through.
         "partial_bytes_per_s": round(sum(s1[r][3] - s0[r][3] for r in s1 if r in s0) / (t1 - t0)),
+        # Jobs' partials dropped (busy, failed, no_owner, refused) by those replicas.
+        "partials_dropped": round(sum(s1[r][4] - s0[r][4] for r in s1 if r in s0)),
     }
 
 
@@ -485,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_agents_per_core": base["agents_per_core"],
         "stream_errors": single["stream_errors"] + base["stream_errors"],
         "partial_bytes_per_s": sharded["partial_bytes_per_s"],
+        "partials_dropped": sharded["partials_dropped"],
         "seconds_per_phase": seconds,
         "wall_s": round(time.monotonic() - t_start, 1),
     }
