@@ -384,7 +384,9 @@ class Controller:
 
     def _check_lead(self, d: DecisionRecord) -> None:
         if not self._acting(d)():
-            raise StaleEpoch(f"decision {d.id}: this scaler replica no longer leads")
+            raise StaleEpoch(
+                f"decision {d.id}: this scaler replica no longer leads (or holds the job's shard)"
+            )
 
     async def _set_replicas(self, d: DecisionRecord, replicas: int, deadline_s: float) -> None:
         async def once() -> None:
