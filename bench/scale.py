@@ -192,7 +192,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
                         ingest.reports_accepted,
                         owned,
                         shipped._value.get(),
-                        sum(c._value.get() for c in dropped),
+                        [c._value.get() for c in dropped],
                     )
                 )
             elif msg[0] == "stop":
@@ -324,6 +324,8 @@ def _start_replicas(
 def run_phase(
     url: str, mode: str, agents: int, replicas: int, seconds: float, kill_at_s: float | None
 ) -> dict[str, Any]:
+    from services.scaler.metrics import PARTIALS_DROPPED
+
     ctx = mp.get_context("spawn")
     jobs = max(1, agents // NODES_PER_JOB)
     reps = _start_replicas(ctx, mode, url, replicas, jobs)
@@ -340,7 +342,7 @@ def run_phase(
         a.start()
     alive = list(range(replicas))
 
-    def stats() -> dict[int, tuple[float, int, list[int], float, float]]:
+    def stats() -> dict[int, tuple[float, int, list[int], float, list[float]]]:
         out = {}
         for r in alive:
             reps[r][1].send(("stats",))
@@ -425,8 +427,11 @@ def run_phase(
         "rebalance_s": round(rebalance_s, 2) if rebalance_s is not None else None,
         # Shipped over gRPC (ShipPartials request sizes), by the replicas that lived through.
         "partial_bytes_per_s": round(sum(s1[r][3] - s0[r][3] for r in s1 if r in s0) / (t1 - t0)),
-        # Jobs' partials dropped (busy, failed, no_owner, refused) by those replicas.
-        "partials_dropped": round(sum(s1[r][4] - s0[r][4] for r in s1 if r in s0)),
+        # Jobs' partials dropped by those replicas, by reason.
+        "partials_dropped": {
+            reason: round(sum(s1[r][4][i] - s0[r][4][i] for r in s1 if r in s0))
+            for i, reason in enumerate(PARTIALS_DROPPED)
+        },
     }
 
 
