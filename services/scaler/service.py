@@ -196,6 +196,9 @@ class ScalerCore:
         #: Sharded (services/scaler/shards.py): this replica acts only on the jobs of the
         #: shards it holds; None: on every job (alone, or as the elected leader).
         self.shards: ShardLeases | None = None
+        #: Sharded: the jobs taken since their shard was gained (a new epoch, their
+        #: state read back). Between a round gaining a shard and the take, not acted on.
+        self._taken: set[str] = set()
         #: Told of every decision state (the Kubernetes Events); must not block.
         self.observers: list[Callable[[DecisionRecord, str], None]] = []
 
@@ -204,7 +207,9 @@ class ScalerCore:
     def acts_on(self, job_id: str) -> bool:
         """Whether this replica evaluates and acts on the job now: not fenced off and,
         sharded, its shard held (by this replica's clock)."""
-        return job_id not in self.fenced and (self.shards is None or self.shards.owns(job_id))
+        if job_id in self.fenced:
+            return False
+        return self.shards is None or (job_id in self._taken and self.shards.owns(job_id))
 
     def _shape(self, job_id: str) -> tuple[float, int]:
         p = self.policies.get(job_id, self.defaults)
@@ -309,6 +314,7 @@ class ScalerCore:
         for job_id in taken:
             self.fenced.discard(job_id)
             self.active.pop(job_id, None)
+        self._taken |= taken
         # The jobs as they stand after the last owner's writes (its epoch is now refused).
         for job in await self.store.list_jobs():
             if job.job_id in taken:
@@ -334,6 +340,7 @@ class ScalerCore:
         """Stop acting on ``job_ids`` (their shard is given up or lost): their decisions in
         flight here are cancelled and awaited, so nothing acts on them once this returns;
         the new owner resumes them from the store."""
+        self._taken.difference_update(job_ids)
         tasks = []
         for job_id in job_ids:
             did = self.active.get(job_id)
@@ -425,9 +432,11 @@ class ScalerCore:
             policy_overrides={**{k: None for k in clear if k not in rest}, **rest},
         )
         self._adopt(job)
-        if job_id not in self.store.epochs or job_id in self.fenced:
+        untaken = self.shards is not None and job_id not in self._taken
+        if job_id not in self.store.epochs or job_id in self.fenced or untaken:
             await self.store.acquire(job_id)
             self.fenced.discard(job_id)
+        self._taken.add(job_id)
         return self.jobs[job_id]
 
     async def _start_job(
@@ -469,6 +478,7 @@ class ScalerCore:
         job, record = started
         self._adopt(job)
         self.fenced.discard(job_id)
+        self._taken.add(job_id)
         self._launch(record, message)
         logger.info(
             "job %s: decision %d: %s",

@@ -73,11 +73,13 @@ class Sharding:
         # Jobs made since the last round (discovery, another path) in shards held here
         # are taken like those of a shard gained.
         held = self.leases.owned_shards()
-        new = [
-            j for j in new if self.leases.shard_of(j) in held and j not in self.core.store.epochs
-        ]
+        new = [j for j in new if self.leases.shard_of(j) in held and not self.core.acts_on(j)]
         if gained or new:
-            jobs = [j for j in self.core.jobs if self.leases.shard_of(j) in gained] + new
+            jobs = list(
+                dict.fromkeys(
+                    [j for j in self.core.jobs if self.leases.shard_of(j) in gained] + new
+                )
+            )
             try:
                 await self.core.take_jobs(jobs)
             except TideError as exc:
