@@ -63,31 +63,25 @@ class Sharding:
         await self.core.drop_jobs([j for j in self.core.jobs if self.leases.shard_of(j) in shards])
 
     async def round(self) -> None:
-        """One round: leases, then the jobs of the shards gained taken."""
-        gained, _lost = await self.leases.step()
-        new: list[str] = []
+        """One round: leases, then the jobs of the shards held here and not yet taken
+        (those of a shard gained, one made since, one whose take failed) taken."""
+        await self.leases.step()
         try:
-            new = await self.core.refresh_jobs()
+            await self.core.refresh_jobs()
         except TideError as exc:
             logger.warning("sharded: jobs not refreshed from the store: %s", exc)
-        # Jobs made since the last round (discovery, another path) in shards held here
-        # are taken like those of a shard gained.
         held = self.leases.owned_shards()
-        new = [j for j in new if self.leases.shard_of(j) in held and not self.core.acts_on(j)]
-        if gained or new:
-            jobs = list(
-                dict.fromkeys(
-                    [j for j in self.core.jobs if self.leases.shard_of(j) in gained] + new
-                )
-            )
+        pending = [
+            j
+            for j in self.core.jobs
+            if self.leases.shard_of(j) in held and not self.core.acts_on(j)
+        ]
+        if pending:
             try:
-                await self.core.take_jobs(jobs)
+                await self.core.take_jobs(pending)
             except TideError as exc:
-                # Not acted on until taken: the next round gives the shard up and
-                # takes it again if it is still this replica's.
-                logger.warning("shards %s: jobs not taken (%s)", sorted(gained), exc)
-                self.leases.held = {k: v for k, v in self.leases.held.items() if k not in gained}
-                gained = set()
+                # Not acted on until taken; the next round tries again.
+                logger.warning("%d job(s) not taken (%s); next round", len(pending), exc)
         self._owned.clear()
         self._owned.update(self.leases.owned_shards())
         self.core.metrics.shards_held.set(len(self._owned))
