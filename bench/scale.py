@@ -16,14 +16,14 @@ Phases:
    (write → the ack that covers it, at the agent), tipping sample → committed
    decision p99, the replica's CPU and RSS, agents per core used;
 3. ``sharded``: ``--replicas`` replicas holding shard leases in PostgreSQL
-   (services/scaler/shards.py); every agent streams to any replica, and replicas
-   fold samples of jobs they do not own into partial aggregates
-   (services/scaler/partials.py) that the benchmark hands to the owner once a
-   second. Ack p99 and CPU and RSS per replica. Half-way one replica is killed
-   (SIGKILL): its agents reconnect to the others, and ``rebalance_s`` is the time
-   until the survivors own every shard. These replicas ingest and shard but do not
-   run the policy loop (docs/scaler.md "Scaling out" says what is left), so this
-   phase has no decision latency;
+   (services/scaler/sharding.py: the scaler's own core, rounds and policy loop);
+   every agent streams to any replica, and replicas fold samples of jobs they do
+   not own into partial aggregates (services/scaler/partials.py) that they ship to
+   the owner once a second over tide.v1.ScalerPeers. Ack p99, decision p99 (the
+   owner's, tipping sample → committed, on shipped samples as much as its own),
+   CPU and RSS per replica. Half-way one replica is killed (SIGKILL): its agents
+   reconnect to the others, and ``rebalance_s`` is the time until the survivors
+   own every shard;
 4. ``windows_match``: the same reports replayed into one engine and across replica
    engines shipping partials (services/testing/shards.py): 1 when the owners'
    windows, coverage and rollups equal the single engine's;
@@ -40,7 +40,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import pickle
 import signal
 import sys
 import time
@@ -78,21 +77,25 @@ def replica_main(mode: str, url: str, name: str, jobs: int, cpu: int, conn: Conn
 
 async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) -> None:
     import grpc
-    from tide.v1 import telemetry_pb2_grpc
+    from tide.v1 import peers_pb2_grpc, telemetry_pb2_grpc
 
     from services.common.clock import SystemClock
     from services.common.heap import HeapFreezer
-    from services.scaler.ingest import IngestEngine, IngestSettings
+    from services.scaler.ingest import IngestSettings
+    from services.scaler.metrics import PARTIALS_DROPPED
+    from services.scaler.peers import GrpcPeerLink
     from services.scaler.policy import PolicySettings
     from services.scaler.service import ScalerCore
-    from services.scaler.servicer import TelemetryServicer
+    from services.scaler.servicer import ScalerPeersServicer, TelemetryServicer
     from services.scaler.settings import SWITCH_INTERVAL_S
+    from services.scaler.sharding import Sharding
     from services.scaler.shards import ShardLeases, ShardSettings
     from services.scaler.store import DecisionStore
     from services.store import db
     from services.testing.actuators import InMemoryActuator
     from services.testing.coordinator import InMemoryCoordinator, follow_actuator
     from services.testing.members import InMemoryMemberRegistry
+    from tidebase.credentials import NO_CREDENTIALS
     from tidebase.grpc_options import server_options
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the scaler process does
@@ -101,81 +104,107 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
     store = DecisionStore(engine, name, clock)
     settings = IngestSettings(stale_after_s=5.0)
     latencies: list[float] = []
-    core: Any = None  # its observe_decision is wrapped below (exact percentiles)
-    shards: ShardLeases | None = None
+    sharding: Sharding | None = None
     background: list[asyncio.Task[Any]] = []
+    actuator = InMemoryActuator()
+    coordinator = InMemoryCoordinator()
+    follow_actuator(coordinator, actuator)
+    policy = PolicySettings(
+        bucket_s=2.0,
+        sustain_s=4.0,
+        cooldown_s=0.0,
+        scale_down_stabilization_s=0.0,
+        min_replicas=2,
+        max_replicas=8,
+    )
+    core = ScalerCore(
+        store=store,
+        actuator=actuator,
+        coordinator=coordinator,
+        clock=clock,
+        defaults=policy,
+        ingest=settings,
+        heap=HeapFreezer(),  # as services/scaler/app.py does
+    )
+    observe = core.metrics.observe_decision
+
+    def record(total_s: float, parts: tuple[float, float, float]) -> None:
+        latencies.append(total_s)  # every observation, for exact percentiles
+        observe(total_s, parts)
+
+    core.metrics.observe_decision = record  # type: ignore[method-assign]
     if mode == "single":
-        actuator = InMemoryActuator()
-        coordinator = InMemoryCoordinator()
-        follow_actuator(coordinator, actuator)
-        core = ScalerCore(
-            store=store,
-            actuator=actuator,
-            coordinator=coordinator,
-            clock=clock,
-            defaults=PolicySettings(
-                bucket_s=2.0,
-                sustain_s=4.0,
-                cooldown_s=0.0,
-                scale_down_stabilization_s=0.0,
-                min_replicas=2,
-                max_replicas=8,
-            ),
-            ingest=settings,
-            heap=HeapFreezer(),  # as services/scaler/app.py does
-        )
-        observe = core.metrics.observe_decision
-
-        def record(total_s: float, stages: tuple[float, float, float]) -> None:
-            latencies.append(total_s)
-            observe(total_s, stages)
-
-        core.metrics.observe_decision = record
         await core.start()
         for j in range(jobs):
             await core.upsert_job(f"bench/j{j}", {}, gpus_per_replica=4)
-        background.append(asyncio.create_task(core.run()))
-        ingest = core.engine
     else:
-        registry = InMemoryMemberRegistry()
+        # One member list for every replica, every pod of the fleet: the one coordinator
+        # that real replicas all follow. Their in-memory coordinators are one per
+        # process, and a non-owner's would not see the owner's resizes, so the new pods'
+        # samples it receives would be unattributed and the owner's coverage would fall.
+        fleet = InMemoryMemberRegistry()
         for j in range(jobs):
-            registry.set_members(f"bench/j{j}", _members(j))
-        ingest = IngestEngine(settings, registry, clock, window_shape=lambda _j: (2.0, 3))
-        shards = ShardLeases(
-            store,
-            clock,
-            ShardSettings(shards=SHARDS, duration_s=LEASE_S, renew_s=1.0),
-            address=name,
+            coordinator.set_job(f"bench/j{j}", 2)
+            fleet.set_members(f"bench/j{j}", _members(j))
+        core.engine.registry = fleet
+        if name == "r0":  # the first replica makes the jobs; the others start after it
+            for j in range(jobs):
+                await store.upsert_job(
+                    f"bench/j{j}",
+                    min_replicas=policy.min_replicas,
+                    max_replicas=policy.max_replicas,
+                    gpus_per_replica=4,
+                )
+        leases = ShardLeases(
+            store, clock, ShardSettings(shards=SHARDS, duration_s=LEASE_S, renew_s=1.0), address=""
         )
-        ingest.forward = lambda job, s=shards: not s.owns(job)
-        background.append(asyncio.create_task(shards.run()))
+        sharding = Sharding(core, leases, GrpcPeerLink(NO_CREDENTIALS), ship_interval_s=1.0)
+        await core.start_sharded()
+    ingest = core.engine
 
     server = grpc.aio.server(options=server_options())
     telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(ingest), server)
+    peers_pb2_grpc.add_ScalerPeersServicer_to_server(ScalerPeersServicer(core), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    if sharding is not None:
+        sharding.leases.address = f"127.0.0.1:{port}"
+
+        async def rounds(s: Sharding = sharding) -> None:
+            while True:
+                await s.round()
+                await asyncio.sleep(s.leases.settings.renew_s)
+
+        background += [asyncio.create_task(rounds()), asyncio.create_task(sharding.shipping())]
+    background.append(asyncio.create_task(core.run()))
     conn.send(port)
-    cpu0, next_ship = time.process_time(), time.monotonic() + 1.0
+    cpu0 = time.process_time()
+    shipped = core.metrics.partials_shipped_bytes
+    dropped = [core.metrics.partials_dropped.labels(r) for r in PARTIALS_DROPPED]
     while True:
         await asyncio.sleep(0.05)
-        if shards is not None and time.monotonic() >= next_ship:
-            next_ship += 1.0
-            conn.send(("partials", name, ingest.take_partials()))
         while conn.poll():
             msg = conn.recv()
-            if msg[0] == "merge":
-                ingest.merge_partials(msg[1], msg[2])
-            elif msg[0] == "stats":
-                owned = sorted(shards.owned_shards()) if shards is not None else []
-                conn.send(("stats", time.process_time() - cpu0, ingest.reports_accepted, owned))
+            if msg[0] == "stats":
+                owned = sorted(sharding.leases.owned_shards()) if sharding is not None else []
+                conn.send(
+                    (
+                        "stats",
+                        time.process_time() - cpu0,
+                        ingest.reports_accepted,
+                        owned,
+                        shipped._value.get(),
+                        [c._value.get() for c in dropped],
+                    )
+                )
             elif msg[0] == "stop":
                 for t in background:
                     t.cancel()
                 decisions = 0
-                if core is not None:
+                if mode == "single" or name == "r0":  # one store: counted once
                     page = await core.store.list_decisions(page_size=1000)
                     decisions = len(page.decisions)
-                    await core.close()
+                await core.close()
                 conn.send(("stopped", latencies, decisions))
                 await server.stop(0)
                 engine.dispose()
@@ -302,7 +331,7 @@ def _start_replicas(
 def run_phase(
     url: str, mode: str, agents: int, replicas: int, seconds: float, kill_at_s: float | None
 ) -> dict[str, Any]:
-    from services.scaler.shards import shard_of
+    from services.scaler.metrics import PARTIALS_DROPPED
 
     ctx = mp.get_context("spawn")
     jobs = max(1, agents // NODES_PER_JOB)
@@ -319,43 +348,14 @@ def run_phase(
     for a in fleet:
         a.start()
     alive = list(range(replicas))
-    partial_bytes = [0]
 
-    def route(msg: Any) -> None:
-        # The benchmark is the partials' transport: each shipment to its job's owner.
-        _, sender, parts = msg
-        by_owner: dict[int, list[Any]] = {}
-        for p in parts:
-            owner = owners.get(shard_of(p.job_id, SHARDS))
-            if owner is not None and owner in alive:
-                by_owner.setdefault(owner, []).append(p)
-        for owner, ps in by_owner.items():
-            partial_bytes[0] += len(pickle.dumps(ps))
-            reps[owner][1].send(("merge", sender, ps))
-
-    def pump() -> None:
-        for r in alive:
-            conn = reps[r][1]
-            while conn.poll():
-                route(conn.recv())
-
-    owners: dict[int, int] = {}
-
-    def stats() -> dict[int, tuple[float, int, list[int]]]:
+    def stats() -> dict[int, tuple[float, int, list[int], float, list[float]]]:
         out = {}
         for r in alive:
             reps[r][1].send(("stats",))
         for r in alive:
-            while True:
-                msg = reps[r][1].recv()
-                if msg[0] == "stats":
-                    out[r] = msg[1:]
-                    break
-                route(msg)
-        owners.clear()
-        for r, (_, _, owned) in out.items():
-            for k in owned:
-                owners[k] = r
+            msg = reps[r][1].recv()
+            out[r] = msg[1:]
         return out
 
     t_start = time.monotonic()
@@ -368,7 +368,6 @@ def run_phase(
     killed_perf = float("inf")
     while time.monotonic() < deadline - 1.0:
         time.sleep(0.2)
-        pump()
         if mode == "sharded":
             cur = stats()
             if (
@@ -384,7 +383,7 @@ def run_phase(
                 killed_at = time.monotonic()
                 killed_perf = time.perf_counter()
             elif killed_at is not None and rebalance_s is None:
-                owned = {k for _, _, o in cur.values() for k in o}
+                owned = {k for _, _, o, _, _ in cur.values() for k in o}
                 if owned == set(range(SHARDS)):
                     rebalance_s = time.monotonic() - killed_at
     s1, t1 = stats(), time.monotonic()
@@ -436,7 +435,13 @@ def run_phase(
         "agents_per_core": round(agents / max(1e-9, sum(cpu))) if cpu else None,
         "stream_errors": errors,
         "rebalance_s": round(rebalance_s, 2) if rebalance_s is not None else None,
-        "partial_bytes_per_s": round(partial_bytes[0] / (t1 - t0)),
+        # Shipped over gRPC (ShipPartials request sizes), by the replicas that lived through.
+        "partial_bytes_per_s": round(sum(s1[r][3] - s0[r][3] for r in s1 if r in s0) / (t1 - t0)),
+        # Jobs' partials dropped by those replicas, by reason.
+        "partials_dropped": {
+            reason: round(sum(s1[r][4][i] - s0[r][4][i] for r in s1 if r in s0))
+            for i, reason in enumerate(PARTIALS_DROPPED)
+        },
     }
 
 
@@ -508,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         "baseline_agents_per_core": base["agents_per_core"],
         "stream_errors": single["stream_errors"] + base["stream_errors"],
         "partial_bytes_per_s": sharded["partial_bytes_per_s"],
+        "partials_dropped": sharded["partials_dropped"],
         "seconds_per_phase": seconds,
         "wall_s": round(time.monotonic() - t_start, 1),
     }

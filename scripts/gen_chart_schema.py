@@ -49,6 +49,8 @@ SERVICES: dict[str, tuple[type[Any], frozenset[str]]] = {
             # scaler.replicas > 1: leader election on the release's own Lease.
             | {"leader_election", "lease_name", "lease_namespace", "lease_kubeconfig"}
             | {"advertise_address"}
+            # scaler.shards: a top-level value, so it sits beside replicas.
+            | {"shards", "peer_tls_server_name"}
         ),
     ),
     "coordinator": (

@@ -214,6 +214,7 @@ async def serve(
     on_shutdown: Sequence[Callable[[], Awaitable[None]]] = (),
     background: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
     readiness: Readiness | None = None,
+    on_bound: Callable[[int], None] | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully within the grace period.
 
@@ -222,7 +223,9 @@ async def serve(
     work; ``on_shutdown`` hooks run last (flush, close the database).
     ``readiness`` drives health from the service's dependencies (readiness.py);
     a background task that ends before shutdown is logged at once and turns
-    liveness off, so the kubelet restarts a process that stopped working."""
+    liveness off, so the kubelet restarts a process that stopped working.
+    ``on_bound`` is told the bound port before the background tasks start (a
+    listen address of port 0 is known only then)."""
     readiness = readiness or Readiness()
     running = await start_server(
         settings, services, rules=rules, admin_methods=admin_methods, validate=validate
@@ -230,6 +233,8 @@ async def serve(
     await readiness.bind(running.health, running.service_names)
     # Printed on stdout so scripts and tests can find the bound ports.
     print(listening_line(running.port, running.metrics_port), flush=True)
+    if on_bound is not None:
+        on_bound(running.port)
     tasks: list[asyncio.Task[None]] = [
         asyncio.create_task(_guarded(fn, readiness), name=getattr(fn, "__qualname__", "task"))
         for fn in background

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from prometheus_client import REGISTRY
-from tide.v1 import scaler_pb2_grpc, telemetry_pb2_grpc
+from tide.v1 import peers_pb2_grpc, scaler_pb2_grpc, telemetry_pb2_grpc
 
 from services.common.clock import Clock
 from services.common.heap import HeapFreezer
@@ -32,9 +32,17 @@ from services.scaler.kube.lease import KubernetesLease
 from services.scaler.leader import LeaderElector, LeaseBackend
 from services.scaler.lifecycle import FaultHook
 from services.scaler.metrics import IngestCollector, ScalerMetrics
+from services.scaler.peers import GrpcPeerLink
 from services.scaler.service import ScalerCore
-from services.scaler.servicer import RULES, ScalerServicer, TelemetryServicer
+from services.scaler.servicer import (
+    RULES,
+    ScalerPeersServicer,
+    ScalerServicer,
+    TelemetryServicer,
+)
 from services.scaler.settings import SWITCH_INTERVAL_S, ScalerSettings
+from services.scaler.sharding import Sharding
+from services.scaler.shards import ShardLeases
 from services.scaler.store import DecisionStore
 from services.store import db
 from services.store.leases import LeaseRecord
@@ -93,7 +101,26 @@ async def serve_scaler(
     background: list[Background] = [probe.run]
     elector: LeaderElector | None = None
     attached = [task for a in attach for task in a(core)]
-    if settings.leader_election == "off":
+    sharding: Sharding | None = None
+    if settings.shards:
+        leases = ShardLeases(store, clock, settings.sharding(), address=settings.advertise_address)
+        sharding = Sharding(
+            core,
+            leases,
+            GrpcPeerLink(settings.credentials(), tls_server_name=settings.peer_tls_server_name),
+            ship_interval_s=settings.partials_ship_interval_s,
+        )
+        await core.start_sharded()
+        # Ready while it runs rounds: the Service sends agents and callers to every
+        # replica; writes for a job owned elsewhere answer UNAVAILABLE naming the owner.
+        await readiness.set_down("shards", "no shard round yet")
+        background += [
+            _shard_rounds(sharding, readiness),
+            sharding.shipping,
+            core.run,
+            *attached,
+        ]
+    elif settings.leader_election == "off":
         await core.start()
         background += [core.run, *attached]
     else:
@@ -118,6 +145,8 @@ async def serve_scaler(
         if elector is not None:
             # A planned stop (a rolling update) hands over now, not a lease later.
             await elector.release()
+        if sharding is not None:
+            await sharding.leave()
         for step in on_shutdown:
             await step()
         engine.dispose()
@@ -135,13 +164,49 @@ async def serve_scaler(
                 ScalerServicer(core),
                 "tide.v1.Scaler",
             ),
+            *(
+                [
+                    ServiceSpec(
+                        peers_pb2_grpc.add_ScalerPeersServicer_to_server,
+                        ScalerPeersServicer(core),
+                        "tide.v1.ScalerPeers",
+                    )
+                ]
+                if sharding is not None
+                else []
+            ),
         ],
         rules=RULES,
         validate=validate_request,
         background=background,
         on_shutdown=[shutdown],
         readiness=readiness,
+        on_bound=lambda port: _advertise(settings, sharding, port),
     )
+
+
+def _advertise(settings: ScalerSettings, sharding: Sharding | None, port: int) -> None:
+    """The address other replicas ship partials to: advertise_address, else the listen
+    address with the port it bound (port 0 in tests)."""
+    if sharding is not None and not settings.advertise_address:
+        host = settings.listen.rpartition(":")[0]
+        sharding.leases.address = f"{host}:{port}"
+
+
+def _shard_rounds(sharding: Sharding, readiness: Readiness) -> Background:
+    async def run() -> None:
+        renew_s = sharding.leases.settings.renew_s
+        while True:
+            before = sharding.leases.rounds_ok
+            await sharding.round()
+            if sharding.leases.rounds_ok > before:
+                await readiness.set_up("shards")
+            else:
+                await readiness.set_down("shards", "shard round failed (the store?)")
+            await asyncio.sleep(renew_s)
+
+    run.__qualname__ = "Sharding.rounds"
+    return run
 
 
 def _lease_backend(settings: ScalerSettings, store: DecisionStore, clock: Clock) -> LeaseBackend:

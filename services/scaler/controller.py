@@ -81,6 +81,9 @@ class Controller:
         #: before every side effect: a leader that wakes from a pause after another
         #: took over stops here, before it acts on a state it committed earlier.
         self.may_act = may_act or (lambda: True)
+        #: Whether this replica still acts on a job (sharded: holds the job's shard,
+        #: services/scaler/shards.py), asked with ``may_act``.
+        self.may_act_on: Callable[[str], bool] = lambda _job_id: True
         self.tasks: dict[int, asyncio.Task[DecisionRecord | None]] = {}
         #: Each driven decision's root span (services.common.tracing), until it is final.
         self.spans: dict[int, Any] = {}
@@ -341,7 +344,7 @@ class Controller:
                 "tide.actuator.remove_pods",
                 attributes={"tide.replicas": d.to_replicas, "tide.pods": list(leaving)},
             ),
-            acting_while(self.may_act, epoch=self.store.epochs.get(d.job_id)),
+            acting_while(self._acting(d), epoch=self.store.epochs.get(d.job_id)),
         ):
             # The pods the coordinator drained, named: lowering the count alone would
             # stop the highest index, a member of the generation just formed.
@@ -376,9 +379,14 @@ class Controller:
             lost_steps=lost_steps,
         )
 
+    def _acting(self, d: DecisionRecord) -> Callable[[], bool]:
+        return lambda: self.may_act() and self.may_act_on(d.job_id)
+
     def _check_lead(self, d: DecisionRecord) -> None:
-        if not self.may_act():
-            raise StaleEpoch(f"decision {d.id}: this scaler replica no longer leads")
+        if not self._acting(d)():
+            raise StaleEpoch(
+                f"decision {d.id}: this scaler replica no longer leads (or holds the job's shard)"
+            )
 
     async def _set_replicas(self, d: DecisionRecord, replicas: int, deadline_s: float) -> None:
         async def once() -> None:
@@ -386,7 +394,7 @@ class Controller:
                 tracing.tracer().start_as_current_span(
                     "tide.actuator.set_replicas", attributes={"tide.replicas": replicas}
                 ),
-                acting_while(self.may_act, epoch=self.store.epochs.get(d.job_id)),
+                acting_while(self._acting(d), epoch=self.store.epochs.get(d.job_id)),
             ):
                 await self.actuator.set_replicas(d.job_id, replicas, decision_id=d.id)
 

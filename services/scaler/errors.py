@@ -31,3 +31,8 @@ class DecisionInProgress(FailedPrecondition):
 
 class NotLeader(Unavailable):
     """A follower replica was asked to write: retry, through the Service, at the leader."""
+
+
+class NotOwner(Unavailable):
+    """A sharded replica was asked to write for a job whose shard another replica holds:
+    retry at the owner the message names (docs/scaler.md, Scaling out)."""

@@ -49,6 +49,9 @@ DECISION_KINDS: Final = (
 DRIFT_SOURCES: Final = ("actuator", "coordinator")
 FINAL_STATES: Final = ("completed", "aborted", "failed")
 
+#: Why partial aggregates were dropped (``tide_scaler_partials_dropped_total``).
+PARTIALS_DROPPED: Final = ("no_owner", "busy", "failed", "refused")
+
 #: Parts of the decision latency (``tide_scaler_decision_latency_stage_seconds``).
 STAGES: Final = ("transport", "queue", "evaluate")
 
@@ -262,6 +265,38 @@ class ScalerMetrics:
             "Reconcile passes run (at start, on taking the lead, then periodically).",
             registry=r,
         )
+        # Sharded (docs/scaler.md, Scaling out): partial aggregates between replicas.
+        self.partials_shipped = Counter(
+            "tide_scaler_partials_shipped_total",
+            "Jobs' partial aggregates shipped to the replicas that own them.",
+            registry=r,
+        )
+        self.partials_shipped_bytes = Counter(
+            "tide_scaler_partials_shipped_bytes_total",
+            "Bytes of partial aggregates shipped to the replicas that own them.",
+            registry=r,
+        )
+        self.partials_dropped = Counter(
+            "tide_scaler_partials_dropped_total",
+            "Jobs' partial aggregates dropped, by reason: no_owner (the job's shard has no"
+            " live lease), busy (the previous shipment to that owner was still in flight),"
+            " failed (the owner did not answer in time), refused (the receiver no longer"
+            " owns the job).",
+            ("reason",),
+            registry=r,
+        )
+        self.partials_received = Counter(
+            "tide_scaler_partials_received_total",
+            "Jobs' partial aggregates from other replicas merged into this one's windows.",
+            registry=r,
+        )
+        self.shards_held = Gauge(
+            "tide_scaler_shards_held",
+            "Shards whose lease this replica holds (sharded deployments).",
+            registry=r,
+        )
+        for reason in PARTIALS_DROPPED:
+            self.partials_dropped.labels(reason)
         for source in DRIFT_SOURCES:
             self.drift.labels(source)
         self._stages = tuple(self.decision_stage.labels(s) for s in STAGES)

@@ -26,7 +26,7 @@ from services.scaler.actuators import Actuator
 from services.scaler.controller import Controller
 from services.scaler.convert import decision_inputs
 from services.scaler.coordination import CoordinatorClient, JobStatusView
-from services.scaler.errors import DecisionInProgress, NotLeader, StaleEpoch
+from services.scaler.errors import DecisionInProgress, NotLeader, NotOwner, StaleEpoch
 from services.scaler.feed import DecisionFeed, Watched
 from services.scaler.goodput import ThroughputBook
 from services.scaler.history import RollupHistory
@@ -35,9 +35,11 @@ from services.scaler.leader import LeaderElector
 from services.scaler.lifecycle import FaultHook
 from services.scaler.members import CoordinatorMemberRegistry
 from services.scaler.metrics import ScalerMetrics
+from services.scaler.partials import JobPartial
 from services.scaler.pool import WANTING, PoolClaims
 from services.scaler.preemption import plan_notice
 from services.scaler.reconcile import Drift
+from services.scaler.shards import ShardLeases
 from services.scaler.store import DecisionRecord, DecisionState, DecisionStore, JobRecord
 from services.scaler.triggers import Triggers
 from services.store.probe import StoreProbe
@@ -250,6 +252,12 @@ class ScalerCore:
         #: Leader election (services/scaler/leader.py): None when this replica is the
         #: only one. A follower refuses writes, naming the leader.
         self.leader: LeaderElector | None = None
+        #: Sharded (services/scaler/shards.py): this replica acts only on the jobs of the
+        #: shards it holds; None: on every job (alone, or as the elected leader).
+        self.shards: ShardLeases | None = None
+        #: Sharded: the jobs taken since their shard was gained (a new epoch, their
+        #: state read back). Between a round gaining a shard and the take, not acted on.
+        self._taken: set[str] = set()
         #: Told of every decision state (the Kubernetes Events); must not block.
         self.observers: list[Callable[[DecisionRecord, str], None]] = []
         #: Per job, the inputs of its last evaluation and the answer, while that answer
@@ -263,6 +271,13 @@ class ScalerCore:
         self.reuse_answers = True
 
     # -- jobs and policies -----------------------------------------------------------
+
+    def acts_on(self, job_id: str) -> bool:
+        """Whether this replica evaluates and acts on the job now: not fenced off and,
+        sharded, its shard held (by this replica's clock)."""
+        if job_id in self.fenced:
+            return False
+        return self.shards is None or (job_id in self._taken and self.shards.owns(job_id))
 
     def _shape(self, job_id: str) -> tuple[float, int]:
         p = self.policies.get(job_id, self.defaults)
@@ -327,6 +342,96 @@ class ScalerCore:
             self.metrics.decision_started(d)
         await self.controller.recover(self._deadline_of)
 
+    # -- sharded (services/scaler/shards.py, services/scaler/sharding.py) ------------------
+
+    async def start_sharded(self) -> None:
+        """Sharded: load every job for the read API and attribution; act on none yet
+        (:meth:`take_jobs` as this replica's rounds gain their shards)."""
+        self._wake = asyncio.Event()
+        await self.store.warm_up()
+        await self.refresh_jobs()
+
+    async def refresh_jobs(self) -> list[str]:
+        """Jobs as the store has them, for those this replica does not act on (another
+        replica writes them); returns the jobs new here. The ones it acts on are its own
+        writes, already mirrored."""
+        jobs = await self.store.list_jobs()
+        in_flight = await self.store.non_final()
+        new = [j.job_id for j in jobs if j.job_id not in self.jobs]
+        for job in jobs:
+            if job.job_id not in self.jobs or not self.acts_on(job.job_id):
+                self._know(job)
+        for job_id in [j for j in self.active if not self.acts_on(j)]:
+            del self.active[job_id]
+        self.active.update((d.job_id, d.id) for d in in_flight if not self.acts_on(d.job_id))
+        return new
+
+    async def take_jobs(self, job_ids: Sequence[str]) -> None:
+        """Act on ``job_ids`` from now on (their shard was gained): take each (a new owner
+        epoch: whatever the last owner still writes is refused), read back what its last
+        resize tells the policy, and resume its decisions that are not final."""
+        job_ids = [j for j in job_ids if j in self.jobs]
+        if not job_ids:
+            return
+        for i in range(0, len(job_ids), START_BATCH):
+            batch = job_ids[i : i + START_BATCH]
+            await self.store.acquire_many(batch)
+            for job_id, last in (await self.store.last_completed_many(batch)).items():
+                self._restore_last(job_id, last)
+        taken = set(job_ids)
+        for job_id in taken:
+            self.fenced.discard(job_id)
+            self.active.pop(job_id, None)
+        self._taken |= taken
+        # The jobs as they stand after the last owner's writes (its epoch is now refused).
+        for job in await self.store.list_jobs():
+            if job.job_id in taken:
+                self._adopt(job)
+        for d in await self.store.non_final():
+            if d.job_id not in taken:
+                continue
+            self.active[d.job_id] = d.id
+            self._leaving[d.id] = _leaving_of(d)
+            self.metrics.decision_started(d)
+            logger.info(
+                "resuming decision %d of job %s from %s (shard taken)",
+                d.id,
+                d.job_id,
+                d.state.value,
+                extra={"job_id": d.job_id, "decision_id": d.id},
+            )
+            self.controller.start(d, deadline_s=self._deadline_of(d.job_id), armed=False)
+        if self._wake is not None:
+            self._wake.set()  # evaluated on the next pass, not a tick later
+
+    async def drop_jobs(self, job_ids: Sequence[str]) -> None:
+        """Stop acting on ``job_ids`` (their shard is given up or lost): their decisions in
+        flight here are cancelled and awaited, so nothing acts on them once this returns;
+        the new owner resumes them from the store."""
+        self._taken.difference_update(job_ids)
+        tasks = []
+        for job_id in job_ids:
+            did = self.active.get(job_id)
+            task = self.controller.tasks.get(did) if did is not None else None
+            if task is not None and not task.done():
+                task.cancel()
+                tasks.append(task)
+            self._recs.pop(job_id, None)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # An evaluation batch under way may have staged these jobs before the drop: once
+        # it is over, nothing evaluates them (acts_on), and _commit checks again.
+        async with self._eval_lock:
+            pass
+
+    async def receive_partials(self, sender: str, parts: Sequence[JobPartial]) -> int:
+        """Another replica's partial aggregates: those of jobs acted on here go into their
+        windows and rollups; returns how many were refused (their shard is not held here,
+        the sender ships to the new owner next)."""
+        mine = [p for p in parts if self.acts_on(p.job_id)]
+        self.engine.merge_partials(sender, mine)
+        return len(parts) - len(mine)
+
     def _restore_last(self, job_id: str, last: DecisionRecord) -> None:
         """What the job's last completed resize tells the policy and the goodput guard."""
         self._note_asked(last)
@@ -363,7 +468,7 @@ class ScalerCore:
         clear: Sequence[str] = (),
     ) -> JobRecord:
         """Create or update a job; ``clear`` names overrides to remove (back to the default)."""
-        self._require_leader()
+        self._require_leader(job_id)
         existing = self.jobs.get(job_id)
         bounds = {k: overrides[k] for k in _BOUNDS if overrides.get(k) is not None}
         rest = {k: v for k, v in overrides.items() if k not in _BOUNDS and v is not None}
@@ -395,9 +500,11 @@ class ScalerCore:
             policy_overrides={**{k: None for k in clear if k not in rest}, **rest},
         )
         self._adopt(job)
-        if job_id not in self.store.epochs or job_id in self.fenced:
+        untaken = self.shards is not None and job_id not in self._taken
+        if job_id not in self.store.epochs or job_id in self.fenced or untaken:
             await self.store.acquire(job_id)
             self.fenced.discard(job_id)
+        self._taken.add(job_id)
         return self.jobs[job_id]
 
     async def _start_job(
@@ -439,6 +546,7 @@ class ScalerCore:
         job, record = started
         self._adopt(job)
         self.fenced.discard(job_id)
+        self._taken.add(job_id)
         self._launch(record, message)
         logger.info(
             "job %s: decision %d: %s",
@@ -450,7 +558,7 @@ class ScalerCore:
         return self.jobs[job_id]
 
     async def set_autoscaling(self, job_id: str, paused: bool, reason: str) -> JobRecord:
-        self._require_leader()
+        self._require_leader(job_id)
         self._job(job_id)
         job = await self.store.set_paused(job_id, paused, reason)
         self._adopt(job)
@@ -465,13 +573,13 @@ class ScalerCore:
     # -- evaluation ----------------------------------------------------------------------
 
     def _slot_opened(self, job_id: str, t: float) -> None:
-        if job_id in self.jobs and job_id not in self.fenced:
+        if job_id in self.jobs and self.acts_on(job_id):
             self.triggers.slot_opened(job_id, t, self.clock.now())
             if self._wake is not None:
                 self._wake.set()
 
     def _noticed(self, job_id: str) -> None:
-        if job_id in self.jobs and job_id not in self.fenced:
+        if job_id in self.jobs and self.acts_on(job_id):
             self.triggers.noticed(job_id, self.clock.now())
             if self._wake is not None:
                 self._wake.set()
@@ -636,6 +744,8 @@ class ScalerCore:
             d = pol.decide(state, st.view, st.policy, st.history, st.at)
         d = self.pool.share(d, state)
         job_id = d.job_id
+        if not self.acts_on(job_id):
+            return d  # its shard went while the batch was staged: the new owner decides
         self.evaluations[job_id] = Evaluation(d, st.now)
         if d.supersedes:
             await self._supersede(job_id, d.supersedes, d.message)
@@ -815,7 +925,7 @@ class ScalerCore:
     async def request_resize(
         self, job_id: str, replicas: int, reason: str, requested_by: str
     ) -> DecisionRecord:
-        self._require_leader()
+        self._require_leader(job_id)
         job = self._job(job_id)
         p = self.policies[job_id]
         free = await self.actuator.free_gpus()
@@ -865,7 +975,7 @@ class ScalerCore:
     async def tick(self) -> None:
         now = self.clock.now()
         fresh = self.engine.fresh_gpus(now)
-        jobs = [j for j in self.jobs if j not in self.fenced]
+        jobs = [j for j in self.jobs if self.acts_on(j)]
         running: list[tuple[str, float | None]] = []
         latest_status = self.coordinator.latest_status
         for n, job_id in enumerate(jobs, 1):
@@ -959,9 +1069,7 @@ class ScalerCore:
         idle = [
             (job_id, self.jobs[job_id])
             for job_id in self.jobs
-            if job_id not in self.fenced
-            and job_id not in self.active
-            and not self._finished(job_id)
+            if self.acts_on(job_id) and job_id not in self.active and not self._finished(job_id)
         ]
         bound = asyncio.Semaphore(RECONCILE_CONCURRENCY)
 
@@ -1062,9 +1170,21 @@ class ScalerCore:
                 next_tick = mono + self.evaluate_interval_s
                 self._loop_failed("evaluation pass failed", exc)
 
-    def _require_leader(self) -> None:
+    def _require_leader(self, job_id: str) -> None:
         if self.leader is not None and not self.leader.may_act():
             raise NotLeader(f"this scaler replica does not lead: {self.leader.follower_message()}")
+        shards = self.shards
+        if shards is not None and not shards.owns(job_id):
+            owner = shards.owner_of(job_id)
+            where = (
+                f"owned by {owner.holder} at {owner.address or '?'}"
+                if owner is not None and not owner.held_by(shards.me)
+                else "its shard has no owner yet"
+            )
+            raise NotOwner(
+                f"job {job_id!r} (shard {shards.shard_of(job_id)}) is decided by another"
+                f" scaler replica: {where}"
+            )
 
     def _loop_failed(self, what: str, exc: BaseException | None) -> None:
         """A line at most every LOOP_LOG_EVERY_S, however often the loop fails."""
@@ -1084,7 +1204,7 @@ class ScalerCore:
             self.active,
             self.clock.now(),
         )
-        due = [(j, t) for j, t in due if not self._finished(j)]
+        due = [(j, t) for j, t in due if self.acts_on(j) and not self._finished(j)]
         if due:
             await self.evaluate_many(due)
 

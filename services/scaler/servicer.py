@@ -23,7 +23,15 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
+from tide.v1 import (
+    common_pb2,
+    peers_pb2,
+    peers_pb2_grpc,
+    scaler_pb2,
+    scaler_pb2_grpc,
+    telemetry_pb2,
+    telemetry_pb2_grpc,
+)
 
 from services.common.guard import Kind, Role, Rule, Subject, caller, requested_by
 from services.common.rpc import rpc_errors
@@ -37,6 +45,7 @@ from services.scaler.convert import (
 )
 from services.scaler.ingest import IngestEngine, InvalidStream, StreamConflict
 from services.scaler.lifecycle import state_from_proto, state_to_proto
+from services.scaler.peers import partial_from_proto
 from services.scaler.service import ScalerCore
 from services.scaler.store import JobRecord
 from services.store.db import utc_from_epoch
@@ -67,6 +76,8 @@ RULES = {
     },
     **{_SCALER + m: Rule(role=Role.OPERATOR) for m in ("RequestResize", "SetAutoscaling")},
     _SCALER + "UpsertJob": Rule(role=Role.ADMIN),
+    # Sharded replicas ship partial aggregates to each other: scaler identities only.
+    "/tide.v1.ScalerPeers/ShipPartials": Rule(frozenset({Kind.SCALER})),
 }
 
 #: ListUtilization: the range when `since` is unset, and the longest one call may span
@@ -406,3 +417,19 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                 # The stream is over: an ack still in flight has nowhere to go.
                 st.flight.cancel()
             engine.close_stream(stream)
+
+
+class ScalerPeersServicer(peers_pb2_grpc.ScalerPeersServicer):
+    """What other replicas of a sharded deployment ship to this one (docs/scaler.md)."""
+
+    def __init__(self, core: ScalerCore) -> None:
+        self.core = core
+
+    @rpc_errors
+    async def ShipPartials(
+        self, request: peers_pb2.ShipPartialsRequest, context: Ctx
+    ) -> peers_pb2.ShipPartialsResponse:
+        parts = [partial_from_proto(m) for m in request.jobs]
+        refused = await self.core.receive_partials(request.sender, parts)
+        self.core.metrics.partials_received.inc(len(parts) - refused)
+        return peers_pb2.ShipPartialsResponse(merged=len(parts) - refused, refused=refused)

@@ -18,6 +18,7 @@ from services.scaler.ingest import IngestSettings
 from services.scaler.kube.client import IN_CLUSTER
 from services.scaler.leader import LEASE_NAME, LeaseSettings
 from services.scaler.policy import PolicySettings
+from services.scaler.shards import SHARDS_MAX, ShardSettings
 from tidebase.client import channel_target
 from tidebase.errors import ConfigError
 
@@ -93,7 +94,27 @@ class ScalerSettings(CommonSettings, ClientSettings):
         _LEASE.renew_s, "leader election: how often the leader renews and a follower tries"
     )
     advertise_address: str = setting(
-        "", "HOST:PORT other replicas and errors name for this one; default: listen"
+        "",
+        "HOST:PORT other replicas and errors name for this one (where sharded replicas ship"
+        " partials); default: listen, with the port it bound",
+    )
+    shards: int = setting(
+        0,
+        "0: one replica decides for every job (alone or elected, --leader-election); N:"
+        " replicas share the jobs over N shard leases in the store (lease_duration_s,"
+        " lease_renew_s), every replica ingests and decides for its shards; not with"
+        " --leader-election",
+    )
+    peer_tls_server_name: str = setting(
+        "",
+        "sharded, with TLS (tls_ca_file): the name other replicas' serving certificate"
+        " carries, checked when dialling them by address (the chart: the scaler Service's"
+        " name); empty: the address's host",
+    )
+    partials_ship_interval_s: float = setting(
+        1.0,
+        "sharded: how often partial aggregates of jobs owned elsewhere are shipped to their"
+        " owner (also the deadline of each shipment)",
     )
     rollup_flush_interval_s: float = setting(15.0, "how often finished minutes go to SQL")
     rollup_retention_days: float = setting(
@@ -196,12 +217,31 @@ class ScalerSettings(CommonSettings, ClientSettings):
         if not self.lease_kubeconfig:
             raise ConfigError("lease_kubeconfig: expected in-cluster or a path, got ''")
         self.lease()
+        if not 0 <= self.shards <= SHARDS_MAX:
+            raise ConfigError(f"shards={self.shards!r}: must be 0 (off) or 1..{SHARDS_MAX}")
+        if self.shards and self.leader_election != "off":
+            # Shard leases are per-shard leaders already: a leader over them would
+            # decide nothing the shards do not, and leave one replica doing it all.
+            raise ConfigError(
+                f"shards={self.shards!r} with leader_election={self.leader_election!r}:"
+                " choose one (sharded replicas each lead their own shards)"
+            )
+        ship = self.partials_ship_interval_s
+        if not (0 < ship <= 60 and math.isfinite(ship)):
+            raise ConfigError(f"partials_ship_interval_s={ship!r}: must be in (0, 60]")
+        if self.shards:
+            self.sharding()
         self.check_coordinator()
         self.check_actuator()
         self.credentials()
 
     def lease(self) -> LeaseSettings:
         return LeaseSettings(duration_s=self.lease_duration_s, renew_s=self.lease_renew_s)
+
+    def sharding(self) -> ShardSettings:
+        return ShardSettings(
+            shards=self.shards, duration_s=self.lease_duration_s, renew_s=self.lease_renew_s
+        )
 
     def check_coordinator(self) -> None:
         # A scaler without a real coordinator would record resizes nobody carried out.

@@ -27,20 +27,24 @@ old holder has already stopped deciding (the same rule as services/scaler/leader
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from services.common.clock import Clock
 from services.scaler.store import DecisionStore
+from services.scaler.store.leases import LeaseRecord
 from tidebase.errors import ConfigError, TideError
 
 logger = logging.getLogger(__name__)
 
 SHARD_LEASE_PREFIX = "tide-scaler-shard-"
 MEMBER_LEASE_PREFIX = "tide-scaler-member-"
+#: The most shards: a round renews each held one in its own transaction.
+SHARDS_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -54,8 +58,8 @@ class ShardSettings:
     renew_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.shards <= 4096:
-            raise ConfigError(f"shards={self.shards!r}: must be 1..4096")
+        if not 1 <= self.shards <= SHARDS_MAX:
+            raise ConfigError(f"shards={self.shards!r}: must be 1..{SHARDS_MAX}")
         if not (math.isfinite(self.duration_s) and self.duration_s > 0):
             raise ConfigError(f"shard_lease_duration_s={self.duration_s!r}: must be > 0")
         if not (0 < self.renew_s < self.duration_s):
@@ -69,13 +73,17 @@ def shard_of(job_id: str, shards: int) -> int:
     return zlib.crc32(job_id.encode()) % shards
 
 
+def _weight(shard: int, member: str) -> int:
+    # Not crc32: it is linear, so members whose names differ in one character (r0,
+    # r1; pod names) got skewed shares (8 shards: all to one of two replicas).
+    return int.from_bytes(hashlib.blake2b(f"{shard}/{member}".encode(), digest_size=8).digest())
+
+
 def assign(shards: int, members: Sequence[str]) -> dict[int, str]:
     """Shard → the member that should hold it (rendezvous hashing); {} with no member."""
     if not members:
         return {}
-    return {
-        k: max(members, key=lambda m: (zlib.crc32(f"{k}/{m}".encode()), m)) for k in range(shards)
-    }
+    return {k: max(members, key=lambda m: (_weight(k, m), m)) for k in range(shards)}
 
 
 class ShardLeases:
@@ -91,6 +99,14 @@ class ShardLeases:
         #: shard → (lease epoch, monotonic deadline by this replica's clock)
         self.held: dict[int, tuple[int, float]] = {}
         self.members: list[str] = []
+        #: The live shard leases as last read: who holds each shard and at what
+        #: address (where partials go, and what a refused write names).
+        self.owners: dict[int, LeaseRecord] = {}
+        #: Told of shards this replica stops acting on, before they are released:
+        #: it must stop (cancel what acts on their jobs) before returning.
+        self.on_stop: Callable[[set[int]], Awaitable[None]] | None = None
+        #: Rounds that reached the store (readiness: a replica that runs rounds).
+        self.rounds_ok = 0
 
     @property
     def me(self) -> str:
@@ -104,6 +120,10 @@ class ShardLeases:
         held = self.held.get(self.shard_of(job_id))
         return held is not None and self.clock.monotonic() < held[1]
 
+    def owner_of(self, job_id: str) -> LeaseRecord | None:
+        """The job's shard lease as last read, whoever holds it; None if nobody does."""
+        return self.owners.get(self.shard_of(job_id))
+
     def owned_shards(self) -> set[int]:
         now = self.clock.monotonic()
         return {k for k, (_, deadline) in self.held.items() if now < deadline}
@@ -116,6 +136,8 @@ class ShardLeases:
         lost = {k for k, (_, deadline) in self.held.items() if started >= deadline}
         for k in lost:
             del self.held[k]  # not renewed in time: stop acting before anyone takes it
+        if lost:
+            await self._stop(lost)
         try:
             await self.store.try_lease(
                 MEMBER_LEASE_PREFIX + self.me, self.address, duration_s=s.duration_s
@@ -126,9 +148,13 @@ class ShardLeases:
             return gained, lost
         self.members = sorted({r.holder for r in live} | {self.me})
         want = {k for k, m in assign(s.shards, self.members).items() if m == self.me}
-        for k in sorted(set(self.held) - want):
-            # Stop acting first, then hand over: the new owner may take it at once.
+        give_up = set(self.held) - want
+        for k in give_up:
             del self.held[k]
+        if give_up:
+            # Stop acting first, then hand over: the new owner may take it at once.
+            await self._stop(give_up)
+        for k in sorted(give_up):
             lost.add(k)
             try:
                 await self.store.release_lease(SHARD_LEASE_PREFIX + str(k))
@@ -150,6 +176,15 @@ class ShardLeases:
             elif was is not None:
                 del self.held[k]
                 lost.add(k)
+                await self._stop({k})
+        try:
+            self.owners = {
+                int(r.name.removeprefix(SHARD_LEASE_PREFIX)): r
+                for r in await self.store.live_leases(SHARD_LEASE_PREFIX)
+            }
+        except TideError as exc:
+            logger.warning("shard leases: owners not read: %s", exc)
+        self.rounds_ok += 1
         if gained or lost:
             logger.info(
                 "shards: %s holds %d of %d (gained %s, gave up %s; %d replicas)",
@@ -162,9 +197,15 @@ class ShardLeases:
             )
         return gained, lost
 
+    async def _stop(self, shards: set[int]) -> None:
+        if self.on_stop is not None:
+            await self.on_stop(shards)
+
     async def leave(self) -> None:
         """A clean shutdown: stop acting, then hand every shard and the member lease back."""
         held, self.held = sorted(self.held), {}
+        if held:
+            await self._stop(set(held))
         for name in [SHARD_LEASE_PREFIX + str(k) for k in held] + [MEMBER_LEASE_PREFIX + self.me]:
             try:
                 await self.store.release_lease(name)

@@ -2,19 +2,26 @@
 engines that ship partial aggregates to each job's owner (services/scaler/partials.py).
 :func:`compare_sharded` returns every difference between the owners' windows, coverage
 and rollups and the single engine's; tests/scaler/test_partials.py and bench.scale
-(``windows_match``) use it."""
+(``windows_match``) use it. :class:`InProcessPeers` carries shipments between cores
+in one process (tests/scaler/test_sharding.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Iterable, Sequence
 
-from tide.v1 import common_pb2, telemetry_pb2
+from tide.v1 import common_pb2, peers_pb2, telemetry_pb2
 
 from services.scaler.ingest import IngestEngine, IngestSettings
 from services.scaler.members import Member
+from services.scaler.partials import JobPartial
+from services.scaler.peers import partial_to_proto
+from services.scaler.service import ScalerCore
 from services.scaler.shards import assign, shard_of
 from services.testing.clock import FakeClock
 from services.testing.members import InMemoryMemberRegistry
+from tidebase.errors import Unavailable
 from tidebase.timeconv import ts_from_seconds
 
 T0 = 1_800_000_000.0
@@ -125,3 +132,34 @@ def compare_sharded(
     if sharded_rows != single_rows or not single_rows:
         diffs.append(f"rollups: {len(sharded_rows)} rows, single {len(single_rows)}")
     return diffs
+
+
+class InProcessPeers:
+    """:class:`~services.scaler.peers.PeerLink` between cores in one process: a shipment
+    is the receiver's ``receive_partials``, as the ScalerPeers servicer calls it, with
+    the real call's size in bytes. An address in ``stalled`` never answers (a dead or
+    paused owner): the call waits out its deadline and raises Unavailable."""
+
+    def __init__(self) -> None:
+        self.cores: dict[str, ScalerCore] = {}
+        self.stalled: set[str] = set()
+        self.calls: list[tuple[str, str, list[str]]] = []
+
+    async def ship(
+        self, address: str, sender: str, parts: Sequence[JobPartial], *, timeout_s: float
+    ) -> tuple[int, int]:
+        self.calls.append((address, sender, [p.job_id for p in parts]))
+        core = self.cores.get(address)
+        if core is None or address in self.stalled:
+            await asyncio.sleep(timeout_s)
+            raise Unavailable(f"{address}: deadline exceeded")
+        size = peers_pb2.ShipPartialsRequest(
+            sender=sender, jobs=[partial_to_proto(p) for p in parts]
+        ).ByteSize()
+        return size, await core.receive_partials(sender, list(parts))
+
+    def keep(self, addresses: Iterable[str]) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass

@@ -475,6 +475,31 @@ def test_with_several_scaler_replicas_agents_stream_to_every_one(tmp_path: Path)
     assert (one.scaler, one.scaler_fanout) == (f"tide-scaler.{NAMESPACE}.svc:{port}", False)
 
 
+def test_sharded_scaler_replicas_hold_shards_instead_of_electing(tmp_path: Path) -> None:
+    from services.agent.settings import AgentSettings
+    from services.scaler.settings import ScalerSettings
+
+    rendered = render(PRODUCTION, sets={"scaler.replicas": "3", "scaler.shards": "8"})
+    assert kube_schema_errors(rendered.objects, "1.35") == []
+    assert rendered.one("Deployment", "tide-scaler")["spec"]["replicas"] == 3
+    scaler = _load(ScalerSettings, rendered, "Deployment", "tide-scaler", tmp_path)
+    assert (scaler.shards, scaler.leader_election) == (8, "off")
+    # Dialled by pod IP, they check the name the serving certificate carries.
+    assert scaler.peer_tls_server_name == "tide-scaler"
+    # Peers ship partials to the address each one's member lease names: its pod IP.
+    port = _ports(_container(rendered, "Deployment", "tide-scaler"))["grpc"]
+    assert scaler.advertise_address == f"$(POD_IP):{port}"
+    # No Lease to elect on, so no RBAC for one.
+    assert not [r for r in rendered.all("Role") if r["metadata"]["name"].endswith("-election")]
+    with pytest.raises(HelmFailed):
+        render(PRODUCTION, sets={"scaler.shards": "-1"})
+    # Agents stream to one replica, through the Service: a report sent to every replica
+    # would be shipped to its job's owner once per replica.
+    agent = _load(AgentSettings, rendered, "DaemonSet", "tide-agent", tmp_path)
+    assert (agent.scaler, agent.scaler_fanout) == (f"tide-scaler.{NAMESPACE}.svc:{port}", False)
+    assert not [s for s in rendered.all("Service") if s["metadata"]["name"] == "tide-scaler-peers"]
+
+
 def test_several_scaler_replicas_need_a_shared_store() -> None:
     with pytest.raises(HelmFailed, match=r"scaler.replicas > 1 needs store.type postgresql"):
         render(SMALL, sets={"scaler.replicas": "2"})

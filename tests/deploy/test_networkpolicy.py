@@ -93,6 +93,18 @@ def test_the_flows_of_a_production_install() -> None:
     assert not allowed(nps, agent, coordinator, "grpc")
 
 
+def test_sharded_scaler_replicas_reach_each_other() -> None:
+    """scaler.shards > 0: replicas ship partials to each other's gRPC port (egress is
+    enforced in the production values); without shards, no scaler reaches another."""
+    for shards, admitted in (("8", True), ("0", False)):
+        sets = {"scaler.replicas": "3", "scaler.shards": shards}
+        rendered = render(PRODUCTION, sets=sets)
+        scaler = pods_of(rendered, NAMESPACE)["tide-scaler"]
+        nps = rendered.all("NetworkPolicy")
+        assert allowed(nps, scaler, scaler, "grpc") is admitted
+        assert not allowed(nps, Endpoint("cli", "default"), scaler, "grpc")
+
+
 @pytest.mark.parametrize("values", EXAMPLES.values(), ids=EXAMPLES.keys())
 def test_selectors_match_the_pods_and_named_ports_exist(values: Path) -> None:
     rendered = render(values)

@@ -18,6 +18,7 @@ from services.scaler.coordination import Phase, Progress, ResizeSpec
 from services.scaler.ingest import IngestSettings
 from services.scaler.policy import PolicySettings, Reason
 from services.scaler.service import ScalerCore
+from services.scaler.shards import ShardSettings
 from services.scaler.store import DecisionState, DecisionStore, StaleEpoch
 from services.store import db
 from services.testing.actuators import InMemoryActuator, ReplicaChange
@@ -506,6 +507,15 @@ def test_scaler_settings_validate_and_feed_the_policy() -> None:
         ScalerSettings(**REAL, leader_election="kubernetes")
     lease = ScalerSettings(**REAL, leader_election="kubernetes", lease_namespace="tide")
     assert (lease.lease_name, lease.lease_kubeconfig) == ("tide-scaler", "in-cluster")
+    # Sharded replicas each lead their shards: not also an elected leader.
+    with pytest.raises(ConfigError, match="shards=4 with leader_election='sql'"):
+        ScalerSettings(**REAL, shards=4, leader_election="sql")
+    with pytest.raises(ConfigError, match="shards=5000"):
+        ScalerSettings(**REAL, shards=5000)
+    with pytest.raises(ConfigError, match=r"partials_ship_interval_s=0\.0"):
+        ScalerSettings(**REAL, shards=4, partials_ship_interval_s=0.0)
+    sharded = ScalerSettings(**REAL, shards=4, lease_duration_s=6.0, lease_renew_s=2.0)
+    assert sharded.sharding() == ShardSettings(shards=4, duration_s=6.0, renew_s=2.0)
     # Each policy default is PolicySettings' own.
     assert s.policy() == PolicySettings(sustain_s=60.0, bucket_s=10.0, max_replicas=16)
 

@@ -48,6 +48,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ include "tide.fullname" . }}-scaler.{{ .Release.Namespace }}.svc:{{ .Values.scaler.grpcPort }}
 {{- end -}}
 
+{{/* Whether agents stream to every scaler replica (--scaler-fanout): leader and
+followers all ingest. Not with shards, where a replica ships what it ingests to the
+job's owner and a report sent to every replica would count once per replica. */}}
+{{- define "tide.scalerFanout" -}}
+{{- if and (gt (int .Values.scaler.replicas) 1) (eq (int (.Values.scaler.shards | default 0)) 0) }}true{{ end }}
+{{- end -}}
+
 {{- define "tide.scalerPeersAddress" -}}
 {{ include "tide.fullname" . }}-scaler-peers.{{ .Release.Namespace }}.svc:{{ .Values.scaler.grpcPort }}
 {{- end -}}

@@ -1,0 +1,121 @@
+"""Scaler replica to scaler replica: partial aggregates shipped to the job's owner.
+
+:class:`PeerLink` is the side effect (one call per owner and shipment);
+:class:`GrpcPeerLink` is its one real implementation, the ``tide.v1.ScalerPeers``
+service (proto/tide/v1/peers.proto) with the credentials the scaler presents to
+the coordinator (its scaler certificate, or token), a channel per owner address
+kept while that owner is live. services/testing/shards.py has the in-process one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import grpc
+from tide.v1 import peers_pb2, peers_pb2_grpc
+
+from services.scaler.partials import JobPartial
+from tidebase.client import domain_error, open_channel
+from tidebase.credentials import ClientCredentials
+
+logger = logging.getLogger(__name__)
+
+
+class PeerLink(Protocol):
+    async def ship(
+        self, address: str, sender: str, parts: Sequence[JobPartial], *, timeout_s: float
+    ) -> tuple[int, int]:
+        """Ship ``parts`` to the replica at ``address``; returns (bytes sent, parts it
+        refused). Raises a TideError when it does not answer within ``timeout_s``."""
+        ...
+
+    def keep(self, addresses: Iterable[str]) -> None:
+        """Only these owners are live: anything held for another may go."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def partial_to_proto(p: JobPartial) -> peers_pb2.JobPartial:
+    return peers_pb2.JobPartial(
+        job_id=p.job_id,
+        bucket_s=p.bucket_s,
+        buckets=p.buckets,
+        slots=[
+            peers_pb2.PartialSlot(slot=k, sum_pct=v[0], samples=int(v[1]))
+            for k, v in p.slots.items()
+        ],
+        seconds=[
+            peers_pb2.PartialSecond(
+                second=k, sum_pct=v[0], samples=int(v[1]), min_pct=v[2], max_pct=v[3]
+            )
+            for k, v in p.seconds.items()
+        ],
+        seen=[
+            peers_pb2.GpuSeen(node_name=node, index=i, sampled_at_s=t)
+            for (node, i), t in p.seen_s.items()
+        ],
+    )
+
+
+def partial_from_proto(m: peers_pb2.JobPartial) -> JobPartial:
+    return JobPartial(
+        m.job_id,
+        m.bucket_s,
+        m.buckets,
+        slots={s.slot: [s.sum_pct, float(s.samples)] for s in m.slots},
+        seconds={s.second: [s.sum_pct, float(s.samples), s.min_pct, s.max_pct] for s in m.seconds},
+        seen_s={(g.node_name, g.index): g.sampled_at_s for g in m.seen},
+    )
+
+
+class GrpcPeerLink:
+    def __init__(self, credentials: ClientCredentials, *, tls_server_name: str = "") -> None:
+        self.credentials = credentials
+        # Replicas are dialled by pod IP; their certificate names the Service.
+        self._options = (
+            {"grpc.ssl_target_name_override": tls_server_name} if tls_server_name else None
+        )
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> Any:  # grpc-stubs types the aio stub as sync
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = open_channel(
+                address, credentials=self.credentials, extra_options=self._options
+            )
+        return peers_pb2_grpc.ScalerPeersStub(ch)
+
+    async def ship(
+        self, address: str, sender: str, parts: Sequence[JobPartial], *, timeout_s: float
+    ) -> tuple[int, int]:
+        req = peers_pb2.ShipPartialsRequest(
+            sender=sender, jobs=[partial_to_proto(p) for p in parts]
+        )
+        try:
+            resp = await self._stub(address).ShipPartials(req, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise domain_error(exc) from None
+        return req.ByteSize(), resp.refused
+
+    def keep(self, addresses: Iterable[str]) -> None:
+        live = set(addresses)
+        for address in [a for a in self._channels if a not in live]:
+            ch = self._channels.pop(address)
+            task = asyncio.ensure_future(ch.close())
+            task.add_done_callback(_log_close)
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for ch in channels:
+            with contextlib.suppress(Exception):
+                await ch.close()
+
+
+def _log_close(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("peer channel close failed: %s", task.exception())

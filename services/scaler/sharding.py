@@ -1,0 +1,143 @@
+"""A sharded scaler replica: its shard rounds acted on, its partials shipped.
+
+With ``--shards N`` every replica runs (services/scaler/app.py):
+
+- **rounds** (:meth:`Sharding.round`): one :class:`~services.scaler.shards.ShardLeases`
+  step every ``lease_renew_s``. A shard given up or lost is stopped first
+  (:meth:`ScalerCore.drop_jobs` cancels and awaits what acts on its jobs), then
+  released; a shard gained has its jobs taken (a new owner epoch each, so
+  whatever the last owner still writes is refused), their open decisions resumed
+  and evaluated on the next pass. Each round also reads the jobs from the store
+  (new jobs, and those other replicas write, for the read API and attribution).
+- **shipping** (:meth:`Sharding.shipping`): every ``partials_ship_interval_s``
+  the partial aggregates of jobs owned elsewhere go to each owner, at the
+  address its shard lease names, with that interval as the deadline. Bounded:
+  at most one shipment per owner in flight; a shipment that finds the previous
+  one still on its way, or a job whose shard has no live lease, is dropped and
+  counted (``tide_scaler_partials_dropped_total{reason}``), never queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+
+from services.scaler.partials import JobPartial
+from services.scaler.peers import PeerLink
+from services.scaler.service import ScalerCore
+from services.scaler.shards import ShardLeases, shard_of
+from tidebase.errors import TideError
+
+logger = logging.getLogger(__name__)
+
+
+class Sharding:
+    def __init__(
+        self,
+        core: ScalerCore,
+        leases: ShardLeases,
+        peers: PeerLink,
+        *,
+        ship_interval_s: float,
+    ) -> None:
+        self.core = core
+        self.leases = leases
+        self.peers = peers
+        self.ship_interval_s = ship_interval_s
+        #: Shards held as of the last round: the ingest hot path's forward test
+        #: (a set lookup per job and report, no clock read).
+        self._owned: set[int] = set()
+        self._in_flight: dict[str, asyncio.Task[None]] = {}
+        shards = leases.settings.shards
+        owned = self._owned
+        core.shards = leases
+        core.controller.may_act_on = leases.owns
+        core.engine.forward = lambda job: shard_of(job, shards) not in owned
+        leases.on_stop = self._stop
+
+    async def _stop(self, shards: set[int]) -> None:
+        self._owned.difference_update(shards)
+        self.core.metrics.shards_held.set(len(self._owned))
+        await self.core.drop_jobs([j for j in self.core.jobs if self.leases.shard_of(j) in shards])
+
+    async def round(self) -> None:
+        """One round: leases, then the jobs of the shards held here and not yet taken
+        (those of a shard gained, one made since, one whose take failed) taken."""
+        await self.leases.step()
+        try:
+            await self.core.refresh_jobs()
+        except TideError as exc:
+            logger.warning("sharded: jobs not refreshed from the store: %s", exc)
+        held = self.leases.owned_shards()
+        pending = [
+            j
+            for j in self.core.jobs
+            if self.leases.shard_of(j) in held and not self.core.acts_on(j)
+        ]
+        if pending:
+            try:
+                await self.core.take_jobs(pending)
+            except TideError as exc:
+                # Not acted on until taken; the next round tries again.
+                logger.warning("%d job(s) not taken (%s); next round", len(pending), exc)
+        self._owned.clear()
+        self._owned.update(self.leases.owned_shards())
+        self.core.metrics.shards_held.set(len(self._owned))
+        self.peers.keep(
+            r.address for r in self.leases.owners.values() if not r.held_by(self.leases.me)
+        )
+
+    def ship(self) -> None:
+        """Hand what was gathered since the last shipment to each owner (one task per
+        owner, at most one in flight)."""
+        parts = self.core.engine.take_partials()
+        if not parts:
+            return
+        m = self.core.metrics
+        by_owner: dict[str, list[JobPartial]] = defaultdict(list)
+        for p in parts:
+            owner = self.leases.owner_of(p.job_id)
+            if owner is None or owner.held_by(self.leases.me) or not owner.address:
+                m.partials_dropped.labels("no_owner").inc()
+                continue
+            by_owner[owner.address].append(p)
+        for address, batch in by_owner.items():
+            running = self._in_flight.get(address)
+            if running is not None and not running.done():
+                m.partials_dropped.labels("busy").inc(len(batch))
+                continue
+            task = asyncio.create_task(self._ship(address, batch), name=f"ship-{address}")
+            self._in_flight[address] = task
+
+    async def _ship(self, address: str, batch: list[JobPartial]) -> None:
+        m = self.core.metrics
+        try:
+            sent, refused = await self.peers.ship(
+                address, self.leases.me, batch, timeout_s=self.ship_interval_s
+            )
+        except TideError as exc:
+            m.partials_dropped.labels("failed").inc(len(batch))
+            logger.debug("partials to %s dropped: %s", address, exc)
+            return
+        m.partials_shipped.inc(len(batch) - refused)
+        m.partials_shipped_bytes.inc(sent)
+        if refused:
+            m.partials_dropped.labels("refused").inc(refused)
+
+    async def shipping(self) -> None:
+        """Ships every ``ship_interval_s`` until cancelled."""
+        try:
+            while True:
+                await asyncio.sleep(self.ship_interval_s)
+                self.ship()
+        finally:
+            for t in self._in_flight.values():
+                t.cancel()
+
+    async def leave(self) -> None:
+        """A clean stop: every shard handed back at once, not a lease later."""
+        with contextlib.suppress(TideError):
+            await self.leases.leave()
+        await self.peers.close()

@@ -1,0 +1,200 @@
+"""Sharded cores in one process (services/scaler/sharding.py), on one store with a fake
+clock: the owner of a job acts on it and the others forward its samples and refuse its
+writes naming the owner; a shard given up is stopped before it is released (its
+decision in flight cancelled) and its new owner resumes it under a higher epoch;
+shipments to an owner that does not answer are dropped and counted, never queued."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+
+from services.scaler.errors import NotOwner
+from services.scaler.ingest import IngestSettings
+from services.scaler.service import ScalerCore
+from services.scaler.sharding import Sharding
+from services.scaler.shards import SHARD_LEASE_PREFIX, ShardLeases, ShardSettings, assign, shard_of
+from services.scaler.store import DecisionState, DecisionStore
+from services.store import db
+from services.testing.actuators import InMemoryActuator
+from services.testing.clock import FakeClock
+from services.testing.coordinator import InMemoryCoordinator, follow_actuator
+from services.testing.shards import InProcessPeers
+from tests.scaler.support import report
+
+pytestmark = pytest.mark.component
+
+T0 = 1_800_000_000.0
+SETTINGS = ShardSettings(shards=8, duration_s=3.0, renew_s=1.0)
+JOBS = [f"ns/j{k}" for k in range(6)]
+SHIP_S = 0.05
+
+
+@dataclass
+class Replica:
+    name: str
+    core: ScalerCore
+    sharding: Sharding
+    coordinator: InMemoryCoordinator
+
+    @property
+    def address(self) -> str:
+        return f"{self.name}:1"
+
+
+@pytest.fixture
+async def world(
+    scaler_db_url: str,
+) -> AsyncIterator[tuple[FakeClock, InProcessPeers, dict[str, Replica]]]:
+    clock = FakeClock(T0)
+    engine = db.make_engine(scaler_db_url)
+    peers = InProcessPeers()
+    replicas: dict[str, Replica] = {}
+    actuator = InMemoryActuator()  # one cluster; a coordinator each, to stall one alone
+    for name in ("r0", "r1"):
+        coordinator = InMemoryCoordinator(step_s=0.0)
+        follow_actuator(coordinator, actuator)
+        for j in JOBS:
+            coordinator.set_job(j, 2)
+        store = DecisionStore(engine, name, clock)
+        core = ScalerCore(
+            store=store,
+            actuator=actuator,
+            coordinator=coordinator,
+            clock=clock,
+            ingest=IngestSettings(stale_after_s=5.0),
+        )
+        leases = ShardLeases(store, clock, SETTINGS, address=f"{name}:1")
+        sharding = Sharding(core, leases, peers, ship_interval_s=SHIP_S)
+        replicas[name] = Replica(name, core, sharding, coordinator)
+        peers.cores[f"{name}:1"] = core
+    for j in JOBS:
+        await replicas["r0"].core.store.upsert_job(
+            j, min_replicas=1, max_replicas=4, initial_replicas=2, gpus_per_replica=1
+        )
+    for r in replicas.values():
+        await r.core.start_sharded()
+    try:
+        yield clock, peers, replicas
+    finally:
+        for r in replicas.values():
+            await r.core.close()
+        engine.dispose()
+
+
+async def rounds(clock: FakeClock, replicas: list[Replica], n: int) -> None:
+    for _ in range(n):
+        for r in replicas:
+            await r.sharding.round()
+        clock.advance(SETTINGS.renew_s)
+    await asyncio.sleep(0.01)  # the member watches fill the registries
+
+
+def owners() -> dict[str, str]:
+    want = assign(SETTINGS.shards, ["r0", "r1"])
+    return {j: want[shard_of(j, SETTINGS.shards)] for j in JOBS}
+
+
+async def test_the_owner_acts_the_other_forwards_and_names_it(
+    world: tuple[FakeClock, InProcessPeers, dict[str, Replica]],
+) -> None:
+    clock, peers, rs = world
+    await rounds(clock, list(rs.values()), 3)
+    owner_of = owners()
+    assert set(owner_of.values()) == {"r0", "r1"}, owner_of
+    for j, o in owner_of.items():
+        other = "r1" if o == "r0" else "r0"
+        assert rs[o].core.acts_on(j) and not rs[other].core.acts_on(j)
+        # Taken by its owner: a newer epoch than any the other ever held.
+        assert rs[o].core.store.epochs[j] > rs[other].core.store.epochs.get(j, 0)
+        with pytest.raises(NotOwner, match=f"owned by {o} at {o}:1"):
+            await rs[other].core.request_resize(j, 3, "by hand", "t")
+
+    # A node of a job r1 owns streams to r0: r0 keeps no window, the owner gets both GPUs.
+    j = next(j for j, o in owner_of.items() if o == "r1")
+    name = j.partition("/")[2]
+    pods = [f"{name}-trainer-0", f"{name}-trainer-1"]
+    r0, r1 = rs["r0"], rs["r1"]
+    stream = r0.core.engine.open_stream()
+    r0.core.engine.process(stream, report("n1", 1, utils=[90.0, 80.0], pods=pods, t=clock.now()))
+    assert r1.core.engine.fresh_gpus_of(j, clock.now()) == 0
+    r0.sharding.ship()
+    await asyncio.gather(*r0.sharding._in_flight.values())
+    assert peers.calls == [("r1:1", "r0", [j])]
+    assert r1.core.engine.fresh_gpus_of(j, clock.now()) == 2
+    assert r0.core.metrics.partials_shipped._value.get() == 1
+    assert r0.core.metrics.partials_shipped_bytes._value.get() > 0
+    assert r1.core.metrics.partials_received._value.get() == 0  # the servicer counts it
+
+
+async def test_a_dead_owner_costs_one_shipment_in_flight_and_counts_drops(
+    world: tuple[FakeClock, InProcessPeers, dict[str, Replica]],
+) -> None:
+    clock, peers, rs = world
+    await rounds(clock, list(rs.values()), 3)
+    j = next(j for j, o in owners().items() if o == "r1")
+    name = j.partition("/")[2]
+    pods = [f"{name}-trainer-0", f"{name}-trainer-1"]
+    r0 = rs["r0"]
+    peers.stalled.add("r1:1")
+    stream = r0.core.engine.open_stream()
+    dropped = r0.core.metrics.partials_dropped
+    for seq in range(1, 4):
+        r0.core.engine.process(
+            stream, report("n1", seq, utils=[50.0, 50.0], pods=pods, t=clock.now())
+        )
+        r0.sharding.ship()
+    # One shipment waits on the dead owner; the two after it were dropped, not queued.
+    assert len(r0.sharding._in_flight) == 1
+    assert dropped.labels("busy")._value.get() == 2
+    await asyncio.gather(*r0.sharding._in_flight.values())
+    assert dropped.labels("failed")._value.get() == 1
+    assert len(peers.calls) == 1
+
+
+async def test_a_shard_given_up_is_stopped_before_release_and_resumed_by_its_new_owner(
+    world: tuple[FakeClock, InProcessPeers, dict[str, Replica]],
+) -> None:
+    clock, _peers, rs = world
+    r0, r1 = rs["r0"], rs["r1"]
+    # r0 alone: every shard, every job.
+    await rounds(clock, [r0], 2)
+    assert all(r0.core.acts_on(j) for j in JOBS)
+    j = next(j for j, o in owners().items() if o == "r1")
+    epoch_r0 = r0.core.store.epochs[j]
+    # A decision in flight at r0 that does not finish: its coordinator is slow.
+    r0.coordinator.step_s = 3600.0
+    d = await r0.core.request_resize(j, 3, "by hand", "t")
+    task = r0.core.controller.tasks[d.id]
+    await asyncio.sleep(0.05)
+    assert not task.done()
+
+    seen: list[tuple[bool, str]] = []
+    stop = r0.sharding.leases.on_stop
+    assert stop is not None
+
+    async def watched(shards: set[int]) -> None:
+        await stop(shards)
+        # Stopped: the decision's task is over, and the shard's lease is still r0's.
+        k = shard_of(j, SETTINGS.shards)
+        lease = await r0.core.store.live_leases(SHARD_LEASE_PREFIX + str(k))
+        seen.append((task.done(), lease[0].holder if lease else ""))
+
+    r0.sharding.leases.on_stop = watched
+    await rounds(clock, [r1, r0, r1], 1)  # r1 joins, r0 gives its shards up, r1 takes them
+    assert seen and seen[0] == (True, "r0"), seen
+    assert not r0.core.acts_on(j) and r1.core.acts_on(j)
+    assert r1.core.store.epochs[j] > epoch_r0
+    # r1 resumes the decision r0 left in flight (its coordinator is quick: it may be
+    # over already), and r0's last writes were refused by the new epoch.
+    for _ in range(100):
+        rec = (await r1.core.store.get_decision(d.id)).decision
+        if rec.state is DecisionState.COMPLETED:
+            break
+        assert r1.core.active.get(j) == d.id
+        clock.advance(0.5)  # the controller's waits are on the clock
+        await asyncio.sleep(0.02)
+    assert rec.state is DecisionState.COMPLETED
