@@ -108,6 +108,9 @@ RESIZE_TRANSITIONS: TransitionTable[ResizePhase] = TransitionTable(
                 # moment and drain while g+1 forms: RENDEZVOUS covers both.
                 ResizePhase.RENDEZVOUS,
                 ResizePhase.ABORTED,  # deadline, nack, participant lost, AbortResize, restart
+                # Overlap mode: a committing barrier (its CHECKPOINTs carried g+1's prepared
+                # RENDEZVOUS) that cannot complete: members may have switched, g cannot resume.
+                ResizePhase.FAILED,
             }
         ),
         ResizePhase.RENDEZVOUS: frozenset(

@@ -85,7 +85,10 @@ def directive_of(d: pb.Directive) -> Directive:
     except ValueError:
         name = f"KIND_{d.kind}"
     plan = None
-    if kind in (DirectiveKind.RENDEZVOUS, DirectiveKind.PREPARE):
+    # A CHECKPOINT carries one in overlap mode: g+1's prepared RENDEZVOUS (the barrier commits).
+    if kind in (DirectiveKind.RENDEZVOUS, DirectiveKind.PREPARE) or (
+        kind is DirectiveKind.CHECKPOINT and d.HasField("rendezvous")
+    ):
         r = d.rendezvous
         plan = RendezvousPlan(
             rank=r.rank,

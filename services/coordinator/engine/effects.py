@@ -24,6 +24,9 @@ class Send:
     reason: str
     deadline_s: float
     checkpoint_step: int = 0
+    # Overlap mode: a CHECKPOINT that carries the member's prepared RENDEZVOUS (restore step
+    # S), so that it switches to its prepared worker at its own hold: the barrier commits.
+    rendezvous: RendezvousInfo | None = None
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,7 @@ class Outbox:
                     e.reason,
                     e.deadline_s,
                     checkpoint_step=e.checkpoint_step,
+                    rendezvous=e.rendezvous,
                 )
             case fx.Prepare():
                 self._send(
