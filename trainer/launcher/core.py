@@ -581,6 +581,8 @@ class Launcher:
                 # trip. Only at S: ranks that held elsewhere (a late CHECKPOINT) stay in g,
                 # which the coordinator then resumes.
                 went = self._go_prepared(rdv.generation)
+                if went:
+                    self.workers.retire_current()
                 logger.info(
                     "member %s committed to generation %d at step %d%s",
                     self.member_id,

@@ -224,6 +224,10 @@ class WorkerGroup:
             [m.go_prepared(generation, env) for m, env in zip(self.members, envs, strict=True)]
         )
 
+    def retire_current(self) -> None:
+        for m in self.members:
+            m.retire_current()
+
     def went_ahead_step(self) -> int:
         return max(m.went_ahead_step() for m in self.members)
 

@@ -19,6 +19,7 @@ does the process work:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -45,6 +46,24 @@ from trainer.messages import (
 from trainer.spawner import Spawner, WorkerHandle
 
 logger = logging.getLogger(__name__)
+
+#: The niceness of a worker that will not train again (it exits, or its successor took over):
+#: its teardown and its last background write yield the pod's CPUs to the worker that trains.
+RETIRED_NICE = 19
+
+
+def lower_priority(pid: int) -> None:
+    """Every thread of ``pid`` to :data:`RETIRED_NICE` (on Linux a priority is per thread; the
+    worker's background checkpoint writer is one). Best effort: raising one's own processes'
+    niceness needs no privilege, and a process that is gone has nothing to yield."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, RETIRED_NICE)
+
 
 #: What the PaddleJob operators set that would contradict a generation's world.
 OPERATOR_PADDLE_ENV = frozenset(
@@ -305,6 +324,12 @@ class WorkerSupervisor:
             self.control.send(s.pid, Go(env=dict(env)))
         return True
 
+    def retire_current(self) -> None:
+        """The current worker will not train again (overlap mode's commit at the barrier):
+        what it still does (its durable write, its exit) yields to its successor."""
+        if self.worker is not None and self.worker.returncode is None:
+            lower_priority(self.worker.pid)
+
     def went_ahead_step(self) -> int:
         """The step a prepared standby that went has reported (0: none went, or no step):
         steps a generation that never opened trained, for the lost-step count."""
@@ -385,6 +410,7 @@ class WorkerSupervisor:
             return
         if worker is self.worker:
             self._expected_exit = True
+        lower_priority(worker.pid)
         self.control.send(worker.pid, Exit())
         try:
             async with asyncio.timeout(self.s.exit_grace_s):

@@ -264,7 +264,8 @@ class Rendezvous(_message.Message):
     prepared: _builtins.bool
     """In a RENDEZVOUS: this generation's group was formed ahead by the PREPARE of the same
     generation, ranks and endpoints (overlap mode); wake the prepared workers. False: the
-    plain path (a prepared worker the launcher may hold is discarded).
+    plain path (a prepared worker the launcher may hold is discarded). In a PREPARE: the
+    barrier will commit, so a newcomer's prepared worker may train once it has restored.
     """
     @_builtins.property
     def trainer_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -354,7 +355,9 @@ class Directive(_message.Message):
     """Why (decision id, loss of a member)."""
     @_builtins.property
     def rendezvous(self) -> Global___Rendezvous:
-        """For RENDEZVOUS."""
+        """For RENDEZVOUS and PREPARE; in overlap mode also for CHECKPOINT: g+1's prepared
+        rendezvous (restore step = checkpoint_step), to switch to at the hold at that step.
+        """
 
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
