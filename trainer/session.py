@@ -569,9 +569,16 @@ class ElasticSession:
         files.update(stepper.state_files())
         return files
 
-    def _write_checkpoint(self, step: int, periodic: bool, wait: bool = False) -> None:
+    def _write_checkpoint(
+        self,
+        step: int,
+        periodic: bool,
+        wait: bool = False,
+        files: Mapping[str, bytes] | None = None,
+    ) -> None:
         """Rank 0: a durable checkpoint of ``step``, written in the background (``wait``:
-        before this returns); reported to the launcher once written."""
+        before this returns); reported to the launcher once written. ``files``: the state
+        of ``step`` already serialised (the handover's), not serialised again."""
         if self._written_step == step:
             if wait:
                 self.persist.wait()
@@ -579,9 +586,8 @@ class ElasticSession:
             return
         self._written_step = step
         self._periodic.mark(step, time.monotonic())
-        self.persist.submit(
-            Snapshot(step, self._state_files(), self._meta(step, periodic), periodic)
-        )
+        state = dict(files) if files is not None else self._state_files()
+        self.persist.submit(Snapshot(step, state, self._meta(step, periodic), periodic))
         if wait:
             self.persist.wait()
             self._report_written()
@@ -673,14 +679,18 @@ class ElasticSession:
 
     def _send_held(self, step: int, held_at: float, checkpoint: bool, ids: list[str]) -> None:
         info: CheckpointInfo | None = None
+        durable: dict[str, bytes] | None = None
         if checkpoint and self.handover is not None:
             # Each pod's first worker hands the state to the pod's next worker, in memory;
-            # rank 0 also makes it durable, off the pause.
+            # rank 0 also makes it durable, off the pause: from the same serialised state,
+            # submitted once the Held is out (the held report is the pause's critical path).
             handed: WrittenCheckpoint | None = None
             if self.env.local_rank == 0:
-                handed = self.handover.put(step, self._state_files(), self._meta(step, False))
+                files = self._state_files()
+                handed = self.handover.put(step, files, self._meta(step, False))
+                if self.rank == 0:
+                    durable = files
             if self.rank == 0:
-                self._write_checkpoint(step, periodic=False)
                 assert handed is not None
                 info = CheckpointInfo(step=step, digest=handed.digest, write_s=handed.write_s)
         elif checkpoint and self.rank == 0:
@@ -699,6 +709,8 @@ class ElasticSession:
         self.channel.send(
             Held(step=step, held_at=held_at, directive_ids=tuple(ids), checkpoint=info)
         )
+        if durable is not None:
+            self._write_checkpoint(step, periodic=False, files=durable)
 
     def _exit(self) -> None:
         logger.info(
