@@ -192,6 +192,8 @@ class ElasticSession:
         self._samples_per_s = 0.0
         self._first_step_started = 0.0
         self._last_reduce_s = 0.0
+        # The pod leaves after the coordinated checkpoint it was told of (no handover then).
+        self._leaving = False
         # Rank 0: a state restored from memory or a peer, made durable after the first step.
         self._restored_unpersisted: tuple[int, Mapping[str, bytes]] | None = None
         self._log = StepLog(config.log_dir)
@@ -624,6 +626,7 @@ class ElasticSession:
         if isinstance(msg, CheckpointAt):
             self._stop_at = msg.step if not self._stop_at else min(self._stop_at, msg.step)
             self._want_checkpoint = True
+            self._leaving = self._leaving or msg.leaving
             self._directive_ids.append(msg.directive_id)
         elif isinstance(msg, Hold):
             # The current step: every rank is at the same boundary when they agree.
@@ -660,8 +663,9 @@ class ElasticSession:
     def _hold(self, step: int, checkpoint: bool) -> None:
         held_at = time.time()
         logger.info("rank %d holding after step %d (checkpoint=%s)", self.rank, step, checkpoint)
-        self._send_held(step, held_at, checkpoint, self._directive_ids)
+        self._send_held(step, held_at, checkpoint, self._directive_ids, self._leaving)
         self._stop_at, self._want_checkpoint, self._directive_ids = 0, False, []
+        self._leaving = False
         while not self._resume_pending:
             msg = self.channel.wait(0.05)
             if msg is None:
@@ -678,14 +682,18 @@ class ElasticSession:
                 break
             elif isinstance(msg, CheckpointAt | Hold):
                 # Already holding at a boundary every rank shares: answer from here.
-                self._send_held(step, held_at, isinstance(msg, CheckpointAt), [msg.directive_id])
+                ckpt = isinstance(msg, CheckpointAt)
+                leaving = isinstance(msg, CheckpointAt) and msg.leaving
+                self._send_held(step, held_at, ckpt, [msg.directive_id], leaving)
             else:
                 logger.warning("rank %d: unexpected control message %s", self.rank, msg.TYPE)
         self._resume_pending = False
         self._rate_t0, self._rate_samples = time.monotonic(), 0
         self.channel.send(Resumed(step=step))
 
-    def _send_held(self, step: int, held_at: float, checkpoint: bool, ids: list[str]) -> None:
+    def _send_held(
+        self, step: int, held_at: float, checkpoint: bool, ids: list[str], leaving: bool = False
+    ) -> None:
         info: CheckpointInfo | None = None
         durable: dict[str, bytes] | None = None
         if checkpoint and self.handover is not None:
@@ -693,7 +701,8 @@ class ElasticSession:
             # rank 0 also makes it durable, off the pause: from the same serialised state,
             # submitted once the Held is out (the held report is the pause's critical path).
             handed: WrittenCheckpoint | None = None
-            if self.env.local_rank == 0:
+            # A leaving pod has no next worker to read it; rank 0 still reports the state.
+            if self.env.local_rank == 0 and (self.rank == 0 or not leaving):
                 files = self._state_files()
                 handed = self.handover.put(step, files, self._meta(step, False))
                 if self.rank == 0:

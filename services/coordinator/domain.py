@@ -289,6 +289,9 @@ class Directive:
     # A later directive made this one moot (RESUME after an aborted CHECKPOINT,
     # RENDEZVOUS of a newer generation); it is no longer sent.
     superseded: bool = False
+    # A CHECKPOINT to a shrink's leaver: its pod writes no handover. Not persisted: a
+    # CHECKPOINT re-sent after a restart without it only costs the leaver a handover.
+    leaving: bool = False
 
     @property
     def pending(self) -> bool:

@@ -641,3 +641,16 @@ def test_a_barrier_after_every_prepare_commits() -> None:
     assert [e.rendezvous for e in sends] == [
         RendezvousInfo(2, 3, rank, ENDPOINTS[0], ENDPOINTS, 13) for rank in (0, 1)
     ]
+
+
+@pytest.mark.parametrize("tuning", [TUNING, OVERLAP], ids=["plain", "overlap"])
+def test_a_shrink_tells_its_leaver_in_the_checkpoint(tuning: Tuning) -> None:
+    # The leaver's pod then writes no handover that no next worker would read.
+    s = job(actives=3, standby=0)
+    r = _preparing(s, participants=("m0", "m1", "m2"), newcomers=(), leaving=("m2",))
+    r.acked = ("m0", "m1")
+    if tuning is TUNING:
+        r = resize(s, P.WAITING_FOR_MEMBERS, target=2)
+    got = PHASES[r.phase].advance(Context(s, tuning, NOW), r)
+    sends = {e.member_id: e.leaving for e in got if isinstance(e, Send)}
+    assert sends == {"m0": False, "m1": False, "m2": True}

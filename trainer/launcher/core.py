@@ -283,7 +283,9 @@ class Launcher:
             self._prepare_task = asyncio.create_task(self._prepare(d))
         elif d.kind is DirectiveKind.CHECKPOINT:
             self._pending_acks[d.directive_id] = d
-            self.workers.send(CheckpointAt(directive_id=d.directive_id, step=d.checkpoint_step))
+            self.workers.send(
+                CheckpointAt(directive_id=d.directive_id, step=d.checkpoint_step, leaving=d.leaving)
+            )
             self._fail_pending_if_no_worker()
         elif d.kind is DirectiveKind.HOLD:
             self._pending_acks[d.directive_id] = d

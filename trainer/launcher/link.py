@@ -99,7 +99,9 @@ def directive_of(d: pb.Directive) -> Directive:
             prepared=r.prepared,
             generation=r.generation,
         )
-    return Directive(d.directive_id, d.generation, kind, name, d.checkpoint_step, plan)
+    return Directive(
+        d.directive_id, d.generation, kind, name, d.checkpoint_step, plan, leaving=d.leaving
+    )
 
 
 class CoordinatorLink:

@@ -75,6 +75,8 @@ class Directive:
     kind_name: str
     checkpoint_step: int = 0
     rendezvous: RendezvousPlan | None = None
+    # A CHECKPOINT to a shrink's leaver.
+    leaving: bool = False
 
 
 @dataclass(frozen=True)

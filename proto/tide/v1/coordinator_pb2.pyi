@@ -344,6 +344,7 @@ class Directive(_message.Message):
     RENDEZVOUS_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    LEAVING_FIELD_NUMBER: _builtins.int
     directive_id: _builtins.str
     """Unique per job; echoed in Ack."""
     kind: Global___Directive.Kind.ValueType
@@ -353,6 +354,10 @@ class Directive(_message.Message):
     """For CHECKPOINT: the step to finish before checkpointing."""
     reason: _builtins.str
     """Why (decision id, loss of a member)."""
+    leaving: _builtins.bool
+    """For CHECKPOINT: this member leaves after the barrier (a shrink's leaver), so its pod
+    hands the state to no next worker; rank 0 still reports the checkpoint.
+    """
     @_builtins.property
     def rendezvous(self) -> Global___Rendezvous:
         """For RENDEZVOUS and PREPARE; in overlap mode also for CHECKPOINT: g+1's prepared
@@ -373,10 +378,11 @@ class Directive(_message.Message):
         rendezvous: Global___Rendezvous | None = ...,
         deadline: _timestamp_pb2.Timestamp | None = ...,
         reason: _builtins.str = ...,
+        leaving: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "rendezvous", b"rendezvous"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_step", b"checkpoint_step", "deadline", b"deadline", "directive_id", b"directive_id", "generation", b"generation", "kind", b"kind", "reason", b"reason", "rendezvous", b"rendezvous"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_step", b"checkpoint_step", "deadline", b"deadline", "directive_id", b"directive_id", "generation", b"generation", "kind", b"kind", "leaving", b"leaving", "reason", b"reason", "rendezvous", b"rendezvous"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

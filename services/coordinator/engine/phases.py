@@ -322,6 +322,7 @@ def _barrier(
             note=note,
         )
     ]
+    leavers = {m.member_id for m in leaving}
     for m in participants:
         info = (commit or {}).get(m.member_id)
         out.append(
@@ -333,6 +334,7 @@ def _barrier(
                 deadline_s=r.deadline_s,
                 checkpoint_step=step,
                 rendezvous=dataclasses.replace(info, restore_step=step) if info else None,
+                leaving=m.member_id in leavers,
             )
         )
     return out
