@@ -107,6 +107,8 @@ class CheckpointAt(_Message):
     TYPE: ClassVar[str] = "checkpoint"
     directive_id: str = ""
     step: int = 0
+    # This pod leaves after the barrier: no next worker to hand the state to.
+    leaving: bool = False
 
 
 @dataclass(frozen=True)

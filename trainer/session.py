@@ -192,6 +192,10 @@ class ElasticSession:
         self._samples_per_s = 0.0
         self._first_step_started = 0.0
         self._last_reduce_s = 0.0
+        # The pod leaves after the coordinated checkpoint it was told of (no handover then).
+        self._leaving = False
+        # Rank 0: a state restored from memory or a peer, made durable after the first step.
+        self._restored_unpersisted: tuple[int, Mapping[str, bytes]] | None = None
         self._log = StepLog(config.log_dir)
         if env.device:
             import paddle
@@ -395,7 +399,10 @@ class ElasticSession:
         t.restore_s = t.handover_s + t.disk_read_s + t.transfer_s + time.monotonic() - load_started
         self.restored_step = self.step_done
         if self.rank == 0 and located.step and located.source != "disk":
-            self._persist_restored(located.step, located.files)
+            # After the first step, not now: the old generation's writer is usually still
+            # finishing this very step, and a second write beside the first step (and
+            # waiting on the writers' lock) slowed it down by 0.2 s at a loaded machine.
+            self._restored_unpersisted = (located.step, located.files)
         logger.info(
             "rank %d of generation %d restored step %d from %s in %.3fs (located in %.3fs)",
             self.rank,
@@ -522,6 +529,9 @@ class ElasticSession:
             self._global_loss,
         )
         self._report_progress()
+        if self._restored_unpersisted is not None:
+            restored, self._restored_unpersisted = self._restored_unpersisted, None
+            self._persist_restored(*restored)
         if self.rank == 0 and self._periodic.due(plan.step, now):
             self._write_checkpoint(plan.step, periodic=True)
         self._report_written()
@@ -569,9 +579,16 @@ class ElasticSession:
         files.update(stepper.state_files())
         return files
 
-    def _write_checkpoint(self, step: int, periodic: bool, wait: bool = False) -> None:
+    def _write_checkpoint(
+        self,
+        step: int,
+        periodic: bool,
+        wait: bool = False,
+        files: Mapping[str, bytes] | None = None,
+    ) -> None:
         """Rank 0: a durable checkpoint of ``step``, written in the background (``wait``:
-        before this returns); reported to the launcher once written."""
+        before this returns); reported to the launcher once written. ``files``: the state
+        of ``step`` already serialised (the handover's), not serialised again."""
         if self._written_step == step:
             if wait:
                 self.persist.wait()
@@ -579,9 +596,8 @@ class ElasticSession:
             return
         self._written_step = step
         self._periodic.mark(step, time.monotonic())
-        self.persist.submit(
-            Snapshot(step, self._state_files(), self._meta(step, periodic), periodic)
-        )
+        state = dict(files) if files is not None else self._state_files()
+        self.persist.submit(Snapshot(step, state, self._meta(step, periodic), periodic))
         if wait:
             self.persist.wait()
             self._report_written()
@@ -610,6 +626,7 @@ class ElasticSession:
         if isinstance(msg, CheckpointAt):
             self._stop_at = msg.step if not self._stop_at else min(self._stop_at, msg.step)
             self._want_checkpoint = True
+            self._leaving = self._leaving or msg.leaving
             self._directive_ids.append(msg.directive_id)
         elif isinstance(msg, Hold):
             # The current step: every rank is at the same boundary when they agree.
@@ -646,8 +663,9 @@ class ElasticSession:
     def _hold(self, step: int, checkpoint: bool) -> None:
         held_at = time.time()
         logger.info("rank %d holding after step %d (checkpoint=%s)", self.rank, step, checkpoint)
-        self._send_held(step, held_at, checkpoint, self._directive_ids)
+        self._send_held(step, held_at, checkpoint, self._directive_ids, self._leaving)
         self._stop_at, self._want_checkpoint, self._directive_ids = 0, False, []
+        self._leaving = False
         while not self._resume_pending:
             msg = self.channel.wait(0.05)
             if msg is None:
@@ -664,23 +682,32 @@ class ElasticSession:
                 break
             elif isinstance(msg, CheckpointAt | Hold):
                 # Already holding at a boundary every rank shares: answer from here.
-                self._send_held(step, held_at, isinstance(msg, CheckpointAt), [msg.directive_id])
+                ckpt = isinstance(msg, CheckpointAt)
+                leaving = isinstance(msg, CheckpointAt) and msg.leaving
+                self._send_held(step, held_at, ckpt, [msg.directive_id], leaving)
             else:
                 logger.warning("rank %d: unexpected control message %s", self.rank, msg.TYPE)
         self._resume_pending = False
         self._rate_t0, self._rate_samples = time.monotonic(), 0
         self.channel.send(Resumed(step=step))
 
-    def _send_held(self, step: int, held_at: float, checkpoint: bool, ids: list[str]) -> None:
+    def _send_held(
+        self, step: int, held_at: float, checkpoint: bool, ids: list[str], leaving: bool = False
+    ) -> None:
         info: CheckpointInfo | None = None
+        durable: dict[str, bytes] | None = None
         if checkpoint and self.handover is not None:
             # Each pod's first worker hands the state to the pod's next worker, in memory;
-            # rank 0 also makes it durable, off the pause.
+            # rank 0 also makes it durable, off the pause: from the same serialised state,
+            # submitted once the Held is out (the held report is the pause's critical path).
             handed: WrittenCheckpoint | None = None
-            if self.env.local_rank == 0:
-                handed = self.handover.put(step, self._state_files(), self._meta(step, False))
+            # A leaving pod has no next worker to read it; rank 0 still reports the state.
+            if self.env.local_rank == 0 and (self.rank == 0 or not leaving):
+                files = self._state_files()
+                handed = self.handover.put(step, files, self._meta(step, False))
+                if self.rank == 0:
+                    durable = files
             if self.rank == 0:
-                self._write_checkpoint(step, periodic=False)
                 assert handed is not None
                 info = CheckpointInfo(step=step, digest=handed.digest, write_s=handed.write_s)
         elif checkpoint and self.rank == 0:
@@ -699,6 +726,8 @@ class ElasticSession:
         self.channel.send(
             Held(step=step, held_at=held_at, directive_ids=tuple(ids), checkpoint=info)
         )
+        if durable is not None:
+            self._write_checkpoint(step, periodic=False, files=durable)
 
     def _exit(self) -> None:
         logger.info(

@@ -54,6 +54,7 @@ def directive_to_proto(d: Directive) -> pb.Directive:
         generation=d.generation,
         checkpoint_step=d.checkpoint_step,
         reason=d.reason,
+        leaving=d.leaving,
     )
     if d.rendezvous is not None:
         rv = d.rendezvous

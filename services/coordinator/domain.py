@@ -108,6 +108,9 @@ RESIZE_TRANSITIONS: TransitionTable[ResizePhase] = TransitionTable(
                 # moment and drain while g+1 forms: RENDEZVOUS covers both.
                 ResizePhase.RENDEZVOUS,
                 ResizePhase.ABORTED,  # deadline, nack, participant lost, AbortResize, restart
+                # Overlap mode: a committing barrier (its CHECKPOINTs carried g+1's prepared
+                # RENDEZVOUS) that cannot complete: members may have switched, g cannot resume.
+                ResizePhase.FAILED,
             }
         ),
         ResizePhase.RENDEZVOUS: frozenset(
@@ -286,6 +289,9 @@ class Directive:
     # A later directive made this one moot (RESUME after an aborted CHECKPOINT,
     # RENDEZVOUS of a newer generation); it is no longer sent.
     superseded: bool = False
+    # A CHECKPOINT to a shrink's leaver: its pod writes no handover. Not persisted: a
+    # CHECKPOINT re-sent after a restart without it only costs the leaver a handover.
+    leaving: bool = False
 
     @property
     def pending(self) -> bool:

@@ -55,10 +55,16 @@ async def test_grow_prepares_g_plus_1_before_the_barrier(overlap: Env) -> None:
         assert list(rdv.rendezvous.trainer_endpoints) == list(prepare.rendezvous.trainer_endpoints)
         assert rdv.rendezvous.restore_step == 13
         assert fl.rendezvous_prepared[-1] is True
-    # Stayers got their CHECKPOINT only after every PREPARE was acked.
+    # Stayers got their CHECKPOINT only after every PREPARE was acked, and it carried their
+    # RENDEZVOUS of g+1 (restore step S): the barrier commits at each one's hold.
     for fl in ls:
         kinds = fl.kinds()
         assert kinds.index(K.KIND_PREPARE) < kinds.index(K.KIND_CHECKPOINT)
+        ckpt = next(d for d in fl.received if d.kind == K.KIND_CHECKPOINT)
+        rdv = next(d for d in fl.received if d.kind == K.KIND_RENDEZVOUS and d.generation == 2)
+        assert ckpt.HasField("rendezvous") and ckpt.rendezvous.restore_step == 13
+        assert (ckpt.rendezvous.generation, ckpt.rendezvous.rank) == (2, fl.rank)
+        assert ckpt.rendezvous.master_endpoint == rdv.rendezvous.master_endpoint
     assert final.lost_steps == 0
 
 
@@ -84,6 +90,9 @@ async def test_a_newcomer_that_cannot_prepare_falls_back_to_the_plain_barrier(
     assert final.phase == P.RESIZE_PHASE_COMPLETED
     assert any("falling back to the plain barrier" in p.message for p in w.updates)
     assert all(fl.rendezvous_prepared[-1] is False for fl in everyone)
+    # The fallback's barrier is the plain one: no CHECKPOINT commits to a prepared g+1.
+    ckpts = [d for fl in ls for d in fl.received if d.kind == K.KIND_CHECKPOINT]
+    assert ckpts and not any(d.HasField("rendezvous") for d in ckpts)
     assert final.lost_steps == 0
 
 

@@ -430,7 +430,8 @@ def test_the_phase_loop_is_bounded_by_the_longest_path_of_the_table() -> None:
 def _prepare(
     mid: str, rank: int, world: int = 3, endpoints: tuple[str, ...] = ENDPOINTS
 ) -> Prepare:
-    info = RendezvousInfo(2, world, rank, endpoints[0], endpoints, 0)
+    # ``prepared`` in a PREPARE: the barrier will commit.
+    info = RendezvousInfo(2, world, rank, endpoints[0], endpoints, 0, prepared=True)
     return Prepare(mid, 1, info, "decision 1", 40.0)
 
 
@@ -546,3 +547,110 @@ def test_a_standby_that_ran_long_ago_may_report_that_generation() -> None:
     s.generations[3] = generation(3, ("m0", "m1"))
     s.members["s0"].reported_generation = 1
     check_heartbeat(s, s.members["s0"], 1)
+
+
+def _committing(s: JobState, **fields: Any) -> Resize:
+    """A barrier whose CHECKPOINTs carried g+1's prepared RENDEZVOUS (overlap mode)."""
+    r = _barrier(s, **fields)
+    for seq, (mid, rank) in enumerate((("m0", 0), ("m1", 1)), start=10):
+        info = RendezvousInfo(2, 3, rank, ENDPOINTS[0], ENDPOINTS, 13, prepared=True)
+        d = Directive(
+            "ns/j", f"d{seq}", mid, K.CHECKPOINT, 1, NOW, seq=seq, checkpoint_step=13,
+            rendezvous=info,
+        )  # fmt: skip
+        s.directives[d.directive_id] = d
+    r.started_at = NOW - 5.0
+    return r
+
+
+def committing(event: ResizeEvent) -> Result:
+    """CHECKPOINTING as a commit point: members may have switched at their hold, so what
+    would abort a plain barrier to g fails the resize and re-forms the job instead."""
+    s = job()
+    r = _committing(s)
+    c, h = Context(s, OVERLAP, NOW), PHASES[P.CHECKPOINTING]
+    assert s.barrier_commits(r)
+    match event:
+        case E.ADVANCE:  # as in a plain barrier (the RENDEZVOUS confirms the switch)
+            r.acked = ("m0", "m1")
+            return h.advance(c, r), [
+                SaveBarrierCheckpoint(1),
+                OpenGeneration(("m0", "m1", "s0"), 13, "decision 1", 40.0, decision_id=1),
+                EnterRendezvous(1),
+            ]
+        case E.ACK_CHECKPOINT:
+            ack = _ack("m1", K.CHECKPOINT, directive_step=13, checkpoint_step=13, held_at=99.0)
+            return h.on_ack(c, r, ack), [RecordHold(1, "m1", 99.0)]
+        case E.NACK_CHECKPOINT:  # its worker is gone: lost, which re-forms g
+            ack = _ack("m1", K.CHECKPOINT, ok=False, directive_step=13, message="no worker")
+            msg = "member m1 could not checkpoint step 13: no worker"
+            return h.on_ack(c, r, ack), [Fail(1, msg), Lose(("m1",), msg)]
+        case E.DEADLINE:
+            r.acked = ("m0",)
+            msg = "barrier deadline (40.0 s) passed; no ack of CHECKPOINT step 13 from m1"
+            return h.on_deadline(c, r), [Fail(1, msg), Lose(("m1",), msg)]
+        case E.MEMBER_LOST:  # a newcomer: g itself is intact, but its stayers may have switched
+            msg = "member(s) s0 lost during the barrier: gone"
+            return _lose(s, r, "s0"), [Fail(1, msg), Recover("gone")]
+        case E.ABORT_REQUEST:  # too late, as in RENDEZVOUS
+            return h.on_abort_request(c, r, "scaler"), []
+        case E.JOB_FINISHED:  # nobody held at S: the workers finished before it
+            _finished(s)
+            msg = "the job finished at step 10"
+            want = [Supersede("m0", CKPT), Supersede("m1", CKPT), Abort(1, msg)]
+            return h.on_job_finished(c, r), want
+        case E.RESTART:  # carried on: unacked CHECKPOINTs are re-sent on reconnect
+            return h.on_restart(c, r), [ExtendPhase(1, NOW)]
+    return h.on_ack(c, r, _any_ack(event)), []
+
+
+@pytest.mark.parametrize("event", list(ResizeEvent), ids=[e.name for e in ResizeEvent])
+def test_a_committing_barrier(event: ResizeEvent) -> None:
+    got, want = committing(event)
+    assert got == want
+
+
+def test_a_committing_barrier_held_at_another_step_still_resumes_g() -> None:
+    # The CHECKPOINT came late: every rank held together at 14, so no launcher switched
+    # (each switches only at the CHECKPOINT's own step) and g can resume.
+    s = job()
+    r = _committing(s)
+    ack = _ack("m0", K.CHECKPOINT, directive_step=13, checkpoint_step=14, checkpoint_digest="x")
+    msg = "rank 0 (m0) acked without the checkpoint of step 13 (got step 14)"
+    got = PHASES[r.phase].on_ack(Context(s, OVERLAP, NOW), r, ack)
+    assert got == [*_resumes("m0", "m1"), Abort(1, msg)]
+    # Held at 13 without the state's digest: they switched, so the job re-forms.
+    ack = dataclasses.replace(ack, checkpoint_step=13, checkpoint_digest="")
+    msg = "rank 0 (m0) acked without the checkpoint of step 13 (got step 13)"
+    got = PHASES[r.phase].on_ack(Context(s, OVERLAP, NOW), r, ack)
+    assert got == [Fail(1, msg), Recover(msg)]
+
+
+def test_a_barrier_after_every_prepare_commits() -> None:
+    s = job()
+    for seq, (mid, rank) in enumerate((("m0", 0), ("m1", 1), ("s0", 2)), start=1):
+        _acked_prepare(s, seq, mid, rank)
+    r = _preparing(s, acked=("m0", "m1", "s0"))
+    got = PHASES[r.phase].advance(Context(s, OVERLAP, NOW), r)
+    sends = [e for e in got if isinstance(e, Send)]
+    assert [(e.member_id, e.kind, e.checkpoint_step) for e in sends] == [
+        ("m0", K.CHECKPOINT, 13),
+        ("m1", K.CHECKPOINT, 13),
+    ]
+    # Each stayer's CHECKPOINT carries its own g+1 RENDEZVOUS, restore step S.
+    assert [e.rendezvous for e in sends] == [
+        RendezvousInfo(2, 3, rank, ENDPOINTS[0], ENDPOINTS, 13) for rank in (0, 1)
+    ]
+
+
+@pytest.mark.parametrize("tuning", [TUNING, OVERLAP], ids=["plain", "overlap"])
+def test_a_shrink_tells_its_leaver_in_the_checkpoint(tuning: Tuning) -> None:
+    # The leaver's pod then writes no handover that no next worker would read.
+    s = job(actives=3, standby=0)
+    r = _preparing(s, participants=("m0", "m1", "m2"), newcomers=(), leaving=("m2",))
+    r.acked = ("m0", "m1")
+    if tuning is TUNING:
+        r = resize(s, P.WAITING_FOR_MEMBERS, target=2)
+    got = PHASES[r.phase].advance(Context(s, tuning, NOW), r)
+    sends = {e.member_id: e.leaving for e in got if isinstance(e, Send)}
+    assert sends == {"m0": False, "m1": False, "m2": True}

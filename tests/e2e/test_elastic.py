@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -49,6 +50,26 @@ async def job(tmp_path: Path) -> AsyncIterator[LocalJob]:
     await j.close()
 
 
+@pytest.fixture(params=["plain", "overlap"])
+async def job_in_mode(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[LocalJob]:
+    """The same job in each resize mode (docs/resize-protocol.md, "Overlap mode")."""
+    j = LocalJob(
+        tmp_path / "job", [*TRAIN, *SLOW], heartbeat_timeout_s=10.0, resize_mode=request.param
+    )
+    j.start_coordinator()
+    yield j
+    await j.close()
+
+
+def _steps_since(job: LocalJob, generation: int, since: float) -> list[int]:
+    """The steps of ``generation`` rank 0 completed after the wall time ``since``."""
+    return [
+        int(r["step"])
+        for r in loss_records(job.log_dir)
+        if int(r["gen"]) == generation and float(r["t"]) > since
+    ]
+
+
 async def _progress_past(job: LocalJob, step: int, timeout_s: float = 60.0) -> pb.JobStatus:
     return await job.wait_status(lambda s: s.step >= step, timeout_s, f"step {step}")
 
@@ -79,8 +100,9 @@ async def _finished(
 
 
 async def test_resize_2_3_1_2_loses_nothing_and_matches_a_fixed_run(
-    job: LocalJob, tmp_path: Path
+    job_in_mode: LocalJob, tmp_path: Path
 ) -> None:
+    job = job_in_mode
     # Every pod starts now and waits STANDBY (warm) until a grow takes it, lowest index
     # first: a newcomer's cold start under load once outlasted the 200 steps' budget.
     for i in range(4):
@@ -93,10 +115,18 @@ async def test_resize_2_3_1_2_loses_nothing_and_matches_a_fixed_run(
     for target in (3, 1, 2):
         st = await _progress_past(job, (await job.status()).step + 8)  # type: ignore[union-attr]
         assert st.step < STEPS - 20, "the run is too fast for the resizes to land mid-run"
+        decided_at = time.time()
         updates = await job.resize(target)
         final = updates[-1]
         assert final.phase == pb.RESIZE_PHASE_COMPLETED, final
         assert final.lost_steps == 0
+        if job.resize_mode == "overlap":
+            assert pb.RESIZE_PHASE_PREPARING in [u.phase for u in updates], updates
+        # g trained on between the decision and its barrier: while the newcomers started
+        # and, in overlap mode, while g+1's group formed. Counted from rank 0's log.
+        trained = _steps_since(job, st.generation, decided_at)
+        assert trained and max(trained) == final.checkpoint_step, (trained, final)
+        print(f"resize to {target}: {len(trained)} step(s) trained between decision and barrier")
         results.append(final)
         st = await job.wait_status(
             lambda s, t=target: s.world_size == t,  # type: ignore[misc]
@@ -245,7 +275,10 @@ async def test_member_killed_during_the_barrier_aborts_and_the_others_resume(
     check_exactly_once(job.log_dir, DATASET, STEPS, SPE)
 
 
-async def test_coordinator_killed_mid_resize_ends_in_one_generation(job: LocalJob) -> None:
+async def test_coordinator_killed_mid_resize_ends_in_one_generation(job_in_mode: LocalJob) -> None:
+    # In overlap mode the barrier is a commit point: the restarted coordinator carries it on
+    # (members may have switched to g+1 at their hold) instead of resuming g.
+    job = job_in_mode
     for i in range(2):
         job.add_pod(i)
     await job.wait_standby(2)

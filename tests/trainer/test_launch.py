@@ -164,6 +164,68 @@ async def test_overlap_prepare_forms_the_next_generation_in_the_standby(
     assert coord.ack_of(drain) is not None
 
 
+async def test_a_committing_checkpoint_switches_at_the_hold_without_the_rendezvous(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path
+) -> None:
+    """A CHECKPOINT carrying g+1's RENDEZVOUS (overlap mode): at its hold at S the prepared
+    worker trains on before the coordinator's RENDEZVOUS, which then only confirms it; the
+    member keeps reporting its hold in g meanwhile. A failed commit (a plain RENDEZVOUS of a
+    recovery instead) reports, as its last word, the steps the switched worker trained."""
+    coord, port = fake
+    launcher = _launcher(port, tmp_path)
+    run = asyncio.create_task(launcher.run())
+    await eventually(lambda: coord.members, 10, what="registration")
+    (mid,) = coord.members
+    member = coord.members[mid]
+    (rdv,) = coord.rendezvous([mid])
+    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack")
+
+    async def commit() -> tuple[int, int]:
+        await eventually(lambda: launcher.workers.standby is not None, 10, what="a standby")
+        (prep,) = coord.rendezvous([mid], kind=pb.Directive.KIND_PREPARE, prepared=True)
+        await eventually(lambda: coord.ack_of(prep), 10, what="prepare ack")
+        standby = launcher.workers.standby
+        assert standby is not None and coord.ack_of(prep).ok  # type: ignore[union-attr]
+        target = launcher.progress.step + 3
+        info = pb.Rendezvous()
+        info.CopyFrom(prep.rendezvous)
+        info.restore_step = target
+        ckpt = coord.send(
+            mid, kind=pb.Directive.KIND_CHECKPOINT, checkpoint_step=target, rendezvous=info
+        )
+        await eventually(lambda: coord.ack_of(ckpt), 5, what="checkpoint ack")
+        assert coord.ack_of(ckpt).checkpoint_step == target  # type: ignore[union-attr]
+        # No RENDEZVOUS yet, and the prepared worker already trains past S.
+        await eventually(
+            lambda: launcher.workers.went_ahead_step() > target + 2, 5, what="g+1 trains at once"
+        )
+        assert launcher.state is State.HOLDING and launcher.generation == prep.generation
+        assert member.last is not None and member.last.step == target
+        return standby.pid, target
+
+    pid, target = await commit()
+    (confirm,) = coord.rendezvous([mid], restore_step=target, prepared=True)
+    await eventually(lambda: coord.ack_of(confirm), 10, what="prepared rendezvous ack")
+    assert launcher.workers.worker is not None and launcher.workers.worker.pid == pid
+    await eventually(
+        lambda: member.last and member.last.generation == 2 and member.last.step > target + 2,
+        5,
+        what="the switched worker's steps reported in g+1",
+    )
+    assert member.last is not None and member.last.startup.restore_s == pytest.approx(0.02)
+
+    pid, target = await commit()
+    ahead = launcher.workers.went_ahead_step()
+    (recovery,) = coord.rendezvous([mid], restore_step=target)
+    await eventually(lambda: coord.ack_of(recovery), 10, what="recovery rendezvous ack")
+    assert launcher.workers.worker is not None and launcher.workers.worker.pid != pid
+    assert any(hb.generation == 2 and hb.step >= ahead for hb in member.heartbeats)
+
+    drain = coord.send(mid, kind=pb.Directive.KIND_DRAIN)
+    assert await asyncio.wait_for(run, 10) == 0
+    assert coord.ack_of(drain) is not None
+
+
 async def test_prepare_without_a_prewarmed_standby_is_nacked(
     fake: tuple[FakeCoordinator, int], tmp_path: Path
 ) -> None:

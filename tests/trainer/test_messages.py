@@ -38,6 +38,7 @@ TO_WORKER = [
     Start(env={"TIDE_RESTORE_STEP": "40"}),
     Go(env={"TIDE_RESTART_STARTED_AT": "1.7e9"}),
     CheckpointAt(directive_id="d1", step=40),
+    CheckpointAt(directive_id="d9", step=41, leaving=True),
     Hold(directive_id="d2"),
     Resume(directive_id="d3"),
     Exit(),

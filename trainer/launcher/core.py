@@ -283,7 +283,9 @@ class Launcher:
             self._prepare_task = asyncio.create_task(self._prepare(d))
         elif d.kind is DirectiveKind.CHECKPOINT:
             self._pending_acks[d.directive_id] = d
-            self.workers.send(CheckpointAt(directive_id=d.directive_id, step=d.checkpoint_step))
+            self.workers.send(
+                CheckpointAt(directive_id=d.directive_id, step=d.checkpoint_step, leaving=d.leaving)
+            )
             self._fail_pending_if_no_worker()
         elif d.kind is DirectiveKind.HOLD:
             self._pending_acks[d.directive_id] = d
@@ -374,12 +376,20 @@ class Launcher:
         )
         if self.workers.worker is None:
             # A newcomer: its state comes from a peer, over the group, once the stayers join.
-            self._start_prepared(0)
+            self._start_prepared(rdv.generation, 0)
+            if rdv.prepared:
+                # The barrier commits: the stayers' prepared workers join that transfer only
+                # once they switched at their hold, so once restored this one may train.
+                self._go_prepared(rdv.generation)
         await self._ack(self._ack_of(d))
 
-    def _start_prepared(self, restore_step: int) -> None:
+    def _start_prepared(self, generation: int, restore_step: int) -> None:
         envs = [{RESTORE_STEP_ENV: str(restore_step)}] * self.devices.workers
-        self.workers.start_prepared(self.generation + 1, envs)
+        self.workers.start_prepared(generation, envs)
+
+    def _go_prepared(self, generation: int) -> bool:
+        envs = [{RESTART_STARTED_AT_ENV: repr(time.time())}] * self.devices.workers
+        return self.workers.go_prepared(generation, envs)
 
     def _memory_shortfall(self) -> str:
         """Why a prepared worker would not fit on this pod's GPUs now, or ""."""
@@ -406,6 +416,7 @@ class Launcher:
             # A fallback (or a plain resize): a prepare still under way is moot.
             await self._cancel_prepare()
         left = self.state
+        ahead = 0 if rdv.prepared else self.workers.went_ahead_step()
         self._set_state(State.STARTING)
         if (
             self.workers.worker is not None
@@ -419,6 +430,13 @@ class Launcher:
             # Not held: a loss broke the old generation. Where its worker stopped may be a
             # step past what the coordinator heard, and it counts the lost steps from it.
             self.link.send_last_word(self._beat())
+        elif ahead > self.progress.step:
+            # This member switched at a committing barrier that then failed: the steps its
+            # prepared worker trained in the generation that never opened are lost, and the
+            # coordinator counts them from this last word.
+            beat = self._beat()
+            progress = dataclasses.replace(beat.progress, step=ahead)
+            self.link.send_last_word(dataclasses.replace(beat, progress=progress))
         self.generation = d.generation
         # At the restore step, not 0: the coordinator measures step rates from heartbeats,
         # and a 0 before the worker's Ready made the first second of a generation look
@@ -551,13 +569,29 @@ class Launcher:
         if self.state in (State.RUNNING, State.STARTING):
             self._set_state(State.HOLDING)
         ckpt = msg.checkpoint
-        if any(
-            (d := self._pending_acks.get(did)) is not None and d.kind is DirectiveKind.CHECKPOINT
-            for did in msg.directive_ids
-        ):
+        for did in msg.directive_ids:
+            d = self._pending_acks.get(did)
+            if d is None or d.kind is not DirectiveKind.CHECKPOINT:
+                continue
             # Overlap mode: the state of the barrier's step is in this pod's memory now, so a
-            # prepared next worker restores it while the acks travel (it trains only on go).
-            self._start_prepared(msg.step)
+            # prepared next worker restores it while the acks travel.
+            rdv = d.rendezvous
+            self._start_prepared(rdv.generation if rdv else self.generation + 1, msg.step)
+            if rdv is not None and msg.step == d.checkpoint_step:
+                # The CHECKPOINT carried g+1's RENDEZVOUS: the barrier commits here, and the
+                # prepared worker trains from S+1 without waiting for the coordinator's round
+                # trip. Only at S: ranks that held elsewhere (a late CHECKPOINT) stay in g,
+                # which the coordinator then resumes.
+                went = self._go_prepared(rdv.generation)
+                if went:
+                    self.workers.retire_current()
+                logger.info(
+                    "member %s committed to generation %d at step %d%s",
+                    self.member_id,
+                    rdv.generation,
+                    msg.step,
+                    "" if went else " (no prepared worker: it starts with the RENDEZVOUS)",
+                )
         for did in msg.directive_ids:
             d = self._pending_acks.pop(did, None)
             if d is None:

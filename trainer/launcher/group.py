@@ -215,6 +215,22 @@ class WorkerGroup:
             for m, env in zip(self.members, envs, strict=True):
                 m.start_prepared(generation, env)
 
+    def go_prepared(self, generation: int, envs: Sequence[Mapping[str, str]]) -> bool:
+        """The started standbys prepared for ``generation`` train once restored (overlap
+        mode's commit at the barrier); all local workers or none."""
+        if not all(m.prepared_for(generation) for m in self.members):
+            return False
+        return all(
+            [m.go_prepared(generation, env) for m, env in zip(self.members, envs, strict=True)]
+        )
+
+    def retire_current(self) -> None:
+        for m in self.members:
+            m.retire_current()
+
+    def went_ahead_step(self) -> int:
+        return max(m.went_ahead_step() for m in self.members)
+
     def expect_exit(self) -> None:
         for m in self.members:
             m.expect_exit()

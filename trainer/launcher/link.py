@@ -89,7 +89,10 @@ def directive_of(d: pb.Directive) -> Directive:
     except ValueError:
         name = f"KIND_{d.kind}"
     plan = None
-    if kind in (DirectiveKind.RENDEZVOUS, DirectiveKind.PREPARE):
+    # A CHECKPOINT carries one in overlap mode: g+1's prepared RENDEZVOUS (the barrier commits).
+    if kind in (DirectiveKind.RENDEZVOUS, DirectiveKind.PREPARE) or (
+        kind is DirectiveKind.CHECKPOINT and d.HasField("rendezvous")
+    ):
         r = d.rendezvous
         plan = RendezvousPlan(
             rank=r.rank,
@@ -100,7 +103,9 @@ def directive_of(d: pb.Directive) -> Directive:
             prepared=r.prepared,
             generation=r.generation,
         )
-    return Directive(d.directive_id, d.generation, kind, name, d.checkpoint_step, plan)
+    return Directive(
+        d.directive_id, d.generation, kind, name, d.checkpoint_step, plan, leaving=d.leaving
+    )
 
 
 class CoordinatorLink:

@@ -58,7 +58,9 @@ class RendezvousPlan:
     master_endpoint: str
     trainer_endpoints: tuple[str, ...]
     restore_step: int
-    # A RENDEZVOUS whose group the PREPARE of this generation formed ahead (overlap mode).
+    # A RENDEZVOUS whose group the PREPARE of this generation formed ahead (overlap mode);
+    # in a PREPARE: the barrier will commit, so a newcomer's prepared worker trains as soon
+    # as it has restored (its peers restore only once they switched at the barrier).
     prepared: bool = False
     # The generation it forms: a RENDEZVOUS's own; a PREPARE's next one (it is sent in g).
     generation: int = 0
@@ -73,6 +75,8 @@ class Directive:
     kind_name: str
     checkpoint_step: int = 0
     rendezvous: RendezvousPlan | None = None
+    # A CHECKPOINT to a shrink's leaver.
+    leaving: bool = False
 
 
 @dataclass(frozen=True)

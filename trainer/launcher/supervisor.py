@@ -19,6 +19,7 @@ does the process work:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -36,7 +37,7 @@ from trainer.messages import (
     Exit,
     Go,
     Prepared,
-    Ready,
+    Progress,
     Rendezvous,
     Start,
     ToLauncher,
@@ -45,6 +46,24 @@ from trainer.messages import (
 from trainer.spawner import Spawner, WorkerHandle
 
 logger = logging.getLogger(__name__)
+
+#: The niceness of a worker that will not train again (it exits, or its successor took over):
+#: its teardown and its last background write yield the pod's CPUs to the worker that trains.
+RETIRED_NICE = 19
+
+
+def lower_priority(pid: int) -> None:
+    """Every thread of ``pid`` to :data:`RETIRED_NICE` (on Linux a priority is per thread; the
+    worker's background checkpoint writer is one). Best effort: raising one's own processes'
+    niceness needs no privilege, and a process that is gone has nothing to yield."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, RETIRED_NICE)
+
 
 #: What the PaddleJob operators set that would contradict a generation's world.
 OPERATOR_PADDLE_ENV = frozenset(
@@ -108,9 +127,11 @@ class WorkerSupervisor:
         # the Prepared a standby is being waited for (pid, future).
         self._prepared: tuple[int, int] | None = None
         self._preparing: tuple[int, asyncio.Future[Prepared]] | None = None
-        # The prepared standby was told to restore (Start), and what it said once it had.
+        # The prepared standby was told to restore (Start) and to train (Go: overlap mode's
+        # commit at the barrier), and what it said before it became the current worker.
         self._prepared_started = False
-        self._prepared_ready: Ready | None = None
+        self._prepared_went = False
+        self._prepared_said: list[ToLauncher] = []
 
     @property
     def member_id(self) -> str:
@@ -167,10 +188,10 @@ class WorkerSupervisor:
             want, fut = self._preparing
             if pid == want and not fut.done():
                 fut.set_result(msg)
-        elif isinstance(msg, Ready) and self._prepared is not None and self._prepared[1] == pid:
-            # Restored ahead; it becomes this member's word once the RENDEZVOUS makes the
-            # standby the current worker.
-            self._prepared_ready = msg
+        elif self._prepared is not None and self._prepared[1] == pid:
+            # Restored ahead (and, once it went, training): it becomes this member's word
+            # once the RENDEZVOUS makes the standby the current worker.
+            self._prepared_said.append(msg)
 
     def send(self, msg: ToWorker) -> None:
         """To the current worker; queued until it has connected."""
@@ -215,8 +236,7 @@ class WorkerSupervisor:
         if self.standby is not standby or self._closing:
             return
         self.standby = None
-        self._prepared = None
-        self._prepared_started, self._prepared_ready = False, None
+        self._forget_prepared()
         delay = self._standby_backoff.next_delay_s()
         logger.warning(
             "member %s (job %s): prewarmed worker pid %d exited with %d; another in %.2fs",
@@ -250,8 +270,8 @@ class WorkerSupervisor:
         fresh standby is forked when next wanted)."""
         if self._prepared is None:
             return
-        standby, self.standby, self._prepared = self.standby, None, None
-        self._prepared_started, self._prepared_ready = False, None
+        standby, self.standby = self.standby, None
+        self._forget_prepared()
         if standby is not None and standby.returncode is None:
             logger.info("member %s: prepared worker pid %d discarded", self.member_id, standby.pid)
             standby.kill()
@@ -279,8 +299,8 @@ class WorkerSupervisor:
                 prepared = await fut
             finally:
                 self._preparing = None
+        self._forget_prepared()
         self._prepared = (generation, standby.pid)
-        self._prepared_started, self._prepared_ready = False, None
         return prepared
 
     def start_prepared(self, generation: int, env: Mapping[str, str]) -> None:
@@ -291,6 +311,35 @@ class WorkerSupervisor:
             return
         self._prepared_started = True
         self.control.send(s.pid, Start(env=dict(env)))
+
+    def go_prepared(self, generation: int, env: Mapping[str, str]) -> bool:
+        """The standby prepared (and started) for ``generation`` trains as soon as it has
+        restored, before the RENDEZVOUS makes it the current worker: overlap mode's commit at
+        the barrier. At most once; False when there is no such standby."""
+        s = self.standby
+        if s is None or not self._prepared_started or not self.prepared_for(generation):
+            return False
+        if not self._prepared_went:
+            self._prepared_went = True
+            self.control.send(s.pid, Go(env=dict(env)))
+        return True
+
+    def retire_current(self) -> None:
+        """The current worker will not train again (overlap mode's commit at the barrier):
+        what it still does (its durable write, its exit) yields to its successor."""
+        if self.worker is not None and self.worker.returncode is None:
+            lower_priority(self.worker.pid)
+
+    def went_ahead_step(self) -> int:
+        """The step a prepared standby that went has reported (0: none went, or no step):
+        steps a generation that never opened trained, for the lost-step count."""
+        steps = [m.step for m in self._prepared_said if isinstance(m, Progress)]
+        return max(steps, default=0) if self._prepared_went else 0
+
+    def _forget_prepared(self) -> None:
+        self._prepared = None
+        self._prepared_started, self._prepared_went = False, False
+        self._prepared_said = []
 
     # -- a generation's worker ------------------------------------------------------------
 
@@ -306,19 +355,20 @@ class WorkerSupervisor:
             self.start_prepared(generation, env)
             standby = self.standby
             assert standby is not None
-            ready = self._prepared_ready
-            self.standby, self._prepared = None, None
-            self._prepared_started, self._prepared_ready = False, None
+            said, went = self._prepared_said, self._prepared_went
+            self.standby = None
+            self._forget_prepared()
             self._standby_backoff.reset()
             self.worker = standby
             self._expected_exit = False
             if old is not None:
                 self._spawn_task(self.stop(old), "stop-old-worker")
-            self.send(Go(env=dict(env)))
+            if not went:
+                self.send(Go(env=dict(env)))
             worker = self.worker
             self._spawn_task(self._watch(worker), "watch-worker")
-            if ready is not None:
-                await self._on_current_message(ready)
+            for msg in said:
+                await self._on_current_message(msg)
             return worker, True
         self.discard_prepared()
         if self.standby_ready():
@@ -360,6 +410,7 @@ class WorkerSupervisor:
             return
         if worker is self.worker:
             self._expected_exit = True
+        lower_priority(worker.pid)
         self.control.send(worker.pid, Exit())
         try:
             async with asyncio.timeout(self.s.exit_grace_s):

@@ -264,7 +264,8 @@ class Rendezvous(_message.Message):
     prepared: _builtins.bool
     """In a RENDEZVOUS: this generation's group was formed ahead by the PREPARE of the same
     generation, ranks and endpoints (overlap mode); wake the prepared workers. False: the
-    plain path (a prepared worker the launcher may hold is discarded).
+    plain path (a prepared worker the launcher may hold is discarded). In a PREPARE: the
+    barrier will commit, so a newcomer's prepared worker may train once it has restored.
     """
     @_builtins.property
     def trainer_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -343,6 +344,7 @@ class Directive(_message.Message):
     RENDEZVOUS_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    LEAVING_FIELD_NUMBER: _builtins.int
     directive_id: _builtins.str
     """Unique per job; echoed in Ack."""
     kind: Global___Directive.Kind.ValueType
@@ -352,9 +354,15 @@ class Directive(_message.Message):
     """For CHECKPOINT: the step to finish before checkpointing."""
     reason: _builtins.str
     """Why (decision id, loss of a member)."""
+    leaving: _builtins.bool
+    """For CHECKPOINT: this member leaves after the barrier (a shrink's leaver), so its pod
+    hands the state to no next worker; rank 0 still reports the checkpoint.
+    """
     @_builtins.property
     def rendezvous(self) -> Global___Rendezvous:
-        """For RENDEZVOUS."""
+        """For RENDEZVOUS and PREPARE; in overlap mode also for CHECKPOINT: g+1's prepared
+        rendezvous (restore step = checkpoint_step), to switch to at the hold at that step.
+        """
 
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
@@ -370,10 +378,11 @@ class Directive(_message.Message):
         rendezvous: Global___Rendezvous | None = ...,
         deadline: _timestamp_pb2.Timestamp | None = ...,
         reason: _builtins.str = ...,
+        leaving: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "rendezvous", b"rendezvous"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_step", b"checkpoint_step", "deadline", b"deadline", "directive_id", b"directive_id", "generation", b"generation", "kind", b"kind", "reason", b"reason", "rendezvous", b"rendezvous"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_step", b"checkpoint_step", "deadline", b"deadline", "directive_id", b"directive_id", "generation", b"generation", "kind", b"kind", "leaving", b"leaving", "reason", b"reason", "rendezvous", b"rendezvous"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -24,6 +24,11 @@ class Send:
     reason: str
     deadline_s: float
     checkpoint_step: int = 0
+    # Overlap mode: a CHECKPOINT that carries the member's prepared RENDEZVOUS (restore step
+    # S), so that it switches to its prepared worker at its own hold: the barrier commits.
+    rendezvous: RendezvousInfo | None = None
+    # A CHECKPOINT to a shrink's leaver: no handover to a next worker in its pod.
+    leaving: bool = False
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,8 @@ class Outbox:
                     e.reason,
                     e.deadline_s,
                     checkpoint_step=e.checkpoint_step,
+                    rendezvous=e.rendezvous,
+                    leaving=e.leaving,
                 )
             case fx.Prepare():
                 self._send(
@@ -297,6 +299,7 @@ class Outbox:
         *,
         checkpoint_step: int = 0,
         rendezvous: RendezvousInfo | None = None,
+        leaving: bool = False,
     ) -> None:
         job = self.state.job
         job.directive_seq += 1
@@ -311,6 +314,7 @@ class Outbox:
             seq=job.directive_seq,
             checkpoint_step=checkpoint_step,
             rendezvous=rendezvous,
+            leaving=leaving,
             deadline_at=now + deadline_s,
             reason=reason,
         )

@@ -19,6 +19,7 @@ tests/coordinator/test_phases.py fails until every event of it has a case.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -28,6 +29,7 @@ from services.coordinator.domain import (
     DirectiveKind,
     Member,
     MemberState,
+    RendezvousInfo,
     Resize,
     ResizePhase,
     choose_checkpoint_step,
@@ -265,8 +267,13 @@ def _begin(
         return _barrier(c, r, participants, newcomers, leaving)
     ids = {m.member_id for m in leaving}
     ordered = rank_order([m for m in participants if m.member_id not in ids], newcomers)
-    # The restore step is the barrier's, not chosen yet: the RENDEZVOUS brings it.
-    infos = rendezvous_for(ordered, c.state.job.generation + 1, 0)
+    # The restore step is the barrier's, not chosen yet: the CHECKPOINT brings it.
+    # ``prepared`` in a PREPARE says the barrier will commit: a newcomer's prepared worker
+    # may train as soon as it has restored (from peers that only restore once committed).
+    infos = tuple(
+        dataclasses.replace(i, prepared=True)
+        for i in rendezvous_for(ordered, c.state.job.generation + 1, 0)
+    )
     out: list[Effect] = [
         BeginPrepare(
             r.decision_id,
@@ -295,7 +302,10 @@ def _barrier(
     newcomers: Sequence[Member],
     leaving: Sequence[Member],
     note: str = "",
+    commit: Mapping[str, RendezvousInfo] | None = None,
 ) -> list[Effect]:
+    """CHECKPOINT(S) to g. ``commit``: g+1's prepared RENDEZVOUS by member (overlap mode);
+    each stayer's CHECKPOINT carries its own with restore step S, so the barrier commits."""
     step = choose_checkpoint_step(
         (m.step for m in participants),
         (m.steps_per_s for m in participants),
@@ -312,7 +322,9 @@ def _barrier(
             note=note,
         )
     ]
+    leavers = {m.member_id for m in leaving}
     for m in participants:
+        info = (commit or {}).get(m.member_id)
         out.append(
             Send(
                 m.member_id,
@@ -321,6 +333,8 @@ def _barrier(
                 reason=f"decision {r.decision_id}",
                 deadline_s=r.deadline_s,
                 checkpoint_step=step,
+                rendezvous=dataclasses.replace(info, restore_step=step) if info else None,
+                leaving=m.member_id in leavers,
             )
         )
     return out
@@ -337,10 +351,14 @@ class Preparing(PhaseHandler):
         ids = [m.member_id for m in c.state.next_members(r)]
         if not ids or not set(ids) <= set(r.acked):
             return []
-        return self._barrier(c, r)
+        infos = c.state.prepared_rendezvous(r, ids)
+        # Every group formed: the barrier commits (a fallback's barrier is the plain one).
+        return self._barrier(c, r, commit=dict(zip(ids, infos, strict=True)) if infos else None)
 
     @staticmethod
-    def _barrier(c: Context, r: Resize, note: str = "") -> list[Effect]:
+    def _barrier(
+        c: Context, r: Resize, note: str = "", commit: Mapping[str, RendezvousInfo] | None = None
+    ) -> list[Effect]:
         s = c.state
         return _barrier(
             c,
@@ -349,6 +367,7 @@ class Preparing(PhaseHandler):
             [s.members[i] for i in r.newcomers],
             [s.members[i] for i in r.leaving],
             note,
+            commit,
         )
 
     def _fallback(self, c: Context, r: Resize, why: str) -> list[Effect]:
@@ -393,8 +412,25 @@ class Preparing(PhaseHandler):
         return _abort(c, r, "the coordinator restarted before the barrier completed")
 
 
+def _fail_commit(c: Context, r: Resize, message: str, lose: Sequence[str] = ()) -> list[Effect]:
+    """A committing barrier that cannot complete: members that held at S may have switched
+    to g+1's prepared workers, so g cannot resume. The resize FAILS and the job re-forms
+    from its newest good checkpoint, as after a failed RENDEZVOUS."""
+    out: list[Effect] = [Fail(r.decision_id, message)]
+    if lose:
+        out.append(Lose(tuple(lose), message))
+    else:
+        out.append(Recover(message))
+    return out
+
+
 class Checkpointing(PhaseHandler):
-    """The barrier: every participant holds at step S and rank 0 writes S."""
+    """The barrier: every participant holds at step S and rank 0 writes S.
+
+    In overlap mode the CHECKPOINTs carry g+1's prepared RENDEZVOUS and the barrier is a
+    commit point (``JobState.barrier_commits``): a member switches to its prepared worker at
+    its own hold, so past it the resize completes or fails, as from RENDEZVOUS on; only a
+    barrier whose ranks held at another step (nobody switched) is still aborted to g."""
 
     phase = ResizePhase.CHECKPOINTING
 
@@ -427,22 +463,27 @@ class Checkpointing(PhaseHandler):
         ):
             return []
         if not ack.ok:
-            return _abort(
-                c,
-                r,
+            why = (
                 f"member {ack.member_id} could not checkpoint step {r.checkpoint_step}: "
-                f"{ack.message or 'no reason given'}",
+                f"{ack.message or 'no reason given'}"
             )
+            if c.state.barrier_commits(r):
+                return _fail_commit(c, r, why, lose=(ack.member_id,))
+            return _abort(c, r, why)
         held = ack.held_at if ack.held_at else c.now
         if c.state.members[ack.member_id].rank != 0:
             return [RecordHold(r.decision_id, ack.member_id, held)]
         if ack.checkpoint_step != r.checkpoint_step or not ack.checkpoint_digest:
-            return _abort(
-                c,
-                r,
+            why = (
                 f"rank 0 ({ack.member_id}) acked without the checkpoint of step "
-                f"{r.checkpoint_step} (got step {ack.checkpoint_step})",
+                f"{r.checkpoint_step} (got step {ack.checkpoint_step})"
             )
+            if ack.checkpoint_step == r.checkpoint_step and c.state.barrier_commits(r):
+                # Held at S: the launchers switched; only a re-formed generation is safe.
+                return _fail_commit(c, r, why)
+            # Held at another step (the CHECKPOINT came late): every rank of g held there
+            # together and no launcher switched (each does so only at S), so g resumes.
+            return _abort(c, r, why)
         return [
             RecordHold(
                 r.decision_id, ack.member_id, held, ack.checkpoint_digest, ack.checkpoint_write_s
@@ -451,33 +492,40 @@ class Checkpointing(PhaseHandler):
 
     def on_deadline(self, c: Context, r: Resize) -> list[Effect]:
         missing = [i for i in r.participants if i not in r.acked]
-        return _abort(
-            c,
-            r,
+        why = (
             f"barrier deadline ({r.deadline_s:.1f} s) passed; no ack of CHECKPOINT "
-            f"step {r.checkpoint_step} from {', '.join(missing)}",
+            f"step {r.checkpoint_step} from {', '.join(missing)}"
         )
+        if c.state.barrier_commits(r):
+            return _fail_commit(c, r, why, lose=missing)
+        return _abort(c, r, why)
 
     def on_loss(
         self, c: Context, r: Resize | None, lost: Sequence[str], gen_broken: bool, reason: str
     ) -> list[Effect]:
         out: list[Effect] = []
         if r is not None and any(i in r.participants or i in r.newcomers for i in lost):
-            out = _abort(
-                c,
-                r,
-                f"member(s) {', '.join(lost)} lost during the barrier: {reason}",
-                resume=not gen_broken,
-            )
+            why = f"member(s) {', '.join(lost)} lost during the barrier: {reason}"
+            if c.state.barrier_commits(r):
+                # A lost newcomer leaves g intact, but its stayers may have switched.
+                return [Fail(r.decision_id, why), Recover(reason)]
+            out = _abort(c, r, why, resume=not gen_broken)
         return [*out, Recover(reason)] if gen_broken else out
 
     def on_abort_request(self, c: Context, r: Resize, reason: str) -> list[Effect]:
+        if c.state.barrier_commits(r):
+            # Too late, as in RENDEZVOUS: the resize is carried to completion.
+            return []
         return _abort(c, r, f"aborted on request: {reason or 'no reason given'}")
 
     def on_job_finished(self, c: Context, r: Resize) -> list[Effect]:
         return _abort(c, r, _finished_message(c), resume=False)
 
     def on_restart(self, c: Context, r: Resize) -> list[Effect]:
+        if c.state.barrier_commits(r):
+            # Members may have switched at their hold: carry the barrier on (unacked
+            # CHECKPOINTs are re-sent on reconnect), with a fresh deadline.
+            return [ExtendPhase(r.decision_id, c.now)]
         return _abort(c, r, "the coordinator restarted before the barrier completed")
 
 

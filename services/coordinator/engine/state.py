@@ -114,6 +114,19 @@ class JobState:
         ]
         return rank_order(stayers, joining)
 
+    def barrier_commits(self, r: Resize) -> bool:
+        """The barrier of ``r`` is a commit point: its CHECKPOINTs carried g+1's prepared
+        RENDEZVOUS (overlap mode), so a member may have switched to its prepared worker at
+        its hold, and g cannot be resumed once one held at the barrier's step."""
+        return any(
+            d.kind == DirectiveKind.CHECKPOINT
+            and d.rendezvous is not None
+            and d.member_id in r.participants
+            and d.created_at >= r.started_at
+            and d.checkpoint_step == r.checkpoint_step
+            for d in self.directives.values()
+        )
+
     def prepared_rendezvous(
         self, r: Resize, member_ids: Sequence[str]
     ) -> tuple[RendezvousInfo, ...]:
