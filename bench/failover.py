@@ -72,6 +72,7 @@ from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
 from services.testing.actuators import read_changes
 from services.testing.kube import KubeApiServer
+from services.testing.replicas import replica_args
 from tidebase.client import channel_target
 from tidebase.listening import parse_listening
 
@@ -135,22 +136,10 @@ def _replica(
     url: str, tmp: Path, owner: str, lease: list[str]
 ) -> tuple[subprocess.Popen[str], str]:
     return _start(
-        [
-            "-m",
-            "services.testing.scaler",
-            "--coordinator",
-            "memory",
-            "--coordinator-state-file",
-            str(tmp / "coordinator.json"),
-            "--actuator",
-            f"file:{tmp / 'actuator.jsonl'}",
-            "--db",
-            url,
-            "--listen",
-            "127.0.0.1:0",
-            "--insecure",
-            "--owner-id",
+        replica_args(
+            tmp,
             owner,
+            url,
             *lease,
             "--lease-duration-s",
             str(LEASE_S),
@@ -158,9 +147,7 @@ def _replica(
             str(RENEW_S),
             "--min-replicas",
             "1",
-            "--log-level",
-            "WARNING",
-        ],
+        ),
         log=tmp / f"{owner}.log",
     )
 

@@ -32,6 +32,7 @@ import grpc
 from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 from bench.failover import _serving, _start, _wait
+from services.testing.replicas import replica_args
 from tidebase.grpc_options import client_options
 
 T = 5.0
@@ -46,31 +47,17 @@ def _cpu_s(pid: int) -> float:
 
 def _replica(tmp: Path, owner: str) -> tuple[Any, str]:
     return _start(
-        [
-            "-m",
-            "services.testing.scaler",
-            "--coordinator",
-            "memory",
-            "--coordinator-state-file",
-            str(tmp / "coordinator.json"),
-            "--actuator",
-            f"file:{tmp / 'actuator.jsonl'}",
-            "--db",
-            f"sqlite:///{tmp / 'scaler.db'}",
-            "--listen",
-            "127.0.0.1:0",
-            "--insecure",
-            "--owner-id",
+        replica_args(
+            tmp,
             owner,
+            f"sqlite:///{tmp / 'scaler.db'}",
             "--leader-election",
             "sql",
             "--min-replicas",
             "1",
             "--max-gpus-per-node",
             str(GPUS),
-            "--log-level",
-            "WARNING",
-        ],
+        ),
         log=tmp / f"{owner}.log",
     )
 

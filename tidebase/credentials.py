@@ -19,6 +19,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from tidebase.errors import ConfigError
 
@@ -28,6 +29,20 @@ ENV_TLS_CLIENT_CERT_FILE = "TIDE_TLS_CLIENT_CERT_FILE"
 ENV_TLS_CLIENT_KEY_FILE = "TIDE_TLS_CLIENT_KEY_FILE"
 ENV_TOKEN_FILE = "TIDE_TOKEN_FILE"
 CLIENT_ENV = (ENV_TLS_CA_FILE, ENV_TLS_CLIENT_CERT_FILE, ENV_TLS_CLIENT_KEY_FILE, ENV_TOKEN_FILE)
+
+
+class CredentialFields(Protocol):
+    """Whatever names the four files with the fields of these names: a settings class,
+    a CLI's options."""
+
+    @property
+    def tls_ca_file(self) -> str: ...
+    @property
+    def tls_client_cert_file(self) -> str: ...
+    @property
+    def tls_client_key_file(self) -> str: ...
+    @property
+    def token_file(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,16 @@ class ClientCredentials:
                 raise ConfigError(f"{name}: no such file {path!r}")
         if self.token_file:
             object.__setattr__(self, "_token", TokenFile(self.token_file))
+
+    @classmethod
+    def of(cls, source: CredentialFields) -> ClientCredentials:
+        """The credentials ``source`` names, field for field."""
+        return cls(
+            tls_ca_file=source.tls_ca_file,
+            tls_client_cert_file=source.tls_client_cert_file,
+            tls_client_key_file=source.tls_client_key_file,
+            token_file=source.token_file,
+        )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ClientCredentials:

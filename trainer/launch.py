@@ -155,12 +155,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         handover=not ns.no_handover,
         exit_grace_s=ns.exit_grace_s,
         prepare_min_free_mib=ns.prepare_min_free_mib,
-        credentials=ClientCredentials(
-            tls_ca_file=ns.tls_ca_file,
-            tls_client_cert_file=ns.tls_client_cert_file,
-            tls_client_key_file=ns.tls_client_key_file,
-            token_file=ns.token_file,
-        ),
+        credentials=ClientCredentials.of(ns),
         backend=ns.backend,
         workers_per_pod=ns.workers_per_pod,
         leave_grace_s=ns.leave_grace_s,

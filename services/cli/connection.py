@@ -66,12 +66,7 @@ class Connection:
             self.scaler,
             token=self.token,
             timeout_s=self.timeout_s,
-            credentials=ClientCredentials(
-                tls_ca_file=self.tls_ca_file,
-                tls_client_cert_file=self.tls_client_cert_file,
-                tls_client_key_file=self.tls_client_key_file,
-                token_file=self.token_file,
-            ),
+            credentials=ClientCredentials.of(self),
         )
 
     def history(self) -> GrpcScaler | SqlHistory:

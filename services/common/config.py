@@ -174,12 +174,7 @@ class ClientSettings:
 
     def credentials(self) -> ClientCredentials:
         """The credentials; ConfigError naming the setting if they do not fit together."""
-        return ClientCredentials(
-            tls_ca_file=self.tls_ca_file,
-            tls_client_cert_file=self.tls_client_cert_file,
-            tls_client_key_file=self.tls_client_key_file,
-            token_file=self.token_file,
-        )
+        return ClientCredentials.of(self)
 
 
 def _flag(name: str) -> str:

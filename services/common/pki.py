@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from services.common.guard import spiffe_id
+from tidebase.credentials import ClientCredentials
 
 #: Local mode's namespace and ServiceAccount in the identities it issues.
 LOCAL_NS = "local"
@@ -166,6 +167,15 @@ class CertificateAuthority:
         sub.__dict__.update(self.__dict__)
         sub.dir = Path(directory)
         return sub.issue("launcher", uris=(uri,))
+
+    def credentials(self, issued: Issued, token_file: str = "") -> ClientCredentials:
+        """What a client holding ``issued`` presents to a server this CA signed."""
+        return ClientCredentials(
+            tls_ca_file=self.ca_file,
+            tls_client_cert_file=issued.cert_file,
+            tls_client_key_file=issued.key_file,
+            token_file=token_file,
+        )
 
     def scaler(self) -> Issued:
         return self.issue("scaler", uris=(spiffe_id(LOCAL_NS, LOCAL_SA, "scaler"),))

@@ -158,12 +158,7 @@ class LocalCluster:
             return ClientCredentials(token_file=token) if token else NO_CREDENTIALS
         issued = issued or self.admin
         assert issued is not None
-        return ClientCredentials(
-            tls_ca_file=self.ca.ca_file,
-            tls_client_cert_file=issued.cert_file,
-            tls_client_key_file=issued.key_file,
-            token_file=token,
-        )
+        return self.ca.credentials(issued, token_file=token)
 
     def _env(self) -> dict[str, str]:
         """Every service's environment: the mode, the admin token, and none of the

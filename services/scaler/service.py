@@ -337,9 +337,7 @@ class ScalerCore:
             for job_id, last in (await self.store.last_completed_many(batch)).items():
                 self._restore_last(job_id, last)
         for d in await self.store.non_final():
-            self.active[d.job_id] = d.id
-            self._leaving[d.id] = _leaving_of(d)
-            self.metrics.decision_started(d)
+            self._track(d)
         await self.controller.recover(self._deadline_of)
 
     # -- sharded (services/scaler/shards.py, services/scaler/sharding.py) ------------------
@@ -390,9 +388,7 @@ class ScalerCore:
         for d in await self.store.non_final():
             if d.job_id not in taken:
                 continue
-            self.active[d.job_id] = d.id
-            self._leaving[d.id] = _leaving_of(d)
-            self.metrics.decision_started(d)
+            self._track(d)
             logger.info(
                 "resuming decision %d of job %s from %s (shard taken)",
                 d.id,
@@ -895,7 +891,15 @@ class ScalerCore:
         *,
         started_s: float | None = None,
     ) -> DecisionRecord:
-        record = await self.store.create(
+        record = await self._persist(d, inputs, requested_by)
+        self._launch(record, d.message, started_s=started_s)
+        return record
+
+    async def _persist(
+        self, d: pol.Decision, inputs: dict[str, Any], requested_by: str = ""
+    ) -> DecisionRecord:
+        """Write ``d`` as a PENDING decision (DecisionInProgress: the job has one)."""
+        return await self.store.create(
             job_id=d.job_id,
             from_replicas=d.from_replicas,
             to_replicas=d.to_replicas,
@@ -905,17 +909,19 @@ class ScalerCore:
             inputs=inputs,
             requested_by=requested_by,
         )
-        self._launch(record, d.message, started_s=started_s)
-        return record
+
+    def _track(self, record: DecisionRecord) -> None:
+        """A decision not final is the job's one in flight, with the pods it drains."""
+        self.active[record.job_id] = record.id
+        self._leaving[record.id] = _leaving_of(record)
+        self.metrics.decision_started(record)
 
     def _launch(
         self, record: DecisionRecord, message: str, *, started_s: float | None = None
     ) -> None:
         """Hand a committed PENDING decision to the controller (its trace starts at
         ``started_s``, the tipping sample, when the policy made it)."""
-        self.active[record.job_id] = record.id
-        self._leaving[record.id] = _leaving_of(record)
-        self.metrics.decision_started(record)
+        self._track(record)
         self._publish(record, message)
         self.controller.fault("decision:PENDING")
         self.controller.start(
@@ -1032,20 +1038,11 @@ class ScalerCore:
         )
         inputs = {"current_replicas": job.current_replicas, "lost_steps": lost}
         try:
-            record = await self.store.create(
-                job_id=job_id,
-                from_replicas=d.from_replicas,
-                to_replicas=d.to_replicas,
-                reason=d.reason.name,
-                trigger=d.trigger.name,
-                message=message,
-                inputs=inputs,
-            )
+            record = await self._persist(d, inputs)
         except DecisionInProgress:
             return
         self._lost_seen[job_id] = st.lost_steps_total
-        self.active[job_id] = record.id
-        self.metrics.decision_started(record)
+        self._track(record)
         self._publish(record, message)
         logger.warning(
             "job %s: decision %d: %s",

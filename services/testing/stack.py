@@ -63,11 +63,7 @@ class Stack:
             return NO_CREDENTIALS
         if issued is None:
             return ClientCredentials(tls_ca_file=self.ca.ca_file)
-        return ClientCredentials(
-            tls_ca_file=self.ca.ca_file,
-            tls_client_cert_file=issued.cert_file,
-            tls_client_key_file=issued.key_file,
-        )
+        return self.ca.credentials(issued)
 
     def channel(self, target: str, issued: Issued | None = None) -> grpc.aio.Channel:
         return open_channel(target, credentials=self.credentials(issued), own_subchannels=True)
@@ -132,12 +128,7 @@ async def start_stack(
     actuator = InMemoryActuator()
     link_creds = NO_CREDENTIALS
     if ca is not None:
-        scaler_id = ca.scaler()
-        link_creds = ClientCredentials(
-            tls_ca_file=ca.ca_file,
-            tls_client_cert_file=scaler_id.cert_file,
-            tls_client_key_file=scaler_id.key_file,
-        )
+        link_creds = ca.credentials(ca.scaler())
     link = open_channel(f"127.0.0.1:{coordinator.port}", credentials=link_creds)
     closers.append(link.close)
     core = ScalerCore(

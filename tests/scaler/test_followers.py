@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2_grpc
 
+from services.testing.replicas import replica_args
 from tests.scaler.support import report
 from tests.support.poll import eventually_rpc
 from tests.support.procs import ServiceProcess, start_service
@@ -31,22 +32,10 @@ T = 5.0
 
 def replica(tmp: Path, owner: str) -> ServiceProcess:
     return start_service(
-        [
-            "-m",
-            "services.testing.scaler",
-            "--coordinator",
-            "memory",
-            "--coordinator-state-file",
-            str(tmp / "coordinator.json"),
-            "--actuator",
-            f"file:{tmp / 'actuator.jsonl'}",
-            "--db",
-            f"sqlite:///{tmp / 'scaler.db'}",
-            "--listen",
-            "127.0.0.1:0",
-            "--insecure",
-            "--owner-id",
+        replica_args(
+            tmp,
             owner,
+            f"sqlite:///{tmp / 'scaler.db'}",
             "--leader-election",
             "sql",
             "--lease-duration-s",
@@ -67,9 +56,7 @@ def replica(tmp: Path, owner: str) -> ServiceProcess:
             "4",
             "--min-scale-up-efficiency",
             "0",
-            "--log-level",
-            "WARNING",
-        ]
+        )
     )
 
 

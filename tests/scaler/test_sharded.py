@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2_grpc
 
 from services.scaler.shards import SHARD_LEASE_PREFIX, assign, shard_of
+from services.testing.replicas import replica_args
 from tests.scaler.support import report
 from tests.support.pg import schema_url
 from tests.support.poll import eventually_rpc
@@ -49,22 +50,10 @@ def db_url(pg_admin: sa.Engine, pg_url: str) -> Iterator[str]:
 
 def replica(tmp: Path, db_url: str, owner: str) -> ServiceProcess:
     return start_service(
-        [
-            "-m",
-            "services.testing.scaler",
-            "--coordinator",
-            "memory",
-            "--coordinator-state-file",
-            str(tmp / "coordinator.json"),
-            "--actuator",
-            "memory",
-            "--db",
-            db_url,
-            "--listen",
-            "127.0.0.1:0",
-            "--insecure",
-            "--owner-id",
+        replica_args(
+            tmp,
             owner,
+            db_url,
             "--shards",
             str(SHARDS),
             "--lease-duration-s",
@@ -89,9 +78,8 @@ def replica(tmp: Path, db_url: str, owner: str) -> ServiceProcess:
             "3",
             "--min-scale-up-efficiency",
             "0",
-            "--log-level",
-            "WARNING",
-        ]
+            actuator="memory",
+        )
     )
 
 

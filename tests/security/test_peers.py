@@ -34,11 +34,7 @@ SERVICE = "tide-scaler"
 
 
 def creds(ca: CertificateAuthority, issued: Issued) -> ClientCredentials:
-    return ClientCredentials(
-        tls_ca_file=ca.ca_file,
-        tls_client_cert_file=issued.cert_file,
-        tls_client_key_file=issued.key_file,
-    )
+    return ca.credentials(issued)
 
 
 async def test_only_scalers_ship_partials_checked_by_the_service_name(tmp_path: Path) -> None:

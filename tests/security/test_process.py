@@ -18,7 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.pki import CertificateAuthority
 from tests.support.procs import ROOT, start_service
 from tidebase.client import open_channel
-from tidebase.credentials import ClientCredentials
 
 pytestmark = pytest.mark.integration
 
@@ -101,11 +100,7 @@ def test_health_is_plaintext_on_its_port_and_nothing_else_answers_without_creden
         async with grpc.aio.insecure_channel(svc.target) as ch:
             with pytest.raises(grpc.aio.AioRpcError) as plain:
                 await ch.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=10)
-        creds = ClientCredentials(
-            tls_ca_file=ca.ca_file,
-            tls_client_cert_file=ca.scaler().cert_file,
-            tls_client_key_file=ca.scaler().key_file,
-        )
+        creds = ca.credentials(ca.scaler())
         garbage = 0
         async with open_channel(svc.target, credentials=creds) as ch:
             call = ch.unary_unary("/tide.v1.Coordinator/GetJobStatus")

@@ -14,7 +14,7 @@ from typing import Any
 from kubernetes import client
 
 from services.scaler.kube.client import Reflector
-from services.scaler.kube.paddlejob import GPU
+from services.scaler.kube.paddlejob import GPU, spec_gpus
 
 Obj = Mapping[str, Any]
 
@@ -37,13 +37,8 @@ def node_gpus(node: Obj) -> int:
 
 
 def pod_gpus(pod: Obj) -> int:
-    """GPUs a pod holds: the sum over its containers (limits, else requests); init
-    containers run before and are not counted."""
-    n = 0
-    for c in pod.get("spec", {}).get("containers") or []:
-        res = c.get("resources") or {}
-        n += _int((res.get("limits") or {}).get(GPU, (res.get("requests") or {}).get(GPU)))
-    return n
+    """GPUs a pod holds: :func:`spec_gpus` of its spec."""
+    return spec_gpus(pod.get("spec", {}))
 
 
 def free_gpus(nodes: Iterable[Obj], pods: Iterable[Obj]) -> int:

@@ -146,10 +146,10 @@ def _int_or_none(v: Any) -> int | None:
         return None
 
 
-def gpus_of(worker: Obj) -> int:
-    """GPUs of one worker pod: the sum of its containers' nvidia.com/gpu (limits, else
-    requests); at least 1, since a replica is what Tide counts."""
-    spec = (worker.get("template") or {}).get("spec") or {}
+def spec_gpus(spec: Mapping[str, Any]) -> int:
+    """GPUs of a pod spec: the sum of its containers' nvidia.com/gpu (limits, else
+    requests; a value that is no number counts 0); init containers run before them
+    and are not counted."""
     n = 0
     for c in spec.get("containers") or []:
         res = c.get("resources") or {}
@@ -157,7 +157,13 @@ def gpus_of(worker: Obj) -> int:
             _int_or_none((res.get("limits") or {}).get(GPU, (res.get("requests") or {}).get(GPU)))
             or 0
         )
-    return max(1, n)
+    return n
+
+
+def gpus_of(worker: Obj) -> int:
+    """GPUs of one worker pod: :func:`spec_gpus` of its template; at least 1, since a
+    replica is what Tide counts."""
+    return max(1, spec_gpus((worker.get("template") or {}).get("spec") or {}))
 
 
 def view(kind: Kind, obj: Obj) -> JobView:
