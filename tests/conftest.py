@@ -51,3 +51,13 @@ def pg_url() -> str:
         "TIDE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/tide_test"
     )
     return url
+
+
+@pytest.fixture(autouse=True)
+def _process_log_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with no process-wide log ids: `tidebase.logs.bind_process` (the
+    launcher's parse_args binds the job) would otherwise leak into the next test's lines
+    (test_launch then test_logs failed in that order)."""
+    from tidebase import logs
+
+    monkeypatch.setattr(logs, "_process", {})
