@@ -353,7 +353,7 @@ def test_take_notices_ships_each_active_notice_per_forwarded_job_until_its_deadl
     st = engine.open_stream()
     r = report("n1", 1, t=T0, pods=PODS)
     ev = r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
-    ev.deadline.CopyFrom(ts_from_seconds(T0 + 5.0))
+    ev.deadline.FromNanoseconds(int((T0 + 5.0) * 1e9))
     engine.process(st, r)  # the notice in the node's first report: attributed already
     assert shipped == [1]
     want = [NodeNotice("ns/a", "n1", ev.kind, T0 + 5.0, frozenset({"a-0", "a-1"}))]
