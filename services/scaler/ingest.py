@@ -21,7 +21,7 @@ from tide.v1 import telemetry_pb2
 
 from services.common.clock import Clock
 from services.scaler.members import MemberRegistry
-from services.scaler.partials import JobPartial, Partials
+from services.scaler.partials import JobPartial, NodeNotice, Partials
 from services.scaler.policy import WindowView
 from services.scaler.windows import JobWindow, NodeGpus, Rollups, stagger_offset
 from tidebase.errors import AlreadyExists, ConfigError, InvalidArgument
@@ -233,6 +233,15 @@ class IngestEngine:
         self.partials = Partials()
         # Coverage shipped by other replicas: job → (node, GPU index) → last sample time.
         self.remote_seen: dict[str, dict[tuple[str, int], float]] = {}
+        # Nodes whose notice is active here (shipped to the owners of their jobs every
+        # shipment until the deadline): a shipment reads these, not every node.
+        self.noticed: dict[str, NodeState] = {}
+        # A notice landed on a node holding GPUs of a job owned elsewhere: ship now.
+        self.on_forward_notice: Callable[[], None] | None = None
+        # Notices shipped by other replicas: job → node → (notice, last received). Kept
+        # while resent; one not resent for stale_after_s is over (uncordoned, or past
+        # its deadline), as a GPU not reported for that long no longer counts.
+        self.remote_notices: dict[str, dict[str, tuple[NodeNotice, float]]] = {}
         # Plain ints on the hot path; exported by metrics.IngestCollector at scrape time.
         self.reports_accepted = 0
         self.reports_duplicate = 0
@@ -365,10 +374,12 @@ class IngestEngine:
         if t < node.last_sampled_s:
             return self._drop(Rejection.TIMESTAMP_OUT_OF_ORDER, boot, acked)
         node.last_sampled_s = t
-        if r.events:
-            self._events(node, r.events)
         if n:
             self._samples(node, gpus, cap, t)
+        if r.events:
+            # After the samples: a notice in a node's first report reaches the jobs its
+            # GPUs hold as of that report.
+            self._events(node, r.events)
         self.reports_accepted += 1
         return boot, acked
 
@@ -483,6 +494,7 @@ class IngestEngine:
                 if node.notice != _EVENT.KIND_TERMINATION_NOTICE:
                     node.notice = kind
                 node.notice_deadline_s = deadline or node.notice_deadline_s
+                self.noticed[node.name] = node
                 logger.warning(
                     "node %s: %s (%s); its jobs shrink off it",
                     node.name,
@@ -494,9 +506,17 @@ class IngestEngine:
                 if self.on_notice is not None:
                     for j in jobs:
                         self.on_notice(j)
+                forward = self.forward
+                if (
+                    self.on_forward_notice is not None
+                    and forward is not None
+                    and any(forward(j) for j in jobs)
+                ):
+                    self.on_forward_notice()
             elif kind == _EVENT.KIND_UNCORDONED:
                 node.notice = 0
                 node.notice_deadline_s = None
+                self.noticed.pop(node.name, None)
                 logger.info("node %s: uncordoned", node.name, extra={"node": node.name})
             elif kind == _EVENT.KIND_AGENT_SHUTDOWN:
                 logger.info(
@@ -521,6 +541,7 @@ class IngestEngine:
     def drop_job(self, job_id: str) -> None:
         self.reshape(job_id)
         self.remote_seen.pop(job_id, None)
+        self.remote_notices.pop(job_id, None)
         self.rollups.drop_job(job_id)
         self.job_nodes.pop(job_id, None)
 
@@ -564,6 +585,59 @@ class IngestEngine:
                             self.on_slot(job, w.offset_s + slot * w.slot_s)
             for sec, (total, count, lo, hi) in p.seconds.items():
                 self.rollups.add(job, float(sec), total, int(count), lo, hi)
+
+    def take_notices(self, now_s: float) -> list[NodeNotice]:
+        """The active notices of nodes holding GPUs of jobs owned elsewhere, one per job
+        and node: every shipment carries them all again until the notice's deadline
+        passes (or the node stops reporting), so a lost shipment costs one interval and
+        a job whose shard moved has its new owner told within one shipment."""
+        forward = self.forward
+        if forward is None or not self.noticed:
+            return []
+        horizon = now_s - self.settings.stale_after_s
+        out: list[NodeNotice] = []
+        for name, node in list(self.noticed.items()):
+            deadline = node.notice_deadline_s
+            if (
+                not node.notice
+                or (deadline is not None and deadline < now_s)
+                or node.last_sampled_s < horizon
+            ):
+                # Over: the node went (or is going without a word more); the owner's
+                # copy runs out stale_after_s after the last resend.
+                del self.noticed[name]
+                continue
+            pods: dict[str, set[str]] = {}
+            for p, j in zip(node.pods, node.gpus.job, strict=False):
+                if j is not None and p and forward(j):
+                    pods.setdefault(j, set()).add(p)
+            out.extend(
+                NodeNotice(j, name, node.notice, deadline, frozenset(ps)) for j, ps in pods.items()
+            )
+        return out
+
+    def merge_notices(self, notices: Iterable[NodeNotice]) -> tuple[int, int]:
+        """Notices another replica shipped for jobs owned here, applied as if this
+        replica's own agent stream had carried them (the job's evaluation is woken, and
+        ``terminating_pods`` counts them). Returns (applied, duplicates): a resent notice,
+        or one for a node already noticed here for those pods, is applied once."""
+        now = self.clock.now()
+        applied = duplicate = 0
+        for n in notices:
+            held = self.remote_notices.setdefault(n.job_id, {})
+            last = held.get(n.node)
+            held[n.node] = (n, now)
+            if last is not None and last[0] == n:
+                duplicate += 1
+                continue
+            local = self.nodes.get(n.node)
+            if local is not None and local.notice and n.pods <= set(local.pods):
+                duplicate += 1  # this replica's own stream carried it already
+                continue
+            applied += 1
+            if self.on_notice is not None:
+                self.on_notice(n.job_id)
+        return applied, duplicate
 
     def fresh_gpus(self, now_s: float) -> dict[str, int]:
         """Per job, GPUs with a sample newer than the staleness limit."""
@@ -650,6 +724,22 @@ class IngestEngine:
                 d = node.notice_deadline_s
                 if d is not None and (deadline is None or d < deadline):
                     deadline = d
+        remote = self.remote_notices.get(job_id)
+        if remote:
+            # Shipped by the replicas the nodes' agents stream to; a pod noticed both
+            # here and there is one pod (a set).
+            horizon = self.clock.now() - self.settings.stale_after_s
+            for name, (n, received) in list(remote.items()):
+                if received < horizon:
+                    del remote[name]
+                    continue
+                mine = {p for p in n.pods if by_uid.get(p) == job_id or by_name.get(p) == job_id}
+                if mine:
+                    pods |= mine
+                    node_name = node_name or name
+                    d = n.deadline_s
+                    if d is not None and (deadline is None or d < deadline):
+                        deadline = d
         return pods, node_name, deadline
 
     def window_view(self, job_id: str, now_s: float, gpus_expected: int, fresh: int) -> WindowView:

@@ -52,6 +52,10 @@ FINAL_STATES: Final = ("completed", "aborted", "failed")
 #: Why partial aggregates were dropped (``tide_scaler_partials_dropped_total``).
 PARTIALS_DROPPED: Final = ("no_owner", "busy", "failed", "refused")
 
+#: What became of node notices shipped by other replicas
+#: (``tide_scaler_notices_received_total``): new here, already known, not owned here.
+NOTICES_RECEIVED: Final = ("applied", "duplicate", "refused")
+
 #: Parts of the decision latency (``tide_scaler_decision_latency_stage_seconds``).
 STAGES: Final = ("transport", "queue", "evaluate")
 
@@ -290,6 +294,19 @@ class ScalerMetrics:
             "Jobs' partial aggregates from other replicas merged into this one's windows.",
             registry=r,
         )
+        self.notices_shipped = Counter(
+            "tide_scaler_notices_shipped_total",
+            "Node notices (job, node) shipped to the jobs' owners; each active one is"
+            " resent every shipment until its deadline.",
+            registry=r,
+        )
+        self.notices_received = Counter(
+            "tide_scaler_notices_received_total",
+            "Node notices from other replicas, by result: applied (new here),"
+            " duplicate (a resend, or already seen), refused (job not owned here).",
+            ["result"],
+            registry=r,
+        )
         self.shards_held = Gauge(
             "tide_scaler_shards_held",
             "Shards whose lease this replica holds (sharded deployments).",
@@ -297,6 +314,8 @@ class ScalerMetrics:
         )
         for reason in PARTIALS_DROPPED:
             self.partials_dropped.labels(reason)
+        for result in NOTICES_RECEIVED:
+            self.notices_received.labels(result)
         for source in DRIFT_SOURCES:
             self.drift.labels(source)
         self._stages = tuple(self.decision_stage.labels(s) for s in STAGES)

@@ -75,3 +75,20 @@ class Partials:
     def take(self) -> dict[str, JobPartial]:
         out, self._acc = self._acc, {}
         return out
+
+
+@dataclass(frozen=True)
+class NodeNotice:
+    """A node's termination notice or cordon, for one job with pods on the node: what a
+    replica that saw it on its agent stream ships to the job's owner with its partials.
+    Resent every shipment while active, so an owner that gained the job's shard since
+    learns it within one shipment; equal ones are one notice (applied once)."""
+
+    job_id: str
+    node: str
+    #: telemetry NodeEvent.Kind: KIND_TERMINATION_NOTICE or KIND_CORDONED.
+    kind: int
+    #: Unix seconds by which the node goes; None: the notice named none.
+    deadline_s: float | None
+    #: The job's pods on the node (uid, else name: as its GPUs were attributed).
+    pods: frozenset[str]

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import grpc
 from tide.v1 import peers_pb2, peers_pb2_grpc
 
-from services.scaler.partials import JobPartial
+from services.scaler.partials import JobPartial, NodeNotice
 from tidebase.client import domain_error, open_channel
 from tidebase.credentials import ClientCredentials
 
@@ -27,10 +27,17 @@ logger = logging.getLogger(__name__)
 
 class PeerLink(Protocol):
     async def ship(
-        self, address: str, sender: str, parts: Sequence[JobPartial], *, timeout_s: float
+        self,
+        address: str,
+        sender: str,
+        parts: Sequence[JobPartial],
+        notices: Sequence[NodeNotice] = (),
+        *,
+        timeout_s: float,
     ) -> tuple[int, int]:
-        """Ship ``parts`` to the replica at ``address``; returns (bytes sent, parts it
-        refused). Raises a TideError when it does not answer within ``timeout_s``."""
+        """Ship ``parts`` and ``notices`` to the replica at ``address``; returns (bytes
+        sent, parts it refused). Raises a TideError when it does not answer within
+        ``timeout_s``."""
         ...
 
     def keep(self, addresses: Iterable[str]) -> None:
@@ -73,6 +80,30 @@ def partial_from_proto(m: peers_pb2.JobPartial) -> JobPartial:
     )
 
 
+def notice_to_proto(n: NodeNotice) -> peers_pb2.NodeNotice:
+    return peers_pb2.NodeNotice(
+        job_id=n.job_id,
+        node_name=n.node,
+        kind=n.kind,  # type: ignore[arg-type]
+        deadline_s=n.deadline_s or 0.0,
+        pods=sorted(n.pods),
+    )
+
+
+def notice_from_proto(m: peers_pb2.NodeNotice) -> NodeNotice:
+    return NodeNotice(m.job_id, m.node_name, m.kind, m.deadline_s or None, frozenset(m.pods))
+
+
+def ship_request(
+    sender: str, parts: Sequence[JobPartial], notices: Sequence[NodeNotice]
+) -> peers_pb2.ShipPartialsRequest:
+    return peers_pb2.ShipPartialsRequest(
+        sender=sender,
+        jobs=[partial_to_proto(p) for p in parts],
+        notices=[notice_to_proto(n) for n in notices],
+    )
+
+
 class GrpcPeerLink:
     def __init__(self, credentials: ClientCredentials, *, tls_server_name: str = "") -> None:
         self.credentials = credentials
@@ -91,11 +122,15 @@ class GrpcPeerLink:
         return peers_pb2_grpc.ScalerPeersStub(ch)
 
     async def ship(
-        self, address: str, sender: str, parts: Sequence[JobPartial], *, timeout_s: float
+        self,
+        address: str,
+        sender: str,
+        parts: Sequence[JobPartial],
+        notices: Sequence[NodeNotice] = (),
+        *,
+        timeout_s: float,
     ) -> tuple[int, int]:
-        req = peers_pb2.ShipPartialsRequest(
-            sender=sender, jobs=[partial_to_proto(p) for p in parts]
-        )
+        req = ship_request(sender, parts, notices)
         try:
             resp = await self._stub(address).ShipPartials(req, timeout=timeout_s)
         except grpc.RpcError as exc:

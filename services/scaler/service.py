@@ -35,7 +35,7 @@ from services.scaler.leader import LeaderElector
 from services.scaler.lifecycle import FaultHook
 from services.scaler.members import CoordinatorMemberRegistry
 from services.scaler.metrics import ScalerMetrics
-from services.scaler.partials import JobPartial
+from services.scaler.partials import JobPartial, NodeNotice
 from services.scaler.pool import WANTING, PoolClaims
 from services.scaler.preemption import plan_notice
 from services.scaler.reconcile import Drift
@@ -427,6 +427,18 @@ class ScalerCore:
         mine = [p for p in parts if self.acts_on(p.job_id)]
         self.engine.merge_partials(sender, mine)
         return len(parts) - len(mine)
+
+    def receive_notices(self, notices: Sequence[NodeNotice]) -> tuple[int, int]:
+        """Another replica's node notices: those of jobs acted on here are applied as this
+        replica's own agent streams' are (docs/preemption.md), a resent one once. Returns
+        (applied, refused); the refused are resent to the job's new owner."""
+        ours = [n for n in notices if self.acts_on(n.job_id)]
+        applied, duplicate = self.engine.merge_notices(ours)
+        m = self.metrics.notices_received
+        m.labels("applied").inc(applied)
+        m.labels("duplicate").inc(duplicate)
+        m.labels("refused").inc(len(notices) - len(ours))
+        return applied, len(notices) - len(ours)
 
     def _restore_last(self, job_id: str, last: DecisionRecord) -> None:
         """What the job's last completed resize tells the policy and the goodput guard."""

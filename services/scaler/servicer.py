@@ -45,7 +45,7 @@ from services.scaler.convert import (
 )
 from services.scaler.ingest import IngestEngine, InvalidStream, StreamConflict
 from services.scaler.lifecycle import state_from_proto, state_to_proto
-from services.scaler.peers import partial_from_proto
+from services.scaler.peers import notice_from_proto, partial_from_proto
 from services.scaler.service import ScalerCore
 from services.scaler.store import JobRecord
 from services.store.db import utc_from_epoch
@@ -430,6 +430,15 @@ class ScalerPeersServicer(peers_pb2_grpc.ScalerPeersServicer):
         self, request: peers_pb2.ShipPartialsRequest, context: Ctx
     ) -> peers_pb2.ShipPartialsResponse:
         parts = [partial_from_proto(m) for m in request.jobs]
+        # Notices first: a preemption is the urgent part of a shipment.
+        applied, notices_refused = self.core.receive_notices(
+            [notice_from_proto(m) for m in request.notices]
+        )
         refused = await self.core.receive_partials(request.sender, parts)
         self.core.metrics.partials_received.inc(len(parts) - refused)
-        return peers_pb2.ShipPartialsResponse(merged=len(parts) - refused, refused=refused)
+        return peers_pb2.ShipPartialsResponse(
+            merged=len(parts) - refused,
+            refused=refused,
+            notices_applied=applied,
+            notices_refused=notices_refused,
+        )

@@ -15,6 +15,11 @@ With ``--shards N`` every replica runs (services/scaler/app.py):
   at most one shipment per owner in flight; a shipment that finds the previous
   one still on its way, or a job whose shard has no live lease, is dropped and
   counted (``tide_scaler_partials_dropped_total{reason}``), never queued.
+- **notices**: a node's termination notice or cordon seen here, for a job owned
+  elsewhere, rides every shipment to the job's owner until its deadline passes (so
+  a shipment lost, or a shard that moved, costs at most one interval), and a new
+  one triggers a shipment at once: the owner has seconds to act on it, and notices
+  are rare (docs/preemption.md).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import contextlib
 import logging
 from collections import defaultdict
 
-from services.scaler.partials import JobPartial
+from services.scaler.partials import JobPartial, NodeNotice
 from services.scaler.peers import PeerLink
 from services.scaler.service import ScalerCore
 from services.scaler.shards import ShardLeases, shard_of
@@ -50,11 +55,13 @@ class Sharding:
         #: (a set lookup per job and report, no clock read).
         self._owned: set[int] = set()
         self._in_flight: dict[str, asyncio.Task[None]] = {}
+        self._ship_soon = False
         shards = leases.settings.shards
         owned = self._owned
         core.shards = leases
         core.controller.may_act_on = leases.owns
         core.engine.forward = lambda job: shard_of(job, shards) not in owned
+        core.engine.on_forward_notice = self._notice_soon
         leases.on_stop = self._stop
 
     async def _stop(self, shards: set[int]) -> None:
@@ -90,32 +97,61 @@ class Sharding:
         )
 
     def ship(self) -> None:
-        """Hand what was gathered since the last shipment to each owner (one task per
-        owner, at most one in flight)."""
+        """Hand what was gathered since the last shipment, and every active node notice
+        of jobs owned elsewhere, to each owner (one task per owner, at most one in
+        flight)."""
+        self._ship_soon = False
         parts = self.core.engine.take_partials()
-        if not parts:
+        notices = self.core.engine.take_notices(self.core.clock.now())
+        if not parts and not notices:
             return
         m = self.core.metrics
-        by_owner: dict[str, list[JobPartial]] = defaultdict(list)
+        by_owner: dict[str, tuple[list[JobPartial], list[NodeNotice]]] = defaultdict(
+            lambda: ([], [])
+        )
         for p in parts:
-            owner = self.leases.owner_of(p.job_id)
-            if owner is None or owner.held_by(self.leases.me) or not owner.address:
+            address = self._address_of(p.job_id)
+            if address is None:
                 m.partials_dropped.labels("no_owner").inc()
                 continue
-            by_owner[owner.address].append(p)
-        for address, batch in by_owner.items():
+            by_owner[address][0].append(p)
+        for n in notices:
+            # No owner now: resent next shipment, when the shard may have one.
+            address = self._address_of(n.job_id)
+            if address is not None:
+                by_owner[address][1].append(n)
+        for address, (batch, noticed) in by_owner.items():
             running = self._in_flight.get(address)
             if running is not None and not running.done():
+                # Notices are resent with the next shipment; partials are lost.
                 m.partials_dropped.labels("busy").inc(len(batch))
                 continue
-            task = asyncio.create_task(self._ship(address, batch), name=f"ship-{address}")
+            task = asyncio.create_task(self._ship(address, batch, noticed), name=f"ship-{address}")
             self._in_flight[address] = task
 
-    async def _ship(self, address: str, batch: list[JobPartial]) -> None:
+    def _address_of(self, job_id: str) -> str | None:
+        owner = self.leases.owner_of(job_id)
+        if owner is None or owner.held_by(self.leases.me) or not owner.address:
+            return None
+        return owner.address
+
+    def _notice_soon(self) -> None:
+        """A notice for a job owned elsewhere: shipped now, not up to an interval later
+        (once per loop turn however many notices land in it)."""
+        if self._ship_soon:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a replay outside one): the next shipment carries it
+        self._ship_soon = True
+        loop.call_soon(self.ship)
+
+    async def _ship(self, address: str, batch: list[JobPartial], notices: list[NodeNotice]) -> None:
         m = self.core.metrics
         try:
             sent, refused = await self.peers.ship(
-                address, self.leases.me, batch, timeout_s=self.ship_interval_s
+                address, self.leases.me, batch, notices, timeout_s=self.ship_interval_s
             )
         except TideError as exc:
             m.partials_dropped.labels("failed").inc(len(batch))
@@ -123,6 +159,7 @@ class Sharding:
             return
         m.partials_shipped.inc(len(batch) - refused)
         m.partials_shipped_bytes.inc(sent)
+        m.notices_shipped.inc(len(notices))
         if refused:
             m.partials_dropped.labels("refused").inc(refused)
 

@@ -11,12 +11,12 @@ import asyncio
 import random
 from collections.abc import Iterable, Sequence
 
-from tide.v1 import common_pb2, peers_pb2, telemetry_pb2
+from tide.v1 import common_pb2, telemetry_pb2
 
 from services.scaler.ingest import IngestEngine, IngestSettings
 from services.scaler.members import Member
-from services.scaler.partials import JobPartial
-from services.scaler.peers import partial_to_proto
+from services.scaler.partials import JobPartial, NodeNotice
+from services.scaler.peers import ship_request
 from services.scaler.service import ScalerCore
 from services.scaler.shards import assign, shard_of
 from services.testing.clock import FakeClock
@@ -144,18 +144,26 @@ class InProcessPeers:
         self.cores: dict[str, ScalerCore] = {}
         self.stalled: set[str] = set()
         self.calls: list[tuple[str, str, list[str]]] = []
+        #: (address, sender, the notices of that call), one per call.
+        self.notices: list[tuple[str, str, list[NodeNotice]]] = []
 
     async def ship(
-        self, address: str, sender: str, parts: Sequence[JobPartial], *, timeout_s: float
+        self,
+        address: str,
+        sender: str,
+        parts: Sequence[JobPartial],
+        notices: Sequence[NodeNotice] = (),
+        *,
+        timeout_s: float,
     ) -> tuple[int, int]:
         self.calls.append((address, sender, [p.job_id for p in parts]))
+        self.notices.append((address, sender, list(notices)))
         core = self.cores.get(address)
         if core is None or address in self.stalled:
             await asyncio.sleep(timeout_s)
             raise Unavailable(f"{address}: deadline exceeded")
-        size = peers_pb2.ShipPartialsRequest(
-            sender=sender, jobs=[partial_to_proto(p) for p in parts]
-        ).ByteSize()
+        size = ship_request(sender, parts, notices).ByteSize()
+        core.receive_notices(list(notices))  # as the ScalerPeers servicer: notices first
         return size, await core.receive_partials(sender, list(parts))
 
     def keep(self, addresses: Iterable[str]) -> None:

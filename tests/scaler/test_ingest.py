@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
+from tide.v1 import telemetry_pb2
 
 from services.scaler.ingest import IngestEngine, IngestSettings, InvalidStream, Rejection
 from services.scaler.members import Member
+from services.scaler.partials import NodeNotice
 from services.testing.clock import FakeClock
 from services.testing.members import InMemoryMemberRegistry
 from tests.scaler.support import report
@@ -312,3 +314,51 @@ def test_terminating_pods_are_found_on_the_jobs_nodes_only(engine: IngestEngine)
     engine.process(b, report("n2", 2, t=T0 + 1, pods=["a-0"] * 8))
     assert engine.terminating("ns/b") == (0, "", None)
     assert engine.terminating("ns/a") == (1, "n2", None)
+
+
+def test_a_shipped_notice_counts_once_and_runs_out_unless_resent(
+    engine: IngestEngine, clock: FakeClock
+) -> None:
+    """Owner side of a sharded notice: its pods count as terminating with its deadline,
+    a resend or a node this replica noticed itself is a duplicate, and a notice not
+    resent for stale_after_s is over."""
+    woken: list[str] = []
+    engine.on_notice = woken.append
+    kind = telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE
+    n = NodeNotice("ns/a", "n9", kind, T0 + 30.0, frozenset({"a-1", "not-a-member"}))
+    assert engine.merge_notices([n]) == (1, 0)
+    assert engine.merge_notices([n]) == (0, 1)
+    assert woken == ["ns/a"]
+    assert engine.terminating_pods("ns/a") == ({"a-1"}, "n9", T0 + 30.0)
+    # This replica's own stream noticed n1 with the same pod: nothing new to apply.
+    st = engine.open_stream()
+    r = report("n1", 1, t=T0, pods=PODS)
+    r.events.add(kind=kind, detail="spot")
+    engine.process(st, r)
+    assert engine.merge_notices([NodeNotice("ns/a", "n1", kind, None, frozenset({"a-1"}))]) == (
+        0,
+        1,
+    )
+    clock.advance(11.0)
+    assert engine.terminating_pods("ns/a")[0] == {"a-0", "a-1"}  # n1's own notice stays
+    assert "n9" not in engine.remote_notices["ns/a"]
+
+
+def test_take_notices_ships_each_active_notice_per_forwarded_job_until_its_deadline(
+    engine: IngestEngine, clock: FakeClock
+) -> None:
+    engine.forward = lambda job: True
+    shipped: list[int] = []
+    engine.on_forward_notice = lambda: shipped.append(1)
+    st = engine.open_stream()
+    r = report("n1", 1, t=T0, pods=PODS)
+    ev = r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
+    ev.deadline.FromNanoseconds(int((T0 + 5.0) * 1e9))
+    engine.process(st, r)  # the notice in the node's first report: attributed already
+    assert shipped == [1]
+    want = [NodeNotice("ns/a", "n1", ev.kind, T0 + 5.0, frozenset({"a-0", "a-1"}))]
+    assert engine.take_notices(clock.now()) == want
+    assert engine.take_notices(clock.now()) == want  # resent every shipment
+    clock.advance(6.0)
+    assert engine.take_notices(clock.now()) == []
+    assert not engine.noticed

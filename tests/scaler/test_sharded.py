@@ -19,7 +19,7 @@ import grpc
 import pytest
 import sqlalchemy as sa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2_grpc
+from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 from services.scaler.shards import SHARD_LEASE_PREFIX, assign, shard_of
 from services.testing.replicas import replica_args
@@ -284,3 +284,77 @@ async def _moved(db_url: str, victim: str) -> bool:
 async def _one(db_url: str, job: str) -> bool:
     ups = await asyncio.to_thread(scale_ups, db_url, job)
     return len(ups) >= 1 and ups[0][4] == "COMPLETED"
+
+
+def preemptions(db_url: str, job: str) -> list[tuple[float, str]]:
+    """(created at, Unix seconds; state) of the job's NODE_TERMINATION decisions."""
+    engine = sa.create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.text(
+                    "SELECT extract(epoch FROM created_at), state FROM decisions"
+                    " WHERE job_id = :j AND reason = 'NODE_TERMINATION' ORDER BY id"
+                ),
+                {"j": job},
+            ).all()
+    finally:
+        engine.dispose()
+    return [(float(t), str(s)) for t, s in rows]
+
+
+async def test_a_notice_reported_to_a_non_owner_makes_the_owner_plan_the_preemption(
+    tmp_path: Path, db_url: str
+) -> None:
+    """The node's agent streams to a replica that does not own the job: the owner learns
+    the termination notice from that replica's shipment and decides the preemption
+    (NODE_TERMINATION) well before the notice's deadline."""
+    doc = {
+        "jobs": {
+            j: {"generation": 1, "world_size": 2, "step": 0, "lost_steps_total": 0} for j in JOBS
+        },
+        "finished": {},
+    }
+    (tmp_path / "coordinator.json").write_text(json.dumps(doc))
+    owner_of = {j: assign(SHARDS, list(NAMES))[shard_of(j, SHARDS)] for j in JOBS}
+    job = JOBS[0]
+    name = job.partition("/")[2]
+    pods = [f"{name}-trainer-0", f"{name}-trainer-1"]
+    at = NAMES[(NAMES.index(owner_of[job]) + 1) % len(NAMES)]
+    procs = {n: replica(tmp_path, db_url, n) for n in NAMES}
+    targets = {n: p.target for n, p in procs.items()}
+    try:
+        for n in NAMES:
+            await eventually_rpc(partial(ready, targets[n]), 30, what=f"{n} to run rounds")
+        await eventually_rpc(
+            lambda: _all_held(db_url, owner_of), 30, what="every shard held by its replica"
+        )
+        await eventually_rpc(partial(upsert, targets, job), 20, what=f"{job} created")
+        async with grpc.aio.insecure_channel(targets[at], options=client_options()) as ch:
+            call = telemetry_pb2_grpc.TelemetryStub(ch).Stream()
+            seq = 0
+            for _ in range(4):  # attributed first, as a node that ran the job a while
+                seq += 1
+                await call.write(
+                    report(f"node-{name}", seq, utils=[60.0, 60.0], capacity=2, pods=pods)
+                )
+                await asyncio.sleep(0.25)
+            # Trainer 1's node goes in 30 s.
+            seq += 1
+            r = report(f"node-{name}", seq, utils=[60.0, 60.0], capacity=2, pods=[pods[1]] * 2)
+            r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
+            noticed = time.time()
+            deadline = noticed + 30.0
+            r.events[0].deadline.FromNanoseconds(int(deadline * 1e9))
+            await call.write(r)
+            got = await eventually_rpc(
+                lambda: asyncio.to_thread(preemptions, db_url, job), 15, what="the preemption"
+            )
+            call.cancel()
+        decided_s = got[0][0] - noticed
+        print(f"notice to owner's NODE_TERMINATION decision: {decided_s:.3f} s")
+        assert got[0][0] < deadline, got
+        assert len(got) == 1, got
+    finally:
+        for p in procs.values():
+            p.kill()

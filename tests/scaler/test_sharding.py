@@ -11,9 +11,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
+from tide.v1 import telemetry_pb2
 
 from services.scaler.errors import NotOwner
 from services.scaler.ingest import IngestSettings
+from services.scaler.partials import NodeNotice
+from services.scaler.policy import Reason
 from services.scaler.service import ScalerCore
 from services.scaler.sharding import Sharding
 from services.scaler.shards import SHARD_LEASE_PREFIX, ShardLeases, ShardSettings, assign, shard_of
@@ -202,3 +205,98 @@ async def test_a_shard_given_up_is_stopped_before_release_and_resumed_by_its_new
         clock.advance(0.5)  # the controller's waits are on the clock
         await asyncio.sleep(0.02)
     assert rec.state is DecisionState.COMPLETED
+
+
+def noticed_report(
+    clock: FakeClock, job: str, seq: int, *, deadline_in_s: float
+) -> telemetry_pb2.NodeReport:
+    """Node n1 holds trainer 1 of ``job`` (two GPUs) and announces its termination."""
+    pod = f"{job.partition('/')[2]}-trainer-1"
+    r = report("n1", seq, utils=[60.0, 60.0], pods=[pod, pod], t=clock.now())
+    ev = r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
+    ev.deadline.FromNanoseconds(int((clock.now() + deadline_in_s) * 1e9))
+    return r
+
+
+async def shipped(r: Replica) -> None:
+    """Let a shipment scheduled now run, and wait for every one in flight."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+    await asyncio.gather(*r.sharding._in_flight.values())
+
+
+async def test_a_notice_seen_by_a_non_owner_is_shipped_at_once_and_applied_once(
+    world: tuple[FakeClock, InProcessPeers, dict[str, Replica]],
+) -> None:
+    clock, peers, rs = world
+    await rounds(clock, list(rs.values()), 3)
+    j = next(j for j, o in owners().items() if o == "r1")
+    pod = f"{j.partition('/')[2]}-trainer-1"
+    r0, r1 = rs["r0"], rs["r1"]
+    stream = r0.core.engine.open_stream()
+    r0.core.engine.process(stream, noticed_report(clock, j, 1, deadline_in_s=30.0))
+    # Not a ship interval later: the notice scheduled a shipment of its own.
+    await shipped(r0)
+    assert [(a, s, [(n.job_id, n.node, n.pods) for n in ns]) for a, s, ns in peers.notices] == [
+        ("r1:1", "r0", [(j, "n1", frozenset({pod}))])
+    ]
+    received = r1.core.metrics.notices_received
+    assert received.labels("applied")._value.get() == 1
+    assert r1.core.engine.terminating_pods(j)[0] == {pod}
+    # The owner plans the preemption exactly as from its own agent stream.
+    d = await r1.core.evaluate(j)
+    assert (d.reason, d.to_replicas) == (Reason.NODE_TERMINATION, 1)
+    dec = (await r1.core.store.list_decisions(job_id=j)).decisions[0]
+    assert dec.inputs["leaving_pods"] == [pod]
+    assert dec.inputs["notice_plan"]["reason"] == "NOTICE"  # 30 s: the deadline rules
+    # Resent with every shipment until the deadline: applied once, counted as duplicates.
+    r0.sharding.ship()
+    await shipped(r0)
+    assert received.labels("applied")._value.get() == 1
+    assert received.labels("duplicate")._value.get() == 1
+    assert r0.core.metrics.notices_shipped._value.get() == 2
+    # Past the deadline it is no longer sent; the owner's copy runs out stale_after_s
+    # after the last one (the node and its pod are gone by then).
+    clock.advance(31.0)
+    r0.sharding.ship()
+    await shipped(r0)
+    assert len(peers.notices) == 2
+    assert r1.core.engine.terminating_pods(j)[0] == set()
+
+
+async def test_a_notice_reaches_the_jobs_new_owner_within_one_shipment(
+    world: tuple[FakeClock, InProcessPeers, dict[str, Replica]],
+) -> None:
+    clock, _peers, rs = world
+    r0, r1 = rs["r0"], rs["r1"]
+    await rounds(clock, [r0], 2)  # r0 alone: it owns every job
+    j = next(j for j, o in owners().items() if o == "r1")
+    stream = r0.core.engine.open_stream()
+    r0.core.engine.process(stream, noticed_report(clock, j, 1, deadline_in_s=60.0))
+    await shipped(r0)
+    assert not r0.sharding._in_flight  # its own job: nothing to ship
+    assert r0.core.engine.terminating_pods(j)[0]
+    await rounds(clock, [r1, r0, r1], 1)  # r1 joins and takes j's shard from r0
+    assert r1.core.acts_on(j) and not r0.core.acts_on(j)
+    assert not r1.core.engine.terminating_pods(j)[0]
+    await rounds(clock, [r0], 1)  # r0's next round reads who holds the shard now
+    r0.core.engine.process(
+        stream, report("n1", 2, utils=[60.0, 60.0], pods=[f"{j[3:]}-trainer-1"] * 2, t=clock.now())
+    )
+    r0.sharding.ship()  # the next shipment carries the notice still active at r0
+    await shipped(r0)
+    assert r1.core.metrics.notices_received.labels("applied")._value.get() == 1
+    d = await r1.core.evaluate(j)
+    assert d.reason is Reason.NODE_TERMINATION
+
+
+async def test_a_notice_for_a_job_not_owned_is_refused_and_counted(
+    world: tuple[FakeClock, InProcessPeers, dict[str, Replica]],
+) -> None:
+    clock, _peers, rs = world
+    await rounds(clock, list(rs.values()), 3)
+    j = next(j for j, o in owners().items() if o == "r1")
+    notice = NodeNotice(j, "n1", telemetry_pb2.NodeEvent.KIND_CORDONED, None, frozenset({"p"}))
+    assert rs["r0"].core.receive_notices([notice]) == (0, 1)
+    assert rs["r0"].core.metrics.notices_received.labels("refused")._value.get() == 1
+    assert not rs["r0"].core.engine.remote_notices

@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from tide.v1 import telemetry_pb2 as _telemetry_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -147,24 +148,72 @@ class JobPartial(_message.Message):
 Global___JobPartial: _TypeAlias = JobPartial  # noqa: Y015
 
 @_typing.final
+class NodeNotice(_message.Message):
+    """A node's termination notice or cordon, seen by the sender's agent stream, for one
+    job the receiver owns with pods on that node (docs/preemption.md). The receiver
+    applies it as if its own agent stream had carried it; a resent one (the same
+    job, node, kind, deadline and pods) is applied once.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    NODE_NAME_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    DEADLINE_S_FIELD_NUMBER: _builtins.int
+    PODS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    node_name: _builtins.str
+    kind: _telemetry_pb2.NodeEvent.Kind.ValueType
+    """KIND_TERMINATION_NOTICE or KIND_CORDONED."""
+    deadline_s: _builtins.float
+    """Unix seconds by which the node goes; 0: the notice named none."""
+    @_builtins.property
+    def pods(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The job's pods on the node (uid, else name, as the agent attributed its GPUs)."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        node_name: _builtins.str = ...,
+        kind: _telemetry_pb2.NodeEvent.Kind.ValueType = ...,
+        deadline_s: _builtins.float = ...,
+        pods: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_s", b"deadline_s", "job_id", b"job_id", "kind", b"kind", "node_name", b"node_name", "pods", b"pods"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeNotice: _TypeAlias = NodeNotice  # noqa: Y015
+
+@_typing.final
 class ShipPartialsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SENDER_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
+    NOTICES_FIELD_NUMBER: _builtins.int
     sender: _builtins.str
     """The sending replica's owner id (its member lease's holder)."""
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobPartial]: ...
+    @_builtins.property
+    def notices(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeNotice]:
+        """Active notices for nodes holding pods of jobs the receiver owns."""
+
     def __init__(
         self,
         *,
         sender: _builtins.str = ...,
         jobs: _abc.Iterable[Global___JobPartial] | None = ...,
+        notices: _abc.Iterable[Global___NodeNotice] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "sender", b"sender"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "notices", b"notices", "sender", b"sender"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -176,19 +225,26 @@ class ShipPartialsResponse(_message.Message):
 
     MERGED_FIELD_NUMBER: _builtins.int
     REFUSED_FIELD_NUMBER: _builtins.int
+    NOTICES_APPLIED_FIELD_NUMBER: _builtins.int
+    NOTICES_REFUSED_FIELD_NUMBER: _builtins.int
     merged: _builtins.int
     """Jobs merged into the receiver's windows."""
     refused: _builtins.int
     """Jobs the receiver does not own (dropped)."""
+    notices_applied: _builtins.int
+    """Notices new to the receiver (applied), and those of jobs it does not own."""
+    notices_refused: _builtins.int
     def __init__(
         self,
         *,
         merged: _builtins.int = ...,
         refused: _builtins.int = ...,
+        notices_applied: _builtins.int = ...,
+        notices_refused: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["merged", b"merged", "refused", b"refused"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["merged", b"merged", "notices_applied", b"notices_applied", "notices_refused", b"notices_refused", "refused", b"refused"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -59,6 +59,8 @@ class ScalerPeersServicer:
         last shipment. The receiver adds them to its windows and rollups as if the
         samples had come to it; parts of jobs it does not own (its shard moved on)
         are refused, counted and dropped: the sender ships to the new owner next.
+        Node notices ride along: the sender resends each active one every shipment
+        until its deadline, so a notice refused here reaches the next owner.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

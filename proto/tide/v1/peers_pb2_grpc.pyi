@@ -43,6 +43,8 @@ class ScalerPeersStub:
     last shipment. The receiver adds them to its windows and rollups as if the
     samples had come to it; parts of jobs it does not own (its shard moved on)
     are refused, counted and dropped: the sender ships to the new owner next.
+    Node notices ride along: the sender resends each active one every shipment
+    until its deadline, so a notice refused here reaches the next owner.
     """
 
 @_typing.type_check_only
@@ -60,6 +62,8 @@ class ScalerPeersAsyncStub(ScalerPeersStub):
     last shipment. The receiver adds them to its windows and rollups as if the
     samples had come to it; parts of jobs it does not own (its shard moved on)
     are refused, counted and dropped: the sender ships to the new owner next.
+    Node notices ride along: the sender resends each active one every shipment
+    until its deadline, so a notice refused here reaches the next owner.
     """
 
 class ScalerPeersServicer(metaclass=_abc_1.ABCMeta):
@@ -80,6 +84,8 @@ class ScalerPeersServicer(metaclass=_abc_1.ABCMeta):
         last shipment. The receiver adds them to its windows and rollups as if the
         samples had come to it; parts of jobs it does not own (its shard moved on)
         are refused, counted and dropped: the sender ships to the new owner next.
+        Node notices ride along: the sender resends each active one every shipment
+        until its deadline, so a notice refused here reaches the next owner.
         """
 
 def add_ScalerPeersServicer_to_server(servicer: ScalerPeersServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
