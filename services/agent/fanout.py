@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
@@ -58,6 +58,14 @@ async def resolve_addresses(target: str) -> list[str]:
     infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     addresses = {str(info[4][0]) for info in infos}
     return sorted(f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in addresses)
+
+
+def _copy(report: telemetry_pb2.NodeReport) -> telemetry_pb2.NodeReport:
+    # Each buffer numbers its reports and may move a dropped one's events to the next,
+    # in place: every replica gets a copy of its own.
+    own = telemetry_pb2.NodeReport()
+    own.CopyFrom(report)
+    return own
 
 
 @dataclass
@@ -98,16 +106,21 @@ class ScalerFanout:
         self._gone: OrderedDict[str, _Replica] = OrderedDict()
         self._resolve_failing = False
         self.resolved = asyncio.Event()
+        #: Reports sampled before the first answer of the resolver (the beat and the
+        #: resolution start together): every first replica gets them, so none is lost.
+        self._early: deque[telemetry_pb2.NodeReport] = deque(maxlen=buffer_reports)
+        self._early_dropped = 0
 
     # -- what the agent sees: one place to put reports --------------------------
 
     def add(self, report: telemetry_pb2.NodeReport) -> None:
-        # Each buffer numbers its reports and may move a dropped one's events to the
-        # next, in place: every replica gets a copy of its own.
+        if not self.resolved.is_set():
+            if len(self._early) == self._early.maxlen:
+                self._early_dropped += 1
+            self._early.append(report)
+            return
         for replica in self.replicas.values():
-            own = telemetry_pb2.NodeReport()
-            own.CopyFrom(report)
-            replica.buffer.add(own)
+            replica.buffer.add(_copy(report))
         self._export()
 
     @property
@@ -116,7 +129,9 @@ class ScalerFanout:
 
     @property
     def dropped_total(self) -> int:
-        return sum(r.buffer.dropped_total for r in (*self.replicas.values(), *self._gone.values()))
+        return self._early_dropped + sum(
+            r.buffer.dropped_total for r in (*self.replicas.values(), *self._gone.values())
+        )
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until every replica acked all it holds; False if one had not by ``timeout_s``."""
@@ -157,11 +172,13 @@ class ScalerFanout:
         if self._resolve_failing:
             self._log.info("scaler replicas at %s resolve again", target)
         self._resolve_failing = False
-        if not addresses and self.replicas:
-            # An empty answer (every pod gone at once, a rollout) keeps the last set too.
+        if not addresses:
+            # An empty answer (every pod gone at once, a rollout) keeps the last set too;
+            # before any replica, reports wait in the early buffer.
             return
         self._apply(set(addresses))
         self.resolved.set()
+        self._early.clear()
 
     def _apply(self, addresses: set[str]) -> None:
         for address in sorted(self.replicas.keys() - addresses):
@@ -175,6 +192,9 @@ class ScalerFanout:
             self._log.info("scaler replica %s left; %d remain", address, len(self.replicas))
         for address in sorted(addresses - self.replicas.keys()):
             replica = self._gone.pop(address) if address in self._gone else self._new(address)
+            if not self.resolved.is_set():
+                for report in self._early:
+                    replica.buffer.add(_copy(report))
             replica.task = asyncio.create_task(replica.stream.run(), name=f"telemetry {address}")
             self.replicas[address] = replica
             self._log.info(

@@ -152,3 +152,25 @@ async def test_resolving_a_name_gives_every_address_with_the_port() -> None:
     assert "127.0.0.1:50051" in await resolve_addresses("localhost:50051")
     assert await resolve_addresses("127.0.0.1:7") == ["127.0.0.1:7"]
     assert await resolve_addresses("[::1]:7") == ["[::1]:7"]
+
+
+async def test_reports_sampled_before_the_first_answer_reach_every_replica(
+    replicas: tuple[Scaler, Scaler], run_agent: RunAgent
+) -> None:
+    a, b = replicas
+    dns = Dns()  # nobody yet: a rollout, or DNS not ready at the agent's start
+    r = await run_agent(_settings(), resolver=dns)
+    boot = r.agent.boot_id
+    await eventually(lambda: r.agent.metrics.reports_sampled._value.get() >= 5, what="samples")
+    assert not a.recorder.received and not b.recorder.received
+    dns.addresses = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
+    await eventually(
+        lambda: min(len(a.recorder.seqs(boot)), len(b.recorder.seqs(boot))) >= 10,
+        what="both replicas",
+    )
+    await r.shutdown()
+    sampled = int(r.agent.metrics.reports_sampled._value.get())
+    for s in (a, b):
+        # Every report sampled, the early ones included, reached each replica once.
+        assert _contiguous_from_1(s.recorder.seqs(boot))
+        assert len(s.recorder.seqs(boot)) == sampled
