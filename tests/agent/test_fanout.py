@@ -171,6 +171,6 @@ async def test_reports_sampled_before_the_first_answer_reach_every_replica(
     await r.shutdown()
     sampled = int(r.agent.metrics.reports_sampled._value.get())
     for s in (a, b):
-        # Every report sampled, the early ones included, reached each replica once.
-        assert _contiguous_from_1(s.recorder.seqs(boot))
-        assert len(s.recorder.seqs(boot)) == sampled
+        # Every report sampled, the early ones included, reached each replica (a resend
+        # after a reconnect carries a number already seen).
+        assert sorted(set(s.recorder.seqs(boot))) == list(range(1, sampled + 1))
