@@ -29,7 +29,8 @@ lint: setup
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy services trainer tidebase bench scripts
-	$(VENV)/bin/lint-imports
+	# The tree itself, not wherever the venv's editable install points.
+	PYTHONPATH=.:proto $(VENV)/bin/lint-imports
 
 test: setup proto-check lint
 	scripts/ensure_postgres.sh

@@ -7,7 +7,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ -x .venv/bin/python ] && [ "$(cat .venv/.installed 2>/dev/null)" = "$want" ]; then
+repo=$(pwd -P)
+# Whether the venv's editable install serves this checkout (run from / so that the
+# current directory does not answer instead); a venv of this checkout's own that
+# another checkout reinstalled into points elsewhere, and `tide` may then be gone.
+serves_here() {
+    [ "$(cd / && "$repo/.venv/bin/python" -c 'import tidebase; print(tidebase.__path__[0])' 2>/dev/null)" = "$repo/tidebase" ]
+}
+if [ -x .venv/bin/python ] && [ "$(cat .venv/.installed 2>/dev/null)" = "$want" ] \
+    && { [ -L .venv ] || serves_here; }; then
     exit 0
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
