@@ -2,7 +2,7 @@
 
 An in-memory actuator that records every change, and a file-backed one whose
 state and change log survive a SIGKILL of the scaler (the crash tests count
-changes across restarts with it). Both pass the same contract suite as the
+changes across restarts with it) and are shared by scaler replicas. Both pass the same contract suite as the
 real actuators (tests/scaler/test_actuator_contract.py).
 
 ``set_replicas`` is idempotent: asking for the count a job already has is not
@@ -11,12 +11,11 @@ a change and is not recorded, so a resumed decision may repeat it safely.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from services.scaler.actuators import check_still_leading
@@ -32,6 +31,9 @@ class ReplicaChange:
     old: int
     new: int
     decision_id: int
+    # Wall time a FileActuator recorded it (the crash tests' "nothing acts
+    # before its commit"); None in memory. Not part of a change's identity.
+    at: float | None = field(default=None, compare=False)
 
 
 class InMemoryActuator:
@@ -93,8 +95,15 @@ class InMemoryActuator:
 
 
 class FileActuator(InMemoryActuator):
-    """An InMemoryActuator whose state lives in a JSON-lines file, one line per
-    change, appended and fsynced before ``set_replicas`` returns."""
+    """An InMemoryActuator whose state lives on disk, one file per change.
+
+    Change N is the file ``<path>.d/<N>.json``, written aside, fsynced and
+    linked into place before ``set_replicas`` returns; ``link`` fails if N is
+    taken, which makes it a compare-and-set on the log's length. No lock is
+    held across the write: a replica paused mid-change (SIGSTOP, the failover
+    tests) must not block the others, as a paused client never blocks an API
+    server. An flock here once froze the new leader behind the paused one.
+    """
 
     def __init__(self, path: Path, total_gpus: int | None = None) -> None:
         super().__init__(total_gpus)
@@ -109,7 +118,9 @@ class FileActuator(InMemoryActuator):
         self._reload()  # another replica may have created it, and changed it since
         if job_id not in self.replicas:
             self.replicas[job_id] = replicas
-            self._append({"job_id": job_id, "old": replicas, "new": replicas, "decision_id": 0})
+            _record(
+                self.path, {"job_id": job_id, "old": replicas, "new": replicas, "decision_id": 0}
+            )
 
     def _reload(self) -> int:
         """Read the file again; returns its line count, the state's version.
@@ -138,41 +149,64 @@ class FileActuator(InMemoryActuator):
             await super().set_replicas(job_id, replicas, decision_id=decision_id)
             if len(self.changes) == before:
                 return
-            c = self.changes[-1]
-            doc = {
-                "job_id": c.job_id,
-                "old": c.old,
-                "new": c.new,
-                "decision_id": c.decision_id,
-                # Wall time of the change, for "nothing acts before its commit" checks.
-                "at": time.time(),
-            }
-            if self._append(doc, expect_version=version):
+            doc = asdict(self.changes[-1]) | {"at": time.time()}
+            if _record(self.path, doc, expect_version=version):
                 return
             self.changes.pop()
 
-    def _append(self, doc: dict[str, object], expect_version: int | None = None) -> bool:
-        """Append one line (fsynced); with ``expect_version``, only if the file still
-        has that many lines (under an exclusive lock for the check and the write)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if expect_version is not None and len(read_changes(self.path)) != expect_version:
-                return False
-            os.write(fd, (json.dumps(doc) + "\n").encode())
-            os.fsync(fd)
+
+def record_change(path: Path, change: ReplicaChange) -> None:
+    """A change made behind the actuator's back (someone scaling the job by hand)."""
+    _record(path, asdict(change))
+
+
+def _record(path: Path, doc: dict[str, object], expect_version: int | None = None) -> bool:
+    """Record one change as number ``expect_version`` (the log's length it
+    read), or as the next free number when None; False if that number is
+    taken (another writer got there first)."""
+    log = _log_dir(path)
+    log.mkdir(parents=True, exist_ok=True)
+    tmp = log / f".{os.getpid()}.{time.monotonic_ns()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, json.dumps(doc).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        number = len(_entries(log)) if expect_version is None else expect_version
+        while True:
+            try:
+                os.link(tmp, log / f"{number:09d}.json")
+            except FileExistsError:
+                if expect_version is not None:
+                    return False
+                number += 1
+                continue
+            dir_fd = os.open(log, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # the link itself, so a crash keeps the change
+            finally:
+                os.close(dir_fd)
             return True
-        finally:
-            os.close(fd)  # releases the lock
+    finally:
+        os.unlink(tmp)
+
+
+def _log_dir(path: Path) -> Path:
+    return path.with_name(path.name + ".d")
+
+
+def _entries(log: Path) -> list[Path]:
+    if not log.is_dir():
+        return []
+    return sorted(p for p in log.iterdir() if p.name.endswith(".json"))
 
 
 def read_changes(path: Path) -> list[ReplicaChange]:
-    """Every change recorded in a FileActuator's file (seed lines have old == new)."""
-    if not path.exists():
-        return []
+    """Every change a FileActuator at ``path`` recorded, in order (seeds have old == new)."""
     out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            d = json.loads(line)
-            out.append(ReplicaChange(d["job_id"], d["old"], d["new"], d["decision_id"]))
+    for entry in _entries(_log_dir(path)):
+        d = json.loads(entry.read_text())
+        out.append(ReplicaChange(d["job_id"], d["old"], d["new"], d["decision_id"], d.get("at")))
     return out

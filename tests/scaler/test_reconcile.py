@@ -4,7 +4,6 @@ scaler core with the in-memory coordinator and actuator, where drift is made by 
 from __future__ import annotations
 
 import dataclasses
-import json
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,7 +14,7 @@ from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
 from services.scaler.reconcile import Observed, compare
 from services.scaler.store import DecisionState
-from services.testing.actuators import read_changes
+from services.testing.actuators import ReplicaChange, read_changes, record_change
 from services.testing.clock import FakeClock
 from tests.scaler.test_service import FAST, T0, Rig, final, make_rig
 from tests.support.poll import eventually, wait_for
@@ -163,8 +162,7 @@ def test_the_scaler_process_corrects_a_hand_edit_and_exports_it(tmp_path: Path) 
                 return job.active_decision_id == 0 and job.current_replicas == 2
 
             wait_for(settled, timeout_s=30, what="the job's start")
-            with changes.open("a") as f:  # someone scales the job by hand
-                f.write(json.dumps({"job_id": JOB, "old": 2, "new": 4, "decision_id": 0}) + "\n")
+            record_change(changes, ReplicaChange(JOB, 2, 4, 0))  # someone scales it by hand
 
             def corrected() -> scaler_pb2.Decision | None:
                 page = stub.ListDecisions(scaler_pb2.ListDecisionsRequest(job_id=JOB), timeout=10)
