@@ -77,7 +77,7 @@ class _Replica:
 
 class ScalerFanout:
     """One buffer and one Telemetry stream per scaler replica; ``add`` gives each the
-    report. Owned by the agent's event loop."""
+    report. A ``ReportSink`` (services/agent/sink.py). Owned by the agent's event loop."""
 
     def __init__(
         self,
@@ -139,6 +139,18 @@ class ScalerFanout:
             return True
         done = await asyncio.gather(*(r.stream.flush(timeout_s) for r in self.replicas.values()))
         return all(done)
+
+    async def finish(self, timeout_s: float) -> bool:
+        """``flush``, then the final log line (services/agent/sink.py, ``ReportSink``)."""
+        flushed = await self.flush(timeout_s)
+        self._log.info(
+            "final report %s by %d scaler replicas; %d dropped, %d unacked at exit",
+            "acked" if flushed else "NOT acked",
+            len(self.replicas),
+            self.dropped_total,
+            self.held,
+        )
+        return flushed
 
     # -- the replica set -------------------------------------------------------------
 
