@@ -48,8 +48,10 @@ async def replicas() -> AsyncIterator[tuple[Scaler, Scaler]]:
         await s.server.stop(None)
 
 
-async def _run(run_agent: RunAgent, dns: Dns, **kw: object) -> tuple[Running, str]:
-    """An agent fanning out to what ``dns`` answers; with its boot id."""
+async def _run(run_agent: RunAgent, *replicas: Scaler, **kw: object) -> tuple[Running, str, Dns]:
+    """An agent fanning out to what its resolver answers, at first ``replicas``; with its
+    boot id and the resolver, to change the answer."""
+    dns = Dns(*replicas)
     settings = agent_settings(
         50051,
         scaler="tide-scaler-peers.tide.svc:50051",
@@ -58,7 +60,7 @@ async def _run(run_agent: RunAgent, dns: Dns, **kw: object) -> tuple[Running, st
         **kw,
     )
     r = await run_agent(settings, resolver=dns)
-    return r, r.agent.boot_id
+    return r, r.agent.boot_id, dns
 
 
 async def _each_gets(boot: str, count: int, *replicas: Scaler) -> None:
@@ -90,7 +92,7 @@ async def test_every_replica_gets_every_report_with_its_own_numbers(
     replicas: tuple[Scaler, Scaler], run_agent: RunAgent
 ) -> None:
     a, b = replicas
-    r, boot = await _run(run_agent, Dns(a, b))
+    r, boot, _ = await _run(run_agent, a, b)
     await _each_gets(boot, 10, a, b)
     assert r.agent.metrics.scaler_replicas._value.get() == 2
     await eventually(
@@ -114,8 +116,7 @@ async def test_a_replica_that_leaves_and_comes_back_resumes_its_numbers(
     replicas: tuple[Scaler, Scaler], run_agent: RunAgent
 ) -> None:
     a, b = replicas
-    dns = Dns(a, b)
-    r, boot = await _run(run_agent, dns)
+    r, boot, dns = await _run(run_agent, a, b)
     await _each_gets(boot, 5, b)
     dns.point_at(a)
     await eventually(lambda: len(fanout(r.agent).replicas) == 1, what="b dropped")
@@ -135,7 +136,7 @@ async def test_a_replica_away_holds_nothing_back_for_the_others(
 ) -> None:
     a, b = replicas
     await b.server.stop(None)
-    r, boot = await _run(run_agent, Dns(a, b), shutdown_flush_s=0.5)
+    r, boot, _ = await _run(run_agent, a, b, shutdown_flush_s=0.5)
     await _each_gets(boot, 10, a)
     fan = fanout(r.agent)  # and so no single-stream buffer was built beside it
     assert len(fan.replicas[_address(a)].buffer) <= 3  # acked as they come
@@ -149,8 +150,7 @@ async def test_a_failing_resolver_keeps_the_replicas_known(
     replicas: tuple[Scaler, Scaler], run_agent: RunAgent
 ) -> None:
     a, b = replicas
-    dns = Dns(a, b)
-    r, boot = await _run(run_agent, dns)
+    r, boot, dns = await _run(run_agent, a, b)
     await _each_gets(boot, 3, b)
     dns.error = OSError("Temporary failure in name resolution")
     asked = dns.asked
@@ -173,8 +173,8 @@ async def test_reports_sampled_before_the_first_answer_reach_every_replica(
     replicas: tuple[Scaler, Scaler], run_agent: RunAgent
 ) -> None:
     a, b = replicas
-    dns = Dns()  # nobody yet: a rollout, or DNS not ready at the agent's start
-    r, boot = await _run(run_agent, dns)
+    # Nobody in the first answers: a rollout, or DNS not ready at the agent's start.
+    r, boot, dns = await _run(run_agent)
     await eventually(lambda: r.agent.metrics.reports_sampled._value.get() >= 5, what="samples")
     assert not a.recorder.received and not b.recorder.received
     dns.point_at(a, b)
