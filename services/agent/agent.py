@@ -304,5 +304,5 @@ class Agent:
             notices, self._notices = self._notices, []
             sample = Sample(self.clock.now(), [], self.gpu_capacity, notices)
         self._enqueue(sample)
-        await self.sink.finish(self.settings.shutdown_flush_s)
+        self._log.info("%s", await self.sink.finish(self.settings.shutdown_flush_s))
         self._transition(AgentState.STOPPED)

@@ -140,17 +140,13 @@ class ScalerFanout:
         done = await asyncio.gather(*(r.stream.flush(timeout_s) for r in self.replicas.values()))
         return all(done)
 
-    async def finish(self, timeout_s: float) -> bool:
-        """``flush``, then the final log line (services/agent/sink.py, ``ReportSink``)."""
+    async def finish(self, timeout_s: float) -> str:
+        """``flush``; the agent's final log line (services/agent/sink.py, ``ReportSink``)."""
         flushed = await self.flush(timeout_s)
-        self._log.info(
-            "final report %s by %d scaler replicas; %d dropped, %d unacked at exit",
-            "acked" if flushed else "NOT acked",
-            len(self.replicas),
-            self.dropped_total,
-            self.held,
+        return (
+            f"final report {'acked' if flushed else 'NOT acked'} by {len(self.replicas)}"
+            f" scaler replicas; {self.dropped_total} dropped, {self.held} unacked at exit"
         )
-        return flushed
 
     # -- the replica set -------------------------------------------------------------
 

@@ -13,22 +13,18 @@ on the mode nor builds a buffer and a stream that it would not use.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Protocol
 
 from tide.v1 import telemetry_pb2
 
 from services.common.clock import Clock
-from services.common.logs import with_context
 
 from .buffer import ReportBuffer
 from .fanout import Resolver, ScalerFanout
 from .metrics import AgentMetrics
 from .settings import AgentSettings
 from .stream import StreamConfig, TelemetryStream
-
-logger = logging.getLogger(__name__)
 
 
 class ReportSink(Protocol):
@@ -47,9 +43,9 @@ class ReportSink(Protocol):
         """Stream what is held, reconnecting as needed, until cancelled."""
         ...
 
-    async def finish(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for everything held to be acked, then log the final
-        line (what was acked, dropped, left); True if all was acked."""
+    async def finish(self, timeout_s: float) -> str:
+        """Wait up to ``timeout_s`` for everything held to be acked; the agent's final log
+        line: whether all was acked, what was dropped and what is left."""
         ...
 
 
@@ -67,7 +63,6 @@ class SingleStream:
         metrics: AgentMetrics,
         on_interval: Callable[[float], None] | None = None,
     ) -> None:
-        self._log = with_context(logger, node=config.node_name)
         self._metrics = metrics
         self.buffer = ReportBuffer(buffer_reports, max_in_flight_reports)
         self.stream = TelemetryStream(
@@ -86,17 +81,13 @@ class SingleStream:
     async def run(self) -> None:
         await self.stream.run()
 
-    async def finish(self, timeout_s: float) -> bool:
+    async def finish(self, timeout_s: float) -> str:
         flushed = await self.stream.flush(timeout_s)
-        self._log.info(
-            "final report %s; %d sampled, %d dropped, %d unacked at exit, last seq %d",
-            "acked" if flushed else "NOT acked",
-            self.buffer.added_total,
-            self.buffer.dropped_total,
-            len(self.buffer),
-            self.buffer.last_seq,
+        b = self.buffer
+        return (
+            f"final report {'acked' if flushed else 'NOT acked'}; {b.added_total} sampled,"
+            f" {b.dropped_total} dropped, {len(b)} unacked at exit, last seq {b.last_seq}"
         )
-        return flushed
 
 
 def open_sink(
