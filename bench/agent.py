@@ -57,6 +57,7 @@ def child(args: argparse.Namespace) -> None:
     from services.agent.attribution import PodResourcesClient
     from services.agent.nvml import NvmlSource
     from services.agent.settings import AgentSettings
+    from services.agent.sink import SingleStream
     from services.common import logs
     from tests.agent.fake_nvml import eight_gpus
 
@@ -79,11 +80,13 @@ def child(args: argparse.Namespace) -> None:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         await agent.run(stop)
+        sink = agent.sink
+        assert isinstance(sink, SingleStream)  # one scaler here: no --scaler-fanout
         print(
             json.dumps(
                 {
-                    "sampled": agent.buffer.added_total,
-                    "acked": agent.buffer.acked_seq,
+                    "sampled": sink.buffer.added_total,
+                    "acked": sink.buffer.acked_seq,
                     "nvml_calls": nv.calls,
                 }
             ),

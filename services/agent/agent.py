@@ -24,15 +24,14 @@ from tidebase.errors import Unavailable
 from tidebase.lifecycle import TransitionTable
 
 from .attribution import PodResourcesClient
-from .buffer import ReportBuffer
-from .fanout import Resolver, ScalerFanout, resolve_addresses
+from .fanout import Resolver, resolve_addresses
 from .metrics import AgentMetrics
 from .model import GpuReading, NodeNotice, NoticeKind, PodOwner, Sample
 from .nodewatch import NodeWatcher
 from .report import build_report
 from .settings import AgentSettings
+from .sink import ReportSink, open_sink
 from .sources import Source
-from .stream import StreamConfig, TelemetryStream
 
 logger = logging.getLogger(__name__)
 
@@ -91,47 +90,21 @@ class Agent:
         self.clock = clock or SystemClock()
         self.boot_id = boot_id or uuid.uuid4().hex
         self.state = AgentState.CREATED
-        self.buffer = ReportBuffer(settings.buffer_reports, settings.max_in_flight_reports)
         self.interval_s = settings.interval_s
         self.gpu_capacity = 0
         self.owners: dict[str, PodOwner] = {}
         self.last_readings: list[GpuReading] = []
         self.watcher: NodeWatcher | None = None
-        config = StreamConfig(
-            target=settings.scaler,
-            node_name=settings.node_name,
-            boot_id=self.boot_id,
-            ack_timeout_s=settings.ack_timeout_s,
-            stream_max_age_s=settings.stream_max_age_s,
-            backoff_initial_s=settings.backoff_initial_s,
-            backoff_max_s=settings.backoff_max_s,
-            keepalive_time_s=settings.keepalive_time_s,
-            keepalive_timeout_s=settings.keepalive_timeout_s,
-            credentials=settings.credentials(),
-        )
-        self.stream = TelemetryStream(
-            config,
-            self.buffer,
-            metrics=self.metrics,
+        #: Where reports go: one stream, or one per scaler replica with --scaler-fanout
+        #: (services/agent/sink.py); the agent never asks which.
+        self.sink: ReportSink = open_sink(
+            settings,
+            self.boot_id,
             clock=self.clock,
+            metrics=self.metrics,
+            resolver=resolver,
             on_interval=self._set_interval,
         )
-        #: With --scaler-fanout: a stream and a buffer per scaler replica, in place of
-        #: ``stream`` and ``buffer`` (services/agent/fanout.py).
-        self.fanout: ScalerFanout | None = None
-        if settings.scaler_fanout:
-            self.fanout = ScalerFanout(
-                config,
-                buffer_reports=settings.buffer_reports,
-                max_in_flight_reports=settings.max_in_flight_reports,
-                resolve_interval_s=settings.scaler_resolve_interval_s,
-                clock=self.clock,
-                metrics=self.metrics,
-                resolver=resolver,
-                on_interval=self._set_interval,
-            )
-        else:
-            self.metrics.scaler_replicas.set(1)
         self._notices: list[NodeNotice] = []
         self._sampler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sample")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -181,13 +154,8 @@ class Agent:
     def _enqueue(self, sample: Sample) -> None:
         report = build_report(sample, self.settings.node_name, self.boot_id, self.owners)
         self.metrics.reports_sampled.inc()
-        if self.fanout is not None:
-            self.fanout.add(report)
-            dropped = self.fanout.dropped_total
-        else:
-            self.buffer.add(report)
-            dropped = self.buffer.dropped_total
-            self.metrics.buffered.set(len(self.buffer))
+        self.sink.add(report)
+        dropped = self.sink.dropped_total
         self.metrics.reports_dropped.inc(dropped - self._dropped_seen)
         self._dropped_seen = dropped
 
@@ -271,8 +239,7 @@ class Agent:
             self.interval_s,
             self.settings.scaler,
         )
-        streams = self.stream.run() if self.fanout is None else self.fanout.run()
-        tasks = [asyncio.create_task(streams, name="telemetry")]
+        tasks = [asyncio.create_task(self.sink.run(), name="telemetry")]
         if self.pod_resources is not None:
             tasks.append(asyncio.create_task(self._refresh_owners(stop), name="pod-resources"))
         if self.kube_api is not None:
@@ -337,23 +304,5 @@ class Agent:
             notices, self._notices = self._notices, []
             sample = Sample(self.clock.now(), [], self.gpu_capacity, notices)
         self._enqueue(sample)
-        if self.fanout is not None:
-            flushed = await self.fanout.flush(self.settings.shutdown_flush_s)
-            self._log.info(
-                "final report %s by %d scaler replicas; %d dropped, %d unacked at exit",
-                "acked" if flushed else "NOT acked",
-                len(self.fanout.replicas),
-                self.fanout.dropped_total,
-                self.fanout.held,
-            )
-        else:
-            flushed = await self.stream.flush(self.settings.shutdown_flush_s)
-            self._log.info(
-                "final report %s; %d sampled, %d dropped, %d unacked at exit, last seq %d",
-                "acked" if flushed else "NOT acked",
-                self.buffer.added_total,
-                self.buffer.dropped_total,
-                len(self.buffer),
-                self.buffer.last_seq,
-            )
+        self._log.info("%s", await self.sink.finish(self.settings.shutdown_flush_s))
         self._transition(AgentState.STOPPED)

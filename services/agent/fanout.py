@@ -77,7 +77,7 @@ class _Replica:
 
 class ScalerFanout:
     """One buffer and one Telemetry stream per scaler replica; ``add`` gives each the
-    report. Owned by the agent's event loop."""
+    report. A ``ReportSink`` (services/agent/sink.py). Owned by the agent's event loop."""
 
     def __init__(
         self,
@@ -139,6 +139,14 @@ class ScalerFanout:
             return True
         done = await asyncio.gather(*(r.stream.flush(timeout_s) for r in self.replicas.values()))
         return all(done)
+
+    async def finish(self, timeout_s: float) -> str:
+        """``flush``; the agent's final log line (services/agent/sink.py, ``ReportSink``)."""
+        flushed = await self.flush(timeout_s)
+        return (
+            f"final report {'acked' if flushed else 'NOT acked'} by {len(self.replicas)}"
+            f" scaler replicas; {self.dropped_total} dropped, {self.held} unacked at exit"
+        )
 
     # -- the replica set -------------------------------------------------------------
 

@@ -12,7 +12,9 @@ from typing import Any
 import grpc
 
 from services.agent.agent import Agent
+from services.agent.fanout import ScalerFanout
 from services.agent.settings import AgentSettings
+from services.agent.sink import SingleStream
 from services.agent.sources import Profile, Source, SyntheticSource
 from services.common.clock import SystemClock
 
@@ -55,6 +57,18 @@ def agent_settings(port: int, **overrides: Any) -> AgentSettings:
     }
     values.update(overrides)
     return AgentSettings(**values)
+
+
+def single_stream(agent: Agent) -> SingleStream:
+    """The agent's sink without --scaler-fanout: its buffer and stream, to look into."""
+    assert isinstance(agent.sink, SingleStream), agent.sink
+    return agent.sink
+
+
+def fanout(agent: Agent) -> ScalerFanout:
+    """The agent's sink with --scaler-fanout: its replicas, to look into."""
+    assert isinstance(agent.sink, ScalerFanout), agent.sink
+    return agent.sink
 
 
 @dataclass

@@ -10,21 +10,27 @@ import pytest
 from tide.v1 import telemetry_pb2
 
 from services.agent.fanout import resolve_addresses
-from services.agent.settings import AgentSettings
 from tests.support.poll import eventually
 
-from .support import RunAgent, Scaler, agent_settings, start_scaler
+from .support import RunAgent, Running, Scaler, agent_settings, fanout, start_scaler
 
 pytestmark = pytest.mark.component
 
 
-class Dns:
-    """What the resolver answers now: addresses, or an error."""
+def _address(s: Scaler) -> str:
+    return f"127.0.0.1:{s.port}"
 
-    def __init__(self, *addresses: str) -> None:
-        self.addresses = list(addresses)
+
+class Dns:
+    """What the resolver answers now: the addresses of some replicas, or an error."""
+
+    def __init__(self, *replicas: Scaler) -> None:
+        self.point_at(*replicas)
         self.error: OSError | None = None
         self.asked = 0
+
+    def point_at(self, *replicas: Scaler) -> None:
+        self.addresses = [_address(s) for s in replicas]
 
     async def __call__(self, target: str) -> list[str]:
         assert target == "tide-scaler-peers.tide.svc:50051"
@@ -42,41 +48,62 @@ async def replicas() -> AsyncIterator[tuple[Scaler, Scaler]]:
         await s.server.stop(None)
 
 
-def _settings(**kw: object) -> AgentSettings:
-    return agent_settings(
+async def _run(run_agent: RunAgent, *replicas: Scaler, **kw: object) -> tuple[Running, str, Dns]:
+    """An agent fanning out to what its resolver answers, at first ``replicas``; with its
+    boot id and the resolver, to change the answer."""
+    dns = Dns(*replicas)
+    settings = agent_settings(
         50051,
         scaler="tide-scaler-peers.tide.svc:50051",
         scaler_fanout=True,
         scaler_resolve_interval_s=0.1,
         **kw,
     )
+    r = await run_agent(settings, resolver=dns)
+    return r, r.agent.boot_id, dns
 
 
-def _contiguous_from_1(seqs: list[int]) -> bool:
-    return seqs == list(range(1, len(seqs) + 1))
+async def _each_gets(boot: str, count: int, *replicas: Scaler) -> None:
+    await eventually(
+        lambda: min(len(s.recorder.seqs(boot)) for s in replicas) >= count,
+        what=f"{count} reports at each of {len(replicas)} replicas",
+    )
+
+
+async def _gets_more(s: Scaler, count: int, what: str) -> None:
+    then = len(s.recorder.received)
+    await eventually(lambda: len(s.recorder.received) >= then + count, what=what)
+
+
+def _numbered_from_1(s: Scaler, boot: str) -> list[int]:
+    """The numbers ``s`` got from ``boot``, once each: from 1, with no hole (a scaler acks
+    the highest contiguous number only). A resend after a reconnect repeats one."""
+    seqs = sorted(set(s.recorder.seqs(boot)))
+    assert seqs == list(range(1, len(seqs) + 1)), seqs
+    return seqs
+
+
+def _ends_with_shutdown(s: Scaler) -> bool:
+    last = s.recorder.received[-1]
+    return [e.kind for e in last.events] == [telemetry_pb2.NodeEvent.KIND_AGENT_SHUTDOWN]
 
 
 async def test_every_replica_gets_every_report_with_its_own_numbers(
     replicas: tuple[Scaler, Scaler], run_agent: RunAgent
 ) -> None:
     a, b = replicas
-    dns = Dns(f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}")
-    r = await run_agent(_settings(), resolver=dns)
-    boot = r.agent.boot_id
-    await eventually(
-        lambda: min(len(a.recorder.seqs(boot)), len(b.recorder.seqs(boot))) >= 10,
-        what="10 reports each",
-    )
+    r, boot, _ = await _run(run_agent, a, b)
+    await _each_gets(boot, 10, a, b)
     assert r.agent.metrics.scaler_replicas._value.get() == 2
     await eventually(
         lambda: r.agent.metrics.scaler_replicas_connected._value.get() == 2, what="both up"
     )
     await r.shutdown()
     for s in (a, b):
-        assert _contiguous_from_1(s.recorder.seqs(boot)), s.recorder.seqs(boot)
+        # In order and never twice: nothing went wrong on these streams.
+        assert s.recorder.seqs(boot) == _numbered_from_1(s, boot)
         assert s.recorder.duplicates == 0
-        last = s.recorder.received[-1]
-        assert [e.kind for e in last.events] == [telemetry_pb2.NodeEvent.KIND_AGENT_SHUTDOWN]
+        assert _ends_with_shutdown(s)
     # The same samples went to both: same GPUs, same times, in the same order.
     times_a = [m.sampled_at.ToNanoseconds() for m in a.recorder.received]
     times_b = [m.sampled_at.ToNanoseconds() for m in b.recorder.received]
@@ -89,23 +116,19 @@ async def test_a_replica_that_leaves_and_comes_back_resumes_its_numbers(
     replicas: tuple[Scaler, Scaler], run_agent: RunAgent
 ) -> None:
     a, b = replicas
-    dns = Dns(f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}")
-    r = await run_agent(_settings(), resolver=dns)
-    boot = r.agent.boot_id
-    await eventually(lambda: len(b.recorder.seqs(boot)) >= 5, what="b's first reports")
-    dns.addresses = [f"127.0.0.1:{a.port}"]
-    await eventually(lambda: len(r.agent.fanout.replicas) == 1, what="b dropped")  # type: ignore[union-attr]
-    b_then, a_then = len(b.recorder.received), len(a.recorder.received)
-    await eventually(lambda: len(a.recorder.received) >= a_then + 10, what="a goes on")
+    r, boot, dns = await _run(run_agent, a, b)
+    await _each_gets(boot, 5, b)
+    dns.point_at(a)
+    await eventually(lambda: len(fanout(r.agent).replicas) == 1, what="b dropped")
+    b_then = len(b.recorder.received)
+    await _gets_more(a, 10, what="a goes on")
     # b's stream was closed, so nothing more reached it (one report may have been in transit).
     assert len(b.recorder.received) <= b_then + 1
-    dns.addresses = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
-    await eventually(lambda: len(b.recorder.received) >= b_then + 5, what="b is back")
+    dns.point_at(a, b)
+    await _gets_more(b, 5, what="b is back")
     await r.shutdown()
-    # No restart at 1 and no hole: a scaler acks the highest contiguous number only.
-    seqs = sorted(set(b.recorder.seqs(boot)))
-    assert seqs == list(range(1, len(seqs) + 1))
-    assert b.recorder.boots[boot].acked == seqs[-1]
+    # No restart at 1 and no hole, and b acked them all.
+    assert b.recorder.boots[boot].acked == _numbered_from_1(b, boot)[-1]
 
 
 async def test_a_replica_away_holds_nothing_back_for_the_others(
@@ -113,38 +136,30 @@ async def test_a_replica_away_holds_nothing_back_for_the_others(
 ) -> None:
     a, b = replicas
     await b.server.stop(None)
-    dns = Dns(f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}")
-    r = await run_agent(_settings(shutdown_flush_s=0.5), resolver=dns)
-    boot = r.agent.boot_id
-    await eventually(lambda: len(a.recorder.seqs(boot)) >= 10, what="a's reports")
-    assert r.agent.buffer.added_total == 0  # the single-stream buffer is not used
-    fan = r.agent.fanout
-    assert fan is not None
-    assert len(fan.replicas[f"127.0.0.1:{a.port}"].buffer) <= 3  # acked as they come
-    assert len(fan.replicas[f"127.0.0.1:{b.port}"].buffer) >= 10  # held for b
+    r, boot, _ = await _run(run_agent, a, b, shutdown_flush_s=0.5)
+    await _each_gets(boot, 10, a)
+    fan = fanout(r.agent)  # and so no single-stream buffer was built beside it
+    assert len(fan.replicas[_address(a)].buffer) <= 3  # acked as they come
+    assert len(fan.replicas[_address(b)].buffer) >= 10  # held for b
     assert r.agent.metrics.scaler_replicas_connected._value.get() == 1
     await r.shutdown()
-    assert [e.kind for e in a.recorder.received[-1].events] == [
-        telemetry_pb2.NodeEvent.KIND_AGENT_SHUTDOWN
-    ]
+    assert _ends_with_shutdown(a)
 
 
 async def test_a_failing_resolver_keeps_the_replicas_known(
     replicas: tuple[Scaler, Scaler], run_agent: RunAgent
 ) -> None:
     a, b = replicas
-    dns = Dns(f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}")
-    r = await run_agent(_settings(), resolver=dns)
-    boot = r.agent.boot_id
-    await eventually(lambda: len(b.recorder.seqs(boot)) >= 3, what="b's first reports")
+    r, boot, dns = await _run(run_agent, a, b)
+    await _each_gets(boot, 3, b)
     dns.error = OSError("Temporary failure in name resolution")
     asked = dns.asked
     await eventually(lambda: dns.asked >= asked + 3, what="resolved again, failing")
-    b_then = len(b.recorder.received)
-    await eventually(lambda: len(b.recorder.received) >= b_then + 5, what="b goes on")
-    dns.error, dns.addresses = None, []  # an empty answer keeps them too
+    await _gets_more(b, 5, what="b goes on")
+    dns.error = None
+    dns.point_at()  # an empty answer keeps them too
     await eventually(lambda: dns.asked >= asked + 6, what="resolved again, empty")
-    assert len(r.agent.fanout.replicas) == 2  # type: ignore[union-attr]
+    assert len(fanout(r.agent).replicas) == 2
     await r.shutdown()
 
 
@@ -158,19 +173,14 @@ async def test_reports_sampled_before_the_first_answer_reach_every_replica(
     replicas: tuple[Scaler, Scaler], run_agent: RunAgent
 ) -> None:
     a, b = replicas
-    dns = Dns()  # nobody yet: a rollout, or DNS not ready at the agent's start
-    r = await run_agent(_settings(), resolver=dns)
-    boot = r.agent.boot_id
+    # Nobody in the first answers: a rollout, or DNS not ready at the agent's start.
+    r, boot, dns = await _run(run_agent)
     await eventually(lambda: r.agent.metrics.reports_sampled._value.get() >= 5, what="samples")
     assert not a.recorder.received and not b.recorder.received
-    dns.addresses = [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]
-    await eventually(
-        lambda: min(len(a.recorder.seqs(boot)), len(b.recorder.seqs(boot))) >= 10,
-        what="both replicas",
-    )
+    dns.point_at(a, b)
+    await _each_gets(boot, 10, a, b)
     await r.shutdown()
     sampled = int(r.agent.metrics.reports_sampled._value.get())
     for s in (a, b):
-        # Every report sampled, the early ones included, reached each replica (a resend
-        # after a reconnect carries a number already seen).
-        assert sorted(set(s.recorder.seqs(boot))) == list(range(1, sampled + 1))
+        # Every report sampled, the early ones included, reached each replica.
+        assert _numbered_from_1(s, boot)[-1] == sampled

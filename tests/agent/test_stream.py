@@ -13,7 +13,7 @@ from tests.support.poll import eventually
 from tidebase import grpc_options
 
 from .proxy import StallingProxy
-from .support import RunAgent, Scaler, agent_settings
+from .support import RunAgent, Scaler, agent_settings, single_stream
 
 pytestmark = pytest.mark.component
 
@@ -24,6 +24,7 @@ def _contiguous(seqs: list[int]) -> bool:
 
 async def test_reports_are_acked_in_order_and_released(scaler: Scaler, run_agent: RunAgent) -> None:
     r = await run_agent(agent_settings(scaler.port))
+    sink = single_stream(r.agent)
     boot = r.agent.boot_id
     await eventually(lambda: len(scaler.recorder.seqs(boot)) >= 10, what="10 reports")
     seqs = scaler.recorder.seqs(boot)
@@ -34,8 +35,8 @@ async def test_reports_are_acked_in_order_and_released(scaler: Scaler, run_agent
     assert first.gpu_capacity == 2
     assert [g.index for g in first.gpus] == [0, 1]
     # Acked reports leave the buffer: only the last one or two can still be in flight.
-    await eventually(lambda: r.agent.buffer.acked_seq >= 10, what="acks")
-    assert len(r.agent.buffer) <= 3
+    await eventually(lambda: sink.buffer.acked_seq >= 10, what="acks")
+    assert len(sink.buffer) <= 3
     await r.shutdown()
 
 
@@ -44,20 +45,21 @@ async def test_sampling_continues_while_scaler_is_down_and_held_reports_are_rese
 ) -> None:
     r = await run_agent(agent_settings(scaler.port))
     agent = r.agent
+    sink = single_stream(agent)
     await eventually(lambda: len(scaler.recorder.received) >= 5, what="first reports")
     await scaler.server.stop(None)
     old = scaler.recorder
-    sampled_at_stop = agent.buffer.added_total
+    sampled_at_stop = sink.buffer.added_total
     # The network is gone, yet the beat goes on at its own pace.
-    await eventually(lambda: agent.buffer.added_total >= sampled_at_stop + 10, what="sampling")
-    assert len(agent.buffer) >= 10
+    await eventually(lambda: sink.buffer.added_total >= sampled_at_stop + 10, what="sampling")
+    assert len(sink.buffer) >= 10
 
     await scaler.restart(keepalive_time_s=1.0)
-    await eventually(lambda: len(agent.buffer) <= 2, timeout_s=10, what="resend after restart")
+    await eventually(lambda: len(sink.buffer) <= 2, timeout_s=10, what="resend after restart")
     seqs = old.seqs(agent.boot_id) + scaler.recorder.seqs(agent.boot_id)
     assert _contiguous(seqs)
-    assert agent.buffer.dropped_total == 0
-    assert agent.stream.state.connects >= 2
+    assert sink.buffer.dropped_total == 0
+    assert sink.stream.state.connects >= 2
     await r.shutdown()
 
 
@@ -67,20 +69,21 @@ async def test_full_buffer_drops_oldest_unsent_and_counts(
     settings = agent_settings(scaler.port, buffer_reports=8, max_in_flight_reports=4)
     r = await run_agent(settings)
     agent = r.agent
+    sink = single_stream(agent)
     await eventually(lambda: len(scaler.recorder.received) >= 3, what="first reports")
     await scaler.server.stop(None)
     old = scaler.recorder
-    await eventually(lambda: agent.buffer.dropped_total >= 10, what="drops")
-    assert len(agent.buffer) <= 8
+    await eventually(lambda: sink.buffer.dropped_total >= 10, what="drops")
+    assert len(sink.buffer) <= 8
     await scaler.restart(keepalive_time_s=1.0)
-    await eventually(lambda: len(agent.buffer) <= 2, what="drain")
+    await eventually(lambda: len(sink.buffer) <= 2, what="drain")
     r.stop.set()
     await r.task
     delivered = set(old.seqs(agent.boot_id)) | set(scaler.recorder.seqs(agent.boot_id))
-    assert delivered == set(range(1, agent.buffer.last_seq + 1))
+    assert delivered == set(range(1, sink.buffer.last_seq + 1))
     # Every sampled report was delivered (once, by seq), dropped, or is still held.
-    assert len(delivered) + agent.buffer.dropped_total + len(agent.buffer) == (
-        agent.buffer.added_total
+    assert len(delivered) + sink.buffer.dropped_total + len(sink.buffer) == (
+        sink.buffer.added_total
     )
 
 
@@ -89,12 +92,13 @@ async def test_scaler_that_stops_acking_is_left_after_ack_timeout(
 ) -> None:
     r = await run_agent(agent_settings(scaler.port, ack_timeout_s=0.5))
     agent = r.agent
+    sink = single_stream(agent)
     await eventually(lambda: len(scaler.recorder.received) >= 3, what="first reports")
     scaler.recorder.hold_acks = True
-    await eventually(lambda: agent.stream.state.disconnects, what="a disconnect")
-    assert agent.stream.state.disconnects[0].reason.startswith("ACK_TIMEOUT")
+    await eventually(lambda: sink.stream.state.disconnects, what="a disconnect")
+    assert sink.stream.state.disconnects[0].reason.startswith("ACK_TIMEOUT")
     scaler.recorder.hold_acks = False
-    await eventually(lambda: len(agent.buffer) <= 2, what="drain after timeout")
+    await eventually(lambda: len(sink.buffer) <= 2, what="drain after timeout")
     assert _contiguous(scaler.recorder.seqs(agent.boot_id))
     await r.shutdown()
 
@@ -118,24 +122,25 @@ async def test_partition_is_detected_within_keepalive(scaler: Scaler, run_agent:
     )
     r = await run_agent(settings)
     agent = r.agent
+    sink = single_stream(agent)
     try:
         await eventually(lambda: len(scaler.recorder.received) >= 3, what="first reports")
         proxy.stall()
         stalled_at = time.monotonic()
-        sampled_at_stall = agent.buffer.added_total
-        await eventually(lambda: agent.stream.state.disconnects, timeout_s=10, what="detection")
+        sampled_at_stall = sink.buffer.added_total
+        await eventually(lambda: sink.stream.state.disconnects, timeout_s=10, what="detection")
         # Writes were stuck behind the stalled path, and the beat went on regardless.
-        sampled_during = agent.buffer.added_total - sampled_at_stall
+        sampled_during = sink.buffer.added_total - sampled_at_stall
         assert sampled_during >= 10, sampled_during  # ~40 expected at 20 Hz over ~2 s
         detected_s = time.monotonic() - stalled_at
-        reason = agent.stream.state.disconnects[0].reason
+        reason = sink.stream.state.disconnects[0].reason
         print(f"partition detected after {detected_s:.2f} s ({reason})")
         assert reason.startswith("UNAVAILABLE"), reason
         # The first ping goes out at most keepalive_time after the last read, and the
         # connection is dead keepalive_timeout later; 1 s of slack for a loaded CI box.
         assert detected_s <= keepalive_time_s + keepalive_timeout_s + 1.0, detected_s
         proxy.heal()
-        await eventually(lambda: len(agent.buffer) <= 2, timeout_s=10, what="recovery")
+        await eventually(lambda: len(sink.buffer) <= 2, timeout_s=10, what="recovery")
         assert _contiguous(scaler.recorder.seqs(agent.boot_id))
         await r.shutdown()
     finally:
@@ -159,11 +164,12 @@ async def test_final_report_on_stop_carries_agent_shutdown(
     scaler: Scaler, run_agent: RunAgent
 ) -> None:
     r = await run_agent(agent_settings(scaler.port))
+    sink = single_stream(r.agent)
     await eventually(lambda: len(scaler.recorder.received) >= 3, what="first reports")
     await r.shutdown()
     last = scaler.recorder.received[-1]
     assert [e.kind for e in last.events] == [telemetry_pb2.NodeEvent.KIND_AGENT_SHUTDOWN]
-    assert len(r.agent.buffer) == 0
+    assert len(sink.buffer) == 0
 
 
 class HungSource:
