@@ -13,7 +13,7 @@ process list up to a few hundred on a busy 8-GPU node. 100 µs for every call,
 spent as CPU in the agent (an ioctl's time is kernel time charged to the
 caller), is a pessimistic middle.
 
-    python -m bench.agent            # 60 s measured, after a 5 s warm-up
+    python -m bench.agent            # 60 s measured, after its first report and a 5 s warm-up
     python -m bench.agent --quick    # 15 s measured
 
 The last line is ``RESULT {json}`` with cpu_pct (percent of one core) and
@@ -147,7 +147,14 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     pid = proc.pid
     try:
-        await asyncio.sleep(args.warmup_s)  # imports, first connects, first PodResources call
+        # Imports, first connect, first PodResources call: until the first report
+        # arrives (a loaded machine takes seconds), then the warm-up proper.
+        started = time.monotonic()
+        while not recorder.received:
+            if proc.returncode is not None or time.monotonic() - started > 60:
+                raise SystemExit("the agent sent no report within 60 s")
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(args.warmup_s)
         cpu0, t0, seen0 = _cpu_seconds(pid), time.monotonic(), len(recorder.received)
         rss_samples: list[int] = []
         while time.monotonic() - t0 < args.seconds:
