@@ -87,6 +87,8 @@ class Stepper:
         self._ran: set[int] = set()
         self._snapshot: np.ndarray | None = None
         self.last_reduce_s = 0.0
+        # The last optimizer step (with the scaler and LR scheduler), seconds.
+        self.last_optimizer_s = 0.0
 
     # -- buffers --------------------------------------------------------------------------
 
@@ -197,7 +199,9 @@ class Stepper:
             ran = tail[1 : 1 + v] > 0
             summed = tail[1 + v :].reshape(self.virtual.shape)
             self.virtual[ran] = summed[ran]
+        stepped = time.monotonic()
         self._step_optimizer()
+        self.last_optimizer_s = time.monotonic() - stepped
         self._loss_sum = 0.0
         self._ran = set()
         return loss

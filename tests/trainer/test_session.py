@@ -10,7 +10,7 @@ import pytest
 
 from tests.trainer.queue_channel import QueueChannel
 from tidebase.errors import ConfigError
-from trainer.checkpoint import CheckpointSettings, CheckpointStore
+from trainer.checkpoint import CheckpointNotFound, CheckpointSettings, CheckpointStore
 from trainer.messages import (
     CheckpointAt,
     Exit,
@@ -27,7 +27,7 @@ from trainer.session import DistEnv, ElasticSession, SessionConfig, SessionExit
 pytestmark = [pytest.mark.integration, pytest.mark.paddle]
 
 
-def _train(session: ElasticSession, seed: int = 0) -> list[float]:
+def _train(session: ElasticSession, seed: int = 0, warm_optimizer: bool = False) -> list[float]:
     import paddle
 
     from trainer.examples.train_mlp import build_model, make_dataset
@@ -37,6 +37,14 @@ def _train(session: ElasticSession, seed: int = 0) -> list[float]:
     model = build_model(16)
     opt = paddle.optimizer.Adam(learning_rate=1e-2, parameters=model.parameters())
     session.attach(model, opt)
+    if warm_optimizer:
+        # What a prepared worker does ahead: a forward and backward, then the optimizer step.
+        session._warm_up(
+            lambda: paddle.nn.functional.cross_entropy(
+                model(paddle.to_tensor(x[:4])), paddle.to_tensor(y[:4])
+            ).backward()
+        )
+        session._warm_optimizer()
     session.init_process_group()
     session.restore()
     losses = []
@@ -116,6 +124,21 @@ def test_restart_from_checkpoint_continues_the_same_trajectory(tmp_path: Path) -
     rest = _train(second)
     assert second.restored_step == 7
     assert first + rest == pytest.approx(straight, rel=1e-6)
+
+
+def test_a_warmed_optimizer_restores_onto_the_same_trajectory(tmp_path: Path) -> None:
+    straight = _train(ElasticSession(_config(tmp_path / "a", 12), DistEnv(), QueueChannel()))
+    first = _train(ElasticSession(_config(tmp_path / "b", 7, every=7), DistEnv(), QueueChannel()))
+    second = ElasticSession(_config(tmp_path / "b", 12), DistEnv(restore_step=7), QueueChannel())
+    rest = _train(second, warm_optimizer=True)
+    assert first + rest == pytest.approx(straight, rel=1e-6)
+
+
+def test_a_warmed_optimizer_refuses_to_start_from_scratch(tmp_path: Path) -> None:
+    # Its accumulators hold the warm-up step's values: a fresh worker must start instead.
+    session = ElasticSession(_config(tmp_path, 5), DistEnv(), QueueChannel())
+    with pytest.raises(CheckpointNotFound):
+        _train(session, warm_optimizer=True)
 
 
 def test_rank_0_removes_what_a_crashed_writer_left_when_it_restores(tmp_path: Path) -> None:
