@@ -47,7 +47,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from bench.ingest import _base, _pin, _varint, pct
+from bench.ingest import _base, _pin, pct
 
 PERIOD_S = 10.0  # utilization of the resizing jobs flips between high and low this often
 #: One job in this many resizes (its utilization flips); the others hold 50 %, inside
@@ -57,6 +57,9 @@ RESIZING_EVERY = 10
 NODES_PER_JOB = 4
 SHARDS = 12
 LEASE_S = 3.0  # shard lease duration in the sharded phase; renewed every second
+#: TCP connections from the fleet to each replica (the streams share them, as the two
+#: grpc.aio channels of the earlier generator did).
+CONNECTIONS = 2
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/tide_test"
 
 
@@ -224,92 +227,20 @@ def _members(job: int) -> list[Any]:
 def agents_main(
     ports: list[int], nodes: list[tuple[str, int, int]], seconds: float, warm_s: float, q: Any
 ) -> None:
+    """The fleet's streams, in one process on CPU 1 (bench/fleet.py: gRPC over HTTP/2
+    without grpc.aio's per-call machinery, so one core drives 5,000 streams at 1 Hz)."""
+    from bench.fleet import run_fleet
+
     _pin(1)
-    asyncio.run(_agents(ports, nodes, seconds, warm_s, q))
-
-
-async def _agents(
-    ports: list[int], nodes: list[tuple[str, int, int]], seconds: float, warm_s: float, q: Any
-) -> None:
-    import grpc
-    from tide.v1 import telemetry_pb2
-
-    from tidebase.grpc_options import client_options
-
-    channels = {
-        p: grpc.aio.insecure_channel(f"127.0.0.1:{p}", options=client_options()) for p in ports
-    }
-    start = time.monotonic()
-    end, warm = start + seconds, time.perf_counter() + warm_s
-    lat: list[tuple[float, float]] = []  # (sent at, perf_counter; latency)
-    errors = [0]
-    # Reports written after the warm-up: whether the fleet itself kept its 1 Hz (on one
-    # core, a few thousand streams are about what a client process can write).
-    written = [0]
-
-    async def one(i: int, node: tuple[str, int, int]) -> None:
-        name, job, k = node
+    templates = []
+    for name, job, k in nodes:
         if job % RESIZING_EVERY == 0:
-            high, low = _base(name, job, k, 95.0), _base(name, job, k, 10.0)
+            templates.append((_base(name, job, k, 95.0), _base(name, job, k, 10.0)))
         else:
-            high = low = _base(name, job, k, 50.0)
-        seq = 0
-        attempt = i
-        await asyncio.sleep((i % 1000) / 1000)  # spread the fleet over the second
-        while time.monotonic() < end:
-            # Any replica behind the Service; on a failure the next one.
-            ch = channels[ports[attempt % len(ports)]]
-            method = ch.stream_stream(
-                "/tide.v1.Telemetry/Stream",
-                request_serializer=lambda b: b,
-                response_deserializer=telemetry_pb2.TelemetryAck.FromString,
-            )
-            call = method()
-            sent: dict[int, float] = {}
-
-            async def read(call: Any = call, sent: dict[int, float] = sent) -> None:
-                async for ack in call:
-                    now = time.perf_counter()
-                    for s in [s for s in sent if s <= ack.acked_seq]:
-                        t = sent.pop(s)
-                        if t > warm:
-                            lat.append((t, now - t))
-
-            reader = asyncio.create_task(read())
-            try:
-                next_at = time.monotonic()
-                while time.monotonic() < end and not reader.done():
-                    seq += 1
-                    now = time.time()
-                    base = high if int(now / PERIOD_S) % 2 == 0 else low
-                    sec = int(now)
-                    ts = b"\x08" + _varint(sec) + b"\x10" + _varint(int((now - sec) * 1e9))
-                    sent[seq] = time.perf_counter()
-                    if sent[seq] > warm:
-                        written[0] += 1
-                    await call.write(
-                        base + b"\x18" + _varint(seq) + b"\x22" + _varint(len(ts)) + ts
-                    )
-                    next_at += 1.0
-                    await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-                if reader.done():
-                    raise RuntimeError("stream ended")
-                await call.done_writing()
-                await reader
-                return
-            except Exception:
-                if time.monotonic() < end:
-                    errors[0] += 1
-                    attempt += 1
-                    await asyncio.sleep(0.2)
-            finally:
-                reader.cancel()
-                call.cancel()
-
-    await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)))
-    for ch in channels.values():
-        await ch.close()
-    q.put((lat, errors[0], written[0]))
+            flat = _base(name, job, k, 50.0)
+            templates.append((flat, flat))
+    out = run_fleet(ports, templates, seconds, warm_s, CONNECTIONS, PERIOD_S)
+    q.put((out["lat"], out["errors"], out["written"], out["cpu"], out["refused"]))
 
 
 # --- phases ------------------------------------------------------------------------------------
@@ -329,7 +260,13 @@ def _start_replicas(
 
 
 def run_phase(
-    url: str, mode: str, agents: int, replicas: int, seconds: float, kill_at_s: float | None
+    url: str,
+    mode: str,
+    agents: int,
+    replicas: int,
+    seconds: float,
+    kill_at_s: float | None,
+    procs: int = 1,
 ) -> dict[str, Any]:
     from services.scaler.metrics import PARTIALS_DROPPED
 
@@ -338,7 +275,6 @@ def run_phase(
     reps = _start_replicas(ctx, mode, url, replicas, jobs)
     ports = [port for _, _, port in reps]
     nodes = [(f"node-{i}", i // NODES_PER_JOB % jobs, i % NODES_PER_JOB) for i in range(agents)]
-    procs = 2
     q = ctx.Queue()
     warm_s = min(8.0, seconds / 3)
     fleet = [
@@ -398,6 +334,8 @@ def run_phase(
     steady = sorted(x for r in results for t, x in r[0] if t < killed_perf)
     errors = sum(r[1] for r in results)
     written = sum(r[2] for r in results)
+    agent_cpu = sum(r[3] for r in results)
+    refused = sum(r[4] for r in results)
     decision_lat: list[float] = []
     decisions = 0
     for r in alive:
@@ -431,6 +369,11 @@ def run_phase(
         "reports_per_s": round(reports / (t1 - t0)),
         # What the agents wrote per second after the warm-up (the fleet asks `agents`).
         "written_per_s": round(written / max(1e-9, seconds - warm_s)),
+        # CPU the agent processes used (all on CPU 1), of one core: near 100 % the
+        # generator, not the replica, bounds what was written.
+        "agent_cpu_pct": round(agent_cpu * 100, 1),
+        # Reports the replica's flow-control windows did not admit (not written).
+        "flow_refused": refused,
         # Agents per core the replicas used: the fleet over the CPU it cost them.
         "agents_per_core": round(agents / max(1e-9, sum(cpu))) if cpu else None,
         "stream_errors": errors,
