@@ -159,8 +159,11 @@ class Connection(asyncio.Protocol):
                     self._end(sid)
             elif kind == _HEADERS:
                 if flags & _END_STREAM:  # trailers (or a trailers-only answer): it ended
+                    if len(self.fleet.rst_codes) < 3:
+                        self.fleet.rst_codes.append(payload)
                     self._end(sid)
             elif kind == _RST:
+                self.fleet.rst_codes.append(_HEAD.unpack_from(payload)[0])
                 self._end(sid)
             elif kind == _SETTINGS:
                 if not flags & _ACK:
@@ -283,6 +286,7 @@ class Fleet:
         self.written = 0  # reports written after the warm-up
         self.refused = 0  # reports the peer's flow-control windows did not admit
         self.ending = False
+        self.rst_codes: list[Any] = []  # RST_STREAM error codes received
 
     async def connect(self) -> None:
         loop = asyncio.get_running_loop()
@@ -421,6 +425,7 @@ def run_fleet(
             "written": fleet.written,
             "refused": fleet.refused,
             "cpu": cpu,
+            "rst": fleet.rst_codes[:20],
         }
 
     return asyncio.run(main())
