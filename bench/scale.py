@@ -60,6 +60,8 @@ LEASE_S = 3.0  # shard lease duration in the sharded phase; renewed every second
 #: TCP connections from the fleet to each replica (the streams share them, as the two
 #: grpc.aio channels of the earlier generator did).
 CONNECTIONS = 2
+#: New streams a second while the fleet starts (bench/fleet.py).
+RAMP_PER_S = 1000
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/tide_test"
 
 
@@ -239,7 +241,7 @@ def agents_main(
         else:
             flat = _base(name, job, k, 50.0)
             templates.append((flat, flat))
-    out = run_fleet(ports, templates, seconds, warm_s, CONNECTIONS, PERIOD_S)
+    out = run_fleet(ports, templates, seconds, warm_s, CONNECTIONS, PERIOD_S, RAMP_PER_S)
     q.put((out["lat"], out["errors"], out["written"], out["cpu"], out["refused"]))
 
 
@@ -276,7 +278,9 @@ def run_phase(
     ports = [port for _, _, port in reps]
     nodes = [(f"node-{i}", i // NODES_PER_JOB % jobs, i % NODES_PER_JOB) for i in range(agents)]
     q = ctx.Queue()
-    warm_s = min(8.0, seconds / 3)
+    # The fleet opens RAMP_PER_S streams a second (bench/fleet.py); measured from a few
+    # seconds after the last one opened.
+    warm_s = min(seconds / 2, max(min(8.0, seconds / 3), agents / RAMP_PER_S + 5.0))
     fleet = [
         ctx.Process(target=agents_main, args=(ports, nodes[k::procs], seconds, warm_s, q))
         for k in range(procs)
@@ -397,6 +401,34 @@ def big_history(url: str) -> float:
         return float(asyncio.run(measure_scaler(u, total))["decision_p99_ms"])
 
 
+def sweep(sizes: list[int], seconds: float, pg: str) -> int:
+    """One replica at each fleet size; RESULT holds, per size, what the capacity target
+    is judged by (agents per core used, ack p99) and whether the fleet kept its 1 Hz."""
+    from bench.history import pg_schema
+    from services.store import db
+
+    out: dict[str, Any] = {}
+    for n in sizes:
+        with pg_schema(pg) as url:
+            db.upgrade(url)
+            r = run_phase(url, "single", n, 1, seconds, None)
+        print(f"single {n}: " + json.dumps(r), flush=True)
+        for key in (
+            "agents_per_core",
+            "ack_p50_ms",
+            "ack_p99_ms",
+            "cpu_pct_per_replica",
+            "reports_per_s",
+            "written_per_s",
+            "agent_cpu_pct",
+            "decision_p99_ms",
+        ):
+            out[f"{key}_{n}"] = r[key]
+    out["seconds_per_phase"] = seconds
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="a fleet this 2-core machine holds")
@@ -404,12 +436,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=0.0, help="length of each phase")
     ap.add_argument("--pg", default=os.environ.get("TIDE_TEST_PG_URL", DEFAULT_PG))
+    ap.add_argument(
+        "--sweep",
+        default="",
+        help="comma-separated fleet sizes: only one replica at each (issue 18's capacity"
+        " target: agents per core and ack p99 at 3,000, 4,000, 5,000)",
+    )
     args = ap.parse_args(argv)
     agents = args.agents or (1200 if args.quick else 3000)
     seconds = args.seconds or (30.0 if args.quick else 90.0)
     t_start = time.monotonic()
     from bench.history import pg_schema
     from services.store import db
+
+    if args.sweep:
+        return sweep([int(n) for n in args.sweep.split(",")], seconds, args.pg)
     from services.testing.shards import compare_sharded
 
     phases: dict[str, dict[str, Any]] = {}
