@@ -2,12 +2,17 @@
 PostgreSQL, one replica without sharding and several with, in the same run.
 
     python -m bench.scale [--quick] [--agents N] [--replicas 3] [--seconds S] [--pg URL]
+    python -m bench.scale --sweep 3000,4000,5000 [--seconds S]
 
 Every figure is measured at the size it names; nothing is extrapolated. Agents are
-streams in spawned processes (loopback, many streams per process, one report of
-8 GPUs a second each; one job in RESIZING_EVERY has its utilization flip between
+streams of one spawned process on CPU 1 (bench/fleet.py: gRPC over HTTP/2 on
+CONNECTIONS loopback connections per replica, without grpc.aio's per-call cost, so
+that one core drives 5,000 streams), one report of 8 GPUs a second each, opened at
+RAMP_PER_S a second; one job in RESIZING_EVERY has its utilization flip between
 95 % and 10 % every PERIOD_S, so that it keeps resizing through the in-memory
-actuator and coordinator, and the others hold 50 %).
+actuator and coordinator, and the others hold 50 %. ``--sweep`` runs only one
+replica at each size given (the capacity target of issue 18: agents per core used,
+ack p99).
 
 Phases:
 
@@ -378,8 +383,10 @@ def run_phase(
         "agent_cpu_pct": round(agent_cpu * 100, 1),
         # Reports the replica's flow-control windows did not admit (not written).
         "flow_refused": refused,
-        # Agents per core the replicas used: the fleet over the CPU it cost them.
-        "agents_per_core": round(agents / max(1e-9, sum(cpu))) if cpu else None,
+        # Agents per core the replicas used: the reports they accepted a second (one per
+        # agent and second) over the CPU it cost them. Not the fleet's size over that
+        # CPU: a replica that falls behind would count agents it did not serve.
+        "agents_per_core": round(reports / (t1 - t0) / max(1e-9, sum(cpu))) if cpu else None,
         "stream_errors": errors,
         "rebalance_s": round(rebalance_s, 2) if rebalance_s is not None else None,
         # Shipped over gRPC (ShipPartials request sizes), by the replicas that lived through.
