@@ -28,6 +28,7 @@ services/agent/buffer.py resends what was not acked).
 from __future__ import annotations
 
 import asyncio
+import functools
 import struct
 import time
 from collections.abc import Callable
@@ -289,10 +290,12 @@ class Fleet:
     async def connect(self) -> None:
         loop = asyncio.get_running_loop()
         for port in self.ports:
-            out = self.conns[port] = []
+            out: list[Connection] = []
+            self.conns[port] = out
+            authority = f"127.0.0.1:{port}".encode()
             for _ in range(self.conns_per_port):
                 _, proto = await loop.create_connection(
-                    lambda p=port: Connection(self, f"127.0.0.1:{p}".encode()), "127.0.0.1", port
+                    functools.partial(Connection, self, authority), "127.0.0.1", port
                 )
                 out.append(proto)
 
