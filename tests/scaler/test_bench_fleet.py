@@ -6,7 +6,6 @@ the next one, from the report after its highest ack."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -21,6 +20,7 @@ from services.scaler.ingest import IngestEngine, IngestSettings
 from services.scaler.members import Member
 from services.scaler.servicer import TelemetryServicer
 from services.testing.members import InMemoryMemberRegistry
+from tests.support.poll import eventually
 from tidebase.grpc_options import server_options
 
 pytestmark = [pytest.mark.component]
@@ -64,9 +64,9 @@ def _fleet(ports: list[int]) -> Fleet:
 
 async def _settled(fleet: Fleet) -> None:
     # The last second's acks are in flight when run() returns.
-    deadline = time.monotonic() + 5.0
-    while any(st.acked < st.seq for st in fleet.streams) and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
+    await eventually(
+        lambda: all(st.acked == st.seq for st in fleet.streams), 5.0, what="the last acks"
+    )
 
 
 async def test_every_report_is_accepted_and_acked_in_sequence() -> None:
