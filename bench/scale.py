@@ -2,12 +2,17 @@
 PostgreSQL, one replica without sharding and several with, in the same run.
 
     python -m bench.scale [--quick] [--agents N] [--replicas 3] [--seconds S] [--pg URL]
+    python -m bench.scale --sweep 3000,4000,5000 [--seconds S]
 
 Every figure is measured at the size it names; nothing is extrapolated. Agents are
-streams in spawned processes (loopback, many streams per process, one report of
-8 GPUs a second each; one job in RESIZING_EVERY has its utilization flip between
+streams of one spawned process on CPU 1 (bench/fleet.py: gRPC over HTTP/2 on
+CONNECTIONS loopback connections per replica, without grpc.aio's per-call cost, so
+that one core drives 5,000 streams), one report of 8 GPUs a second each, opened at
+RAMP_PER_S a second; one job in RESIZING_EVERY has its utilization flip between
 95 % and 10 % every PERIOD_S, so that it keeps resizing through the in-memory
-actuator and coordinator, and the others hold 50 %).
+actuator and coordinator, and the others hold 50 %. ``--sweep`` runs only one
+replica at each size given (the capacity target of issue 18: agents per core used,
+ack p99).
 
 Phases:
 
@@ -47,7 +52,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from bench.ingest import _base, _pin, _varint, pct
+from bench.ingest import _base, _pin, pct
 
 PERIOD_S = 10.0  # utilization of the resizing jobs flips between high and low this often
 #: One job in this many resizes (its utilization flips); the others hold 50 %, inside
@@ -57,6 +62,11 @@ RESIZING_EVERY = 10
 NODES_PER_JOB = 4
 SHARDS = 12
 LEASE_S = 3.0  # shard lease duration in the sharded phase; renewed every second
+#: TCP connections from the fleet to each replica (the streams share them, as the two
+#: grpc.aio channels of the earlier generator did).
+CONNECTIONS = 2
+#: New streams a second while the fleet starts (bench/fleet.py).
+RAMP_PER_S = 1000
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/tide_test"
 
 
@@ -224,92 +234,20 @@ def _members(job: int) -> list[Any]:
 def agents_main(
     ports: list[int], nodes: list[tuple[str, int, int]], seconds: float, warm_s: float, q: Any
 ) -> None:
+    """The fleet's streams, in one process on CPU 1 (bench/fleet.py: gRPC over HTTP/2
+    without grpc.aio's per-call machinery, so one core drives 5,000 streams at 1 Hz)."""
+    from bench.fleet import run_fleet
+
     _pin(1)
-    asyncio.run(_agents(ports, nodes, seconds, warm_s, q))
-
-
-async def _agents(
-    ports: list[int], nodes: list[tuple[str, int, int]], seconds: float, warm_s: float, q: Any
-) -> None:
-    import grpc
-    from tide.v1 import telemetry_pb2
-
-    from tidebase.grpc_options import client_options
-
-    channels = {
-        p: grpc.aio.insecure_channel(f"127.0.0.1:{p}", options=client_options()) for p in ports
-    }
-    start = time.monotonic()
-    end, warm = start + seconds, time.perf_counter() + warm_s
-    lat: list[tuple[float, float]] = []  # (sent at, perf_counter; latency)
-    errors = [0]
-    # Reports written after the warm-up: whether the fleet itself kept its 1 Hz (on one
-    # core, a few thousand streams are about what a client process can write).
-    written = [0]
-
-    async def one(i: int, node: tuple[str, int, int]) -> None:
-        name, job, k = node
+    templates = []
+    for name, job, k in nodes:
         if job % RESIZING_EVERY == 0:
-            high, low = _base(name, job, k, 95.0), _base(name, job, k, 10.0)
+            templates.append((_base(name, job, k, 95.0), _base(name, job, k, 10.0)))
         else:
-            high = low = _base(name, job, k, 50.0)
-        seq = 0
-        attempt = i
-        await asyncio.sleep((i % 1000) / 1000)  # spread the fleet over the second
-        while time.monotonic() < end:
-            # Any replica behind the Service; on a failure the next one.
-            ch = channels[ports[attempt % len(ports)]]
-            method = ch.stream_stream(
-                "/tide.v1.Telemetry/Stream",
-                request_serializer=lambda b: b,
-                response_deserializer=telemetry_pb2.TelemetryAck.FromString,
-            )
-            call = method()
-            sent: dict[int, float] = {}
-
-            async def read(call: Any = call, sent: dict[int, float] = sent) -> None:
-                async for ack in call:
-                    now = time.perf_counter()
-                    for s in [s for s in sent if s <= ack.acked_seq]:
-                        t = sent.pop(s)
-                        if t > warm:
-                            lat.append((t, now - t))
-
-            reader = asyncio.create_task(read())
-            try:
-                next_at = time.monotonic()
-                while time.monotonic() < end and not reader.done():
-                    seq += 1
-                    now = time.time()
-                    base = high if int(now / PERIOD_S) % 2 == 0 else low
-                    sec = int(now)
-                    ts = b"\x08" + _varint(sec) + b"\x10" + _varint(int((now - sec) * 1e9))
-                    sent[seq] = time.perf_counter()
-                    if sent[seq] > warm:
-                        written[0] += 1
-                    await call.write(
-                        base + b"\x18" + _varint(seq) + b"\x22" + _varint(len(ts)) + ts
-                    )
-                    next_at += 1.0
-                    await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-                if reader.done():
-                    raise RuntimeError("stream ended")
-                await call.done_writing()
-                await reader
-                return
-            except Exception:
-                if time.monotonic() < end:
-                    errors[0] += 1
-                    attempt += 1
-                    await asyncio.sleep(0.2)
-            finally:
-                reader.cancel()
-                call.cancel()
-
-    await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)))
-    for ch in channels.values():
-        await ch.close()
-    q.put((lat, errors[0], written[0]))
+            flat = _base(name, job, k, 50.0)
+            templates.append((flat, flat))
+    out = run_fleet(ports, templates, seconds, warm_s, CONNECTIONS, PERIOD_S, RAMP_PER_S)
+    q.put((out["lat"], out["errors"], out["written"], out["cpu"], out["refused"]))
 
 
 # --- phases ------------------------------------------------------------------------------------
@@ -329,7 +267,13 @@ def _start_replicas(
 
 
 def run_phase(
-    url: str, mode: str, agents: int, replicas: int, seconds: float, kill_at_s: float | None
+    url: str,
+    mode: str,
+    agents: int,
+    replicas: int,
+    seconds: float,
+    kill_at_s: float | None,
+    procs: int = 1,
 ) -> dict[str, Any]:
     from services.scaler.metrics import PARTIALS_DROPPED
 
@@ -338,9 +282,10 @@ def run_phase(
     reps = _start_replicas(ctx, mode, url, replicas, jobs)
     ports = [port for _, _, port in reps]
     nodes = [(f"node-{i}", i // NODES_PER_JOB % jobs, i % NODES_PER_JOB) for i in range(agents)]
-    procs = 2
     q = ctx.Queue()
-    warm_s = min(8.0, seconds / 3)
+    # The fleet opens RAMP_PER_S streams a second (bench/fleet.py); measured from a few
+    # seconds after the last one opened.
+    warm_s = min(seconds / 2, max(min(8.0, seconds / 3), agents / RAMP_PER_S + 5.0))
     fleet = [
         ctx.Process(target=agents_main, args=(ports, nodes[k::procs], seconds, warm_s, q))
         for k in range(procs)
@@ -398,6 +343,8 @@ def run_phase(
     steady = sorted(x for r in results for t, x in r[0] if t < killed_perf)
     errors = sum(r[1] for r in results)
     written = sum(r[2] for r in results)
+    agent_cpu = sum(r[3] for r in results)
+    refused = sum(r[4] for r in results)
     decision_lat: list[float] = []
     decisions = 0
     for r in alive:
@@ -431,8 +378,15 @@ def run_phase(
         "reports_per_s": round(reports / (t1 - t0)),
         # What the agents wrote per second after the warm-up (the fleet asks `agents`).
         "written_per_s": round(written / max(1e-9, seconds - warm_s)),
-        # Agents per core the replicas used: the fleet over the CPU it cost them.
-        "agents_per_core": round(agents / max(1e-9, sum(cpu))) if cpu else None,
+        # CPU the agent processes used (all on CPU 1), of one core: near 100 % the
+        # generator, not the replica, bounds what was written.
+        "agent_cpu_pct": round(agent_cpu * 100, 1),
+        # Reports the replica's flow-control windows did not admit (not written).
+        "flow_refused": refused,
+        # Agents per core the replicas used: the reports they accepted a second (one per
+        # agent and second) over the CPU it cost them. Not the fleet's size over that
+        # CPU: a replica that falls behind would count agents it did not serve.
+        "agents_per_core": round(reports / (t1 - t0) / max(1e-9, sum(cpu))) if cpu else None,
         "stream_errors": errors,
         "rebalance_s": round(rebalance_s, 2) if rebalance_s is not None else None,
         # Shipped over gRPC (ShipPartials request sizes), by the replicas that lived through.
@@ -454,6 +408,34 @@ def big_history(url: str) -> float:
         return float(asyncio.run(measure_scaler(u, total))["decision_p99_ms"])
 
 
+def sweep(sizes: list[int], seconds: float, pg: str) -> int:
+    """One replica at each fleet size; RESULT holds, per size, what the capacity target
+    is judged by (agents per core used, ack p99) and whether the fleet kept its 1 Hz."""
+    from bench.history import pg_schema
+    from services.store import db
+
+    out: dict[str, Any] = {}
+    for n in sizes:
+        with pg_schema(pg) as url:
+            db.upgrade(url)
+            r = run_phase(url, "single", n, 1, seconds, None)
+        print(f"single {n}: " + json.dumps(r), flush=True)
+        for key in (
+            "agents_per_core",
+            "ack_p50_ms",
+            "ack_p99_ms",
+            "cpu_pct_per_replica",
+            "reports_per_s",
+            "written_per_s",
+            "agent_cpu_pct",
+            "decision_p99_ms",
+        ):
+            out[f"{key}_{n}"] = r[key]
+    out["seconds_per_phase"] = seconds
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="a fleet this 2-core machine holds")
@@ -461,12 +443,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=0.0, help="length of each phase")
     ap.add_argument("--pg", default=os.environ.get("TIDE_TEST_PG_URL", DEFAULT_PG))
+    ap.add_argument(
+        "--sweep",
+        default="",
+        help="comma-separated fleet sizes: only one replica at each (issue 18's capacity"
+        " target: agents per core and ack p99 at 3,000, 4,000, 5,000)",
+    )
     args = ap.parse_args(argv)
     agents = args.agents or (1200 if args.quick else 3000)
     seconds = args.seconds or (30.0 if args.quick else 90.0)
     t_start = time.monotonic()
     from bench.history import pg_schema
     from services.store import db
+
+    if args.sweep:
+        return sweep([int(n) for n in args.sweep.split(",")], seconds, args.pg)
     from services.testing.shards import compare_sharded
 
     phases: dict[str, dict[str, Any]] = {}

@@ -272,6 +272,7 @@ class _Acks:
         "context",
         "flight",
         "last_s",
+        "msg",
         "reaped",
         "reports",
         "sent",
@@ -279,8 +280,11 @@ class _Acks:
         "writing",
     )
 
-    def __init__(self, context: Ctx) -> None:
+    def __init__(self, context: Ctx, interval_s: float) -> None:
         self.context = context
+        # One ack message per stream, its fields set before each write (gRPC serialises
+        # it inside write, before the first await): no message built per report.
+        self.msg = telemetry_pb2.TelemetryAck(report_interval_s=interval_s)
         self.ack: tuple[str, int] | None = None  # (boot id, acked seq) to send
         self.sent: tuple[str, int] | None = None  # the last one written
         self.since = 0  # reports since the last ack
@@ -313,17 +317,17 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         if st.writing:
             return  # the write in flight sends the newest ack when it is done
         st.writing = True
-        interval = self.engine.settings.report_interval_s
+        msg = st.msg
         try:
             while st.ack is not None and st.ack != st.sent:
                 ack = st.sent = st.ack
                 st.since = 0
                 st.last_s = self.engine.clock.monotonic()
-                await st.context.write(
-                    telemetry_pb2.TelemetryAck(
-                        boot_id=ack[0], acked_seq=ack[1], report_interval_s=interval
-                    )
-                )
+                boot, seq = ack
+                if msg.boot_id != boot:
+                    msg.boot_id = boot
+                msg.acked_seq = seq
+                await st.context.write(msg)
         finally:
             st.writing = False
 
@@ -371,7 +375,11 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         every = self.ack_every_reports
         delay = self.ack_max_delay_s
         held = self._held
-        st = _Acks(context)
+        st = _Acks(context, engine.settings.report_interval_s)
+        # context.read() itself, not the request iterator: the iterator is an async
+        # generator around the same read, one more frame resumed per report.
+        read = context.read
+        eof = grpc.aio.EOF
         handler = asyncio.current_task()
         assert handler is not None  # a gRPC handler always runs in a task
         self._streams[st] = handler
@@ -380,7 +388,10 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
             self._reaper = asyncio.create_task(self._reap_idle(idle_s))
         try:
             try:
-                async for report in request_iterator:
+                while True:
+                    report = await read()
+                    if report is eof:
+                        break
                     st.reports += 1
                     st.ack = process(stream, report)
                     st.since += 1
