@@ -156,11 +156,13 @@ async def run_tipping(
     from services.scaler import policy as pol
     from services.scaler.ingest import IngestSettings
     from services.scaler.service import ScalerCore
+    from services.scaler.settings import SWITCH_INTERVAL_S
     from services.scaler.store import DecisionStore
     from services.store import db
     from services.testing.actuators import InMemoryActuator
     from services.testing.coordinator import InMemoryCoordinator, follow_actuator
 
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the scaler process does
     db.upgrade(url)
     clock = SystemClock()
     actuator, coordinator = InMemoryActuator(), InMemoryCoordinator()

@@ -49,6 +49,8 @@ def db_url(pg_admin: sa.Engine, pg_url: str) -> Iterator[str]:
 
 
 def replica(tmp: Path, db_url: str, owner: str) -> ServiceProcess:
+    # Drained: a replica whose stderr pipe nobody reads stops in its next log write
+    # once 64 KiB are waiting there. Its output is printed at the end, for a failure.
     return start_service(
         replica_args(
             tmp,
@@ -80,7 +82,7 @@ def replica(tmp: Path, db_url: str, owner: str) -> ServiceProcess:
             "0",
             actuator="memory",
         )
-    )
+    ).drain()
 
 
 class Agents:
@@ -268,6 +270,15 @@ async def test_jobs_decided_once_by_their_owner_through_a_replica_kill(
                 await t
         for p in procs.values():
             p.kill()
+        # What a failure needs to be read: each replica's last lines, the store's view.
+        for n, p in procs.items():
+            print(f"--- {n}: {p.drained_bytes[0]} bytes of output, the last lines:")
+            print("".join(list(p.tail)[-20:]))
+        with contextlib.suppress(Exception):
+            print("owners planned:", owner_of, "victim:", victim)
+            print("shard holders:", holders(db_url))
+            for d in decisions(db_url):
+                print("decision:", d)
 
 
 async def _all_held(db_url: str, owner_of: dict[str, str]) -> bool:

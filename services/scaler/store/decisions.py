@@ -6,9 +6,18 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import ColumnElement, case, delete, insert, literal_column, select, update
+from sqlalchemy import (
+    ColumnElement,
+    Table,
+    case,
+    delete,
+    insert,
+    literal_column,
+    select,
+    update,
+)
 from sqlalchemy.orm import Session
 
 from services.scaler.errors import (
@@ -27,6 +36,7 @@ from services.scaler.store.records import (
     DecisionState,
 )
 from services.scaler.store.rows import (
+    DECISIONS,
     JOBS,
     aware,
     check_limit,
@@ -191,12 +201,12 @@ def create_decisions(
         )
         placed.append(n)
     if rows:
-        table = Decision.__table__
+        table = DECISIONS
         written = session.execute(
             insert(table).returning(*table.c, sort_by_parameter_order=True), rows
         ).all()
         session.execute(
-            insert(DecisionEvent.__table__),
+            insert(cast(Table, DecisionEvent.__table__)),
             [
                 {
                     "decision_id": row.id,
