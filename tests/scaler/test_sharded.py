@@ -369,3 +369,34 @@ async def test_a_notice_reported_to_a_non_owner_makes_the_owner_plan_the_preempt
     finally:
         for p in procs.values():
             p.kill()
+
+
+def _save_often(path: str, job: str, n: int) -> None:
+    from services.testing.coordinator import InMemoryCoordinator
+
+    c = InMemoryCoordinator(path=Path(path))
+    for i in range(n):
+        c.set_job(job, 2 + i % 2, generation=i + 1)
+
+
+def test_replicas_sharing_the_coordinator_file_lose_no_write(tmp_path: Path) -> None:
+    """The replicas above share one in-memory coordinator's file: three processes saving
+    at once neither fail (a shared temporary file was truncated and renamed away under
+    another writer: FileNotFoundError inside a resize, the decision never completed)
+    nor put back another's job as they last read it."""
+    import multiprocessing as mp
+
+    from services.testing.coordinator import InMemoryCoordinator
+
+    path = tmp_path / "coordinator.json"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_save_often, args=(str(path), f"ns/j{k}", 200)) for k in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    jobs = InMemoryCoordinator(path=path)
+    assert {j: jobs.job(j) for j in ("ns/j0", "ns/j1", "ns/j2")} == dict.fromkeys(
+        ("ns/j0", "ns/j1", "ns/j2"), (200, 3)
+    )
