@@ -847,7 +847,9 @@ class ScalerCore:
         results: Sequence[DecisionRecord | TideError | None]
         try:
             results = await self.store.create_many(items)
-        except TideError as exc:
+        except Exception as exc:
+            # Any error, not only the store's: a job's shard dropped since it was
+            # staged (no epoch) must not end the loop; alone, each write is guarded.
             logger.warning("a batch of %d decisions failed, writing each: %s", len(items), exc)
             results = [None] * len(writes)
         shared = (time.perf_counter() - t0) / len(writes)
