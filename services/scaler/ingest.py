@@ -242,6 +242,9 @@ class IngestEngine:
         # while resent; one not resent for stale_after_s is over (uncordoned, or past
         # its deadline), as a GPU not reported for that long no longer counts.
         self.remote_notices: dict[str, dict[str, tuple[NodeNotice, float]]] = {}
+        # Nodes uncordoned here whose notice was shipped: node → (resent until, the
+        # job's pods by job owned elsewhere). The owners drop their copy at once.
+        self.withdrawn: dict[str, tuple[float, dict[str, frozenset[str]]]] = {}
         # Plain ints on the hot path; exported by metrics.IngestCollector at scrape time.
         self.reports_accepted = 0
         self.reports_duplicate = 0
@@ -495,6 +498,7 @@ class IngestEngine:
                     node.notice = kind
                 node.notice_deadline_s = deadline or node.notice_deadline_s
                 self.noticed[node.name] = node
+                self.withdrawn.pop(node.name, None)
                 logger.warning(
                     "node %s: %s (%s); its jobs shrink off it",
                     node.name,
@@ -514,6 +518,8 @@ class IngestEngine:
                 ):
                     self.on_forward_notice()
             elif kind == _EVENT.KIND_UNCORDONED:
+                if self.noticed.get(node.name) is node and node.notice:
+                    self._withdraw(node)
                 node.notice = 0
                 node.notice_deadline_s = None
                 self.noticed.pop(node.name, None)
@@ -586,16 +592,48 @@ class IngestEngine:
             for sec, (total, count, lo, hi) in p.seconds.items():
                 self.rollups.add(job, float(sec), total, int(count), lo, hi)
 
+    def _forwarded_pods(self, node: NodeState) -> dict[str, set[str]]:
+        """The node's pods by job, of the jobs owned elsewhere."""
+        forward = self.forward
+        pods: dict[str, set[str]] = {}
+        if forward is None:
+            return pods
+        for p, j in zip(node.pods, node.gpus.job, strict=False):
+            if j is not None and p and forward(j):
+                pods.setdefault(j, set()).add(p)
+        return pods
+
+    def _withdraw(self, node: NodeState) -> None:
+        """``node``, whose notice was shipped, is uncordoned: its owners are told at once
+        and with every shipment for the staleness limit (a lost shipment costs one
+        interval), instead of keeping the notice until the resends stop."""
+        pods = self._forwarded_pods(node)
+        if not pods:
+            return
+        until = self.clock.now() + self.settings.stale_after_s
+        self.withdrawn[node.name] = (until, {j: frozenset(ps) for j, ps in pods.items()})
+        if self.on_forward_notice is not None:
+            self.on_forward_notice()
+
     def take_notices(self, now_s: float) -> list[NodeNotice]:
         """The active notices of nodes holding GPUs of jobs owned elsewhere, one per job
         and node: every shipment carries them all again until the notice's deadline
         passes (or the node stops reporting), so a lost shipment costs one interval and
-        a job whose shard moved has its new owner told within one shipment."""
+        a job whose shard moved has its new owner told within one shipment. Then the
+        withdrawals (``NodeNotice.withdrawn``) of nodes uncordoned within the staleness
+        limit."""
         forward = self.forward
-        if forward is None or not self.noticed:
+        if forward is None or not (self.noticed or self.withdrawn):
             return []
         horizon = now_s - self.settings.stale_after_s
         out: list[NodeNotice] = []
+        for name, (until, by_job) in list(self.withdrawn.items()):
+            if until < now_s:
+                del self.withdrawn[name]
+                continue
+            out.extend(
+                NodeNotice(j, name, _EVENT.KIND_UNCORDONED, None, ps) for j, ps in by_job.items()
+            )
         for name, node in list(self.noticed.items()):
             deadline = node.notice_deadline_s
             if (
@@ -607,10 +645,7 @@ class IngestEngine:
                 # copy runs out stale_after_s after the last resend.
                 del self.noticed[name]
                 continue
-            pods: dict[str, set[str]] = {}
-            for p, j in zip(node.pods, node.gpus.job, strict=False):
-                if j is not None and p and forward(j):
-                    pods.setdefault(j, set()).add(p)
+            pods = self._forwarded_pods(node)
             out.extend(
                 NodeNotice(j, name, node.notice, deadline, frozenset(ps)) for j, ps in pods.items()
             )
@@ -620,10 +655,19 @@ class IngestEngine:
         """Notices another replica shipped for jobs owned here, applied as if this
         replica's own agent stream had carried them (the job's evaluation is woken, and
         ``terminating_pods`` counts them). Returns (applied, duplicates): a resent notice,
-        or one for a node already noticed here for those pods, is applied once."""
+        or one for a node already noticed here for those pods, is applied once. A
+        withdrawal (the node uncordoned) drops the copy held here."""
         now = self.clock.now()
         applied = duplicate = 0
         for n in notices:
+            if n.withdrawn:
+                # Uncordoned: the copy goes now (applied), or went already (duplicate).
+                copies = self.remote_notices.get(n.job_id)
+                if copies is not None and copies.pop(n.node, None) is not None:
+                    applied += 1
+                else:
+                    duplicate += 1
+                continue
             held = self.remote_notices.setdefault(n.job_id, {})
             last = held.get(n.node)
             held[n.node] = (n, now)

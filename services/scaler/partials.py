@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tide.v1 import telemetry_pb2
+
 
 @dataclass
 class JobPartial:
@@ -77,6 +79,9 @@ class Partials:
         return out
 
 
+_UNCORDONED = telemetry_pb2.NodeEvent.KIND_UNCORDONED
+
+
 @dataclass(frozen=True)
 class NodeNotice:
     """A node's termination notice or cordon, for one job with pods on the node: what a
@@ -86,9 +91,15 @@ class NodeNotice:
 
     job_id: str
     node: str
-    #: telemetry NodeEvent.Kind: KIND_TERMINATION_NOTICE or KIND_CORDONED.
+    #: telemetry NodeEvent.Kind: KIND_TERMINATION_NOTICE or KIND_CORDONED; KIND_UNCORDONED
+    #: withdraws the node's notice (``withdrawn``).
     kind: int
     #: Unix seconds by which the node goes; None: the notice named none.
     deadline_s: float | None
     #: The job's pods on the node (uid, else name: as its GPUs were attributed).
     pods: frozenset[str]
+
+    @property
+    def withdrawn(self) -> bool:
+        """The node was uncordoned: the owner drops its copy of the node's notice."""
+        return self.kind == _UNCORDONED

@@ -97,10 +97,13 @@ def notice_from_proto(m: peers_pb2.NodeNotice) -> NodeNotice:
 def ship_request(
     sender: str, parts: Sequence[JobPartial], notices: Sequence[NodeNotice]
 ) -> peers_pb2.ShipPartialsRequest:
+    # An uncordon travels apart: a replica that predates ``withdrawn`` would read one
+    # among the notices as a cordon and shrink the job off a node that is back.
     return peers_pb2.ShipPartialsRequest(
         sender=sender,
         jobs=[partial_to_proto(p) for p in parts],
-        notices=[notice_to_proto(n) for n in notices],
+        notices=[notice_to_proto(n) for n in notices if not n.withdrawn],
+        withdrawn=[notice_to_proto(n) for n in notices if n.withdrawn],
     )
 
 

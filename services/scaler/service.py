@@ -675,13 +675,7 @@ class ScalerCore:
                         self.evaluations[job_id] = Evaluation(st.decision, st.now)
                     else:
                         staged.append((st, time.perf_counter() - t0))
-            for n, (st, spent) in enumerate(staged, 1):
-                if n % YIELD_EVERY_JOBS == 0:
-                    await asyncio.sleep(0)
-                with self._guard(st.job_id):
-                    t0 = time.perf_counter()
-                    await self._commit(st)
-                    self.metrics.evaluation.observe(spent + time.perf_counter() - t0)
+            await self._commit_batch(staged)
 
     def _stage(
         self,
@@ -744,6 +738,25 @@ class ScalerCore:
 
     async def _commit(self, st: _Staged) -> pol.Decision:
         """The pool step, then a resize is committed (PENDING) and handed to the controller."""
+        d, inputs = await self._prepare(st)
+        if inputs is None:
+            return d
+        try:
+            record = await self._persist(d, inputs, "")
+        except DecisionInProgress:
+            self.pool.fulfilled(d.job_id)
+            return d
+        except BaseException:
+            self.pool.fulfilled(d.job_id)
+            raise
+        self._created(st, d, record)
+        return d
+
+    async def _prepare(self, st: _Staged) -> tuple[pol.Decision, dict[str, Any] | None]:
+        """``st``'s answer after the pool step, and the inputs of the decision to write
+        (None: nothing to write). A grow's GPUs are promised here, before its write,
+        so that the next job of the batch shares what is left; a write that does not
+        happen takes its promise back (``pool.fulfilled``)."""
         d, state = st.decision, st.state
         free = self.pool.free(st.raw_free)
         if d.wanted_replicas and free != state.free_gpus:
@@ -753,13 +766,13 @@ class ScalerCore:
         d = self.pool.share(d, state)
         job_id = d.job_id
         if not self.acts_on(job_id):
-            return d  # its shard went while the batch was staged: the new owner decides
+            return d, None  # its shard went while the batch was staged: the new owner decides
         self.evaluations[job_id] = Evaluation(d, st.now)
         if d.supersedes:
             await self._supersede(job_id, d.supersedes, d.message)
-            return d
+            return d, None
         if not d.resize:
-            return d
+            return d, None
         job = self._job(job_id)
         inputs = decision_inputs(
             job.current_replicas, st.policy, st.view, state.free_gpus, d, st.at
@@ -784,12 +797,14 @@ class ScalerCore:
             )
             inputs["barrier_deadline_s"] = plan.barrier_deadline_s
             inputs["notice_plan"] = {"reason": plan.reason.name, "message": plan.message}
-        try:
-            record = await self._create(d, inputs, "", started_s=st.tipping_s)
-        except DecisionInProgress:
-            return d
         if d.direction > 0:
             self.pool.promise(job_id, (d.to_replicas - d.from_replicas) * job.gpus_per_replica)
+        return d, inputs
+
+    def _created(self, st: _Staged, d: pol.Decision, record: DecisionRecord) -> None:
+        """A decision of the policy is written: the controller takes it from here."""
+        self._launch(record, d.message, started_s=st.tipping_s)
+        job_id = d.job_id
         if st.tipping_s is not None:
             done = self.clock.now()
             self.metrics.observe_decision(
@@ -805,7 +820,55 @@ class ScalerCore:
             d.message,
             extra={"job_id": job_id, "decision_id": record.id},
         )
-        return d
+
+    async def _commit_batch(self, staged: Sequence[tuple[_Staged, float]]) -> None:
+        """The pool step of every staged answer in order, then every decision to write
+        in one transaction (``DecisionStore.create_many``), then each is handed to the
+        controller. Jobs that tip together (a bucket boundary, a burst of reports) are
+        one write instead of one each: bench.tick's tipping phase had 1,000 creates
+        queue behind each other and behind the lifecycle's writes. Should the batch
+        fail as a whole, each decision is written alone as before, so one job's
+        error ends only that job's evaluation."""
+        writes: list[tuple[_Staged, pol.Decision, dict[str, Any], float]] = []
+        for n, (st, spent) in enumerate(staged, 1):
+            if n % YIELD_EVERY_JOBS == 0:
+                await asyncio.sleep(0)
+            with self._guard(st.job_id):
+                t0 = time.perf_counter()
+                d, inputs = await self._prepare(st)
+                if inputs is None:
+                    self.metrics.evaluation.observe(spent + time.perf_counter() - t0)
+                else:
+                    writes.append((st, d, inputs, spent + time.perf_counter() - t0))
+        if not writes:
+            return
+        t0 = time.perf_counter()
+        items = [self._create_kwargs(d, inputs, "") for _, d, inputs, _ in writes]
+        results: Sequence[DecisionRecord | TideError | None]
+        try:
+            results = await self.store.create_many(items)
+        except Exception as exc:
+            # Any error, not only the store's: a job's shard dropped since it was
+            # staged (no epoch) must not end the loop; alone, each write is guarded.
+            logger.warning("a batch of %d decisions failed, writing each: %s", len(items), exc)
+            results = [None] * len(writes)
+        shared = (time.perf_counter() - t0) / len(writes)
+        for (st, d, inputs, spent), result in zip(writes, results, strict=True):
+            with self._guard(st.job_id):
+                t1 = time.perf_counter()
+                try:
+                    if result is None:
+                        result = await self._persist(d, inputs, "")
+                    elif isinstance(result, TideError):
+                        raise result
+                except DecisionInProgress:
+                    self.pool.fulfilled(d.job_id)
+                    continue
+                except BaseException:
+                    self.pool.fulfilled(d.job_id)
+                    raise
+                self._created(st, d, result)
+                self.metrics.evaluation.observe(spent + shared + time.perf_counter() - t1)
 
     async def _supersede(self, job_id: str, decision_id: int, message: str) -> None:
         """A preemption cannot wait for the decision in flight: it is aborted (its record
@@ -911,16 +974,22 @@ class ScalerCore:
         self, d: pol.Decision, inputs: dict[str, Any], requested_by: str = ""
     ) -> DecisionRecord:
         """Write ``d`` as a PENDING decision (DecisionInProgress: the job has one)."""
-        return await self.store.create(
-            job_id=d.job_id,
-            from_replicas=d.from_replicas,
-            to_replicas=d.to_replicas,
-            reason=d.reason.name,
-            trigger=d.trigger.name,
-            message=d.message,
-            inputs=inputs,
-            requested_by=requested_by,
-        )
+        return await self.store.create(**self._create_kwargs(d, inputs, requested_by))
+
+    @staticmethod
+    def _create_kwargs(
+        d: pol.Decision, inputs: dict[str, Any], requested_by: str
+    ) -> dict[str, Any]:
+        return {
+            "job_id": d.job_id,
+            "from_replicas": d.from_replicas,
+            "to_replicas": d.to_replicas,
+            "reason": d.reason.name,
+            "trigger": d.trigger.name,
+            "message": d.message,
+            "inputs": inputs,
+            "requested_by": requested_by,
+        }
 
     def _track(self, record: DecisionRecord) -> None:
         """A decision not final is the job's one in flight, with the pods it drains."""

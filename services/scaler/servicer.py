@@ -443,7 +443,7 @@ class ScalerPeersServicer(peers_pb2_grpc.ScalerPeersServicer):
         parts = [partial_from_proto(m) for m in request.jobs]
         # Notices first: a preemption is the urgent part of a shipment.
         applied, notices_refused = self.core.receive_notices(
-            [notice_from_proto(m) for m in request.notices]
+            [notice_from_proto(m) for m in (*request.notices, *request.withdrawn)]
         )
         refused = await self.core.receive_partials(request.sender, parts)
         self.core.metrics.partials_received.inc(len(parts) - refused)

@@ -20,6 +20,7 @@ the real coordinator.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 from collections.abc import AsyncIterator, Callable
@@ -99,18 +100,34 @@ class InMemoryCoordinator:
         return _State(jobs={k: _Job(**v) for k, v in doc["jobs"].items()}, finished=doc["finished"])
 
     def _save(self) -> None:
+        """Write the state, merged with what other processes wrote since it was read.
+
+        Several scaler processes share one file (tests/scaler/test_sharded.py, a
+        replica per process, each resizing its own jobs). Each writes under an
+        exclusive lock, through a temporary file of its own, and keeps the file's
+        entry of a job whose generation is newer than its own: with one shared
+        temporary name, two writers truncated each other's file and the second
+        ``os.replace`` found it gone (FileNotFoundError inside a resize), and
+        writing the whole state over the file put back other replicas' jobs as this
+        process last read them."""
         if self.path is None:
             return
-        doc = {
-            "jobs": {k: asdict(v) for k, v in self._state.jobs.items()},
-            "finished": self._state.finished,
-        }
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        with open(self.path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            jobs = {k: asdict(v) for k, v in self._state.jobs.items()}
+            finished = dict(self._state.finished)
+            if self.path.exists():
+                theirs = json.loads(self.path.read_text())
+                for k, v in theirs["jobs"].items():
+                    if k not in jobs or v["generation"] > jobs[k]["generation"]:
+                        jobs[k] = v
+                finished = {**theirs["finished"], **finished}
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            with open(tmp, "w") as f:
+                json.dump({"jobs": jobs, "finished": finished}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
 
     def set_job(self, job_id: str, world_size: int, generation: int = 1) -> None:
         """A job running ``world_size`` members in ``generation`` (as if its pods registered)."""

@@ -794,3 +794,42 @@ async def test_the_pass_decides_again_only_for_changed_inputs_or_a_timed_answer(
     feed(rig, 61, 50.0, start_seq=seq)  # past the 60 s cooldown, the samples fresh
     await rig.core.tick()
     assert decided[-1] is not Reason.COOLDOWN
+
+
+@pytest.mark.parametrize("broken", [False, True])
+async def test_the_pass_writes_its_decisions_in_one_batch_or_each_alone(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, broken: bool
+) -> None:
+    """A pass's decisions go to the store together (``create_many``); should that write
+    fail as a whole (here a KeyError, as for a job whose shard went meanwhile), each is
+    written alone and the loop goes on."""
+    await rig.core.upsert_job("ns/b", FAST, gpus_per_replica=4)
+    await eventually(lambda: "uid-b-1" in rig.core.registry.by_uid)
+    batches: list[list[str]] = []
+    create_many = rig.store.create_many
+
+    async def counted(items: Any) -> Any:
+        batches.append(sorted(i["job_id"] for i in items))
+        if broken:
+            raise KeyError(items[0]["job_id"])
+        return await create_many(items)
+
+    monkeypatch.setattr(rig.store, "create_many", counted)
+    nodes = {"n1": PODS, "n2": ["uid-b-0"] * 4 + ["uid-b-1"] * 4}
+    streams = {n: rig.core.engine.open_stream() for n in nodes}
+    for seq in range(1, 36):
+        rig.clock.advance(1.0)
+        for node, pods in nodes.items():
+            rig.core.engine.process(
+                streams[node], report(node, seq, t=rig.clock.now(), utils=[95.0] * 8, pods=pods)
+            )
+    await rig.core.tick()
+    assert batches == [["ns/a", "ns/b"]]
+    assert set(rig.core.active) == {"ns/a", "ns/b"}
+    for job in ("ns/a", "ns/b"):
+        page = await rig.store.list_decisions(job_id=job)
+        assert [(d.reason, d.to_replicas) for d in page.decisions][:1] == [
+            ("SUSTAINED_HIGH_UTILIZATION", 4)
+        ]
+    for task in list(rig.core.controller.tasks.values()):
+        await task

@@ -300,3 +300,58 @@ async def test_a_notice_for_a_job_not_owned_is_refused_and_counted(
     assert rs["r0"].core.receive_notices([notice]) == (0, 1)
     assert rs["r0"].core.metrics.notices_received.labels("refused")._value.get() == 1
     assert not rs["r0"].core.engine.remote_notices
+
+
+async def test_an_uncordon_is_shipped_to_the_owner_at_once_and_drops_its_copy(
+    world: tuple[FakeClock, InProcessPeers, dict[str, Replica]],
+) -> None:
+    clock, peers, rs = world
+    await rounds(clock, list(rs.values()), 3)
+    j = next(j for j, o in owners().items() if o == "r1")
+    pod = f"{j.partition('/')[2]}-trainer-1"
+    r0, r1 = rs["r0"], rs["r1"]
+    stream = r0.core.engine.open_stream()
+    cordon = report("n1", 1, utils=[60.0, 60.0], pods=[pod, pod], t=clock.now())
+    cordon.events.add(kind=telemetry_pb2.NodeEvent.KIND_CORDONED, detail="drain")
+    r0.core.engine.process(stream, cordon)
+    await shipped(r0)
+    assert r1.core.engine.terminating_pods(j)[0] == {pod}
+    clock.advance(1.0)
+    back = report("n1", 2, utils=[60.0, 60.0], pods=[pod, pod], t=clock.now())
+    back.events.add(kind=telemetry_pb2.NodeEvent.KIND_UNCORDONED, detail="uncordon")
+    r0.core.engine.process(stream, back)
+    # Not stale_after_s (5 s) after the last resend: the uncordon ships on its own, now.
+    await shipped(r0)
+    withdrawn = [n for _a, _s, ns in peers.notices for n in ns if n.withdrawn]
+    assert [(n.job_id, n.node, n.pods) for n in withdrawn] == [(j, "n1", frozenset({pod}))]
+    assert r1.core.engine.terminating_pods(j)[0] == set()
+    assert not r1.core.engine.remote_notices[j]
+    d = await r1.core.evaluate(j)
+    assert d.reason is not Reason.NODE_TERMINATION
+    # Resent for the staleness limit (a lost shipment costs one interval), a duplicate
+    # at the owner; past it, no longer sent.
+    applied = r1.core.metrics.notices_received.labels("applied")._value.get()
+    r0.sharding.ship()
+    await shipped(r0)
+    assert r1.core.metrics.notices_received.labels("applied")._value.get() == applied
+    assert r1.core.metrics.notices_received.labels("duplicate")._value.get() >= 1
+    sent = len(peers.notices)
+    clock.advance(6.0)
+    r0.core.engine.process(
+        stream, report("n1", 3, utils=[60.0, 60.0], pods=[pod, pod], t=clock.now())
+    )
+    r0.sharding.ship()
+    await shipped(r0)
+    assert all(not n.withdrawn for _a, _s, ns in peers.notices[sent:] for n in ns)
+
+
+def test_a_withdrawal_travels_apart_from_the_notices() -> None:
+    """A replica that predates ``withdrawn`` must not read an uncordon as a cordon."""
+    from services.scaler.peers import notice_from_proto, ship_request
+
+    kinds = telemetry_pb2.NodeEvent
+    cordon = NodeNotice("ns/a", "n1", kinds.KIND_CORDONED, None, frozenset({"p"}))
+    back = NodeNotice("ns/b", "n2", kinds.KIND_UNCORDONED, None, frozenset({"q"}))
+    req = ship_request("r0", [], [cordon, back])
+    assert [notice_from_proto(m) for m in req.notices] == [cordon]
+    assert [notice_from_proto(m) for m in req.withdrawn] == [back]

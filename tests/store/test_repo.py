@@ -359,6 +359,55 @@ def test_one_active_decision_per_job(factory: Factory) -> None:
     decide(factory, epoch)
 
 
+def test_a_batch_of_decisions_refuses_per_job_and_writes_the_rest(factory: Factory) -> None:
+    from services.scaler.store.decisions import create_decisions
+
+    for j in ("ml/a", "ml/b", "ml/c"):
+        make_job(factory, j)
+    ea, eb, ec = own(factory, "ml/a"), own(factory, "ml/b"), own(factory, "ml/c")
+    own(factory, "ml/b", owner="scaler-b")  # ml/b's epoch eb is stale now
+    busy = decide(factory, ec, job_id="ml/c")
+
+    def item(job_id: str) -> dict[str, Any]:
+        return {
+            "job_id": job_id,
+            "from_replicas": 2,
+            "to_replicas": 4,
+            "reason": "SUSTAINED_HIGH_UTILIZATION",
+            "trigger": "POLICY",
+            "message": "every bucket above 80 %",
+            "inputs": {"current_replicas": 2, "nan": math.nan},
+        }
+
+    at = T0 + timedelta(seconds=5)
+    out = tx(
+        factory,
+        lambda s: create_decisions(
+            s,
+            [item("ml/a"), item("ml/b"), item("ml/c"), item("ml/a")],
+            epochs={"ml/a": ea, "ml/b": eb, "ml/c": ec},
+            now=at,
+        ),
+    )
+    a, b, c, again = out
+    assert isinstance(b, repo.StaleEpoch)
+    assert isinstance(c, repo.DecisionInProgress) and str(busy.id) in str(c)
+    assert isinstance(again, repo.DecisionInProgress)  # the same job twice: once
+    assert isinstance(a, repo.DecisionRecord)
+    # What create_decision would have written: the record, its first event, its version.
+    assert (a.job_id, a.state, a.from_replicas, a.to_replicas) == ("ml/a", S.PENDING, 2, 4)
+    assert a.inputs == {"current_replicas": 2, "nan": None}
+    assert a.created_at == at and a.version == 1
+    got = tx(factory, lambda s: repo.get_decision(s, a.id))
+    assert got.decision == a
+    assert [(e.state, e.detail) for e in got.events] == [(S.PENDING, a.message)]
+    assert count(factory, Decision) == 2 and count(factory, DecisionEvent) == 2
+    moved = move(factory, a.id, S.PREPARING, ea)
+    assert moved.version == 2
+    with pytest.raises(repo.DecisionInProgress):
+        decide(factory, ea, job_id="ml/a")
+
+
 def test_non_final_decisions_lists_what_a_restart_must_resume(factory: Factory) -> None:
     ids: dict[str, int] = {}
     for i, state in enumerate([S.PENDING, S.PREPARING, S.ACTUATING, S.COMPLETED, S.FAILED]):

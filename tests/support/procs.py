@@ -6,10 +6,13 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from tidebase.listening import parse_listening
 
@@ -21,6 +24,26 @@ class ServiceProcess:
     proc: subprocess.Popen[str]
     port: int
     metrics_port: int | None
+    #: The last lines of stdout and stderr once :meth:`drain` runs, and how many bytes.
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=200))
+    drained_bytes: list[int] = field(default_factory=lambda: [0])
+
+    def drain(self) -> ServiceProcess:
+        """Read the process's stdout and stderr from now on, keeping their last lines.
+
+        A process whose pipes nobody reads blocks in its next write once the pipe's
+        buffer (64 KiB) is full: its logging is synchronous, so the whole process
+        stops. A long test whose process may log a lot under load (warnings each
+        round, a traceback each pass) drains it, and can show its last lines."""
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+        return self
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.tail.append(line)
+            self.drained_bytes[0] += len(line)
 
     @property
     def target(self) -> str:

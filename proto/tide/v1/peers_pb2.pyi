@@ -165,7 +165,7 @@ class NodeNotice(_message.Message):
     job_id: _builtins.str
     node_name: _builtins.str
     kind: _telemetry_pb2.NodeEvent.Kind.ValueType
-    """KIND_TERMINATION_NOTICE or KIND_CORDONED."""
+    """KIND_TERMINATION_NOTICE or KIND_CORDONED (KIND_UNCORDONED in ``withdrawn``)."""
     deadline_s: _builtins.float
     """Unix seconds by which the node goes; 0: the notice named none."""
     @_builtins.property
@@ -196,6 +196,7 @@ class ShipPartialsRequest(_message.Message):
     SENDER_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
     NOTICES_FIELD_NUMBER: _builtins.int
+    WITHDRAWN_FIELD_NUMBER: _builtins.int
     sender: _builtins.str
     """The sending replica's owner id (its member lease's holder)."""
     @_builtins.property
@@ -204,16 +205,26 @@ class ShipPartialsRequest(_message.Message):
     def notices(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeNotice]:
         """Active notices for nodes holding pods of jobs the receiver owns."""
 
+    @_builtins.property
+    def withdrawn(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeNotice]:
+        """Notices withdrawn: the node was uncordoned (kind KIND_UNCORDONED, no deadline,
+        the pods the notice named). The receiver drops its copy of the node's notice for
+        that job at once instead of when the resends stop. Resent every shipment for the
+        staleness limit after the uncordon, as a notice is until its deadline. A receiver
+        that predates the field ignores it and drops its copy when the resends stop.
+        """
+
     def __init__(
         self,
         *,
         sender: _builtins.str = ...,
         jobs: _abc.Iterable[Global___JobPartial] | None = ...,
         notices: _abc.Iterable[Global___NodeNotice] | None = ...,
+        withdrawn: _abc.Iterable[Global___NodeNotice] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "notices", b"notices", "sender", b"sender"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "notices", b"notices", "sender", b"sender", "withdrawn", b"withdrawn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -15,7 +16,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from services.common.clock import Clock
-from services.scaler.errors import JobNotFound
+from services.scaler.errors import DecisionInProgress, JobNotFound, StaleEpoch
 from services.scaler.store import decisions, jobs, leases, pages, rollups
 from services.scaler.store.records import (
     DecisionDetailRecord,
@@ -48,6 +49,15 @@ class DecisionStore:
         # threaded, 6 ms inline). The lifecycle's later writes, every read and
         # all of PostgreSQL stay in threads: inline, they would stall ingestion.
         self.inline_creates = local
+        # Where a create goes when the write lock is busy (``_run_inline``); one
+        # thread, made when first needed.
+        self._creates_pool: ThreadPoolExecutor | None = None
+
+    @property
+    def _creates(self) -> ThreadPoolExecutor:
+        if self._creates_pool is None:
+            self._creates_pool = ThreadPoolExecutor(1, thread_name_prefix="decision-create")
+        return self._creates_pool
 
     def now(self) -> datetime:
         return db.utc_from_epoch(self.clock.now())
@@ -56,9 +66,26 @@ class DecisionStore:
         return await asyncio.to_thread(self._unit, fn, write, what or "scaler store")
 
     async def _run_inline(self, fn: Callable[[Session], T], *, what: str = "") -> T:
-        if not self.inline_creates:
+        lock = self._write_lock
+        if not self.inline_creates or lock is None:
             return await self._run(fn, what=what)
-        return self._unit(fn, True, what or "scaler store")
+        # Inline only when the write lock is free: a lifecycle write in a thread may
+        # hold it, and waiting for it here would stop the loop (ingestion, acks, every
+        # other evaluation) behind that thread and behind every writer queued before
+        # us. bench.tick's tipping phase, 1,000 decisions at once, spent 9 s of its
+        # loop in this wait. Taken, it is ours for the transaction; busy, the write
+        # waits in a thread like the others.
+        if not lock.acquire(blocking=False):
+            # Its own thread: the default executor's queue holds the lifecycle's
+            # writes of every decision in flight, hundreds when many jobs resize.
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(
+                self._creates, self._unit, fn, True, what or "scaler store"
+            )
+        try:
+            return db.unit_of_work(self.factory, fn, write=True, what=what or "scaler store")
+        finally:
+            lock.release()
 
     def _unit(self, fn: Callable[[Session], T], write: bool, what: str) -> T:
         if write and self._write_lock is not None:
@@ -279,6 +306,22 @@ class DecisionStore:
                 requested_by=requested_by,
             ),
             what=f"create decision of job {job_id}",
+        )
+
+    async def create_many(
+        self, items: Sequence[Mapping[str, Any]]
+    ) -> list[DecisionRecord | DecisionInProgress | StaleEpoch]:
+        """Several PENDING decisions (each ``items`` entry :meth:`create`'s keywords) in
+        one transaction of a few statements (``decisions.create_decisions``): one commit,
+        and on SQLite one turn at the write lock, for a batch of jobs that tipped
+        together instead of one each (bench.tick's tipping phase). A job refused (a
+        decision in flight, a stale epoch) gets its error in its place and the others
+        are written; any other error fails the whole batch."""
+        now = self.now()
+        epochs = {item["job_id"]: self.epochs[item["job_id"]] for item in items}
+        return await self._run_inline(
+            lambda s: decisions.create_decisions(s, items, epochs=epochs, now=now),
+            what=f"create {len(items)} decisions",
         )
 
     async def transition(
