@@ -23,6 +23,7 @@ import asyncio
 import fcntl
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -54,6 +55,31 @@ class _State:
     jobs: dict[str, _Job] = field(default_factory=dict)
     # decision id -> final progress (as a dict) once finished
     finished: dict[str, dict[str, object]] = field(default_factory=dict)
+
+
+#: How long a save waits for another process's lock before it takes the holder
+#: as paused and writes anyway.
+LOCK_PATIENCE_S = 2.0
+
+
+def _lock_unless_paused(fd: int) -> None:
+    """Take the state file's lock, or go on without it after LOCK_PATIENCE_S.
+
+    The failover tests SIGSTOP a scaler replica; one stopped inside its save
+    would otherwise hold the lock, and every other replica's loop would block
+    in flock behind it for as long as the pause (a paused client never blocks a
+    real coordinator). A save taken without the lock can be overwritten by the
+    paused one when it wakes; the merge by generation puts the newer job back
+    at the next save."""
+    deadline = time.monotonic() + LOCK_PATIENCE_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.002)
 
 
 class InMemoryCoordinator:
@@ -113,7 +139,7 @@ class InMemoryCoordinator:
         if self.path is None:
             return
         with open(self.path.with_suffix(".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            _lock_unless_paused(lock.fileno())
             jobs = {k: asdict(v) for k, v in self._state.jobs.items()}
             finished = dict(self._state.finished)
             if self.path.exists():
