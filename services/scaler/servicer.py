@@ -376,10 +376,6 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         delay = self.ack_max_delay_s
         held = self._held
         st = _Acks(context, engine.settings.report_interval_s)
-        # context.read() itself, not the request iterator: the iterator is an async
-        # generator around the same read, one more frame resumed per report.
-        read = context.read
-        eof = grpc.aio.EOF
         handler = asyncio.current_task()
         assert handler is not None  # a gRPC handler always runs in a task
         self._streams[st] = handler
@@ -388,10 +384,10 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
             self._reaper = asyncio.create_task(self._reap_idle(idle_s))
         try:
             try:
-                while True:
-                    report = await read()
-                    if report is eof:
-                        break
+                # The request iterator, never context.read(): the guard wraps the
+                # iterator to refuse malformed reports and a token speaking for
+                # another node; reading the context directly skips both.
+                async for report in request_iterator:
                     st.reports += 1
                     st.ack = process(stream, report)
                     st.since += 1
