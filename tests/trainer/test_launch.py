@@ -280,21 +280,8 @@ async def test_reconnects_and_reregisters_with_the_same_launcher_id(tmp_path: Pa
     (mid,) = coord.members
     await server.stop(None)
     # A restarted coordinator on the same port: the launcher finds it again by itself.
-    server2 = None
-    for _ in range(50):
-        import grpc
-        from tide.v1 import coordinator_pb2_grpc as pb_grpc
-
-        server2 = grpc.aio.server()
-        pb_grpc.add_CoordinatorServicer_to_server(coord, server2)
-        try:
-            server2.add_insecure_port(f"127.0.0.1:{port}")
-            break
-        except RuntimeError:
-            await asyncio.sleep(0.1)
-    assert server2 is not None
-    await server2.start()
-    await eventually(lambda: coord.members[mid].registrations >= 2, 15, what="re-registration")
+    server2 = await _serve_on(coord, port)
+    await eventually(lambda: coord.members[mid].registrations >= 2, 30, what="re-registration")
     assert list(coord.members) == [mid]
     assert coord.members[mid].register.launcher_id == launcher.s.launcher_id
     launcher.stop()
