@@ -9,11 +9,26 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
+from tests.support import leaks
 from tests.support.pg import admin_engine
 
 # Services started by tests serve plaintext unless a test gives them TLS (tests/security and
 # local mode do): a process without TLS and without --insecure exits 2 (docs/security.md).
 os.environ.setdefault("TIDE_INSECURE", "1")
+
+# Every process a test starts carries this session's mark, so what outlives its test
+# is found and killed at the end (tests/support/leaks.py).
+leaks.mark_session()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    leaks.remember_status(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    leaks.end_session()
+
 
 # Every test module names exactly one tier in its ``pytestmark`` (docs/architecture.md):
 # unit (pure), component (in-process, fakes, a fake clock, sockets on loopback),

@@ -1,0 +1,93 @@
+"""What a test session leaves behind cannot hang it.
+
+A CI run once finished its last test at 16 min 40 s and then sat until the
+runner's 90-minute limit killed it: something the tests had started outlived
+them and kept the interpreter from exiting (a process still holding a pipe a
+drain thread reads, or a non-daemon thread blocked for good; Python joins those
+before it exits). The session therefore marks every process it starts through
+the environment, and at its very end
+
+- kills every process that still carries its mark, naming each one, and
+- names every non-daemon thread still alive with its stack; when one does not
+  end within a few seconds, the session exits with its own status rather than
+  wait for it.
+
+Both print to the real stderr, so a leak is seen in the CI log and can be mended
+where it starts; this module only keeps it from costing the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import traceback
+import uuid
+from pathlib import Path
+
+MARK = "TIDE_TEST_SESSION"
+_THREAD_GRACE_S = 5.0
+
+_status = 0
+
+
+def mark_session() -> None:
+    """Give this session its own mark; a pytest run inside a test gets another."""
+    os.environ[MARK] = uuid.uuid4().hex
+
+
+def remember_status(status: int) -> None:
+    global _status
+    _status = status
+
+
+def _marked(token: str) -> list[tuple[int, str]]:
+    needle = f"{MARK}={token}".encode()
+    me = os.getpid()
+    found: list[tuple[int, str]] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+            if needle not in env.split(b"\0"):
+                continue
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone, or not ours to read
+        found.append((int(entry.name), cmd.strip()[:200]))
+    return found
+
+
+def _say(text: str) -> None:
+    sys.__stderr__.write(text + "\n")
+    sys.__stderr__.flush()
+
+
+def end_session() -> None:
+    token = os.environ.get(MARK)
+    if token and Path("/proc").is_dir():
+        left = _marked(token)
+        for pid, cmd in left:
+            _say(f"tests/support/leaks: process {pid} outlived its test, killed: {cmd}")
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    stuck = [
+        t
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and not t.daemon and t.is_alive()
+    ]
+    for t in stuck:
+        t.join(_THREAD_GRACE_S / max(1, len(stuck)))
+    stuck = [t for t in stuck if t.is_alive()]
+    if not stuck:
+        return
+    frames = sys._current_frames()
+    for t in stuck:
+        stack = "".join(traceback.format_stack(frames[t.ident])) if t.ident in frames else ""
+        _say(f"tests/support/leaks: non-daemon thread {t.name!r} still running:\n{stack}")
+    _say(f"tests/support/leaks: exiting with status {_status} without waiting for them")
+    sys.stdout.flush()
+    os._exit(_status)
