@@ -42,6 +42,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from bench.fleet import varint
+
 PERIOD_S = 6.0  # utilization flips between high and low this often (paced phase)
 BUCKET_S = 2.0  # the paced policy: buckets of 2 s, sustain 4 s, no cooldown
 SUSTAIN_S = 4.0
@@ -184,18 +186,6 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
 # --- agents ------------------------------------------------------------------------------------
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
 def _base(node: str, job: int, k: int, util: float) -> bytes:
     from tide.v1 import common_pb2, telemetry_pb2
 
@@ -269,8 +259,8 @@ async def _one(method: Any, node: tuple[str, int, int], end: float, rate: float)
                 now = time.time()
                 base = high if int(now / PERIOD_S) % 2 == 0 else low
                 sec = int(now)
-                ts = b"\x08" + _varint(sec) + b"\x10" + _varint(int((now - sec) * 1e9))
-                await call.write(base + b"\x18" + _varint(seq) + b"\x22" + _varint(len(ts)) + ts)
+                ts = b"\x08" + varint(sec) + b"\x10" + varint(int((now - sec) * 1e9))
+                await call.write(base + b"\x18" + varint(seq) + b"\x22" + varint(len(ts)) + ts)
         await call.done_writing()
     except Exception:
         pass

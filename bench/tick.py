@@ -52,7 +52,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.ingest import _base, _varint
+from bench.fleet import varint
+from bench.ingest import _base
 from bench.scale import NODES_PER_JOB
 
 T0 = 1_800_000_000.0
@@ -108,8 +109,8 @@ async def run(agents: int, passes: int, db_dir: str) -> dict[str, Any]:
         seq[0] += 1
         t = clock.now()
         sec = int(t)
-        ts = b"\x08" + _varint(sec) + b"\x10" + _varint(int((t - sec) * 1e9))
-        tail = b"\x18" + _varint(seq[0]) + b"\x22" + _varint(len(ts)) + ts
+        ts = b"\x08" + varint(sec) + b"\x10" + varint(int((t - sec) * 1e9))
+        tail = b"\x18" + varint(seq[0]) + b"\x22" + varint(len(ts)) + ts
         for st, base in zip(streams, reports, strict=True):
             core.engine.process(st, telemetry_pb2.NodeReport.FromString(base + tail))
 
@@ -260,8 +261,8 @@ async def run_tipping(
                 feed_lag.append(now - due)
             seq[i] += 1
             sec = int(due)
-            ts = b"\x08" + _varint(sec) + b"\x10" + _varint(int((due - sec) * 1e9))
-            tail = b"\x18" + _varint(seq[i]) + b"\x22" + _varint(len(ts)) + ts
+            ts = b"\x08" + varint(sec) + b"\x10" + varint(int((due - sec) * 1e9))
+            tail = b"\x18" + varint(seq[i]) + b"\x22" + varint(len(ts)) + ts
             base = high[i] if due >= flips[j] else low[i]
             core.engine.process(streams[i], telemetry_pb2.NodeReport.FromString(base + tail))
             job_id = job_ids[j]
