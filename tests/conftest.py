@@ -21,6 +21,11 @@ os.environ.setdefault("TIDE_INSECURE", "1")
 leaks.mark_session()
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    leaks.note_test(item.nodeid)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     leaks.remember_status(int(exitstatus))
 

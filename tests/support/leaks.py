@@ -31,6 +31,9 @@ MARK = "TIDE_TEST_SESSION"
 _THREAD_GRACE_S = 5.0
 
 _status = 0
+#: pid → the test after which it was first seen carrying the mark (or "" when it does
+#: not carry it): a leak at the end names the test that started it.
+_seen: dict[int, str] = {}
 
 
 def mark_session() -> None:
@@ -41,6 +44,27 @@ def mark_session() -> None:
 def remember_status(status: int) -> None:
     global _status
     _status = status
+
+
+def note_test(nodeid: str) -> None:
+    """After each test: the new processes carrying the mark are that test's. Only pids
+    not seen before are read, so this costs a directory listing per test."""
+    token = os.environ.get(MARK)
+    if not token or not Path("/proc").is_dir():
+        return
+    needle = f"{MARK}={token}".encode()
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        if pid in _seen or pid == me:
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        _seen[pid] = nodeid if needle in env.split(b"\0") else ""
 
 
 def _marked(token: str) -> list[tuple[int, str]]:
@@ -62,8 +86,9 @@ def _marked(token: str) -> list[tuple[int, str]]:
 
 
 def _say(text: str) -> None:
-    sys.__stderr__.write(text + "\n")
-    sys.__stderr__.flush()
+    err = sys.__stderr__ or sys.stderr
+    err.write(text + "\n")
+    err.flush()
 
 
 def end_session() -> None:
@@ -71,7 +96,8 @@ def end_session() -> None:
     if token and Path("/proc").is_dir():
         left = _marked(token)
         for pid, cmd in left:
-            _say(f"tests/support/leaks: process {pid} outlived its test, killed: {cmd}")
+            by = _seen.get(pid) or "an unknown test"
+            _say(f"tests/support/leaks: process {pid} (from {by}) outlived it, killed: {cmd}")
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
     stuck = [
