@@ -14,6 +14,12 @@ over its stdin/stdout with JSON lines:
 When its stdin closes (the launcher died) the zygote kills its workers and exits; each worker
 also gets SIGKILL if the zygote dies (PR_SET_PDEATHSIG), so nothing outlives the launcher.
 
+A worker's own children (a DataLoader's worker processes) are not ours to give a death
+signal, and a worker SIGKILLed in a resize (its exit grace spent) left them running, each
+holding the dataset and Paddle's memory, for the rest of the pod's life. The zygote is
+therefore a child subreaper (PR_SET_CHILD_SUBREAPER): a dead worker's orphans become the
+zygote's children, and it kills and reaps them as soon as it reaps the worker.
+
 Usage: ``python -m trainer.zygote [--preload paddle,paddle.distributed]``.
 """
 
@@ -34,6 +40,7 @@ import traceback
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 DEFAULT_PRELOAD = "numpy,paddle,paddle.distributed"
 
 
@@ -45,8 +52,7 @@ def _run_child(request: dict[str, Any], close_fds: list[int]) -> None:
     """Runs in the forked child; never returns."""
     code = 1
     try:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         # stdin becomes /dev/null by dup2, never by close: a free fd 0 would be handed to the
@@ -94,6 +100,37 @@ def _run_child(request: dict[str, Any], close_fds: list[int]) -> None:
         os._exit(code)
 
 
+def _prctl(option: int, value: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(option, value)
+
+
+def _own_children() -> set[int]:
+    """Every child of this process, adopted orphans included (any thread's list: an
+    orphan is reparented to one of the subreaper's threads)."""
+    found: set[int] = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                found.update(int(p) for p in f.read().split())
+        except OSError:
+            continue
+    return found
+
+
+def _kill_orphans(workers: set[int], orphans: set[int]) -> None:
+    """SIGKILL every child that is not one of our workers: a dead worker's descendants,
+    adopted here. They are reaped with the workers (``orphans``) and reported to no one."""
+    for pid in _own_children() - workers - orphans:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        orphans.add(pid)
+
+
 def serve(preload: list[str]) -> int:
     # Keep the protocol pipe for ourselves; anything imported modules print goes to stderr.
     events_fd = os.dup(1)
@@ -103,22 +140,31 @@ def serve(preload: list[str]) -> int:
     for name in preload:
         importlib.import_module(name)
     _emit(events_fd, {"event": "ready", "import_s": time.monotonic() - started})
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
     children: set[int] = set()
+    orphans: set[int] = set()
     buf = b""
     stdin_fd = 0
     try:
         while True:
             readable, _, _ = select.select([stdin_fd], [], [], 0.02)
-            while children:
+            while children or orphans:
                 try:
                     pid, status = os.waitpid(-1, os.WNOHANG)
                 except ChildProcessError:
+                    orphans.clear()
                     break
                 if pid == 0:
                     break
+                if pid in orphans:
+                    orphans.discard(pid)
+                    continue
                 children.discard(pid)
                 code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
                 _emit(events_fd, {"event": "exit", "pid": pid, "code": code})
+                # The worker is gone, so its children are ours now (reparented before it
+                # could be reaped).
+                _kill_orphans(children, orphans)
             if not readable:
                 continue
             chunk = os.read(stdin_fd, 65536)
@@ -144,6 +190,7 @@ def serve(preload: list[str]) -> int:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        _kill_orphans(children, orphans)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.poll import eventually
 from trainer.spawner import SubprocessSpawner, ZygoteSpawner
 
 pytestmark = pytest.mark.integration
@@ -22,6 +23,12 @@ mode = sys.argv[1]
 if mode == "exit3":
     raise SystemExit(3)
 if mode == "sleep":
+    time.sleep(60)
+if mode == "grandchild":
+    # A DataLoader's way: a worker process of the worker's own, not the zygote's.
+    import subprocess
+    g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print("grandchild", g.pid, flush=True)
     time.sleep(60)
 """
 
@@ -118,5 +125,33 @@ async def test_a_dead_zygote_is_replaced_on_the_next_spawn(child: Path, tmp_path
         )
         assert await asyncio.wait_for(w2.wait(), 10) == 3
         assert zygote.pid not in (None, first)
+    finally:
+        await zygote.close()
+
+
+def _gone(pid: int) -> bool:
+    """Dead and reaped, or a zombie nobody has reaped yet (it holds no memory)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+async def test_a_killed_workers_own_children_do_not_outlive_it(child: Path, tmp_path: Path) -> None:
+    zygote = ZygoteSpawner(preload="")
+    try:
+        log = tmp_path / "g.log"
+        w = await zygote.spawn(
+            [sys.executable, str(child), "grandchild"], dict(os.environ), str(tmp_path), str(log)
+        )
+        await eventually(
+            lambda: log.exists() and "grandchild" in log.read_text(), 30, what="the grandchild"
+        )
+        grandchild = int(log.read_text().split("grandchild")[1].split()[0])
+        assert not _gone(grandchild)
+        w.kill(signal.SIGKILL)  # its exit grace spent, as in a resize
+        assert await w.wait() == -signal.SIGKILL
+        await eventually(lambda: _gone(grandchild), 10, what="the orphaned grandchild killed")
     finally:
         await zygote.close()
