@@ -19,6 +19,7 @@ where it starts; this module only keeps it from costing the run.
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
 import signal
 import sys
@@ -26,6 +27,7 @@ import threading
 import traceback
 import uuid
 from pathlib import Path
+from types import FrameType
 
 MARK = "TIDE_TEST_SESSION"
 _THREAD_GRACE_S = 5.0
@@ -85,6 +87,19 @@ def _marked(token: str) -> list[tuple[int, str]]:
     return found
 
 
+def _idle_pool_worker(frame: FrameType | None) -> bool:
+    """A ThreadPoolExecutor's worker waiting for work: the interpreter tells it to end at
+    exit, so it holds nothing up. One running a task is not idle."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_worker" and code.co_filename.endswith(
+            os.path.join("concurrent", "futures", "thread.py")
+        ):
+            return "work_queue.get" in linecache.getline(code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return False
+
+
 def _say(text: str) -> None:
     err = sys.__stderr__ or sys.stderr
     err.write(text + "\n")
@@ -100,10 +115,14 @@ def end_session() -> None:
             _say(f"tests/support/leaks: process {pid} (from {by}) outlived it, killed: {cmd}")
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+    frames = sys._current_frames()
     stuck = [
         t
         for t in threading.enumerate()
-        if t is not threading.main_thread() and not t.daemon and t.is_alive()
+        if t is not threading.main_thread()
+        and not t.daemon
+        and t.is_alive()
+        and not _idle_pool_worker(frames.get(t.ident or 0))
     ]
     for t in stuck:
         t.join(_THREAD_GRACE_S / max(1, len(stuck)))
