@@ -149,6 +149,7 @@ async def serve_scaler(
             await sharding.leave()
         for step in on_shutdown:
             await step()
+        store.close()
         engine.dispose()
 
     await serve(

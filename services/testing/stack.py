@@ -147,6 +147,7 @@ async def start_stack(
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
         await core.close()
+        store.close()
         engine.dispose()
 
     closers.append(close_core)

@@ -59,6 +59,13 @@ class DecisionStore:
             self._creates_pool = ThreadPoolExecutor(1, thread_name_prefix="decision-create")
         return self._creates_pool
 
+    def close(self) -> None:
+        """Let the creates' thread go: its pool outlives every store otherwise, and the
+        interpreter waits for it at exit. A create still running finishes first."""
+        if self._creates_pool is not None:
+            self._creates_pool.shutdown(wait=False)
+            self._creates_pool = None
+
     def now(self) -> datetime:
         return db.utc_from_epoch(self.clock.now())
 
