@@ -153,7 +153,9 @@ async def test_a_named_pod_that_died_before_its_removal_is_not_restarted(
     await a.set_replicas(JOB, 3, decision_id=1)
     started(log, 3)
     pods = {p.index: p for p in a.pods(JOB)}
-    os.kill(pods[1].pid, signal.SIGKILL)
+    # The whole pod (its process group): the launcher's worker goes with it, as it does
+    # when a real launcher leaves; the launcher alone left the worker running past the test.
+    os.killpg(pods[1].pid, signal.SIGKILL)
     wait_for(
         lambda: [p.index for p in a.pods(JOB)] == [0, 2] or None, timeout_s=10, what="pod 1 reaped"
     )

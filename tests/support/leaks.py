@@ -111,6 +111,9 @@ def end_session() -> None:
     if token and Path("/proc").is_dir():
         left = _marked(token)
         for pid, cmd in left:
+            if "multiprocessing.resource_tracker" in cmd:
+                # multiprocessing's own helper: it ends with this process, nothing leaked.
+                continue
             by = _seen.get(pid) or "an unknown test"
             _say(f"tests/support/leaks: process {pid} (from {by}) outlived it, killed: {cmd}")
             with contextlib.suppress(OSError):
