@@ -150,6 +150,20 @@ class Shipped:
         _prune(s)
         return out
 
+    def retain(self, p: JobPartial) -> None:
+        """``p``'s slots, not shipped (no owner to ship to, or the owner's last shipment
+        still on its way): kept without naming an owner that has them, so the job's next
+        owner gets them in its replay."""
+        s = self._jobs.get(p.job_id)
+        if s is None or (s.bucket_s, s.buckets) != (p.bucket_s, p.buckets):
+            # No owner has them: the first one shipped to gets them.
+            s = self._jobs[p.job_id] = _Sent(p.bucket_s, p.buckets, "")
+        s.slots = _summed(s.slots, p.slots)
+        _prune(s)
+
+    def jobs(self) -> list[str]:
+        return list(self._jobs)
+
     def moved(self, owner_of: Callable[[str], str | None], skip: set[str]) -> list[JobPartial]:
         """Replays, for the jobs not in this shipment (``skip``) whose owner changed
         since their slots last went out: the slots alone."""

@@ -112,8 +112,14 @@ class Sharding:
         self._ship_soon = False
         parts = self.core.engine.take_partials()
         notices = self.core.engine.take_notices(self.core.clock.now())
+
+        def ready(job_id: str) -> str | None:
+            """The job's owner's address when a shipment may go there now."""
+            address = self._address_of(job_id)
+            return None if address is None or self._busy(address) else address
+
         # The slots of jobs whose shard moved since they were shipped, to the new owner.
-        replays = self.shipped.moved(self._address_of, {p.job_id for p in parts})
+        replays = self.shipped.moved(ready, {p.job_id for p in parts})
         if not parts and not notices and not replays:
             return
         m = self.core.metrics
@@ -130,7 +136,15 @@ class Sharding:
                     self.shipped.outgoing(p, self.leases.me)
                     mine = True
                     continue
+                # Not sent; kept for the job's next owner (a shard without a live lease
+                # is one moving: its new owner gets them in the replay).
+                self.shipped.retain(p)
                 m.partials_dropped.labels("no_owner").inc()
+                continue
+            if self._busy(address):
+                # Partials are not queued for this owner; kept for the job's next one.
+                self.shipped.retain(p)
+                m.partials_dropped.labels("busy").inc()
                 continue
             # A failed or refused shipment stays in the retained slots: it reaches the
             # job's next owner (a replay) but not this one.
@@ -147,19 +161,21 @@ class Sharding:
             if address is not None:
                 by_owner[address][1].append(n)
         for address, (batch, noticed) in by_owner.items():
-            running = self._in_flight.get(address)
-            if running is not None and not running.done():
-                # Notices are resent with the next shipment; partials are lost.
-                m.partials_dropped.labels("busy").inc(len(batch))
-                continue
+            if self._busy(address):
+                continue  # notices only (partials were kept above): resent next shipment
             task = asyncio.create_task(self._ship(address, batch, noticed), name=f"ship-{address}")
             self._in_flight[address] = task
+
+    def _busy(self, address: str) -> bool:
+        """The last shipment to ``address`` is still on its way (at most one in flight)."""
+        running = self._in_flight.get(address)
+        return running is not None and not running.done()
 
     def _absorb(self) -> None:
         """The jobs acted on here now (their shard gained and taken): this replica shipped
         its own agents' samples of them to their old owner until now; those slots go into
         its window, beside the ones other replicas replay to it."""
-        for job_id in [j for j in self.core.jobs if self.core.acts_on(j)]:
+        for job_id in [j for j in self.shipped.jobs() if self.core.acts_on(j)]:
             p = self.shipped.take(job_id)
             if p is not None:
                 self.core.engine.merge_partials(self.leases.me, [p])

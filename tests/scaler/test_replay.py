@@ -207,3 +207,25 @@ def test_a_replay_goes_once_per_owner_change() -> None:
     assert [r.slots for r in replays] == [{1: [15.0, 2.0], 2: [7.0, 1.0], 3: [1.0, 1.0]}]
     assert replays[0].seconds == {}
     assert s.moved(lambda _j: "c:1", set()) == []
+
+
+def test_slots_never_sent_go_to_the_next_owner_once() -> None:
+    """No live lease (a shard moving) or the owner's last shipment still in flight: the
+    increment is not sent, and the next owner gets it in its replay, not the current."""
+    s = Shipped()
+    s.outgoing(JobPartial(JOB, 10.0, 3, slots={1: [10.0, 1.0]}), "a:1")
+    s.retain(JobPartial(JOB, 10.0, 3, slots={2: [20.0, 1.0]}))  # a:1 busy
+    assert s.moved(lambda _j: "a:1", set()) == []
+    assert s.outgoing(JobPartial(JOB, 10.0, 3, slots={3: [1.0, 1.0]}), "a:1").slots == {
+        3: [1.0, 1.0]
+    }
+    s.retain(JobPartial(JOB, 10.0, 3, slots={4: [4.0, 1.0]}))  # no owner: a:1 died
+    [r] = s.moved(lambda _j: "b:1", set())
+    assert r.slots == {1: [10.0, 1.0], 2: [20.0, 1.0], 3: [1.0, 1.0], 4: [4.0, 1.0]}
+    # A replica that only ever retained (no lease yet): its first owner gets them.
+    t = Shipped()
+    t.retain(JobPartial(JOB, 10.0, 3, slots={1: [10.0, 1.0]}))
+    assert t.outgoing(JobPartial(JOB, 10.0, 3, slots={2: [2.0, 1.0]}), "a:1").slots == {
+        1: [10.0, 1.0],
+        2: [2.0, 1.0],
+    }
