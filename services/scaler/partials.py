@@ -143,8 +143,8 @@ class Shipped:
             s = self._jobs[p.job_id] = _Sent(p.bucket_s, p.buckets, owner)
         out = p
         if s.owner != owner and s.slots:
-            out = JobPartial(p.job_id, p.bucket_s, p.buckets, dict(p.slots), p.seconds, p.seen_s)
-            out.slots = _summed(s.slots, p.slots)
+            replayed = _summed(s.slots, p.slots)
+            out = JobPartial(p.job_id, p.bucket_s, p.buckets, replayed, p.seconds, p.seen_s)
         s.owner = owner
         s.slots = _summed(s.slots, p.slots)
         _prune(s)
