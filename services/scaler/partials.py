@@ -14,9 +14,12 @@ so its windows are the ones a single replica would hold.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from tide.v1 import telemetry_pb2
+
+from services.scaler.windows import slots_per_bucket
 
 
 @dataclass
@@ -103,3 +106,114 @@ class NodeNotice:
     def withdrawn(self) -> bool:
         """The node was uncordoned: the owner drops its copy of the node's notice."""
         return self.kind == _UNCORDONED
+
+
+@dataclass
+class _Sent:
+    bucket_s: float
+    buckets: int
+    #: The address the job's slots last went to; a different one now: its shard moved.
+    owner: str
+    #: slot → [sum, samples] shipped so far, the window's span only.
+    slots: dict[int, list[float]] = field(default_factory=dict)
+
+
+class Shipped:
+    """The window slots this replica has already shipped, per job it forwards, so that a
+    job's new owner gets them too (its window is otherwise empty after a shard moves).
+
+    Cumulative [sum, samples] per slot, for the job's current window shape, pruned to
+    the slots the window still spans: a few hundred numbers per job at most, updated
+    once per shipment, never per report. Only window slots: a rollup second already
+    went into the old owner's closed minutes, and replaying it would count it twice.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, _Sent] = {}
+
+    def outgoing(self, p: JobPartial, owner: str) -> JobPartial:
+        """``p`` as it goes to ``owner``: with every slot shipped before (to another
+        owner) added when the job's owner changed, so the new owner gets each sample this
+        replica shipped within the window once. ``p``'s own slots are retained after."""
+        s = self._jobs.get(p.job_id)
+        if s is not None and (s.bucket_s, s.buckets) != (p.bucket_s, p.buckets):
+            # The window was reshaped: its owner resets its window too.
+            s = None
+        if s is None:
+            s = self._jobs[p.job_id] = _Sent(p.bucket_s, p.buckets, owner)
+        out = p
+        if s.owner != owner and s.slots:
+            replayed = _summed(s.slots, p.slots)
+            out = JobPartial(p.job_id, p.bucket_s, p.buckets, replayed, p.seconds, p.seen_s)
+        s.owner = owner
+        s.slots = _summed(s.slots, p.slots)
+        _prune(s)
+        return out
+
+    def retain(self, p: JobPartial) -> None:
+        """``p``'s slots, not shipped (no owner to ship to, or the owner's last shipment
+        still on its way): kept without naming an owner that has them, so the job's next
+        owner gets them in its replay."""
+        s = self._jobs.get(p.job_id)
+        if s is None or (s.bucket_s, s.buckets) != (p.bucket_s, p.buckets):
+            # No owner has them: the first one shipped to gets them.
+            s = self._jobs[p.job_id] = _Sent(p.bucket_s, p.buckets, "")
+        s.slots = _summed(s.slots, p.slots)
+        _prune(s)
+
+    def jobs(self) -> list[str]:
+        return list(self._jobs)
+
+    def moved(self, owner_of: Callable[[str], str | None], skip: set[str]) -> list[JobPartial]:
+        """Replays, for the jobs not in this shipment (``skip``) whose owner changed
+        since their slots last went out: the slots alone."""
+        out = []
+        for job_id, s in self._jobs.items():
+            if job_id in skip or not s.slots:
+                continue
+            owner = owner_of(job_id)
+            if owner is None or owner == s.owner:
+                continue
+            s.owner = owner
+            out.append(JobPartial(job_id, s.bucket_s, s.buckets, _summed(s.slots, {})))
+        return out
+
+    def take(self, job_id: str) -> JobPartial | None:
+        """The job's retained slots, forgotten here: this replica now owns the job and
+        adds them to its own window (they went to the old owner, whose window is gone)."""
+        s = self._jobs.pop(job_id, None)
+        if s is None or not s.slots:
+            return None
+        return JobPartial(job_id, s.bucket_s, s.buckets, s.slots)
+
+    def keep(self, job_ids: Collection[str]) -> None:
+        """Forget the jobs not in ``job_ids`` (deleted)."""
+        for job_id in [j for j in self._jobs if j not in job_ids]:
+            del self._jobs[job_id]
+
+    def slots_of(self, job_id: str) -> dict[int, list[float]]:
+        s = self._jobs.get(job_id)
+        return {} if s is None else s.slots
+
+
+def _summed(a: dict[int, list[float]], b: dict[int, list[float]]) -> dict[int, list[float]]:
+    out = {k: [v[0], v[1]] for k, v in a.items()}
+    for k, (total, count) in b.items():
+        r = out.get(k)
+        if r is None:
+            out[k] = [total, count]
+        else:
+            r[0] += total
+            r[1] += count
+    return out
+
+
+def _prune(s: _Sent) -> None:
+    """Keep the slots the owner's ring still holds (JobWindow: the newest slot and the
+    n - 1 before it); anything older can no longer count."""
+    if not s.slots:
+        return
+    n = (s.buckets + 1) * slots_per_bucket(s.bucket_s, s.buckets) + 1
+    oldest = max(s.slots) - n + 1
+    for k in [k for k in s.slots if k < oldest]:
+        del s.slots[k]

@@ -423,8 +423,19 @@ class ScalerCore:
     async def receive_partials(self, sender: str, parts: Sequence[JobPartial]) -> int:
         """Another replica's partial aggregates: those of jobs acted on here go into their
         windows and rollups; returns how many were refused (their shard is not held here,
-        the sender ships to the new owner next)."""
-        mine = [p for p in parts if self.acts_on(p.job_id)]
+        the sender ships to the new owner next). A job whose shard is held but not yet
+        taken is accepted: a sender replays a moved job's slots once, as soon as it reads
+        the new lease, which may be before this replica's round takes the job."""
+        mine = [
+            p
+            for p in parts
+            if self.acts_on(p.job_id)
+            or (
+                self.shards is not None
+                and p.job_id not in self.fenced
+                and self.shards.owns(p.job_id)
+            )
+        ]
         self.engine.merge_partials(sender, mine)
         return len(parts) - len(mine)
 

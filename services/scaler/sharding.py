@@ -29,7 +29,7 @@ import contextlib
 import logging
 from collections import defaultdict
 
-from services.scaler.partials import JobPartial, NodeNotice
+from services.scaler.partials import JobPartial, NodeNotice, Shipped
 from services.scaler.peers import PeerLink
 from services.scaler.service import ScalerCore
 from services.scaler.shards import ShardLeases, shard_of
@@ -56,6 +56,8 @@ class Sharding:
         self._owned: set[int] = set()
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         self._ship_soon = False
+        #: The window slots shipped so far, per job forwarded: replayed to a new owner.
+        self.shipped = Shipped()
         shards = leases.settings.shards
         owned = self._owned
         core.shards = leases
@@ -67,7 +69,12 @@ class Sharding:
     async def _stop(self, shards: set[int]) -> None:
         self._owned.difference_update(shards)
         self.core.metrics.shards_held.set(len(self._owned))
-        await self.core.drop_jobs([j for j in self.core.jobs if self.leases.shard_of(j) in shards])
+        dropped = [j for j in self.core.jobs if self.leases.shard_of(j) in shards]
+        await self.core.drop_jobs(dropped)
+        for j in dropped:
+            # Its new owner gets the other replicas' slots replayed; a window kept here
+            # would count them twice should the shard come back.
+            self.core.engine.reshape(j)
 
     async def round(self) -> None:
         """One round: leases, then the jobs of the shards held here and not yet taken
@@ -89,6 +96,8 @@ class Sharding:
             except TideError as exc:
                 # Not acted on until taken; the next round tries again.
                 logger.warning("%d job(s) not taken (%s); next round", len(pending), exc)
+        self._absorb()
+        self.shipped.keep(self.core.jobs)
         self._owned.clear()
         self._owned.update(self.leases.owned_shards())
         self.core.metrics.shards_held.set(len(self._owned))
@@ -103,31 +112,73 @@ class Sharding:
         self._ship_soon = False
         parts = self.core.engine.take_partials()
         notices = self.core.engine.take_notices(self.core.clock.now())
-        if not parts and not notices:
+
+        def ready(job_id: str) -> str | None:
+            """The job's owner's address when a shipment may go there now."""
+            address = self._address_of(job_id)
+            return None if address is None or self._busy(address) else address
+
+        # The slots of jobs whose shard moved since they were shipped, to the new owner.
+        replays = self.shipped.moved(ready, {p.job_id for p in parts})
+        if not parts and not notices and not replays:
             return
         m = self.core.metrics
         by_owner: dict[str, tuple[list[JobPartial], list[NodeNotice]]] = defaultdict(
             lambda: ([], [])
         )
+        mine = False
         for p in parts:
             address = self._address_of(p.job_id)
             if address is None:
+                if self.leases.owns(p.job_id):
+                    # Gathered before this replica's forward test learned it holds the
+                    # shard: retained, and added to its own window once it takes the job.
+                    self.shipped.outgoing(p, self.leases.me)
+                    mine = True
+                    continue
+                # Not sent; kept for the job's next owner (a shard without a live lease
+                # is one moving: its new owner gets them in the replay).
+                self.shipped.retain(p)
                 m.partials_dropped.labels("no_owner").inc()
                 continue
-            by_owner[address][0].append(p)
+            if self._busy(address):
+                # Partials are not queued for this owner; kept for the job's next one.
+                self.shipped.retain(p)
+                m.partials_dropped.labels("busy").inc()
+                continue
+            # A failed or refused shipment stays in the retained slots: it reaches the
+            # job's next owner (a replay) but not this one.
+            by_owner[address][0].append(self.shipped.outgoing(p, address))
+        for p in replays:
+            address = self._address_of(p.job_id)
+            if address is not None:
+                by_owner[address][0].append(p)
+        if mine:
+            self._absorb()
         for n in notices:
             # No owner now: resent next shipment, when the shard may have one.
             address = self._address_of(n.job_id)
             if address is not None:
                 by_owner[address][1].append(n)
         for address, (batch, noticed) in by_owner.items():
-            running = self._in_flight.get(address)
-            if running is not None and not running.done():
-                # Notices are resent with the next shipment; partials are lost.
-                m.partials_dropped.labels("busy").inc(len(batch))
-                continue
+            if self._busy(address):
+                continue  # notices only (partials were kept above): resent next shipment
             task = asyncio.create_task(self._ship(address, batch, noticed), name=f"ship-{address}")
             self._in_flight[address] = task
+
+    def _busy(self, address: str) -> bool:
+        """The last shipment to ``address`` is still on its way (at most one in flight)."""
+        running = self._in_flight.get(address)
+        return running is not None and not running.done()
+
+    def _absorb(self) -> None:
+        """The jobs acted on here now (their shard gained and taken): this replica shipped
+        its own agents' samples of them to their old owner until now; those slots go into
+        its window, beside the ones other replicas replay to it."""
+        for job_id in [j for j in self.shipped.jobs() if self.core.acts_on(j)]:
+            p = self.shipped.take(job_id)
+            if p is not None:
+                self.core.engine.merge_partials(self.leases.me, [p])
 
     def _address_of(self, job_id: str) -> str | None:
         owner = self.leases.owner_of(job_id)

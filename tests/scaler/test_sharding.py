@@ -355,3 +355,37 @@ def test_a_withdrawal_travels_apart_from_the_notices() -> None:
     req = ship_request("r0", [], [cordon, back])
     assert [notice_from_proto(m) for m in req.notices] == [cordon]
     assert [notice_from_proto(m) for m in req.withdrawn] == [back]
+
+
+async def test_a_new_owner_adds_the_slots_it_shipped_to_the_dead_one(
+    world: tuple[FakeClock, InProcessPeers, dict[str, Replica]],
+) -> None:
+    """r1 ships its node's samples of a job to r0; r0 dies; r1 takes the shard and its
+    window holds those samples, as r0's did (tests/scaler/test_replay.py: the rest)."""
+    clock, peers, rs = world
+    r0, r1 = rs["r0"], rs["r1"]
+    await rounds(clock, [r0, r1], 3)
+    j = next(j for j, o in owners().items() if o == "r0")
+    name = j.partition("/")[2]
+    pods = [f"{name}-trainer-0", f"{name}-trainer-1"]
+    stream = r1.core.engine.open_stream()
+    for seq in range(1, 6):
+        r1.core.engine.process(
+            stream, report("n1", seq, utils=[10.0 * seq, 90.0], pods=pods, t=clock.now())
+        )
+        r1.sharding.ship()
+        await asyncio.gather(*r1.sharding._in_flight.values())
+        clock.advance(0.2)  # within r0's lease: r0 takes every shipment
+    w0 = r0.core.engine.windows[j]
+    end = w0.slot_of(clock.now()) + 1
+    had = w0.means(end, 4)
+    assert any(m == m for m in had), had  # r0's window holds the shipped samples
+    w1 = r1.core.engine.windows.get(j)
+    assert w1 is None or all(m != m for m in w1.means(end, 4))  # r1 forwarded them all
+    del peers.cores["r0:1"]  # r0 is dead: its leases run out
+    await rounds(clock, [r1], 6)
+    assert r1.core.acts_on(j)
+    got = r1.core.engine.windows[j].means(end, 4)
+    # Every sample once: GPU 0 at 10..50 %, GPU 1 at 90 %, five reports.
+    assert [m for m in had if m == m] == pytest.approx([60.0])
+    assert [m for m in got if m == m] == pytest.approx([60.0])
