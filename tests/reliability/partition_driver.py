@@ -559,6 +559,13 @@ def scaler_apiserver(pair: NetnsPair, db_url: str) -> dict[str, object]:
     try:
         return asyncio.run(_scaler_apiserver(pair, db_url, workdir, peer))
     finally:
+        # Its FINAL line comes before its cluster stops the emulated pods: killed at once,
+        # it left them running past the test. Its stdin closed tells it to stop (already
+        # closed unless the run failed before).
+        if peer.stdin is not None:
+            peer.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            peer.wait(timeout=30)
         if peer.poll() is None:
             peer.kill()
             peer.wait(timeout=10)
