@@ -48,6 +48,15 @@ def remember_status(status: int) -> None:
     _status = status
 
 
+def _carries(entry: Path, needle: bytes) -> bool | None:
+    """Whether the process at ``entry`` (/proc/PID) has ``needle`` in its environment;
+    None when it is gone or not ours to read."""
+    try:
+        return needle in (entry / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+
+
 def note_test(nodeid: str) -> None:
     """After each test: the new processes carrying the mark are that test's. Only pids
     not seen before are read, so this costs a directory listing per test."""
@@ -62,11 +71,9 @@ def note_test(nodeid: str) -> None:
         pid = int(entry.name)
         if pid in _seen or pid == me:
             continue
-        try:
-            env = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        _seen[pid] = nodeid if needle in env.split(b"\0") else ""
+        carries = _carries(entry, needle)
+        if carries is not None:
+            _seen[pid] = nodeid if carries else ""
 
 
 def _marked(token: str) -> list[tuple[int, str]]:
@@ -76,13 +83,12 @@ def _marked(token: str) -> list[tuple[int, str]]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
+        if not _carries(entry, needle):
+            continue
         try:
-            env = (entry / "environ").read_bytes()
-            if needle not in env.split(b"\0"):
-                continue
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
-            continue  # gone, or not ours to read
+            continue  # gone since
         found.append((int(entry.name), cmd.strip()[:200]))
     return found
 
