@@ -15,11 +15,10 @@ from services.scaler.actuators.local import (
     JobSpec,
     LocalActuator,
     LocalActuatorSettings,
-    _proc_stat,
     is_running,
 )
 from tests.support.poll import wait_for
-from tests.support.procs import ROOT
+from tests.support.procs import ROOT, gone
 from tidebase.errors import ConfigError, InvalidArgument, NotFound
 
 pytestmark = pytest.mark.component
@@ -162,11 +161,6 @@ async def test_a_named_pod_that_died_before_its_removal_is_not_restarted(
     await a.remove_pods(JOB, [pods[1].uid, pods[1].name], replicas=2, decision_id=2)
     assert [(p.index, p.pid) for p in a.pods(JOB)] == [(0, pods[0].pid), (2, pods[2].pid)]
     assert terms(log) == [] and len(started(log, 3)) == 3
-
-
-def gone(pid: int) -> bool:
-    stat = _proc_stat(pid)
-    return stat is None or stat[0] == "Z"
 
 
 async def test_a_restarted_actuator_adopts_the_pods_it_started_before(

@@ -86,6 +86,16 @@ def start_service(
     raise AssertionError(f"service {args} did not start: {err[-2000:]}")
 
 
+def gone(pid: int) -> bool:
+    """``pid`` is dead, or a zombie nobody has reaped yet (it holds no memory)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    # The command name is in parentheses and may hold spaces; the state follows the last ')'.
+    return raw[raw.rfind(")") + 2 :].split()[0] == "Z"
+
+
 def free_port() -> int:
     """A port that was free a moment ago, for a process that must be told its port
     before it starts (prefer port 0 and the LISTENING line where the process allows)."""

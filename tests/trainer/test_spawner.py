@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.poll import eventually
+from tests.support.procs import gone
 from trainer.spawner import SubprocessSpawner, ZygoteSpawner
 
 pytestmark = pytest.mark.integration
@@ -129,15 +130,6 @@ async def test_a_dead_zygote_is_replaced_on_the_next_spawn(child: Path, tmp_path
         await zygote.close()
 
 
-def _gone(pid: int) -> bool:
-    """Dead and reaped, or a zombie nobody has reaped yet (it holds no memory)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
 async def test_a_killed_workers_own_children_do_not_outlive_it(child: Path, tmp_path: Path) -> None:
     zygote = ZygoteSpawner(preload="")
     try:
@@ -149,9 +141,9 @@ async def test_a_killed_workers_own_children_do_not_outlive_it(child: Path, tmp_
             lambda: log.exists() and "grandchild" in log.read_text(), 30, what="the grandchild"
         )
         grandchild = int(log.read_text().split("grandchild")[1].split()[0])
-        assert not _gone(grandchild)
+        assert not gone(grandchild)
         w.kill(signal.SIGKILL)  # its exit grace spent, as in a resize
         assert await w.wait() == -signal.SIGKILL
-        await eventually(lambda: _gone(grandchild), 10, what="the orphaned grandchild killed")
+        await eventually(lambda: gone(grandchild), 10, what="the orphaned grandchild killed")
     finally:
         await zygote.close()
