@@ -103,6 +103,8 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
         telemetry_pb2_grpc.add_TelemetryServicer_to_server(Bare(), server)
     else:
         from services.common.clock import SystemClock
+        from services.common.gil import SWITCH
+        from services.common.heap import tune_collector
         from services.scaler.ingest import IngestSettings
         from services.scaler.policy import PolicySettings
         from services.scaler.service import ScalerCore
@@ -115,7 +117,8 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
 
         # As the scaler process does (services/scaler/app.py); the core is built here,
         # not through python -m services.testing.scaler, to read its latencies in-process.
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        SWITCH.configure(SWITCH_INTERVAL_S)
+        tune_collector()
         url = f"sqlite:///{tmp}/bench.db"
         db.upgrade(url)
         clock = SystemClock()

@@ -154,6 +154,7 @@ async def run_tipping(
     from tide.v1 import telemetry_pb2
 
     from services.common.clock import SystemClock
+    from services.common.gil import SWITCH
     from services.scaler import policy as pol
     from services.scaler.ingest import IngestSettings
     from services.scaler.service import ScalerCore
@@ -163,7 +164,7 @@ async def run_tipping(
     from services.testing.actuators import InMemoryActuator
     from services.testing.coordinator import InMemoryCoordinator, follow_actuator
 
-    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the scaler process does
+    SWITCH.configure(SWITCH_INTERVAL_S)  # as the scaler process does
     db.upgrade(url)
     clock = SystemClock()
     actuator, coordinator = InMemoryActuator(), InMemoryCoordinator()

@@ -16,6 +16,18 @@ frees everything that is not in a cycle), nor is cyclic garbage the older
 generation held when it froze. Before each freeze only the young generations are
 collected: a full collection first took 2.2 s at 1,200 agents (the whole heap,
 imports included), the very pause this is for.
+
+:func:`tune_collector` sets the collector's thresholds for such a heap. Frozen, the
+heap still churns: every telemetry stream's pending read (a coroutine, futures, gRPC's
+operation objects) lives about a second, long enough to be promoted to the oldest
+generation, where CPython's default thresholds (700, 10, 10) ran a full collection
+every few seconds at 5,000 agents, 120-230 ms each, and young collections of 10-65 ms
+a few times a second: the ack p99 was those pauses (121 ms, against 9-30 ms with the
+thresholds below; bench.scale --sweep 5000 --resizing-every 0, docs/scaler.md). What
+it gives up: cyclic garbage that reached the oldest generation waits for the next full
+collection, at most GC_THRESHOLDS[2] young-generation collections away (minutes at
+that rate, sooner on a quieter replica); reference counting frees everything else at
+once.
 """
 
 from __future__ import annotations
@@ -25,10 +37,22 @@ import logging
 
 logger = logging.getLogger(__name__)
 
+#: gc.set_threshold for a server's long-lived heap (tune_collector): a young collection
+#: every 5,000 net allocations, the middle generation every 20 of those, and a full
+#: collection considered only every 1,000 middle-generation collections.
+GC_THRESHOLDS = (5000, 20, 1000)
+
 #: The fleet (jobs, nodes, streams) grows by this fraction before the next freeze.
 GROWTH_FRACTION = 0.25
 #: ...and by at least this many: a small fleet's heap is small anyway.
 MIN_GROWTH = 64
+
+
+def tune_collector(thresholds: tuple[int, int, int] = GC_THRESHOLDS) -> tuple[int, int, int]:
+    """Set the collector's thresholds (see the module docstring); returns the old ones."""
+    old = gc.get_threshold()
+    gc.set_threshold(*thresholds)
+    return old
 
 
 class HeapFreezer:

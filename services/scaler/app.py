@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
@@ -19,7 +18,8 @@ from prometheus_client import REGISTRY
 from tide.v1 import peers_pb2_grpc, scaler_pb2_grpc, telemetry_pb2_grpc
 
 from services.common.clock import Clock
-from services.common.heap import HeapFreezer
+from services.common.gil import SWITCH
+from services.common.heap import HeapFreezer, tune_collector
 from services.common.metrics import register_build_info
 from services.common.readiness import Readiness
 from services.common.server import ServiceSpec, serve
@@ -68,7 +68,8 @@ async def serve_scaler(
 
     ``attach``: each is handed the core and returns background tasks that run beside
     the control loop (the cluster link of the Kubernetes actuator: discovery, Events)."""
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    SWITCH.configure(SWITCH_INTERVAL_S)
+    tune_collector()
     # Migrations are idempotent; running them at start keeps the embedded case one command.
     await asyncio.to_thread(db.upgrade, settings.db)
     engine = db.make_engine(settings.db)

@@ -31,6 +31,7 @@ from sqlalchemy.pool import ConnectionPoolEntry
 from sqlalchemy.types import TypeDecorator
 from tenacity import RetryCallState, RetryError, Retrying, retry_if_exception, stop_after_attempt
 
+from services.common.gil import SWITCH
 from services.store import metrics as store_metrics
 from tidebase.errors import ConfigError, Conflict, InvalidArgument, StoreUnavailable, Unavailable
 
@@ -454,7 +455,11 @@ def unit_of_work(
     )
 
     def once() -> T:
-        with session_scope(factory, write=write, isolation_level=isolation_level) as session:
+        # The GIL comes back to this thread quickly while it runs SQL (services/common/gil.py).
+        with (
+            SWITCH.short(),
+            session_scope(factory, write=write, isolation_level=isolation_level) as session,
+        ):
             return fn(session)
 
     try:

@@ -27,3 +27,14 @@ def test_freezes_once_per_quarter_of_growth(monkeypatch: pytest.MonkeyPatch) -> 
     assert not f.grown(100)  # a fleet that shrank is not frozen again
     assert (f.freezes, f.frozen_at) == (4, 1250)
     assert calls == ["collect 1", "freeze"] * 4
+
+
+def test_tune_collector_sets_the_thresholds_and_returns_the_old_ones() -> None:
+    before = heap.gc.get_threshold()
+    try:
+        assert heap.tune_collector((1234, 5, 678)) == before
+        assert heap.gc.get_threshold() == (1234, 5, 678)
+        assert heap.tune_collector() == (1234, 5, 678)
+        assert heap.gc.get_threshold() == heap.GC_THRESHOLDS
+    finally:
+        heap.gc.set_threshold(*before)

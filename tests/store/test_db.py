@@ -381,3 +381,15 @@ def test_unit_of_work_never_retries_a_fencing_conflict(factory: sessionmaker[Ses
 
     with pytest.raises(repo.StaleEpoch):
         db.unit_of_work(factory, fn, sleep=no_sleep)
+
+
+def test_a_unit_of_work_runs_with_the_short_switch_interval(
+    lite: sessionmaker[Session],
+) -> None:
+    # services/common/gil.py: a worker thread running SQL gets the GIL back quickly.
+    from services.common.gil import SWITCH
+
+    seen: list[int] = []
+    db.unit_of_work(lite, lambda _s: seen.append(SWITCH.busy), write=False)
+    assert seen == [1]
+    assert SWITCH.busy == 0
