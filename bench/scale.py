@@ -92,7 +92,8 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
     from tide.v1 import peers_pb2_grpc, telemetry_pb2_grpc
 
     from services.common.clock import SystemClock
-    from services.common.heap import HeapFreezer
+    from services.common.gil import SWITCH
+    from services.common.heap import HeapFreezer, tune_collector
     from services.scaler.ingest import IngestSettings
     from services.scaler.metrics import PARTIALS_DROPPED
     from services.scaler.peers import GrpcPeerLink
@@ -110,7 +111,8 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
     from tidebase.credentials import NO_CREDENTIALS
     from tidebase.grpc_options import server_options
 
-    sys.setswitchinterval(SWITCH_INTERVAL_S)  # as the scaler process does
+    SWITCH.configure(SWITCH_INTERVAL_S)  # as the scaler process does
+    tune_collector()
     clock = SystemClock()
     engine = db.make_engine(url)
     store = DecisionStore(engine, name, clock)
@@ -235,7 +237,12 @@ def _members(job: int) -> list[Any]:
 
 
 def agents_main(
-    ports: list[int], nodes: list[tuple[str, int, int]], seconds: float, warm_s: float, q: Any
+    ports: list[int],
+    nodes: list[tuple[str, int, int]],
+    seconds: float,
+    warm_s: float,
+    q: Any,
+    resizing_every: int = RESIZING_EVERY,
 ) -> None:
     """The fleet's streams, in one process on CPU 1 (bench/fleet.py: gRPC over HTTP/2
     without grpc.aio's per-call machinery, so one core drives 5,000 streams at 1 Hz)."""
@@ -244,7 +251,7 @@ def agents_main(
     _pin(1)
     templates = []
     for name, job, k in nodes:
-        if job % RESIZING_EVERY == 0:
+        if resizing_every and job % resizing_every == 0:
             templates.append((_base(name, job, k, 95.0), _base(name, job, k, 10.0)))
         else:
             flat = _base(name, job, k, 50.0)
@@ -277,6 +284,7 @@ def run_phase(
     seconds: float,
     kill_at_s: float | None,
     procs: int = 1,
+    resizing_every: int = RESIZING_EVERY,
 ) -> dict[str, Any]:
     from services.scaler.metrics import PARTIALS_DROPPED
 
@@ -290,7 +298,10 @@ def run_phase(
     # seconds after the last one opened.
     warm_s = min(seconds / 2, max(min(8.0, seconds / 3), agents / RAMP_PER_S + 5.0))
     fleet = [
-        ctx.Process(target=agents_main, args=(ports, nodes[k::procs], seconds, warm_s, q))
+        ctx.Process(
+            target=agents_main,
+            args=(ports, nodes[k::procs], seconds, warm_s, q, resizing_every),
+        )
         for k in range(procs)
     ]
     for a in fleet:
@@ -418,7 +429,7 @@ def big_history(url: str) -> float:
         return float(asyncio.run(measure_scaler(u, total))["decision_p99_ms"])
 
 
-def sweep(sizes: list[int], seconds: float, pg: str) -> int:
+def sweep(sizes: list[int], seconds: float, pg: str, resizing_every: int) -> int:
     """One replica at each fleet size; RESULT holds, per size, what the capacity target
     is judged by (agents per core used, ack p99) and whether the fleet kept its 1 Hz."""
     from bench.history import pg_schema
@@ -428,7 +439,7 @@ def sweep(sizes: list[int], seconds: float, pg: str) -> int:
     for n in sizes:
         with pg_schema(pg) as url:
             db.upgrade(url)
-            r = run_phase(url, "single", n, 1, seconds, None)
+            r = run_phase(url, "single", n, 1, seconds, None, resizing_every=resizing_every)
         print(f"single {n}: " + json.dumps(r), flush=True)
         for key in (
             "agents_per_core",
@@ -442,6 +453,7 @@ def sweep(sizes: list[int], seconds: float, pg: str) -> int:
         ):
             out[f"{key}_{n}"] = r[key]
     out["seconds_per_phase"] = seconds
+    out["resizing_every"] = resizing_every
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 
@@ -459,7 +471,15 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated fleet sizes: only one replica at each (issue 18's capacity"
         " target: agents per core and ack p99 at 3,000, 4,000, 5,000)",
     )
+    ap.add_argument(
+        "--resizing-every",
+        type=int,
+        default=RESIZING_EVERY,
+        help="one job in N flips utilization every PERIOD_S and resizes; 0: none (--sweep)",
+    )
     args = ap.parse_args(argv)
+    if args.resizing_every < 0:
+        ap.error(f"--resizing-every {args.resizing_every}: must be >= 0")
     agents = args.agents or (1200 if args.quick else 3000)
     seconds = args.seconds or (30.0 if args.quick else 90.0)
     t_start = time.monotonic()
@@ -467,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.store import db
 
     if args.sweep:
-        return sweep([int(n) for n in args.sweep.split(",")], seconds, args.pg)
+        return sweep([int(n) for n in args.sweep.split(",")], seconds, args.pg, args.resizing_every)
     from services.testing.shards import compare_sharded
 
     phases: dict[str, dict[str, Any]] = {}

@@ -833,3 +833,46 @@ async def test_the_pass_writes_its_decisions_in_one_batch_or_each_alone(
         ]
     for task in list(rig.core.controller.tasks.values()):
         await task
+
+
+async def test_the_pass_over_many_jobs_is_spread_over_the_interval(rig: Rig) -> None:
+    """Over YIELD_EVERY_JOBS jobs, ``run`` evaluates them in slices spread over the
+    interval: every job once a round, no job twice, and never the whole fleet at once."""
+    from services.scaler import service as svc
+
+    core, clock = rig.core, rig.clock
+    for i in range(3 * svc.YIELD_EVERY_JOBS):  # with ns/a: three slices
+        await core.upsert_job(f"ns/many-{i}", FAST, gpus_per_replica=4)
+    everyone = {j for j in core.jobs if core.acts_on(j)}
+    slices: list[list[str] | None] = []
+    tick = core.tick
+
+    async def record(some: Any = None) -> None:
+        slices.append(None if some is None else list(some))
+        await tick(some)
+
+    core.tick = record  # type: ignore[method-assign]
+    loop = asyncio.create_task(core.run())
+    try:
+        await eventually(lambda: len(slices) == 1)
+        for n in (2, 3):
+            # The next slice waits for its third of the interval, not a moment less.
+            clock.advance(core.evaluate_interval_s / 3 - 0.01)
+            assert core._wake is not None
+            core._wake.set()
+            await asyncio.sleep(0.05)
+            assert len(slices) == n - 1
+            clock.advance(0.01)
+            core._wake.set()
+            await eventually(lambda n=n: len(slices) == n)
+        first_round = [j for s in slices for j in (s or [])]
+        assert None not in slices
+        assert all(0 < len(s or []) <= len(everyone) // 2 for s in slices)
+        assert sorted(first_round) == sorted(everyone)  # each job once
+        clock.advance(core.evaluate_interval_s / 3)
+        core._wake.set()
+        await eventually(lambda: len(slices) == 4)
+        assert slices[3] == slices[0]  # the next round starts over
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
