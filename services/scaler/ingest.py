@@ -225,6 +225,9 @@ class IngestEngine:
         # went to other jobs is dropped by the next read that finds none.
         self.job_nodes: dict[str, dict[str, NodeState]] = {}
         self.windows: dict[str, JobWindow] = {}
+        # Per job owned here, the window slots other replicas shipped in (merge_partials):
+        # slot → [sum, samples], within the ring's span.
+        self.merged: dict[str, dict[int, list[float]]] = {}
         self._last_slot: dict[str, int] = {}
         self.rollups = Rollups()
         # Sharded (services/scaler/shards.py): whether a job's samples go to the replica
@@ -543,6 +546,26 @@ class IngestEngine:
         """Forget a job's window (its bucket width or sustain changed)."""
         self.windows.pop(job_id, None)
         self._last_slot.pop(job_id, None)
+        self.merged.pop(job_id, None)
+
+    def own_partial(self, job_id: str) -> JobPartial | None:
+        """The job's window less what other replicas shipped into it: the samples of this
+        replica's own agents, as a partial (slots only), for the job's next owner when
+        this replica gives the shard up (Sharding: they would be lost with the window)."""
+        w = self.windows.get(job_id)
+        if w is None:
+            return None
+        merged = self.merged.get(job_id, {})
+        own: dict[int, list[float]] = {}
+        for slot, (total, count) in w.slots().items():
+            m = merged.get(slot)
+            if m is not None:
+                total, count = total - m[0], count - m[1]
+            if count > 0:
+                own[slot] = [total, count]
+        if not own:
+            return None
+        return JobPartial(job_id, w.bucket_s, w.buckets, own)
 
     def drop_job(self, job_id: str) -> None:
         self.reshape(job_id)
@@ -564,9 +587,14 @@ class IngestEngine:
                         p.seen_s[(node.name, i)] = s
         return out
 
-    def merge_partials(self, sender: str, parts: Iterable[JobPartial]) -> None:
+    def merge_partials(
+        self, sender: str, parts: Iterable[JobPartial], *, own: bool = False
+    ) -> None:
         """Add another replica's partial aggregates of jobs owned here to their windows
-        and rollups, as if its samples had come here."""
+        and rollups, as if its samples had come here. ``own``: this replica's own agents'
+        samples, shipped to an earlier owner (``Sharding._absorb``); the others' are
+        counted per slot too (``merged``), to tell them from this replica's own when it
+        gives the job up (``own_partial``)."""
         horizon = self.clock.now() - self.settings.stale_after_s
         for p in parts:
             job = p.job_id
@@ -581,9 +609,21 @@ class IngestEngine:
                 w = self.windows.get(job)
                 if w is None or w.bucket_s != bucket_s or w.buckets != buckets:
                     w = self.windows[job] = self._new_window(job, bucket_s, buckets)
+                merged = None if own else self.merged.setdefault(job, {})
                 for slot in sorted(p.slots):
                     total, count = p.slots[slot]
-                    w.add(slot, total, int(count))
+                    if w.add(slot, total, int(count)) and merged is not None:
+                        m = merged.get(slot)
+                        if m is None:
+                            merged[slot] = [total, count]
+                        else:
+                            m[0] += total
+                            m[1] += count
+                oldest = w.oldest_slot()
+                if merged and oldest is not None:
+                    # Only what the ring still holds can be told apart later.
+                    for slot in [k for k in merged if k < oldest]:
+                        del merged[slot]
                     last = self._last_slot.get(job)
                     if last is None or slot > last:
                         self._last_slot[job] = slot

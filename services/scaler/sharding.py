@@ -71,10 +71,16 @@ class Sharding:
         self.core.metrics.shards_held.set(len(self._owned))
         dropped = [j for j in self.core.jobs if self.leases.shard_of(j) in shards]
         await self.core.drop_jobs(dropped)
+        engine = self.core.engine
         for j in dropped:
             # Its new owner gets the other replicas' slots replayed; a window kept here
-            # would count them twice should the shard come back.
-            self.core.engine.reshape(j)
+            # would count them twice should the shard come back. This replica's own
+            # agents' samples in it are retained and replayed to the new owner as the
+            # others' are (or put back here, should the shard come back first).
+            own = engine.own_partial(j)
+            if own is not None:
+                self.shipped.retain(own)
+            engine.reshape(j)
 
     async def round(self) -> None:
         """One round: leases, then the jobs of the shards held here and not yet taken
@@ -178,7 +184,7 @@ class Sharding:
         for job_id in [j for j in self.shipped.jobs() if self.core.acts_on(j)]:
             p = self.shipped.take(job_id)
             if p is not None:
-                self.core.engine.merge_partials(self.leases.me, [p])
+                self.core.engine.merge_partials(self.leases.me, [p], own=True)
 
     def _address_of(self, job_id: str) -> str | None:
         owner = self.leases.owner_of(job_id)

@@ -85,6 +85,23 @@ class JobWindow:
         self._counts[i] += count
         return True
 
+    def oldest_slot(self) -> int | None:
+        """The oldest slot the ring holds; None while it is empty."""
+        return None if self._head is None else self._head - self.n + 1
+
+    def slots(self) -> dict[int, list[float]]:
+        """The slots the ring holds that have samples: slot → [sum, samples]."""
+        head = self._head
+        if head is None:
+            return {}
+        n = self.n
+        out: dict[int, list[float]] = {}
+        for s in range(head - n + 1, head + 1):
+            count = self._counts[s % n]
+            if count:
+                out[s] = [self._sums[s % n], float(count)]
+        return out
+
     def _total(self, lo: int, hi: int) -> tuple[float, int]:
         """Sum and count of slots lo .. hi-1 (those the ring holds)."""
         head = self._head

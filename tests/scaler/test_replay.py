@@ -1,7 +1,8 @@
 """A job's shard moves mid-window (services/scaler/partials.py ``Shipped``): every replica
 replays the window slots it shipped to the old owner to the new one, and the new owner
 adds the slots it shipped itself, so its window is the one a single replica given every
-report holds, less only the samples the killed old owner's own agents had sent it.
+report holds, less only the samples the killed old owner's own agents had sent it. An
+old owner that gives the shard up hands its own agents' samples over too.
 
 The replicas here are ingest engines shipping as Sharding.ship does (the same
 ``Shipped`` calls, in the same order), without processes or a store."""
@@ -46,6 +47,7 @@ class World:
         for name, e in self.engines.items():
             e.forward = lambda _job, me=name: self.owner != me
         self.streams: dict[tuple[str, int], object] = {}
+        self.handover = True
 
     def process(self, at: str, node: int, seq: int, t: float, utils: list[float]) -> None:
         e = self.engines[at]
@@ -72,6 +74,11 @@ class World:
             del self.engines[old]
             del self.shipped[old]
         else:
+            # As Sharding._stop: the old owner's own agents' samples are retained for the
+            # next owner, then its window is dropped.
+            own = self.engines[old].own_partial(JOB) if self.handover else None
+            if own is not None:
+                self.shipped[old].retain(own)
             self.engines[old].reshape(JOB)
         self.owner = to
         new = self.engines[to]
@@ -82,7 +89,7 @@ class World:
             s.outgoing(p, to)
         taken = s.take(JOB)
         if taken is not None:
-            new.merge_partials(to, [taken])
+            new.merge_partials(to, [taken], own=True)
 
 
 def _means(e: IngestEngine, now: float) -> tuple[float, ...]:
@@ -229,3 +236,53 @@ def test_slots_never_sent_go_to_the_next_owner_once() -> None:
         1: [10.0, 1.0],
         2: [2.0, 1.0],
     }
+
+
+def test_a_graceful_move_hands_the_old_owners_own_samples_over() -> None:
+    """Node 1 streams to the owner a; a gives the shard up at 25 s: b's window is the
+    single replica's, a's own agents' samples before the move included."""
+    world = World(["a", "b", "c"], owner="a")
+    got, single, _ = _run(world, {0: "c", 1: "a"}, {25: ("b", False)})
+    now = world.clock.now()
+    assert _same(_means(got, now), _means(single, now)), (_means(got, now), _means(single, now))
+
+
+def test_without_the_handover_a_graceful_move_loses_the_old_owners_own() -> None:
+    """The check above can fail: without the handover, b lacks node 1's samples."""
+    world = World(["a", "b", "c"], owner="a")
+    world.handover = False
+    got, single, _ = _run(world, {0: "c", 1: "a"}, {25: ("b", False)})
+    now = world.clock.now()
+    assert not _same(_means(got, now), _means(single, now))
+
+
+def test_graceful_moves_and_a_return_count_each_sample_once() -> None:
+    """a → b → a → c, every owner with a node of its own: each sample once at the end."""
+    world = World(["a", "b", "c"], owner="a")
+    got, single, _ = _run(
+        world, {0: "a", 1: "b"}, {10: ("b", False), 18: ("a", False), 30: ("c", False)}
+    )
+    now = world.clock.now()
+    assert _same(_means(got, now), _means(single, now)), (_means(got, now), _means(single, now))
+
+
+def test_own_partial_is_the_window_less_what_others_shipped() -> None:
+    clock = FakeClock(T0)
+    e = _engine(clock)
+    e.forward = lambda _job: False
+    st = e.open_stream()
+    e.process(st, _report(0, 1, T0 + 0.5, [50.0] * 8))  # type: ignore[arg-type]
+    w = e.windows[JOB]
+    slot = w.slot_of(T0 + 0.5)
+    e.merge_partials("b", [JobPartial(JOB, *SHAPE, {slot: [80.0, 2.0], slot - 1: [10.0, 1.0]})])
+    own = e.own_partial(JOB)
+    assert own is not None
+    assert (own.bucket_s, own.buckets) == SHAPE
+    # The slot's samples less the 2 shipped in; the slot before held only shipped ones.
+    assert set(own.slots) == {slot}
+    total, count = own.slots[slot]
+    assert count == w.slots()[slot][1] - 2.0
+    assert total == pytest.approx(w.slots()[slot][0] - 80.0)
+    e.reshape(JOB)
+    assert e.own_partial(JOB) is None
+    assert JOB not in e.merged
