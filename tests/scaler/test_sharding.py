@@ -389,3 +389,39 @@ async def test_a_new_owner_adds_the_slots_it_shipped_to_the_dead_one(
     # Every sample once: GPU 0 at 10..50 %, GPU 1 at 90 %, five reports.
     assert [m for m in had if m == m] == pytest.approx([60.0])
     assert [m for m in got if m == m] == pytest.approx([60.0])
+
+
+async def test_a_shard_given_up_hands_the_old_owners_own_samples_to_the_new_one(
+    world: tuple[FakeClock, InProcessPeers, dict[str, Replica]],
+) -> None:
+    """r0 owns a job and its node streams to r0; r0 gives the shard up to r1: r1's
+    window holds those samples after r0's next shipment, each once."""
+    clock, _peers, rs = world
+    r0, r1 = rs["r0"], rs["r1"]
+    await rounds(clock, [r0], 2)
+    j = next(j for j, o in owners().items() if o == "r1")
+    assert r0.core.acts_on(j)
+    name = j.partition("/")[2]
+    pods = [f"{name}-trainer-0", f"{name}-trainer-1"]
+    stream = r0.core.engine.open_stream()
+    for seq in range(1, 6):
+        r0.core.engine.process(
+            stream, report("n0", seq, utils=[10.0 * seq, 90.0], pods=pods, t=clock.now())
+        )
+        clock.advance(0.2)
+    w0 = r0.core.engine.windows[j]
+    end = w0.slot_of(clock.now()) + 1
+    had = [m for m in w0.means(end, 4) if m == m]
+    assert had == pytest.approx([60.0])
+    await rounds(clock, [r1, r0, r1], 1)  # r1 joins, r0 gives its shards up, r1 takes them
+    assert not r0.core.acts_on(j) and r1.core.acts_on(j)
+    assert j not in r0.core.engine.windows  # dropped, so a return counts nothing twice
+    await rounds(clock, [r0], 1)  # r0 reads r1's new lease
+    r0.sharding.ship()
+    await asyncio.gather(*r0.sharding._in_flight.values())
+    got = [m for m in r1.core.engine.windows[j].means(end, 4) if m == m]
+    assert got == pytest.approx([60.0])
+    r0.sharding.ship()  # a replay goes once per owner change
+    await asyncio.gather(*r0.sharding._in_flight.values())
+    slots = r1.core.engine.windows[j].slots().values()
+    assert (sum(v[0] for v in slots), sum(v[1] for v in slots)) == pytest.approx((600.0, 10))
