@@ -21,7 +21,7 @@ from tide.v1 import telemetry_pb2
 
 from services.common.clock import Clock
 from services.scaler.members import MemberRegistry
-from services.scaler.partials import JobPartial, NodeNotice, Partials
+from services.scaler.partials import JobPartial, NodeNotice, Partials, add_slot
 from services.scaler.policy import WindowView
 from services.scaler.windows import JobWindow, NodeGpus, Rollups, stagger_offset
 from tidebase.errors import AlreadyExists, ConfigError, InvalidArgument
@@ -613,12 +613,7 @@ class IngestEngine:
                 for slot in sorted(p.slots):
                     total, count = p.slots[slot]
                     if w.add(slot, total, int(count)) and merged is not None:
-                        m = merged.get(slot)
-                        if m is None:
-                            merged[slot] = [total, count]
-                        else:
-                            m[0] += total
-                            m[1] += count
+                        add_slot(merged, slot, total, count)
                 oldest = w.oldest_slot()
                 if merged and oldest is not None:
                     # Only what the ring still holds can be told apart later.
