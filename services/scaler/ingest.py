@@ -614,16 +614,16 @@ class IngestEngine:
                     total, count = p.slots[slot]
                     if w.add(slot, total, int(count)) and merged is not None:
                         add_slot(merged, slot, total, count)
-                oldest = w.oldest_slot()
-                if merged and oldest is not None:
-                    # Only what the ring still holds can be told apart later.
-                    for slot in [k for k in merged if k < oldest]:
-                        del merged[slot]
                     last = self._last_slot.get(job)
                     if last is None or slot > last:
                         self._last_slot[job] = slot
                         if last is not None and self.on_slot is not None:
                             self.on_slot(job, w.offset_s + slot * w.slot_s)
+                oldest = w.oldest_slot()
+                if merged and oldest is not None:
+                    # Only what the ring still holds can be told apart later.
+                    for gone in [k for k in merged if k < oldest]:
+                        del merged[gone]
             for sec, (total, count, lo, hi) in p.seconds.items():
                 self.rollups.add(job, float(sec), total, int(count), lo, hi)
 

@@ -286,3 +286,19 @@ def test_own_partial_is_the_window_less_what_others_shipped() -> None:
     e.reshape(JOB)
     assert e.own_partial(JOB) is None
     assert JOB not in e.merged
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_every_slot_a_merged_partial_opens_wakes_the_policy(own: bool) -> None:
+    """A shipment opens slots of the owner's window as its own reports do: each new slot
+    is one ``on_slot`` call, whether others shipped it or it is this replica's own."""
+    clock = FakeClock(T0)
+    e = _engine(clock)
+    opened: list[tuple[str, float]] = []
+    e.on_slot = lambda job, t: opened.append((job, t))
+    e.merge_partials("b", [JobPartial(JOB, *SHAPE, {100: [50.0, 1.0]})], own=own)
+    assert opened == []  # the window's first slot: nothing slid
+    e.merge_partials("b", [JobPartial(JOB, *SHAPE, {101: [50.0, 1.0], 102: [50.0, 1.0]})], own=own)
+    w = e.windows[JOB]
+    assert opened == [(JOB, w.offset_s + 101 * w.slot_s), (JOB, w.offset_s + 102 * w.slot_s)]
+    assert (JOB in e.merged and set(e.merged[JOB]) == {100, 101, 102}) is not own
