@@ -357,6 +357,22 @@ def test_a_withdrawal_travels_apart_from_the_notices() -> None:
     assert [notice_from_proto(m) for m in req.withdrawn] == [back]
 
 
+async def five_reports(r: Replica, clock: FakeClock, node: str, job: str, *, ship: bool) -> None:
+    """Five reports of ``node`` to ``r``, 0.2 s apart, of the job's two trainers' GPUs:
+    GPU 0 at 10..50 %, GPU 1 at 90 % (a mean of 60 %); each shipped at once with ``ship``."""
+    name = job.partition("/")[2]
+    pods = [f"{name}-trainer-0", f"{name}-trainer-1"]
+    stream = r.core.engine.open_stream()
+    for seq in range(1, 6):
+        r.core.engine.process(
+            stream, report(node, seq, utils=[10.0 * seq, 90.0], pods=pods, t=clock.now())
+        )
+        if ship:
+            r.sharding.ship()
+            await asyncio.gather(*r.sharding._in_flight.values())
+        clock.advance(0.2)
+
+
 async def test_a_new_owner_adds_the_slots_it_shipped_to_the_dead_one(
     world: tuple[FakeClock, InProcessPeers, dict[str, Replica]],
 ) -> None:
@@ -366,16 +382,8 @@ async def test_a_new_owner_adds_the_slots_it_shipped_to_the_dead_one(
     r0, r1 = rs["r0"], rs["r1"]
     await rounds(clock, [r0, r1], 3)
     j = next(j for j, o in owners().items() if o == "r0")
-    name = j.partition("/")[2]
-    pods = [f"{name}-trainer-0", f"{name}-trainer-1"]
-    stream = r1.core.engine.open_stream()
-    for seq in range(1, 6):
-        r1.core.engine.process(
-            stream, report("n1", seq, utils=[10.0 * seq, 90.0], pods=pods, t=clock.now())
-        )
-        r1.sharding.ship()
-        await asyncio.gather(*r1.sharding._in_flight.values())
-        clock.advance(0.2)  # within r0's lease: r0 takes every shipment
+    # Within r0's lease: r0 takes every shipment.
+    await five_reports(r1, clock, "n1", j, ship=True)
     w0 = r0.core.engine.windows[j]
     end = w0.slot_of(clock.now()) + 1
     had = w0.means(end, 4)
@@ -401,14 +409,7 @@ async def test_a_shard_given_up_hands_the_old_owners_own_samples_to_the_new_one(
     await rounds(clock, [r0], 2)
     j = next(j for j, o in owners().items() if o == "r1")
     assert r0.core.acts_on(j)
-    name = j.partition("/")[2]
-    pods = [f"{name}-trainer-0", f"{name}-trainer-1"]
-    stream = r0.core.engine.open_stream()
-    for seq in range(1, 6):
-        r0.core.engine.process(
-            stream, report("n0", seq, utils=[10.0 * seq, 90.0], pods=pods, t=clock.now())
-        )
-        clock.advance(0.2)
+    await five_reports(r0, clock, "n0", j, ship=False)
     w0 = r0.core.engine.windows[j]
     end = w0.slot_of(clock.now()) + 1
     had = [m for m in w0.means(end, 4) if m == m]
