@@ -103,13 +103,11 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
         telemetry_pb2_grpc.add_TelemetryServicer_to_server(Bare(), server)
     else:
         from services.common.clock import SystemClock
-        from services.common.gil import SWITCH
-        from services.common.heap import tune_collector
+        from services.scaler.app import tune_process
         from services.scaler.ingest import IngestSettings
         from services.scaler.policy import PolicySettings
         from services.scaler.service import ScalerCore
         from services.scaler.servicer import TelemetryServicer
-        from services.scaler.settings import SWITCH_INTERVAL_S
         from services.scaler.store import DecisionStore
         from services.store import db
         from services.testing.actuators import InMemoryActuator
@@ -117,8 +115,7 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
 
         # As the scaler process does (services/scaler/app.py); the core is built here,
         # not through python -m services.testing.scaler, to read its latencies in-process.
-        SWITCH.configure(SWITCH_INTERVAL_S)
-        tune_collector()
+        tune_process()
         url = f"sqlite:///{tmp}/bench.db"
         db.upgrade(url)
         clock = SystemClock()

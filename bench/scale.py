@@ -92,15 +92,14 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
     from tide.v1 import peers_pb2_grpc, telemetry_pb2_grpc
 
     from services.common.clock import SystemClock
-    from services.common.gil import SWITCH
-    from services.common.heap import HeapFreezer, tune_collector
+    from services.common.heap import HeapFreezer
+    from services.scaler.app import tune_process
     from services.scaler.ingest import IngestSettings
     from services.scaler.metrics import PARTIALS_DROPPED
     from services.scaler.peers import GrpcPeerLink
     from services.scaler.policy import PolicySettings
     from services.scaler.service import ScalerCore
     from services.scaler.servicer import ScalerPeersServicer, TelemetryServicer
-    from services.scaler.settings import SWITCH_INTERVAL_S
     from services.scaler.sharding import Sharding
     from services.scaler.shards import ShardLeases, ShardSettings
     from services.scaler.store import DecisionStore
@@ -111,8 +110,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
     from tidebase.credentials import NO_CREDENTIALS
     from tidebase.grpc_options import server_options
 
-    SWITCH.configure(SWITCH_INTERVAL_S)  # as the scaler process does
-    tune_collector()
+    tune_process()  # as the scaler process does
     clock = SystemClock()
     engine = db.make_engine(url)
     store = DecisionStore(engine, name, clock)

@@ -154,17 +154,16 @@ async def run_tipping(
     from tide.v1 import telemetry_pb2
 
     from services.common.clock import SystemClock
-    from services.common.gil import SWITCH
     from services.scaler import policy as pol
+    from services.scaler.app import tune_process
     from services.scaler.ingest import IngestSettings
     from services.scaler.service import ScalerCore
-    from services.scaler.settings import SWITCH_INTERVAL_S
     from services.scaler.store import DecisionStore
     from services.store import db
     from services.testing.actuators import InMemoryActuator
     from services.testing.coordinator import InMemoryCoordinator, follow_actuator
 
-    SWITCH.configure(SWITCH_INTERVAL_S)  # as the scaler process does
+    tune_process()  # as the scaler process does
     db.upgrade(url)
     clock = SystemClock()
     actuator, coordinator = InMemoryActuator(), InMemoryCoordinator()

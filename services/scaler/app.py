@@ -54,6 +54,14 @@ logger = logging.getLogger(__name__)
 Background = Callable[[], Coroutine[Any, Any, None]]
 
 
+def tune_process() -> None:
+    """The scaler process's GIL switch interval (short only while SQL runs:
+    services/common/gil.py) and collector thresholds (services/common/heap.py); the
+    benchmarks that stand for a replica in their own process call it too."""
+    SWITCH.configure(SWITCH_INTERVAL_S)
+    tune_collector()
+
+
 async def serve_scaler(
     settings: ScalerSettings,
     *,
@@ -68,8 +76,7 @@ async def serve_scaler(
 
     ``attach``: each is handed the core and returns background tasks that run beside
     the control loop (the cluster link of the Kubernetes actuator: discovery, Events)."""
-    SWITCH.configure(SWITCH_INTERVAL_S)
-    tune_collector()
+    tune_process()
     # Migrations are idempotent; running them at start keeps the embedded case one command.
     await asyncio.to_thread(db.upgrade, settings.db)
     engine = db.make_engine(settings.db)
