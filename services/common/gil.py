@@ -7,8 +7,9 @@ dozen times: at 5 ms, that wait, not the SQL, was most of a decision's latency u
 load (bench/ingest). A short interval fixes that, but the loop thread then hands the
 GIL over every 0.5 ms to whichever thread asks (gRPC's completion threads ask all the
 time), each handover a context switch on the replica's core: at 5,000 agents, one
-replica on one core spent 87-99 % of it with the short interval always on, 72-80 % with
-it on only while a transaction runs (bench.scale --sweep 5000, docs/scaler.md).
+replica on one core spent 94-99 % of it with the short interval always on (three runs),
+75-79 % with it on only while a transaction runs (two runs; bench.scale --sweep 5000,
+docs/scaler.md).
 
 :data:`SWITCH` is the process's one switch interval: :meth:`SwitchInterval.short`
 holds it short while any unit of work runs, in any thread, and puts the normal one

@@ -22,8 +22,9 @@ heap still churns: every telemetry stream's pending read (a coroutine, futures, 
 operation objects) lives about a second, long enough to be promoted to the oldest
 generation, where CPython's default thresholds (700, 10, 10) ran a full collection
 every few seconds at 5,000 agents, 120-230 ms each, and young collections of 10-65 ms
-a few times a second: the ack p99 was those pauses (121 ms, against 9-30 ms with the
-thresholds below; bench.scale --sweep 5000 --resizing-every 0, docs/scaler.md). What
+a few times a second (timed with gc.callbacks in the replica): the ack p99 was those
+pauses (121.7 ms, against 6.8 and 30.0 ms in two runs with the thresholds below;
+bench.scale --sweep 5000 --resizing-every 0, docs/scaler.md). What
 it gives up: cyclic garbage that reached the oldest generation waits for the next full
 collection, at most GC_THRESHOLDS[2] young-generation collections away (minutes at
 that rate, sooner on a quieter replica); reference counting frees everything else at
