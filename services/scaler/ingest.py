@@ -21,7 +21,7 @@ from tide.v1 import telemetry_pb2
 
 from services.common.clock import Clock
 from services.scaler.members import MemberRegistry
-from services.scaler.partials import JobPartial, NodeNotice, Partials, add_slot
+from services.scaler.partials import JobPartial, NodeNotice, Partials
 from services.scaler.policy import WindowView
 from services.scaler.windows import JobWindow, NodeGpus, Rollups, stagger_offset
 from tidebase.errors import AlreadyExists, ConfigError, InvalidArgument
@@ -225,9 +225,10 @@ class IngestEngine:
         # went to other jobs is dropped by the next read that finds none.
         self.job_nodes: dict[str, dict[str, NodeState]] = {}
         self.windows: dict[str, JobWindow] = {}
-        # Per job owned here, the window slots other replicas shipped in (merge_partials):
-        # slot → [sum, samples], within the ring's span.
-        self.merged: dict[str, dict[int, list[float]]] = {}
+        # Per job owned here, what other replicas shipped into its window (merge_partials),
+        # in a ring of the window's shape: told apart from this replica's own samples
+        # when it gives the job up (own_partial).
+        self.merged: dict[str, JobWindow] = {}
         self._last_slot: dict[str, int] = {}
         self.rollups = Rollups()
         # Sharded (services/scaler/shards.py): whether a job's samples go to the replica
@@ -555,7 +556,8 @@ class IngestEngine:
         w = self.windows.get(job_id)
         if w is None:
             return None
-        merged = self.merged.get(job_id, {})
+        m_ring = self.merged.get(job_id)
+        merged = m_ring.slots() if m_ring is not None else {}
         own: dict[int, list[float]] = {}
         for slot, (total, count) in w.slots().items():
             m = merged.get(slot)
@@ -609,21 +611,18 @@ class IngestEngine:
                 w = self.windows.get(job)
                 if w is None or w.bucket_s != bucket_s or w.buckets != buckets:
                     w = self.windows[job] = self._new_window(job, bucket_s, buckets)
-                merged = None if own else self.merged.setdefault(job, {})
+                merged = None if own else self.merged.get(job)
+                if not own and (merged is None or merged.shape != w.shape):
+                    merged = self.merged[job] = JobWindow(bucket_s, buckets, w.offset_s)
                 for slot in sorted(p.slots):
                     total, count = p.slots[slot]
                     if w.add(slot, total, int(count)) and merged is not None:
-                        add_slot(merged, slot, total, count)
+                        merged.add(slot, total, int(count))
                     last = self._last_slot.get(job)
                     if last is None or slot > last:
                         self._last_slot[job] = slot
                         if last is not None and self.on_slot is not None:
                             self.on_slot(job, w.offset_s + slot * w.slot_s)
-                oldest = w.oldest_slot()
-                if merged and oldest is not None:
-                    # Only what the ring still holds can be told apart later.
-                    for gone in [k for k in merged if k < oldest]:
-                        del merged[gone]
             for sec, (total, count, lo, hi) in p.seconds.items():
                 self.rollups.add(job, float(sec), total, int(count), lo, hi)
 

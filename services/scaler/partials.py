@@ -196,20 +196,15 @@ class Shipped:
         return {} if s is None else s.slots
 
 
-def add_slot(slots: dict[int, list[float]], slot: int, total: float, count: float) -> None:
-    """Add ``count`` samples summing to ``total`` to ``slots[slot]`` (slot → [sum, samples])."""
-    r = slots.get(slot)
-    if r is None:
-        slots[slot] = [total, count]
-    else:
-        r[0] += total
-        r[1] += count
-
-
 def _summed(a: dict[int, list[float]], b: dict[int, list[float]]) -> dict[int, list[float]]:
     out = {k: [v[0], v[1]] for k, v in a.items()}
     for k, (total, count) in b.items():
-        add_slot(out, k, total, count)
+        r = out.get(k)
+        if r is None:
+            out[k] = [total, count]
+        else:
+            r[0] += total
+            r[1] += count
     return out
 
 

@@ -85,9 +85,10 @@ class JobWindow:
         self._counts[i] += count
         return True
 
-    def oldest_slot(self) -> int | None:
-        """The oldest slot the ring holds; None while it is empty."""
-        return None if self._head is None else self._head - self.n + 1
+    @property
+    def shape(self) -> tuple[float, int, float]:
+        """(bucket_s, buckets, offset_s): two windows of one shape hold the same slots."""
+        return self.bucket_s, self.buckets, self.offset_s
 
     def slots(self) -> dict[int, list[float]]:
         """The slots the ring holds that have samples: slot → [sum, samples]."""

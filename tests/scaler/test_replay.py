@@ -301,4 +301,4 @@ def test_every_slot_a_merged_partial_opens_wakes_the_policy(own: bool) -> None:
     e.merge_partials("b", [JobPartial(JOB, *SHAPE, {101: [50.0, 1.0], 102: [50.0, 1.0]})], own=own)
     w = e.windows[JOB]
     assert opened == [(JOB, w.offset_s + 101 * w.slot_s), (JOB, w.offset_s + 102 * w.slot_s)]
-    assert (JOB in e.merged and set(e.merged[JOB]) == {100, 101, 102}) is not own
+    assert (JOB in e.merged and set(e.merged[JOB].slots()) == {100, 101, 102}) is not own
