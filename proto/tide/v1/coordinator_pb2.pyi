@@ -252,6 +252,7 @@ class Rendezvous(_message.Message):
     TRAINER_ENDPOINTS_FIELD_NUMBER: _builtins.int
     RESTORE_STEP_FIELD_NUMBER: _builtins.int
     PREPARED_FIELD_NUMBER: _builtins.int
+    START_DELAY_S_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
     world_size: _builtins.int
     """Number of workers in the generation (>= 1)."""
@@ -267,6 +268,10 @@ class Rendezvous(_message.Message):
     plain path (a prepared worker the launcher may hold is discarded). In a PREPARE: the
     barrier will commit, so a newcomer's prepared worker may train once it has restored.
     """
+    start_delay_s: _builtins.float
+    """The restart backoff of a re-form after a worker failure: start the workers this long
+    after the RENDEZVOUS arrived, seconds (0: at once). The ack deadline includes it.
+    """
     @_builtins.property
     def trainer_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """"host:port" of every rank, in rank order."""
@@ -281,10 +286,11 @@ class Rendezvous(_message.Message):
         trainer_endpoints: _abc.Iterable[_builtins.str] | None = ...,
         restore_step: _builtins.int = ...,
         prepared: _builtins.bool = ...,
+        start_delay_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "master_endpoint", b"master_endpoint", "prepared", b"prepared", "rank", b"rank", "restore_step", b"restore_step", "trainer_endpoints", b"trainer_endpoints", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "master_endpoint", b"master_endpoint", "prepared", b"prepared", "rank", b"rank", "restore_step", b"restore_step", "start_delay_s", b"start_delay_s", "trainer_endpoints", b"trainer_endpoints", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -401,6 +407,7 @@ class AckRequest(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     HELD_AT_FIELD_NUMBER: _builtins.int
     CHECKPOINT_WRITE_S_FIELD_NUMBER: _builtins.int
+    RESTORED_STEP_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     directive_id: _builtins.str
     generation: _builtins.int
@@ -411,6 +418,11 @@ class AckRequest(_message.Message):
     message: _builtins.str
     """Why, when not ok."""
     checkpoint_write_s: _builtins.float
+    restored_step: _builtins.int
+    """For RENDEZVOUS: the step the new workers actually restored (0: from scratch), which
+    may be newer than the one named. The coordinator counts the lost steps of a recovery
+    from it. Unset by launchers before this field: the named step is taken.
+    """
     @_builtins.property
     def held_at(self) -> _timestamp_pb2.Timestamp:
         """For CHECKPOINT: when this member's worker stopped training (held after
@@ -429,12 +441,15 @@ class AckRequest(_message.Message):
         message: _builtins.str = ...,
         held_at: _timestamp_pb2.Timestamp | None = ...,
         checkpoint_write_s: _builtins.float = ...,
+        restored_step: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["held_at", b"held_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step", "held_at", b"held_at", "restored_step", b"restored_step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_digest", b"checkpoint_digest", "checkpoint_step", b"checkpoint_step", "checkpoint_write_s", b"checkpoint_write_s", "directive_id", b"directive_id", "generation", b"generation", "held_at", b"held_at", "member_id", b"member_id", "message", b"message", "ok", b"ok"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step", "checkpoint_digest", b"checkpoint_digest", "checkpoint_step", b"checkpoint_step", "checkpoint_write_s", b"checkpoint_write_s", "directive_id", b"directive_id", "generation", b"generation", "held_at", b"held_at", "member_id", b"member_id", "message", b"message", "ok", b"ok", "restored_step", b"restored_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__restored_step: _TypeAlias = _typing.Literal["restored_step"]  # noqa: Y015
+    _WhichOneofArgType__restored_step: _TypeAlias = _typing.Literal["_restored_step", b"_restored_step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__restored_step) -> _WhichOneofReturnType__restored_step | None: ...
 
 Global___AckRequest: _TypeAlias = AckRequest  # noqa: Y015
 
@@ -471,6 +486,7 @@ class HeartbeatRequest(_message.Message):
     LAST_CHECKPOINT_DIGEST_FIELD_NUMBER: _builtins.int
     LEAVE_REQUESTED_FIELD_NUMBER: _builtins.int
     LEAVE_DEADLINE_FIELD_NUMBER: _builtins.int
+    WORKER_EXIT_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     generation: _builtins.int
     phase: Global___WorkerPhase.ValueType
@@ -510,6 +526,12 @@ class HeartbeatRequest(_message.Message):
         the scaler plans the leave's barrier from it as from a node notice's deadline.
         """
 
+    @_builtins.property
+    def worker_exit(self) -> Global___WorkerExit:
+        """With phase FAILED: how the worker ended and the tail of its log; the coordinator
+        names the last one when a crash loop exhausts the job's restart budget.
+        """
+
     def __init__(
         self,
         *,
@@ -527,14 +549,45 @@ class HeartbeatRequest(_message.Message):
         last_checkpoint_digest: _builtins.str = ...,
         leave_requested: _builtins.bool = ...,
         leave_deadline: _timestamp_pb2.Timestamp | None = ...,
+        worker_exit: Global___WorkerExit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["first_step_at", b"first_step_at", "leave_deadline", b"leave_deadline", "startup", b"startup"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_step_at", b"first_step_at", "leave_deadline", b"leave_deadline", "startup", b"startup", "worker_exit", b"worker_exit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_at", b"first_step_at", "free_port", b"free_port", "generation", b"generation", "last_checkpoint_digest", b"last_checkpoint_digest", "last_checkpoint_step", b"last_checkpoint_step", "leave_deadline", b"leave_deadline", "leave_requested", b"leave_requested", "member_id", b"member_id", "phase", b"phase", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "startup", b"startup", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_at", b"first_step_at", "free_port", b"free_port", "generation", b"generation", "last_checkpoint_digest", b"last_checkpoint_digest", "last_checkpoint_step", b"last_checkpoint_step", "leave_deadline", b"leave_deadline", "leave_requested", b"leave_requested", "member_id", b"member_id", "phase", b"phase", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "startup", b"startup", "step", b"step", "worker_exit", b"worker_exit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class WorkerExit(_message.Message):
+    """How a worker process ended."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    LOG_TAIL_FIELD_NUMBER: _builtins.int
+    exit_code: _builtins.int
+    """Its exit status; negative: killed by that signal (-11: SIGSEGV)."""
+    cause: _builtins.str
+    """In words: "exited with 1", "killed by SIGSEGV"."""
+    log_tail: _builtins.str
+    """The last lines of its log (at most 4 KiB)."""
+    def __init__(
+        self,
+        *,
+        exit_code: _builtins.int = ...,
+        cause: _builtins.str = ...,
+        log_tail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "exit_code", b"exit_code", "log_tail", b"log_tail"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerExit: _TypeAlias = WorkerExit  # noqa: Y015
 
 @_typing.final
 class HeartbeatResponse(_message.Message):
@@ -827,6 +880,10 @@ class JobStatus(_message.Message):
     ACTIVE_RESIZE_FIELD_NUMBER: _builtins.int
     LOST_STEPS_TOTAL_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    RESTART_BUDGET_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     world_size: _builtins.int
@@ -846,6 +903,17 @@ class JobStatus(_message.Message):
     budget (its worker exited 0): the job will not re-form, nothing was lost,
     and a scaler should stop resizing it. `step` is then the final step.
     """
+    failed: _builtins.bool
+    """True once the job failed for good: its workers crashed at every start until the
+    restart budget was spent (docs/trainer.md, "Restarts and their budget"). Nothing
+    re-forms it and a Resize is refused; `failure` says why.
+    """
+    failure: _builtins.str
+    """Why the job failed: the last worker's exit cause and the tail of its log."""
+    restarts: _builtins.int
+    """Re-forms after a worker failure in a row, without a healthy run between them."""
+    restart_budget: _builtins.int
+    """How many such re-forms the coordinator allows before the job fails."""
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___Member]: ...
     @_builtins.property
@@ -867,10 +935,14 @@ class JobStatus(_message.Message):
         active_resize: Global___ResizeProgress | None = ...,
         lost_steps_total: _builtins.int = ...,
         finished: _builtins.bool = ...,
+        failed: _builtins.bool = ...,
+        failure: _builtins.str = ...,
+        restarts: _builtins.int = ...,
+        restart_budget: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["active_resize", b"active_resize"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_resize", b"active_resize", "epoch", b"epoch", "finished", b"finished", "generation", b"generation", "job_id", b"job_id", "last_checkpoint_step", b"last_checkpoint_step", "lost_steps_total", b"lost_steps_total", "members", b"members", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_resize", b"active_resize", "epoch", b"epoch", "failed", b"failed", "failure", b"failure", "finished", b"finished", "generation", b"generation", "job_id", b"job_id", "last_checkpoint_step", b"last_checkpoint_step", "lost_steps_total", b"lost_steps_total", "members", b"members", "restart_budget", b"restart_budget", "restarts", b"restarts", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
