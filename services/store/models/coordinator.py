@@ -3,8 +3,8 @@ checkpoints, resizes and directives.
 
 Only services.coordinator.sql_store touches these classes; the core works on the
 dataclasses of services.coordinator.domain. Any change here needs the matching
-change in services/store/migrations/versions/0002_coordinator.py (tests/store
-compares them).
+change in services/store/migrations/versions/ (0002_coordinator.py, 0007_crash_loop.py;
+tests/store compares them).
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ class CoordJob(Base):
     # Last directive number handed out; directive ids stay unique across restarts.
     directive_seq: Mapped[int] = mapped_column(BigInteger)
     lost_steps_total: Mapped[int] = mapped_column(BigInteger)
+    # Why the job failed for good (NULL while it has not); migration 0007.
+    failure: Mapped[str | None] = mapped_column(Text)
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
     version: Mapped[int] = mapped_column(Integer)
 
@@ -72,6 +75,9 @@ class CoordGeneration(Base):
     reason: Mapped[str] = mapped_column(Text)
     decision_id: Mapped[int | None] = mapped_column(BigInteger)
     lost_steps: Mapped[int] = mapped_column(BigInteger)
+    # What the generation before reached and what its workers restored; migration 0007.
+    reached_step: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    restored_step: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class CoordCheckpoint(Base):
