@@ -102,6 +102,7 @@ def directive_of(d: pb.Directive) -> Directive:
             restore_step=r.restore_step,
             prepared=r.prepared,
             generation=r.generation,
+            start_delay_s=r.start_delay_s,
         )
     return Directive(
         d.directive_id, d.generation, kind, name, d.checkpoint_step, plan, leaving=d.leaving
@@ -380,6 +381,13 @@ class CoordinatorLink:
             if beat.leave_deadline_s
             else None,
             first_step_at=ts_from_seconds(p.first_step_at) if p.first_step_at else None,
+            worker_exit=pb.WorkerExit(
+                exit_code=beat.worker_exit.exit_code,
+                cause=beat.worker_exit.cause,
+                log_tail=beat.worker_exit.log_tail,
+            )
+            if beat.worker_exit is not None
+            else None,
         )
 
     async def heartbeat(self, beat: Beat | None = None) -> None:
@@ -455,6 +463,7 @@ class CoordinatorLink:
             checkpoint_digest=ack.checkpoint_digest,
             checkpoint_write_s=ack.checkpoint_write_s,
             held_at=ts_from_seconds(ack.held_at),
+            restored_step=ack.restored_step,
         )
         try:
             await self._stub.Ack(req, timeout=self.s.rpc_timeout_s)
