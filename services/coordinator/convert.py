@@ -9,7 +9,7 @@ from __future__ import annotations
 from google.protobuf.timestamp_pb2 import Timestamp
 from tide.v1 import coordinator_pb2 as pb
 
-from services.coordinator.domain import Breakdown, Directive, WorkerPhase
+from services.coordinator.domain import Breakdown, Directive, WorkerExit, WorkerPhase
 from services.coordinator.engine import (
     AckInput,
     HeartbeatInput,
@@ -67,6 +67,7 @@ def directive_to_proto(d: Directive) -> pb.Directive:
                 trainer_endpoints=list(rv.trainer_endpoints),
                 restore_step=rv.restore_step,
                 prepared=rv.prepared,
+                start_delay_s=rv.start_delay_s,
             )
         )
     deadline = _ts(d.deadline_at)
@@ -101,6 +102,10 @@ def status_to_proto(v: JobView) -> pb.JobStatus:
         last_checkpoint_step=v.last_checkpoint_step,
         lost_steps_total=v.lost_steps_total,
         finished=v.finished,
+        failed=bool(v.failure),
+        failure=v.failure,
+        restarts=v.restarts,
+        restart_budget=v.restart_budget,
     )
     for m in v.members:
         member = out.members.add(
@@ -161,6 +166,7 @@ def ack_from_proto(r: pb.AckRequest) -> AckInput:
         message=r.message,
         held_at=field_seconds(r, "held_at"),
         checkpoint_write_s=r.checkpoint_write_s,
+        restored_step=r.restored_step if r.HasField("restored_step") else None,
     )
 
 
@@ -187,6 +193,13 @@ def heartbeat_from_proto(r: pb.HeartbeatRequest) -> HeartbeatInput:
         last_checkpoint_digest=r.last_checkpoint_digest,
         leave_requested=r.leave_requested,
         leave_deadline_s=field_seconds(r, "leave_deadline"),
+        worker_exit=WorkerExit(
+            exit_code=r.worker_exit.exit_code,
+            cause=r.worker_exit.cause or f"exited with {r.worker_exit.exit_code}",
+            log_tail=r.worker_exit.log_tail,
+        )
+        if r.HasField("worker_exit")
+        else None,
     )
 
 

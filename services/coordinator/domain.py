@@ -170,6 +170,9 @@ class RendezvousInfo:
     restore_step: int
     # A RENDEZVOUS whose group the PREPARE of the same generation formed (overlap mode).
     prepared: bool = False
+    # The restart backoff of a recovery after a worker failure: the workers start this
+    # long after the RENDEZVOUS arrives, seconds.
+    start_delay_s: float = 0.0
 
 
 #: The shortest span a step rate is measured over. A phase change is reported at once,
@@ -195,6 +198,16 @@ class StepRate:
             self.per_s = (step - self.anchor_step) / (mono - self.anchor_mono)
             self.anchor_step, self.anchor_mono = step, mono
         return self.per_s
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """How a member's worker ended, as its launcher reported it with phase FAILED."""
+
+    # Negative: killed by that signal.
+    exit_code: int
+    cause: str
+    log_tail: str = ""
 
 
 @dataclass
@@ -230,6 +243,8 @@ class Member:
     leave_requested: bool = False
     # When that pod's grace ends (unix seconds), if its launcher said.
     leave_deadline_s: float | None = None
+    # How its last failed worker ended (a heartbeat in phase FAILED said so).
+    worker_exit: WorkerExit | None = None
 
     @property
     def endpoint(self) -> str:
@@ -256,7 +271,12 @@ class Generation:
     created_at: float
     reason: str
     decision_id: int | None = None
+    # Steps lost: reached_step minus the step its workers actually restored, once they
+    # reported it (restored_step None until then: nothing is counted before).
     lost_steps: int = 0
+    # The highest step the generation before reached (raised by a survivor's last word).
+    reached_step: int = 0
+    restored_step: int | None = None
 
 
 @dataclass
@@ -352,6 +372,9 @@ class JobRecord:
     generation: int = 0
     directive_seq: int = 0
     lost_steps_total: int = 0
+    # Set once the job failed for good (its restart budget spent): why, and when.
+    failure: str = ""
+    failed_at: float | None = None
     version: int = 0
 
 

@@ -31,3 +31,7 @@ class MemberGone(FailedPrecondition):
 
 class ResizeInProgress(FailedPrecondition):
     """Another resize of the job is not final yet."""
+
+
+class JobEnded(FailedPrecondition):
+    """The job finished, or failed for good: a Resize of it is refused at once."""

@@ -37,7 +37,19 @@ class CoordinatorMetrics:
         )
         self.lost_steps = Counter(
             "tide_coordinator_lost_steps_total",
-            "Training steps lost to unplanned losses (upper bound), by job.",
+            "Training steps lost to unplanned losses (reached minus restored), by job.",
+            ["job_id"],
+            registry=r,
+        )
+        self.restarts = Counter(
+            "tide_coordinator_restarts_total",
+            "Generations re-formed after an unplanned loss (each with its backoff), by job.",
+            ["job_id"],
+            registry=r,
+        )
+        self.jobs_failed = Counter(
+            "tide_coordinator_jobs_failed_total",
+            "Jobs failed for good: their restart budget spent by a crash loop, by job.",
             ["job_id"],
             registry=r,
         )

@@ -45,6 +45,16 @@ class Tuning:
     # Overlap mode, when a standby misses the PREPARE deadline or nacks: "plain" carries the
     # resize on through the plain barrier, "abort" aborts it with g untouched.
     prepare_fallback: str = "plain"
+    # The crash-loop limit (docs/trainer.md, "Restarts and their budget"): a generation a
+    # worker failure broke is re-formed at most this many times in a row; one more
+    # failure and the job is FAILED. A generation that ran restart_reset_after_s before it
+    # broke starts the count again (as Kubernetes' CrashLoopBackOff after 10 minutes).
+    restart_budget: int = 5
+    # The n-th re-form in a row starts its workers initial * 2^(n-1) seconds late, at most
+    # max: a worker that dies at every start cannot make the job re-form once a second.
+    restart_backoff_initial_s: float = 1.0
+    restart_backoff_max_s: float = 60.0
+    restart_reset_after_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.resize_mode not in RESIZE_MODES:
@@ -71,6 +81,30 @@ class Tuning:
             )
         if self.checkpoint_lead_s < 0:
             raise ConfigError(f"checkpoint_lead_s: must be >= 0, got {self.checkpoint_lead_s!r}")
+        if self.restart_budget < 0:
+            raise ConfigError(f"restart_budget: must be >= 0, got {self.restart_budget!r}")
+        _positive("restart_backoff_initial_s", self.restart_backoff_initial_s)
+        _positive("restart_reset_after_s", self.restart_reset_after_s)
+        if self.restart_backoff_max_s < self.restart_backoff_initial_s:
+            raise ConfigError(
+                f"restart_backoff_max_s: must be >= restart_backoff_initial_s "
+                f"({self.restart_backoff_initial_s!r}), got {self.restart_backoff_max_s!r}"
+            )
+        if self.restart_reset_after_s <= self.restart_backoff_max_s:
+            # A generation waiting out its backoff would look like a healthy run.
+            raise ConfigError(
+                f"restart_reset_after_s: must exceed restart_backoff_max_s "
+                f"({self.restart_backoff_max_s!r}), got {self.restart_reset_after_s!r}"
+            )
+
+    def restart_delay_s(self, restarts: int) -> float:
+        """How late the workers of the ``restarts``-th re-form in a row start, seconds."""
+        if restarts < 1:
+            return 0.0
+        return min(
+            self.restart_backoff_max_s,
+            self.restart_backoff_initial_s * 2.0 ** min(restarts - 1, 60),
+        )
 
     def lead_problem(self) -> str:
         """Why the checkpoint lead is too short for the heartbeat interval, or "".
@@ -132,6 +166,22 @@ class CoordinatorSettings(CommonSettings):
     prepare_fallback: str = setting(
         _DEFAULT.prepare_fallback,
         "overlap mode, a standby that misses the PREPARE deadline or nacks: plain or abort",
+    )
+    restart_budget: int = setting(
+        _DEFAULT.restart_budget,
+        "re-forms in a row after worker failures before the job is FAILED (crash-loop limit)",
+    )
+    restart_backoff_initial_s: float = setting(
+        _DEFAULT.restart_backoff_initial_s,
+        "the first re-form after a worker failure starts its workers this late, seconds"
+        " (doubling with each re-form in a row)",
+    )
+    restart_backoff_max_s: float = setting(
+        _DEFAULT.restart_backoff_max_s, "the longest restart backoff, seconds"
+    )
+    restart_reset_after_s: float = setting(
+        _DEFAULT.restart_reset_after_s,
+        "a generation that ran this long before it broke starts the restart count again, seconds",
     )
 
     leader_election: str = setting(

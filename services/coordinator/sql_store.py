@@ -89,6 +89,8 @@ def save_job(session: Session, job: JobRecord, now: float) -> CoordJob:
             "generation": job.generation,
             "directive_seq": job.directive_seq,
             "lost_steps_total": job.lost_steps_total,
+            "failure": job.failure or None,
+            "failed_at": _opt_dt(job.failed_at),
             "updated_at": _dt(now),
         },
     )
@@ -180,6 +182,8 @@ def save_generation(session: Session, g: Generation) -> None:
             "reason": g.reason,
             "decision_id": g.decision_id,
             "lost_steps": g.lost_steps,
+            "reached_step": g.reached_step,
+            "restored_step": g.restored_step,
         },
     )
 
@@ -224,6 +228,7 @@ def save_directive(session: Session, d: Directive) -> None:
                 "trainer_endpoints": list(rv.trainer_endpoints),
                 "restore_step": rv.restore_step,
                 "prepared": rv.prepared,
+                "start_delay_s": rv.start_delay_s,
             },
             "deadline_at": _opt_dt(d.deadline_at),
             "reason": d.reason,
@@ -342,6 +347,8 @@ def _directive(row: CoordDirective) -> Directive:
             restore_step=int(rv["restore_step"]),
             # Rows written before overlap mode have no such key.
             prepared=bool(rv.get("prepared", False)),
+            # ...nor rows written before restart backoff.
+            start_delay_s=float(rv.get("start_delay_s", 0.0)),
         ),
         deadline_at=_secs(row.deadline_at) or None,
         reason=row.reason,
@@ -378,6 +385,8 @@ def load_job(session: Session, job_id: str) -> JobSnapshot | None:
             generation=job.generation,
             directive_seq=job.directive_seq,
             lost_steps_total=job.lost_steps_total,
+            failure=job.failure or "",
+            failed_at=_secs(job.failed_at) if job.failed_at is not None else None,
             version=job.version,
         ),
         members=[_member(r) for r in members],
@@ -394,6 +403,8 @@ def load_job(session: Session, job_id: str) -> JobSnapshot | None:
                 reason=r.reason,
                 decision_id=r.decision_id,
                 lost_steps=r.lost_steps,
+                reached_step=r.reached_step,
+                restored_step=r.restored_step,
             )
             for r in gens
         ],

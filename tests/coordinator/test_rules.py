@@ -41,35 +41,38 @@ def test_a_loss_re_forms_the_survivors_from_the_newest_good_checkpoint() -> None
     s = job()
     _good(s, 6)
     s.members["m1"].state, s.members["m1"].rank = MemberState.GONE, None
-    plan = plan_recovery(s, TUNING, "gone")
+    # Generation 1 ran longer than restart_reset_after_s: the first re-form in a row.
+    plan = plan_recovery(s, TUNING, "gone", now=TUNING.restart_reset_after_s)
+    delay = TUNING.restart_backoff_initial_s
     assert plan.effects == [
-        fx.OpenGeneration(("m0",), 6, "recovery: gone", 30.0),
-        fx.AddLostSteps(2, 4),  # reached step 10, restores 6
+        fx.OpenGeneration(("m0",), 6, "recovery: gone", 30.0 + delay, start_delay_s=delay),
+        # Where g reached: the lost steps are counted from it once g+1 says what it restored.
+        fx.RecordReached(2, 10),
     ]
-    assert (plan.survivors, plan.restore_step, plan.lost_steps) == (1, 6, 4)
+    assert (plan.survivors, plan.restore_step, plan.reached_step, plan.restarts) == (1, 6, 10, 1)
 
 
 def test_a_loss_of_everyone_clears_the_ranks_and_forms_nothing() -> None:
     s = job(standby=0)
     for m in s.members.values():
         m.state, m.rank = MemberState.GONE, None
-    assert plan_recovery(s, TUNING, "gone").effects == [fx.ClearRanks()]
+    assert plan_recovery(s, TUNING, "gone", now=0.0).effects == [fx.ClearRanks()]
 
 
 @pytest.mark.parametrize(
-    ("step", "decision_id", "more"),
-    [(12, None, 2), (10, None, 0), (12, 7, 0)],
+    ("step", "decision_id", "raised"),
+    [(12, None, True), (10, None, False), (12, 7, False)],
     ids=["past-what-was-heard", "nothing-new", "g+1-of-a-resize"],
 )
-def test_a_last_word_raises_only_a_recoverys_lost_steps(
-    step: int, decision_id: int | None, more: int
+def test_a_last_word_raises_only_a_recoverys_reached_step(
+    step: int, decision_id: int | None, raised: bool
 ) -> None:
     s = job()
     g2 = generation(2, ("m0",), decision_id=decision_id)
-    g2.restore_step, g2.lost_steps = 6, 4  # the recovery counted up to step 10
+    g2.restore_step, g2.reached_step = 6, 10  # the recovery heard of step 10
     s.generations[2] = g2
     got = late_progress(s, "m0", 1, step)
-    assert got == (fx.AddLostSteps(2, more, last_word_of="m0") if more else None)
+    assert got == (fx.RecordReached(2, step, last_word_of="m0") if raised else None)
 
 
 def _outbox(s: JobState, store: MemoryStore) -> Outbox:

@@ -135,6 +135,8 @@ class OpenGeneration:
     # Overlap mode: what each member's PREPARE said, in rank order; their groups are formed,
     # so the RENDEZVOUS repeats it (with the restore step) and marks it prepared.
     prepared: tuple[RendezvousInfo, ...] = ()
+    # A recovery's restart backoff: its workers start this late, seconds.
+    start_delay_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -207,13 +209,32 @@ class ClearRanks:
 
 
 @dataclass(frozen=True)
-class AddLostSteps:
-    """Steps a recovery lost, counted on its generation and the job."""
+class RecordReached:
+    """The step the generation before ``generation`` reached, which a recovery counts its
+    lost steps from (never lowered)."""
 
     generation: int
-    steps: int
-    # The member whose last word of the broken generation raised the count; "" at first.
+    step: int
+    # The member whose last word of the broken generation raised it; "" at first.
     last_word_of: str = ""
+
+
+@dataclass(frozen=True)
+class RecordRestored:
+    """A member's new workers restored ``step`` in ``generation`` (its RENDEZVOUS ack):
+    the generation's lost steps are what the one before reached past it."""
+
+    generation: int
+    member_id: str
+    step: int
+
+
+@dataclass(frozen=True)
+class FailJob:
+    """The job failed for good (its restart budget is spent): nothing re-forms it, every
+    member is told to STOP, and the status says ``message``."""
+
+    message: str
 
 
 @dataclass(frozen=True)
@@ -297,7 +318,9 @@ Effect = (
     | Lose
     | Recover
     | ClearRanks
-    | AddLostSteps
+    | RecordReached
+    | RecordRestored
+    | FailJob
     | ReportCheckpoint
     | Finish
     | LeaveDrained

@@ -44,6 +44,7 @@ from services.coordinator.engine.outbox import Notifier, Outbox
 from services.coordinator.engine.phases import AckEvent, rules
 from services.coordinator.engine.state import JobState
 from services.coordinator.errors import (
+    JobEnded,
     MemberGone,
     ResizeInProgress,
     StaleGeneration,
@@ -143,7 +144,7 @@ class JobRuntime:
         return views.resize_view(self.state, decision_id)
 
     def status(self) -> JobView:
-        return views.job_view(self.state)
+        return views.job_view(self.state, self._tuning, self._clock.now())
 
     # --- streams --------------------------------------------------------------
 
@@ -260,6 +261,9 @@ class JobRuntime:
                 f"min_world_size: must be <= target_world_size ({inp.target_world_size}), "
                 f"got {inp.min_world_size}"
             )
+        ended = self._ended()
+        if ended:
+            raise JobEnded(f"job {self.job.job_id} {ended}: nothing to resize")
         active = self.active_resize()
         if active is not None:
             raise ResizeInProgress(
@@ -292,6 +296,14 @@ class JobRuntime:
         )
         self._finish_operation()
         return r
+
+    def _ended(self) -> str:
+        """How the job ended ("" while it runs): a Resize of it can never complete."""
+        if self.job.failure:
+            return f"failed: {self.job.failure}"
+        if self.state.finished():
+            return f"finished at step {self.state.finished_step()}"
+        return ""
 
     def abort_resize(self, decision_id: int, reason: str) -> ResizePhase:
         r = self.resizes.get(decision_id)

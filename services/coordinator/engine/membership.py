@@ -16,6 +16,7 @@ from services.coordinator.engine.effects import (
     Finish,
     LeaveDrained,
     Lose,
+    RecordRestored,
     Registered,
     ReportCheckpoint,
 )
@@ -124,10 +125,10 @@ def heartbeat(
                     inp.generation,
                 )
             )
+        if inp.phase == WorkerPhase.FAILED and inp.worker_exit is not None:
+            m.worker_exit = inp.worker_exit
         if inp.phase == WorkerPhase.FAILED and prev_phase != WorkerPhase.FAILED:
-            out.append(
-                Lose((m.member_id,), f"worker of {m.member_id} reported FAILED", worker_failed=True)
-            )
+            out.append(Lose((m.member_id,), _failed_reason(m), worker_failed=True))
         elif inp.phase == WorkerPhase.IDLE and m.state == MemberState.ACTIVE:
             # The worker ran the job's budget to its end and exited 0: not a loss.
             out.append(Finish(m.member_id))
@@ -143,13 +144,22 @@ def heartbeat(
     return out, changed
 
 
+def _failed_reason(m: Member) -> str:
+    how = m.worker_exit.cause if m.worker_exit is not None else "failed"
+    return f"the worker of {m.member_id} {how}"
+
+
 def on_ack(s: JobState, m: Member, d: Directive, inp: AckInput) -> list[Effect]:
     """What an ack says about the member itself, whatever the resize's phase."""
     if d.kind == DirectiveKind.RENDEZVOUS:
         if inp.ok:
             if m.phase not in (WorkerPhase.RUNNING, WorkerPhase.FAILED):
                 m.phase = WorkerPhase.STARTING
-            return []
+            # What the new workers restored counts the lost steps; a launcher that does not
+            # say (older than the field) restored the step named, as it was told.
+            named = d.rendezvous.restore_step if d.rendezvous is not None else 0
+            restored = named if inp.restored_step is None else inp.restored_step
+            return [RecordRestored(d.generation, m.member_id, restored)]
         # A worker that cannot start would fail again on the next attempt; the member
         # leaves and may come back through the scale-up path.
         reason = f"{m.member_id} could not start in generation {d.generation}: {inp.message}"

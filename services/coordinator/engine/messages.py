@@ -8,7 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.coordinator.domain import Breakdown, MemberState, ResizePhase, WorkerPhase
+from services.coordinator.domain import (
+    Breakdown,
+    MemberState,
+    ResizePhase,
+    WorkerExit,
+    WorkerPhase,
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,8 @@ class HeartbeatInput:
     leave_requested: bool = False
     # When the pod's grace ends (unix seconds), if the launcher said.
     leave_deadline_s: float | None = None
+    # With phase FAILED: how the worker ended, if the launcher said.
+    worker_exit: WorkerExit | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,8 @@ class AckInput:
     message: str = ""
     held_at: float | None = None
     checkpoint_write_s: float = 0.0
+    # A RENDEZVOUS ack: the step the new workers restored; None from older launchers.
+    restored_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -122,3 +132,8 @@ class JobView:
     active_resize: ResizeView | None
     lost_steps_total: int
     finished: bool = False
+    # The job failed for good: why ("" while it has not).
+    failure: str = ""
+    # Re-forms in a row after losses, and how many the coordinator allows.
+    restarts: int = 0
+    restart_budget: int = 0

@@ -37,8 +37,8 @@ from services.coordinator.domain import (
     transition_resize,
 )
 from services.coordinator.engine import effects as fx
+from services.coordinator.engine.endings import Endings
 from services.coordinator.engine.phases import Context, longest_chain, rules
-from services.coordinator.engine.recovery import plan_recovery
 from services.coordinator.engine.state import JobState
 from services.coordinator.engine.traces import ResizeTraces
 from services.coordinator.metrics import CoordinatorMetrics
@@ -74,7 +74,7 @@ class Notifier:
         return self.version
 
 
-class Outbox:
+class Outbox(Endings):
     """Applies effects to one job's state and commits them as one unit."""
 
     def __init__(
@@ -98,6 +98,7 @@ class Outbox:
         self._queued: list[Directive] = []
         # Final resizes already counted in the metrics (a reload brings finished ones back).
         self._counted: set[int] = set()
+        self._counted_generation = state.job.generation
         self.traces = ResizeTraces()
 
     def context(self) -> Context:
@@ -140,7 +141,10 @@ class Outbox:
                 if r.phase == ResizePhase.COMPLETED and r.pause_s > 0:
                     self._metrics.pause_seconds.observe(r.pause_s)
         for g in unit.generations:
-            self._metrics.generations.labels("resize" if g.decision_id else "recovery").inc()
+            # A generation's row is saved again when its restored step or lost steps change.
+            if g.generation > self._counted_generation:
+                self._counted_generation = g.generation
+                self._metrics.generations.labels("resize" if g.decision_id else "recovery").inc()
         self.notifier.notify()
 
     # --- the phase loop ----------------------------------------------------------
@@ -254,8 +258,12 @@ class Outbox:
                     if m.rank is not None and m.state != MemberState.GONE:
                         m.rank = None
                         self._changed(m)
-            case fx.AddLostSteps():
-                self._add_lost_steps(e)
+            case fx.RecordReached():
+                self._record_reached(e)
+            case fx.RecordRestored():
+                self._record_restored(e)
+            case fx.FailJob():
+                self._fail_job(e.message)
             case fx.ReportCheckpoint():
                 self._report_checkpoint(e)
             case fx.Finish():
@@ -439,6 +447,8 @@ class Outbox:
             if e.prepared
             else rendezvous_for(ordered, g, e.restore_step)
         )
+        if e.start_delay_s:
+            infos = tuple(dataclasses.replace(i, start_delay_s=e.start_delay_s) for i in infos)
         for m in s.members.values():
             if m.rank is not None and m.member_id not in e.member_ids:
                 m.rank = None
@@ -464,6 +474,9 @@ class Outbox:
             created_at=self._clock.now(),
             reason=e.reason,
             decision_id=e.decision_id,
+            # A recovery records what g reached next (RecordReached); a planned generation
+            # continues from its barrier's step: anything it restores below is lost.
+            reached_step=e.restore_step,
         )
         s.generations[g] = gen
         s.job.generation = g
@@ -513,119 +526,6 @@ class Outbox:
             why = phase.name.lower()
             ids = {"decision_id": decision_id}
             self._log.warning("resize %d %s: %s", decision_id, why, message, extra=ids)
-
-    def _lose(self, e: fx.Lose) -> None:
-        """Members (or only their workers) are lost; their phase's rules say what follows
-        (an abort, a failed g+1, a re-formed generation)."""
-        gen_broken = False
-        lost: list[str] = []
-        for mid in e.member_ids:
-            m = self.state.members[mid]
-            if m.state == MemberState.GONE:
-                continue
-            if m.state == MemberState.ACTIVE and m.rank is not None:
-                gen_broken = True
-            if not (e.worker_failed and m.state == MemberState.ACTIVE):
-                transition_member(m, MemberState.GONE)
-                m.rank = None
-                self._supersede(m.member_id)
-            self._changed(m)
-            lost.append(m.member_id)
-            self._metrics.members_lost.labels(self.state.job_id).inc()
-            self._log.warning(
-                "member %s lost: %s", m.member_id, e.reason, extra={"member": m.member_id}
-            )
-        if lost:
-            r = self.state.active_resize()
-            self.apply(rules(r).on_loss(self.context(), r, lost, gen_broken, e.reason))
-
-    def _recover(self, reason: str) -> None:
-        plan = plan_recovery(self.state, self._tuning, reason)
-        self.apply(plan.effects)
-        if not plan.survivors:
-            self._log.error(
-                "generation %d lost every member (%s); the next Resize forms a new one",
-                plan.broken_generation,
-                reason,
-            )
-            return
-        self._log.warning(
-            "unplanned loss: generation %d re-formed with %d member(s) from the checkpoint of "
-            "step %d; %d step(s) lost (reached %d)",
-            self.state.job.generation,
-            plan.survivors,
-            plan.restore_step,
-            plan.lost_steps,
-            plan.reached_step,
-        )
-
-    def _add_lost_steps(self, e: fx.AddLostSteps) -> None:
-        gen = self.state.generations[e.generation]
-        gen.lost_steps += e.steps
-        self.state.job.lost_steps_total += e.steps
-        self._metrics.lost_steps.labels(self.state.job_id).inc(e.steps)
-        self._changed(gen, self.state.job)
-        if e.last_word_of:
-            self._log.warning(
-                "member %s reached a later step in generation %d: %d more step(s) lost (%d in all)",
-                e.last_word_of,
-                e.generation - 1,
-                e.steps,
-                gen.lost_steps,
-                extra={"member": e.last_word_of},
-            )
-
-    def _report_checkpoint(self, e: fx.ReportCheckpoint) -> None:
-        s = self.state
-        ck = s.checkpoint(e.step, e.generation)
-        if ck is None:
-            ck = Checkpoint(
-                job_id=s.job_id,
-                step=e.step,
-                generation=e.generation,
-                digest=e.digest,
-                good=True,
-                write_s=0.0,
-                created_at=self._clock.now(),
-            )
-            s.checkpoints.append(ck)
-        else:
-            # A barrier's checkpoint that rank 0 reports once it is on disk: as good as
-            # promoted, since the workers restore it after a loss either way.
-            ck.good = True
-            ck.digest = ck.digest or e.digest
-        self._changed(ck)
-        self._log.info(
-            "checkpoint of step %d reported good by member %s (generation %d)",
-            e.step,
-            e.member_id,
-            e.generation,
-            extra={"member": e.member_id, "generation": e.generation},
-        )
-
-    def _finish_member(self, m: Member) -> None:
-        """GONE, keeping its rank as the mark of a finished member (a lost one has none).
-        When every member of the generation has finished, the job is finished: nothing
-        re-forms, and a resize in flight ends by its phase's rule."""
-        s = self.state
-        transition_member(m, MemberState.GONE)
-        self._supersede(m.member_id)
-        self._changed(m)
-        self._log.info(
-            "member %s finished at step %d in generation %d",
-            m.member_id,
-            m.step,
-            m.reported_generation,
-            extra={"member": m.member_id},
-        )
-        if s.current_members():
-            return
-        self._log.info(
-            "job finished at step %d in generation %d", s.finished_step(), s.job.generation
-        )
-        r = s.active_resize()
-        if r is not None:
-            self.apply(rules(r).on_job_finished(self.context(), r))
 
     def _registered(self, e: fx.Registered) -> None:
         m = self.state.members[e.member_id]

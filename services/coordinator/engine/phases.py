@@ -622,6 +622,8 @@ class Final(PhaseHandler):
 
 
 def _finished_message(c: Context) -> str:
+    if c.state.job.failure:
+        return f"the job failed: {c.state.job.failure}"
     return f"the job finished at step {c.state.finished_step()}"
 
 

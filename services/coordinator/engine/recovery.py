@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 from services.coordinator.domain import DirectiveKind, Member, MemberState, WorkerPhase
 from services.coordinator.engine.effects import (
-    AddLostSteps,
     ClearRanks,
     Effect,
+    FailJob,
     OpenGeneration,
+    RecordReached,
 )
 from services.coordinator.engine.state import JobState
 from services.coordinator.settings import Tuning
@@ -25,49 +26,94 @@ class RecoveryPlan:
     broken_generation: int
     survivors: int
     restore_step: int
-    lost_steps: int
     reached_step: int
+    # This re-form's number in a row (1: the first since a healthy run), and how late its
+    # workers start; failure: why the job fails instead ("" when it re-forms).
+    restarts: int = 0
+    start_delay_s: float = 0.0
+    failure: str = ""
 
 
-def plan_recovery(s: JobState, tuning: Tuning, reason: str) -> RecoveryPlan:
-    """g+1 of the survivors from the newest good checkpoint; the steps past it are lost.
+def restart_streak(s: JobState, tuning: Tuning, now: float) -> int:
+    """Re-forms in a row: the recovery generations that end the job's history, each of
+    which broke (or, the current one, is) younger than ``restart_reset_after_s``. A
+    generation a resize formed ends the streak: its start is not a restart."""
+    n, end = 0, now
+    for g in range(s.job.generation, 0, -1):
+        gen = s.generations.get(g)
+        if gen is None or gen.decision_id is not None:
+            break
+        if end - gen.created_at >= tuning.restart_reset_after_s:
+            break
+        n, end = n + 1, gen.created_at
+    return n
 
-    Rank 0 reports every checkpoint it writes (periodic ones included), so the newest
-    good one the coordinator knows is the one the survivors restore: named exactly."""
+
+def plan_recovery(s: JobState, tuning: Tuning, reason: str, now: float) -> RecoveryPlan:
+    """g+1 of the survivors, named the newest good checkpoint the coordinator knows; or,
+    with the restart budget spent, the job's failure.
+
+    What the survivors actually restore may be newer (a periodic checkpoint not yet
+    reported): the lost steps are counted when they report it (their RENDEZVOUS acks),
+    from the step g reached, recorded here. A generation that broke young counts as one
+    more re-form in a row, and its successor's workers start later each time (the
+    backoff); past ``restart_budget`` nothing re-forms."""
     g = s.job.generation
     reached = max((m.step for m in s.members.values() if m.reported_generation == g), default=0)
     survivors = s.actives()
     known = s.last_good_step()
-    lost_steps = max(0, reached - known)
-    effects: list[Effect]
+    restarts = restart_streak(s, tuning, now) + 1
+    if s.job.failure:
+        return RecoveryPlan([], g, len(survivors), known, reached)
     if not survivors:
         # The next Resize forms a new generation, like the first one.
-        effects = [ClearRanks()]
-    else:
-        effects = [
-            OpenGeneration(
-                tuple(m.member_id for m in survivors),
-                known,
-                reason=f"recovery: {reason}",
-                deadline_s=tuning.heartbeat_timeout_s,
-            ),
-            AddLostSteps(g + 1, lost_steps),
-        ]
-    return RecoveryPlan(effects, g, len(survivors), known, lost_steps, reached)
+        return RecoveryPlan([ClearRanks()], g, 0, known, reached)
+    if restarts > tuning.restart_budget:
+        failure = crash_loop_failure(s, tuning, restarts - 1, reason)
+        return RecoveryPlan([FailJob(failure)], g, len(survivors), known, reached, failure=failure)
+    delay = tuning.restart_delay_s(restarts)
+    effects: list[Effect] = [
+        OpenGeneration(
+            tuple(m.member_id for m in survivors),
+            known,
+            reason=f"recovery: {reason}",
+            # The backoff is the workers' to wait, inside the ack deadline.
+            deadline_s=tuning.heartbeat_timeout_s + delay,
+            start_delay_s=delay,
+        ),
+        RecordReached(g + 1, reached),
+    ]
+    return RecoveryPlan(effects, g, len(survivors), known, reached, restarts, delay)
 
 
-def late_progress(s: JobState, member_id: str, generation: int, step: int) -> AddLostSteps | None:
+def crash_loop_failure(s: JobState, tuning: Tuning, restarts: int, reason: str) -> str:
+    """Why the job fails: the streak, the last loss, and the last worker's end in its
+    own words (exit cause and log tail), as `tide jobs` and the job's status show it."""
+    g = s.job.generation
+    head = (
+        f"restart budget spent: generation {g} broke after {restarts} re-form(s) in a row, "
+        f"each within {tuning.restart_reset_after_s:.0f} s (restart_budget "
+        f"{tuning.restart_budget}); last loss: {reason}"
+    )
+    exits = [m for m in s.members.values() if m.worker_exit and m.reported_generation == g]
+    if not exits:
+        return head
+    m = max(exits, key=lambda x: x.last_heartbeat_at)
+    assert m.worker_exit is not None
+    tail = m.worker_exit.log_tail.rstrip()
+    out = f"{head}; the worker of {m.member_id} (pod {m.pod_name}) {m.worker_exit.cause}"
+    return f"{out}; its log ends:\n{tail}" if tail else out
+
+
+def late_progress(s: JobState, member_id: str, generation: int, step: int) -> RecordReached | None:
     """The last word of a generation a loss broke: a survivor's launcher reports the step
     its worker had reached when the RENDEZVOUS of the recovery arrived. Its heartbeats
-    before the loss can lag a step behind the peer that died, so the lost steps of the
-    recovery are raised to what it reports."""
+    before the loss can lag a step behind the peer that died, so the step the recovery
+    counts its lost steps from is raised to what it reports."""
     gen = s.generations.get(generation + 1)
-    if gen is None or gen.decision_id is not None:
+    if gen is None or gen.decision_id is not None or step <= gen.reached_step:
         return None
-    reached = gen.restore_step + gen.lost_steps
-    if step <= reached:
-        return None
-    return AddLostSteps(gen.generation, step - reached, last_word_of=member_id)
+    return RecordReached(gen.generation, step, last_word_of=member_id)
 
 
 def silent(s: JobState, mono: float, tuning: Tuning) -> list[Member]:

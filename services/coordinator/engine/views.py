@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from services.coordinator.domain import MemberState, Resize, WorkerPhase
 from services.coordinator.engine.messages import JobView, MemberView, ResizeView
+from services.coordinator.engine.recovery import restart_streak
 from services.coordinator.engine.state import JobState
 from services.coordinator.errors import UnknownResize
+from services.coordinator.settings import Tuning
 
 
 def resize_view(s: JobState, decision_id: int) -> ResizeView:
@@ -33,7 +35,7 @@ def _resize_view(s: JobState, r: Resize) -> ResizeView:
     )
 
 
-def job_view(s: JobState) -> JobView:
+def job_view(s: JobState, tuning: Tuning, now: float) -> JobView:
     current = s.current_members()
     running = [m for m in current if m.reported_generation == s.job.generation]
     finished = {m.member_id for m in s.finished_members()}
@@ -77,4 +79,7 @@ def job_view(s: JobState) -> JobView:
         active_resize=_resize_view(s, r) if r is not None else None,
         lost_steps_total=s.job.lost_steps_total,
         finished=done,
+        failure=s.job.failure,
+        restarts=restart_streak(s, tuning, s.job.failed_at or now),
+        restart_budget=tuning.restart_budget,
     )
