@@ -33,23 +33,21 @@ from typing import Any
 from tidebase.errors import Unavailable
 from trainer.devices import (
     Backend,
-    PodDevices,
     WorkerPlace,
     detect,
     gpu_free_mib,
     local_env,
     memory_shortfall,
-    worker_env,
 )
 from trainer.distenv import (
-    GENERATION_ENV,
-    PREPARED_ENV,
     RESTART_STARTED_AT_ENV,
     RESTORE_STEP_ENV,
 )
 from trainer.handover import HANDOVER_DIR_ENV, pod_handover_dir
+from trainer.launcher.envs import rendezvous_envs
 from trainer.launcher.group import WorkerGroup
 from trainer.launcher.link import CoordinatorLink
+from trainer.launcher.logs import worker_exit
 from trainer.launcher.model import (
     LEAVING,
     LIFECYCLE,
@@ -58,6 +56,7 @@ from trainer.launcher.model import (
     Directive,
     DirectiveKind,
     State,
+    WorkerExit,
     WorkerProgress,
 )
 from trainer.launcher.settings import LauncherSettings
@@ -79,37 +78,6 @@ from trainer.spawner import Spawner, SubprocessSpawner, WorkerHandle, ZygoteSpaw
 logger = logging.getLogger(__name__)
 
 
-def rendezvous_envs(
-    d: Directive, devices: PodDevices, restart_started_at: float
-) -> list[dict[str, str]]:
-    """The PADDLE_*/TIDE_* environment of each local worker of a RENDEZVOUS (or of a
-    PREPARE, for the generation it prepares, whose restore step and restart come later
-    with the RENDEZVOUS): the coordinator's rank and world size count pods, the workers'
-    count processes."""
-    rdv = d.rendezvous
-    assert rdv is not None
-    preparing = d.kind is DirectiveKind.PREPARE
-    common = {
-        GENERATION_ENV: str(rdv.generation if preparing else d.generation),
-        RESTORE_STEP_ENV: str(rdv.restore_step),
-        RESTART_STARTED_AT_ENV: repr(restart_started_at),
-    }
-    if preparing:
-        common[PREPARED_ENV] = "1"
-    return [
-        {
-            **worker_env(
-                WorkerPlace(rdv.rank, rdv.world_size, local, devices.workers),
-                devices,
-                rdv.master_endpoint,
-                rdv.trainer_endpoints,
-            ),
-            **common,
-        }
-        for local in range(devices.workers)
-    ]
-
-
 class Launcher:
     def __init__(self, settings: LauncherSettings, spawner: Spawner | None = None) -> None:
         self.s = settings
@@ -124,6 +92,8 @@ class Launcher:
         # Set by trainer/launcher/leave.py when the pod is told to go.
         self.leave_requested = False
         self.leave_deadline_s = 0.0
+        # How the worker that failed ended (exit cause, log tail), until the next starts.
+        self.worker_exit: WorkerExit | None = None
         self._state_dir = Path(settings.state_dir or tempfile.mkdtemp(prefix="tide-launcher-"))
         self._handover_dir = pod_handover_dir(
             settings.job_id, settings.pod_name or "pod", settings.launcher_id
@@ -185,6 +155,7 @@ class Launcher:
             last_checkpoint_digest=self.last_checkpoint_digest,
             leave_requested=self.leave_requested,
             leave_deadline_s=self.leave_deadline_s,
+            worker_exit=self.worker_exit if self.state is State.FAILED else None,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -437,6 +408,19 @@ class Launcher:
             beat = self._beat()
             progress = dataclasses.replace(beat.progress, step=ahead)
             self.link.send_last_word(dataclasses.replace(beat, progress=progress))
+        if rdv.start_delay_s > 0:
+            # The coordinator's restart backoff (a re-form after a loss, in a row): a worker
+            # that dies at every start must not make the job re-form once a second.
+            logger.warning(
+                "member %s (job %s): restart backoff, generation %d starts its workers in %.1fs",
+                self.member_id,
+                self.s.job_id,
+                d.generation,
+                rdv.start_delay_s,
+            )
+            await self.workers.stop()
+            await asyncio.sleep(rdv.start_delay_s)
+        self.worker_exit = None
         self.generation = d.generation
         # At the restore step, not 0: the coordinator measures step rates from heartbeats,
         # and a 0 before the worker's Ready made the first second of a generation look
@@ -482,7 +466,9 @@ class Launcher:
             d.generation,
             ready.restored_step,
         )
-        await self._ack(self._ack_of(d))
+        # What it restored, which may be newer than the step named: the coordinator counts
+        # the steps this generation redoes from it.
+        await self._ack(dataclasses.replace(self._ack_of(d), restored_step=ready.restored_step))
 
     # -- the worker -------------------------------------------------------------------------
 
@@ -510,12 +496,13 @@ class Launcher:
                 "member %s: worker pid %d also exited with %d", self.member_id, worker.pid, code
             )
             return
+        self.worker_exit = worker_exit(code, self.workers.log_path(worker.pid))
         logger.error(
-            "member %s (job %s): worker pid %d died with %d in generation %d",
+            "member %s (job %s): worker pid %d %s in generation %d",
             self.member_id,
             self.s.job_id,
             worker.pid,
-            code,
+            self.worker_exit.cause,
             self.generation,
         )
         self._set_state(State.FAILED)

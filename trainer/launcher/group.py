@@ -231,6 +231,10 @@ class WorkerGroup:
     def went_ahead_step(self) -> int:
         return max(m.went_ahead_step() for m in self.members)
 
+    def log_path(self, pid: int) -> str | None:
+        """The log file of the pod's worker ``pid``, if one of its supervisors knows it."""
+        return next((p for m in self.members if (p := m.log_path(pid))), None)
+
     def expect_exit(self) -> None:
         for m in self.members:
             m.expect_exit()

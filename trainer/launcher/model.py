@@ -64,6 +64,8 @@ class RendezvousPlan:
     prepared: bool = False
     # The generation it forms: a RENDEZVOUS's own; a PREPARE's next one (it is sent in g).
     generation: int = 0
+    # The restart backoff of a re-form after a loss: start the workers this late, seconds.
+    start_delay_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,20 @@ class Ack:
     checkpoint_step: int = 0
     checkpoint_digest: str = ""
     checkpoint_write_s: float = 0.0
+    # A RENDEZVOUS ack: the step the new workers actually restored (0: from scratch).
+    restored_step: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """How the worker that failed ended, for the coordinator's account of a crash loop."""
+
+    # Its exit status; negative: killed by that signal.
+    exit_code: int
+    # In words: "exited with 1", "was killed by SIGSEGV".
+    cause: str
+    # The last lines of its log (at most LOG_TAIL_BYTES).
+    log_tail: str = ""
 
 
 @dataclass
@@ -120,3 +136,5 @@ class Beat:
     leave_requested: bool = False
     # When the pod's grace ends (unix seconds; 0: not asked), for the scaler's plan.
     leave_deadline_s: float = 0.0
+    # With state FAILED: how the worker ended.
+    worker_exit: WorkerExit | None = None

@@ -53,6 +53,9 @@ class LauncherSettings:
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 5.0
     rpc_timeout_s: float = DEFAULT_TIMEOUT_S
+    # Worker log files kept in the state folder (per local worker), the newest ones; live
+    # workers' logs are always kept. A worker that crashes at every start adds one a try.
+    worker_logs_kept: int = 10
     # What the launcher presents to the coordinator (its pod's identity).
     credentials: ClientCredentials = NO_CREDENTIALS
 
@@ -77,6 +80,8 @@ class LauncherSettings:
         for name in ("exit_grace_s", "start_timeout_s", "backoff_initial_s", "rpc_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.worker_logs_kept < 1:
+            raise ConfigError(f"worker_logs_kept must be >= 1, got {self.worker_logs_kept}")
         if not self.leave_grace_s >= 0:
             raise ConfigError(f"leave_grace_s must be >= 0, got {self.leave_grace_s}")
         if self.backoff_max_s < self.backoff_initial_s:

@@ -32,6 +32,7 @@ from tidebase.retry import Backoff
 from trainer.channel import CONTROL_SOCKET_ENV
 from trainer.distenv import PREWARM_ENV
 from trainer.launcher.control import ControlServer
+from trainer.launcher.logs import rotate
 from trainer.launcher.settings import LauncherSettings
 from trainer.messages import (
     Exit,
@@ -132,6 +133,8 @@ class WorkerSupervisor:
         self._prepared_started = False
         self._prepared_went = False
         self._prepared_said: list[ToLauncher] = []
+        # Each worker's log file, by pid (the live ones' and the last few dead ones').
+        self._logs: dict[int, str] = {}
 
     @property
     def member_id(self) -> str:
@@ -220,6 +223,7 @@ class WorkerSupervisor:
         env[PREWARM_ENV] = "1"
         log_path = str(self._state_dir / f"worker-standby-{self._standby_seq}.log")
         standby = await self.spawner.spawn(self.s.command, env, os.getcwd(), log_path)
+        self._spawned(standby, log_path)
         self.standby = standby
         self._spawn_task(self._watch_standby(standby), "watch-standby")
         logger.info("member %s prewarmed worker pid %d", self.member_id, standby.pid)
@@ -391,10 +395,22 @@ class WorkerSupervisor:
             self.worker = await self.spawner.spawn(
                 self.s.command, {**self.base_env(), **env}, os.getcwd(), log_path
             )
+            self._spawned(self.worker, log_path)
             woke = False
         worker = self.worker
         self._spawn_task(self._watch(worker), "watch-worker")
         return worker, woke
+
+    def _spawned(self, worker: WorkerHandle, log_path: str) -> None:
+        """Remember ``worker``'s log and rotate the folder's: the live workers' logs stay."""
+        live = {w.pid for w in (self.worker, self.standby, worker) if w is not None}
+        self._logs = {pid: p for pid, p in self._logs.items() if pid in live}
+        self._logs[worker.pid] = log_path
+        rotate(self._state_dir, self.s.worker_logs_kept, set(self._logs.values()))
+
+    def log_path(self, pid: int) -> str | None:
+        """The log file of the worker ``pid`` (current, standby, or the last to die)."""
+        return self._logs.get(pid)
 
     def expect_exit(self) -> None:
         """The current worker's next exit is asked for (a drain or stop)."""
