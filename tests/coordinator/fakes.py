@@ -81,6 +81,12 @@ class FakeLauncher:
         # Behaviour switches a test flips.
         self.answer_checkpoint = True
         self.answer_rendezvous = True
+        # The step its next RENDEZVOUS ack says the new worker restored (None: the named one,
+        # as a worker that found nothing newer does); and the start delays it was told.
+        self.restores: int | None = None
+        self.start_delays: list[float] = []
+        # Sent with phase FAILED: how its worker ended.
+        self.worker_exit: pb.WorkerExit | None = None
         # PREPARE (overlap mode): True acks (the group formed), False nacks, None ignores.
         self.prepare_ok: bool | None = True
         # What each RENDEZVOUS said about its group: formed ahead by a PREPARE or not.
@@ -155,6 +161,7 @@ class FakeLauncher:
             leave_requested=self.leave_requested,
             leave_deadline=ts(self.leave_deadline_s) if self.leave_deadline_s else None,
             startup=pb.PauseBreakdown(worker_restart_s=0.02, group_init_s=0.4, restore_s=0.1),
+            worker_exit=self.worker_exit if self.phase == pb.WORKER_PHASE_FAILED else None,
             last_checkpoint_step=self.last_checkpoint,
             last_checkpoint_digest=digest_of(self.job_id, self.last_checkpoint)
             if self.last_checkpoint
@@ -227,11 +234,14 @@ class FakeLauncher:
             self.master = rv.master_endpoint
             self.restore_step = rv.restore_step
             self.rendezvous_prepared.append(rv.prepared)
-            self.step = rv.restore_step
+            restored = rv.restore_step if self.restores is None else self.restores
+            self.restores = None
+            self.start_delays.append(rv.start_delay_s)
+            self.step = restored
             self.phase = pb.WORKER_PHASE_STARTING
             self.first_step_at = None
             self.worker_starts += 1
-            await self.ack(d, ok=True)
+            await self.ack(d, ok=True, restored_step=restored)
         elif d.kind == K.KIND_RESUME:
             self.phase = pb.WORKER_PHASE_RUNNING
             await self.ack(d, ok=True)

@@ -135,6 +135,8 @@ async def test_failed_worker_names_the_reported_checkpoint_and_late_progress_cou
     await ls[1].heartbeat(steps=0)
     await eventually(lambda: ls[0].generation == 2 == ls[1].generation, what="recovery")
     assert ls[0].restore_step == 10
+    # Counted once the new workers said what they restored (their RENDEZVOUS acks).
+    await eventually(lambda: no_pending(env), what="rendezvous acks")
     st = await env.status()
     assert st.lost_steps_total == 16 - 10
 
