@@ -134,6 +134,7 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
         new_generation: bool = True,
         kind: pb.Directive.Kind.ValueType = pb.Directive.KIND_RENDEZVOUS,
         prepared: bool = False,
+        start_delay_s: float = 0.0,
     ) -> list[pb.Directive]:
         """RENDEZVOUS to ``member_ids`` for the next generation (or, with
         ``new_generation=False``, for one the test already moved the job to). With ``kind``
@@ -153,6 +154,7 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
                 trainer_endpoints=endpoints,
                 restore_step=restore_step,
                 prepared=prepared,
+                start_delay_s=start_delay_s,
             )
             out.append(self.send(m, kind=kind, rendezvous=rdv))
         return out

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
 
 from trainer.channel import SocketChannel
@@ -59,6 +61,8 @@ def main() -> int:
         if not _wait(ch, Start):
             return 0
     step = int(os.environ.get("TIDE_RESTORE_STEP", "0") or 0)
+    # A newer checkpoint found on disk than the one the rendezvous named.
+    step = max(step, int(os.environ.get("FAKE_RESTORE_AT_LEAST", "0")))
     # Like trainer.session: a periodic checkpoint every N steps, "done" after the budget.
     ckpt_every = int(os.environ.get("FAKE_CKPT_EVERY", "0"))
     max_steps = int(os.environ.get("FAKE_MAX_STEPS", "0"))
@@ -66,6 +70,11 @@ def main() -> int:
     if prepared and not _wait(ch, Go):
         return 0
     stop_at, ids = 0, tuple[str, ...]()
+    if os.environ.get("FAKE_SEGFAULT_AT_FIRST_STEP") == "1":
+        # Restored, then dies in its first backward, as a broken kernel or build does.
+        print(f"step {step + 1}: backward", file=sys.stderr, flush=True)
+        print("Fatal Python error: Segmentation fault", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
     while True:
         step += 1
         time.sleep(0.02)

@@ -1,0 +1,85 @@
+"""The launcher's part in restarts: it waits out the coordinator's backoff, reports how a
+failed worker ended (exit cause, log tail) and what its successor restored, and keeps a
+bounded number of worker logs. Against a fake coordinator, with a Paddle-free worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from tide.v1 import coordinator_pb2 as pb
+
+from tests.support.poll import eventually
+from tests.trainer.fake_coordinator import FakeCoordinator, FakeMember, start_fake
+from tests.trainer.test_launch import _launcher
+from trainer.launcher.logs import LOG_GLOB
+
+pytestmark = pytest.mark.component
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[FakeCoordinator, int]]:
+    coord = FakeCoordinator()
+    server, port = await start_fake(coord)
+    yield coord, port
+    await server.stop(None)
+
+
+async def _start_and_crash(coord: FakeCoordinator, mid: str, member: FakeMember) -> None:
+    before = len(member.heartbeats)
+    (rdv,) = coord.rendezvous([mid])
+    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack")
+    assert coord.ack_of(rdv).ok  # type: ignore[union-attr]  # it restored, then died
+    await eventually(
+        lambda: any(hb.phase == pb.WORKER_PHASE_FAILED for hb in member.heartbeats[before:]),
+        10,
+        what="FAILED heartbeat",
+    )
+
+
+async def test_a_worker_dying_at_start_is_reported_with_its_cause_and_log_and_logs_rotate(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_SEGFAULT_AT_FIRST_STEP", "1")
+    coord, port = fake
+    launcher = _launcher(port, tmp_path, worker_logs_kept=3)
+    run = asyncio.create_task(launcher.run())
+    await eventually(lambda: coord.members, 10, what="registration")
+    (mid,) = coord.members
+    member = coord.members[mid]
+    for _ in range(5):
+        await _start_and_crash(coord, mid, member)
+    failed = [hb for hb in member.heartbeats if hb.phase == pb.WORKER_PHASE_FAILED]
+    ended = failed[-1].worker_exit
+    assert (ended.exit_code, ended.cause) == (-11, "was killed by SIGSEGV")
+    assert "Fatal Python error: Segmentation fault" in ended.log_tail
+    # Five workers (and prewarmed ones) started; three logs are left.
+    assert len(list((tmp_path / "l0").glob(LOG_GLOB))) <= 3
+    # A heartbeat not in phase FAILED carries no exit.
+    assert not any(hb.HasField("worker_exit") for hb in member.heartbeats if hb.phase != 5)
+    launcher.stop()
+    assert await asyncio.wait_for(run, 10) == 0
+
+
+async def test_the_restart_backoff_delays_the_start_and_the_ack_says_what_was_restored(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker finds a checkpoint of step 9 on disk, newer than the named 7.
+    monkeypatch.setenv("FAKE_RESTORE_AT_LEAST", "9")
+    coord, port = fake
+    launcher = _launcher(port, tmp_path)
+    run = asyncio.create_task(launcher.run())
+    await eventually(lambda: coord.members, 10, what="registration")
+    (mid,) = coord.members
+    sent = time.monotonic()
+    (rdv,) = coord.rendezvous([mid], restore_step=7, start_delay_s=0.6)
+    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack")
+    assert time.monotonic() - sent >= 0.6
+    ack = coord.ack_of(rdv)
+    assert ack is not None and ack.ok and ack.HasField("restored_step")
+    assert ack.restored_step == 9
+    launcher.stop()
+    assert await asyncio.wait_for(run, 10) == 0
