@@ -17,6 +17,8 @@ to the fixed run's magnitude.
   chain, against the session's own gradient sum on the fixed run.
 - ``dataloader_exactly_once``: 1 when the chain fed by ``paddle.io.DataLoader`` with 2 worker
   processes used every sample once per epoch and no step twice.
+- ``crash_loop_generations``: re-forms of a job whose workers die at every start before it is
+  FAILED, at most ``crash_loop_budget`` (bench/crashloop.py, which also measures the backoff).
 - ``virtual_rank_throughput_ratio``: samples/s with 4 virtual ranks over the plain mode, both
   at 2 workers, same script and batch, median step time after warm-up.
 
@@ -38,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import crashloop
 from services.testing.localjob import EXAMPLE, ROOT, loss_records, reference_run
 from services.testing.parity import (
     check_exactly_once,
@@ -110,6 +113,7 @@ def run(quick: bool, workdir: Path) -> dict[str, Any]:
     result["plain_step_s"] = round(plain, 4)
     result["virtual_step_s"] = round(virtual, 4)
     result["virtual_rank_throughput_ratio"] = round(plain / virtual, 3)
+    result.update(crashloop.parity_keys(workdir / "crashloop"))
     result["wall_s"] = round(time.monotonic() - started, 1)
     for key in ("mlp", "batchnorm", "batchnorm_plain", "dataparallel"):
         result[f"{key}_rel_diff"] = float(f"{result[f'{key}_rel_diff']:.3g}")
