@@ -93,11 +93,11 @@ def crash_loop_failure(s: JobState, tuning: Tuning, restarts: int, reason: str) 
     head = (
         f"restart budget spent: generation {g} broke after {restarts} re-form(s) in a row, "
         f"each within {tuning.restart_reset_after_s:.0f} s (restart_budget "
-        f"{tuning.restart_budget}); last loss: {reason}"
+        f"{tuning.restart_budget})"
     )
     exits = [m for m in s.members.values() if m.worker_exit and m.reported_generation == g]
     if not exits:
-        return head
+        return f"{head}; last loss: {reason}"
     m = max(exits, key=lambda x: x.last_heartbeat_at)
     assert m.worker_exit is not None
     tail = m.worker_exit.log_tail.rstrip()
