@@ -82,6 +82,13 @@ class JobStatusView:
     lost_steps_total: int = 0
     # Every member of the last generation finished its budget: nothing more to resize.
     finished: bool = False
+    # The coordinator failed the job for good (its restart budget spent): why.
+    failure: str = ""
+
+    @property
+    def over(self) -> bool:
+        """Nothing more to resize: the job finished, or failed for good."""
+        return self.finished or bool(self.failure)
 
 
 class CoordinatorClient(Protocol):
@@ -198,4 +205,5 @@ def _status_view(st: coordinator_pb2.JobStatus) -> JobStatusView:
         st.samples_per_s,
         lost_steps_total=st.lost_steps_total,
         finished=st.finished,
+        failure=st.failure,
     )

@@ -1103,14 +1103,15 @@ class ScalerCore:
             if self._may_have_lost(job_id, st):
                 with self._guard(job_id):
                     await self._record_loss(job_id)
-            if not st.finished:
+            if not st.over:
                 running.append((job_id, None))
         await self.evaluate_many(running, fresh, reuse=self.reuse_answers)
 
     def _finished(self, job_id: str) -> bool:
-        """The coordinator says every member finished its budget: no more resizes."""
+        """The coordinator says every member finished its budget (or the job failed for
+        good): no more resizes."""
         st = self.coordinator.latest_status(job_id)
-        return st is not None and st.finished
+        return st is not None and st.over
 
     def _may_have_lost(self, job_id: str, st: JobStatusView) -> bool:
         """Whether ``_record_loss`` may find a loss: the coordinator's generation is newer

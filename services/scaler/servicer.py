@@ -114,6 +114,7 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
             msg.step = status.step
             msg.samples_per_s = status.samples_per_s
             msg.generation = max(msg.generation, status.generation)
+            msg.failure = status.failure
         ev = core.evaluations.get(job.job_id)
         if ev is not None:
             msg.last_evaluation.CopyFrom(

@@ -48,6 +48,7 @@ class _Job:
     step: int = 0
     lost_steps_total: int = 0
     finished: bool = False
+    failure: str = ""
 
 
 @dataclass
@@ -311,6 +312,7 @@ class InMemoryCoordinator:
             samples_per_s=rate(w) if rate is not None and w > 0 else 0.0,
             lost_steps_total=self._state.jobs[job_id].lost_steps_total,
             finished=self._state.jobs[job_id].finished,
+            failure=self._state.jobs[job_id].failure,
         )
 
     def lose_member(self, job_id: str, lost_steps: int) -> None:
@@ -334,6 +336,11 @@ class InMemoryCoordinator:
     def finish(self, job_id: str) -> None:
         """Every member finished its training budget."""
         self._state.jobs[job_id].finished = True
+        self._save()
+
+    def fail(self, job_id: str, why: str) -> None:
+        """The job failed for good (its restart budget spent)."""
+        self._state.jobs[job_id].failure = why
         self._save()
 
     async def watch_members(self, job_id: str) -> AsyncIterator[list[Member]]:

@@ -334,6 +334,14 @@ async def test_a_finished_job_is_no_longer_evaluated(rig: Rig) -> None:
     assert (await rig.store.list_decisions(job_id="ns/a")).decisions == ()
 
 
+async def test_a_failed_job_is_no_longer_evaluated(rig: Rig) -> None:
+    rig.coordinator.fail("ns/a", "restart budget spent: the worker was killed by SIGSEGV")
+    feed(rig, 35, 95.0)
+    await rig.core.tick()
+    assert "ns/a" not in rig.core.evaluations
+    assert (await rig.store.list_decisions(job_id="ns/a")).decisions == ()
+
+
 async def test_the_notice_deadline_rules_the_barrier_deadline(rig: Rig) -> None:
     """The node goes in 30 s: the resize gets 30 s less the margin, not the 60 s phase
     timeout; the plan is in the decision's inputs for `tide explain`."""

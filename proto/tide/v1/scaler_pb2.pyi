@@ -195,6 +195,7 @@ class Job(_message.Message):
     SAMPLES_PER_S_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     LAST_RESIZE_AT_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """"namespace/name" of the PaddleJob (or the local job)."""
     current_replicas: _builtins.int
@@ -213,6 +214,10 @@ class Job(_message.Message):
     """Training step last reported by the coordinator."""
     samples_per_s: _builtins.float
     """Training throughput last reported, samples per second."""
+    failure: _builtins.str
+    """Set once the coordinator failed the job for good (its workers crashed at every start
+    until the restart budget was spent): why, with the last worker's exit and log tail.
+    """
     @_builtins.property
     def policy(self) -> Global___Policy:
         """The effective policy (defaults merged with the job's overrides)."""
@@ -248,10 +253,11 @@ class Job(_message.Message):
         samples_per_s: _builtins.float = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         last_resize_at: _timestamp_pb2.Timestamp | None = ...,
+        failure: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "last_evaluation", b"last_evaluation", "last_resize_at", b"last_resize_at", "policy", b"policy", "window", b"window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_decision_id", b"active_decision_id", "autoscaling_paused", b"autoscaling_paused", "created_at", b"created_at", "current_replicas", b"current_replicas", "generation", b"generation", "gpus_per_replica", b"gpus_per_replica", "job_id", b"job_id", "last_evaluation", b"last_evaluation", "last_resize_at", b"last_resize_at", "pause_reason", b"pause_reason", "policy", b"policy", "samples_per_s", b"samples_per_s", "step", b"step", "window", b"window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_decision_id", b"active_decision_id", "autoscaling_paused", b"autoscaling_paused", "created_at", b"created_at", "current_replicas", b"current_replicas", "failure", b"failure", "generation", b"generation", "gpus_per_replica", b"gpus_per_replica", "job_id", b"job_id", "last_evaluation", b"last_evaluation", "last_resize_at", b"last_resize_at", "pause_reason", b"pause_reason", "policy", b"policy", "samples_per_s", b"samples_per_s", "step", b"step", "window", b"window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
