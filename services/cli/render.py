@@ -140,6 +140,7 @@ def job_doc(j: scaler_pb2.Job) -> dict[str, Any]:
         "last_resize_at": iso(field_datetime(j, "last_resize_at")),
         "created_at": iso(field_datetime(j, "created_at")),
         "policy": policy_doc(j.policy),
+        "failure": j.failure or None,
     }
 
 
@@ -236,7 +237,14 @@ def _pct(x: float | None) -> str:
 
 #: `tide jobs --db`: what only a running scaler knows (its memory, not the store). The
 #: JSON keeps these keys with their zero/null values and names them in ``unavailable_fields``.
-OFFLINE_UNAVAILABLE = ("step", "samples_per_s", "utilization_pct", "coverage", "last_evaluation")
+OFFLINE_UNAVAILABLE = (
+    "step",
+    "samples_per_s",
+    "utilization_pct",
+    "coverage",
+    "last_evaluation",
+    "failure",
+)
 OFFLINE_NOTE = (
     "read from the store (--db): STEP, SAMPLES/S, UTIL and LAST EVALUATION are known only to"
     " a running scaler (n/a); a job's policy here is its stored overrides and bounds, the"
@@ -276,6 +284,8 @@ def jobs_rows(jobs: Sequence[scaler_pb2.Job], *, offline: bool = False, wide: bo
     rows = []
     for j in jobs:
         auto = f"paused: {j.pause_reason}" if j.autoscaling_paused else "on"
+        if j.failure:
+            auto = f"off: job FAILED ({j.failure.splitlines()[0]})"
         if j.active_decision_id and not wide:
             auto += f" (decision {j.active_decision_id} running)"
         ev = j.last_evaluation

@@ -110,6 +110,7 @@ def test_jobs_from_the_store(store: tuple[str, Seeded]) -> None:
         "utilization_pct",
         "coverage",
         "last_evaluation",
+        "failure",
     }
     assert "sustain_s" not in jobs[JOB]["policy"]  # a default, not stored
     code, out, err = tide("jobs", "--db", url)
