@@ -78,6 +78,8 @@ class Coordinator:
         # The job's series exist at 0 from now on, so a first loss shows as an increase.
         self.metrics.lost_steps.labels(rt.job.job_id)
         self.metrics.members_lost.labels(rt.job.job_id)
+        self.metrics.restarts.labels(rt.job.job_id)
+        self.metrics.jobs_failed.labels(rt.job.job_id)
         for mid in rt.members:
             self._member_job[mid] = rt.job.job_id
         for did in rt.resizes:
