@@ -7,9 +7,11 @@ versions), not only for round trips.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from tide.v1 import coordinator_pb2 as pb
 
@@ -20,7 +22,7 @@ from services.coordinator.store import CoordinatorStore, MemoryStore, Unit
 from services.store import db
 from services.testing.clock import FakeClock
 from tests.coordinator.fakes import ResizeWatch, ts
-from tests.coordinator.support import JOB, Env, close_env, make_env
+from tests.coordinator.support import JOB, TUNING, Env, close_env, make_env
 from tests.support.poll import eventually
 from tidebase.errors import Conflict
 
@@ -272,3 +274,36 @@ def test_the_default_store_is_created_under_dot_tide(
     finally:
         engine.dispose()
     assert (tmp_path / ".tide" / "tide.db").is_file()
+
+
+async def test_a_failed_job_and_exact_lost_steps_survive_a_restart(
+    store: CoordinatorStore,
+) -> None:
+    env = await make_env(store, dataclasses.replace(TUNING, restart_budget=1))
+    try:
+        await _form(env, 2)
+        ls = env.launchers
+        await env.heartbeat_all(steps=3)  # step 4
+        for fl in ls:
+            fl.restores = 3  # a checkpoint of step 3 nobody had reported
+        ls[1].phase = pb.WORKER_PHASE_FAILED
+        await ls[1].heartbeat(steps=0)
+        await eventually(lambda: all(fl.generation == 2 for fl in ls) and not _pending(env))
+        await env.heartbeat_all(advance_s=2.0)
+        ls[1].phase = pb.WORKER_PHASE_FAILED
+        ls[1].worker_exit = pb.WorkerExit(exit_code=-11, cause="was killed by SIGSEGV")
+        await ls[1].heartbeat(steps=0)
+        before = await env.status()
+        assert before.failed and before.lost_steps_total == 4 - 3
+
+        await env.restart()
+        st = await env.status()
+        assert (st.failed, st.failure, st.lost_steps_total) == (True, before.failure, 1)
+        gen = env.coordinator.jobs[JOB].generations[2]
+        assert (gen.reached_step, gen.restored_step, gen.lost_steps) == (4, 3, 1)
+        watch = ResizeWatch(env.stub, JOB, 7, 2)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await watch.final()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        await close_env(env)
