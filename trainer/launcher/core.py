@@ -199,6 +199,8 @@ class Launcher:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if self._ready is not None and not self._ready.done():
+            self._ready.cancel()  # the workers are stopped below: that start is over
         await self.link.close()
         await self.workers.close()
         # The pod's memory is the pod's: what was handed over goes with this launcher.
@@ -378,6 +380,9 @@ class Launcher:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        # Nobody waits for that start now: its worker's exit must not fail an unread future.
+        if self._ready is not None and not self._ready.done():
+            self._ready.cancel()
 
     async def _rendezvous(self, d: Directive) -> None:
         rdv = d.rendezvous
