@@ -22,8 +22,7 @@ from typing import Any
 import numpy as np
 import paddle
 
-from trainer.checkpoint import CheckpointSettings
-from trainer.session import ElasticSession, SessionConfig
+from trainer import CheckpointSettings, ElasticSession, SessionConfig
 
 CHANNELS, SIZE, CLASSES = 3, 8, 4
 

@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from trainer.checkpoint import CheckpointSettings
-from trainer.session import ElasticSession, SessionConfig
+from trainer import CheckpointSettings, ElasticSession, SessionConfig
 
 FEATURES = 32
 CLASSES = 4
