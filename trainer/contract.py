@@ -108,9 +108,13 @@ class Lifecycle:
 # -- the loss ---------------------------------------------------------------------------------
 
 # The autograd nodes of a mean over the micro-batch (``paddle.mean``, a loss's default
-# ``reduction="mean"``), and those a mean may pass through unchanged.
+# ``reduction="mean"``); those a mean passes through unchanged; those that add means (a
+# loss plus a weighted auxiliary loss is still a mean over the batch); and those of the
+# API's older form, a sum divided by a constant.
 _MEAN_NODES = frozenset({"MeanAllGradNode", "MeanGradNode"})
 _TRANSPARENT_NODES = frozenset({"CastGradNode"})
+_SUM_OF_MEANS = frozenset({"AddGradNode", "SubtractGradNode"})
+_SCALED = frozenset({"ScaleGradNode", "DivScaleGradNode"})
 _SUMMED_FORM = frozenset({"DivScaleGradNode", "ScaleGradNode", "DivideGradNode"})
 
 _HOW = (
@@ -118,6 +122,27 @@ _HOW = (
     "losses (reduction='none', one value per sample of the batch); the session weights "
     "them by the batch's share of the global batch itself"
 )
+
+
+def where(mb: MicroBatch) -> str:
+    return f"step {mb.step} (micro-batch {mb.index + 1} of {mb.count})"
+
+
+def _is_mean(node: Any, in_sum: bool = False, depth: int = 0) -> bool:
+    """Whether autograd ``node`` made a mean over the batch: a mean, or a sum of means
+    where each term may carry a constant weight (a scaled mean at the top is refused:
+    ``mean / accumulation_steps`` is a mistake the session cannot tell from a choice)."""
+    if node is None or depth > 16:
+        return False
+    name = node.name()
+    inputs = [n for n in node.next_functions if n is not None]
+    if name in _MEAN_NODES:
+        return True
+    if name in _TRANSPARENT_NODES or (in_sum and name in _SCALED):
+        return len(inputs) == 1 and _is_mean(inputs[0], in_sum, depth + 1)
+    if name in _SUM_OF_MEANS:
+        return bool(inputs) and all(_is_mean(n, True, depth + 1) for n in inputs)
+    return False
 
 
 def _last_op(loss: Any) -> str:
@@ -137,10 +162,11 @@ def weighted_loss(loss: Any, mb: MicroBatch) -> Any:
     """The micro-batch's term of the global batch's mean loss (a 0-d tensor to backward).
 
     Per-sample losses (``numel`` = the batch's samples): their sum over the global batch's
-    size, so no reduction of the script's can be wrong. A 0-d loss must be a mean over the
-    batch, which its last autograd operation shows (``paddle.mean`` or a loss's
-    ``reduction="mean"``); anything else (a sum, a sum over the global batch as an older
-    form of this API took, a scaled or weighted mean) is refused before the backward."""
+    size, so no reduction of the script's can be wrong. A scalar must be a mean over the
+    batch, which its autograd graph shows (``paddle.mean`` or a loss's
+    ``reduction="mean"``, or a sum of such means each with a constant weight); anything
+    else (a sum, a sum over the global batch as an older form of this API took, a scaled
+    or class-weighted mean) is refused before the backward."""
     n = len(mb.local_indices)
     shape = [int(d) for d in loss.shape]
     numel = 1
@@ -150,26 +176,28 @@ def weighted_loss(loss: Any, mb: MicroBatch) -> Any:
         # [n] or [n, 1]: one loss per sample.
         share = 0.0 if mb.padding else 1.0 / mb.global_batch_size
         return loss.sum() * share
-    if shape:
+    if numel != 1:
         raise LossContractError(
-            f"step {mb.step}: session.step() got a loss of shape {shape} for a batch of {n} "
+            f"{where(mb)}: session.step() got a loss of shape {shape} for a batch of {n} "
             f"samples: {_HOW}"
         )
-    op = _last_op(loss)
-    if op in _MEAN_NODES:
+    if _is_mean(getattr(loss, "grad_fn", None)):
         return loss * mb.weight
+    op = _last_op(loss)
     if op in _SUMMED_FORM and _feeds_a_sum(loss):
         raise LossContractError(
-            f"step {mb.step}: session.step() got a summed loss divided by a constant (its "
+            f"{where(mb)}: session.step() got a summed loss divided by a constant (its "
             "last operation divides a sum). That was this API's older form (sum over the "
             "batch / global batch); session.step() now takes the mean over the micro-batch "
             f"instead, and refuses other reductions: {_HOW}"
         )
     what = f"whose last operation is {op}" if op else "that autograd cannot trace"
     raise LossContractError(
-        f"step {mb.step}: session.step() got a scalar loss {what}, not a mean over the "
-        f"batch, so its weight in the global batch cannot be checked: {_HOW} (add "
-        "regularisers through the optimizer's weight_decay)"
+        f"{where(mb)}: session.step() got a scalar loss {what}, not a mean over the "
+        f"batch, so its weight in the global batch cannot be checked: {_HOW} (a sum of "
+        "means, each with a constant weight, is a mean too; regularisers go into the "
+        "optimizer's weight_decay; F.nll_loss computes its mean inside one kernel: pass "
+        "its reduction='none')"
     )
 
 
@@ -243,12 +271,12 @@ class Deliveries:
         """The sample ids of ``mb`` as delivered; raises if they are not the planned ones.
         :meth:`consumed` marks the batch used once its step went through."""
         plan = [int(i) for i in mb.local_indices]
-        where = f"step {mb.step} (micro-batch {mb.index + 1} of {mb.count})"
+        at = where(mb)
         if indices is not None:
             got = [int(i) for i in _flat(indices)]
             if got != plan:
                 raise BatchMismatch(
-                    f"{where}: the batch holds samples {_head(got)}, the session planned "
+                    f"{at}: the batch holds samples {_head(got)}, the session planned "
                     f"{_head(plan)}: {FORGOTTEN_SAMPLER}, or the dataset maps indices to "
                     "other samples. Build the loader as DataLoader(dataset, "
                     "batch_sampler=session.batch_sampler(), ...)"
@@ -259,7 +287,7 @@ class Deliveries:
             head = self._drawn[0]
             if (head.step, head.index) != (mb.step, mb.index):
                 raise BatchMismatch(
-                    f"{where}: the loader delivered the batch of step {head.step} "
+                    f"{at}: the loader delivered the batch of step {head.step} "
                     f"(micro-batch {head.index + 1}): call session.step() once for every "
                     "batch the loader gives, in order, and do not share the batch sampler "
                     "between loaders"
@@ -268,7 +296,7 @@ class Deliveries:
         if indices is not None:
             return plan
         raise BatchMismatch(
-            f"{where}: no batch of this step came from session.batch_sampler(): "
+            f"{at}: no batch of this step came from session.batch_sampler(): "
             f"{FORGOTTEN_SAMPLER}. Build the loader as DataLoader(dataset, "
             "batch_sampler=session.batch_sampler(), ...), or loop over session.plans()"
         )

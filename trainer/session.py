@@ -1,23 +1,25 @@
 """The elastic session a training script calls: rank, restore, sampler, step hook, checkpoints.
 
-A script looks like this (see trainer/examples/train_mlp.py, and docs/trainer.md for a stock
-Paddle loop with a DataLoader before and after)::
+A script looks like this (see trainer/examples/train_bn.py, and docs/trainer.md for a stock
+Paddle loop before and after; trainer/contract.py checks the order)::
 
     session = ElasticSession.from_env(SessionConfig(dataset_size=N, global_batch=B, seed=0,
                                                     max_steps=100, checkpoint_dir="ckpt"))
+    model, optimizer = build()
+    session.init_process_group(warmup=warmup)
     session.attach(model, optimizer, lr_scheduler)
-    session.init_process_group()
     session.restore()
-    for mb in session.plans():          # or: for x, y in DataLoader(ds, batch_sampler=
-        loss = mean_loss(mb.local_indices)  #                    session.batch_sampler()):
-        session.step(loss)
+    for x, y in session.data_loader(dataset, num_workers=2):   # or session.plans()
+        session.step(F.cross_entropy(model(x), y))
     session.finish()
 
-``step(loss)`` takes the micro-batch's *mean* loss and makes the step's gradient the global
-batch's, with the session's own gradient sum or under ``paddle.DataParallel``, with AMP,
-gradient accumulation and virtual ranks (trainer/stepper.py). At the end of each global step
-it runs the step-boundary hook: sample-id and loss logs, progress to the launcher, periodic
-checkpoints, and the stop-step agreement that makes CHECKPOINT/HOLD/RESUME safe.
+``step(loss)`` takes the micro-batch's *mean* loss or its per-sample losses, refuses other
+reductions, and makes the step's gradient the global batch's, with the session's own
+gradient sum or under ``paddle.DataParallel``, with AMP, gradient accumulation and virtual
+ranks (trainer/stepper.py). Before that it checks that the batch is the one planned. At
+the end of each global step it runs the step-boundary hook: sample-id and loss logs,
+progress to the launcher, periodic checkpoints, and the stop-step agreement that makes
+CHECKPOINT/HOLD/RESUME safe.
 
 Stop-step agreement: every step ends with an all_reduce(max) of [stop_step, checkpoint, exit]
 as each rank knows them, so one rank that heard CHECKPOINT(S) in time makes every rank stop

@@ -150,9 +150,18 @@ def test_a_summed_loss_is_refused_before_any_parameter_changes(tmp_path: Path) -
         session.step(_loss(model, x, y) * 0.5)
     with pytest.raises(LossContractError, match="shape"):
         session.step(_loss(model, x[:2], y[:2], "none"))
+    import paddle
+
+    nll = paddle.nn.functional.nll_loss(paddle.nn.functional.log_softmax(model(x)), y)
+    with pytest.raises(LossContractError, match="NllLossGradNode"):
+        session.step(nll)
     for a, b in zip(before, _params(model), strict=True):
         np.testing.assert_array_equal(a, b)
     assert session.step_done == 0
+    # A mean plus a weighted auxiliary mean is a mean over the batch: accepted.
+    out = model(x)
+    aux = paddle.nn.functional.cross_entropy(out, y) + 0.1 * (out**2).mean()
+    assert session.step(aux) is None
 
 
 def test_per_sample_losses_make_the_same_steps_as_the_mean(tmp_path: Path) -> None:
