@@ -109,13 +109,12 @@ class Lifecycle:
 
 # The autograd nodes of a mean over the micro-batch (``paddle.mean``, a loss's default
 # ``reduction="mean"``); those a mean passes through unchanged; those that add means (a
-# loss plus a weighted auxiliary loss is still a mean over the batch); and those of the
-# API's older form, a sum divided by a constant.
+# loss plus a weighted auxiliary loss is still a mean over the batch); and those that scale
+# by a constant (over a sum: the API's older form, a sum divided by the global batch).
 _MEAN_NODES = frozenset({"MeanAllGradNode", "MeanGradNode"})
 _TRANSPARENT_NODES = frozenset({"CastGradNode"})
 _SUM_OF_MEANS = frozenset({"AddGradNode", "SubtractGradNode"})
 _SCALED = frozenset({"ScaleGradNode", "DivScaleGradNode"})
-_SUMMED_FORM = frozenset({"DivScaleGradNode", "ScaleGradNode", "DivideGradNode"})
 
 _HOW = (
     "pass the micro-batch's mean (a loss's default reduction='mean') or its per-sample "
@@ -155,7 +154,9 @@ def _last_op(loss: Any) -> str:
 
 def _feeds_a_sum(loss: Any) -> bool:
     node = getattr(loss, "grad_fn", None)
-    return node is not None and any(n.name() == "SumGradNode" for n in node.next_functions)
+    return node is not None and any(
+        n is not None and n.name() == "SumGradNode" for n in node.next_functions
+    )
 
 
 def weighted_loss(loss: Any, mb: MicroBatch) -> Any:
@@ -184,7 +185,7 @@ def weighted_loss(loss: Any, mb: MicroBatch) -> Any:
     if _is_mean(getattr(loss, "grad_fn", None)):
         return loss * mb.weight
     op = _last_op(loss)
-    if op in _SUMMED_FORM and _feeds_a_sum(loss):
+    if op in _SCALED and _feeds_a_sum(loss):
         raise LossContractError(
             f"{where(mb)}: session.step() got a summed loss divided by a constant (its "
             "last operation divides a sum). That was this API's older form (sum over the "

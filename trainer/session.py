@@ -212,6 +212,8 @@ class ElasticSession:
         self._last_reduce_s = 0.0
         # A prepared worker's optimizer took a step ahead (its accumulators exist).
         self._optimizer_warmed = False
+        # A warm-up ran before attach: its gradients are still on the parameters.
+        self._warm_grads_left = False
         # The pod leaves after the coordinated checkpoint it was told of (no handover then).
         self._leaving = False
         # Rank 0: a state restored from memory or a peer, made durable at the first step
@@ -262,6 +264,9 @@ class ElasticSession:
         paddle.set_rng_state(rng)
         if self._optimizer is not None:
             self._optimizer.clear_grad()
+        else:
+            # Attached after the group (the canonical order): attach clears them.
+            self._warm_grads_left = True
         logger.info(
             "prewarmed worker pid %d warmed up in %.3fs", os.getpid(), time.monotonic() - started
         )
@@ -383,6 +388,9 @@ class ElasticSession:
         self._optimizer = optimizer
         self._lr = lr_scheduler
         self._scaler = scaler
+        if self._warm_grads_left:
+            optimizer.clear_grad()
+            self._warm_grads_left = False
         if self.lifecycle.grouped and self.env.prepared:
             self._warm_optimizer()
 

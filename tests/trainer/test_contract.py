@@ -124,6 +124,23 @@ def test_attach_after_the_group_still_warms_a_prepared_workers_optimizer(
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_warm_up_before_attach_leaves_no_gradients_for_the_first_step(
+    tmp_path: Path,
+) -> None:
+    import paddle
+
+    session = _session(tmp_path, 1)
+    model, opt = _model()
+
+    def grads() -> float:
+        return sum(float(p.grad.abs().sum()) for p in model.parameters() if p.grad is not None)
+
+    session._warm_up(lambda: model(paddle.ones([2, 3, 8, 8])).mean().backward())
+    assert grads() > 0
+    session.attach(model, opt)
+    assert grads() == 0
+
+
 # -- the loss -------------------------------------------------------------------------------
 
 
