@@ -116,14 +116,13 @@ class PlannedBatch:
         return {**self.__dict__, "gate": None}
 
     def __iter__(self) -> Iterator[int]:
-        in_process = self.gate is not None and threading.current_thread() is not (
-            threading.main_thread()
-        )
         saved = None
-        if in_process:
-            # num_workers=0: the loader's thread, beside the training loop.
-            assert self.gate is not None
-            self.gate.wait_turn(self.run, self.seq, _loader_stopped)
+        if self.gate is not None:
+            # In the training process (a worker process gets no gate): num_workers=0's
+            # loader thread, beside the training loop, waits its turn; either way the
+            # loop's generator states are put back after the fetch.
+            if threading.current_thread() is not threading.main_thread():
+                self.gate.wait_turn(self.run, self.seq, _loader_stopped)
             saved = _SavedRng()
         try:
             for i in self.ids:
