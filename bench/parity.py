@@ -21,6 +21,14 @@ to the fixed run's magnitude.
   FAILED, at most ``crash_loop_budget`` (bench/crashloop.py, which also measures the backoff).
 - ``virtual_rank_throughput_ratio``: samples/s with 4 virtual ranks over the plain mode, both
   at 2 workers, same script and batch, median step time after warm-up.
+- ``augmentation_rel_diff``: the BatchNorm CNN with 4 virtual ranks, random flips and noise
+  drawn from Paddle's RNG inside ``__getitem__`` and 2 DataLoader worker processes, on the
+  chain against a fixed run (the session seeds each sample's fetch, trainer/dataloader.py).
+- ``loader_workers_deterministic``: 1 when two identical fixed runs of that script are
+  bit-identical, with 2 loader workers and with ``num_workers=0`` (the loader's thread).
+- ``forgotten_sampler_detected``: 1 when the script with a plain ``DataLoader(shuffle=True)``
+  instead of ``session.batch_sampler()`` stops at step 1 naming that cause, no step taken;
+  ``summed_loss_refused``: the same for a loss summed and divided by the global batch.
 
     python -m bench.parity --quick   # short runs, about 3 minutes here
     python -m bench.parity           # longer runs
@@ -48,6 +56,7 @@ from services.testing.parity import (
     max_rel_loss_diff,
     max_rel_param_diff,
 )
+from trainer.contract import FORGOTTEN_SAMPLER
 
 BN = str(ROOT / "trainer" / "examples" / "train_bn.py")
 CHAIN = (2, 3, 1, 2)
@@ -72,6 +81,43 @@ def rel_diff(run: Path, fixed: Path) -> float:
 def parity(workdir: Path, example: str, args: Sequence[str], steps: int) -> float:
     fixed = reference_run(workdir / "fixed", [*args, "--steps", str(steps)], 2, example=example)
     return rel_diff(chain(workdir / "chain", example, args, steps), fixed)
+
+
+def identical(a: Path, b: Path) -> bool:
+    return final_losses(a) == final_losses(b) and rel_diff(a, b) == 0.0
+
+
+def stops_at_step_1(workdir: Path, args: Sequence[str], cause: str) -> int:
+    """1 when the script fails on every rank before its first step, naming ``cause``."""
+    try:
+        reference_run(workdir, args, 2, example=BN)
+    except RuntimeError:
+        logs = [(workdir / f"ref-rank{r}.log").read_text() for r in range(2)]
+        named = all("step 1 (micro-batch 1" in log and cause in log for log in logs)
+        return int(named and not loss_records(workdir / "logs"))
+    return 0
+
+
+def contract(workdir: Path, data: Sequence[str], steps: int) -> dict[str, Any]:
+    """The data path's random streams and the checks at step 1 (issue 27)."""
+    aug = [*data, "--virtual-ranks", "4", "--augment", "--width", "4"]
+    workers = [*aug, "--loader-workers", "2"]
+    fixed = reference_run(workdir / "aug-fixed", [*workers, "--steps", str(steps)], 2, example=BN)
+    again = reference_run(workdir / "aug-again", [*workers, "--steps", str(steps)], 2, example=BN)
+    thread = [*aug, "--steps", str(steps // 2)]
+    t1 = reference_run(workdir / "thread-a", thread, 2, example=BN)
+    t2 = reference_run(workdir / "thread-b", thread, 2, example=BN)
+    short = [*aug, "--steps", "4"]
+    return {
+        "augmentation_rel_diff": rel_diff(chain(workdir / "aug", BN, workers, steps), fixed),
+        "loader_workers_deterministic": int(identical(fixed, again) and identical(t1, t2)),
+        "forgotten_sampler_detected": stops_at_step_1(
+            workdir / "forgot", [*short, "--forget-sampler"], FORGOTTEN_SAMPLER
+        ),
+        "summed_loss_refused": stops_at_step_1(
+            workdir / "summed", [*short, "--summed-loss"], "older form"
+        ),
+    }
 
 
 def step_s(log_dir: Path) -> float:
@@ -103,6 +149,7 @@ def run(quick: bool, workdir: Path) -> dict[str, Any]:
     except AssertionError as exc:
         result["dataloader_exactly_once"] = 0
         result["dataloader_error"] = str(exc)
+    result.update(contract(workdir / "contract", data, steps))
     # Throughput: a heavier batch so that compute, not Python, dominates a step.
     heavy = ["--dataset-size", "2048", "--global-batch", "128", "--width", "16", "--seed", "1"]
     heavy += ["--steps", str(30 if quick else 80)]
@@ -115,13 +162,17 @@ def run(quick: bool, workdir: Path) -> dict[str, Any]:
     result["virtual_rank_throughput_ratio"] = round(plain / virtual, 3)
     result.update(crashloop.parity_keys(workdir / "crashloop"))
     result["wall_s"] = round(time.monotonic() - started, 1)
-    for key in ("mlp", "batchnorm", "batchnorm_plain", "dataparallel"):
+    for key in ("mlp", "batchnorm", "batchnorm_plain", "dataparallel", "augmentation"):
         result[f"{key}_rel_diff"] = float(f"{result[f'{key}_rel_diff']:.3g}")
     result["targets_met"] = (
         result["mlp_rel_diff"] <= 1e-5
         and result["batchnorm_rel_diff"] <= 1e-5
         and result["dataparallel_rel_diff"] <= 1e-5
         and result["dataloader_exactly_once"] == 1
+        and result["augmentation_rel_diff"] <= 1e-5
+        and result["loader_workers_deterministic"] == 1
+        and result["forgotten_sampler_detected"] == 1
+        and result["summed_loss_refused"] == 1
     )
     return result
 

@@ -13,6 +13,7 @@ The loss must then be normalised by that step's ``global_batch_size``, which eve
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -70,6 +71,13 @@ class StepPlan:
     local_indices: IndexArray
     # The whole global batch, in order; the same on every rank.
     global_indices: IndexArray
+
+
+def derive_seed(*parts: object) -> int:
+    """A 31-bit seed from where a random draw sits in the run (seed, step, sample...), never
+    from who draws it: every seed of the data path and of virtual ranks is made here."""
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 @lru_cache(maxsize=4)

@@ -1,23 +1,25 @@
 """The elastic session a training script calls: rank, restore, sampler, step hook, checkpoints.
 
-A script looks like this (see trainer/examples/train_mlp.py, and docs/trainer.md for a stock
-Paddle loop with a DataLoader before and after)::
+A script looks like this (see trainer/examples/train_bn.py, and docs/trainer.md for a stock
+Paddle loop before and after; trainer/contract.py checks the order)::
 
     session = ElasticSession.from_env(SessionConfig(dataset_size=N, global_batch=B, seed=0,
                                                     max_steps=100, checkpoint_dir="ckpt"))
+    model, optimizer = build()
+    session.init_process_group(warmup=warmup)
     session.attach(model, optimizer, lr_scheduler)
-    session.init_process_group()
     session.restore()
-    for mb in session.plans():          # or: for x, y in DataLoader(ds, batch_sampler=
-        loss = mean_loss(mb.local_indices)  #                    session.batch_sampler()):
-        session.step(loss)
+    for x, y in session.data_loader(dataset, num_workers=2):   # or session.plans()
+        session.step(F.cross_entropy(model(x), y))
     session.finish()
 
-``step(loss)`` takes the micro-batch's *mean* loss and makes the step's gradient the global
-batch's, with the session's own gradient sum or under ``paddle.DataParallel``, with AMP,
-gradient accumulation and virtual ranks (trainer/stepper.py). At the end of each global step
-it runs the step-boundary hook: sample-id and loss logs, progress to the launcher, periodic
-checkpoints, and the stop-step agreement that makes CHECKPOINT/HOLD/RESUME safe.
+``step(loss)`` takes the micro-batch's *mean* loss or its per-sample losses, refuses other
+reductions, and makes the step's gradient the global batch's, with the session's own
+gradient sum or under ``paddle.DataParallel``, with AMP, gradient accumulation and virtual
+ranks (trainer/stepper.py). Before that it checks that the batch is the one planned. At
+the end of each global step it runs the step-boundary hook: sample-id and loss logs,
+progress to the launcher, periodic checkpoints, and the stop-step agreement that makes
+CHECKPOINT/HOLD/RESUME safe.
 
 Stop-step agreement: every step ends with an all_reduce(max) of [stop_step, checkpoint, exit]
 as each rank knows them, so one rank that heard CHECKPOINT(S) in time makes every rank stop
@@ -42,6 +44,7 @@ from trainer.checkpoint import (
     PeriodicSchedule,
     WrittenCheckpoint,
 )
+from trainer.contract import Deliveries, Lifecycle, UsageError
 from trainer.distenv import (
     GENERATION_ENV,
     PREWARM_ENV,
@@ -168,6 +171,12 @@ class ElasticSession:
         # A directory (or PVC), or object storage through fsspec (trainer/objstore.py).
         self.store: DurableStore = make_store(config.checkpoint_dir, keep=config.checkpoint.keep)
         self.timings = Timings()
+        # The order of the script's calls, and the batches that reached its loop
+        # (trainer/contract.py).
+        self.lifecycle = Lifecycle()
+        self.deliveries = Deliveries()
+        # The sample ids the current step's delivered batches held (the sample log's).
+        self._delivered: list[int] = []
         self.step_done = 0
         self.restored_step = 0
         self._model: Any = None
@@ -203,6 +212,8 @@ class ElasticSession:
         self._last_reduce_s = 0.0
         # A prepared worker's optimizer took a step ahead (its accumulators exist).
         self._optimizer_warmed = False
+        # A warm-up ran before attach: its gradients are still on the parameters.
+        self._warm_grads_left = False
         # The pod leaves after the coordinated checkpoint it was told of (no handover then).
         self._leaving = False
         # Rank 0: a state restored from memory or a peer, made durable at the first step
@@ -253,6 +264,9 @@ class ElasticSession:
         paddle.set_rng_state(rng)
         if self._optimizer is not None:
             self._optimizer.clear_grad()
+        else:
+            # Attached after the group (the canonical order): attach clears them.
+            self._warm_grads_left = True
         logger.info(
             "prewarmed worker pid %d warmed up in %.3fs", os.getpid(), time.monotonic() - started
         )
@@ -299,6 +313,7 @@ class ElasticSession:
         ``warmup`` (a forward and backward on a dummy batch) runs in a prewarmed worker before
         it waits: a process's first backward is several times slower than the next ones, and
         this moves that cost out of the pause. Gradients are cleared and the RNG put back."""
+        self.lifecycle.init_process_group()
         if self.env.prewarm:
             if warmup is not None:
                 self._warm_up(warmup)
@@ -364,11 +379,20 @@ class ElasticSession:
         self, model: Any, optimizer: Any, lr_scheduler: Any = None, scaler: Any = None
     ) -> None:
         """The training state: a model (plain or ``paddle.DataParallel``), its optimizer, an
-        LR scheduler stepped once per global step, an AMP ``GradScaler``. Before restore."""
+        LR scheduler stepped once per global step, an AMP ``GradScaler``. Once, before
+        restore; before or after :meth:`init_process_group` (after it to wrap the model in
+        ``paddle.DataParallel``): a prepared worker warms the optimizer in whichever comes
+        second."""
+        self.lifecycle.attach()
         self._model = model
         self._optimizer = optimizer
         self._lr = lr_scheduler
         self._scaler = scaler
+        if self._warm_grads_left:
+            optimizer.clear_grad()
+            self._warm_grads_left = False
+        if self.lifecycle.grouped and self.env.prepared:
+            self._warm_optimizer()
 
     @property
     def stepper(self) -> Stepper:
@@ -388,10 +412,18 @@ class ElasticSession:
     def batch_sampler(self) -> Any:
         """A ``paddle.io.BatchSampler`` of this rank's micro-batches from the restored step
         on, for ``paddle.io.DataLoader(dataset, batch_sampler=...)``: workers, prefetching
-        and collate functions keep working. Call :meth:`step` once per batch."""
+        and collate functions keep working. Call :meth:`step` once per batch. Its batches
+        seed the loader's random streams per sample (trainer/dataloader.py)."""
         from trainer.dataloader import TideBatchSampler
 
         return TideBatchSampler(self)
+
+    def data_loader(self, dataset: Any, **kwargs: Any) -> Any:
+        """``paddle.io.DataLoader(dataset, batch_sampler=self.batch_sampler(), **kwargs)``
+        with Tide's ``worker_init_fn`` (the script's own runs after it)."""
+        from trainer.dataloader import data_loader
+
+        return data_loader(self, dataset, **kwargs)
 
     def micro_batches(self, step: int) -> list[MicroBatch]:
         """This rank's micro-batches of global step ``step``."""
@@ -411,6 +443,7 @@ class ElasticSession:
         fewer steps; every checkpoint of the job lies on the same trajectory. Where it comes
         from (the pod's memory, a peer over the new group, the durable store) is
         trainer/restore.py's rule: a planned resize reads nothing from disk."""
+        self.lifecycle.restore()
         if self.env.prepared:
             # A stayer's state is in its pod's memory once its pod's worker held; a newcomer
             # takes it from a peer as soon as those stayers join the broadcast.
@@ -525,27 +558,44 @@ class ElasticSession:
     def current(self) -> MicroBatch | None:
         """The micro-batch the next :meth:`step` call is for (a DataLoader loop can check
         its batch against it); None when the budget is done."""
+        self.lifecycle.training("session.current")
         return self._current()
 
     def plans(self) -> Iterator[MicroBatch]:
         """This rank's micro-batches, one by one, until the budget is done."""
+        self.lifecycle.training("session.plans()")
         while (mb := self._current()) is not None:
+            self.deliveries.planned(mb)
             yield mb
             if self._current() is mb:
-                raise RuntimeError(f"step {mb.step}: call session.step(loss) inside the loop")
+                raise UsageError(f"step {mb.step}: call session.step(loss) inside the loop")
 
-    def step(self, loss: Any) -> float | None:
-        """Backward of the current micro-batch's *mean* loss (None: this rank ran no forward,
-        plain models only); after a rank's last micro-batch of the step, the sum over ranks,
-        the optimizer (and scaler, LR scheduler) step and the step-boundary hook. Returns the
-        global batch's mean loss after the step's last micro-batch, else None."""
+    def step(self, loss: Any, indices: Any = None) -> float | None:
+        """Backward of the current micro-batch's loss: its *mean*, or its per-sample losses
+        (None: this rank ran no forward, plain models only); after a rank's last
+        micro-batch of the step, the sum over ranks, the optimizer (and scaler, LR
+        scheduler) step and the step-boundary hook. Returns the global batch's mean loss
+        after the step's last micro-batch, else None.
+
+        Before the backward it checks that the batch came from :meth:`batch_sampler` (or
+        :meth:`plans`) for this very micro-batch, and ``indices``, the sample ids the batch
+        carries, if given; and that the loss is a mean or per-sample (trainer/contract.py)."""
+        self.lifecycle.training("session.step()")
         mb = self._current()
         if mb is None:
-            raise RuntimeError("session.step() after the last step")
+            raise UsageError(
+                f"session.step() after the last step ({self.config.max_steps}): end the loop "
+                "when the batch sampler (or session.plans()) ends, then call session.finish()"
+            )
+        ids = self.deliveries.check(mb, indices)
         stepper = self.stepper
         if self.timings.first_step_at == 0.0 and not self._first_parts:
             self._first_parts["forward_s"] = time.monotonic() - self._first_step_started
-        stepper.backward(mb, loss)
+        term = stepper.weighted(mb, loss)
+        self.deliveries.consumed(mb)
+        if not mb.padding:
+            self._delivered.extend(ids)
+        stepper.backward(mb, term)
         if self.timings.first_step_at == 0.0 and "backward_s" not in self._first_parts:
             self._first_parts["backward_s"] = (
                 time.monotonic() - self._first_step_started - self._first_parts["forward_s"]
@@ -553,6 +603,7 @@ class ElasticSession:
         self._mi += 1
         if not mb.last:
             self._current()
+            self.deliveries.stepped()
             return None
         assert self._micro is not None
         step_micro = self._micro
@@ -566,11 +617,13 @@ class ElasticSession:
         self._micro = None
         self._end_of_step(step_micro)
         self._current()
+        self.deliveries.stepped()
         return self._global_loss
 
     def _end_of_step(self, micro: list[MicroBatch]) -> None:
         plan = micro[0]
-        ids = [int(i) for mb in micro if not mb.padding for i in mb.local_indices]
+        # What the loader delivered (checked equal to the plan), not the plan itself.
+        ids, self._delivered = self._delivered, []
         self.step_done = plan.step
         now = time.monotonic()
         if self.timings.first_step_at == 0.0:
@@ -815,6 +868,7 @@ class ElasticSession:
         # A durable write under way gets a moment; the next generation's rank 0 writes the
         # state it restored if this one is cut short (and so does this one, if it restored
         # from memory and has not checked yet).
+        self.deliveries.close()
         self._persist_pending_restore()
         self.persist.wait(EXIT_PERSIST_WAIT_S)
         self._report_written()
@@ -824,6 +878,8 @@ class ElasticSession:
     def finish(self) -> None:
         """The budget is done: write a final checkpoint and tell the launcher. The model
         then holds virtual rank 0's buffers (with virtual ranks), ready to export."""
+        self.lifecycle.finish()
+        self.deliveries.close()
         if self._stepper is not None:
             self._stepper.use_virtual_rank_0()
         if self.rank == 0 and self.step_done > 0:

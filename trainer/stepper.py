@@ -1,10 +1,12 @@
 """One global step's arithmetic: micro-batches, the loss contract, the gradient sum, AMP.
 
-**The loss contract.** ``session.step(loss)`` takes what a stock Paddle loop computes: the
-*mean* loss over the micro-batch it just ran (``F.cross_entropy(model(x), y)``). The
-stepper multiplies it by the micro-batch's weight (its size over the global batch's), so
-that the gradients of all micro-batches of all ranks *sum* to the gradient of the mean loss
-over the global batch, whatever the world size:
+**The loss contract** (trainer/contract.py: ``weighted_loss``). ``session.step(loss)`` takes
+what a stock Paddle loop computes, the *mean* loss over the micro-batch it just ran
+(``F.cross_entropy(model(x), y)``), or the per-sample losses (``reduction="none"``). The
+stepper weights a mean by the micro-batch's size over the global batch's, and divides the
+sum of per-sample losses by the global batch's size, so that the gradients of all
+micro-batches of all ranks *sum* to the gradient of the mean loss over the global batch,
+whatever the world size; any other reduction is refused:
 
 - with the session's own sum (a plain model), one ``all_reduce(SUM)`` of every gradient,
   the step's loss and the virtual ranks' state, as one flat tensor;
@@ -31,14 +33,14 @@ a consequence.) The scaler's state is checkpointed.
 
 from __future__ import annotations
 
-import hashlib
 import io
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from trainer.sampler import MicroBatch
+from trainer.contract import weighted_loss
+from trainer.sampler import MicroBatch, derive_seed
 
 VIRTUAL = "virtual.npy"
 
@@ -46,8 +48,7 @@ VIRTUAL = "virtual.npy"
 def micro_seed(seed: int, step: int, virtual_rank: int, index: int) -> int:
     """The RNG seed of one virtual micro-batch: a function of where it sits, not of who
     runs it."""
-    digest = hashlib.sha256(f"{seed}:{step}:{virtual_rank}:{index}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    return derive_seed(seed, step, virtual_rank, index)
 
 
 class Stepper:
@@ -135,22 +136,25 @@ class Stepper:
         if self.virtual_ranks and not mb.padding:
             paddle.seed(micro_seed(self.seed, mb.step, mb.virtual_rank, mb.chunk))
 
-    def backward(self, mb: MicroBatch, loss: Any) -> None:
-        """Backward of ``mb``'s mean loss, weighted (see the module docstring)."""
+    def weighted(self, mb: MicroBatch, loss: Any) -> Any:
+        """``mb``'s term of the global batch's mean loss (see the module docstring); raises
+        (trainer/contract.py) for a loss whose reduction it cannot weight, before any
+        backward."""
         import paddle
 
         if loss is None:
             if self.data_parallel:
                 raise ValueError("with paddle.DataParallel every micro-batch needs a loss")
             # No forward ran: zero gradients still join the sum.
-            loss = paddle.add_n([p.sum() * 0.0 for p in self.model.parameters()])
-            weight = 0.0
-        else:
-            weight = mb.weight
-            if weight:
-                self._loss_sum += float(loss) * weight
-        scale = weight * (self.world_size if self.data_parallel else 1)
-        weighted = loss * scale
+            return paddle.add_n([p.sum() * 0.0 for p in self.model.parameters()])
+        return weighted_loss(loss, mb)
+
+    def backward(self, mb: MicroBatch, term: Any) -> None:
+        """Backward of ``mb``'s weighted term (:meth:`weighted`)."""
+        if not mb.padding:
+            self._loss_sum += float(term)
+        # DataParallel's reducer averages over the ranks: the term times W makes it a sum.
+        weighted = term * self.world_size if self.data_parallel else term
         if self.scaler is not None:
             weighted = self.scaler.scale(weighted)
         weighted.backward()

@@ -22,8 +22,7 @@ from typing import Any
 import numpy as np
 import paddle
 
-from trainer.checkpoint import CheckpointSettings
-from trainer.session import ElasticSession, SessionConfig
+from trainer import CheckpointSettings, ElasticSession, SessionConfig
 
 CHANNELS, SIZE, CLASSES = 3, 8, 4
 
@@ -31,14 +30,23 @@ CHANNELS, SIZE, CLASSES = 3, 8, 4
 class SyntheticImages(paddle.io.Dataset[tuple[np.ndarray, np.int64, np.int64]]):
     """Gaussian images labelled by a fixed random linear teacher; item i is (x, y, i)."""
 
-    def __init__(self, size: int, seed: int) -> None:
+    def __init__(self, size: int, seed: int, augment: bool = False) -> None:
+        self.augment = augment
         rng = np.random.Generator(np.random.PCG64(seed + 7_000_003))
         self.x = rng.standard_normal((size, CHANNELS, SIZE, SIZE)).astype(np.float32)
         teacher = rng.standard_normal((CHANNELS * SIZE * SIZE, CLASSES)).astype(np.float32)
         self.y = np.argmax(self.x.reshape(size, -1) @ teacher, axis=1).astype(np.int64)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.int64, np.int64]:
-        return self.x[i], self.y[i], np.int64(i)
+        x = self.x[i]
+        if self.augment:
+            # A random horizontal flip and a little noise, drawn from Paddle's global RNG
+            # inside the loader (a worker process, or the loader's thread): the session
+            # seeds it per sample, so it is the same in any world and any worker.
+            if float(paddle.rand([1]).numpy()[0]) < 0.5:
+                x = x[:, :, ::-1]
+            x = x + 0.1 * paddle.randn(x.shape).numpy()
+        return np.ascontiguousarray(x, dtype=np.float32), self.y[i], np.int64(i)
 
     def __len__(self) -> int:
         return len(self.x)
@@ -72,18 +80,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-parallel", action="store_true", help="wrap in paddle.DataParallel")
     p.add_argument("--amp", action="store_true", help="paddle.amp with a GradScaler")
     p.add_argument("--loader-workers", type=int, default=0, help="DataLoader num_workers")
+    p.add_argument("--augment", action="store_true", help="random flips and noise, Paddle RNG")
     p.add_argument("--ckpt-dir", default="ckpt")
     p.add_argument("--ckpt-every-steps", type=int, default=0)
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--log-dir", default="")
     p.add_argument("--step-delay-s", type=float, default=0.0)
+    # Two mistakes the session stops at step 1 (tests and bench/parity.py show it does).
+    p.add_argument(
+        "--forget-sampler",
+        action="store_true",
+        help="a plain DataLoader(shuffle=True) without session.batch_sampler()",
+    )
+    p.add_argument(
+        "--summed-loss", action="store_true", help="sum / global batch, the API's older form"
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    dataset = SyntheticImages(args.dataset_size, args.seed)
+    dataset = SyntheticImages(args.dataset_size, args.seed, args.augment)
     session = ElasticSession.from_env(
         SessionConfig(
             dataset_size=len(dataset),
@@ -115,21 +133,25 @@ def main(argv: list[str] | None = None) -> int:
     session.init_process_group(warmup=warmup)
     model: Any = net
     if args.data_parallel and session.world_size > 1:
+        # After the group (DataParallel needs it), before attach.
         model = paddle.DataParallel(net)
     session.attach(model, optimizer, lr, scaler)
     session.restore()
-    loader = paddle.io.DataLoader(
-        dataset, batch_sampler=session.batch_sampler(), num_workers=args.loader_workers
-    )
-    for x, y, idx in loader:
-        mb = session.current
-        assert mb is not None and idx.numpy().tolist() == mb.local_indices.tolist(), (
-            "the DataLoader delivered other samples than the session planned"
+    loader = session.data_loader(dataset, num_workers=args.loader_workers)
+    if args.forget_sampler:
+        loader = paddle.io.DataLoader(
+            dataset, batch_size=args.global_batch, shuffle=True, num_workers=args.loader_workers
         )
+    for x, y, idx in loader:
         with paddle.amp.auto_cast(enable=args.amp):
-            loss = paddle.nn.functional.cross_entropy(model(x), y)
-        session.step(loss)
-        if args.step_delay_s and mb.last:
+            if args.summed_loss:
+                loss = paddle.nn.functional.cross_entropy(model(x), y, reduction="sum")
+                loss = loss / args.global_batch
+            else:
+                loss = paddle.nn.functional.cross_entropy(model(x), y)
+        # The batch carries its sample ids: the session checks them against its plan.
+        last = session.step(loss, indices=idx) is not None
+        if args.step_delay_s and last:
             time.sleep(args.step_delay_s)
     session.finish()
     if args.log_dir and session.rank == 0:

@@ -15,8 +15,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from trainer.checkpoint import CheckpointSettings
-from trainer.session import ElasticSession, SessionConfig
+from trainer import CheckpointSettings, ElasticSession, SessionConfig
 
 FEATURES = 32
 CLASSES = 4
@@ -78,13 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(args.hidden)
     lr = paddle.optimizer.lr.StepDecay(learning_rate=args.lr, step_size=50, gamma=0.5)
     optimizer = paddle.optimizer.Adam(learning_rate=lr, parameters=model.parameters())
-    session.attach(model, optimizer, lr)
 
     def warmup() -> None:
         logits = model(paddle.to_tensor(x_all[:8]))
         paddle.nn.functional.cross_entropy(logits, paddle.to_tensor(y_all[:8])).backward()
 
+    # The canonical order (docs/trainer.md): group, attach, restore.
     session.init_process_group(warmup=warmup)
+    session.attach(model, optimizer, lr)
     session.restore()
     for mb in session.plans():
         logits = model(paddle.to_tensor(x_all[mb.local_indices]))

@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from trainer.checkpoint import CheckpointSettings
-from trainer.session import ElasticSession, SessionConfig
+from trainer import CheckpointSettings, ElasticSession, SessionConfig
 
 VOCAB, LENGTH, CLASSES = 64, 16, 4
 
@@ -103,9 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     session.init_process_group()
     session.attach(model, optimizer, lr, scaler)
     session.restore()
-    loader = paddle.io.DataLoader(
-        dataset, batch_sampler=session.batch_sampler(), num_workers=args.loader_workers
-    )
+    loader = session.data_loader(dataset, num_workers=args.loader_workers)
     for tokens, labels in loader:
         with paddle.amp.auto_cast(enable=args.amp):
             loss = paddle.nn.functional.cross_entropy(model(tokens), labels)
