@@ -13,8 +13,12 @@ commands ``--token``. Every flag, env var and default is written here only.
 | ``--token T`` (admin commands; prefer ``--token-file``) | TIDE_ADMIN_TOKEN | |
 | ``--timeout-s S`` | | 5 |
 | ``--tls-ca-file``, ``--tls-client-cert-file``, ``--tls-client-key-file``, ``--token-file`` | TIDE_TLS_CA_FILE, TIDE_TLS_CLIENT_CERT_FILE, TIDE_TLS_CLIENT_KEY_FILE, TIDE_TOKEN_FILE | |
+| ``--tls-server-name NAME`` | TIDE_TLS_SERVER_NAME | (the host of ``--scaler``) |
 
-The last four are every Tide client's (tidebase.credentials).
+The four files are every Tide client's (tidebase.credentials). The server name is the
+CLI's: through ``kubectl port-forward`` the scaler answers on 127.0.0.1 with a
+certificate for its Service's names, and the chart sets all five in the scaler's own
+pod, so ``kubectl exec deploy/<release>-scaler -- tide ...`` needs no flag.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class Connection:
     tls_client_cert_file: str = ""
     tls_client_key_file: str = ""
     token_file: str = ""
+    #: The name the scaler's certificate must hold ("": the host of ``scaler``).
+    tls_server_name: str = ""
     #: Admin commands only: the bearer token of admin calls.
     token: str = ""
     #: Read commands only: read this SQL store instead of asking the scaler.
@@ -67,6 +73,7 @@ class Connection:
             token=self.token,
             timeout_s=self.timeout_s,
             credentials=ClientCredentials.of(self),
+            server_name=self.tls_server_name,
         )
 
     def history(self) -> GrpcScaler | SqlHistory:
@@ -142,6 +149,11 @@ _TLS = tuple(
         ("tls_client_cert_file", ENV_TLS_CLIENT_CERT_FILE, "client certificate (PEM), mTLS"),
         ("tls_client_key_file", ENV_TLS_CLIENT_KEY_FILE, "client key (PEM), mTLS"),
         ("token_file", ENV_TOKEN_FILE, "file holding a bearer token"),
+        (
+            "tls_server_name",
+            "TIDE_TLS_SERVER_NAME",
+            "name the scaler's certificate must hold (through a port-forward: its Service's)",
+        ),
     )
 )
 

@@ -14,6 +14,7 @@ simulate.py (a simulated cluster), admin.py (scale, pause, resume), localmode.py
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
@@ -42,6 +43,10 @@ __all__ = ["app", "main"]
 
 
 def main() -> None:
+    # A process started with SIGINT ignored (a background job of a non-interactive shell:
+    # CI, a test runner) would otherwise never stop on it; like kubectl, which takes the
+    # signal back, Ctrl-C or `kill -INT` stops every command.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         app()
     except errors.TideError as exc:  # a command that did not catch its own

@@ -71,9 +71,14 @@ def test_the_decorator_builds_one_connection_from_the_flags() -> None:
         tls_client_cert_file="",
         tls_client_key_file="",
         token_file="",
+        tls_server_name="tide-scaler.tide-system.svc",
     )
     assert out == "ns/a"
-    assert seen == [Connection("h:1", 2.0, "ca", "", "", "", token="t", db="sqlite://")]
+    assert seen == [
+        Connection(
+            "h:1", 2.0, "ca", "", "", "", "tide-scaler.tide-system.svc", token="t", db="sqlite://"
+        )
+    ]
     assert seen[0].offline
 
 
