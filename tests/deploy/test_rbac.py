@@ -13,9 +13,9 @@ import pytest
 from tests.support.chart import (
     EXAMPLES,
     NAMESPACE,
-    HelmFailed,
     PRODUCTION,
     SMALL,
+    HelmFailed,
     Rendered,
     helm,
     render,
@@ -127,7 +127,7 @@ def test_watched_namespaces_limit_the_job_rules_to_them() -> None:
     (capacity,) = bound["tide-scaler-capacity"]
     assert capacity["kind"] == "ClusterRoleBinding"
     # Without watched namespaces, cluster-wide only as an explicit choice.
-    with pytest.raises(HelmFailed, match="rbac.clusterWide"):
+    with pytest.raises(HelmFailed, match=r"rbac\.clusterWide"):
         render(SMALL, sets={"scaler.watchNamespaces": "null"})
     wide = render(SMALL, sets={"scaler.watchNamespaces": "null", "rbac.clusterWide": "true"})
     bound = roles_bound_to(wide, "tide-scaler")
