@@ -50,6 +50,8 @@ def test_demo_scales_2_4_2_and_loses_nothing(tmp_path: Path) -> None:
     )
     out = r.stdout
     assert r.returncode == 0, out + r.stderr[-3000:]
+    # A healthy run is quiet (issue 32): no WARNING or ERROR, not even before the first line.
+    assert not [ln for ln in (out + r.stderr).splitlines() if " WARNING " in ln or " ERROR " in ln]
     # Plain progress lines, not a live view, when stdout is a pipe.
     assert "[" in out and "phase high load: synthetic GPU load 95%" in out
     assert "phase low load: synthetic GPU load 15%" in out
