@@ -7,7 +7,8 @@ The app and what commands share are in services/cli/app.py, the connection
 options in connection.py; each group of commands is a module: read.py (jobs,
 history, explain), chart.py, whatif.py (replay history under another policy),
 simulate.py (a simulated cluster), admin.py (scale, pause, resume), localmode.py
-(up, demo), schema.py (db upgrade, downgrade), job.py (job apply); output.py is the
+(up, demo), schema.py (db upgrade, downgrade), job.py (job apply), contexts.py
+(config set-context, use-context, get-contexts, current-context); output.py is the
 ``-o`` of every read command, follow.py the WatchDecisions of ``history -w`` and
 ``scale --wait``. They are registered here, once.
 """
@@ -19,7 +20,7 @@ import sys
 
 import typer
 
-from services.cli import admin, chart, job, localmode, read, schema, simulate, whatif
+from services.cli import admin, chart, contexts, job, localmode, read, schema, simulate, whatif
 from services.cli.app import app, db_app, exit_code_of, job_app
 from tidebase import errors
 
@@ -36,6 +37,7 @@ app.command("resume")(admin.resume_cmd)
 job_app.command("apply")(job.apply_cmd)
 app.command("up")(localmode.up_cmd)
 app.command("demo")(localmode.demo_cmd)
+app.add_typer(contexts.config_app, name="config")
 db_app.command("upgrade")(schema.db_upgrade)
 db_app.command("downgrade")(schema.db_downgrade)
 

@@ -438,7 +438,6 @@ def _print_states(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
         )
 
 
-
 def _print_utilization(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
     start = field_datetime(detail.decision, "created_at")
     console.print("\n[bold]Utilization around it[/bold] (per minute, UTC)")
