@@ -242,9 +242,13 @@ class CoordinatorLink:
                     )
                 elif reader in done:
                     reader.result()
-                    logger.warning(
-                        "directive stream of member %s ended; reconnecting", self.member_id
-                    )
+                    if self._leaving():
+                        # Drained or finished: the coordinator ended the stream on purpose.
+                        logger.info("directive stream of member %s ended", self.member_id)
+                    else:
+                        logger.warning(
+                            "directive stream of member %s ended; reconnecting", self.member_id
+                        )
                 else:
                     logger.warning(
                         "member %s registering again (unknown to the coordinator, or its"
