@@ -16,11 +16,16 @@ What it runs, all with mTLS:
   ``--tls-server-name tide-scaler`` (a port-forward); ``..._without_name_rc`` without it
   (2, a TLS cause named).
 
+- ``warnings_in_healthy_run`` and ``false_lost_steps``: a ``tide demo`` (mTLS, one job
+  grown 2 -> 4 and shrunk 4 -> 2, then torn down) that ends well: the WARNING and
+  ERROR lines of every service and launcher log (services/local/logscan.py), and the
+  lost steps it recorded. The issue asks for a 3-minute ``tide up`` with two jobs and
+  a resize each; this is one job, about a minute.
+
 Not measured here yet (null, listed in ``not_measured``): the chart's own pods started
-by a stand-in kubelet (``rendered_pods_started``), the shipped example PaddleJob
-resized with mTLS (``example_resized``), the WARNINGs of a 3-minute ``tide up``
-(``warnings_in_healthy_run``) and ``false_lost_steps``. ``python -m bench.k8s --quick``
-resizes a PaddleJob through the emulator (plaintext); ``tide demo`` counts lost steps.
+by a stand-in kubelet (``rendered_pods_started``) and the shipped example PaddleJob
+resized with mTLS (``example_resized``). ``python -m bench.k8s --quick`` resizes a
+PaddleJob through the emulator (plaintext).
 
     python -m bench.install --quick
 
@@ -45,6 +50,8 @@ from typing import Any
 import yaml
 
 from services.common.pki import CertificateAuthority
+from services.local.demo import Demo, DemoSettings
+from services.local.logscan import warnings_in
 from services.testing.stack import start_stack
 from tidebase.listening import parse_listening
 
@@ -170,6 +177,18 @@ def _listening(proc: subprocess.Popen[str]) -> str:
     raise SystemExit("the scaler did not start")
 
 
+async def healthy_run(workdir: Path) -> dict[str, Any]:
+    state = workdir / "demo"
+    settings = DemoSettings(state_dir=state, log_format="json", chart=state / "demo.png")
+    outcome = await Demo(settings, lambda snap: None, lambda line: None).run(asyncio.Event())
+    if not outcome.ok:
+        raise SystemExit(f"the healthy run failed: {outcome.error} (logs in {state / 'logs'})")
+    found = warnings_in(state / "logs")
+    for line in found:
+        print(f"  {line}")
+    return {"warnings_in_healthy_run": len(found), "false_lost_steps": outcome.lost_steps}
+
+
 async def run(workdir: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     exit_s, rc = await launcher_without_ca(workdir)
@@ -177,10 +196,11 @@ async def run(workdir: Path) -> dict[str, Any]:
         "launcher_without_ca_exit_s": exit_s,
         "launcher_without_ca_rc": rc,
         **await asyncio.to_thread(cli_checks, workdir),
+        **await healthy_run(workdir),
     }
-    missing = ("rendered_pods_started", "example_resized", "warnings_in_healthy_run")
-    result.update(dict.fromkeys((*missing, "false_lost_steps")))
-    result["not_measured"] = [*missing, "false_lost_steps"]
+    missing = ("rendered_pods_started", "example_resized")
+    result.update(dict.fromkeys(missing))
+    result["not_measured"] = list(missing)
     result["elapsed_s"] = round(time.monotonic() - t0, 1)
     return result
 
