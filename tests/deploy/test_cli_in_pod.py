@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from bench.install import cli_checks
+from tests.support.kubetools import kubetools
 
 pytestmark = pytest.mark.integration
 
 
 def test_the_cli_in_the_scaler_pod_and_through_a_port_forward(tmp_path: Path) -> None:
+    kubetools()  # the helm that renders the pod's environment (.venv/kubetools/helm)
     out = cli_checks(tmp_path)
     assert out == {
         "cli_in_pod_rc": 0,
