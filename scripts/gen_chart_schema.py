@@ -45,7 +45,7 @@ SERVICES: dict[str, tuple[type[Any], frozenset[str]]] = {
         frozenset(
             _SERVER
             | _TLS
-            | {"coordinator", "actuator", "kube_namespaces", "local_ca_dir"}
+            | {"coordinator", "actuator", "kube_namespaces", "local_ca_dir", "trust_configmap"}
             # scaler.replicas > 1: leader election on the release's own Lease.
             | {"leader_election", "lease_name", "lease_namespace", "lease_kubeconfig"}
             | {"advertise_address"}

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 repo=$(pwd -P)
 # Whether the venv's editable install serves this checkout (run from / so that the
 # current directory does not answer instead); a venv of this checkout's own that
@@ -20,5 +20,6 @@ if [ -x .venv/bin/python ] && [ "$(cat .venv/.installed 2>/dev/null)" = "$want" 
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[services,trainer,paddle-cpu,demo,dev]'
+# constraints.txt: the versions the suite passed with, as the images install them.
+.venv/bin/python -m pip install -q -c constraints.txt -e '.[services,trainer,paddle-cpu,demo,dev]'
 echo "$want" > .venv/.installed

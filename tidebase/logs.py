@@ -22,6 +22,7 @@ top-level keys. Both write times as RFC 3339 in UTC with milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -64,7 +65,12 @@ def bound(**ids: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        _context.reset(token)
+        # The block may end in another context than it began: an async generator (a
+        # streaming RPC) that its caller dropped is closed by the loop's finalizer in a
+        # task of its own. That context never held the ids: nothing to restore, and
+        # raising there was "Task exception was never retrieved" after a failed call.
+        with contextlib.suppress(ValueError):
+            _context.reset(token)
 
 
 def bind(**ids: Any) -> None:

@@ -12,11 +12,11 @@ RUN python -m venv /opt/tide
 WORKDIR /src
 # The parts of the package the control plane runs: the API, tidebase and the
 # services. The trainer, tests, docs and benchmarks stay out of the image.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY proto/ proto/
 COPY tidebase/ tidebase/
 COPY services/ services/
-RUN /opt/tide/bin/pip install ".[services]" \
+RUN /opt/tide/bin/pip install -c constraints.txt ".[services]" \
     && /opt/tide/bin/python -m compileall -q /opt/tide/lib
 
 FROM ${PYTHON_IMAGE}

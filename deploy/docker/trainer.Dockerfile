@@ -1,9 +1,11 @@
 # syntax=docker/dockerfile:1
-# The trainer base image: the official PaddlePaddle GPU image with the Tide
-# launcher as its entrypoint. A training image adds its script on top:
+# The trainer base image: one Python, one Paddle, the Tide launcher as its
+# entrypoint, run as a non-root user. A training image adds its script and its
+# requirements on top:
 #
 #   FROM REGISTRY/tide-trainer:0.1.0
-#   COPY train.py /app/train.py
+#   COPY requirements.txt train.py /app/
+#   RUN pip install -r /app/requirements.txt     # the venv's pip: the Python that runs
 #
 # and the PaddleJob's worker container passes `-- python /app/train.py` as its
 # args (docs/install.md). Build from the repository root:
@@ -11,31 +13,22 @@
 #   docker build -f deploy/docker/trainer.Dockerfile -t REGISTRY/tide-trainer:0.1.0 .
 #
 # Blackwell GPUs need the CUDA 12.9 build: --build-arg
-# PADDLE_IMAGE=paddlepaddle/paddle:3.3.0-gpu-cuda12.9-cudnn9.9 --build-arg
 # PADDLE_INDEX=https://www.paddlepaddle.org.cn/packages/stable/cu129/
-ARG PADDLE_IMAGE=paddlepaddle/paddle:3.3.0-gpu-cuda12.6-cudnn9.5
-FROM ${PADDLE_IMAGE}
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 
-# The official image's own interpreter is Python 3.10 and Tide needs 3.11 or
-# newer (pyproject's requires-python). So the launcher and Paddle live in a
-# venv of their own, on a CPython installed by uv, with paddlepaddle-gpu of
-# the base image's release and CUDA from Paddle's index; the base image still
-# supplies the CUDA, cuDNN and NCCL it was built and tested with.
-ARG PYTHON_VERSION=3.12
+# Build: a venv (with pip) holding paddlepaddle-gpu, which brings its CUDA, cuDNN
+# and NCCL as NVIDIA's pip packages (Paddle 3's wheels), and the launcher, pinned
+# by constraints.txt. The GPU driver comes from the node (the NVIDIA container
+# toolkit), as for any CUDA image.
+FROM ${PYTHON_IMAGE} AS build
 ARG PADDLE_VERSION=3.3.0
 ARG PADDLE_INDEX=https://www.paddlepaddle.org.cn/packages/stable/cu126/
-ARG UV_VERSION=0.13.9
-ENV UV_PYTHON_INSTALL_DIR=/opt/python \
-    UV_NO_CACHE=1 \
-    PATH=/opt/tide/bin:$PATH \
-    PYTHONUNBUFFERED=1
-RUN python3 -m pip install --no-cache-dir "uv==${UV_VERSION}" \
-    && uv venv --python "${PYTHON_VERSION}" /opt/tide \
-    && uv pip install --python /opt/tide/bin/python \
-        --index-url "${PADDLE_INDEX}" --extra-index-url https://pypi.org/simple \
-        "paddlepaddle-gpu==${PADDLE_VERSION}"
-
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
+COPY constraints.txt ./
+RUN python -m venv /opt/tide \
+    && /opt/tide/bin/pip install -c constraints.txt --index-url "${PADDLE_INDEX}" \
+        --extra-index-url https://pypi.org/simple "paddlepaddle-gpu==${PADDLE_VERSION}"
 COPY pyproject.toml README.md ./
 COPY proto/ proto/
 COPY tidebase/ tidebase/
@@ -44,9 +37,19 @@ COPY trainer/ trainer/
 # (the launcher counts its pod's GPUs) and fsspec (checkpoints in object
 # storage; add its backend, e.g. s3fs, in the training image), nothing of the
 # control plane.
-RUN uv pip install --python /opt/tide/bin/python ".[trainer]" \
-    && rm -rf /src
+RUN /opt/tide/bin/pip install -c constraints.txt ".[trainer]" \
+    && /opt/tide/bin/python -m compileall -q /opt/tide/lib
 
+# Run: the same Python, the venv copied whole (its pip included), owned by the
+# user that runs it, so that a training image's `pip install` lands in it.
+FROM ${PYTHON_IMAGE}
+ARG UID=1000
+ENV PATH=/opt/tide/bin:$PATH \
+    PYTHONUNBUFFERED=1
+RUN useradd --uid "${UID}" --create-home --shell /usr/sbin/nologin trainer \
+    && mkdir /app && chown trainer:trainer /app
+COPY --from=build --chown=trainer:trainer /opt/tide /opt/tide
+USER trainer
 WORKDIR /app
 # The launcher reads POD_NAME, POD_IP and POD_NAMESPACE (Downward API),
 # TIDE_COORDINATOR and TIDE_JOB from its environment; everything after `--`

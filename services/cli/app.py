@@ -3,8 +3,8 @@ running a command's coroutine, output formats, the console and time options.
 
 Exit codes, for every command: 0 ok, 1 not found, 2 bad usage or bad input,
 3 server or database unreachable, 4 `tide demo` failed (or `tide up` lost a
-service), 5 `tide scale --wait`: the decision did not complete. A failure
-prints one line saying why.
+service), 5 `tide scale --wait`: the decision did not complete, 130
+interrupted (Ctrl-C) where the command had not finished. A failure prints one line saying why.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class Exit(IntEnum):
     FAILED = 4
     #: `tide scale --wait`: the decision ended ABORTED or FAILED.
     DECISION_NOT_COMPLETED = 5
+    #: SIGINT (Ctrl-C) before the command finished: the shells' 128 + 2.
+    INTERRUPTED = 130
 
 
 app = typer.Typer(
@@ -91,12 +93,16 @@ def exit_code_of(exc: errors.TideError) -> Exit:
     return Exit.USAGE
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Run one command's coroutine; a TideError becomes its exit code and one line."""
+def run(coro: Coroutine[Any, Any, T], *, interrupted: Exit = Exit.INTERRUPTED) -> T:
+    """Run one command's coroutine; a TideError becomes its exit code and one line, and
+    SIGINT (asyncio.run cancels the coroutine, even in a stream read) exits
+    ``interrupted`` at once, without a traceback."""
     try:
         return asyncio.run(coro)
     except errors.TideError as exc:
         fail(exit_code_of(exc), str(exc))
+    except KeyboardInterrupt:
+        raise typer.Exit(int(interrupted)) from None
 
 
 def console() -> Console:

@@ -13,8 +13,16 @@ commands ``--token``. Every flag, env var and default is written here only.
 | ``--token T`` (admin commands; prefer ``--token-file``) | TIDE_ADMIN_TOKEN | |
 | ``--timeout-s S`` | | 5 |
 | ``--tls-ca-file``, ``--tls-client-cert-file``, ``--tls-client-key-file``, ``--token-file`` | TIDE_TLS_CA_FILE, TIDE_TLS_CLIENT_CERT_FILE, TIDE_TLS_CLIENT_KEY_FILE, TIDE_TOKEN_FILE | |
+| ``--tls-server-name NAME`` | TIDE_TLS_SERVER_NAME | (the host of ``--scaler``) |
+| ``--context NAME`` | TIDE_CONTEXT | the contexts file's current one |
 
-The last four are every Tide client's (tidebase.credentials).
+The four files are every Tide client's (tidebase.credentials). The server name is the
+CLI's: through ``kubectl port-forward`` the scaler answers on 127.0.0.1 with a
+certificate for its Service's names, and the chart sets all five in the scaler's own
+pod, so ``kubectl exec deploy/<release>-scaler -- tide ...`` needs no flag.
+
+A context (services/cli/contexts.py, ``tide config use-context``) fills the settings
+that no flag or environment variable gave; the defaults above come last.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from services.cli import contexts
 from services.cli.app import run
 from services.cli.source import GrpcScaler, SqlHistory
 from tidebase.credentials import (
@@ -52,6 +61,8 @@ class Connection:
     tls_client_cert_file: str = ""
     tls_client_key_file: str = ""
     token_file: str = ""
+    #: The name the scaler's certificate must hold ("": the host of ``scaler``).
+    tls_server_name: str = ""
     #: Admin commands only: the bearer token of admin calls.
     token: str = ""
     #: Read commands only: read this SQL store instead of asking the scaler.
@@ -67,6 +78,7 @@ class Connection:
             token=self.token,
             timeout_s=self.timeout_s,
             credentials=ClientCredentials.of(self),
+            server_name=self.tls_server_name,
         )
 
     def history(self) -> GrpcScaler | SqlHistory:
@@ -101,9 +113,28 @@ def _option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
 _SCALER = _option(
     "scaler",
     Annotated[
-        str, typer.Option("--scaler", envvar="TIDE_SCALER", help="scaler gRPC address HOST:PORT")
+        str,
+        typer.Option(
+            "--scaler",
+            envvar="TIDE_SCALER",
+            help="scaler gRPC address HOST:PORT",
+            show_default=f"the context's, else {DEFAULT_SCALER}",
+        ),
     ],
-    DEFAULT_SCALER,
+    "",
+)
+_CONTEXT = _option(
+    "context",
+    Annotated[
+        str,
+        typer.Option(
+            "--context",
+            envvar=contexts.ENV_CONTEXT,
+            help="the connection settings of this context (tide config get-contexts)",
+            show_default="the current context",
+        ),
+    ],
+    "",
 )
 _DB = _option(
     "db",
@@ -142,6 +173,11 @@ _TLS = tuple(
         ("tls_client_cert_file", ENV_TLS_CLIENT_CERT_FILE, "client certificate (PEM), mTLS"),
         ("tls_client_key_file", ENV_TLS_CLIENT_KEY_FILE, "client key (PEM), mTLS"),
         ("token_file", ENV_TOKEN_FILE, "file holding a bearer token"),
+        (
+            "tls_server_name",
+            "TIDE_TLS_SERVER_NAME",
+            "name the scaler's certificate must hold (through a port-forward: its Service's)",
+        ),
     )
 )
 
@@ -151,7 +187,14 @@ def connection_options(*, db: bool = False, token: bool = False) -> Callable[[F]
 
     ``db``: the command reads history and accepts ``--db``; ``token``: it makes
     admin calls and accepts ``--token``."""
-    options = (_SCALER, *((_DB,) if db else ()), *((_TOKEN,) if token else ()), _TIMEOUT, *_TLS)
+    options = (
+        _SCALER,
+        *((_DB,) if db else ()),
+        *((_TOKEN,) if token else ()),
+        _TIMEOUT,
+        *_TLS,
+        _CONTEXT,
+    )
     names = tuple(o.name for o in options)
 
     def wrap(fn: F) -> F:
@@ -163,6 +206,12 @@ def connection_options(*, db: bool = False, token: bool = False) -> Callable[[F]
         @functools.wraps(fn)
         def command(*args: Any, **kwargs: Any) -> Any:
             values = {n: kwargs.pop(n) for n in names}
+            context = values.pop("context")
+            # Flag or environment, then the context, then the default.
+            if not all(values[f] for f in contexts.FIELDS):
+                for key, value in contexts.settings(context).items():
+                    values[key] = values[key] or value
+            values["scaler"] = values["scaler"] or DEFAULT_SCALER
             return fn(*args, conn=Connection(**values), **kwargs)
 
         # typer reads the parameters from the signature: the command's own, then ours.

@@ -75,10 +75,7 @@ def follow_history(
                 print_event(e, out)
             fail(Exit.UNREACHABLE, "the scaler ended the watch (shutting down?)")
 
-    try:
-        run(go())
-    except KeyboardInterrupt:
-        raise typer.Exit(0) from None
+    run(go(), interrupted=Exit.OK)
 
 
 def request_and_wait(

@@ -376,6 +376,12 @@ def print_explain(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
         console.print(f"  [red]error    {d.error}[/red]")
 
     console.print("\n[bold]Inputs[/bold]")
+    if d.reason == common_pb2.DECISION_REASON_RECONCILE:
+        # Not the policy's: the scaler compared its record with what runs, and put its
+        # record back. No window or thresholds took part (they would read "bounds 0..0").
+        console.print(f"  compared the last decision's size with what runs: {d.message}")
+        _print_states(console, detail)
+        return
     w = i.window
     means = bucket_means(w)
     buckets = " ".join(_pct(b) for b in means) or "-"
@@ -424,6 +430,12 @@ def print_explain(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
         f" bounds {p.min_replicas}..{p.max_replicas}, at most ±{p.max_step} per decision"
     )
 
+    _print_states(console, detail)
+    _print_utilization(console, detail)
+
+
+def _print_states(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
+    d = detail.decision
     console.print("\n[bold]States[/bold]")
     start = field_datetime(d, "created_at")
     for e in detail.events:
@@ -435,6 +447,9 @@ def print_explain(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
             f"  pause {d.pause_s:.2f} s, lost steps {d.lost_steps}, generation {d.generation}"
         )
 
+
+def _print_utilization(console: Console, detail: scaler_pb2.DecisionDetail) -> None:
+    start = field_datetime(detail.decision, "created_at")
     console.print("\n[bold]Utilization around it[/bold] (per minute, UTC)")
     if not detail.utilization:
         console.print("  no rollups recorded")

@@ -67,8 +67,12 @@ class GrpcScaler:
         token: str = "",
         timeout_s: float = 5.0,
         credentials: ClientCredentials = NO_CREDENTIALS,
+        server_name: str = "",
     ) -> None:
         self._target = target
+        # The name the scaler's certificate is checked for ("": the target's host), for a
+        # port-forward whose 127.0.0.1 the certificate does not name.
+        self._server_name = server_name
         self._token = token
         self._timeout_s = timeout_s
         self._credentials = credentials
@@ -80,7 +84,13 @@ class GrpcScaler:
 
         from tidebase.client import open_channel
 
-        self._channel = open_channel(self._target, credentials=self._credentials)
+        self._channel = open_channel(
+            self._target,
+            credentials=self._credentials,
+            extra_options=(
+                {"grpc.ssl_target_name_override": self._server_name} if self._server_name else None
+            ),
+        )
         self._stub = scaler_pb2_grpc.ScalerStub(self._channel)
         return self
 
@@ -112,14 +122,24 @@ class GrpcScaler:
                 wait_for_ready=False,
             )
         except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
+            raise await self._error(exc) from None
 
-    def _error(self, exc: grpc.aio.AioRpcError) -> errors.TideError:
-        """The domain error of a failed call, saying which scaler did not answer."""
+    async def _error(self, exc: grpc.aio.AioRpcError) -> errors.TideError:
+        """The domain error of a failed call, saying which scaler did not answer; an
+        UNAVAILABLE whose cause is TLS (no CA, a wrong one, a certificate for other
+        names, a refused client certificate) says so, as Unauthenticated."""
+        import asyncio
+
         from tidebase.client import domain_error
+        from tidebase.tlsprobe import diagnose
 
         err = domain_error(exc)
         if isinstance(err, errors.Unavailable):
+            cause = await asyncio.to_thread(
+                diagnose, self._target, self._credentials, server_name=self._server_name
+            )
+            if cause:
+                return errors.Unauthenticated(f"scaler at {self._target}: TLS: {cause}")
             return errors.Unavailable(f"scaler at {self._target} unreachable: {exc.details()}")
         if isinstance(err, errors.DeadlineExceeded):
             return errors.DeadlineExceeded(
@@ -238,7 +258,7 @@ class GrpcScaler:
             async for event in call:
                 yield event
         except grpc.aio.AioRpcError as exc:
-            raise self._error(exc) from None
+            raise await self._error(exc) from None
         finally:
             call.cancel()
 

@@ -476,7 +476,10 @@ class Demo:
                 coordinator_pb2.GetJobStatusRequest(job_id=self.job_id), timeout=RPC_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as exc:
-            logger.warning("demo %s: coordinator poll failed: %s", self.job_id, exc.details())
+            # The coordinator learns of the job when its first launcher registers: until
+            # then NOT_FOUND is the expected answer, not a warning before the first line.
+            if exc.code() is not grpc.StatusCode.NOT_FOUND:
+                logger.warning("demo %s: coordinator poll failed: %s", self.job_id, exc.details())
         job, status, decisions = self._job, self._status, self._decisions
         now = self.elapsed()
         views = []

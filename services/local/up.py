@@ -20,8 +20,8 @@ Start order: coordinator, scaler (``python -m services.scaler --actuator local:D
 node agents (``python -m services.agent --source synthetic``), each with a
 stand-in kubelet PodResources socket (services/local/kubelet.py) that says
 which local pod holds which of its GPUs. Stop order, on SIGINT/SIGTERM or when
-a service dies: agents, scaler (no new decisions), the local pods,
-coordinator.
+a service dies: agents and scaler together (no new decisions), the local pods
+(a job's at once), coordinator.
 """
 
 from __future__ import annotations
@@ -354,18 +354,26 @@ class LocalCluster:
                 dead.cancel()
         return dead.result() if dead.done() and not dead.cancelled() else None
 
+    def _pods_running(self) -> bool:
+        a = self.actuator
+        return a is not None and any(a.pods(job) for job in a.jobs())
+
     async def stop(self) -> dict[str, int]:
         self._node_stop.set()
         for t in self._node_tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(t, 5)
-        codes: dict[str, int] = {}
-        for agent in reversed(self.agents):
-            codes[agent.name] = await self.supervisor.stop(agent)
+        # The agents and the scaler together: once the scaler stops nothing reads the
+        # agents, and one wait instead of one per process keeps Ctrl-C under a second.
+        # The coordinator outlives the pods, so that they leave it rather than lose it;
+        # with no pod running it goes with the others.
+        first = [*reversed(self.agents), *([self.scaler] if self.scaler is not None else [])]
+        if self.coordinator is not None and not self._pods_running():
+            first.append(self.coordinator)
+        exits = await asyncio.gather(*(self.supervisor.stop(c) for c in first))
+        codes = {c.name: code for c, code in zip(first, exits, strict=True)}
         for server in self._kubelets:
             await server.stop(0)
-        if self.scaler is not None:
-            codes["scaler"] = await self.supervisor.stop(self.scaler)
         if self.actuator is not None:
             await self.actuator.stop_all()
         codes.update(await self.supervisor.stop_all())

@@ -52,7 +52,10 @@ def cluster_link(
     from services.scaler.kube.link import KubeLink
 
     assert isinstance(actuator, KubernetesActuator)
-    return [KubeLink(actuator).attach]
+    link = KubeLink(
+        actuator, trust_configmap=settings.trust_configmap, ca_file=settings.tls_ca_file
+    )
+    return [link.attach]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from services.common.clock import Clock, SystemClock
+from tidebase.errors import NotFound
 from tidebase.retry import Backoff
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,10 @@ class CoordinatorMemberRegistry(MemberIndex):
                     self.set_members(job_id, members)
             except asyncio.CancelledError:
                 raise
+            except NotFound as exc:
+                # The coordinator learns of a job when its first launcher registers: until
+                # then an unknown job is the expected state, not trouble (issue 32).
+                logger.debug("job %s: %s; watching again", job_id, exc, extra={"job_id": job_id})
             except Exception as exc:
                 logger.warning(
                     "job %s: member watch broke (%s); retrying",

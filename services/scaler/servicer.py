@@ -63,8 +63,10 @@ RULES = {
     "/tide.v1.Telemetry/Stream": Rule(
         frozenset({Kind.AGENT}), subject=lambda r: Subject(node=r.node_name)
     ),
+    # Reads also for the scaler's own identity: `kubectl exec deploy/<release>-scaler --
+    # tide history ...` runs the CLI with the pod's token (docs/install.md).
     **{
-        _SCALER + m: Rule(role=Role.VIEWER)
+        _SCALER + m: Rule(frozenset({Kind.SCALER}), role=Role.VIEWER)
         for m in (
             "ListJobs",
             "GetJob",

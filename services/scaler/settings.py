@@ -60,6 +60,12 @@ class ScalerSettings(CommonSettings, ClientSettings):
         "with the kubernetes actuator: the namespaces (comma-separated) whose PaddleJobs"
         " are watched and resized; empty: all",
     )
+    trust_configmap: str = setting(
+        "",
+        "with the kubernetes actuator and tls_ca_file: copy that CA (key ca.crt) into a"
+        " ConfigMap of this name in every namespace holding an opted-in PaddleJob, for its"
+        " launchers to mount; empty: none",
+    )
     total_gpus: int = setting(0, "GPUs the actuator offers; 0 means unknown")
     local_ca_dir: str = setting(
         "",
@@ -261,6 +267,8 @@ class ScalerSettings(CommonSettings, ClientSettings):
         # No default: an actuator that changes nothing must never be the one a
         # production scaler runs with by accident.
         parse_actuator(self.actuator)
+        if self.trust_configmap and not self.tls_ca_file:
+            raise ConfigError("trust_configmap: needs tls_ca_file, the CA it copies")
 
     def policy(self) -> PolicySettings:
         names = {f.name for f in dataclasses.fields(PolicySettings)}

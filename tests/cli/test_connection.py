@@ -17,12 +17,15 @@ READ = ("jobs", "history", "explain", "chart")
 ADMIN = ("scale", "pause", "resume")
 
 COMMON = {
-    "--scaler": ("TIDE_SCALER", "127.0.0.1:50051"),
+    # "": the context's (tide config), else 127.0.0.1:50051 (services/cli/contexts.py).
+    "--scaler": ("TIDE_SCALER", ""),
     "--timeout-s": (None, 5.0),
     "--tls-ca-file": ("TIDE_TLS_CA_FILE", ""),
     "--tls-client-cert-file": ("TIDE_TLS_CLIENT_CERT_FILE", ""),
     "--tls-client-key-file": ("TIDE_TLS_CLIENT_KEY_FILE", ""),
     "--token-file": ("TIDE_TOKEN_FILE", ""),
+    "--tls-server-name": ("TIDE_TLS_SERVER_NAME", ""),
+    "--context": ("TIDE_CONTEXT", ""),
 }
 
 
@@ -71,9 +74,15 @@ def test_the_decorator_builds_one_connection_from_the_flags() -> None:
         tls_client_cert_file="",
         tls_client_key_file="",
         token_file="",
+        tls_server_name="tide-scaler.tide-system.svc",
+        context="",
     )
     assert out == "ns/a"
-    assert seen == [Connection("h:1", 2.0, "ca", "", "", "", token="t", db="sqlite://")]
+    assert seen == [
+        Connection(
+            "h:1", 2.0, "ca", "", "", "", "tide-scaler.tide-system.svc", token="t", db="sqlite://"
+        )
+    ]
     assert seen[0].offline
 
 

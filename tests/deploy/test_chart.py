@@ -34,7 +34,11 @@ pytestmark = pytest.mark.component
 
 #: Kinds of CRDs the chart renders, which kubernetes-validate has no schema for;
 #: test_service_monitor checks the one there is explicitly.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("cert-manager.io/v1", "Certificate")}
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("cert-manager.io/v1", "Certificate"),
+}
 
 
 def kube_schema_errors(objects: tuple[dict[str, Any], ...], version: str) -> list[str]:

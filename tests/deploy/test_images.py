@@ -196,22 +196,37 @@ def _python_fits(version: str) -> bool:
 def test_the_trainer_image_is_paddle_with_the_launcher(tmp_path: Path) -> None:
     steps = instructions(DOCKER / "trainer.Dockerfile")
     args = build_args(steps)
-    (base,) = [expand(s.args, args) for s in steps if s.keyword == "FROM"]
-    # The official PaddlePaddle GPU image of the release pyproject pins.
-    match = re.fullmatch(
-        r"paddlepaddle/paddle:(\d+\.\d+\.\d+)-gpu-cuda(\d+\.\d+)-cudnn[\d.]+", base
-    )
-    assert match, base
+    # Two stages of one Python image: one interpreter, one Paddle (issue 32: the image
+    # had a second Python and a second Paddle on top of Paddle's own).
+    bases = [expand(s.args, args).split()[0] for s in steps if s.keyword == "FROM"]
+    assert len(bases) == 2 and len(set(bases)) == 1, bases
+    match = re.fullmatch(r"python:(\d+\.\d+)-slim-\w+", bases[0])
+    assert match and _python_fits(match.group(1)), bases[0]
+    runs = " ".join(s.args for s in steps if s.keyword == "RUN")
+    assert runs.count("paddlepaddle") == 1 and "uv " not in runs
+    # The Paddle release pyproject pins, GPU build from Paddle's CUDA index.
     (pin,) = [
         d
         for d in PYPROJECT["project"]["optional-dependencies"]["paddle-cpu"]
         if d.startswith("paddlepaddle")
     ]
-    assert match.group(1).startswith(pin.removeprefix("paddlepaddle==").removesuffix("*"))
-    assert args["PADDLE_VERSION"] == match.group(1)
-    cuda = match.group(2).replace(".", "")
-    assert args["PADDLE_INDEX"].rstrip("/").endswith(f"/cu{cuda}")
-    assert _python_fits(args["PYTHON_VERSION"])
+    assert args["PADDLE_VERSION"].startswith(pin.removeprefix("paddlepaddle==").removesuffix("*"))
+    assert re.search(r"/cu\d+/?$", args["PADDLE_INDEX"])
+    # A venv made by `python -m venv` (it has pip), everything installed with the
+    # constraints; the runtime stage runs as a non-root user that owns the venv, so a
+    # training image's `RUN pip install` lands in the Python that runs.
+    assert "python -m venv /opt/tide" in runs
+    assert all(
+        "-c constraints.txt" in s.args
+        for s in steps
+        if s.keyword == "RUN" and "pip install" in s.args
+    )
+    runtime = steps[max(i for i, s in enumerate(steps) if s.keyword == "FROM") :]
+    (user,) = [s.args for s in runtime if s.keyword == "USER"]
+    assert user not in ("root", "0")
+    (venv,) = [s.args for s in runtime if s.keyword == "COPY" and "--from=build" in s.args]
+    assert f"--chown={user}:{user}" in venv and "/opt/tide" in venv
+    assert "PATH=/opt/tide/bin:$PATH" in " ".join(s.args for s in runtime if s.keyword == "ENV")
 
     (entrypoint,) = [json.loads(s.args) for s in steps if s.keyword == "ENTRYPOINT"]
     assert entrypoint == ["python", "-m", "trainer.launch"]

@@ -47,9 +47,10 @@ def test_the_flows_of_a_small_install() -> None:
 
     assert allowed(nps, agent, scaler, "grpc")
     assert allowed(nps, scaler, coordinator, "grpc")
+    # values-small watches ml-research: its trainers reach the coordinator.
     for labels in (PADDLE_OPERATOR_WORKER, KUBEFLOW_WORKER):
-        assert allowed(nps, trainer("ml", labels), coordinator, "grpc")
-        assert not allowed(nps, trainer("ml", labels), scaler, "grpc")
+        assert allowed(nps, trainer("ml-research", labels), coordinator, "grpc")
+        assert not allowed(nps, trainer("ml-research", labels), scaler, "grpc")
     for target in (scaler, coordinator, agent):
         assert allowed(nps, PROMETHEUS, target, "metrics")
         assert not allowed(nps, stranger, target, "metrics")

@@ -20,6 +20,7 @@ import yaml
 from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 from tests.scaler.support import report
+from tests.support.chart import PRODUCTION, render
 from tests.support.poll import eventually
 from tests.support.procs import ROOT, ServiceProcess, start_memory_scaler, start_service
 from tests.support.prom import binary, running_prometheus
@@ -74,7 +75,27 @@ def test_generated_files_match_their_source() -> None:
     assert r.returncode == 0, r.stderr
     cr = yaml.safe_load((OBS / "prometheusrule.yaml").read_text())
     assert cr["kind"] == "PrometheusRule"
-    assert cr["spec"] == yaml.safe_load(RULES.read_text())
+    source = yaml.safe_load(RULES.read_text())
+    for group in source["groups"]:
+        for rule in group["rules"]:
+            notes = rule["annotations"]
+            if "runbook" in notes:
+                notes["runbook_url"] = (
+                    "https://github.com/tide-project/tide/blob/main/" + (notes["runbook"])
+                )
+    assert cr["spec"] == source
+    # The chart ships the same rules and dashboard, with selectable labels.
+    chart = render(PRODUCTION, sets={"prometheusRule.runbookBaseURL": "https://docs.example/"})
+    (rule,) = chart.all("PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    urls = [r["annotations"].get("runbook_url") for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert "https://docs.example/docs/install.md" in urls
+    alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert {"TideScalerDown", "TideCoordinatorDown"} <= alerts
+    assert len(alerts) == sum(len(g["rules"]) for g in source["groups"])
+    board = chart.one("ConfigMap", "tide-dashboard")
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(board["data"]["tide.json"]) == json.loads(DASHBOARD.read_text())
 
 
 def _dashboard_exprs() -> list[str]:

@@ -15,6 +15,7 @@ from tests.support.chart import (
     NAMESPACE,
     PRODUCTION,
     SMALL,
+    HelmFailed,
     Rendered,
     helm,
     render,
@@ -35,6 +36,8 @@ SCALER_RULES: set[Rule] = {
     *{("", "nodes", v) for v in ("get", "list", "watch")},
     *{(g, "events", v) for g in ("", "events.k8s.io") for v in ("create", "patch")},
     *{("autoscaling", "horizontalpodautoscalers", v) for v in ("list", "watch")},
+    # The trust bundle: the CA copied into each training namespace (issue 32).
+    *{("", "configmaps", v) for v in ("get", "create", "patch")},
 }
 TOKEN_REVIEW: Rule = ("authentication.k8s.io", "tokenreviews", "create")
 SCALER_RULES.add(TOKEN_REVIEW)
@@ -107,7 +110,7 @@ def test_every_rule_says_why(values: Path) -> None:
     text = helm(*template_args([values]))
     lines = text.splitlines()
     starts = [i for i, line in enumerate(lines) if re.match(r"\s*- apiGroups:", line)]
-    assert len(starts) == 10  # the scaler's eight, the agent's one, TokenReview
+    assert len(starts) == 11  # the scaler's nine, the agent's one, TokenReview
     for i in starts:
         assert lines[i - 1].strip().startswith("#"), lines[i]
 
@@ -123,9 +126,12 @@ def test_watched_namespaces_limit_the_job_rules_to_them() -> None:
     # What it reads to know the free GPUs: cluster-wide (other tenants' pods hold GPUs).
     (capacity,) = bound["tide-scaler-capacity"]
     assert capacity["kind"] == "ClusterRoleBinding"
-    # Without watched namespaces, both are cluster-wide.
-    small = roles_bound_to(render(SMALL), "tide-scaler")
-    assert {b["kind"] for bs in small.values() for b in bs} == {"ClusterRoleBinding"}
+    # Without watched namespaces, cluster-wide only as an explicit choice.
+    with pytest.raises(HelmFailed, match=r"rbac\.clusterWide"):
+        render(SMALL, sets={"scaler.watchNamespaces": "null"})
+    wide = render(SMALL, sets={"scaler.watchNamespaces": "null", "rbac.clusterWide": "true"})
+    bound = roles_bound_to(wide, "tide-scaler")
+    assert {b["kind"] for bs in bound.values() for b in bs} == {"ClusterRoleBinding"}
 
 
 def test_several_scaler_replicas_may_use_their_lease_and_no_other() -> None:

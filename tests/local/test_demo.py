@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from services.local.logscan import warnings_in
 from tests.support.procs import ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.paddle]
@@ -50,6 +51,8 @@ def test_demo_scales_2_4_2_and_loses_nothing(tmp_path: Path) -> None:
     )
     out = r.stdout
     assert r.returncode == 0, out + r.stderr[-3000:]
+    # A healthy run is quiet (issue 32): no WARNING or ERROR, not even before the first line.
+    assert not [ln for ln in (out + r.stderr).splitlines() if " WARNING " in ln or " ERROR " in ln]
     # Plain progress lines, not a live view, when stdout is a pipe.
     assert "[" in out and "phase high load: synthetic GPU load 95%" in out
     assert "phase low load: synthetic GPU load 15%" in out
@@ -81,6 +84,7 @@ def test_demo_scales_2_4_2_and_loses_nothing(tmp_path: Path) -> None:
     assert all(b is None or b > 80 for b in doc["inputs"]["window"]["bucket_means_pct"])
     assert [e["state"] for e in doc["events"]][-1] == "COMPLETED"
     assert_job_lines_carry_their_ids(state / "logs", "demo/run-1")
+    assert warnings_in(state / "logs") == []  # a healthy run is quiet, teardown included
     assert (state / "pki" / "ca.pem").is_file()
     assert_no_secrets_in_logs(state / "logs", token, state / "pki")
     # Nothing of the run is left behind.

@@ -109,6 +109,15 @@ async def test_roles_on_the_scaler_api_and_requested_by_is_the_caller(stack: Sta
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await scaler_pb2_grpc.ScalerStub(ch).ListJobs(scaler_pb2.ListJobsRequest(), timeout=T)
         assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    # The scaler's own identity reads (the CLI run in its pod) and writes nothing.
+    async with stack.channel(stack.scaler_target, stack.ca.scaler()) as ch:
+        stub = scaler_pb2_grpc.ScalerStub(ch)
+        assert len((await stub.ListJobs(scaler_pb2.ListJobsRequest(), timeout=T)).jobs) == 1
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.RequestResize(
+                scaler_pb2.RequestResizeRequest(job_id="ns/a", replicas=3, reason="t"), timeout=T
+            )
+        assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
     async with stack.channel(stack.scaler_target, operator) as ch:
         stub = scaler_pb2_grpc.ScalerStub(ch)
         with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -89,6 +89,10 @@ class ControlServer:
                     continue
                 if pid >= 0:
                     await self._on_message(pid, msg)
+        except ConnectionResetError as exc:
+            # A worker that exits (stopped at a resize, killed after its grace) resets
+            # its end: expected. A crash is reported by the worker's exit status.
+            logger.debug("worker pid %d: control connection reset: %s", pid, exc)
         except ConnectionError as exc:
             logger.warning("worker pid %d: control connection error: %s", pid, exc)
         finally:

@@ -98,7 +98,7 @@ class Launcher:
         self._handover_dir = pod_handover_dir(
             settings.job_id, settings.pod_name or "pod", settings.launcher_id
         )
-        self.link = CoordinatorLink(settings, self._beat)
+        self.link = CoordinatorLink(settings, self._beat, on_fatal=self.stop)
         self.devices = detect(Backend.parse(settings.backend), settings.workers_per_pod)
         use_zygote = settings.use_zygote
         if use_zygote and self.devices.backend is Backend.NCCL:

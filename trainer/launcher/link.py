@@ -19,6 +19,13 @@ Refused heartbeats:
   and the coordinator ends the stream of a member that has left, which makes the stream
   loop register again. Only refusals that last a whole heartbeat timeout (the coordinator's
   own patience with a silent member) lead to one re-registration, as a safety net.
+
+Credentials that cannot work end the launcher (``on_fatal`` with
+:data:`EXIT_CREDENTIALS`, one ERROR line naming the cause) instead of retrying forever in a
+pod that looks Running: a Register refused as UNAUTHENTICATED or PERMISSION_DENIED (the
+identity), or an UNAVAILABLE that :func:`tidebase.tlsprobe.diagnose` names as TLS twice in a
+row (no CA for a TLS coordinator, a wrong CA, a refused client certificate). A coordinator
+that is down, restarting or slow is no such cause: that is retried as before.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from tidebase.client import domain_error, open_channel
 from tidebase.errors import DeadlineExceeded, FailedPrecondition, NotFound, TideError
 from tidebase.retry import Backoff
 from tidebase.timeconv import ts_from_seconds
+from tidebase.tlsprobe import diagnose
 from trainer.launcher.model import (
     LEAVING,
     Ack,
@@ -54,6 +62,11 @@ from trainer.launcher.model import (
 from trainer.launcher.settings import LauncherSettings
 
 logger = logging.getLogger(__name__)
+
+#: The launcher's exit status when its credentials cannot work (sysexits' EX_CONFIG).
+EXIT_CREDENTIALS = 78
+#: Register refusals no retry cures: the identity the launcher presents.
+_REFUSED_IDENTITY = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 _PHASE = {
     State.STANDBY: pb.WORKER_PHASE_IDLE,
@@ -114,8 +127,13 @@ class CoordinatorLink:
         self,
         settings: LauncherSettings,
         beat: Callable[[], Beat],
+        on_fatal: Callable[[int], None] | None = None,
     ) -> None:
         self.s = settings
+        # Told the exit status when the credentials cannot work (None: keep retrying).
+        self._on_fatal = on_fatal
+        # The TLS cause the last UNAVAILABLE was diagnosed with ("" none).
+        self._tls_cause = ""
         # What a heartbeat says now; also this launcher's generation and whether it leaves.
         self._beat = beat
         self.member_id = ""
@@ -225,9 +243,13 @@ class CoordinatorLink:
                     )
                 elif reader in done:
                     reader.result()
-                    logger.warning(
-                        "directive stream of member %s ended; reconnecting", self.member_id
-                    )
+                    if self._leaving():
+                        # Drained or finished: the coordinator ended the stream on purpose.
+                        logger.info("directive stream of member %s ended", self.member_id)
+                    else:
+                        logger.warning(
+                            "directive stream of member %s ended; reconnecting", self.member_id
+                        )
                 else:
                     logger.warning(
                         "member %s registering again (unknown to the coordinator, or its"
@@ -238,6 +260,17 @@ class CoordinatorLink:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
+                cause = await self._unrecoverable(exc, registered=opened_at is not None)
+                if cause and self._on_fatal is not None:
+                    logger.error(
+                        "launcher %s (job %s) cannot use the coordinator at %s: %s; exiting",
+                        self.s.pod_name,
+                        self.s.job_id,
+                        self.s.coordinator,
+                        cause,
+                    )
+                    self._on_fatal(EXIT_CREDENTIALS)
+                    return
                 logger.warning(
                     "directive stream of member %s broke (%s: %s)",
                     self.member_id,
@@ -252,6 +285,20 @@ class CoordinatorLink:
                 backoff.reset()
             # Jittered: launchers that lost one coordinator do not reconnect in step.
             await asyncio.sleep(backoff.next_delay_s())
+
+    async def _unrecoverable(self, exc: grpc.aio.AioRpcError, *, registered: bool) -> str:
+        """The cause no retry cures behind ``exc`` ("" when a retry may help): a refused
+        identity at Register, or the same TLS cause diagnosed twice in a row (once could
+        be a coordinator restarting mid-handshake)."""
+        if not registered and exc.code() in _REFUSED_IDENTITY:
+            return f"{exc.code().name}: {exc.details()} (its token or certificate's identity)"
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            self._tls_cause = ""
+            return ""
+        cause = await asyncio.to_thread(diagnose, self.s.coordinator, self.s.credentials) or ""
+        confirmed = bool(cause) and cause == self._tls_cause
+        self._tls_cause = cause
+        return cause if confirmed else ""
 
     def _open(self) -> grpc.aio.Channel:
         # Own subchannels: a renewed channel must not inherit the backoff of the one it

@@ -493,10 +493,13 @@ class LocalActuator:
             await self.clock.sleep(self.settings.poll_interval_s)
 
     async def stop_all(self, job_ids: Sequence[str] | None = None) -> None:
-        """Stop every pod of the given jobs (all jobs by default), highest index first.
+        """Stop every pod of the given jobs (all jobs by default), a job's pods at once.
 
-        The wanted replicas stay recorded, so a later start can bring the job back."""
+        At once, not one by one: a worker whose peer was stopped first saw its collective
+        break and died before its own launcher was told, which read as a crash (an
+        ERROR, and lost steps recorded at a planned teardown); and one grace, not one per
+        pod. The wanted replicas stay recorded, so a later start can bring the job back."""
         for job_id in job_ids if job_ids is not None else self.jobs():
             async with self._job_file_lock(job_id):
-                for pod in sorted(self.pods(job_id), key=lambda p: -p.index):
-                    await self._stop(pod)
+                pods = sorted(self.pods(job_id), key=lambda p: -p.index)  # signalled in this order
+                await asyncio.gather(*(self._stop(pod) for pod in pods))

@@ -48,6 +48,7 @@ from services.scaler.kube.paddlejob import (
     overrides_from,
     view,
 )
+from services.scaler.kube.trust import TrustBundle
 from services.scaler.policy import PolicySettings
 from services.scaler.store import JobRecord
 from tidebase.errors import TideError
@@ -104,8 +105,11 @@ class Discovery:
         actuator: KindTeller | None = None,
         namespaces: Sequence[str] = (),
         watch_timeout_s: int = 60,
+        trust: TrustBundle | None = None,
     ) -> None:
         self.sink = sink
+        # The CA copied into each namespace with an opted-in PaddleJob (services/scaler/kube/trust.py).
+        self.trust = trust
         self.recorder = recorder
         self.actuator = actuator
         self._wake = asyncio.Event()
@@ -219,6 +223,8 @@ class Discovery:
         ):
             return  # a partial picture would read as deletions
         views = self._views()
+        if self.trust is not None:
+            await self.trust.ensure(job_id.partition("/")[0] for job_id in views)
         for job_id, v in views.items():
             try:
                 await self._apply(v)

@@ -14,6 +14,7 @@ from typing import Any
 from services.scaler.actuators.kubernetes import KubernetesActuator
 from services.scaler.kube.discovery import Discovery
 from services.scaler.kube.events import EventRecorder, decision_event
+from services.scaler.kube.trust import TrustBundle
 from services.scaler.service import ScalerCore
 from services.scaler.store import DecisionRecord
 
@@ -21,8 +22,13 @@ Background = Callable[[], Coroutine[Any, Any, None]]
 
 
 class KubeLink:
-    def __init__(self, actuator: KubernetesActuator) -> None:
+    def __init__(
+        self, actuator: KubernetesActuator, *, trust_configmap: str = "", ca_file: str = ""
+    ) -> None:
         self.actuator = actuator
+        # The ConfigMap the CA is copied into in each training namespace ("": none).
+        self.trust_configmap = trust_configmap
+        self.ca_file = ca_file
         self.recorder: EventRecorder | None = None
         self.discovery: Discovery | None = None
 
@@ -36,6 +42,11 @@ class KubeLink:
             actuator=actuator,
             namespaces=actuator.settings.namespaces,
             watch_timeout_s=actuator.settings.watch_timeout_s,
+            trust=(
+                TrustBundle(actuator.api, self.trust_configmap, self.ca_file)
+                if self.trust_configmap
+                else None
+            ),
         )
 
         def on_decision(d: DecisionRecord, detail: str) -> None:

@@ -161,6 +161,10 @@ class KubeLoop:
                     PY, "-m", "services.coordinator", "--listen", "127.0.0.1:0", "--db", db,
                     "--heartbeat-interval-s", "1", "--checkpoint-lead-s", "1.5",
                     "--heartbeat-timeout-s", "60",
+                    # Plaintext on purpose, said here rather than through TIDE_INSECURE in
+                    # the caller's environment: `python -m bench.k8s --quick` runs as
+                    # documented. The stand-in kubelet issues no launcher certificates.
+                    "--insecure",
                 ),
             )
         )  # fmt: skip
@@ -176,7 +180,7 @@ class KubeLoop:
                     "--scale-down-stabilization-s", "0", "--max-step", str(s.max_replicas),
                     "--phase-timeout-s", "60",
                     # CPU workers on a shared machine rarely scale: see services/local/demo.py.
-                    "--min-scale-up-efficiency", "0",
+                    "--min-scale-up-efficiency", "0", "--insecure",
                 ),
             )
         )  # fmt: skip

@@ -41,7 +41,7 @@ spec:
   template:
     metadata:
       labels:
-        {{- include "tide.labels" (dict "root" $root "component" $c) | nindent 8 }}
+        {{- include "tide.podLabels" (dict "root" $root "component" $c "values" $v) | nindent 8 }}
       annotations:
         checksum/config: {{ toYaml $v.settings | sha256sum }}
         # Its emptyDir is scratch (SQLite's temporary files), so the cluster
@@ -59,7 +59,7 @@ spec:
       enableServiceLinks: false
       terminationGracePeriodSeconds: {{ $v.terminationGracePeriodSeconds }}
       securityContext:
-        {{- include "tide.podSecurityContext" $root | nindent 8 }}
+        {{- include "tide.podSecurityContextFor" (dict "root" $root "values" $v) | nindent 8 }}
       {{- with $root.Values.imagePullSecrets }}
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
@@ -79,6 +79,7 @@ spec:
       affinity:
         {{- toYaml . | nindent 8 }}
       {{- end }}
+      {{- include "tide.topologySpread" $v | nindent 6 }}
       containers:
         - name: {{ $c }}
           image: {{ include "tide.image" $root }}
@@ -97,6 +98,9 @@ spec:
             {{- end }}
           env:
             {{- with .env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+            {{- with $v.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
             {{- include "tide.dbEnv" (dict "root" $root "file" (printf "%s.db" $c)) | nindent 12 }}
@@ -121,7 +125,7 @@ spec:
           resources:
             {{- toYaml $v.resources | nindent 12 }}
           securityContext:
-            {{- include "tide.containerSecurityContext" $root | nindent 12 }}
+            {{- include "tide.containerSecurityContextFor" (dict "root" $root "values" $v) | nindent 12 }}
           volumeMounts:
             - name: config
               mountPath: /etc/tide
@@ -139,6 +143,9 @@ spec:
             {{- end }}
             {{- if .client }}
             {{- include "tide.clientSecurityMounts" $root | nindent 12 }}
+            {{- end }}
+            {{- with $v.extraVolumeMounts }}
+            {{- toYaml . | nindent 12 }}
             {{- end }}
       volumes:
         - name: config
@@ -161,5 +168,8 @@ spec:
         {{- end }}
         {{- if .client }}
         {{- include "tide.clientSecurityVolumes" $root | nindent 8 }}
+        {{- end }}
+        {{- with $v.extraVolumes }}
+        {{- toYaml . | nindent 8 }}
         {{- end }}
 {{- end -}}

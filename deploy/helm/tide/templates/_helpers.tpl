@@ -32,6 +32,36 @@ app.kubernetes.io/part-of: tide
 app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
+{{- with .root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* A component's pod template labels: every object's, plus its podLabels.
+Call with (dict "root" $ "component" "scaler" "values" .Values.scaler). */}}
+{{- define "tide.podLabels" -}}
+{{ include "tide.labels" . }}
+{{- with .values.podLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* A component's scheduling and extension points shared by every pod template:
+topologySpreadConstraints. Call with the component's values. */}}
+{{- define "tide.topologySpread" -}}
+{{- with .topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* A ServiceAccount's annotations (serviceAccount.annotations: workload identity,
+IRSA), on all three. */}}
+{{- define "tide.serviceAccountAnnotations" -}}
+{{- with .Values.serviceAccount.annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
 {{/* Labels that select every pod of this release, whatever its component. */}}
@@ -40,8 +70,13 @@ app.kubernetes.io/name: {{ include "tide.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/* The services image: by digest when image.digest is set (immutable), else by tag. */}}
 {{- define "tide.image" -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
 {{- end -}}
 
 {{- define "tide.scalerAddress" -}}
@@ -72,6 +107,17 @@ runAsGroup: 65532
 fsGroup: 65532
 seccompProfile:
   type: RuntimeDefault
+{{- end -}}
+
+{{/* A component's pod securityContext: the one above, with the component's
+podSecurityContext over it. Call with (dict "root" $ "values" .Values.agent). */}}
+{{- define "tide.podSecurityContextFor" -}}
+{{- toYaml (mergeOverwrite (fromYaml (include "tide.podSecurityContext" .root)) (deepCopy (.values.podSecurityContext | default dict))) }}
+{{- end -}}
+
+{{/* A component's container securityContext: the one below, with its securityContext over it. */}}
+{{- define "tide.containerSecurityContextFor" -}}
+{{- toYaml (mergeOverwrite (fromYaml (include "tide.containerSecurityContext" .root)) (deepCopy (.values.securityContext | default dict))) }}
 {{- end -}}
 
 {{/* The container-level one: no privilege, no capabilities, read-only root filesystem. */}}
@@ -124,10 +170,16 @@ livenessProbe:
 {{- end -}}
 
 {{/* Who each reviewed ServiceAccount token is (--token-identities): the release's
-agents and scaler, then security.identities (NAMESPACE/NAME: launcher, viewer,
+agents and scaler, security.trainerServiceAccount in each watched namespace as a
+launcher, then security.identities (NAMESPACE/NAME: launcher, viewer,
 operator or admin). */}}
 {{- define "tide.tokenIdentities" -}}
 {{- $ids := list (printf "%s/%s-agent=agent" .Release.Namespace (include "tide.fullname" .)) (printf "%s/%s-scaler=scaler" .Release.Namespace (include "tide.fullname" .)) -}}
+{{- with .Values.security.trainerServiceAccount -}}
+{{- range $ns := $.Values.scaler.watchNamespaces -}}
+{{- $ids = append $ids (printf "%s/%s=launcher" $ns $.Values.security.trainerServiceAccount) -}}
+{{- end -}}
+{{- end -}}
 {{- range $sa, $kind := .Values.security.identities -}}
 {{- $ids = append $ids (printf "%s=%s" $sa $kind) -}}
 {{- end -}}
