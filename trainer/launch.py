@@ -2,7 +2,9 @@
 
 ``python -m trainer.launch --coordinator HOST:PORT --job NS/NAME [--pod NAME] [--pod-index I]
 [--host H] [--state-dir D] [--no-zygote] [--no-prewarm] [--backend auto|nccl|gloo]
-[--workers-per-pod N] -- python train.py ARGS``
+[--workers-per-pod N] -- python train.py ARGS``, or ``paddle.distributed.launch``'s form
+(``--nnodes 2:4 --nproc_per_node 1 --job_id NAME train.py ARGS``: no ``--``;
+trainer/integrations/paddle_launch.py translates it, refusing what Tide cannot honour).
 
 In a PaddleJob pod the flags come from the environment (TIDE_COORDINATOR, the
 Downward API's POD_NAME, POD_NAMESPACE and POD_IP: trainer/podenv.py), so the
@@ -34,6 +36,7 @@ from tidebase.credentials import (
 )
 from tidebase.errors import ConfigError
 from trainer.devices import Backend
+from trainer.integrations import paddle_launch
 from trainer.launcher import Launcher, LauncherSettings, State
 from trainer.launcher.leave import LeaveOnSigterm
 from trainer.podenv import pod_identity
@@ -171,11 +174,22 @@ async def _amain(settings: LauncherSettings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    compat = None
     try:
-        settings = parse_args(argv)
+        if paddle_launch.is_paddle_style(args):
+            # `python -m paddle.distributed.launch`'s flags (trainer/integrations/paddle_launch.py).
+            compat = paddle_launch.translate(args)
+            os.environ.update(compat.env)
+            args = list(compat.argv)
+        settings = parse_args(args)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"error: {line}", file=sys.stderr)
         return 2
+    if compat is not None and compat.print_job:
+        print(compat.job_document(settings.job_id), end="")
+        return 0
     return asyncio.run(_amain(settings))
 
 
