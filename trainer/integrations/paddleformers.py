@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import paddle
+import paddle.distributed.parallel as paddle_parallel
 import paddle.nn.functional as F
 from paddleformers.trainer import Trainer as _Trainer
 from paddleformers.trainer import TrainingArguments as _TrainingArguments
@@ -61,10 +62,15 @@ class TrainingArguments(_TrainingArguments):  # type: ignore[misc]
         # default one (output_dir/runs/TIME) does not.
         self.tide_log_dir = self.logging_dir or ""
         hidden = {k: os.environ.pop(k) for k in _WORLD_ENV if k in os.environ}
+        # Paddle caches the world it read from the environment (at PaddleFormers' import):
+        # dropped, so that these arguments see one process, and again after, so that the
+        # session's init_parallel_env reads the generation's world.
+        paddle_parallel._global_parallel_env = None
         try:
             super().__post_init__()
         finally:
             os.environ.update(hidden)
+            paddle_parallel._global_parallel_env = None
 
 
 def unsupported(trainer: _Trainer) -> list[str]:
@@ -80,7 +86,9 @@ def unsupported(trainer: _Trainer) -> list[str]:
         )
     for name in ("_get_train_sampler", "get_train_dataloader", "training_step", "compute_loss"):
         if getattr(cls, name) is not getattr(Trainer, name):
-            out.append(f"{cls.__name__}.{name}: overridden; Tide's checked sampler and loop replace it")
+            out.append(
+                f"{cls.__name__}.{name}: overridden; Tide's checked sampler and loop replace it"
+            )
     flags = {
         "streaming": "a streaming dataset has no indices to reshard",
         "use_hybrid_parallel": "tensor/pipeline/sharding parallelism: data parallelism only",
@@ -99,9 +107,7 @@ def unsupported(trainer: _Trainer) -> list[str]:
 class Trainer(_Trainer):  # type: ignore[misc]
     """PaddleFormers' ``Trainer`` whose ``train()`` runs an elastic ``ElasticSession`` loop."""
 
-    def train(
-        self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any
-    ) -> TrainOutput:
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> TrainOutput:
         problems = unsupported(self)
         if resume_from_checkpoint:
             problems.append("resume_from_checkpoint: Tide restores the newest state by itself")
@@ -166,7 +172,10 @@ class Trainer(_Trainer):  # type: ignore[misc]
         logits = out[0] if isinstance(out, tuple) else out.logits
         labels = batch["labels"]
         tokens = F.cross_entropy(
-            logits.astype("float32"), labels.unsqueeze(-1), reduction="none", ignore_index=IGNORE_INDEX
+            logits.astype("float32"),
+            labels.unsqueeze(-1),
+            reduction="none",
+            ignore_index=IGNORE_INDEX,
         ).squeeze(-1)
         valid = (labels != IGNORE_INDEX).astype("float32")
         return (tokens * valid).sum(axis=-1) / valid.sum(axis=-1).clip(min=1.0)

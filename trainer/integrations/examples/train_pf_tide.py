@@ -8,11 +8,12 @@ import argparse
 
 import numpy as np
 import paddle
-from trainer.integrations.paddleformers import Trainer, TrainingArguments
 from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
 
+from trainer.integrations.paddleformers import Trainer, TrainingArguments
 
-class Tokens(paddle.io.Dataset):
+
+class Tokens(paddle.io.Dataset[dict[str, np.ndarray]]):
     def __init__(self, size: int, length: int, vocab: int) -> None:
         rng = np.random.default_rng(0)
         self.tokens = rng.integers(0, vocab, (size, length + 1)).astype(np.int64)
