@@ -29,7 +29,7 @@ import itertools
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,25 +64,30 @@ def _past(step: int) -> Callable[[pb.JobStatus], bool]:
     return lambda s: s.step >= step
 
 
-async def live(workdir: Path, steps: int) -> Path:
-    """The example under a coordinator, resized along CHAIN while it trains."""
+async def live(workdir: Path, steps: int, worlds: Sequence[int] = CHAIN) -> Path:
+    """The example under a coordinator, resized along ``worlds`` while it trains."""
     job = LocalJob(workdir, ["--steps", str(steps)], heartbeat_timeout_s=10.0, example=PACED)
     job.start_coordinator()
     try:
-        for i in range(CHAIN[1]):
+        for i in range(max(worlds)):
             job.add_pod(i)
-        await job.wait_standby(CHAIN[1], timeout_s=120)
-        at = 0
-        for n, target in enumerate(CHAIN):
-            if n == len(CHAIN) - 1:
-                job.add_pod(len(job.pods))  # the pods a shrink removed are gone
-                await job.wait_standby(1, timeout_s=120)
+        await job.wait_standby(max(worlds), timeout_s=120)
+        at, world = 0, 0
+        for n, target in enumerate(worlds):
             if n:
-                st = await job.wait_status(_past(at + 3), 120, "3 more steps")
-                at = st.step
+                at = (await job.wait_status(_past(at + 3), 120, "3 more steps")).step
+            await job.wait_standby(target - world, timeout_s=120)
             final = (await job.resize(target))[-1]
             if final.phase != pb.RESIZE_PHASE_COMPLETED:
                 raise RuntimeError(f"resize to {target}: {final}")
+            world = target
+            # The pods a shrink removed are gone (as deleted pods are): the next grow's
+            # new ones start now, so that they are warm by then.
+            ahead = worlds[n + 1] - world if n + 1 < len(worlds) else 0
+            st = await job.status()
+            standby = sum(m.state == pb.MEMBER_STATE_STANDBY for m in st.members) if st else 0
+            for _ in range(ahead - standby):
+                job.add_pod(len(job.pods))
         codes = await job.wait_pods_exit(300)
         if any(codes):
             raise RuntimeError(f"pods exited {codes}; see {workdir}")

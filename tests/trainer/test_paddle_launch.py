@@ -28,7 +28,7 @@ def test_a_paddle_command_line_becomes_tides() -> None:
         "--workers-per-pod", "2", "--state-dir", "logs", "--job", "ml/gpt",
         "--coordinator", "10.0.0.1:7000", "--pod-index", "1",
     )  # fmt: skip
-    assert t.argv[cut + 1 :] == (sys.executable, "-u", "train.py", "--lr", "3e-4", "--", "x")
+    assert t.argv[cut + 1 :] == (sys.executable, "train.py", "--lr", "3e-4", "--", "x")
     s = launch.parse_args(list(t.argv))
     assert (s.workers_per_pod, s.job_id, s.pod_index, s.state_dir) == (2, "ml/gpt", 1, "logs")
 

@@ -188,7 +188,8 @@ def translate(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> 
         # --elastic_level: nothing to do (ACCEPTED says why).
     if refused:
         raise LaunchArgsRefused(refused)
-    command = [sys.executable, "-u", script, *script_args]
+    # No "-u": the zygote forks `python SCRIPT ARGS` only (trainer/spawner.py).
+    command = [sys.executable, script, *script_args]
     return Translated(
         argv=(*out, "--", *command),
         min_replicas=lo,
