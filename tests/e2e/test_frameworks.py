@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from tide.v1 import coordinator_pb2 as pb
 
-from bench.frameworks import DATASET, GLOBAL_BATCH, TIDE, live, rel_diff
+from bench.frameworks import DATASET, GLOBAL_BATCH, TIDE, live
+from bench.parity import rel_diff
 from services.testing.localjob import ROOT, LocalJob, reference_run
 from tests.e2e.checks import check_exactly_once, final_losses
 
@@ -34,6 +35,10 @@ async def test_a_paddleformers_trainer_follows_a_fixed_run_through_a_grow_and_a_
     assert rel_diff(resized, fixed) <= 1e-5
 
 
+def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
 @pytest.mark.timeout(180)
 async def test_a_paddle_launch_command_line_trains_a_job(tmp_path: Path) -> None:
     job = LocalJob(tmp_path / "job", [])
@@ -43,7 +48,7 @@ async def test_a_paddle_launch_command_line_trains_a_job(tmp_path: Path) -> None
     cmd += ["--nnodes", "1:2", "--nproc_per_node", "1", "--job_id", job.job_id]
     cmd += ["--log_dir", str(tmp_path / "logs"), "--elastic_level", "1", str(script)]
     cmd += ["--epochs", "1", "--ckpt-dir", str(tmp_path / "ckpt")]
-    pod = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    pod = _start(cmd)
     try:
         await job.wait_standby(1)
         assert (await job.resize(1))[-1].phase == pb.RESIZE_PHASE_COMPLETED

@@ -12,11 +12,11 @@ import pytest
 
 pytest.importorskip("paddleformers")
 
-import numpy as np  # noqa: E402
-import paddle  # noqa: E402
+import numpy as np
+import paddle
 
-from trainer.contract import UsageError  # noqa: E402
-from trainer.integrations import paddleformers as pf  # noqa: E402
+from trainer.contract import UsageError
+from trainer.integrations import paddleformers as pf
 
 pytestmark = [pytest.mark.integration, pytest.mark.paddle, pytest.mark.paddleformers]
 
@@ -24,12 +24,12 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "trainer" / "integrations" / "examples"
 
 
-class Stream(paddle.io.IterableDataset):  # type: ignore[misc]
+class Stream(paddle.io.IterableDataset[dict[str, np.ndarray]]):
     def __iter__(self) -> Any:
         yield {"input_ids": np.zeros(4, np.int64), "labels": np.zeros(4, np.int64)}
 
 
-class Items(paddle.io.Dataset):  # type: ignore[misc]
+class Items(paddle.io.Dataset[dict[str, np.ndarray]]):
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         return {"input_ids": np.zeros(4, np.int64), "labels": np.zeros(4, np.int64)}
 
@@ -37,7 +37,7 @@ class Items(paddle.io.Dataset):  # type: ignore[misc]
         return 8
 
 
-class OwnSampler(pf.Trainer):  # type: ignore[misc]
+class OwnSampler(pf.Trainer):
     def _get_train_sampler(self) -> Any:
         return None
 
