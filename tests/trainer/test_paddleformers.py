@@ -57,8 +57,8 @@ def test_what_tide_cannot_keep_exact_is_refused_at_start_one_line_each(tmp_path:
     assert line.startswith("OwnSampler._get_train_sampler: overridden")
     [line] = pf.unsupported(_trainer(tmp_path, Items(), max_grad_norm=1.0))
     assert line.startswith("TrainingArguments.max_grad_norm")
-    with pytest.raises(UsageError, match="resume_from_checkpoint"):
-        _trainer(tmp_path, Items()).train(resume_from_checkpoint=True)
+    with pytest.raises(UsageError, match="resume_from_checkpoint='ckpt/checkpoint-5'"):
+        _trainer(tmp_path, Items()).train(resume_from_checkpoint="ckpt/checkpoint-5")
 
 
 @pytest.mark.parametrize("script", ["train_pf_stock.py", "train_pf_tide.py"])

@@ -109,12 +109,20 @@ class Trainer(_Trainer):  # type: ignore[misc]
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> TrainOutput:
         problems = unsupported(self)
-        if resume_from_checkpoint:
-            problems.append("resume_from_checkpoint: Tide restores the newest state by itself")
+        if resume_from_checkpoint not in (None, False, True):
+            # True (the newest checkpoint in output_dir) is what the session does anyway.
+            problems.append(
+                f"resume_from_checkpoint={resume_from_checkpoint!r}: Tide restores the newest"
+                " state of output_dir/tide by itself; a PaddleFormers checkpoint is not read"
+            )
         if problems:
             raise UsageError("; ".join(problems))
         session = ElasticSession.from_env(self.session_config())
         session.init_process_group()
+        if session.world_size > 1:
+            # The generation's rank, for should_save/should_log (the arguments saw one
+            # process): only rank 0 of a generation writes the Trainer's own files.
+            self.args.local_rank = int(os.environ.get("PADDLE_RANK_IN_NODE", "0"))
         max_steps = session.config.max_steps
         self.create_optimizer_and_scheduler(num_training_steps=max_steps)
         session.attach(self.model, self.optimizer, self.lr_scheduler)

@@ -57,6 +57,7 @@ def main() -> None:
     )
     trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=Tokens(256, 16, 64))
     trainer.train()
+    trainer.save_model()
 
 
 if __name__ == "__main__":
