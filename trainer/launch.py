@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -41,6 +42,8 @@ from trainer.launcher import Launcher, LauncherSettings, State
 from trainer.launcher.leave import LeaveOnSigterm
 from trainer.podenv import pod_identity
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["Launcher", "LauncherSettings", "State", "main", "parse_args"]
 
 
@@ -56,7 +59,10 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         cut = args.index("--")
         args, command = args[:cut], args[cut + 1 :]
     p = argparse.ArgumentParser(
-        prog="python -m trainer.launch", description="the Tide launcher: one per pod"
+        prog="python -m trainer.launch",
+        description="the Tide launcher: one per pod",
+        epilog="paddle.distributed.launch's form is accepted too (no --: FLAGS train.py ARGS,"
+        " e.g. --nnodes 2:4 --nproc_per_node 1 --job_id NAME); docs/migrate.md maps its flags",
     )
     # In a PaddleJob pod everything below comes from the environment (trainer/podenv.py).
     pod = pod_identity(os.environ, socket.gethostname())
@@ -190,6 +196,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if compat is not None and compat.print_job:
         print(compat.job_document(settings.job_id), end="")
         return 0
+    if compat is not None and compat.min_replicas is not None:
+        logger.info(
+            "--nnodes %s:%s: the job's bounds are the scaler's; --print-job prints the"
+            " `tide job apply` document that sets them",
+            compat.min_replicas,
+            compat.max_replicas,
+        )
     return asyncio.run(_amain(settings))
 
 

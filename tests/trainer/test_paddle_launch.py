@@ -39,6 +39,7 @@ def test_tide_flags_mix_in_and_the_native_form_is_left_alone() -> None:
     assert (t.min_replicas, t.max_replicas) == (3, 3)
     assert not pl.is_paddle_style(["--coordinator", "h:1", "--", "python", "t.py"])
     assert pl.is_paddle_style(["t.py"])
+    assert pl.is_paddle_style(["--nnodes", "2", "t.py", "--", "x"])  # the script's own "--"
 
 
 def test_every_argument_tide_cannot_honour_is_refused_with_a_line_each(

@@ -5,8 +5,8 @@ A user swaps the module name and keeps the rest::
     python -m paddle.distributed.launch --nnodes 2:4 --nproc_per_node 1 --job_id gpt train.py --lr 3e-4
     python -m trainer.launch            --nnodes 2:4 --nproc_per_node 1 --job_id gpt train.py --lr 3e-4
 
-A command line is Paddle-style when it has no ``--`` (Tide's own form ends its flags with
-``-- python train.py``) and names a script. Tide's own flags (``--coordinator``, ...) may be
+A command line is Paddle-style when it names a script before any ``--`` (Tide's own form
+ends its flags with ``-- python train.py``). Tide's own flags (``--coordinator``, ...) may be
 mixed in. Each Paddle argument Tide cannot honour is refused with one line saying why
 (``REFUSED``): the launcher exits 2 before it registers, rather than run a job that is not
 what the command asked for. No Paddle import here: the launcher must not pay for it.
@@ -95,7 +95,7 @@ class Translated:
 
 def is_paddle_style(argv: Sequence[str]) -> bool:
     """True for a ``paddle.distributed.launch`` command line (no ``--``, a script named)."""
-    return "--" not in argv and _split(argv)[1] is not None
+    return _split(argv)[1] is not None
 
 
 def _split(argv: Sequence[str]) -> tuple[list[tuple[str, str | None]], str | None, list[str]]:
@@ -104,6 +104,8 @@ def _split(argv: Sequence[str]) -> tuple[list[tuple[str, str | None]], str | Non
     i = 0
     while i < len(argv):
         tok = argv[i]
+        if tok == "--":  # Tide's own form: the command follows
+            return flags, None, []
         if not tok.startswith("-"):
             return flags, tok, list(argv[i + 1 :])
         if "=" in tok:
