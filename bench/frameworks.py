@@ -9,7 +9,8 @@ fixed-size run of the same script; and the ``paddle.distributed.launch`` command
   difference, relative (services/testing/parity.py). The live run is paced by
   bench/frameworks_paced.py (0.1 s per micro-batch) so that each resize lands mid-run.
 - ``exactly_once``: 1 when that run used every sample once per epoch and no step twice.
-- ``lost_steps``: steps of the budget the run never completed.
+- ``lost_steps``: the coordinator's count of steps lost to unplanned member losses
+  (``lost_steps_total``), plus any step of the budget the run never completed.
 - ``resizes``: world-size changes seen in the run's own sample logs.
 - ``user_lines_changed``: +/- lines of the diff between the stock script and the Tide one.
 - ``launch_args_supported``: ``paddle.distributed.launch`` arguments ``trainer.launch``
@@ -64,8 +65,9 @@ def _past(step: int) -> Callable[[pb.JobStatus], bool]:
     return lambda s: s.step >= step
 
 
-async def live(workdir: Path, steps: int, worlds: Sequence[int] = CHAIN) -> Path:
-    """The example under a coordinator, resized along ``worlds`` while it trains."""
+async def live(workdir: Path, steps: int, worlds: Sequence[int] = CHAIN) -> tuple[Path, int]:
+    """The example under a coordinator, resized along ``worlds`` while it trains: its log
+    directory and the coordinator's count of lost steps."""
     job = LocalJob(workdir, ["--steps", str(steps)], heartbeat_timeout_s=10.0, example=PACED)
     job.start_coordinator()
     try:
@@ -91,16 +93,19 @@ async def live(workdir: Path, steps: int, worlds: Sequence[int] = CHAIN) -> Path
         codes = await job.wait_pods_exit(300)
         if any(codes):
             raise RuntimeError(f"pods exited {codes}; see {workdir}")
+        final_status = await job.status()
+        if final_status is None:
+            raise RuntimeError(f"the coordinator did not answer at the end; see {workdir}")
     finally:
         await job.close()
-    return job.log_dir
+    return job.log_dir, final_status.lost_steps_total
 
 
 def run(quick: bool, workdir: Path) -> dict[str, Any]:
     steps = 60 if quick else 200
     fixed = reference_run(workdir / "fixed", ["--steps", str(steps)], 2, example=str(TIDE))
     os.environ["TIDE_BENCH_STEP_DELAY_S"] = "0.1"
-    resized = asyncio.run(live(workdir / "live", steps))
+    resized, lost = asyncio.run(live(workdir / "live", steps))
     result: dict[str, Any] = {"paddleformers_rel_diff": float(f"{rel_diff(resized, fixed):.3g}")}
     try:
         check_exactly_once(resized, DATASET, steps, DATASET // GLOBAL_BATCH)
@@ -108,7 +113,7 @@ def run(quick: bool, workdir: Path) -> dict[str, Any]:
     except AssertionError:
         result["exactly_once"] = 0
     done = set(final_losses(resized))
-    result["lost_steps"] = steps - len(done & set(range(1, steps + 1)))
+    result["lost_steps"] = lost + steps - len(done & set(range(1, steps + 1)))
     worlds = [w for _, w in sorted(worlds_by_generation(resized).items())]
     result["resizes"] = sum(a != b for a, b in itertools.pairwise(worlds))
     result["user_lines_changed"] = user_lines_changed()

@@ -28,7 +28,8 @@ async def test_a_paddleformers_trainer_follows_a_fixed_run_through_a_grow_and_a_
 ) -> None:
     pytest.importorskip("paddleformers")
     monkeypatch.setenv("TIDE_BENCH_STEP_DELAY_S", "0.1")
-    resized = await live(tmp_path / "live", STEPS, (1, 2, 1))
+    resized, lost = await live(tmp_path / "live", STEPS, (1, 2, 1))
+    assert lost == 0
     assert sorted(final_losses(resized)) == list(range(1, STEPS + 1))
     check_exactly_once(resized, DATASET, STEPS, DATASET // GLOBAL_BATCH)
     fixed = reference_run(tmp_path / "fixed", ["--steps", str(STEPS)], 2, example=str(TIDE))
