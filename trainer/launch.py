@@ -2,7 +2,9 @@
 
 ``python -m trainer.launch --coordinator HOST:PORT --job NS/NAME [--pod NAME] [--pod-index I]
 [--host H] [--state-dir D] [--no-zygote] [--no-prewarm] [--backend auto|nccl|gloo]
-[--workers-per-pod N] -- python train.py ARGS``
+[--workers-per-pod N] -- python train.py ARGS``, or ``paddle.distributed.launch``'s form
+(``--nnodes 2:4 --nproc_per_node 1 --job_id NAME train.py ARGS``: no ``--``;
+trainer/integrations/paddle_launch.py translates it, refusing what Tide cannot honour).
 
 In a PaddleJob pod the flags come from the environment (TIDE_COORDINATOR, the
 Downward API's POD_NAME, POD_NAMESPACE and POD_IP: trainer/podenv.py), so the
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -34,9 +37,12 @@ from tidebase.credentials import (
 )
 from tidebase.errors import ConfigError
 from trainer.devices import Backend
+from trainer.integrations import paddle_launch
 from trainer.launcher import Launcher, LauncherSettings, State
 from trainer.launcher.leave import LeaveOnSigterm
 from trainer.podenv import pod_identity
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Launcher", "LauncherSettings", "State", "main", "parse_args"]
 
@@ -53,7 +59,10 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         cut = args.index("--")
         args, command = args[:cut], args[cut + 1 :]
     p = argparse.ArgumentParser(
-        prog="python -m trainer.launch", description="the Tide launcher: one per pod"
+        prog="python -m trainer.launch",
+        description="the Tide launcher: one per pod",
+        epilog="paddle.distributed.launch's form is accepted too (no --: FLAGS train.py ARGS,"
+        " e.g. --nnodes 2:4 --nproc_per_node 1 --job_id NAME); docs/migrate.md maps its flags",
     )
     # In a PaddleJob pod everything below comes from the environment (trainer/podenv.py).
     pod = pod_identity(os.environ, socket.gethostname())
@@ -171,11 +180,29 @@ async def _amain(settings: LauncherSettings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    compat = None
     try:
-        settings = parse_args(argv)
+        if paddle_launch.is_paddle_style(args):
+            # `python -m paddle.distributed.launch`'s flags (trainer/integrations/paddle_launch.py).
+            compat = paddle_launch.translate(args)
+            os.environ.update(compat.env)
+            args = list(compat.argv)
+        settings = parse_args(args)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"error: {line}", file=sys.stderr)
         return 2
+    if compat is not None and compat.print_job:
+        print(compat.job_document(settings.job_id), end="")
+        return 0
+    if compat is not None and compat.min_replicas is not None:
+        logger.info(
+            "--nnodes %s:%s: the job's bounds are the scaler's; --print-job prints the"
+            " `tide job apply` document that sets them",
+            compat.min_replicas,
+            compat.max_replicas,
+        )
     return asyncio.run(_amain(settings))
 
 
