@@ -93,7 +93,6 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
 
     from services.common.clock import SystemClock
     from services.common.heap import HeapFreezer
-    from services.scaler.app import tune_process
     from services.scaler.ingest import IngestSettings
     from services.scaler.metrics import PARTIALS_DROPPED
     from services.scaler.peers import GrpcPeerLink
@@ -103,6 +102,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
     from services.scaler.sharding import Sharding
     from services.scaler.shards import ShardLeases, ShardSettings
     from services.scaler.store import DecisionStore
+    from services.scaler.tuning import tune_process
     from services.store import db
     from services.testing.actuators import InMemoryActuator
     from services.testing.coordinator import InMemoryCoordinator, follow_actuator
@@ -159,7 +159,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
         for j in range(jobs):
             coordinator.set_job(f"bench/j{j}", 2)
             fleet.set_members(f"bench/j{j}", _members(j))
-        core.engine.registry = fleet
+        core.ingest.registry = fleet
         if name == "r0":  # the first replica makes the jobs; the others start after it
             for j in range(jobs):
                 await store.upsert_job(
@@ -173,7 +173,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
         )
         sharding = Sharding(core, leases, GrpcPeerLink(NO_CREDENTIALS), ship_interval_s=1.0)
         await core.start_sharded()
-    ingest = core.engine
+    ingest = core.ingest
 
     server = grpc.aio.server(options=server_options())
     telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(ingest), server)

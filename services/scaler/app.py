@@ -18,8 +18,6 @@ from prometheus_client import REGISTRY
 from tide.v1 import peers_pb2_grpc, scaler_pb2_grpc, telemetry_pb2_grpc
 
 from services.common.clock import Clock
-from services.common.gil import SWITCH
-from services.common.heap import HeapFreezer, tune_collector
 from services.common.metrics import register_build_info
 from services.common.readiness import Readiness
 from services.common.server import ServiceSpec, serve
@@ -40,10 +38,11 @@ from services.scaler.servicer import (
     ScalerServicer,
     TelemetryServicer,
 )
-from services.scaler.settings import SWITCH_INTERVAL_S, ScalerSettings
+from services.scaler.settings import ScalerSettings
 from services.scaler.sharding import Sharding
 from services.scaler.shards import ShardLeases
 from services.scaler.store import DecisionStore
+from services.scaler.tuning import heap_freezer, tune_process
 from services.store import db
 from services.store.leases import LeaseRecord
 from services.store.probe import StoreProbe
@@ -52,14 +51,6 @@ from tidebase.errors import TideError
 logger = logging.getLogger(__name__)
 
 Background = Callable[[], Coroutine[Any, Any, None]]
-
-
-def tune_process() -> None:
-    """The scaler process's GIL switch interval (short only while SQL runs:
-    services/common/gil.py) and collector thresholds (services/common/heap.py); the
-    benchmarks that stand for a replica in their own process call it too."""
-    SWITCH.configure(SWITCH_INTERVAL_S)
-    tune_collector()
 
 
 async def serve_scaler(
@@ -102,9 +93,9 @@ async def serve_scaler(
         store_probe=probe,
         decision_retention_days=settings.decision_retention_days,
         retention_batch_rows=settings.retention_batch_rows,
-        heap=HeapFreezer(),
+        heap=heap_freezer(),
     )
-    REGISTRY.register(IngestCollector(core.engine))
+    REGISTRY.register(IngestCollector(core.ingest))
     register_build_info(REGISTRY, "scaler")
     background: list[Background] = [probe.run]
     elector: LeaderElector | None = None
@@ -139,7 +130,7 @@ async def serve_scaler(
             address=settings.advertise_address or settings.listen,
             name=settings.lease_name,
         )
-        core.leader = elector
+        core.ownership.leader = elector
         core.controller.may_act = elector.may_act
         # Not ready until elected: the Service sends agents and callers to the leader.
         await readiness.set_down("leadership", "no leader yet")
@@ -165,7 +156,7 @@ async def serve_scaler(
         [
             ServiceSpec(
                 telemetry_pb2_grpc.add_TelemetryServicer_to_server,
-                TelemetryServicer(core.engine),
+                TelemetryServicer(core.ingest),
                 "tide.v1.Telemetry",
             ),
             ServiceSpec(

@@ -1,12 +1,12 @@
 """Telemetry ingestion: sequence tracking, validation, attribution, aggregation.
 
-The hot path is :meth:`IngestEngine.process`, called once per NodeReport. It
+The hot path is :meth:`Ingest.process`, called once per NodeReport. It
 creates no object per GPU sample: each sample is validated with a few float
 comparisons (NaN fails every comparison, so one range check catches NaN and
 inf too), attributed with one dict lookup, and folded into per-report sums
 per job; only then do the job windows, rollups and node arrays get one update
 per job (protobuf field access already costs about 3 µs per sample, most of
-the engine's time, docs/scaler.md "Measured": nothing else may cost per sample).
+the ingest's time, docs/scaler.md "Measured": nothing else may cost per sample).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ class StreamState:
 WindowShape = Callable[[str], tuple[float, int]]
 
 
-class IngestEngine:
+class Ingest:
     """Turns reports into windows; see the module docstring for the cost model."""
 
     def __init__(

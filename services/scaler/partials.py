@@ -8,7 +8,7 @@ shipment holds, per job: the slots' partial sums and counts, the seconds' sums,
 counts, minimum and maximum, and the last sample time of each of the job's GPUs
 that reported here (the coverage). That is a few numbers per job per slot, however
 many nodes reported. The owner adds them to its window and rollups and counts the
-GPUs as fresh under the same staleness rule as its own (IngestEngine.merge_partials),
+GPUs as fresh under the same staleness rule as its own (Ingest.merge_partials),
 so its windows are the ones a single replica would hold.
 """
 

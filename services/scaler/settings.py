@@ -32,14 +32,6 @@ LEADER_ELECTIONS = ("off", "sql", "kubernetes")
 #: The store every Tide service shares when run from one directory (`tide up` uses its own).
 DEFAULT_DB = "sqlite:///.tide/tide.db"
 
-#: GIL switch interval of the scaler process while a unit of work runs, seconds
-#: (CPython's 5 ms otherwise). SQL runs in worker threads so ingestion never waits on
-#: the database; with the loop thread busy, each time such a thread wants the GIL back
-#: it waits up to the interval, and a transaction takes it back a dozen times: at 5 ms
-#: that, not SQL, was most of the decision latency under load (bench/ingest). Always
-#: short, it cost the loop a context switch every 0.5 ms: services/common/gil.py.
-SWITCH_INTERVAL_S = 0.0005
-
 
 @dataclass(frozen=True)
 class ScalerSettings(CommonSettings, ClientSettings):

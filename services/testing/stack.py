@@ -159,7 +159,7 @@ async def start_stack(
             ),
             ServiceSpec(
                 telemetry_pb2_grpc.add_TelemetryServicer_to_server,
-                TelemetryServicer(core.engine),
+                TelemetryServicer(core.ingest),
                 "tide.v1.Telemetry",
             ),
         ],

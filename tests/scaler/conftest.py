@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from tide.v1 import telemetry_pb2_grpc
 
 from services.common.clock import SystemClock
-from services.scaler.ingest import IngestEngine, IngestSettings
+from services.scaler.ingest import Ingest, IngestSettings
 from services.scaler.servicer import TelemetryServicer
 from services.testing.members import InMemoryMemberRegistry
 from tests.scaler.support import TelemetryServer
@@ -26,7 +26,7 @@ def registry() -> InMemoryMemberRegistry:
 
 @pytest.fixture
 async def telemetry_server(registry: InMemoryMemberRegistry) -> AsyncIterator[TelemetryServer]:
-    engine = IngestEngine(IngestSettings(stale_after_s=5.0), registry, SystemClock())
+    engine = Ingest(IngestSettings(stale_after_s=5.0), registry, SystemClock())
     server = grpc.aio.server(options=server_options())
     telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(engine), server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -19,7 +19,7 @@ from services.scaler import store as repo
 from services.scaler.actuators import owner_epoch
 from services.scaler.coordination import Phase, Progress, ResizeSpec
 from services.scaler.history import RETENTION_EVERY_S, RollupHistory
-from services.scaler.ingest import IngestEngine, IngestSettings
+from services.scaler.ingest import Ingest, IngestSettings
 from services.scaler.members import Member
 from services.scaler.service import ScalerCore
 from services.scaler.store import DecisionState, DecisionStore, RollupRecord
@@ -212,7 +212,7 @@ def test_only_active_members_gpus_count_toward_the_window() -> None:
         JOB,
         [Member("a-0", "a-0"), Member("a-1", "a-1", active=False), Member("a-2", "a-2", False)],
     )
-    engine = IngestEngine(IngestSettings(stagger_slots=False), reg, clock)
+    engine = Ingest(IngestSettings(stagger_slots=False), reg, clock)
     st = engine.open_stream()
     pods = ["a-0"] * 4 + ["a-1"] * 2 + ["a-2"] * 2
     engine.process(st, report(seq=1, t=T0, utils=[80.0] * 4 + [0.0] * 4, pods=pods))

@@ -78,15 +78,15 @@ async def rig(scaler_db_url: str) -> AsyncIterator[Rig]:
 
 def feed(rig: Rig, seconds: int, util: float, *, node: str = "n1", start_seq: int = 1) -> int:
     """One report per second of fake time from ``node``; returns the next seq."""
-    st = rig.core.engine.open_stream()
+    st = rig.core.ingest.open_stream()
     seq = start_seq
     for _ in range(seconds):
         rig.clock.advance(1.0)
-        rig.core.engine.process(
+        rig.core.ingest.process(
             st, report(node, seq, t=rig.clock.now(), utils=[util] * 8, pods=PODS)
         )
         seq += 1
-    rig.core.engine.close_stream(st)
+    rig.core.ingest.close_stream(st)
     return seq
 
 
@@ -186,10 +186,10 @@ async def test_sustained_low_shrinks_checkpoint_first(rig: Rig) -> None:
 async def test_termination_notice_shrinks_off_the_node(rig: Rig) -> None:
     await rig.core.upsert_job("ns/a", {"min_replicas": 1})
     feed(rig, 5, 60.0)
-    st = rig.core.engine.open_stream()
+    st = rig.core.ingest.open_stream()
     r = report("n2", 1, t=rig.clock.now(), utils=[60.0] * 4, pods=["uid-a-1"] * 4)
     r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
-    rig.core.engine.process(st, r)
+    rig.core.ingest.process(st, r)
     d = await rig.core.evaluate("ns/a")
     assert (d.reason, d.to_replicas) == (Reason.NODE_TERMINATION, 1)
     dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
@@ -205,11 +205,11 @@ async def test_termination_notice_shrinks_off_the_node(rig: Rig) -> None:
 async def test_a_notice_for_a_pod_below_the_highest_index_removes_that_pod(rig: Rig) -> None:
     await rig.core.upsert_job("ns/a", {"min_replicas": 1})
     feed(rig, 5, 60.0)
-    st = rig.core.engine.open_stream()
+    st = rig.core.ingest.open_stream()
     # Pod 0 of 2, the lowest index: a count alone would have the actuator stop pod 1.
     r = report("n0", 1, t=rig.clock.now(), utils=[60.0] * 4, pods=["uid-a-0"] * 4)
     r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
-    rig.core.engine.process(st, r)
+    rig.core.ingest.process(st, r)
     d = await rig.core.evaluate("ns/a")
     assert (d.reason, d.to_replicas) == (Reason.NODE_TERMINATION, 1)
     dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
@@ -219,10 +219,10 @@ async def test_a_notice_for_a_pod_below_the_highest_index_removes_that_pod(rig: 
 
 
 def notice(rig: Rig, node: str, pod: str) -> None:
-    st = rig.core.engine.open_stream()
+    st = rig.core.ingest.open_stream()
     r = report(node, 1, t=rig.clock.now(), utils=[60.0] * 4, pods=[pod] * 4)
     r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
-    rig.core.engine.process(st, r)
+    rig.core.ingest.process(st, r)
 
 
 async def test_a_notice_supersedes_a_grow_in_flight(rig: Rig) -> None:
@@ -339,11 +339,11 @@ async def test_the_notice_deadline_rules_the_barrier_deadline(rig: Rig) -> None:
     timeout; the plan is in the decision's inputs for `tide explain`."""
     await rig.core.upsert_job("ns/a", {"min_replicas": 1})
     feed(rig, 5, 60.0)
-    st = rig.core.engine.open_stream()
+    st = rig.core.ingest.open_stream()
     r = report("n2", 1, t=rig.clock.now(), utils=[60.0] * 4, pods=["uid-a-1"] * 4)
     ev = r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
     ev.deadline.FromNanoseconds(int((rig.clock.now() + 30.0) * 1e9))
-    rig.core.engine.process(st, r)
+    rig.core.ingest.process(st, r)
     await rig.core.evaluate("ns/a")
     dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
     assert await final(rig, dec.id) is DecisionState.COMPLETED
@@ -358,7 +358,7 @@ async def test_the_notice_deadline_rules_the_barrier_deadline(rig: Rig) -> None:
 
 async def test_an_evaluation_reads_only_the_jobs_own_nodes(rig: Rig) -> None:
     # A thousand nodes of other work: a job's evaluation must not walk them.
-    engine = rig.core.engine
+    engine = rig.core.ingest
     for i in range(1000):
         st = engine.open_stream()
         engine.process(st, report(f"other-{i}", 1, t=rig.clock.now(), utils=[50.0] * 8))
@@ -781,7 +781,7 @@ async def test_the_pass_decides_again_only_for_changed_inputs_or_a_timed_answer(
     assert decided == [Reason.WITHIN_BAND]  # not decided again...
     ev = rig.core.evaluations["ns/a"]
     assert (ev.decision.reason, ev.at_s) == (Reason.WITHIN_BAND, rig.clock.now())  # ...answered
-    assert rig.core.reused == 1
+    assert rig.core.pipeline.reused == 1
     seq = feed(rig, 1, 90.0, start_seq=seq)  # the newest bucket's mean moves
     await rig.core.tick()
     assert decided == [Reason.WITHIN_BAND] * 2
@@ -816,11 +816,11 @@ async def test_the_pass_writes_its_decisions_in_one_batch_or_each_alone(
 
     monkeypatch.setattr(rig.store, "create_many", counted)
     nodes = {"n1": PODS, "n2": ["uid-b-0"] * 4 + ["uid-b-1"] * 4}
-    streams = {n: rig.core.engine.open_stream() for n in nodes}
+    streams = {n: rig.core.ingest.open_stream() for n in nodes}
     for seq in range(1, 36):
         rig.clock.advance(1.0)
         for node, pods in nodes.items():
-            rig.core.engine.process(
+            rig.core.ingest.process(
                 streams[node], report(node, seq, t=rig.clock.now(), utils=[95.0] * 8, pods=pods)
             )
     await rig.core.tick()
@@ -838,39 +838,38 @@ async def test_the_pass_writes_its_decisions_in_one_batch_or_each_alone(
 async def test_the_pass_over_many_jobs_is_spread_over_the_interval(rig: Rig) -> None:
     """Over YIELD_EVERY_JOBS jobs, ``run`` evaluates them in slices spread over the
     interval: every job once a round, no job twice, and never the whole fleet at once."""
-    from services.scaler import service as svc
+    from services.scaler.engine.pipeline import YIELD_EVERY_JOBS
 
     core, clock = rig.core, rig.clock
-    for i in range(3 * svc.YIELD_EVERY_JOBS):  # with ns/a: three slices
+    for i in range(3 * YIELD_EVERY_JOBS):  # with ns/a: three slices
         await core.upsert_job(f"ns/many-{i}", FAST, gpus_per_replica=4)
     everyone = {j for j in core.jobs if core.acts_on(j)}
     slices: list[list[str] | None] = []
-    tick = core.tick
+    tick = core.loop.tick
 
     async def record(some: Any = None) -> None:
         slices.append(None if some is None else list(some))
         await tick(some)
 
-    core.tick = record  # type: ignore[method-assign]
+    core.loop.tick = record  # type: ignore[method-assign]
     loop = asyncio.create_task(core.run())
     try:
         await eventually(lambda: len(slices) == 1)
         for n in (2, 3):
             # The next slice waits for its third of the interval, not a moment less.
             clock.advance(core.evaluate_interval_s / 3 - 0.01)
-            assert core._wake is not None
-            core._wake.set()
+            core.wakeups.wake()
             await asyncio.sleep(0.05)
             assert len(slices) == n - 1
             clock.advance(0.01)
-            core._wake.set()
+            core.wakeups.wake()
             await eventually(lambda n=n: len(slices) == n)
         first_round = [j for s in slices for j in (s or [])]
         assert None not in slices
         assert all(0 < len(s or []) <= len(everyone) // 2 for s in slices)
         assert sorted(first_round) == sorted(everyone)  # each job once
         clock.advance(core.evaluate_interval_s / 3)
-        core._wake.set()
+        core.wakeups.wake()
         await eventually(lambda: len(slices) == 4)
         assert slices[3] == slices[0]  # the next round starts over
     finally:

@@ -78,7 +78,7 @@ async def test_only_scalers_ship_partials_checked_by_the_service_name(tmp_path: 
         links.append(scaler)
         sent, refused = await scaler.ship(address, "r0", [part], timeout_s=5.0)
         assert sent > 0 and refused == 0
-        assert core.engine.fresh_gpus_of("ns/a", clock.now()) == 2
+        assert core.ingest.fresh_gpus_of("ns/a", clock.now()) == 2
         assert core.metrics.partials_received._value.get() == 1
 
         # Without the name, the pod IP is not in the certificate: the handshake fails.

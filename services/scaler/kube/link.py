@@ -41,7 +41,7 @@ class KubeLink:
         def on_decision(d: DecisionRecord, detail: str) -> None:
             discovery.event(d.job_id, decision_event(d, detail))
 
-        core.observers.append(on_decision)
+        core.feed.observers.append(on_decision)
 
         async def run() -> None:
             actuator.start()
