@@ -92,7 +92,6 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
     from tide.v1 import peers_pb2_grpc, telemetry_pb2_grpc
 
     from services.common.clock import SystemClock
-    from services.common.heap import HeapFreezer
     from services.scaler.ingest import IngestSettings
     from services.scaler.metrics import PARTIALS_DROPPED
     from services.scaler.peers import GrpcPeerLink
@@ -102,7 +101,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
     from services.scaler.sharding import Sharding
     from services.scaler.shards import ShardLeases, ShardSettings
     from services.scaler.store import DecisionStore
-    from services.scaler.tuning import tune_process
+    from services.scaler.tuning import heap_freezer, tune_process
     from services.store import db
     from services.testing.actuators import InMemoryActuator
     from services.testing.coordinator import InMemoryCoordinator, follow_actuator
@@ -136,7 +135,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
         clock=clock,
         defaults=policy,
         ingest=settings,
-        heap=HeapFreezer(),  # as services/scaler/app.py does
+        heap=heap_freezer(),  # as services/scaler/app.py does
     )
     observe = core.metrics.observe_decision
 

@@ -13,6 +13,7 @@ __all__ = [
     "GC_THRESHOLDS",
     "PASS_SLICES",
     "SWITCH_INTERVAL_S",
+    "YIELD_EVERY_JOBS",
     "heap_freezer",
     "tune_process",
 ]
@@ -20,6 +21,10 @@ __all__ = [
 #: GIL switch interval while a unit of SQL work runs in a worker thread, seconds
 #: (CPython's 5 ms otherwise: services/common/gil.py).
 SWITCH_INTERVAL_S = 0.0005
+
+#: A pass over many jobs hands the event loop back every this many jobs, so that the
+#: telemetry acks that arrive meanwhile do not wait for the whole pass.
+YIELD_EVERY_JOBS = 64
 
 #: The pass over every job is spread over the evaluation interval in up to this many
 #: slices of at least YIELD_EVERY_JOBS jobs each (services/scaler/engine/loop.py).

@@ -838,7 +838,7 @@ async def test_the_pass_writes_its_decisions_in_one_batch_or_each_alone(
 async def test_the_pass_over_many_jobs_is_spread_over_the_interval(rig: Rig) -> None:
     """Over YIELD_EVERY_JOBS jobs, ``run`` evaluates them in slices spread over the
     interval: every job once a round, no job twice, and never the whole fleet at once."""
-    from services.scaler.engine.pipeline import YIELD_EVERY_JOBS
+    from services.scaler.tuning import YIELD_EVERY_JOBS
 
     core, clock = rig.core, rig.clock
     for i in range(3 * YIELD_EVERY_JOBS):  # with ns/a: three slices

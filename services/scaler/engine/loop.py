@@ -17,12 +17,12 @@ from services.scaler.coordination import CoordinatorClient
 from services.scaler.engine.jobs import JobBook
 from services.scaler.engine.losses import Losses
 from services.scaler.engine.ownership import Ownership
-from services.scaler.engine.pipeline import YIELD_EVERY_JOBS, Pipeline
+from services.scaler.engine.pipeline import Pipeline
 from services.scaler.engine.wakeups import Wakeups
 from services.scaler.history import RollupHistory
 from services.scaler.ingest import Ingest
 from services.scaler.metrics import ScalerMetrics
-from services.scaler.tuning import PASS_SLICES
+from services.scaler.tuning import PASS_SLICES, YIELD_EVERY_JOBS
 from services.store.probe import StoreProbe
 from tidebase.errors import Unavailable
 

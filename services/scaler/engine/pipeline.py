@@ -30,14 +30,10 @@ from services.scaler.pool import PoolClaims
 from services.scaler.preemption import plan_notice
 from services.scaler.store import DecisionRecord
 from services.scaler.triggers import Triggers
+from services.scaler.tuning import YIELD_EVERY_JOBS
 from tidebase.errors import TideError
 
 logger = logging.getLogger(__name__)
-
-#: A pass over every job hands the event loop back this often: a pass over 1,000 jobs
-#: takes a few hundred milliseconds, and every telemetry stream's ack would wait behind
-#: it (docs/scaler.md, "Tuning").
-YIELD_EVERY_JOBS = 64
 
 
 @dataclass(frozen=True)
