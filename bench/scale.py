@@ -93,13 +93,13 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
 
     from services.common.clock import SystemClock
     from services.scaler.ingest import IngestSettings
+    from services.scaler.leases import ShardLeases, ShardSettings
     from services.scaler.metrics import PARTIALS_DROPPED
     from services.scaler.peers import GrpcPeerLink
     from services.scaler.policy import PolicySettings
     from services.scaler.service import ScalerCore
     from services.scaler.servicer import ScalerPeersServicer, TelemetryServicer
     from services.scaler.sharding import Sharding
-    from services.scaler.shards import ShardLeases, ShardSettings
     from services.scaler.store import DecisionStore
     from services.scaler.tuning import heap_freezer, tune_process
     from services.store import db

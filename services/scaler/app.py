@@ -27,7 +27,7 @@ from services.scaler.actuators.counted import CountedActuator
 from services.scaler.coordination import CoordinatorClient
 from services.scaler.kube.client import api_client
 from services.scaler.kube.lease import KubernetesLease
-from services.scaler.leader import LeaderElector, LeaseBackend
+from services.scaler.leases import LeaderElector, LeaseBackend, ShardLeases
 from services.scaler.lifecycle import FaultHook
 from services.scaler.metrics import IngestCollector, ScalerMetrics
 from services.scaler.peers import GrpcPeerLink
@@ -40,7 +40,6 @@ from services.scaler.servicer import (
 )
 from services.scaler.settings import ScalerSettings
 from services.scaler.sharding import Sharding
-from services.scaler.shards import ShardLeases
 from services.scaler.store import DecisionStore
 from services.scaler.tuning import heap_freezer, tune_process
 from services.store import db

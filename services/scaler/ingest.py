@@ -231,7 +231,7 @@ class Ingest:
         self.merged: dict[str, JobWindow] = {}
         self._last_slot: dict[str, int] = {}
         self.rollups = Rollups()
-        # Sharded (services/scaler/shards.py): whether a job's samples go to the replica
+        # Sharded (services/scaler/leases.py): whether a job's samples go to the replica
         # that owns it, as partial aggregates, instead of into a window here.
         self.forward: Callable[[str], bool] | None = None
         self.partials = Partials()

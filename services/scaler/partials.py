@@ -1,6 +1,6 @@
 """Partial aggregates: what a replica ships to the replica that owns a job.
 
-With jobs sharded across replicas (services/scaler/shards.py), an agent streams to
+With jobs sharded across replicas (services/scaler/leases.py), an agent streams to
 any replica. The replica that receives a sample of a job it does not own folds it,
 per job, into the slot of the job's window and the second of its rollup minute,
 exactly as the owner would, and keeps no window of its own for the job. Each

@@ -16,9 +16,8 @@ from services.common.config import ClientSettings, CommonSettings, setting
 from services.scaler.actuators import parse_actuator
 from services.scaler.ingest import IngestSettings
 from services.scaler.kube.client import IN_CLUSTER
-from services.scaler.leader import LEASE_NAME, LeaseSettings
+from services.scaler.leases import LEASE_NAME, SHARDS_MAX, LeaseSettings, ShardSettings
 from services.scaler.policy import PolicySettings
-from services.scaler.shards import SHARDS_MAX, ShardSettings
 from tidebase.client import channel_target
 from tidebase.errors import ConfigError
 

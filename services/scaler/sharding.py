@@ -2,7 +2,7 @@
 
 With ``--shards N`` every replica runs (services/scaler/app.py):
 
-- **rounds** (:meth:`Sharding.round`): one :class:`~services.scaler.shards.ShardLeases`
+- **rounds** (:meth:`Sharding.round`): one :class:`~services.scaler.leases.ShardLeases`
   step every ``lease_renew_s``. A shard given up or lost is stopped first
   (:meth:`ScalerCore.drop_jobs` cancels and awaits what acts on its jobs), then
   released; a shard gained has its jobs taken (a new owner epoch each, so
@@ -29,10 +29,10 @@ import contextlib
 import logging
 from collections import defaultdict
 
+from services.scaler.leases import ShardLeases, shard_of
 from services.scaler.partials import JobPartial, NodeNotice, Shipped
 from services.scaler.peers import PeerLink
 from services.scaler.service import ScalerCore
-from services.scaler.shards import ShardLeases, shard_of
 from tidebase.errors import TideError
 
 logger = logging.getLogger(__name__)

@@ -14,11 +14,11 @@ from collections.abc import Iterable, Sequence
 from tide.v1 import common_pb2, telemetry_pb2
 
 from services.scaler.ingest import Ingest, IngestSettings
+from services.scaler.leases import assign, shard_of
 from services.scaler.members import Member
 from services.scaler.partials import JobPartial, NodeNotice
 from services.scaler.peers import ship_request
 from services.scaler.service import ScalerCore
-from services.scaler.shards import assign, shard_of
 from services.testing.clock import FakeClock
 from services.testing.members import InMemoryMemberRegistry
 from tidebase.errors import Unavailable
@@ -34,9 +34,7 @@ def _engine(clock: FakeClock, jobs: int) -> Ingest:
         reg.set_members(f"ns/j{k}", [Member(f"j{k}-p{i}", f"j{k}-p{i}") for i in range(4)])
     # Staggered slot grids of 2 s buckets, the production default: shipped slots must
     # land on the owner's grid.
-    return Ingest(
-        IngestSettings(stale_after_s=5.0), reg, clock, window_shape=lambda _j: (2.0, 3)
-    )
+    return Ingest(IngestSettings(stale_after_s=5.0), reg, clock, window_shape=lambda _j: (2.0, 3))
 
 
 def _report(node: int, seq: int, t: float, utils: list[float]) -> telemetry_pb2.NodeReport:

@@ -17,9 +17,8 @@ from services.scaler.engine.jobs import JobBook
 from services.scaler.engine.ownership import Ownership
 from services.scaler.engine.wakeups import Wakeups
 from services.scaler.errors import NotLeader, NotOwner
-from services.scaler.leader import LeaderElector
+from services.scaler.leases import LeaderElector, ShardLeases
 from services.scaler.metrics import ScalerMetrics
-from services.scaler.shards import ShardLeases
 from services.scaler.store import DecisionRecord, DecisionState, JobRecord
 from services.testing.clock import FakeClock
 

@@ -15,11 +15,11 @@ from tide.v1 import telemetry_pb2
 
 from services.scaler.errors import NotOwner
 from services.scaler.ingest import IngestSettings
+from services.scaler.leases import SHARD_LEASE_PREFIX, ShardLeases, ShardSettings, assign, shard_of
 from services.scaler.partials import NodeNotice
 from services.scaler.policy import Reason
 from services.scaler.service import ScalerCore
 from services.scaler.sharding import Sharding
-from services.scaler.shards import SHARD_LEASE_PREFIX, ShardLeases, ShardSettings, assign, shard_of
 from services.scaler.store import DecisionState, DecisionStore
 from services.store import db
 from services.testing.actuators import InMemoryActuator

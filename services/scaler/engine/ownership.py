@@ -1,9 +1,9 @@
 """Which jobs this replica acts on, one interface for the three ways a replica runs:
 
 - alone: every job it has taken (all of them at start);
-- elected (services/scaler/leader.py): the same, while it leads; a follower
+- elected (services/scaler/leases.py): the same, while it leads; a follower
   refuses writes, naming the leader;
-- sharded (services/scaler/shards.py): the jobs of the shards it holds, once taken
+- sharded (services/scaler/leases.py): the jobs of the shards it holds, once taken
   (a new owner epoch, their state read back).
 
 Either way a job another scaler took (the store refused this one's epoch:
@@ -16,8 +16,7 @@ import logging
 from collections.abc import Collection, Iterable, Mapping
 
 from services.scaler.errors import NotLeader, NotOwner
-from services.scaler.leader import LeaderElector
-from services.scaler.shards import ShardLeases
+from services.scaler.leases import LeaderElector, ShardLeases
 
 logger = logging.getLogger(__name__)
 
