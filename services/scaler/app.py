@@ -80,7 +80,7 @@ async def serve_scaler(
         actuator=CountedActuator(actuator, metrics.actuator_errors),
         coordinator=coordinator,
         clock=clock,
-        defaults=settings.policy(),
+        defaults=settings.policy,
         ingest=settings.ingest(),
         fault=fault,
         evaluate_interval_s=settings.evaluate_interval_s,

@@ -55,14 +55,15 @@ class Trigger(enum.Enum):
 @dataclass(frozen=True)
 class PolicySettings:
     """Effective policy of one job. Each default is written here only (ScalerSettings
-    takes them as its flags' defaults); docs/policy.md lists them."""
+    holds the scaler's default policy as one grouped setting: each field a flag of its
+    own); docs/policy.md lists them."""
 
-    scale_up_utilization_pct: float = 80.0
+    scale_up_utilization_pct: float = field(default=80.0, metadata={"help": "see docs/policy.md"})
     scale_down_utilization_pct: float = 40.0
     sustain_s: float = 300.0
     bucket_s: float = 30.0
     cooldown_s: float = 300.0
-    phase_timeout_s: float = 60.0
+    phase_timeout_s: float = field(default=60.0, metadata={"help": "each resize phase's deadline"})
     min_replicas: int = 2
     max_replicas: int = 8
     min_coverage: float = 0.8
@@ -75,7 +76,9 @@ class PolicySettings:
     # The goodput guard: a scale-up must give, per added replica, at least this
     # fraction of the throughput per replica the job had (0 turns the guard off).
     # GPU utilization cannot tell: NCCL kernels keep a GPU "busy" while it waits.
-    min_scale_up_efficiency: float = 0.5
+    min_scale_up_efficiency: float = field(
+        default=0.5, metadata={"help": "the goodput guard (0 turns it off)"}
+    )
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:

@@ -35,6 +35,8 @@ FAST = {"bucket_s": 10.0, "sustain_s": 30.0, "cooldown_s": 60.0, "scale_down_sta
 PODS = ["uid-a-0"] * 4 + ["uid-a-1"] * 4
 #: A real coordinator and actuator named, as ScalerSettings requires.
 REAL: dict[str, Any] = {"coordinator": "127.0.0.1:9", "actuator": "local:/nonexistent"}
+#: The same, as a process is given them.
+REAL_ENV = {"TIDE_COORDINATOR": REAL["coordinator"], "TIDE_ACTUATOR": REAL["actuator"]}
 
 
 @dataclass
@@ -478,18 +480,25 @@ async def test_store_warm_up_leaves_nothing_behind(scaler_db_url: str) -> None:
 
 
 def test_scaler_settings_validate_and_feed_the_policy() -> None:
+    from services.common.config import load_settings
     from services.scaler.settings import ScalerSettings
     from tidebase.errors import ConfigError
 
-    s = ScalerSettings(**REAL, sustain_s=60.0, bucket_s=10.0, max_replicas=16)
-    assert (s.policy().buckets, s.policy().max_replicas) == (6, 16)
+    s = load_settings(
+        ScalerSettings, ["--sustain-s=60", "--bucket-s=10", "--max-replicas=16"], env=REAL_ENV
+    )
+    assert (s.policy.buckets, s.policy.max_replicas) == (6, 16)
     with pytest.raises(ConfigError, match=r"sustain_s=100\.0"):
-        ScalerSettings(**REAL, sustain_s=100.0)
+        load_settings(ScalerSettings, [], env={**REAL_ENV, "TIDE_SUSTAIN_S": "100"})
     with pytest.raises(ConfigError, match=r"utilization_detail_retention_days=40\.0"):
         ScalerSettings(**REAL, utilization_detail_retention_days=40.0)
     with pytest.raises(ConfigError, match=r"min_scale_up_efficiency=2\.0"):
-        ScalerSettings(**REAL, min_scale_up_efficiency=2.0)
-    assert ScalerSettings(**REAL, min_scale_up_efficiency=0.0).policy().min_scale_up_efficiency == 0
+        load_settings(ScalerSettings, ["--min-scale-up-efficiency=2"], env=REAL_ENV)
+    off = ScalerSettings(**REAL, policy=PolicySettings(min_scale_up_efficiency=0.0))
+    assert off.policy.min_scale_up_efficiency == 0
+    # The policy is one grouped setting: its fields are not ScalerSettings' own.
+    with pytest.raises(TypeError, match="sustain_s"):
+        ScalerSettings(**REAL, sustain_s=60.0)  # type: ignore[call-arg]
     with pytest.raises(ConfigError, match="actuator"):
         ScalerSettings(coordinator="127.0.0.1:9", actuator="kubernetes")
     with pytest.raises(ConfigError, match="stale_after_s"):
@@ -517,7 +526,7 @@ def test_scaler_settings_validate_and_feed_the_policy() -> None:
     sharded = ScalerSettings(**REAL, shards=4, lease_duration_s=6.0, lease_renew_s=2.0)
     assert sharded.sharding() == ShardSettings(shards=4, duration_s=6.0, renew_s=2.0)
     # Each policy default is PolicySettings' own.
-    assert s.policy() == PolicySettings(sustain_s=60.0, bucket_s=10.0, max_replicas=16)
+    assert s.policy == PolicySettings(sustain_s=60.0, bucket_s=10.0, max_replicas=16)
 
 
 def test_scaler_settings_db_and_local_actuator(tmp_path: Path) -> None:
