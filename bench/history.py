@@ -314,7 +314,7 @@ def scaler_api(url: str) -> Iterator[str]:
     from services.common.clock import SystemClock
     from services.common.config import CommonSettings
     from services.common.server import ServiceSpec, start_server
-    from services.scaler.service import ScalerCore
+    from services.scaler.engine.core import ScalerCore
     from services.scaler.servicer import RULES, ScalerServicer
     from services.scaler.store import DecisionStore
     from services.store import db
@@ -480,7 +480,7 @@ def measure_queries(url: str) -> dict[str, float]:
 
 async def measure_scaler(url: str, decisions: int) -> dict[str, Any]:
     from services.scaler import store as repo
-    from services.scaler.service import ScalerCore
+    from services.scaler.engine.core import ScalerCore
     from services.scaler.store import DecisionState, DecisionStore
     from services.store import db
     from services.testing.actuators import InMemoryActuator

@@ -103,9 +103,9 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
         telemetry_pb2_grpc.add_TelemetryServicer_to_server(Bare(), server)
     else:
         from services.common.clock import SystemClock
+        from services.scaler.engine.core import ScalerCore
         from services.scaler.ingest import IngestSettings
         from services.scaler.policy import PolicySettings
-        from services.scaler.service import ScalerCore
         from services.scaler.servicer import TelemetryServicer
         from services.scaler.store import DecisionStore
         from services.scaler.tuning import tune_process

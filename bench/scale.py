@@ -92,12 +92,12 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
     from tide.v1 import peers_pb2_grpc, telemetry_pb2_grpc
 
     from services.common.clock import SystemClock
+    from services.scaler.engine.core import ScalerCore
     from services.scaler.ingest import IngestSettings
     from services.scaler.leases import ShardLeases, ShardSettings
     from services.scaler.metrics import PARTIALS_DROPPED
     from services.scaler.peers import GrpcPeerLink
     from services.scaler.policy import PolicySettings
-    from services.scaler.service import ScalerCore
     from services.scaler.servicer import ScalerPeersServicer, TelemetryServicer
     from services.scaler.sharding import Sharding
     from services.scaler.store import DecisionStore

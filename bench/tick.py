@@ -62,9 +62,9 @@ T0 = 1_800_000_000.0
 async def run(agents: int, passes: int, db_dir: str) -> dict[str, Any]:
     from tide.v1 import telemetry_pb2
 
+    from services.scaler.engine.core import ScalerCore
     from services.scaler.ingest import IngestSettings
     from services.scaler.policy import PolicySettings
-    from services.scaler.service import ScalerCore
     from services.scaler.store import DecisionStore
     from services.store import db
     from services.testing.actuators import InMemoryActuator
@@ -155,8 +155,8 @@ async def run_tipping(
 
     from services.common.clock import SystemClock
     from services.scaler import policy as pol
+    from services.scaler.engine.core import ScalerCore
     from services.scaler.ingest import IngestSettings
-    from services.scaler.service import ScalerCore
     from services.scaler.store import DecisionStore
     from services.scaler.tuning import tune_process
     from services.store import db

@@ -25,13 +25,13 @@ from services.common.validate import validate_request
 from services.scaler.actuators import Actuator
 from services.scaler.actuators.counted import CountedActuator
 from services.scaler.coordination import CoordinatorClient
+from services.scaler.engine.core import ScalerCore
 from services.scaler.kube.client import api_client
 from services.scaler.kube.lease import KubernetesLease
 from services.scaler.leases import LeaderElector, LeaseBackend, ShardLeases
 from services.scaler.lifecycle import FaultHook
 from services.scaler.metrics import IngestCollector, ScalerMetrics
 from services.scaler.peers import GrpcPeerLink
-from services.scaler.service import ScalerCore
 from services.scaler.servicer import (
     RULES,
     ScalerPeersServicer,

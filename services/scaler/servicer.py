@@ -43,10 +43,10 @@ from services.scaler.convert import (
     policy_to_proto,
     window_to_proto,
 )
+from services.scaler.engine.core import ScalerCore
 from services.scaler.ingest import Ingest, InvalidStream, StreamConflict
 from services.scaler.lifecycle import state_from_proto, state_to_proto
 from services.scaler.peers import notice_from_proto, partial_from_proto
-from services.scaler.service import ScalerCore
 from services.scaler.store import JobRecord
 from services.store.db import utc_from_epoch
 from tidebase.errors import InvalidArgument, grpc_status_of

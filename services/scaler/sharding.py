@@ -29,10 +29,10 @@ import contextlib
 import logging
 from collections import defaultdict
 
+from services.scaler.engine.core import ScalerCore
 from services.scaler.leases import ShardLeases, shard_of
 from services.scaler.partials import JobPartial, NodeNotice, Shipped
 from services.scaler.peers import PeerLink
-from services.scaler.service import ScalerCore
 from tidebase.errors import TideError
 
 logger = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from services.scaler.actuators.base import Actuator
 from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
 from services.scaler.actuators.local import JobSpec, LocalActuator, LocalActuatorSettings
 from services.scaler.coordination import GrpcCoordinatorClient
+from services.scaler.engine.core import ScalerCore
 from services.scaler.ingest import IngestSettings
-from services.scaler.service import ScalerCore
 from services.scaler.store import DecisionStore
 from services.store import db
 from services.testing.kube.apiserver import KubeApiServer

@@ -13,12 +13,12 @@ from collections.abc import Iterable, Sequence
 
 from tide.v1 import common_pb2, telemetry_pb2
 
+from services.scaler.engine.core import ScalerCore
 from services.scaler.ingest import Ingest, IngestSettings
 from services.scaler.leases import assign, shard_of
 from services.scaler.members import Member
 from services.scaler.partials import JobPartial, NodeNotice
 from services.scaler.peers import ship_request
-from services.scaler.service import ScalerCore
 from services.testing.clock import FakeClock
 from services.testing.members import InMemoryMemberRegistry
 from tidebase.errors import Unavailable

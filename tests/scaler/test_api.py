@@ -17,9 +17,9 @@ from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2_grpc
 from services.common.clock import SystemClock
 from services.common.config import CommonSettings
 from services.common.server import RunningServer, ServiceSpec, start_server
+from services.scaler.engine.core import ScalerCore
 from services.scaler.ingest import IngestSettings
 from services.scaler.policy import PolicySettings, Reason
-from services.scaler.service import ScalerCore
 from services.scaler.servicer import RULES, ScalerServicer, TelemetryServicer
 from services.scaler.store import DecisionStore
 from services.store import db

@@ -15,10 +15,10 @@ from tide.v1 import telemetry_pb2
 from services.scaler import policy as pol
 from services.scaler.convert import inputs_to_proto
 from services.scaler.coordination import Phase, Progress, ResizeSpec
+from services.scaler.engine.core import ScalerCore
 from services.scaler.ingest import IngestSettings
 from services.scaler.leases import ShardSettings
 from services.scaler.policy import PolicySettings, Reason
-from services.scaler.service import ScalerCore
 from services.scaler.store import DecisionState, DecisionStore, StaleEpoch
 from services.store import db
 from services.testing.actuators import InMemoryActuator, ReplicaChange

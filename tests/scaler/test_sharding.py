@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import pytest
 from tide.v1 import telemetry_pb2
 
+from services.scaler.engine.core import ScalerCore
 from services.scaler.errors import NotOwner
 from services.scaler.ingest import IngestSettings
 from services.scaler.leases import SHARD_LEASE_PREFIX, ShardLeases, ShardSettings, assign, shard_of
 from services.scaler.partials import NodeNotice
 from services.scaler.policy import Reason
-from services.scaler.service import ScalerCore
 from services.scaler.sharding import Sharding
 from services.scaler.store import DecisionState, DecisionStore
 from services.store import db

@@ -18,9 +18,9 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from services.common import tracing
 from services.coordinator.store import MemoryStore
 from services.scaler.coordination import GrpcCoordinatorClient
+from services.scaler.engine.core import ScalerCore
 from services.scaler.ingest import IngestSettings
 from services.scaler.policy import PolicySettings
-from services.scaler.service import ScalerCore
 from services.scaler.store import DecisionState, DecisionStore
 from services.store import db
 from services.testing.actuators import InMemoryActuator

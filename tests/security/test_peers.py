@@ -16,9 +16,9 @@ from services.common.config import CommonSettings
 from services.common.pki import CertificateAuthority, Issued
 from services.common.server import ServiceSpec, start_server
 from services.common.validate import validate_request
+from services.scaler.engine.core import ScalerCore
 from services.scaler.partials import JobPartial
 from services.scaler.peers import GrpcPeerLink
-from services.scaler.service import ScalerCore
 from services.scaler.servicer import RULES, ScalerPeersServicer
 from services.scaler.store import DecisionStore
 from services.store import db

@@ -19,9 +19,9 @@ from services.scaler.engine.losses import Losses
 from services.scaler.engine.ownership import Ownership
 from services.scaler.engine.pipeline import Pipeline
 from services.scaler.engine.wakeups import Wakeups
-from services.scaler.history import RollupHistory
 from services.scaler.ingest import Ingest
 from services.scaler.metrics import ScalerMetrics
+from services.scaler.rollup_writer import RollupWriter
 from services.scaler.tuning import PASS_SLICES, YIELD_EVERY_JOBS
 from services.store.probe import StoreProbe
 from tidebase.errors import Unavailable
@@ -44,7 +44,7 @@ class Loop:
         ingest: Ingest,
         pipeline: Pipeline,
         losses: Losses,
-        rollups: RollupHistory,
+        rollups: RollupWriter,
         wakeups: Wakeups,
         metrics: ScalerMetrics,
         evaluate_interval_s: float,
@@ -118,7 +118,7 @@ class Loop:
             await self.pipeline.evaluate_many(due)
 
     async def flush_rollups(self, *, final: bool = False) -> int:
-        """Finished minutes of every known job to SQL, then retention (history.py)."""
+        """Finished minutes of every known job to SQL, then retention (rollup_writer.py)."""
         replicas = {j: r.current_replicas for j, r in self.book.jobs.items()}
         return await self.rollups.flush(replicas, final=final)
 

@@ -12,9 +12,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from services.scaler.actuators.kubernetes import KubernetesActuator
+from services.scaler.engine.core import ScalerCore
 from services.scaler.kube.discovery import Discovery
 from services.scaler.kube.events import EventRecorder, decision_event
-from services.scaler.service import ScalerCore
 from services.scaler.store import DecisionRecord
 
 Background = Callable[[], Coroutine[Any, Any, None]]

@@ -1,8 +1,8 @@
 """The scaler's control loop put together: ingestion feeds windows, a closed bucket
 wakes the policy, a resize becomes a committed decision, the controller carries it out.
 
-:class:`ScalerCore` wires the rooms of services/scaler/engine/ and is what the gRPC
-servicers call:
+:class:`ScalerCore` wires the rooms of this package and is what the gRPC servicers
+call:
 
 - ``jobs.py``: the job registry (:class:`JobBook`), pure memory;
 - ``ownership.py``: which jobs this replica acts on (alone, elected or sharded);
@@ -33,7 +33,6 @@ from services.scaler.engine.losses import Losses
 from services.scaler.engine.ownership import Ownership
 from services.scaler.engine.pipeline import Pipeline
 from services.scaler.engine.wakeups import Wakeups
-from services.scaler.history import RollupHistory
 from services.scaler.ingest import Ingest, IngestSettings
 from services.scaler.lifecycle import FaultHook
 from services.scaler.members import CoordinatorMemberRegistry
@@ -41,6 +40,7 @@ from services.scaler.metrics import ScalerMetrics
 from services.scaler.partials import JobPartial, NodeNotice
 from services.scaler.pool import PoolClaims
 from services.scaler.reconcile import Drift
+from services.scaler.rollup_writer import RollupWriter
 from services.scaler.store import DecisionRecord, DecisionStore, JobRecord
 from services.store.probe import StoreProbe
 
@@ -140,7 +140,7 @@ class ScalerCore:
             pipeline=self.pipeline,
             metrics=metrics,
         )
-        self.rollups = RollupHistory(
+        self.rollups = RollupWriter(
             store,
             self.ingest.rollups,
             clock,
