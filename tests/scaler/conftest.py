@@ -14,6 +14,7 @@ from services.common.clock import SystemClock
 from services.scaler.ingest import Ingest, IngestSettings
 from services.scaler.servicer import TelemetryServicer
 from services.testing.members import InMemoryMemberRegistry
+from tests.scaler import service_rig
 from tests.scaler.support import TelemetryServer
 from tests.support.pg import schema_url
 from tidebase.grpc_options import server_options
@@ -60,3 +61,8 @@ def scaler_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[st
     with schema_url(admin, pg_url, "scaler") as url:
         db.upgrade(url)
         yield url
+
+
+# --- the scaler's end-to-end rig (service_rig.py) --------------------------------------------
+
+rig = service_rig.rig_fixture

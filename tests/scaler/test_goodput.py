@@ -11,8 +11,8 @@ import pytest
 from services.scaler.policy import Reason
 from services.scaler.store import DecisionState
 from services.testing.clock import FakeClock
+from tests.scaler.service_rig import T0, Rig, make_rig
 from tests.scaler.support import report
-from tests.scaler.test_service import T0, Rig, make_rig
 from tests.support.poll import eventually
 
 pytestmark = pytest.mark.component
