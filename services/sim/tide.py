@@ -26,7 +26,7 @@ from services.scaler import goodput as gp
 from services.scaler import policy as pol
 from services.scaler.pool import arbitrate
 from services.scaler.windows import JobWindow
-from services.sim.engine import Run, Simulation
+from services.sim.simulation import Run, Simulation
 
 _WAKE_ON_CAPACITY = frozenset({pol.Reason.NO_CAPACITY, pol.Reason.POOL_CONTENDED})
 
