@@ -34,7 +34,9 @@ from tenacity import RetryCallState, RetryError, Retrying, retry_if_exception, s
 from services.common.gil import SWITCH
 from services.store import metrics as store_metrics
 from services.store.failures import (
-    StaleWrite,
+    StaleWrite as StaleWrite,  # re-exported: db.StaleWrite is what callers name
+)
+from services.store.failures import (
     failure_cause,
     is_retryable,
     is_store_unusable,
