@@ -14,8 +14,10 @@ each timed as a fresh process where the CLI is concerned:
   default first page of 100, a plain table as in a pipe);
 - ``history_full_table_s`` / ``history_full_csv_s``: the same with ``--all``,
   ``rows`` of them;
+- ``history_100k_table_s``: ``tide history HUGE --db URL --all``, a job of
+  100,000 decisions seeded besides the others (``rows_100k``);
 - ``jobs_s``: ``tide jobs --db URL`` with 1,000 jobs;
-- the same three through the Scaler API (``..._grpc_s``): the real ScalerCore
+- the same through the Scaler API (``..._grpc_s``): the real ScalerCore
   and ScalerServicer on the store, served on 127.0.0.1 from a thread of this
   process, and ``tide ... --scaler``: the everyday path, which imports no
   SQLAlchemy;
@@ -63,6 +65,10 @@ DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/tide_test"
 JOBS = 1000
 BUSY = "bench/busy"
 BUSY_DECISIONS = 20_000
+#: A job with a hundred thousand decisions, seeded besides ``--decisions``: what
+#: ``tide history HUGE --all`` costs (``history_100k_table_s``, the issue's 8.8 s).
+HUGE = "bench/huge"
+HUGE_DECISIONS = 100_000
 DAYS = 90
 OPEN_JOBS = 20  # jobs with a decision still running
 RENDER_ROWS = 2000
@@ -114,7 +120,7 @@ def pg_schema(url: str) -> Iterator[str]:
 
 def _job_rows() -> list[tuple[Any, ...]]:
     made = NOW - timedelta(days=DAYS + 1)
-    ids = [BUSY] + [f"bench/j{i:04d}" for i in range(JOBS - 1)]
+    ids = [BUSY, HUGE] + [f"bench/j{i:04d}" for i in range(JOBS - 1)]
     # job_id, min, max, current, gpus, overrides, paused, reason, paused_at, generation,
     # last_resize_ended_at, owner_epoch, owner_id, created_at, updated_at, version
     return [(j, 2, 8, 4, 1, "{}", False, "", None, 1, made, 0, "", made, made, 1) for j in ids]
@@ -140,6 +146,7 @@ def _decisions(total: int) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
     busy = min(BUSY_DECISIONS, total)
     rest = total - busy
     plan: list[tuple[str, int, int]] = [(BUSY, i, busy) for i in range(busy)]
+    plan += [(HUGE, i, HUGE_DECISIONS) for i in range(HUGE_DECISIONS)]
     per = max(1, rest // len(others))
     n = 0
     for j in others:
@@ -291,6 +298,15 @@ def measure_cli(url: str, runs: int) -> dict[str, Any]:
             0
         ],
     )
+    took, text = _cli("history", HUGE, "--db", url, "--since", f"{DAYS + 1}d", "--all")
+    out["rows_100k"] = len(text.splitlines()) - 1
+    out["history_100k_table_s"] = statistics.median(
+        [took]
+        + [
+            _cli("history", HUGE, "--db", url, "--since", f"{DAYS + 1}d", "--all")[0]
+            for _ in range(runs - 1)
+        ]
+    )
     took, text = _cli("jobs", "--db", url)
     out["jobs_rows"] = len(text.splitlines()) - 1
     out["jobs_s"] = statistics.median(
@@ -314,7 +330,7 @@ def scaler_api(url: str) -> Iterator[str]:
     from services.common.clock import SystemClock
     from services.common.config import CommonSettings
     from services.common.server import ServiceSpec, start_server
-    from services.scaler.service import ScalerCore
+    from services.scaler.engine.core import ScalerCore
     from services.scaler.servicer import RULES, ScalerServicer
     from services.scaler.store import DecisionStore
     from services.store import db
@@ -381,6 +397,9 @@ def measure_api(url: str, runs: int) -> dict[str, Any]:
         )
         out["history_full_table_grpc_s"] = _best(
             runs, lambda: _cli("history", BUSY, "--scaler", target, "--since", since, "--all")[0]
+        )
+        out["history_100k_table_grpc_s"] = _best(
+            runs, lambda: _cli("history", HUGE, "--scaler", target, "--since", since, "--all")[0]
         )
         out["jobs_grpc_s"] = _best(runs, lambda: _cli("jobs", "--scaler", target)[0])
     return out
@@ -480,7 +499,7 @@ def measure_queries(url: str) -> dict[str, float]:
 
 async def measure_scaler(url: str, decisions: int) -> dict[str, Any]:
     from services.scaler import store as repo
-    from services.scaler.service import ScalerCore
+    from services.scaler.engine.core import ScalerCore
     from services.scaler.store import DecisionState, DecisionStore
     from services.store import db
     from services.testing.actuators import InMemoryActuator
@@ -558,7 +577,7 @@ def main() -> None:
     args = ap.parse_args()
     total = args.decisions or (100_000 if args.quick else 1_000_000)
     runs = 1 if args.quick else 3
-    result: dict[str, Any] = {"decisions": total, "jobs": JOBS, "quick": args.quick}
+    result: dict[str, Any] = {"decisions": total, "jobs": JOBS + 1, "quick": args.quick}
 
     def run(url: str) -> None:
         result["seed_s"] = seed(url, total)

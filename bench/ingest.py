@@ -103,12 +103,12 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
         telemetry_pb2_grpc.add_TelemetryServicer_to_server(Bare(), server)
     else:
         from services.common.clock import SystemClock
-        from services.scaler.app import tune_process
+        from services.scaler.engine.core import ScalerCore
         from services.scaler.ingest import IngestSettings
         from services.scaler.policy import PolicySettings
-        from services.scaler.service import ScalerCore
         from services.scaler.servicer import TelemetryServicer
         from services.scaler.store import DecisionStore
+        from services.scaler.tuning import tune_process
         from services.store import db
         from services.testing.actuators import InMemoryActuator
         from services.testing.coordinator import InMemoryCoordinator, follow_actuator
@@ -153,7 +153,7 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
         for j in range(jobs):
             await core.upsert_job(f"bench/j{j}", {}, gpus_per_replica=4)
         loop_task = asyncio.create_task(core.run())
-        telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(core.engine), server)
+        telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(core.ingest), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     conn.send(port)
@@ -161,8 +161,8 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
     while True:
         await asyncio.sleep(0.05)
         if core is not None:
-            counters["reports"] = core.engine.reports_accepted
-            counters["samples"] = core.engine.samples_accepted
+            counters["reports"] = core.ingest.reports_accepted
+            counters["samples"] = core.ingest.samples_accepted
         if conn.poll():
             msg = conn.recv()
             if msg == "stats":
@@ -175,7 +175,7 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
                     page = await core.store.list_decisions(page_size=1000)
                     out["decisions"] = len(page.decisions)
                     out["decided_at_s"] = [d.created_at.timestamp() for d in page.decisions]
-                    out["rejected"] = sum(core.engine.rejected.values())
+                    out["rejected"] = sum(core.ingest.rejected.values())
                     loop_task.cancel()
                     await core.close()
                 conn.send(out)

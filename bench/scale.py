@@ -92,17 +92,16 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
     from tide.v1 import peers_pb2_grpc, telemetry_pb2_grpc
 
     from services.common.clock import SystemClock
-    from services.common.heap import HeapFreezer
-    from services.scaler.app import tune_process
+    from services.scaler.engine.core import ScalerCore
     from services.scaler.ingest import IngestSettings
+    from services.scaler.leases import ShardLeases, ShardSettings
     from services.scaler.metrics import PARTIALS_DROPPED
     from services.scaler.peers import GrpcPeerLink
     from services.scaler.policy import PolicySettings
-    from services.scaler.service import ScalerCore
     from services.scaler.servicer import ScalerPeersServicer, TelemetryServicer
     from services.scaler.sharding import Sharding
-    from services.scaler.shards import ShardLeases, ShardSettings
     from services.scaler.store import DecisionStore
+    from services.scaler.tuning import heap_freezer, tune_process
     from services.store import db
     from services.testing.actuators import InMemoryActuator
     from services.testing.coordinator import InMemoryCoordinator, follow_actuator
@@ -136,7 +135,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
         clock=clock,
         defaults=policy,
         ingest=settings,
-        heap=HeapFreezer(),  # as services/scaler/app.py does
+        heap=heap_freezer(),  # as services/scaler/app.py does
     )
     observe = core.metrics.observe_decision
 
@@ -159,7 +158,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
         for j in range(jobs):
             coordinator.set_job(f"bench/j{j}", 2)
             fleet.set_members(f"bench/j{j}", _members(j))
-        core.engine.registry = fleet
+        core.ingest.registry = fleet
         if name == "r0":  # the first replica makes the jobs; the others start after it
             for j in range(jobs):
                 await store.upsert_job(
@@ -173,7 +172,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
         )
         sharding = Sharding(core, leases, GrpcPeerLink(NO_CREDENTIALS), ship_interval_s=1.0)
         await core.start_sharded()
-    ingest = core.engine
+    ingest = core.ingest
 
     server = grpc.aio.server(options=server_options())
     telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(ingest), server)

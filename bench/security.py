@@ -44,7 +44,7 @@ async def _ingest_round(stack: Any, seconds: float, round_no: int) -> float:
     import grpc
     from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
-    engine = stack.core.engine
+    engine = stack.core.ingest
     start: int = engine.reports_accepted
     stop_at = time.monotonic() + seconds
 

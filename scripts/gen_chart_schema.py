@@ -10,7 +10,6 @@ runs it): a setting added to a service without `make chart-schema` fails CI.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import types
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.agent.settings import AgentSettings
+from services.common.config import setting_fields
 from services.coordinator.settings import CoordinatorSettings
 from services.scaler.settings import ScalerSettings
 
@@ -88,18 +88,16 @@ def _json_type(tp: Any) -> dict[str, Any]:
 
 
 def settings_schema(cls: type[Any], owned: frozenset[str]) -> dict[str, Any]:
-    """The JSON schema of a `settings` map: the fields of ``cls`` less ``owned``."""
-    hints = typing.get_type_hints(cls)
+    """The JSON schema of a `settings` map: the settings of ``cls`` less ``owned``."""
     props: dict[str, Any] = {}
-    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name):
-        if f.name in owned:
+    for st in sorted(setting_fields(cls), key=lambda st: st.name):
+        if st.name in owned:
             continue
-        prop = _json_type(hints[f.name])
-        prop["description"] = f.metadata.get("help", "")
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-            prop["default"] = list(default) if isinstance(default, tuple) else default
-        props[f.name] = prop
+        prop = _json_type(st.type)
+        prop["description"] = st.help
+        default = st.default
+        prop["default"] = list(default) if isinstance(default, tuple) else default
+        props[st.name] = prop
     return {
         "type": "object",
         "description": f"settings of {cls.__name__} (see --help), written to the service's --config file",

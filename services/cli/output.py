@@ -115,15 +115,35 @@ RICH_MAX_ROWS = 500
 class PlainStream:
     """A plain table printed as its rows arrive (`tide history --all`): the column
     widths are those of the header and the first batch; a later cell that is wider
-    pushes its row's next columns right instead of holding everything back."""
+    pushes its row's next columns right instead of holding everything back.
 
-    def __init__(self, headers: Sequence[str], *, no_headers: bool) -> None:
+    ``free_text``: the columns whose cells may hold any text (a message, a name given
+    by a person): their whitespace is folded to single spaces. The others are the
+    caller's own formatting, printed as they are (folding 100,000 rows' every cell was
+    a sixth of `tide history --all`) and must not be empty; an empty free-text cell
+    is "-"."""
+
+    def __init__(
+        self,
+        headers: Sequence[str],
+        *,
+        no_headers: bool,
+        free_text: Sequence[int] | None = None,
+    ) -> None:
         self.headers = list(headers)
         self.no_headers = no_headers
         self.widths: list[int] | None = None
+        n = len(self.headers)
+        self.free_text = sorted({i % n for i in (range(n) if free_text is None else free_text)})
 
     def write(self, rows: Sequence[Sequence[str]]) -> None:
-        cells = [[" ".join(str(c).split()) or "-" for c in row] for row in rows]
+        free = self.free_text
+        cells = []
+        for row in rows:
+            cell = [str(c) for c in row]
+            for i in free:
+                cell[i] = " ".join(cell[i].split()) or "-"
+            cells.append(cell)
         if self.widths is None:
             shown = [self.headers, *cells]
             self.widths = [max(len(r[i]) for r in shown) for i in range(len(self.headers))]

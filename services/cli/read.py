@@ -26,6 +26,7 @@ from services.cli.output import (
     parse_output,
     print_table,
 )
+from services.cli.source import PAGE_SIZE
 from services.cli.timeparse import iso
 
 
@@ -97,7 +98,7 @@ def history_cmd(
     chunk_size: Annotated[
         int,
         typer.Option(min=1, max=1000, help="decisions fetched per ListDecisions call"),
-    ] = 500,
+    ] = PAGE_SIZE,
     watch: Annotated[
         bool,
         typer.Option(
@@ -140,6 +141,9 @@ def history_cmd(
         return
 
     printer = HistoryPrinter(out, job_id=job_id, lo=lo, hi=hi, no_headers=no_headers)
+    # A table is drawn from each source's rows as they come, converted once; the other
+    # outputs need the decisions themselves.
+    tabular = out.kind in ("table", "wide")
 
     async def go(src: Any) -> bool:
         if job_id:
@@ -148,9 +152,17 @@ def history_cmd(
         def page_size() -> int:
             return chunk_size if want is None else max(1, min(chunk_size, want - printer.count))
 
-        async for page, more in src.decision_pages(job_id, lo, hi, states, page_size=page_size):
+        pages = (
+            src.history_table_pages(job_id, lo, hi, states, wide=out.wide, page_size=page_size)
+            if tabular
+            else src.decision_pages(job_id, lo, hi, states, page_size=page_size)
+        )
+        async for page, more in pages:
             room = len(page) if want is None else want - printer.count
-            printer.add(page[:room])
+            if tabular:
+                printer.add_rows(page[:room])
+            else:
+                printer.add(page[:room])
             if want is not None and printer.count >= want:
                 return more or len(page) > room
         return False
@@ -202,22 +214,33 @@ class HistoryPrinter:
         self.no_headers = no_headers
         self.count = 0
         self.held: list[Any] = []
+        self.held_rows: list[tuple[str, ...]] = []
         self.stream: PlainStream | None = None
         self.csv_started = False
 
     def add(self, decisions: list[Any]) -> None:
+        """Decisions, for csv (streamed) and the documents (printed at the end)."""
         self.count += len(decisions)
         if self.out.kind == "csv":
             self._csv(decisions)
             return
-        if not self.out.tabular or (self.stream is None and self.count <= RICH_MAX_ROWS):
-            self.held.extend(decisions)
+        self.held.extend(decisions)
+
+    def add_rows(self, rows: list[tuple[str, ...]]) -> None:
+        """Table rows (``history_table_pages``): held for rich until more than
+        RICH_MAX_ROWS have come, then printed plain as they arrive."""
+        self.count += len(rows)
+        if self.stream is None and self.count <= RICH_MAX_ROWS:
+            self.held_rows.extend(rows)
             return
         if self.stream is None:
-            headers, _ = render.history_rows([], wide=self.out.wide)
-            self.stream = PlainStream(headers, no_headers=self.no_headers)
-            decisions, self.held = [*self.held, *decisions], []
-        self.stream.write(render.history_rows(decisions, wide=self.out.wide)[1])
+            self.stream = PlainStream(
+                render.history_headers(wide=self.out.wide),
+                no_headers=self.no_headers,
+                free_text=render.HISTORY_FREE_TEXT,
+            )
+            rows, self.held_rows = [*self.held_rows, *rows], []
+        self.stream.write(rows)
 
     def _csv(self, decisions: list[Any]) -> None:
         text = csv_text(render.CSV_COLUMNS, [render.decision_doc(d) for d in decisions])
@@ -231,7 +254,13 @@ class HistoryPrinter:
             if not self.csv_started:
                 self._csv([])
             return
-        if self.stream is None:
+        if self.stream is None and self.held_rows:
+            print_table(
+                render.history_headers(wide=self.out.wide),
+                self.held_rows,
+                no_headers=self.no_headers,
+            )
+        elif self.stream is None:
             print_history(
                 self.held,
                 self.out,

@@ -321,8 +321,13 @@ def jobs_rows(jobs: Sequence[scaler_pb2.Job], *, offline: bool = False, wide: bo
     return headers, rows
 
 
-def history_rows(decisions: Sequence[scaler_pb2.Decision], *, wide: bool = False) -> Rows:
-    """Headers and rows of `tide history` (``wide``: trigger, generation, lost steps, the
+#: The columns of `tide history` that hold text as people wrote it (BY, MESSAGE; the
+#: last counted from the end, so that it holds for the wide table too).
+HISTORY_FREE_TEXT = (7, -1)
+
+
+def history_headers(*, wide: bool = False) -> tuple[str, ...]:
+    """The columns of `tide history` (``wide``: trigger, generation, lost steps, the
     last change)."""
     headers: tuple[str, ...] = (
         "ID",
@@ -336,28 +341,92 @@ def history_rows(decisions: Sequence[scaler_pb2.Decision], *, wide: bool = False
     )
     if wide:
         headers += ("TRIGGER", "GEN", "LOST STEPS", "UPDATED (UTC)")
-    headers += ("MESSAGE",)
-    rows = []
-    for d in decisions:
-        row: tuple[str, ...] = (
-            str(d.id),
-            short(field_datetime(d, "created_at")),
+    return (*headers, "MESSAGE")
+
+
+def history_rows(decisions: Sequence[scaler_pb2.Decision], *, wide: bool = False) -> Rows:
+    """Headers and rows of `tide history`, of the API's decisions."""
+    rows = [
+        history_cells(
+            d.id,
+            field_datetime(d, "created_at"),
             d.job_id,
-            f"{d.from_replicas}→{d.to_replicas}",
+            d.from_replicas,
+            d.to_replicas,
             reason_name(d.reason),
             state_name(d.state),
-            f"{d.pause_s:.2f}s" if d.pause_s else "-",
-            d.requested_by or trigger_name(d.trigger).lower(),
+            d.pause_s,
+            d.requested_by,
+            trigger_name(d.trigger),
+            d.generation,
+            d.lost_steps,
+            field_datetime(d, "updated_at"),
+            d.error or d.message,
+            wide=wide,
         )
-        if wide:
-            row += (
-                trigger_name(d.trigger),
-                str(d.generation),
-                str(d.lost_steps),
-                short(field_datetime(d, "updated_at")),
-            )
-        rows.append((*row, d.error or d.message))
-    return headers, rows
+        for d in decisions
+    ]
+    return history_headers(wide=wide), rows
+
+
+def history_rows_of_store(rows: Sequence[Any], *, wide: bool = False) -> list[tuple[str, ...]]:
+    """The rows of `tide history` straight from the store's rows (``store.decision_rows``:
+    its reason, state and trigger are the names the API's enums carry): each row
+    converted once, not to a record and a message first."""
+    return [
+        history_cells(
+            r.id,
+            r.created_at,
+            r.job_id,
+            r.from_replicas,
+            r.to_replicas,
+            r.reason,
+            r.state,
+            r.pause_s,
+            r.requested_by,
+            r.trigger,
+            r.generation,
+            r.lost_steps,
+            r.updated_at,
+            r.error or r.message,
+            wide=wide,
+        )
+        for r in rows
+    ]
+
+
+def history_cells(
+    decision_id: int,
+    created_at: Any,
+    job_id: str,
+    from_replicas: int,
+    to_replicas: int,
+    reason: str,
+    state: str,
+    pause_s: float,
+    requested_by: str,
+    trigger: str,
+    generation: int,
+    lost_steps: int,
+    updated_at: Any,
+    text: str,
+    *,
+    wide: bool,
+) -> tuple[str, ...]:
+    """One row of `tide history`, whichever source its values came from."""
+    row: tuple[str, ...] = (
+        str(decision_id),
+        short(created_at),
+        job_id,
+        f"{from_replicas}→{to_replicas}",
+        reason,
+        state,
+        f"{pause_s:.2f}s" if pause_s else "-",
+        requested_by or trigger.lower(),
+    )
+    if wide:
+        row += (trigger, str(generation), str(lost_steps), short(updated_at))
+    return (*row, text)
 
 
 def print_explain(console: Console, detail: scaler_pb2.DecisionDetail) -> None:

@@ -42,4 +42,7 @@ def short(ts: datetime | None) -> str:
     """A time for tables: ``2026-12-02 14:05:03``, UTC."""
     if ts is None:
         return "-"
-    return ts.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+    if ts.tzinfo is not UTC:
+        ts = ts.astimezone(UTC)
+    # isoformat, not strftime: `tide history --all` formats a time per row.
+    return ts.isoformat(" ", "seconds")[:19]

@@ -34,6 +34,55 @@ def setting(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+def setting_group(default: Any, help: str) -> Any:
+    """A settings field holding a frozen dataclass (``default``, whose fields give every
+    default): each of its fields is a setting of its own, flag, environment variable
+    and file key by its own name (``cooldown_s`` -> ``--cooldown-s``), its help the
+    group's followed by the field's own (``metadata={"help": ...}``, if any). The
+    group's class validates its fields when built."""
+    if not dataclasses.is_dataclass(default) or isinstance(default, type):
+        raise TypeError(f"setting_group: {default!r} is not a dataclass instance")
+    return dataclasses.field(default=default, metadata={"help": help, "group": True})
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One flag, environment variable and file key of a settings class."""
+
+    name: str
+    type: Any
+    default: Any
+    help: str
+    # The group field it belongs to (setting_group); None for a plain field.
+    group: str | None = None
+
+
+def setting_fields(cls: type[Any]) -> list[Setting]:
+    """Every setting of ``cls``: its plain fields and the fields of its groups."""
+    hints = typing.get_type_hints(cls)
+    out: list[Setting] = []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("group"):
+            group: Any = f.default
+            inner = type(group)
+            inner_hints = typing.get_type_hints(inner)
+            for g in dataclasses.fields(inner):
+                own = g.metadata.get("help", "")
+                help_text = f"{f.metadata['help']}: {own}" if own else f.metadata["help"]
+                out.append(
+                    Setting(
+                        g.name, inner_hints[g.name], getattr(f.default, g.name), help_text, f.name
+                    )
+                )
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        out.append(Setting(f.name, hints[f.name], default, f.metadata.get("help", "")))
+    names = [s.name for s in out]
+    if len(names) != len(set(names)):
+        raise TypeError(f"{cls.__name__}: a setting is named twice across its groups")
+    return out
+
+
 def check_hostport(name: str, value: str) -> None:
     """Raise ConfigError naming ``name`` unless ``value`` is HOST:PORT."""
     host, sep, port = value.rpartition(":")
@@ -234,23 +283,20 @@ def _convert(name: str, source: str, tp: Any, raw: Any) -> Any:
 
 def build_parser(cls: type[Any], *, prog: str, description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        help_text = f.metadata.get("help", "")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        env = ENV_PREFIX + f.name.upper()
-        shown = f"{help_text} [env {env}; default {default!r}]"
-        if _base_type(hints[f.name]) is bool:
+    for st in setting_fields(cls):
+        env = ENV_PREFIX + st.name.upper()
+        shown = f"{st.help} [env {env}; default {st.default!r}]"
+        if _base_type(st.type) is bool:
             parser.add_argument(
-                _flag(f.name),
-                dest=f.name,
+                _flag(st.name),
+                dest=st.name,
                 default=None,
                 action=argparse.BooleanOptionalAction,
                 help=shown,
             )
         else:
             parser.add_argument(
-                _flag(f.name), dest=f.name, default=None, metavar="VALUE", help=shown
+                _flag(st.name), dest=st.name, default=None, metavar="VALUE", help=shown
             )
     return parser
 
@@ -268,8 +314,9 @@ def load_settings(
     env = os.environ if env is None else env
     parser = build_parser(cls, prog=prog, description=description)
     flags = vars(parser.parse_args(list(argv) if argv is not None else None))
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    settings = setting_fields(cls)
+    hints = {st.name: st.type for st in settings}
+    names = set(hints)
     values: dict[str, Any] = {}
 
     config_path = flags.get("config") or env.get(ENV_PREFIX + "CONFIG", "")
@@ -302,4 +349,17 @@ def load_settings(
         if raw is not None:
             values[name] = _convert(name, _flag(name), hints[name], raw)
 
-    return cls(**values)
+    return cls(**_grouped(cls, settings, values))
+
+
+def _grouped(cls: type[Any], settings: list[Setting], values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` by setting name as ``cls``'s arguments: each group built from its
+    default with the values given for its fields."""
+    group_of = {st.name: st.group for st in settings}
+    out = {k: v for k, v in values.items() if group_of[k] is None}
+    for f in dataclasses.fields(cls):
+        given = {k: v for k, v in values.items() if group_of[k] == f.name}
+        if given:
+            group: Any = f.default
+            out[f.name] = dataclasses.replace(group, **given)
+    return out

@@ -1,20 +1,17 @@
 """The GIL switch interval of a process whose event loop shares the GIL with SQL threads.
 
-A scaler replica runs its SQL in worker threads so that ingestion never waits on the
-database. While the loop thread is busy, a worker that wants the GIL back waits up
-to the switch interval (CPython's default 5 ms), and one transaction takes it back a
-dozen times: at 5 ms, that wait, not the SQL, was most of a decision's latency under
-load (bench/ingest). A short interval fixes that, but the loop thread then hands the
-GIL over every 0.5 ms to whichever thread asks (gRPC's completion threads ask all the
-time), each handover a context switch on the replica's core: at 5,000 agents, one
-replica on one core spent 94-99 % of it with the short interval always on (three runs),
-75-79 % with it on only while a transaction runs (two runs; bench.scale --sweep 5000,
-docs/scaler.md).
+A process that runs its SQL in worker threads (so that its event loop never waits
+on the database) wants the GIL back in those threads quickly: while the loop thread
+is busy, a worker waits up to the switch interval each time it wants the GIL, and a
+transaction wants it many times. A short interval always on, though, has the loop
+thread hand the GIL over to whichever thread asks (gRPC's completion threads ask all
+the time), each handover a context switch.
 
 :data:`SWITCH` is the process's one switch interval: :meth:`SwitchInterval.short`
 holds it short while any unit of work runs, in any thread, and puts the normal one
 back when the last ends. Nothing changes until :meth:`SwitchInterval.configure` is
-called (the scaler's entry point and the benchmarks that stand for it do).
+called (services/scaler/tuning.py; the measurements behind its value are in
+docs/scaler.md, "Tuning").
 """
 
 from __future__ import annotations

@@ -1,34 +1,26 @@
 """Garbage collection for a server whose heap is mostly long-lived.
 
-CPython's full (generation 2) collection walks every object the collector tracks.
-A scaler replica holding 500 jobs and 2,000 agent streams tracks a few hundred
-thousand (per-job metric children, per-stream gRPC state, per-node arrays), nearly
-all of which live as long as the fleet does, and a full pass over them took
-130–260 ms on the project machine, five times in 45 s (bench.scale, gc callbacks):
-the event loop writes no ack meanwhile, and the ack p99 is those pauses.
+CPython's full (generation 2) collection walks every object the collector tracks,
+and a server that holds a large fleet (metric children per job, gRPC state per
+stream, arrays per node) tracks a great many, nearly all as long-lived as the
+fleet: each full pass stops the event loop.
 
 :class:`HeapFreezer` moves what is alive into the permanent generation
 (``gc.freeze``) each time the fleet has grown by a quarter since the last time, so
-that the collector walks only what came since. The number of freezes is logarithmic
-in the fleet's size. What it gives up: an object frozen while alive that later
-becomes part of a reference cycle is never collected (reference counting still
-frees everything that is not in a cycle), nor is cyclic garbage the older
-generation held when it froze. Before each freeze only the young generations are
-collected: a full collection first took 2.2 s at 1,200 agents (the whole heap,
-imports included), the very pause this is for.
+that the collector walks only what came since; the number of freezes is
+logarithmic in the fleet's size. What it gives up: an object frozen while alive
+that later becomes part of a reference cycle is never collected (reference
+counting still frees everything that is not in a cycle), nor is cyclic garbage the
+older generation held when it froze. Before each freeze only the young
+generations are collected: a full collection first is the very pause this is for.
 
-:func:`tune_collector` sets the collector's thresholds for such a heap. Frozen, the
-heap still churns: every telemetry stream's pending read (a coroutine, futures, gRPC's
-operation objects) lives about a second, long enough to be promoted to the oldest
-generation, where CPython's default thresholds (700, 10, 10) ran a full collection
-every few seconds at 5,000 agents, 120-230 ms each, and young collections of 10-65 ms
-a few times a second (timed with gc.callbacks in the replica): the ack p99 was those
-pauses (121.7 ms, against 6.8 and 30.0 ms in two runs with the thresholds below;
-bench.scale --sweep 5000 --resizing-every 0, docs/scaler.md). What
-it gives up: cyclic garbage that reached the oldest generation waits for the next full
-collection, at most GC_THRESHOLDS[2] young-generation collections away (minutes at
-that rate, sooner on a quieter replica); reference counting frees everything else at
-once.
+:func:`tune_collector` sets the collector's thresholds for such a heap, whose
+short-lived objects (a stream's pending read) still reach the oldest generation.
+What it gives up: cyclic garbage that reached the oldest generation waits for the
+next full collection, at most GC_THRESHOLDS[2] young-generation collections away.
+
+The scaler applies both from services/scaler/tuning.py; the measurements behind
+the values are in docs/scaler.md, "Tuning".
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from services.common.entry import run_service
 from services.scaler.actuators import Actuator, make_actuator, parse_actuator
 from services.scaler.app import Background, serve_scaler
 from services.scaler.coordination import GrpcCoordinatorClient
-from services.scaler.service import ScalerCore
+from services.scaler.engine.core import ScalerCore
 from services.scaler.settings import ScalerSettings
 from tidebase.client import open_channel
 

@@ -18,8 +18,6 @@ from prometheus_client import REGISTRY
 from tide.v1 import peers_pb2_grpc, scaler_pb2_grpc, telemetry_pb2_grpc
 
 from services.common.clock import Clock
-from services.common.gil import SWITCH
-from services.common.heap import HeapFreezer, tune_collector
 from services.common.metrics import register_build_info
 from services.common.readiness import Readiness
 from services.common.server import ServiceSpec, serve
@@ -27,23 +25,23 @@ from services.common.validate import validate_request
 from services.scaler.actuators import Actuator
 from services.scaler.actuators.counted import CountedActuator
 from services.scaler.coordination import CoordinatorClient
+from services.scaler.engine.core import ScalerCore
 from services.scaler.kube.client import api_client
 from services.scaler.kube.lease import KubernetesLease
-from services.scaler.leader import LeaderElector, LeaseBackend
+from services.scaler.leases import LeaderElector, LeaseBackend, ShardLeases
 from services.scaler.lifecycle import FaultHook
 from services.scaler.metrics import IngestCollector, ScalerMetrics
 from services.scaler.peers import GrpcPeerLink
-from services.scaler.service import ScalerCore
 from services.scaler.servicer import (
     RULES,
     ScalerPeersServicer,
     ScalerServicer,
     TelemetryServicer,
 )
-from services.scaler.settings import SWITCH_INTERVAL_S, ScalerSettings
+from services.scaler.settings import ScalerSettings
 from services.scaler.sharding import Sharding
-from services.scaler.shards import ShardLeases
 from services.scaler.store import DecisionStore
+from services.scaler.tuning import heap_freezer, tune_process
 from services.store import db
 from services.store.leases import LeaseRecord
 from services.store.probe import StoreProbe
@@ -52,14 +50,6 @@ from tidebase.errors import TideError
 logger = logging.getLogger(__name__)
 
 Background = Callable[[], Coroutine[Any, Any, None]]
-
-
-def tune_process() -> None:
-    """The scaler process's GIL switch interval (short only while SQL runs:
-    services/common/gil.py) and collector thresholds (services/common/heap.py); the
-    benchmarks that stand for a replica in their own process call it too."""
-    SWITCH.configure(SWITCH_INTERVAL_S)
-    tune_collector()
 
 
 async def serve_scaler(
@@ -90,7 +80,7 @@ async def serve_scaler(
         actuator=CountedActuator(actuator, metrics.actuator_errors),
         coordinator=coordinator,
         clock=clock,
-        defaults=settings.policy(),
+        defaults=settings.policy,
         ingest=settings.ingest(),
         fault=fault,
         evaluate_interval_s=settings.evaluate_interval_s,
@@ -102,9 +92,9 @@ async def serve_scaler(
         store_probe=probe,
         decision_retention_days=settings.decision_retention_days,
         retention_batch_rows=settings.retention_batch_rows,
-        heap=HeapFreezer(),
+        heap=heap_freezer(),
     )
-    REGISTRY.register(IngestCollector(core.engine))
+    REGISTRY.register(IngestCollector(core.ingest))
     register_build_info(REGISTRY, "scaler")
     background: list[Background] = [probe.run]
     elector: LeaderElector | None = None
@@ -139,7 +129,7 @@ async def serve_scaler(
             address=settings.advertise_address or settings.listen,
             name=settings.lease_name,
         )
-        core.leader = elector
+        core.ownership.leader = elector
         core.controller.may_act = elector.may_act
         # Not ready until elected: the Service sends agents and callers to the leader.
         await readiness.set_down("leadership", "no leader yet")
@@ -165,7 +155,7 @@ async def serve_scaler(
         [
             ServiceSpec(
                 telemetry_pb2_grpc.add_TelemetryServicer_to_server,
-                TelemetryServicer(core.engine),
+                TelemetryServicer(core.ingest),
                 "tide.v1.Telemetry",
             ),
             ServiceSpec(

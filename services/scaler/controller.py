@@ -77,12 +77,12 @@ class Controller:
         #: Returns when the store answers again (services.store.probe); without a
         #: probe, a fixed pause before the decision is read back and tried again.
         self.wait_store = wait_store
-        #: Whether this replica still leads (services/scaler/leader.py), asked right
+        #: Whether this replica still leads (services/scaler/leases.py), asked right
         #: before every side effect: a leader that wakes from a pause after another
         #: took over stops here, before it acts on a state it committed earlier.
         self.may_act = may_act or (lambda: True)
         #: Whether this replica still acts on a job (sharded: holds the job's shard,
-        #: services/scaler/shards.py), asked with ``may_act``.
+        #: services/scaler/leases.py), asked with ``may_act``.
         self.may_act_on: Callable[[str], bool] = lambda _job_id: True
         self.tasks: dict[int, asyncio.Task[DecisionRecord | None]] = {}
         #: Each driven decision's root span (services.common.tracing), until it is final.

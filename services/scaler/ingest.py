@@ -1,203 +1,57 @@
 """Telemetry ingestion: sequence tracking, validation, attribution, aggregation.
 
-The hot path is :meth:`IngestEngine.process`, called once per NodeReport. It
+The hot path is :meth:`Ingest.process`, called once per NodeReport. It
 creates no object per GPU sample: each sample is validated with a few float
 comparisons (NaN fails every comparison, so one range check catches NaN and
 inf too), attributed with one dict lookup, and folded into per-report sums
 per job; only then do the job windows, rollups and node arrays get one update
 per job (protobuf field access already costs about 3 µs per sample, most of
-the engine's time, docs/scaler.md "Measured": nothing else may cost per sample).
+the ingest's time, docs/scaler.md "Measured": nothing else may cost per sample).
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from tide.v1 import telemetry_pb2
 
 from services.common.clock import Clock
+from services.scaler.ingest_peers import PeerExchange
+from services.scaler.ingest_state import (
+    IngestSettings,
+    InvalidStream,
+    NodeState,
+    Rejection,
+    StreamConflict,
+    StreamState,
+    WindowShape,
+)
 from services.scaler.members import MemberRegistry
-from services.scaler.partials import JobPartial, NodeNotice, Partials
+from services.scaler.partials import NodeNotice, Partials
 from services.scaler.policy import WindowView
-from services.scaler.windows import JobWindow, NodeGpus, Rollups, stagger_offset
-from tidebase.errors import AlreadyExists, ConfigError, InvalidArgument
+from services.scaler.windows import JobWindow, Rollups, stagger_offset
 from tidebase.timeconv import field_seconds, seconds_of
 
 logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Ingest",
+    "IngestSettings",
+    "InvalidStream",
+    "NodeState",
+    "Rejection",
+    "StreamConflict",
+    "StreamState",
+    "WindowShape",
+]
 
 _INF = math.inf
 _EVENT = telemetry_pb2.NodeEvent
 
 
-class Rejection(enum.Enum):
-    """Why a sample, a report or a stream was refused (the metric's ``reason`` label)."""
-
-    NON_FINITE = "non_finite"
-    UTILIZATION_OUT_OF_RANGE = "utilization_out_of_range"
-    MEMORY_USED_EXCEEDS_TOTAL = "memory_used_exceeds_total"
-    GPU_INDEX_OUT_OF_RANGE = "gpu_index_out_of_range"
-    DUPLICATE_GPU_INDEX = "duplicate_gpu_index"
-    TIMESTAMP_MISSING = "timestamp_missing"
-    TIMESTAMP_IN_FUTURE = "timestamp_in_future"
-    TIMESTAMP_OUT_OF_ORDER = "timestamp_out_of_order"
-    TIMESTAMP_TOO_OLD = "timestamp_too_old"
-    TOO_MANY_GPUS = "too_many_gpus"
-    MISSING_IDENTITY = "missing_identity"
-    BAD_SEQUENCE = "bad_sequence"
-    NODE_CHANGED = "node_changed"
-    MALFORMED = "malformed"
-    DUPLICATE_STREAM = "duplicate_stream"
-
-    @property
-    def scope(self) -> str:
-        """What was refused: one ``sample``, a whole ``report``, or the ``stream``."""
-        return _SCOPES[self]
-
-
-_SCOPES: dict[Rejection, str] = {
-    **dict.fromkeys(
-        (
-            Rejection.NON_FINITE,
-            Rejection.UTILIZATION_OUT_OF_RANGE,
-            Rejection.MEMORY_USED_EXCEEDS_TOTAL,
-            Rejection.GPU_INDEX_OUT_OF_RANGE,
-            Rejection.DUPLICATE_GPU_INDEX,
-        ),
-        "sample",
-    ),
-    **dict.fromkeys(
-        (
-            Rejection.TIMESTAMP_MISSING,
-            Rejection.TIMESTAMP_IN_FUTURE,
-            Rejection.TIMESTAMP_OUT_OF_ORDER,
-            Rejection.TIMESTAMP_TOO_OLD,
-        ),
-        "report",
-    ),
-    **dict.fromkeys(
-        (
-            Rejection.TOO_MANY_GPUS,
-            Rejection.MISSING_IDENTITY,
-            Rejection.BAD_SEQUENCE,
-            Rejection.NODE_CHANGED,
-            Rejection.MALFORMED,
-            Rejection.DUPLICATE_STREAM,
-        ),
-        "stream",
-    ),
-}
-
-
-class InvalidStream(InvalidArgument):
-    """The stream itself is broken (identity, sequence, impossible GPU count): it ends."""
-
-    def __init__(self, reason: Rejection, message: str) -> None:
-        super().__init__(f"{reason.value}: {message}")
-        self.reason = reason
-
-
-class StreamConflict(AlreadyExists):
-    """Another live stream speaks for the node under another boot id: two agents claim
-    one node. Refused, counted and logged, also in insecure mode; never merged."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(f"{Rejection.DUPLICATE_STREAM.value}: {message}")
-        self.reason = Rejection.DUPLICATE_STREAM
-
-
-@dataclass(frozen=True)
-class IngestSettings:
-    max_gpus_per_node: int = 64
-    # Agent clocks run ahead of ours by at most this; a report further in the future is dropped.
-    max_clock_skew_s: float = 5.0
-    # A report sampled longer ago than this is dropped: an agent's buffer holds minutes,
-    # never days, and an old report would become history dated in the past.
-    max_report_age_s: float = 900.0
-    # A GPU without a sample for this long is stale: it no longer counts as covered.
-    stale_after_s: float = 10.0
-    # Out-of-order sequence numbers remembered above the contiguous ack; past
-    # this the missing reports are given up as lost.
-    reorder_limit: int = 256
-    # Asked of agents in every ack; 0 leaves the agent's own period.
-    report_interval_s: float = 0.0
-    # Offset each job's slot grid by a fraction of a slot (see windows.stagger_offset).
-    stagger_slots: bool = True
-    # A telemetry stream with no report for this long is closed (UNAVAILABLE): an
-    # agent reports every few seconds, and one that holds a stream open without
-    # reporting only holds a slot (reliability catalog T23). 0 keeps streams open.
-    stream_idle_timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_gpus_per_node <= 4096:
-            raise ConfigError(f"max_gpus_per_node={self.max_gpus_per_node!r}: must be 1..4096")
-        if not (self.max_clock_skew_s >= 0 and math.isfinite(self.max_clock_skew_s)):
-            raise ConfigError(f"max_clock_skew_s={self.max_clock_skew_s!r}: must be >= 0")
-        if not (self.max_report_age_s > 0 and math.isfinite(self.max_report_age_s)):
-            raise ConfigError(f"max_report_age_s={self.max_report_age_s!r}: must be > 0")
-        if not (self.stale_after_s > 0 and math.isfinite(self.stale_after_s)):
-            raise ConfigError(f"stale_after_s={self.stale_after_s!r}: must be > 0")
-        if self.reorder_limit < 1:
-            raise ConfigError(f"reorder_limit={self.reorder_limit!r}: must be >= 1")
-        if not (self.report_interval_s >= 0 and math.isfinite(self.report_interval_s)):
-            raise ConfigError(f"report_interval_s={self.report_interval_s!r}: must be >= 0")
-        if not (self.stream_idle_timeout_s >= 0 and math.isfinite(self.stream_idle_timeout_s)):
-            raise ConfigError(f"stream_idle_timeout_s={self.stream_idle_timeout_s!r}: must be >= 0")
-
-
-class NodeState:
-    """What the scaler knows of one node: sequence state of its current boot,
-    its GPUs' latest samples, and any notice it announced."""
-
-    __slots__ = (
-        "acked",
-        "boot_id",
-        "gpus",
-        "last_sampled_s",
-        "max_seen",
-        "name",
-        "notice",
-        "notice_deadline_s",
-        "pending",
-        "pods",
-        "streams",
-    )
-
-    def __init__(self, name: str, boot_id: str, first_seq: int) -> None:
-        self.name = name
-        self.gpus = NodeGpus(name, 0)
-        self.pods: list[str] = []
-        self.notice = 0
-        self.notice_deadline_s: float | None = None
-        self.streams = 0
-        self.reset(boot_id, first_seq)
-
-    def reset(self, boot_id: str, first_seq: int) -> None:
-        # A scaler that first hears of a boot mid-way (its own restart) takes
-        # the first report as the start: it cannot know what came before.
-        self.boot_id = boot_id
-        self.acked = first_seq - 1
-        self.max_seen = first_seq - 1
-        self.pending: set[int] = set()
-        self.last_sampled_s = -_INF
-
-
-class StreamState:
-    """Per-stream identity: a stream speaks for exactly one node."""
-
-    __slots__ = ("node",)
-
-    def __init__(self) -> None:
-        self.node: NodeState | None = None
-
-
-WindowShape = Callable[[str], tuple[float, int]]
-
-
-class IngestEngine:
+class Ingest(PeerExchange):
     """Turns reports into windows; see the module docstring for the cost model."""
 
     def __init__(
@@ -231,7 +85,7 @@ class IngestEngine:
         self.merged: dict[str, JobWindow] = {}
         self._last_slot: dict[str, int] = {}
         self.rollups = Rollups()
-        # Sharded (services/scaler/shards.py): whether a job's samples go to the replica
+        # Sharded (services/scaler/leases.py): whether a job's samples go to the replica
         # that owns it, as partial aggregates, instead of into a window here.
         self.forward: Callable[[str], bool] | None = None
         self.partials = Partials()
@@ -549,173 +403,12 @@ class IngestEngine:
         self._last_slot.pop(job_id, None)
         self.merged.pop(job_id, None)
 
-    def own_partial(self, job_id: str) -> JobPartial | None:
-        """The job's window less what other replicas shipped into it: the samples of this
-        replica's own agents, as a partial (slots only), for the job's next owner when
-        this replica gives the shard up (Sharding: they would be lost with the window)."""
-        w = self.windows.get(job_id)
-        if w is None:
-            return None
-        m_ring = self.merged.get(job_id)
-        merged = m_ring.slots() if m_ring is not None else {}
-        own: dict[int, list[float]] = {}
-        for slot, (total, count) in w.slots().items():
-            m = merged.get(slot)
-            if m is not None:
-                total, count = total - m[0], count - m[1]
-            if count > 0:
-                own[slot] = [total, count]
-        if not own:
-            return None
-        return JobPartial(job_id, w.bucket_s, w.buckets, own)
-
     def drop_job(self, job_id: str) -> None:
         self.reshape(job_id)
         self.remote_seen.pop(job_id, None)
         self.remote_notices.pop(job_id, None)
         self.rollups.drop_job(job_id)
         self.job_nodes.pop(job_id, None)
-
-    # -- sharding: partial aggregates between replicas ---------------------------
-
-    def take_partials(self) -> list[JobPartial]:
-        """What was gathered for jobs owned elsewhere since the last call, each with the
-        coverage of the job's GPUs here (read from the job's nodes only)."""
-        out = list(self.partials.take().values())
-        for p in out:
-            for node in self.job_nodes.get(p.job_id, {}).values():
-                for i, (j, s) in enumerate(zip(node.gpus.job, node.gpus.seen_s, strict=True)):
-                    if j == p.job_id:
-                        p.seen_s[(node.name, i)] = s
-        return out
-
-    def merge_partials(
-        self, sender: str, parts: Iterable[JobPartial], *, own: bool = False
-    ) -> None:
-        """Add another replica's partial aggregates of jobs owned here to their windows
-        and rollups, as if its samples had come here. ``own``: this replica's own agents'
-        samples, shipped to an earlier owner (``Sharding._absorb``); the others' are
-        counted per slot too (``merged``), to tell them from this replica's own when it
-        gives the job up (``own_partial``)."""
-        horizon = self.clock.now() - self.settings.stale_after_s
-        for p in parts:
-            job = p.job_id
-            seen = self.remote_seen.setdefault(job, {})
-            for gpu, s in p.seen_s.items():
-                if s > seen.get(gpu, -_INF):
-                    seen[gpu] = s
-            for gpu in [g for g, s in seen.items() if s < horizon]:
-                del seen[gpu]  # stale already: it counts for nothing, now or later
-            bucket_s, buckets = self._shape(job)
-            if (p.bucket_s, p.buckets) == (bucket_s, buckets):
-                w = self.windows.get(job)
-                if w is None or w.bucket_s != bucket_s or w.buckets != buckets:
-                    w = self.windows[job] = self._new_window(job, bucket_s, buckets)
-                merged = None if own else self.merged.get(job)
-                if not own and (merged is None or merged.shape != w.shape):
-                    merged = self.merged[job] = JobWindow(bucket_s, buckets, w.offset_s)
-                for slot in sorted(p.slots):
-                    total, count = p.slots[slot]
-                    if w.add(slot, total, int(count)) and merged is not None:
-                        merged.add(slot, total, int(count))
-                    last = self._last_slot.get(job)
-                    if last is None or slot > last:
-                        self._last_slot[job] = slot
-                        if last is not None and self.on_slot is not None:
-                            self.on_slot(job, w.offset_s + slot * w.slot_s)
-            for sec, (total, count, lo, hi) in p.seconds.items():
-                self.rollups.add(job, float(sec), total, int(count), lo, hi)
-
-    def _forwarded_pods(self, node: NodeState) -> dict[str, set[str]]:
-        """The node's pods by job, of the jobs owned elsewhere."""
-        forward = self.forward
-        pods: dict[str, set[str]] = {}
-        if forward is None:
-            return pods
-        for p, j in zip(node.pods, node.gpus.job, strict=False):
-            if j is not None and p and forward(j):
-                pods.setdefault(j, set()).add(p)
-        return pods
-
-    def _withdraw(self, node: NodeState) -> None:
-        """``node``, whose notice was shipped, is uncordoned: its owners are told at once
-        and with every shipment for the staleness limit (a lost shipment costs one
-        interval), instead of keeping the notice until the resends stop."""
-        pods = self._forwarded_pods(node)
-        if not pods:
-            return
-        until = self.clock.now() + self.settings.stale_after_s
-        self.withdrawn[node.name] = (until, {j: frozenset(ps) for j, ps in pods.items()})
-        if self.on_forward_notice is not None:
-            self.on_forward_notice()
-
-    def take_notices(self, now_s: float) -> list[NodeNotice]:
-        """The active notices of nodes holding GPUs of jobs owned elsewhere, one per job
-        and node: every shipment carries them all again until the notice's deadline
-        passes (or the node stops reporting), so a lost shipment costs one interval and
-        a job whose shard moved has its new owner told within one shipment. Then the
-        withdrawals (``NodeNotice.withdrawn``) of nodes uncordoned within the staleness
-        limit."""
-        forward = self.forward
-        if forward is None or not (self.noticed or self.withdrawn):
-            return []
-        horizon = now_s - self.settings.stale_after_s
-        out: list[NodeNotice] = []
-        for name, (until, by_job) in list(self.withdrawn.items()):
-            if until < now_s:
-                del self.withdrawn[name]
-                continue
-            out.extend(
-                NodeNotice(j, name, _EVENT.KIND_UNCORDONED, None, ps) for j, ps in by_job.items()
-            )
-        for name, node in list(self.noticed.items()):
-            deadline = node.notice_deadline_s
-            if (
-                not node.notice
-                or (deadline is not None and deadline < now_s)
-                or node.last_sampled_s < horizon
-            ):
-                # Over: the node went (or is going without a word more); the owner's
-                # copy runs out stale_after_s after the last resend.
-                del self.noticed[name]
-                continue
-            pods = self._forwarded_pods(node)
-            out.extend(
-                NodeNotice(j, name, node.notice, deadline, frozenset(ps)) for j, ps in pods.items()
-            )
-        return out
-
-    def merge_notices(self, notices: Iterable[NodeNotice]) -> tuple[int, int]:
-        """Notices another replica shipped for jobs owned here, applied as if this
-        replica's own agent stream had carried them (the job's evaluation is woken, and
-        ``terminating_pods`` counts them). Returns (applied, duplicates): a resent notice,
-        or one for a node already noticed here for those pods, is applied once. A
-        withdrawal (the node uncordoned) drops the copy held here."""
-        now = self.clock.now()
-        applied = duplicate = 0
-        for n in notices:
-            if n.withdrawn:
-                # Uncordoned: the copy goes now (applied), or went already (duplicate).
-                copies = self.remote_notices.get(n.job_id)
-                if copies is not None and copies.pop(n.node, None) is not None:
-                    applied += 1
-                else:
-                    duplicate += 1
-                continue
-            held = self.remote_notices.setdefault(n.job_id, {})
-            last = held.get(n.node)
-            held[n.node] = (n, now)
-            if last is not None and last[0] == n:
-                duplicate += 1
-                continue
-            local = self.nodes.get(n.node)
-            if local is not None and local.notice and n.pods <= set(local.pods):
-                duplicate += 1  # this replica's own stream carried it already
-                continue
-            applied += 1
-            if self.on_notice is not None:
-                self.on_notice(n.job_id)
-        return applied, duplicate
 
     def fresh_gpus(self, now_s: float) -> dict[str, int]:
         """Per job, GPUs with a sample newer than the staleness limit."""

@@ -2,7 +2,7 @@
 
 Two kinds:
 
-- :class:`IngestCollector` reads the ingest engine's plain ints at scrape time:
+- :class:`IngestCollector` reads the ingest's plain ints at scrape time:
   the telemetry hot path (services/scaler/ingest.py) never touches a metric
   object per sample.
 - :class:`ScalerMetrics` holds what the control loop updates as it goes: per
@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.common.metrics import SHORT_BUCKETS_S
-from services.scaler.ingest import IngestEngine, Rejection
+from services.scaler.ingest import Ingest, Rejection
 from services.scaler.policy import PolicySettings, WindowView
 from services.scaler.store import DecisionRecord, JobRecord
 
@@ -61,13 +61,13 @@ STAGES: Final = ("transport", "queue", "evaluate")
 
 
 class IngestCollector(Collector):
-    """Exports the engine's counters to Prometheus when scraped."""
+    """Exports the ingest counters to Prometheus when scraped."""
 
-    def __init__(self, engine: IngestEngine) -> None:
-        self.engine = engine
+    def __init__(self, ingest: Ingest) -> None:
+        self.ingest = ingest
 
     def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
-        e = self.engine
+        e = self.ingest
         reports = CounterMetricFamily(
             "tide_scaler_telemetry_reports",
             "Node reports by result: accepted, duplicate (a resend), dropped (refused, see"

@@ -1,6 +1,6 @@
 """Partial aggregates: what a replica ships to the replica that owns a job.
 
-With jobs sharded across replicas (services/scaler/shards.py), an agent streams to
+With jobs sharded across replicas (services/scaler/leases.py), an agent streams to
 any replica. The replica that receives a sample of a job it does not own folds it,
 per job, into the slot of the job's window and the second of its rollup minute,
 exactly as the owner would, and keeps no window of its own for the job. Each
@@ -8,7 +8,7 @@ shipment holds, per job: the slots' partial sums and counts, the seconds' sums,
 counts, minimum and maximum, and the last sample time of each of the job's GPUs
 that reported here (the coverage). That is a few numbers per job per slot, however
 many nodes reported. The owner adds them to its window and rollups and counts the
-GPUs as fresh under the same staleness rule as its own (IngestEngine.merge_partials),
+GPUs as fresh under the same staleness rule as its own (Ingest.merge_partials),
 so its windows are the ones a single replica would hold.
 """
 

@@ -7,240 +7,39 @@ docs/policy.md spells out every rule, its order and the defaults.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 from typing import Any
 
 from services.scaler.goodput import efficiency
-from tidebase.errors import ConfigError, FailedPrecondition, InvalidArgument
+from services.scaler.policy_model import (
+    Decision,
+    History,
+    JobState,
+    PolicySettings,
+    Reason,
+    Trigger,
+    WindowView,
+)
+from tidebase.errors import FailedPrecondition, InvalidArgument
 
-
-class Reason(enum.Enum):
-    """Why the policy did (or did not) resize. Values equal tide.v1.DecisionReason."""
-
-    SUSTAINED_HIGH_UTILIZATION = 1
-    SUSTAINED_LOW_UTILIZATION = 2
-    NODE_TERMINATION = 3
-    MANUAL = 4
-    MEMBER_LOST = 5
-    JOB_STARTED = 6
-    SLOWER_AFTER_SCALE_UP = 7
-    RECONCILE = 8
-    WITHIN_BAND = 20
-    NOT_SUSTAINED = 21
-    COOLDOWN = 22
-    INSUFFICIENT_COVERAGE = 23
-    STALE_DATA = 24
-    AT_MAX_REPLICAS = 25
-    AT_MIN_REPLICAS = 26
-    NO_CAPACITY = 27
-    PAUSED = 28
-    RESIZE_IN_PROGRESS = 29
-    STABILIZING = 30
-    LOW_MARGINAL_THROUGHPUT = 31
-    POOL_CONTENDED = 32
-
-    @property
-    def resizes(self) -> bool:
-        return self.value < 20
-
-
-class Trigger(enum.Enum):
-    """What started a decision. Values equal tide.v1.DecisionTrigger."""
-
-    POLICY = 1
-    MANUAL = 2
-    EMERGENCY = 3
-    RECONCILE = 4
-
-
-@dataclass(frozen=True)
-class PolicySettings:
-    """Effective policy of one job. Each default is written here only (ScalerSettings
-    takes them as its flags' defaults); docs/policy.md lists them."""
-
-    scale_up_utilization_pct: float = 80.0
-    scale_down_utilization_pct: float = 40.0
-    sustain_s: float = 300.0
-    bucket_s: float = 30.0
-    cooldown_s: float = 300.0
-    phase_timeout_s: float = 60.0
-    min_replicas: int = 2
-    max_replicas: int = 8
-    min_coverage: float = 0.8
-    # HPA's default scale-up policy allows +4 pods per period; the same cap here.
-    max_step: int = 4
-    scale_down_stabilization_s: float = 60.0
-    # Between the two thresholds, so a resize lands the job inside the band
-    # instead of across the opposite threshold (the root of flapping).
-    target_utilization_pct: float = 60.0
-    # The goodput guard: a scale-up must give, per added replica, at least this
-    # fraction of the throughput per replica the job had (0 turns the guard off).
-    # GPU utilization cannot tell: NCCL kernels keep a GPU "busy" while it waits.
-    min_scale_up_efficiency: float = 0.5
-
-    def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ConfigError:
-            return ConfigError(f"policy.{name}={getattr(self, name)!r}: {why}")
-
-        for name in (
-            "scale_up_utilization_pct",
-            "scale_down_utilization_pct",
-            "target_utilization_pct",
-        ):
-            v = getattr(self, name)
-            if not (0.0 <= v <= 100.0):
-                raise bad(name, "must be a percentage 0..100")
-        if not self.scale_down_utilization_pct < self.scale_up_utilization_pct:
-            raise bad("scale_down_utilization_pct", "must be below scale_up_utilization_pct")
-        if (
-            not (
-                self.scale_down_utilization_pct
-                <= self.target_utilization_pct
-                <= self.scale_up_utilization_pct
-            )
-            or self.target_utilization_pct <= 0
-        ):
-            raise bad("target_utilization_pct", "must lie within the scale-down..scale-up band")
-        if not (self.bucket_s > 0 and math.isfinite(self.bucket_s)):
-            raise bad("bucket_s", "must be > 0")
-        if not (self.sustain_s > 0 and math.isfinite(self.sustain_s)):
-            raise bad("sustain_s", "must be > 0")
-        n = self.sustain_s / self.bucket_s
-        if abs(n - round(n)) > 1e-9 or round(n) < 1:
-            raise bad("sustain_s", f"must be a positive multiple of bucket_s={self.bucket_s}")
-        if round(n) > 10_000:
-            raise bad("sustain_s", "needs more than 10000 buckets; raise bucket_s")
-        for name in ("cooldown_s", "scale_down_stabilization_s"):
-            v = getattr(self, name)
-            if not (v >= 0 and math.isfinite(v)):
-                raise bad(name, "must be >= 0")
-        if not (self.phase_timeout_s > 0 and math.isfinite(self.phase_timeout_s)):
-            raise bad("phase_timeout_s", "must be > 0")
-        if self.min_replicas < 1:
-            raise bad("min_replicas", "must be >= 1")
-        if self.max_replicas < self.min_replicas:
-            raise bad("max_replicas", f"must be >= min_replicas={self.min_replicas}")
-        if not (0.0 <= self.min_coverage <= 1.0):
-            raise bad("min_coverage", "must be a fraction 0..1")
-        if not (0.0 <= self.min_scale_up_efficiency <= 1.0):
-            raise bad("min_scale_up_efficiency", "must be a fraction 0..1")
-        if self.max_step < 1:
-            raise bad("max_step", "must be >= 1")
-
-    @property
-    def buckets(self) -> int:
-        """Buckets in the sustain window."""
-        return round(self.sustain_s / self.bucket_s)
-
-    def with_overrides(self, overrides: dict[str, Any]) -> PolicySettings:
-        """These settings with the given fields replaced (unknown names are an error)."""
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ConfigError(f"policy: unknown field(s) {unknown}")
-        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
-
-
-@dataclass(frozen=True)
-class WindowView:
-    """What the policy sees of a job's utilization window.
-
-    ``bucket_means`` are the complete buckets ending at ``end_s`` (oldest
-    first), NaN where a bucket had no sample; ``end_s`` is a bucket boundary.
-    """
-
-    bucket_s: float
-    end_s: float
-    bucket_means: tuple[float, ...]
-    gpus_expected: int
-    gpus_fresh: int
-
-    @property
-    def coverage(self) -> float:
-        if self.gpus_expected <= 0:
-            return 0.0
-        return min(1.0, self.gpus_fresh / self.gpus_expected)
-
-    def bucket_start(self, i: int) -> float:
-        """Start time of bucket ``i`` of ``bucket_means``."""
-        return self.end_s - (len(self.bucket_means) - i) * self.bucket_s
-
-    @property
-    def mean_pct(self) -> float:
-        vals = [m for m in self.bucket_means if not math.isnan(m)]
-        return sum(vals) / len(vals) if vals else math.nan
-
-
-@dataclass(frozen=True)
-class JobState:
-    """The job as the policy needs it."""
-
-    job_id: str
-    current_replicas: int
-    gpus_per_replica: int = 1
-    paused: bool = False
-    resize_in_progress: bool = False
-    # GPUs free in the cluster; None when the actuator cannot tell.
-    free_gpus: int | None = None
-    # Replicas on nodes that announced termination, with the earliest deadline.
-    terminating_replicas: int = 0
-    terminating_node: str = ""
-    terminating_deadline_s: float | None = None
-    # Those pods (uids or names, as the agents reported them).
-    terminating_pods: frozenset[str] = frozenset()
-    # The decision in flight (0: none) and, when it is a preemption, the pods it drains.
-    in_flight_decision: int = 0
-    in_flight_leaving: frozenset[str] | None = None
-
-
-@dataclass(frozen=True)
-class History:
-    """What happened before: the last resize, the recent recommendations and the
-    training throughput measured at each size."""
-
-    last_resize_end_s: float | None = None
-    # +1 grow, -1 shrink, 0 none.
-    last_direction: int = 0
-    # (time, replicas) recommended by earlier evaluations, for stabilization.
-    recommendations: tuple[tuple[float, int], ...] = ()
-    # Replicas before the last completed resize; 0 when unknown.
-    last_from_replicas: int = 0
-    # (replicas, samples/s) measured at each size the job ran at (services/scaler/goodput.py).
-    throughput: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The outcome of one evaluation. Persist it only when ``resize`` is true."""
-
-    job_id: str
-    reason: Reason
-    message: str
-    from_replicas: int
-    to_replicas: int
-    trigger: Trigger = Trigger.POLICY
-    # What the proportional rule asked for before clamping; 0 when not computed.
-    raw_target: int = 0
-    # The clamped proportional answer, recorded by the caller for stabilization.
-    recommendation: int | None = None
-    # What a grow asked for before the free-GPU cap (the pool step shares GPUs by it).
-    wanted_replicas: int = 0
-    # Evidence beyond the window and the policy (goodput, pool), stored with the decision.
-    inputs: dict[str, Any] = field(default_factory=dict)
-    # A preemption that must first abort this decision in flight (0: none); the
-    # caller aborts it and evaluates again once it is final.
-    supersedes: int = 0
-
-    @property
-    def resize(self) -> bool:
-        return self.reason.resizes and self.to_replicas != self.from_replicas
-
-    @property
-    def direction(self) -> int:
-        return (self.to_replicas > self.from_replicas) - (self.to_replicas < self.from_replicas)
+__all__ = [
+    "Decision",
+    "History",
+    "JobState",
+    "PolicySettings",
+    "Reason",
+    "Trigger",
+    "WindowView",
+    "answer_holds_until",
+    "decide",
+    "goodput_evidence",
+    "inputs_key",
+    "manual",
+    "proportional",
+    "sustained",
+]
 
 
 def proportional(current: int, util_pct: float, target_pct: float) -> int:
@@ -402,18 +201,15 @@ def decide(
         # Samples from before the last resize describe another world size; a
         # reversal also waits out the cooldown so it never chases the transient.
         start = window.bucket_start(len(window.bucket_means) - n)
-        if history.last_resize_end_s is not None:
-            since = history.last_resize_end_s
-            if history.last_direction == -direction:
-                since += policy.cooldown_s
-            if start < since - 1e-9:
-                return noop(
-                    Reason.NOT_SUSTAINED,
-                    f"the {policy.sustain_s:.0f}s window starts before the last resize "
-                    f"(or its cooldown, for a reversal) at {since:.0f}",
-                    rec,
-                    raw,
-                )
+        since = _window_must_start_after(window, policy, history)
+        if since is not None and start < since - 1e-9:
+            return noop(
+                Reason.NOT_SUSTAINED,
+                f"the {policy.sustain_s:.0f}s window starts before the last resize "
+                f"(or its cooldown, for a reversal) at {since:.0f}",
+                rec,
+                raw,
+            )
     mean = sum(means) / n
     band = f"{policy.scale_down_utilization_pct:.0f}..{policy.scale_up_utilization_pct:.0f}%"
     if not high and not low:
@@ -529,6 +325,103 @@ def decide(
         to,
         raw_target=raw,
         recommendation=rec,
+    )
+
+
+#: Answers whose message renders the time (the cooldown's seconds left): never given
+#: twice word for word.
+_TIME_IN_MESSAGE = frozenset({Reason.COOLDOWN})
+#: Answers that read the free GPUs (a grow, or none for want of room), left out of
+#: :func:`inputs_key` because they change with every grow and shrink in the cluster.
+_READS_FREE_GPUS = frozenset({Reason.SUSTAINED_HIGH_UTILIZATION, Reason.NO_CAPACITY})
+#: Answers that read the recommendations of the stabilization window, left out of
+#: :func:`inputs_key` because every evaluation adds one.
+_READS_RECOMMENDATIONS = frozenset({Reason.STABILIZING, Reason.SUSTAINED_LOW_UTILIZATION})
+
+
+def answer_holds_until(
+    d: Decision,
+    job: JobState,
+    window: WindowView,
+    policy: PolicySettings,
+    history: History,
+    now: float,
+    *,
+    exact: bool = True,
+) -> float:
+    """Until when :func:`decide` gives ``d`` (its answer at ``now``) again while the
+    inputs of :func:`inputs_key` hold and only the time passes (the window sliding on
+    with the same bucket means): ``now`` when it must be asked anew every time,
+    math.inf when only new inputs change it. The answer cache of the scaler and the
+    simulator's next evaluation both ask this; every rule of ``decide`` that reads the
+    time is answered for here (tests/scaler/test_policy_timing.py fails otherwise).
+
+    ``exact``: the same decision word for word (the cache gives it again); otherwise
+    the same outcome, the message aside (the cooldown's message counts its seconds)."""
+    if d.resize or d.supersedes or d.reason in _READS_FREE_GPUS:
+        return now
+    if d.reason in _READS_RECOMMENDATIONS:
+        # The stabilization window slides over them, and each evaluation adds one.
+        return now
+    if d.reason is Reason.COOLDOWN:
+        if exact and d.reason in _TIME_IN_MESSAGE:
+            return now
+        assert history.last_resize_end_s is not None
+        return history.last_resize_end_s + policy.cooldown_s
+    since = _window_must_start_after(window, policy, history)
+    if d.reason is Reason.NOT_SUSTAINED and since is not None:
+        # The sustain window starts before the last resize (or its cooldown) and slides
+        # towards it: by the time, and by up to one bucket more as its end snaps to the
+        # next bucket boundary.
+        start = window.bucket_start(len(window.bucket_means) - policy.buckets)
+        return max(now, now + (since - 1e-9 - start) - window.bucket_s)
+    return math.inf
+
+
+def _window_must_start_after(
+    window: WindowView, policy: PolicySettings, history: History
+) -> float | None:
+    """When the sustain window must start for its condition to count (after the last
+    resize, or its cooldown for a reversal); None when no resize bounds it."""
+    if history.last_resize_end_s is None:
+        return None
+    direction = sustained(window, policy)
+    if direction == 0:
+        return None
+    since = history.last_resize_end_s
+    if history.last_direction == -direction:
+        since += policy.cooldown_s
+    return since
+
+
+def inputs_key(
+    job: JobState, window: WindowView, policy: PolicySettings, history: History
+) -> tuple[Any, ...]:
+    """What ``decide`` reads, less the time and what moves with it: the window's end,
+    the recommendations and the free GPUs (:func:`answer_holds_until` says which
+    answers read those). NaN (an empty bucket) is None, so that equal windows compare
+    equal."""
+    return (
+        job.job_id,
+        job.current_replicas,
+        job.gpus_per_replica,
+        job.paused,
+        job.resize_in_progress,
+        job.terminating_replicas,
+        job.terminating_node,
+        job.terminating_deadline_s,
+        job.terminating_pods,
+        job.in_flight_decision,
+        job.in_flight_leaving,
+        window.bucket_s,
+        tuple(None if m != m else m for m in window.bucket_means),
+        window.gpus_expected,
+        window.gpus_fresh,
+        policy,
+        history.last_resize_end_s,
+        history.last_direction,
+        history.last_from_replicas,
+        history.throughput,
     )
 
 

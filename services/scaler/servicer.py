@@ -1,9 +1,9 @@
 """The scaler's gRPC edge: the Scaler API over :class:`ScalerCore` and the store,
-and the Telemetry API over :class:`IngestEngine`. Thin: validate, decode, call
+and the Telemetry API over :class:`Ingest`. Thin: validate, decode, call
 one domain function, encode; conversions between records and tide.v1 messages
 are services.scaler.convert's.
 
-Telemetry: each agent stream is its own task on the event loop and the engine's work per
+Telemetry: each agent stream is its own task on the event loop and the ingest's work per
 report is a few microseconds with no await inside, so a slow or dead agent
 only ever holds up its own stream. Acks are coalesced: one goes out after
 ``ack_every_reports`` reports or once ``ack_max_delay_s`` has passed since
@@ -43,10 +43,10 @@ from services.scaler.convert import (
     policy_to_proto,
     window_to_proto,
 )
-from services.scaler.ingest import IngestEngine, InvalidStream, StreamConflict
+from services.scaler.engine.core import ScalerCore
+from services.scaler.ingest import Ingest, InvalidStream, StreamConflict
 from services.scaler.lifecycle import state_from_proto, state_to_proto
 from services.scaler.peers import notice_from_proto, partial_from_proto
-from services.scaler.service import ScalerCore
 from services.scaler.store import JobRecord
 from services.store.db import utc_from_epoch
 from tidebase.errors import InvalidArgument, grpc_status_of
@@ -96,7 +96,7 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
 
     def _job(self, job: JobRecord) -> scaler_pb2.Job:
         core = self.core
-        p = core.policies.get(job.job_id) or core.policy_of(job)
+        p = core.policies.get(job.job_id) or core.book.policy_of(job)
         now = core.clock.now()
         msg = scaler_pb2.Job(
             job_id=job.job_id,
@@ -105,7 +105,7 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
             generation=job.generation,
             autoscaling_paused=job.autoscaling_paused,
             pause_reason=job.pause_reason,
-            window=window_to_proto(core.window_of(job.job_id, now), now),
+            window=window_to_proto(core.pipeline.window_of(job.job_id, now), now),
             active_decision_id=core.active.get(job.job_id, 0),
             gpus_per_replica=job.gpus_per_replica,
             created_at=ts_from_datetime(job.created_at),
@@ -137,7 +137,7 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
 
     @rpc_errors
     async def GetJob(self, request: scaler_pb2.GetJobRequest, context: Ctx) -> scaler_pb2.Job:
-        return self._job(self.core._job(request.job_id))
+        return self._job(self.core.book.get(request.job_id))
 
     @rpc_errors
     async def UpsertJob(self, request: scaler_pb2.UpsertJobRequest, context: Ctx) -> scaler_pb2.Job:
@@ -193,7 +193,7 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
     async def ListUtilization(
         self, request: scaler_pb2.ListUtilizationRequest, context: Ctx
     ) -> scaler_pb2.ListUtilizationResponse:
-        self.core._job(request.job_id)  # NotFound for a job the scaler does not know
+        self.core.book.get(request.job_id)  # NotFound for a job the scaler does not know
         until = field_datetime(request, "until") or utc_from_epoch(self.core.clock.now())
         since = field_datetime(request, "since") or until - DEFAULT_UTILIZATION_RANGE
         if not since < until:
@@ -240,7 +240,7 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
     async def WatchDecisions(
         self, request: scaler_pb2.WatchDecisionsRequest, context: Ctx
     ) -> AsyncIterator[scaler_pb2.DecisionEvent]:
-        q = self.core.subscribe(request.job_id)
+        q = self.core.feed.subscribe(request.job_id)
         # Headers go out once subscribed: a client that awaits them knows no
         # later change can be missed.
         await context.send_initial_metadata(())
@@ -259,7 +259,7 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
                     decision=decision_to_proto(d),
                 )
         finally:
-            self.core.unsubscribe(q)
+            self.core.feed.unsubscribe(q)
 
 
 __all__ = ["RULES", "ScalerServicer"]
@@ -301,12 +301,12 @@ class _Acks:
 class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
     def __init__(
         self,
-        engine: IngestEngine,
+        ingest: Ingest,
         *,
         ack_every_reports: int = 32,
         ack_max_delay_s: float = 0.2,
     ) -> None:
-        self.engine = engine
+        self.ingest = ingest
         self.ack_every_reports = max(1, ack_every_reports)
         self.ack_max_delay_s = ack_max_delay_s
         #: Open streams (their handler tasks), and those holding back an ack.
@@ -325,7 +325,7 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
             while st.ack is not None and st.ack != st.sent:
                 ack = st.sent = st.ack
                 st.since = 0
-                st.last_s = self.engine.clock.monotonic()
+                st.last_s = self.ingest.clock.monotonic()
                 boot, seq = ack
                 if msg.boot_id != boot:
                     msg.boot_id = boot
@@ -371,18 +371,18 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         request_iterator: AsyncIterator[telemetry_pb2.NodeReport],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
-        engine = self.engine
-        process = engine.process
-        monotonic = engine.clock.monotonic
-        stream = engine.open_stream()
+        ingest = self.ingest
+        process = ingest.process
+        monotonic = ingest.clock.monotonic
+        stream = ingest.open_stream()
         every = self.ack_every_reports
         delay = self.ack_max_delay_s
         held = self._held
-        st = _Acks(context, engine.settings.report_interval_s)
+        st = _Acks(context, ingest.settings.report_interval_s)
         handler = asyncio.current_task()
         assert handler is not None  # a gRPC handler always runs in a task
         self._streams[st] = handler
-        idle_s = engine.settings.stream_idle_timeout_s
+        idle_s = ingest.settings.stream_idle_timeout_s
         if idle_s > 0 and self._reaper is None:
             self._reaper = asyncio.create_task(self._reap_idle(idle_s))
         try:
@@ -402,7 +402,7 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                             self._flusher = asyncio.create_task(self._flush_held())
             except DecodeError as exc:
                 # grpc hands a parse failure to the handler; it is the peer's fault.
-                raise engine.malformed(stream, str(exc)) from exc
+                raise ingest.malformed(stream, str(exc)) from exc
             if st.flight is not None:
                 await st.flight
             await self._write(st)
@@ -426,7 +426,7 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
             if st.flight is not None and not st.flight.done():
                 # The stream is over: an ack still in flight has nowhere to go.
                 st.flight.cancel()
-            engine.close_stream(stream)
+            ingest.close_stream(stream)
 
 
 class ScalerPeersServicer(peers_pb2_grpc.ScalerPeersServicer):

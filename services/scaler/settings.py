@@ -1,24 +1,22 @@
 """Settings of `python -m services.scaler` (flags, TIDE_* env, YAML file).
 
-The default policy's fields are PolicySettings' own defaults (services/scaler/
-policy.py writes each once); here they only get their flag and help text.
+The default policy is one grouped setting (``policy``, a PolicySettings: each of its
+fields a flag of its own, its default written once in services/scaler/policy_model.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import socket
 from dataclasses import dataclass
 
-from services.common.config import ClientSettings, CommonSettings, setting
+from services.common.config import ClientSettings, CommonSettings, setting, setting_group
 from services.scaler.actuators import parse_actuator
 from services.scaler.ingest import IngestSettings
 from services.scaler.kube.client import IN_CLUSTER
-from services.scaler.leader import LEASE_NAME, LeaseSettings
+from services.scaler.leases import LEASE_NAME, SHARDS_MAX, LeaseSettings, ShardSettings
 from services.scaler.policy import PolicySettings
-from services.scaler.shards import SHARDS_MAX, ShardSettings
 from tidebase.client import channel_target
 from tidebase.errors import ConfigError
 
@@ -31,14 +29,6 @@ LEADER_ELECTIONS = ("off", "sql", "kubernetes")
 
 #: The store every Tide service shares when run from one directory (`tide up` uses its own).
 DEFAULT_DB = "sqlite:///.tide/tide.db"
-
-#: GIL switch interval of the scaler process while a unit of work runs, seconds
-#: (CPython's 5 ms otherwise). SQL runs in worker threads so ingestion never waits on
-#: the database; with the loop thread busy, each time such a thread wants the GIL back
-#: it waits up to the interval, and a transaction takes it back a dozen times: at 5 ms
-#: that, not SQL, was most of the decision latency under load (bench/ingest). Always
-#: short, it cost the loop a context switch every 0.5 ms: services/common/gil.py.
-SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -160,35 +150,14 @@ class ScalerSettings(CommonSettings, ClientSettings):
         _INGEST.stream_idle_timeout_s,
         "a telemetry stream with no report for this long is closed; 0 keeps it open",
     )
-    scale_up_utilization_pct: float = setting(
-        _POLICY.scale_up_utilization_pct, "default policy: see docs/policy.md"
-    )
-    scale_down_utilization_pct: float = setting(
-        _POLICY.scale_down_utilization_pct, "default policy"
-    )
-    target_utilization_pct: float = setting(_POLICY.target_utilization_pct, "default policy")
-    sustain_s: float = setting(_POLICY.sustain_s, "default policy")
-    bucket_s: float = setting(_POLICY.bucket_s, "default policy")
-    cooldown_s: float = setting(_POLICY.cooldown_s, "default policy")
-    phase_timeout_s: float = setting(
-        _POLICY.phase_timeout_s, "default policy: each resize phase's deadline"
-    )
-    min_replicas: int = setting(_POLICY.min_replicas, "default policy")
-    max_replicas: int = setting(_POLICY.max_replicas, "default policy")
-    min_coverage: float = setting(_POLICY.min_coverage, "default policy")
-    max_step: int = setting(_POLICY.max_step, "default policy")
-    scale_down_stabilization_s: float = setting(
-        _POLICY.scale_down_stabilization_s, "default policy"
-    )
-    min_scale_up_efficiency: float = setting(
-        _POLICY.min_scale_up_efficiency, "default policy: the goodput guard (0 turns it off)"
-    )
+    #: The default policy, one grouped setting: each of PolicySettings' fields is a
+    #: flag, env variable and file key of its own (``--cooldown-s``, TIDE_COOLDOWN_S).
+    policy: PolicySettings = setting_group(_POLICY, "default policy")  # noqa: RUF009 (a field())
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.db:
             raise ConfigError("db: a database URL is required, got ''")
-        self.policy()
         self.ingest()
         if not (self.evaluate_interval_s > 0 and math.isfinite(self.evaluate_interval_s)):
             raise ConfigError(f"evaluate_interval_s={self.evaluate_interval_s!r}: must be > 0")
@@ -269,10 +238,6 @@ class ScalerSettings(CommonSettings, ClientSettings):
         parse_actuator(self.actuator)
         if self.trust_configmap and not self.tls_ca_file:
             raise ConfigError("trust_configmap: needs tls_ca_file, the CA it copies")
-
-    def policy(self) -> PolicySettings:
-        names = {f.name for f in dataclasses.fields(PolicySettings)}
-        return PolicySettings(**{n: getattr(self, n) for n in names})
 
     def ingest(self) -> IngestSettings:
         return IngestSettings(

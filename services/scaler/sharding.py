@@ -2,7 +2,7 @@
 
 With ``--shards N`` every replica runs (services/scaler/app.py):
 
-- **rounds** (:meth:`Sharding.round`): one :class:`~services.scaler.shards.ShardLeases`
+- **rounds** (:meth:`Sharding.round`): one :class:`~services.scaler.leases.ShardLeases`
   step every ``lease_renew_s``. A shard given up or lost is stopped first
   (:meth:`ScalerCore.drop_jobs` cancels and awaits what acts on its jobs), then
   released; a shard gained has its jobs taken (a new owner epoch each, so
@@ -29,10 +29,10 @@ import contextlib
 import logging
 from collections import defaultdict
 
+from services.scaler.engine.core import ScalerCore
+from services.scaler.leases import ShardLeases, shard_of
 from services.scaler.partials import JobPartial, NodeNotice, Shipped
 from services.scaler.peers import PeerLink
-from services.scaler.service import ScalerCore
-from services.scaler.shards import ShardLeases, shard_of
 from tidebase.errors import TideError
 
 logger = logging.getLogger(__name__)
@@ -60,10 +60,10 @@ class Sharding:
         self.shipped = Shipped()
         shards = leases.settings.shards
         owned = self._owned
-        core.shards = leases
+        core.ownership.shards = leases
         core.controller.may_act_on = leases.owns
-        core.engine.forward = lambda job: shard_of(job, shards) not in owned
-        core.engine.on_forward_notice = self._notice_soon
+        core.ingest.forward = lambda job: shard_of(job, shards) not in owned
+        core.ingest.on_forward_notice = self._notice_soon
         leases.on_stop = self._stop
 
     async def _stop(self, shards: set[int]) -> None:
@@ -71,16 +71,16 @@ class Sharding:
         self.core.metrics.shards_held.set(len(self._owned))
         dropped = [j for j in self.core.jobs if self.leases.shard_of(j) in shards]
         await self.core.drop_jobs(dropped)
-        engine = self.core.engine
+        ingest = self.core.ingest
         for j in dropped:
             # Its new owner gets the other replicas' slots replayed; a window kept here
             # would count them twice should the shard come back. This replica's own
             # agents' samples in it are retained and replayed to the new owner as the
             # others' are (or put back here, should the shard come back first).
-            own = engine.own_partial(j)
+            own = ingest.own_partial(j)
             if own is not None:
                 self.shipped.retain(own)
-            engine.reshape(j)
+            ingest.reshape(j)
 
     async def round(self) -> None:
         """One round: leases, then the jobs of the shards held here and not yet taken
@@ -116,8 +116,8 @@ class Sharding:
         of jobs owned elsewhere, to each owner (one task per owner, at most one in
         flight)."""
         self._ship_soon = False
-        parts = self.core.engine.take_partials()
-        notices = self.core.engine.take_notices(self.core.clock.now())
+        parts = self.core.ingest.take_partials()
+        notices = self.core.ingest.take_notices(self.core.clock.now())
 
         def ready(job_id: str) -> str | None:
             """The job's owner's address when a shipment may go there now."""
@@ -184,7 +184,7 @@ class Sharding:
         for job_id in [j for j in self.shipped.jobs() if self.core.acts_on(j)]:
             p = self.shipped.take(job_id)
             if p is not None:
-                self.core.engine.merge_partials(self.leases.me, [p], own=True)
+                self.core.ingest.merge_partials(self.leases.me, [p], own=True)
 
     def _address_of(self, job_id: str) -> str | None:
         owner = self.leases.owner_of(job_id)

@@ -26,8 +26,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from services.sim.engine import Run, Simulation
 from services.sim.scenario import Hpa
+from services.sim.simulation import Run, Simulation
 
 
 @dataclass

@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from services.scaler.goodput import PoolRule
-from services.sim.engine import Controller, Run, Simulation, hours, nan_mean
 from services.sim.hpa import HpaPath, Static
 from services.sim.scenario import Scenario, describe
+from services.sim.simulation import Controller, Run, Simulation, hours, nan_mean
 from services.sim.tide import TideController
 
 #: Resizes that are not decisions: replicas lost with a node, and static's replacements.

@@ -26,7 +26,7 @@ from services.scaler import goodput as gp
 from services.scaler import policy as pol
 from services.scaler.pool import arbitrate
 from services.scaler.windows import JobWindow
-from services.sim.engine import Run, Simulation
+from services.sim.simulation import Run, Simulation
 
 _WAKE_ON_CAPACITY = frozenset({pol.Reason.NO_CAPACITY, pol.Reason.POOL_CONTENDED})
 
@@ -177,7 +177,7 @@ class TideController:
                 # scaler does within one batch).
                 state = pol.JobState(r.name, r.world, r.gpr, free_gpus=free)
                 d = pol.decide(state, view, self._st(r).policy, hist, t)
-            self._apply(r, self._share(d, state), t)
+            self._apply(r, self._share(d, state), t, (state, view, hist))
         nxt = [
             st.next_eval
             for r in sim.runs
@@ -258,7 +258,13 @@ class TideController:
             return d
         return arbitrate(d, state, live, self.rule)
 
-    def _apply(self, r: Run, d: pol.Decision, t: float) -> None:
+    def _apply(
+        self,
+        r: Run,
+        d: pol.Decision,
+        t: float,
+        inputs: tuple[pol.JobState, pol.WindowView, pol.History],
+    ) -> None:
         st = self._st(r)
         st.reason = d.reason
         st.next_eval = None
@@ -273,17 +279,27 @@ class TideController:
                 sim.shrink(r, d.to_replicas, d.reason.name)
                 r.resizes[-1].reaction_s = reaction
             return
-        st.next_eval = self._next(r, st, d, t)
+        st.next_eval = self._next(r, st, d, t, inputs)
 
-    def _next(self, r: Run, st: TideState, d: pol.Decision, t: float) -> float | None:
-        """When this job's decision could next differ (None: not until something happens)."""
+    def _next(
+        self,
+        r: Run,
+        st: TideState,
+        d: pol.Decision,
+        t: float,
+        inputs: tuple[pol.JobState, pol.WindowView, pol.History],
+    ) -> float | None:
+        """When this job's decision could next differ (None: not until something happens):
+        what the time alone changes, the policy says (``policy.answer_holds_until``); what
+        the simulated load changes, its segments."""
         p = st.policy
         if d.reason is pol.Reason.RESIZE_IN_PROGRESS or d.reason in _WAKE_ON_CAPACITY:
             return None
-        if d.reason is pol.Reason.COOLDOWN and st.last_end is not None:
-            return st.last_end + p.cooldown_s
-        if d.reason is pol.Reason.STABILIZING:
+        state, view, hist = inputs
+        until = pol.answer_holds_until(d, state, view, p, hist, t, exact=False)
+        if until <= t:
             return t + self.step
+        held = until if until < math.inf else None
         # The sustain condition can start to hold a sustain after what the GPUs show last
         # changed (a load change, a pause's start or end), after the last resize ended,
         # or after its cooldown ended (a reversal), give or take a bucket (the oldest
@@ -293,12 +309,12 @@ class TideController:
         # condition can stop holding on its own, never start).
         shown = r.util_at(t)
         if p.scale_down_utilization_pct <= shown <= p.scale_up_utilization_pct:
-            return None
+            return held
         recent = t - p.sustain_s - p.bucket_s
         anchors = [start for start, _ in r.segments if start >= recent]
         if st.last_end is not None:
             anchors += [st.last_end, st.last_end + p.cooldown_s]
-        nxt = None
+        nxt = held
         for a in anchors:
             lo, hi = a + p.sustain_s - p.bucket_s, a + p.sustain_s + p.bucket_s
             cand = max(lo, t + self.step)

@@ -2,7 +2,7 @@
 
 Every replica runs an elector. The one holding the lease leads; the others follow
 and take over once the lease has expired. Two services elect with it: the scaler
-(services/scaler/leader.py: the leader takes every job, bumping each job's owner
+(services/scaler/leases.py: the leader takes every job, bumping each job's owner
 epoch, the fencing token its writes carry) and the coordinator
 (services/coordinator/__main__.py: the leader loads the jobs from SQL, and the
 lease's own epoch fences its writes, services/store/leases.py ``check_fence``).

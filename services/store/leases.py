@@ -1,6 +1,6 @@
 """The leader lease in SQL: one row per lease name, taken when it has expired.
 
-Shared by the scaler's replicas (services/scaler/leader.py) and the
+Shared by the scaler's replicas (services/scaler/leases.py) and the
 coordinator's (services/coordinator/__main__.py); :class:`SqlLease` is the
 :class:`~services.store.leader.LeaseBackend` over a session factory, and
 :func:`check_fence` is the coordinator's fencing token, read in its write
@@ -130,7 +130,7 @@ def read_lease(session: Session, name: str) -> LeaseRecord | None:
 
 def live_leases(session: Session, prefix: str, *, now: datetime) -> list[LeaseRecord]:
     """The unexpired leases whose name starts with ``prefix`` (the shard leases' live
-    replicas, services/scaler/shards.py), by name."""
+    replicas, services/scaler/leases.py), by name."""
     aware("now", now)
     rows = session.scalars(
         select(LeaderLease)

@@ -431,8 +431,8 @@ def _written(stack: Stack) -> tuple[Any, ...]:
     }
     resizes = {job: sorted(rt.resizes) for job, rt in stack.coord.jobs.items()}
     jobs = {j: (r.current_replicas, r.autoscaling_paused) for j, r in stack.core.jobs.items()}
-    nodes = sorted(stack.core.engine.nodes)
-    return (members, resizes, jobs, nodes, stack.core.engine.reports_accepted)
+    nodes = sorted(stack.core.ingest.nodes)
+    return (members, resizes, jobs, nodes, stack.core.ingest.reports_accepted)
 
 
 async def servers_alive(stack: Stack, issued: Issued | None = None) -> bool:

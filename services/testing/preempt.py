@@ -25,8 +25,8 @@ from services.scaler.actuators.base import Actuator
 from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
 from services.scaler.actuators.local import JobSpec, LocalActuator, LocalActuatorSettings
 from services.scaler.coordination import GrpcCoordinatorClient
+from services.scaler.engine.core import ScalerCore
 from services.scaler.ingest import IngestSettings
-from services.scaler.service import ScalerCore
 from services.scaler.store import DecisionStore
 from services.store import db
 from services.testing.kube.apiserver import KubeApiServer
@@ -206,6 +206,6 @@ def notice(
         g.pod.CopyFrom(common_pb2.PodRef(namespace=namespace, name=pod))
     ev = r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
     ev.deadline.CopyFrom(deadline)
-    st = core.engine.open_stream()
-    core.engine.process(st, r)
-    core.engine.close_stream(st)
+    st = core.ingest.open_stream()
+    core.ingest.process(st, r)
+    core.ingest.close_stream(st)

@@ -13,12 +13,12 @@ from collections.abc import Iterable, Sequence
 
 from tide.v1 import common_pb2, telemetry_pb2
 
-from services.scaler.ingest import IngestEngine, IngestSettings
+from services.scaler.engine.core import ScalerCore
+from services.scaler.ingest import Ingest, IngestSettings
+from services.scaler.leases import assign, shard_of
 from services.scaler.members import Member
 from services.scaler.partials import JobPartial, NodeNotice
 from services.scaler.peers import ship_request
-from services.scaler.service import ScalerCore
-from services.scaler.shards import assign, shard_of
 from services.testing.clock import FakeClock
 from services.testing.members import InMemoryMemberRegistry
 from tidebase.errors import Unavailable
@@ -28,15 +28,13 @@ T0 = 1_800_000_000.0
 GPUS = 8
 
 
-def _engine(clock: FakeClock, jobs: int) -> IngestEngine:
+def _engine(clock: FakeClock, jobs: int) -> Ingest:
     reg = InMemoryMemberRegistry()
     for k in range(jobs):
         reg.set_members(f"ns/j{k}", [Member(f"j{k}-p{i}", f"j{k}-p{i}") for i in range(4)])
     # Staggered slot grids of 2 s buckets, the production default: shipped slots must
     # land on the owner's grid.
-    return IngestEngine(
-        IngestSettings(stale_after_s=5.0), reg, clock, window_shape=lambda _j: (2.0, 3)
-    )
+    return Ingest(IngestSettings(stale_after_s=5.0), reg, clock, window_shape=lambda _j: (2.0, 3))
 
 
 def _report(node: int, seq: int, t: float, utils: list[float]) -> telemetry_pb2.NodeReport:
@@ -121,7 +119,7 @@ def compare_sharded(
         if not same or got.end_s != want.end_s:
             diffs.append(f"{job}: window {got.bucket_means}, single {want.bucket_means}")
 
-    def rows(es: list[IngestEngine]) -> list[tuple[object, ...]]:
+    def rows(es: list[Ingest]) -> list[tuple[object, ...]]:
         return sorted(
             (r.job_id, r.minute_s, r.samples, round(r.mean_pct, 9), r.min_pct, r.max_pct)
             for e in es

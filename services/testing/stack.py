@@ -28,9 +28,9 @@ from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer, rul
 from services.coordinator.settings import Tuning
 from services.coordinator.store import MemoryStore
 from services.scaler.coordination import GrpcCoordinatorClient
+from services.scaler.engine.core import ScalerCore
 from services.scaler.ingest import IngestSettings
 from services.scaler.policy import PolicySettings
-from services.scaler.service import ScalerCore
 from services.scaler.servicer import RULES, ScalerServicer, TelemetryServicer
 from services.scaler.store import DecisionStore
 from services.store import db
@@ -159,7 +159,7 @@ async def start_stack(
             ),
             ServiceSpec(
                 telemetry_pb2_grpc.add_TelemetryServicer_to_server,
-                TelemetryServicer(core.engine),
+                TelemetryServicer(core.ingest),
                 "tide.v1.Telemetry",
             ),
         ],

@@ -170,7 +170,7 @@ def test_history_pages_through_every_decision(served: Served) -> None:
 
 
 def test_history_shows_a_first_page_by_default_like_kubectl(served: Served) -> None:
-    for i in range(source.PAGE_SIZE + 7):
+    for i in range(507):
         served.scaler.add_decision("ml/idle", 2, 3, NOW - timedelta(minutes=30, seconds=i))
     served.scaler.list_calls = 0
     code, out, err = tide("history", "ml/idle", "--scaler", served.target)

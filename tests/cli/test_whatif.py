@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from services.cli.main import app
 from services.store import db
 from services.testing.clock import FakeClock
+from tests.scaler.service_rig import T0, make_rig
 from tests.scaler.test_goodput import Load
-from tests.scaler.test_service import T0, make_rig
 from tests.support.poll import eventually
 
 pytestmark = pytest.mark.component

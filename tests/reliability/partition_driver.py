@@ -37,7 +37,7 @@ from tide.v1.coordinator_pb2 import Directive
 
 from services.common.clock import SystemClock
 from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
-from services.scaler.service import ScalerCore
+from services.scaler.engine.core import ScalerCore
 from services.scaler.store import DecisionStore
 from services.store import db
 from services.testing.actuators import read_changes

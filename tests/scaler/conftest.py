@@ -11,9 +11,10 @@ import sqlalchemy as sa
 from tide.v1 import telemetry_pb2_grpc
 
 from services.common.clock import SystemClock
-from services.scaler.ingest import IngestEngine, IngestSettings
+from services.scaler.ingest import Ingest, IngestSettings
 from services.scaler.servicer import TelemetryServicer
 from services.testing.members import InMemoryMemberRegistry
+from tests.scaler import service_rig
 from tests.scaler.support import TelemetryServer
 from tests.support.pg import schema_url
 from tidebase.grpc_options import server_options
@@ -26,7 +27,7 @@ def registry() -> InMemoryMemberRegistry:
 
 @pytest.fixture
 async def telemetry_server(registry: InMemoryMemberRegistry) -> AsyncIterator[TelemetryServer]:
-    engine = IngestEngine(IngestSettings(stale_after_s=5.0), registry, SystemClock())
+    engine = Ingest(IngestSettings(stale_after_s=5.0), registry, SystemClock())
     server = grpc.aio.server(options=server_options())
     telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(engine), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -60,3 +61,8 @@ def scaler_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[st
     with schema_url(admin, pg_url, "scaler") as url:
         db.upgrade(url)
         yield url
+
+
+# --- the scaler's end-to-end rig (service_rig.py) --------------------------------------------
+
+rig = service_rig.rig_fixture

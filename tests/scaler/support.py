@@ -7,7 +7,7 @@ import time
 import grpc
 from tide.v1 import common_pb2, telemetry_pb2
 
-from services.scaler.ingest import IngestEngine
+from services.scaler.ingest import Ingest
 from tidebase.timeconv import ts_from_seconds
 
 
@@ -42,7 +42,7 @@ def report(
 
 
 class TelemetryServer:
-    def __init__(self, engine: IngestEngine, server: grpc.aio.Server, port: int) -> None:
+    def __init__(self, engine: Ingest, server: grpc.aio.Server, port: int) -> None:
         self.engine = engine
         self.server = server
         self.port = port

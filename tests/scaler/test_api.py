@@ -17,9 +17,9 @@ from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2_grpc
 from services.common.clock import SystemClock
 from services.common.config import CommonSettings
 from services.common.server import RunningServer, ServiceSpec, start_server
+from services.scaler.engine.core import ScalerCore
 from services.scaler.ingest import IngestSettings
 from services.scaler.policy import PolicySettings, Reason
-from services.scaler.service import ScalerCore
 from services.scaler.servicer import RULES, ScalerServicer, TelemetryServicer
 from services.scaler.store import DecisionStore
 from services.store import db
@@ -82,7 +82,7 @@ async def live(tmp_path: Path) -> AsyncIterator[Live]:
             ),
             ServiceSpec(
                 telemetry_pb2_grpc.add_TelemetryServicer_to_server,
-                TelemetryServicer(core.engine),
+                TelemetryServicer(core.ingest),
                 "tide.v1.Telemetry",
             ),
         ],
@@ -232,7 +232,7 @@ async def test_killed_agent_goes_stale_and_blocks_scale_down(live: Live) -> None
 
         def fresh(n: int) -> bool:
             # What GetJob's window reports, read in-process.
-            return core.window_of("ns/a", core.clock.now()).gpus_fresh == n
+            return core.pipeline.window_of("ns/a", core.clock.now()).gpus_fresh == n
 
         await eventually(lambda: fresh(8), timeout_s=15)
         agent_b.kill()
@@ -256,7 +256,7 @@ async def test_killed_agent_goes_stale_and_blocks_scale_down(live: Live) -> None
         page = await stub.ListDecisions(scaler_pb2.ListDecisionsRequest(), timeout=T)
         assert list(page.decisions) == []
         # The control: with the node back, the same load does scale down.
-        decisions = core.subscribe("ns/a")
+        decisions = core.feed.subscribe("ns/a")
         agent_b = agent(live, "node-b", 10.0, b_pods)
         reasons: list[str] = []
 

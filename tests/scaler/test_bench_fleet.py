@@ -16,7 +16,7 @@ from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 from bench.fleet import Fleet
 from bench.ingest import _base
 from services.common.clock import SystemClock
-from services.scaler.ingest import IngestEngine, IngestSettings
+from services.scaler.ingest import Ingest, IngestSettings
 from services.scaler.members import Member
 from services.scaler.servicer import TelemetryServicer
 from services.testing.members import InMemoryMemberRegistry
@@ -29,13 +29,13 @@ NODES = 24
 
 
 @asynccontextmanager
-async def _replica() -> AsyncIterator[tuple[IngestEngine, grpc.aio.Server, int]]:
+async def _replica() -> AsyncIterator[tuple[Ingest, grpc.aio.Server, int]]:
     registry = InMemoryMemberRegistry()
     for j in range(NODES // 4):
         registry.set_members(
             f"bench/j{j}", [Member(f"j{j}-trainer-{p}", f"uid-j{j}-{p}") for p in range(8)]
         )
-    engine = IngestEngine(IngestSettings(), registry, SystemClock())
+    engine = Ingest(IngestSettings(), registry, SystemClock())
     server = grpc.aio.server(options=server_options())
     telemetry_pb2_grpc.add_TelemetryServicer_to_server(TelemetryServicer(engine), server)
     port = server.add_insecure_port("127.0.0.1:0")

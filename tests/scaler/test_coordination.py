@@ -15,7 +15,7 @@ from tide.v1 import coordinator_pb2_grpc
 
 from services.common.clock import SystemClock
 from services.scaler.coordination import GrpcCoordinatorClient, Phase, ResizeSpec
-from services.scaler.ingest import IngestEngine, IngestSettings, Rejection
+from services.scaler.ingest import Ingest, IngestSettings, Rejection
 from services.scaler.members import CoordinatorMemberRegistry
 from services.scaler.metrics import IngestCollector
 from services.testing.members import InMemoryMemberRegistry
@@ -142,7 +142,7 @@ def test_telemetry_limits_match_the_agents_channel() -> None:
 def test_metrics_export_counters_by_reason() -> None:
     from tests.scaler.support import report
 
-    engine = IngestEngine(IngestSettings(), InMemoryMemberRegistry(), SystemClock())
+    engine = Ingest(IngestSettings(), InMemoryMemberRegistry(), SystemClock())
     reg = CollectorRegistry()
     reg.register(IngestCollector(engine))
     st = engine.open_stream()

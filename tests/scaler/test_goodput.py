@@ -11,8 +11,8 @@ import pytest
 from services.scaler.policy import Reason
 from services.scaler.store import DecisionState
 from services.testing.clock import FakeClock
+from tests.scaler.service_rig import T0, Rig, make_rig
 from tests.scaler.support import report
-from tests.scaler.test_service import T0, Rig, make_rig
 from tests.support.poll import eventually
 
 pytestmark = pytest.mark.component
@@ -47,7 +47,7 @@ class Load:
     def __init__(self, rig: Rig) -> None:
         self.rig = rig
         self.seq = 0
-        self.stream = rig.core.engine.open_stream()
+        self.stream = rig.core.ingest.open_stream()
 
     def second(self, util: dict[str, float]) -> None:
         self.rig.clock.advance(1.0)
@@ -59,7 +59,7 @@ class Load:
             n = self.rig.core.jobs[job_id].current_replicas
             utils += [u] * n
             pods += [f"uid-{name}-{i}" for i in range(n)]
-        self.rig.core.engine.process(
+        self.rig.core.ingest.process(
             self.stream,
             report("n1", self.seq, t=self.rig.clock.now(), utils=utils, pods=pods, capacity=64),
         )
@@ -116,9 +116,11 @@ async def test_the_curve_survives_a_restart(rig: Rig, scaler_db_url: str) -> Non
     again = make_rig(scaler_db_url, rig.clock, owner="s2", coordinator=rig.coordinator)
     await again.core.start()
     try:
-        before = dict(rig.core.throughput.curve("ns/a", rig.clock.now()))
+        before = dict(rig.core.book.throughput.curve("ns/a", rig.clock.now()))
         assert {2, 4, 7} <= set(before)
-        assert dict(again.core.throughput.curve("ns/a", rig.clock.now())) == pytest.approx(before)
+        assert dict(again.core.book.throughput.curve("ns/a", rig.clock.now())) == pytest.approx(
+            before
+        )
     finally:
         await again.core.close()
         again.store.engine.dispose()
@@ -136,8 +138,8 @@ async def test_free_gpus_go_to_the_job_whose_next_replica_adds_most(rig: Rig) ->
     await eventually(lambda: "uid-flat-1" in rig.core.registry.by_uid)
     # Each job ran at 4 before: lin scaled linearly, flat gained 0.17 per added replica.
     now = rig.clock.now()
-    rig.core.throughput.restore("ns/lin", [(4, 400.0)], now)
-    rig.core.throughput.restore("ns/flat", [(4, 140.0)], now)
+    rig.core.book.throughput.restore("ns/lin", [(4, 400.0)], now)
+    rig.core.book.throughput.restore("ns/flat", [(4, 140.0)], now)
     await Load(rig).run(40, {"ns/flat": 95.0, "ns/lin": 95.0})
     assert await decisions(rig, "ns/lin") == [(2, 4, "SUSTAINED_HIGH_UTILIZATION")]
     assert await decisions(rig, "ns/flat") == []
@@ -159,7 +161,7 @@ async def test_the_window_slides_so_the_decision_follows_the_sustain(rig: Rig) -
         rig.clock.advance(0.25)
         load.seq += 1
         pods = ["uid-a-0", "uid-a-1"]
-        rig.core.engine.process(
+        rig.core.ingest.process(
             load.stream, report("n1", load.seq, t=rig.clock.now(), utils=[util] * 2, pods=pods)
         )
 
@@ -170,7 +172,7 @@ async def test_the_window_slides_so_the_decision_follows_the_sustain(rig: Rig) -
     while not rig.core.active and t < 40.0:
         quarter(95.0)
         t += 0.25
-        await rig.core.drain_triggers()
+        await rig.core.loop.drain_triggers()
     # With 10 s buckets the oldest is above 80 % once less than 15/45 of it is 50 %
     # samples: the sustain of 30 s holds from 26.7 s on; not a bucket later.
     assert 26.5 <= t <= 27.5, t

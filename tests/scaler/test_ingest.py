@@ -7,7 +7,7 @@ import math
 import pytest
 from tide.v1 import telemetry_pb2
 
-from services.scaler.ingest import IngestEngine, IngestSettings, InvalidStream, Rejection
+from services.scaler.ingest import Ingest, IngestSettings, InvalidStream, Rejection
 from services.scaler.members import Member
 from services.scaler.partials import NodeNotice
 from services.testing.clock import FakeClock
@@ -26,16 +26,16 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def engine(clock: FakeClock) -> IngestEngine:
+def engine(clock: FakeClock) -> Ingest:
     reg = InMemoryMemberRegistry()
     reg.set_members("ns/a", [Member("a-0", "a-0"), Member("a-1", "a-1")])
-    return IngestEngine(IngestSettings(stale_after_s=10.0, stagger_slots=False), reg, clock)
+    return Ingest(IngestSettings(stale_after_s=10.0, stagger_slots=False), reg, clock)
 
 
 PODS = ["a-0", "a-0", "a-0", "a-0", "a-1", "a-1", "a-1", "a-1"]
 
 
-def test_duplicates_and_replays_are_acked_and_ignored(engine: IngestEngine) -> None:
+def test_duplicates_and_replays_are_acked_and_ignored(engine: Ingest) -> None:
     st = engine.open_stream()
     for seq in (1, 2, 3):
         assert engine.process(st, report(seq=seq, t=T0, pods=PODS)) == ("b1", seq)
@@ -45,7 +45,7 @@ def test_duplicates_and_replays_are_acked_and_ignored(engine: IngestEngine) -> N
     assert engine.samples_accepted == 24
 
 
-def test_gap_is_counted_and_filled_late(engine: IngestEngine) -> None:
+def test_gap_is_counted_and_filled_late(engine: Ingest) -> None:
     st = engine.open_stream()
     engine.process(st, report(seq=1, t=T0))
     assert engine.process(st, report(seq=4, t=T0)) == ("b1", 1)
@@ -57,7 +57,7 @@ def test_gap_is_counted_and_filled_late(engine: IngestEngine) -> None:
 
 
 def test_gap_given_up_past_the_reorder_limit(clock: FakeClock) -> None:
-    e = IngestEngine(IngestSettings(reorder_limit=3), InMemoryMemberRegistry(), clock)
+    e = Ingest(IngestSettings(reorder_limit=3), InMemoryMemberRegistry(), clock)
     st = e.open_stream()
     e.process(st, report(seq=1, t=T0))
     for seq in (3, 4, 5):
@@ -65,7 +65,7 @@ def test_gap_given_up_past_the_reorder_limit(clock: FakeClock) -> None:
     assert e.process(st, report(seq=6, t=T0))[1] == 6
 
 
-def test_new_boot_id_restarts_the_sequence(engine: IngestEngine) -> None:
+def test_new_boot_id_restarts_the_sequence(engine: Ingest) -> None:
     st = engine.open_stream()
     engine.process(st, report(seq=5, t=T0))
     assert engine.process(st, report(seq=1, boot="b2", t=T0)) == ("b2", 1)
@@ -87,7 +87,7 @@ def test_new_boot_id_restarts_the_sequence(engine: IngestEngine) -> None:
     ],
 )
 def test_bad_sample_is_dropped_under_its_reason(
-    engine: IngestEngine, field: str, value: float, reason: Rejection
+    engine: Ingest, field: str, value: float, reason: Rejection
 ) -> None:
     st = engine.open_stream()
     r = report(seq=1, t=T0, utils=[90.0] * 8, pods=PODS)
@@ -109,7 +109,7 @@ def test_bad_sample_is_dropped_under_its_reason(
         (T0 - 5, Rejection.TIMESTAMP_OUT_OF_ORDER),
     ],
 )
-def test_bad_timestamp_drops_the_report(engine: IngestEngine, t: float, reason: Rejection) -> None:
+def test_bad_timestamp_drops_the_report(engine: Ingest, t: float, reason: Rejection) -> None:
     st = engine.open_stream()
     engine.process(st, report(seq=1, t=T0, pods=PODS))
     assert engine.process(st, report(seq=2, t=t, utils=[100.0] * 8, pods=PODS)) == ("b1", 2)
@@ -129,7 +129,7 @@ def test_bad_timestamp_drops_the_report(engine: IngestEngine, t: float, reason: 
     ],
 )
 def test_broken_stream_is_refused(
-    engine: IngestEngine, kwargs: dict[str, object], reason: Rejection
+    engine: Ingest, kwargs: dict[str, object], reason: Rejection
 ) -> None:
     st = engine.open_stream()
     args: dict[str, object] = {"seq": 1, "t": T0, **kwargs}
@@ -140,14 +140,14 @@ def test_broken_stream_is_refused(
     assert engine.samples_accepted == 0
 
 
-def test_stream_cannot_change_node(engine: IngestEngine) -> None:
+def test_stream_cannot_change_node(engine: Ingest) -> None:
     st = engine.open_stream()
     engine.process(st, report("n1", 1, t=T0))
     with pytest.raises(InvalidStream, match="node_changed"):
         engine.process(st, report("n2", 1, t=T0))
 
 
-def test_attribution_and_unattributed_gpus(engine: IngestEngine, clock: FakeClock) -> None:
+def test_attribution_and_unattributed_gpus(engine: Ingest, clock: FakeClock) -> None:
     st = engine.open_stream()
     pods = ["a-0", "a-0", "other", "", "a-1", "a-1", "", ""]
     engine.process(st, report(seq=1, t=T0, utils=[80, 80, 10, 10, 60, 60, 0, 0], pods=pods))
@@ -160,7 +160,7 @@ def test_attribution_and_unattributed_gpus(engine: IngestEngine, clock: FakeCloc
     assert engine.fresh_gpus(clock.now()) == {}
 
 
-def test_window_memory_does_not_grow_with_the_report_rate(engine: IngestEngine) -> None:
+def test_window_memory_does_not_grow_with_the_report_rate(engine: Ingest) -> None:
     st = engine.open_stream()
     for seq in range(1, 2001):
         engine.process(st, report(seq=seq, t=T0 - 25 + seq * 0.01, pods=PODS))
@@ -175,7 +175,7 @@ def test_a_new_slot_notifies_once_per_slot(clock: FakeClock) -> None:
     reg = InMemoryMemberRegistry()
     reg.set_members("ns/a", [Member("a-0", "a-0")])
     opened: list[float] = []
-    e = IngestEngine(
+    e = Ingest(
         IngestSettings(stagger_slots=False),
         reg,
         clock,
@@ -220,7 +220,7 @@ def test_late_samples_land_and_too_late_ones_are_refused() -> None:
     assert math.isnan(a) and math.isnan(b) and c == 70.0
 
 
-def test_termination_notice_marks_the_jobs_replicas(engine: IngestEngine) -> None:
+def test_termination_notice_marks_the_jobs_replicas(engine: Ingest) -> None:
     from tide.v1 import telemetry_pb2
 
     st = engine.open_stream()
@@ -235,7 +235,7 @@ def test_termination_notice_marks_the_jobs_replicas(engine: IngestEngine) -> Non
     assert engine.terminating("ns/a")[0] == 0
 
 
-def test_rollups_per_minute(engine: IngestEngine, clock: FakeClock) -> None:
+def test_rollups_per_minute(engine: Ingest, clock: FakeClock) -> None:
     st = engine.open_stream()
     engine.process(st, report(seq=1, t=T0, utils=[10.0] * 8, pods=PODS))
     clock.advance(30)
@@ -256,7 +256,7 @@ def test_staggered_slot_grids_open_at_different_instants(clock: FakeClock) -> No
     assert len(offsets) > 15 and all(0 <= o < 0.5 for o in offsets)
     reg = InMemoryMemberRegistry()
     reg.set_members("ns/a", [Member("a-0", "a-0")])
-    e = IngestEngine(IngestSettings(), reg, clock)
+    e = Ingest(IngestSettings(), reg, clock)
     st = e.open_stream()
     e.process(st, report(seq=1, t=T0, utils=[50.0], pods=["a-0"]))
     off = stagger_offset("ns/a", 0.5)
@@ -273,7 +273,7 @@ def test_a_jobs_freshness_reads_its_own_nodes_and_agrees_with_the_fleet_count(
     jobs = {"ns/a": ["a-0", "a-1"], "ns/b": ["b-0"], "ns/c": ["c-0", "c-1"]}
     for job, pods in jobs.items():
         reg.set_members(job, [Member(p, p) for p in pods])
-    e = IngestEngine(IngestSettings(stale_after_s=10.0, stagger_slots=False), reg, clock)
+    e = Ingest(IngestSettings(stale_after_s=10.0, stagger_slots=False), reg, clock)
     rng = random.Random(7)
     streams = {f"n{i}": e.open_stream() for i in range(12)}
     every = [p for pods in jobs.values() for p in pods] + ["", "stranger"]
@@ -296,7 +296,7 @@ def test_a_jobs_freshness_reads_its_own_nodes_and_agrees_with_the_fleet_count(
     assert e.fresh_gpus_of("ns/none", clock.now()) == 0
 
 
-def test_terminating_pods_are_found_on_the_jobs_nodes_only(engine: IngestEngine) -> None:
+def test_terminating_pods_are_found_on_the_jobs_nodes_only(engine: Ingest) -> None:
     from tide.v1 import telemetry_pb2
 
     reg = engine.registry
@@ -317,7 +317,7 @@ def test_terminating_pods_are_found_on_the_jobs_nodes_only(engine: IngestEngine)
 
 
 def test_a_shipped_notice_counts_once_and_runs_out_unless_resent(
-    engine: IngestEngine, clock: FakeClock
+    engine: Ingest, clock: FakeClock
 ) -> None:
     """Owner side of a sharded notice: its pods count as terminating with its deadline,
     a resend or a node this replica noticed itself is a duplicate, and a notice not
@@ -345,7 +345,7 @@ def test_a_shipped_notice_counts_once_and_runs_out_unless_resent(
 
 
 def test_take_notices_ships_each_active_notice_per_forwarded_job_until_its_deadline(
-    engine: IngestEngine, clock: FakeClock
+    engine: Ingest, clock: FakeClock
 ) -> None:
     engine.forward = lambda job: True
     shipped: list[int] = []

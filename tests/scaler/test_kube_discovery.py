@@ -15,8 +15,8 @@ import pytest
 
 from services.common.clock import SystemClock
 from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
+from services.scaler.engine.core import ScalerCore
 from services.scaler.kube.link import KubeLink
-from services.scaler.service import ScalerCore
 from services.scaler.store import DecisionState, DecisionStore
 from services.store import db
 from services.testing.coordinator import InMemoryCoordinator

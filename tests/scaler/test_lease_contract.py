@@ -1,4 +1,4 @@
-"""The contract of a leader lease backend (services.scaler.leader.LeaseBackend), run
+"""The contract of a leader lease backend (services.scaler.leases.LeaseBackend), run
 against both real ones: the lease row in SQL (DecisionStore) and the Kubernetes
 Lease (services/scaler/kube/lease.py) on the API server emulator, through the
 official client. Then what is particular to the Lease: the fields it writes and
@@ -17,9 +17,8 @@ from kubernetes import client
 
 from services.scaler.kube.client import raw
 from services.scaler.kube.lease import KubernetesLease
-from services.scaler.leader import LeaderElector, LeaseBackend, LeaseSettings
+from services.scaler.leases import LeaderElector, LeaseBackend, LeaseRecord, LeaseSettings
 from services.scaler.store import DecisionStore
-from services.scaler.store.leases import LeaseRecord
 from services.store import db
 from services.testing.clock import FakeClock
 from services.testing.kube import KubeApiServer

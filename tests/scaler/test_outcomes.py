@@ -18,10 +18,10 @@ from tide.v1 import coordinator_pb2 as cpb
 from services.scaler import store as repo
 from services.scaler.actuators import owner_epoch
 from services.scaler.coordination import Phase, Progress, ResizeSpec
-from services.scaler.history import RETENTION_EVERY_S, RollupHistory
-from services.scaler.ingest import IngestEngine, IngestSettings
+from services.scaler.engine.core import ScalerCore
+from services.scaler.ingest import Ingest, IngestSettings
 from services.scaler.members import Member
-from services.scaler.service import ScalerCore
+from services.scaler.rollup_writer import RETENTION_EVERY_S, RollupWriter
 from services.scaler.store import DecisionState, DecisionStore, RollupRecord
 from services.scaler.windows import Rollups
 from services.store import db
@@ -212,7 +212,7 @@ def test_only_active_members_gpus_count_toward_the_window() -> None:
         JOB,
         [Member("a-0", "a-0"), Member("a-1", "a-1", active=False), Member("a-2", "a-2", False)],
     )
-    engine = IngestEngine(IngestSettings(stagger_slots=False), reg, clock)
+    engine = Ingest(IngestSettings(stagger_slots=False), reg, clock)
     st = engine.open_stream()
     pods = ["a-0"] * 4 + ["a-1"] * 2 + ["a-2"] * 2
     engine.process(st, report(seq=1, t=T0, utils=[80.0] * 4 + [0.0] * 4, pods=pods))
@@ -230,7 +230,7 @@ async def test_rollup_retention_runs_from_the_flush(scaler_db_url: str) -> None:
     old, recent = now - timedelta(days=31), now - timedelta(days=29)
     rows = [RollupRecord(JOB, m, 50.0, 40.0, 60.0, 10, 2) for m in (old, recent)]
     await store.write_rollups(rows)
-    history = RollupHistory(store, Rollups(), clock, retention_days=30.0)
+    history = RollupWriter(store, Rollups(), clock, retention_days=30.0)
     assert await history.flush({JOB: 2}) == 0
     await history.settled()
     left = await store.rollups_between(JOB, old - timedelta(days=1), now)
@@ -259,7 +259,7 @@ async def test_per_second_detail_has_its_own_shorter_retention(scaler_db_url: st
         for d in (8, 6)
     ]
     await store.write_rollups(rows)
-    history = RollupHistory(store, Rollups(), clock, retention_days=30.0, detail_retention_days=7)
+    history = RollupWriter(store, Rollups(), clock, retention_days=30.0, detail_retention_days=7)
     await history.flush({JOB: 2})
     await history.settled()
     assert len(await store.rollups_between(JOB, now - timedelta(days=9), now)) == 2
@@ -312,7 +312,7 @@ async def test_retention_deletes_in_batches_beside_the_flush(scaler_db_url: str)
                 repo.transition_decision(
                     s, d.id, DecisionState.ABORTED, detail="", epoch=epoch, now=at
                 )
-    history = RollupHistory(
+    history = RollupWriter(
         store, Rollups(), clock, retention_days=30.0, decision_retention_days=180.0, batch_rows=2
     )
     # The flush returns while retention waits on the database.

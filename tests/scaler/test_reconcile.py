@@ -16,7 +16,7 @@ from services.scaler.reconcile import Observed, compare
 from services.scaler.store import DecisionState
 from services.testing.actuators import ReplicaChange, read_changes, record_change
 from services.testing.clock import FakeClock
-from tests.scaler.test_service import FAST, T0, Rig, final, make_rig
+from tests.scaler.service_rig import FAST, T0, Rig, final, make_rig
 from tests.support.poll import eventually, wait_for
 from tests.support.procs import start_service
 

@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from services.scaler.ingest import IngestEngine, IngestSettings
+from services.scaler.ingest import Ingest, IngestSettings
 from services.scaler.members import Member
 from services.scaler.partials import JobPartial, Shipped
 from services.scaler.windows import slots_per_bucket
@@ -28,12 +28,10 @@ JOB = "ns/j0"
 SHAPE = (10.0, 3)  # 3 buckets of 10 s: a 40 s ring, so a move at 25 s is mid-window
 
 
-def _engine(clock: FakeClock) -> IngestEngine:
+def _engine(clock: FakeClock) -> Ingest:
     reg = InMemoryMemberRegistry()
     reg.set_members(JOB, [Member(f"j0-p{i}", f"j0-p{i}") for i in range(4)])
-    return IngestEngine(
-        IngestSettings(stale_after_s=5.0), reg, clock, window_shape=lambda _j: SHAPE
-    )
+    return Ingest(IngestSettings(stale_after_s=5.0), reg, clock, window_shape=lambda _j: SHAPE)
 
 
 class World:
@@ -92,7 +90,7 @@ class World:
             new.merge_partials(to, [taken], own=True)
 
 
-def _means(e: IngestEngine, now: float) -> tuple[float, ...]:
+def _means(e: Ingest, now: float) -> tuple[float, ...]:
     w = e.windows[JOB]
     return w.means(w.slot_of(now) + 1, SHAPE[1] + 1)
 
@@ -105,7 +103,7 @@ def _same(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
 
 def _run(
     world: World, at: dict[int, str], moves: dict[int, tuple[str, bool]]
-) -> tuple[IngestEngine, IngestEngine, IngestEngine]:
+) -> tuple[Ingest, Ingest, Ingest]:
     """40 s of reports of nodes 0 and 1 (the job's), node ``n`` streaming to ``at[n]``;
     at second ``s`` in ``moves`` the shard moves. Returns the last owner's engine, a
     single replica given every report, and one given every report not sent to a killed

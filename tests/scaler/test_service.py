@@ -3,98 +3,24 @@ the (fake) coordinator and actuator driven in the documented order."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 from tide.v1 import telemetry_pb2
 
-from services.scaler import policy as pol
 from services.scaler.convert import inputs_to_proto
-from services.scaler.coordination import Phase, Progress, ResizeSpec
-from services.scaler.ingest import IngestSettings
-from services.scaler.policy import PolicySettings, Reason
-from services.scaler.service import ScalerCore
-from services.scaler.shards import ShardSettings
+from services.scaler.coordination import Phase
+from services.scaler.policy import Reason
 from services.scaler.store import DecisionState, DecisionStore, StaleEpoch
 from services.store import db
 from services.testing.actuators import InMemoryActuator, ReplicaChange
 from services.testing.clock import FakeClock
-from services.testing.coordinator import InMemoryCoordinator, follow_actuator
+from tests.scaler.service_rig import FAST, T0, Rig, feed, final, make_rig
 from tests.scaler.support import report
 from tests.support.poll import eventually
 from tidebase.errors import StoreUnavailable, Unavailable
 
 pytestmark = pytest.mark.component
-
-T0 = 1_800_000_000.0
-FAST = {"bucket_s": 10.0, "sustain_s": 30.0, "cooldown_s": 60.0, "scale_down_stabilization_s": 0.0}
-PODS = ["uid-a-0"] * 4 + ["uid-a-1"] * 4
-#: A real coordinator and actuator named, as ScalerSettings requires.
-REAL: dict[str, Any] = {"coordinator": "127.0.0.1:9", "actuator": "local:/nonexistent"}
-
-
-@dataclass
-class Rig:
-    core: ScalerCore
-    clock: FakeClock
-    actuator: InMemoryActuator
-    coordinator: InMemoryCoordinator
-    store: DecisionStore
-
-
-def make_rig(
-    url: str, clock: FakeClock, owner: str = "s1", coordinator: InMemoryCoordinator | None = None
-) -> Rig:
-    """``coordinator``: one that outlived an earlier scaler; it now counts this one's pods."""
-    actuator = InMemoryActuator(total_gpus=64)
-    if coordinator is None:
-        coordinator = InMemoryCoordinator()
-    follow_actuator(coordinator, actuator)
-    store = DecisionStore(db.make_engine(url), owner, clock)
-    core = ScalerCore(
-        store=store,
-        actuator=actuator,
-        coordinator=coordinator,
-        clock=clock,
-        ingest=IngestSettings(stagger_slots=False),
-    )
-    return Rig(core, clock, actuator, coordinator, store)
-
-
-@pytest.fixture
-async def rig(scaler_db_url: str) -> AsyncIterator[Rig]:
-    r = make_rig(scaler_db_url, FakeClock(T0))
-    await r.core.start()
-    await r.core.upsert_job("ns/a", FAST, gpus_per_replica=4)
-    await eventually(lambda: "uid-a-1" in r.core.registry.by_uid)
-    yield r
-    await r.core.close()
-    r.store.engine.dispose()
-
-
-def feed(rig: Rig, seconds: int, util: float, *, node: str = "n1", start_seq: int = 1) -> int:
-    """One report per second of fake time from ``node``; returns the next seq."""
-    st = rig.core.engine.open_stream()
-    seq = start_seq
-    for _ in range(seconds):
-        rig.clock.advance(1.0)
-        rig.core.engine.process(
-            st, report(node, seq, t=rig.clock.now(), utils=[util] * 8, pods=PODS)
-        )
-        seq += 1
-    rig.core.engine.close_stream(st)
-    return seq
-
-
-async def final(rig: Rig, decision_id: int) -> DecisionState:
-    for task in list(rig.core.controller.tasks.values()):
-        await task
-    detail = await rig.store.get_decision(decision_id)
-    return detail.decision.state
 
 
 async def test_sustained_high_grows_through_the_lifecycle(rig: Rig) -> None:
@@ -186,10 +112,10 @@ async def test_sustained_low_shrinks_checkpoint_first(rig: Rig) -> None:
 async def test_termination_notice_shrinks_off_the_node(rig: Rig) -> None:
     await rig.core.upsert_job("ns/a", {"min_replicas": 1})
     feed(rig, 5, 60.0)
-    st = rig.core.engine.open_stream()
+    st = rig.core.ingest.open_stream()
     r = report("n2", 1, t=rig.clock.now(), utils=[60.0] * 4, pods=["uid-a-1"] * 4)
     r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
-    rig.core.engine.process(st, r)
+    rig.core.ingest.process(st, r)
     d = await rig.core.evaluate("ns/a")
     assert (d.reason, d.to_replicas) == (Reason.NODE_TERMINATION, 1)
     dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
@@ -205,11 +131,11 @@ async def test_termination_notice_shrinks_off_the_node(rig: Rig) -> None:
 async def test_a_notice_for_a_pod_below_the_highest_index_removes_that_pod(rig: Rig) -> None:
     await rig.core.upsert_job("ns/a", {"min_replicas": 1})
     feed(rig, 5, 60.0)
-    st = rig.core.engine.open_stream()
+    st = rig.core.ingest.open_stream()
     # Pod 0 of 2, the lowest index: a count alone would have the actuator stop pod 1.
     r = report("n0", 1, t=rig.clock.now(), utils=[60.0] * 4, pods=["uid-a-0"] * 4)
     r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
-    rig.core.engine.process(st, r)
+    rig.core.ingest.process(st, r)
     d = await rig.core.evaluate("ns/a")
     assert (d.reason, d.to_replicas) == (Reason.NODE_TERMINATION, 1)
     dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
@@ -219,10 +145,10 @@ async def test_a_notice_for_a_pod_below_the_highest_index_removes_that_pod(rig: 
 
 
 def notice(rig: Rig, node: str, pod: str) -> None:
-    st = rig.core.engine.open_stream()
+    st = rig.core.ingest.open_stream()
     r = report(node, 1, t=rig.clock.now(), utils=[60.0] * 4, pods=[pod] * 4)
     r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
-    rig.core.engine.process(st, r)
+    rig.core.ingest.process(st, r)
 
 
 async def test_a_notice_supersedes_a_grow_in_flight(rig: Rig) -> None:
@@ -347,11 +273,11 @@ async def test_the_notice_deadline_rules_the_barrier_deadline(rig: Rig) -> None:
     timeout; the plan is in the decision's inputs for `tide explain`."""
     await rig.core.upsert_job("ns/a", {"min_replicas": 1})
     feed(rig, 5, 60.0)
-    st = rig.core.engine.open_stream()
+    st = rig.core.ingest.open_stream()
     r = report("n2", 1, t=rig.clock.now(), utils=[60.0] * 4, pods=["uid-a-1"] * 4)
     ev = r.events.add(kind=telemetry_pb2.NodeEvent.KIND_TERMINATION_NOTICE, detail="spot")
     ev.deadline.FromNanoseconds(int((rig.clock.now() + 30.0) * 1e9))
-    rig.core.engine.process(st, r)
+    rig.core.ingest.process(st, r)
     await rig.core.evaluate("ns/a")
     dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
     assert await final(rig, dec.id) is DecisionState.COMPLETED
@@ -366,7 +292,7 @@ async def test_the_notice_deadline_rules_the_barrier_deadline(rig: Rig) -> None:
 
 async def test_an_evaluation_reads_only_the_jobs_own_nodes(rig: Rig) -> None:
     # A thousand nodes of other work: a job's evaluation must not walk them.
-    engine = rig.core.engine
+    engine = rig.core.ingest
     for i in range(1000):
         st = engine.open_stream()
         engine.process(st, report(f"other-{i}", 1, t=rig.clock.now(), utils=[50.0] * 8))
@@ -482,158 +408,6 @@ async def test_store_warm_up_leaves_nothing_behind(scaler_db_url: str) -> None:
     await store.warm_up()
     assert await store.list_jobs() == []
     assert (await store.list_decisions()).decisions == ()
-    store.engine.dispose()
-
-
-def test_scaler_settings_validate_and_feed_the_policy() -> None:
-    from services.scaler.settings import ScalerSettings
-    from tidebase.errors import ConfigError
-
-    s = ScalerSettings(**REAL, sustain_s=60.0, bucket_s=10.0, max_replicas=16)
-    assert (s.policy().buckets, s.policy().max_replicas) == (6, 16)
-    with pytest.raises(ConfigError, match=r"sustain_s=100\.0"):
-        ScalerSettings(**REAL, sustain_s=100.0)
-    with pytest.raises(ConfigError, match=r"utilization_detail_retention_days=40\.0"):
-        ScalerSettings(**REAL, utilization_detail_retention_days=40.0)
-    with pytest.raises(ConfigError, match=r"min_scale_up_efficiency=2\.0"):
-        ScalerSettings(**REAL, min_scale_up_efficiency=2.0)
-    assert ScalerSettings(**REAL, min_scale_up_efficiency=0.0).policy().min_scale_up_efficiency == 0
-    with pytest.raises(ConfigError, match="actuator"):
-        ScalerSettings(coordinator="127.0.0.1:9", actuator="kubernetes")
-    with pytest.raises(ConfigError, match="stale_after_s"):
-        ScalerSettings(**REAL, stale_after_s=0.0)
-    with pytest.raises(ConfigError, match="rollup_retention_days"):
-        ScalerSettings(**REAL, rollup_retention_days=0.0)
-    with pytest.raises(ConfigError, match=r"decision_retention_days=-1\.0"):
-        ScalerSettings(**REAL, decision_retention_days=-1.0)
-    with pytest.raises(ConfigError, match="retention_batch_rows=0"):
-        ScalerSettings(**REAL, retention_batch_rows=0)
-    with pytest.raises(ConfigError, match="leader_election: expected off, sql or kubernetes"):
-        ScalerSettings(**REAL, leader_election="etcd")
-    # A Lease lives in a namespace: no guess at one that other releases may share.
-    with pytest.raises(ConfigError, match="lease_namespace: required"):
-        ScalerSettings(**REAL, leader_election="kubernetes")
-    lease = ScalerSettings(**REAL, leader_election="kubernetes", lease_namespace="tide")
-    assert (lease.lease_name, lease.lease_kubeconfig) == ("tide-scaler", "in-cluster")
-    # Sharded replicas each lead their shards: not also an elected leader.
-    with pytest.raises(ConfigError, match="shards=4 with leader_election='sql'"):
-        ScalerSettings(**REAL, shards=4, leader_election="sql")
-    with pytest.raises(ConfigError, match="shards=5000"):
-        ScalerSettings(**REAL, shards=5000)
-    with pytest.raises(ConfigError, match=r"partials_ship_interval_s=0\.0"):
-        ScalerSettings(**REAL, shards=4, partials_ship_interval_s=0.0)
-    sharded = ScalerSettings(**REAL, shards=4, lease_duration_s=6.0, lease_renew_s=2.0)
-    assert sharded.sharding() == ShardSettings(shards=4, duration_s=6.0, renew_s=2.0)
-    # Each policy default is PolicySettings' own.
-    assert s.policy() == PolicySettings(sustain_s=60.0, bucket_s=10.0, max_replicas=16)
-
-
-def test_scaler_settings_db_and_local_actuator(tmp_path: Path) -> None:
-    from services.common.config import load_settings
-    from services.scaler.actuators import make_actuator
-    from services.scaler.settings import DEFAULT_DB, ScalerSettings
-    from tidebase.errors import ConfigError
-
-    assert ScalerSettings(**REAL).db == DEFAULT_DB == "sqlite:///.tide/tide.db"
-    url = f"sqlite:///{tmp_path}/a.db"
-    flags = ["--coordinator", "127.0.0.1:9", "--actuator", f"local:{tmp_path}"]
-    assert load_settings(ScalerSettings, [*flags, "--db", url], env={}).db == url
-    assert load_settings(ScalerSettings, flags, env={"TIDE_DB": url}).db == url
-    with pytest.raises(ConfigError, match="coordinator: required; pass --coordinator HOST:PORT"):
-        ScalerSettings(actuator=f"local:{tmp_path}")
-    with pytest.raises(ConfigError, match="pass --actuator local:DIR"):
-        ScalerSettings(coordinator="127.0.0.1:9")
-    with pytest.raises(ConfigError, match="actuator"):
-        ScalerSettings(coordinator="127.0.0.1:9", actuator="local:")
-    with pytest.raises(ConfigError, match="actuator"):
-        ScalerSettings(coordinator="127.0.0.1:9", actuator="memory")
-    s = ScalerSettings(actuator=f"local:{tmp_path}", coordinator="127.0.0.1:9", total_gpus=3)
-    a = make_actuator(
-        s.actuator, coordinator=s.coordinator, total_gpus=s.total_gpus, clock=FakeClock(T0)
-    )
-    from services.scaler.actuators.local import LocalActuator
-
-    assert isinstance(a, LocalActuator)
-    assert (a.settings.state_dir, a.settings.total_gpus) == (tmp_path, 3)
-    assert a.settings.coordinator == "127.0.0.1:9"
-
-
-class FlakyCoordinator(InMemoryCoordinator):
-    """Unreachable for the first ``failures`` Resize calls, then itself again."""
-
-    def __init__(self, failures: int, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.failures = failures
-
-    async def resize(self, spec: ResizeSpec) -> AsyncIterator[Progress]:  # type: ignore[override]
-        if self.failures > 0:
-            self.failures -= 1
-            raise Unavailable("coordinator restarting")
-        async for p in super().resize(spec):
-            yield p
-
-
-async def test_unreachable_coordinator_is_reattached(scaler_db_url: str) -> None:
-    clock = FakeClock(T0)
-    actuator = InMemoryActuator()
-    coordinator = FlakyCoordinator(3)
-    follow_actuator(coordinator, actuator)
-    store = DecisionStore(db.make_engine(scaler_db_url), "s", clock)
-    core = ScalerCore(store=store, actuator=actuator, coordinator=coordinator, clock=clock)
-    await core.start()
-    await core.upsert_job("ns/a", FAST)
-    dec = await core.request_resize("ns/a", 1 + 2, "x", "t")
-    task = core.controller.tasks[dec.id]
-    while not task.done():
-        clock.advance(1.0)  # the controller waits on the clock between attempts
-        await asyncio.sleep(0.01)
-    assert (await task) is not None
-    assert (
-        await final(Rig(core, clock, actuator, coordinator, store), dec.id)
-        is DecisionState.COMPLETED
-    )
-    assert len(coordinator.calls) == 1 and coordinator.failures == 0
-    await core.close()
-    store.engine.dispose()
-
-
-class FlakyActuator(InMemoryActuator):
-    """Its API server out of reach for the first ``failures`` replica changes."""
-
-    def __init__(self, failures: int) -> None:
-        super().__init__()
-        self.failures = failures
-
-    async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:
-        if self.failures > 0:
-            self.failures -= 1
-            raise Unavailable("Kubernetes API unreachable: ReadTimeoutError")
-        await super().set_replicas(job_id, replicas, decision_id=decision_id)
-
-
-async def test_an_unreachable_actuator_is_retried_and_applied_once(scaler_db_url: str) -> None:
-    """T07's decision: it waits while the API server is out of reach (no FAILED, nothing
-    applied), then the change is made once."""
-    clock = FakeClock(T0)
-    actuator = FlakyActuator(3)
-    coordinator = InMemoryCoordinator()
-    follow_actuator(coordinator, actuator)
-    store = DecisionStore(db.make_engine(scaler_db_url), "s", clock)
-    core = ScalerCore(store=store, actuator=actuator, coordinator=coordinator, clock=clock)
-    await core.start()
-    await core.upsert_job("ns/a", FAST)
-    dec = await core.request_resize("ns/a", 3, "x", "t")
-    task = core.controller.tasks[dec.id]
-    while not task.done():
-        clock.advance(1.0)  # the controller waits on the clock between attempts
-        await asyncio.sleep(0.01)
-    rig = Rig(core, clock, actuator, coordinator, store)
-    assert await final(rig, dec.id) is DecisionState.COMPLETED
-    assert actuator.failures == 0
-    assert [c for c in actuator.changes if c.decision_id == dec.id] == [
-        ReplicaChange("ns/a", 2, 3, dec.id)
-    ]
-    await core.close()
     store.engine.dispose()
 
 
@@ -765,122 +539,3 @@ async def test_actuator_errors_are_counted_by_operation() -> None:
     get = metrics.registry.get_sample_value
     assert get("tide_scaler_actuator_errors_total", {"operation": "set_replicas"}) == 1
     assert get("tide_scaler_actuator_errors_total", {"operation": "free_gpus"}) == 0
-
-
-async def test_the_pass_decides_again_only_for_changed_inputs_or_a_timed_answer(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The pass over every job runs ``decide`` for a job only when what it reads changed,
-    or when its last answer depends on the time (a cooldown running out)."""
-    decided: list[Reason] = []
-    real = pol.decide
-
-    def counting(*args: Any, **kwargs: Any) -> pol.Decision:
-        d = real(*args, **kwargs)
-        decided.append(d.reason)
-        return d
-
-    monkeypatch.setattr(pol, "decide", counting)
-    seq = feed(rig, 35, 50.0)
-    await rig.core.tick()
-    assert decided == [Reason.WITHIN_BAND]
-    rig.clock.advance(0.2)  # time alone: the same samples, still fresh
-    await rig.core.tick()
-    assert decided == [Reason.WITHIN_BAND]  # not decided again...
-    ev = rig.core.evaluations["ns/a"]
-    assert (ev.decision.reason, ev.at_s) == (Reason.WITHIN_BAND, rig.clock.now())  # ...answered
-    assert rig.core.reused == 1
-    seq = feed(rig, 1, 90.0, start_seq=seq)  # the newest bucket's mean moves
-    await rig.core.tick()
-    assert decided == [Reason.WITHIN_BAND] * 2
-
-    dec = await rig.core.request_resize("ns/a", 3, "load test", "alice")
-    assert await final(rig, dec.id) is DecisionState.COMPLETED
-    await rig.core.tick()
-    await rig.core.tick()  # the same inputs, but a cooldown's answer changes with time
-    assert decided[2:] == [Reason.COOLDOWN] * 2
-    feed(rig, 61, 50.0, start_seq=seq)  # past the 60 s cooldown, the samples fresh
-    await rig.core.tick()
-    assert decided[-1] is not Reason.COOLDOWN
-
-
-@pytest.mark.parametrize("broken", [False, True])
-async def test_the_pass_writes_its_decisions_in_one_batch_or_each_alone(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch, broken: bool
-) -> None:
-    """A pass's decisions go to the store together (``create_many``); should that write
-    fail as a whole (here a KeyError, as for a job whose shard went meanwhile), each is
-    written alone and the loop goes on."""
-    await rig.core.upsert_job("ns/b", FAST, gpus_per_replica=4)
-    await eventually(lambda: "uid-b-1" in rig.core.registry.by_uid)
-    batches: list[list[str]] = []
-    create_many = rig.store.create_many
-
-    async def counted(items: Any) -> Any:
-        batches.append(sorted(i["job_id"] for i in items))
-        if broken:
-            raise KeyError(items[0]["job_id"])
-        return await create_many(items)
-
-    monkeypatch.setattr(rig.store, "create_many", counted)
-    nodes = {"n1": PODS, "n2": ["uid-b-0"] * 4 + ["uid-b-1"] * 4}
-    streams = {n: rig.core.engine.open_stream() for n in nodes}
-    for seq in range(1, 36):
-        rig.clock.advance(1.0)
-        for node, pods in nodes.items():
-            rig.core.engine.process(
-                streams[node], report(node, seq, t=rig.clock.now(), utils=[95.0] * 8, pods=pods)
-            )
-    await rig.core.tick()
-    assert batches == [["ns/a", "ns/b"]]
-    assert set(rig.core.active) == {"ns/a", "ns/b"}
-    for job in ("ns/a", "ns/b"):
-        page = await rig.store.list_decisions(job_id=job)
-        assert [(d.reason, d.to_replicas) for d in page.decisions][:1] == [
-            ("SUSTAINED_HIGH_UTILIZATION", 4)
-        ]
-    for task in list(rig.core.controller.tasks.values()):
-        await task
-
-
-async def test_the_pass_over_many_jobs_is_spread_over_the_interval(rig: Rig) -> None:
-    """Over YIELD_EVERY_JOBS jobs, ``run`` evaluates them in slices spread over the
-    interval: every job once a round, no job twice, and never the whole fleet at once."""
-    from services.scaler import service as svc
-
-    core, clock = rig.core, rig.clock
-    for i in range(3 * svc.YIELD_EVERY_JOBS):  # with ns/a: three slices
-        await core.upsert_job(f"ns/many-{i}", FAST, gpus_per_replica=4)
-    everyone = {j for j in core.jobs if core.acts_on(j)}
-    slices: list[list[str] | None] = []
-    tick = core.tick
-
-    async def record(some: Any = None) -> None:
-        slices.append(None if some is None else list(some))
-        await tick(some)
-
-    core.tick = record  # type: ignore[method-assign]
-    loop = asyncio.create_task(core.run())
-    try:
-        await eventually(lambda: len(slices) == 1)
-        for n in (2, 3):
-            # The next slice waits for its third of the interval, not a moment less.
-            clock.advance(core.evaluate_interval_s / 3 - 0.01)
-            assert core._wake is not None
-            core._wake.set()
-            await asyncio.sleep(0.05)
-            assert len(slices) == n - 1
-            clock.advance(0.01)
-            core._wake.set()
-            await eventually(lambda n=n: len(slices) == n)
-        first_round = [j for s in slices for j in (s or [])]
-        assert None not in slices
-        assert all(0 < len(s or []) <= len(everyone) // 2 for s in slices)
-        assert sorted(first_round) == sorted(everyone)  # each job once
-        clock.advance(core.evaluate_interval_s / 3)
-        core._wake.set()
-        await eventually(lambda: len(slices) == 4)
-        assert slices[3] == slices[0]  # the next round starts over
-    finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
-from services.scaler.shards import SHARD_LEASE_PREFIX, assign, shard_of
+from services.scaler.leases import SHARD_LEASE_PREFIX, assign, shard_of
 from services.testing.replicas import replica_args
 from tests.scaler.support import report
 from tests.support.pg import schema_url

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import pytest
 from tide.v1 import telemetry_pb2
 
+from services.scaler.engine.core import ScalerCore
 from services.scaler.errors import NotOwner
 from services.scaler.ingest import IngestSettings
+from services.scaler.leases import SHARD_LEASE_PREFIX, ShardLeases, ShardSettings, assign, shard_of
 from services.scaler.partials import NodeNotice
 from services.scaler.policy import Reason
-from services.scaler.service import ScalerCore
 from services.scaler.sharding import Sharding
-from services.scaler.shards import SHARD_LEASE_PREFIX, ShardLeases, ShardSettings, assign, shard_of
 from services.scaler.store import DecisionState, DecisionStore
 from services.store import db
 from services.testing.actuators import InMemoryActuator
@@ -121,13 +121,13 @@ async def test_the_owner_acts_the_other_forwards_and_names_it(
     name = j.partition("/")[2]
     pods = [f"{name}-trainer-0", f"{name}-trainer-1"]
     r0, r1 = rs["r0"], rs["r1"]
-    stream = r0.core.engine.open_stream()
-    r0.core.engine.process(stream, report("n1", 1, utils=[90.0, 80.0], pods=pods, t=clock.now()))
-    assert r1.core.engine.fresh_gpus_of(j, clock.now()) == 0
+    stream = r0.core.ingest.open_stream()
+    r0.core.ingest.process(stream, report("n1", 1, utils=[90.0, 80.0], pods=pods, t=clock.now()))
+    assert r1.core.ingest.fresh_gpus_of(j, clock.now()) == 0
     r0.sharding.ship()
     await asyncio.gather(*r0.sharding._in_flight.values())
     assert peers.calls == [("r1:1", "r0", [j])]
-    assert r1.core.engine.fresh_gpus_of(j, clock.now()) == 2
+    assert r1.core.ingest.fresh_gpus_of(j, clock.now()) == 2
     assert r0.core.metrics.partials_shipped._value.get() == 1
     assert r0.core.metrics.partials_shipped_bytes._value.get() > 0
     assert r1.core.metrics.partials_received._value.get() == 0  # the servicer counts it
@@ -143,10 +143,10 @@ async def test_a_dead_owner_costs_one_shipment_in_flight_and_counts_drops(
     pods = [f"{name}-trainer-0", f"{name}-trainer-1"]
     r0 = rs["r0"]
     peers.stalled.add("r1:1")
-    stream = r0.core.engine.open_stream()
+    stream = r0.core.ingest.open_stream()
     dropped = r0.core.metrics.partials_dropped
     for seq in range(1, 4):
-        r0.core.engine.process(
+        r0.core.ingest.process(
             stream, report("n1", seq, utils=[50.0, 50.0], pods=pods, t=clock.now())
         )
         r0.sharding.ship()
@@ -233,8 +233,8 @@ async def test_a_notice_seen_by_a_non_owner_is_shipped_at_once_and_applied_once(
     j = next(j for j, o in owners().items() if o == "r1")
     pod = f"{j.partition('/')[2]}-trainer-1"
     r0, r1 = rs["r0"], rs["r1"]
-    stream = r0.core.engine.open_stream()
-    r0.core.engine.process(stream, noticed_report(clock, j, 1, deadline_in_s=30.0))
+    stream = r0.core.ingest.open_stream()
+    r0.core.ingest.process(stream, noticed_report(clock, j, 1, deadline_in_s=30.0))
     # Not a ship interval later: the notice scheduled a shipment of its own.
     await shipped(r0)
     assert [(a, s, [(n.job_id, n.node, n.pods) for n in ns]) for a, s, ns in peers.notices] == [
@@ -242,7 +242,7 @@ async def test_a_notice_seen_by_a_non_owner_is_shipped_at_once_and_applied_once(
     ]
     received = r1.core.metrics.notices_received
     assert received.labels("applied")._value.get() == 1
-    assert r1.core.engine.terminating_pods(j)[0] == {pod}
+    assert r1.core.ingest.terminating_pods(j)[0] == {pod}
     # The owner plans the preemption exactly as from its own agent stream.
     d = await r1.core.evaluate(j)
     assert (d.reason, d.to_replicas) == (Reason.NODE_TERMINATION, 1)
@@ -261,7 +261,7 @@ async def test_a_notice_seen_by_a_non_owner_is_shipped_at_once_and_applied_once(
     r0.sharding.ship()
     await shipped(r0)
     assert len(peers.notices) == 2
-    assert r1.core.engine.terminating_pods(j)[0] == set()
+    assert r1.core.ingest.terminating_pods(j)[0] == set()
 
 
 async def test_a_notice_reaches_the_jobs_new_owner_within_one_shipment(
@@ -271,16 +271,16 @@ async def test_a_notice_reaches_the_jobs_new_owner_within_one_shipment(
     r0, r1 = rs["r0"], rs["r1"]
     await rounds(clock, [r0], 2)  # r0 alone: it owns every job
     j = next(j for j, o in owners().items() if o == "r1")
-    stream = r0.core.engine.open_stream()
-    r0.core.engine.process(stream, noticed_report(clock, j, 1, deadline_in_s=60.0))
+    stream = r0.core.ingest.open_stream()
+    r0.core.ingest.process(stream, noticed_report(clock, j, 1, deadline_in_s=60.0))
     await shipped(r0)
     assert not r0.sharding._in_flight  # its own job: nothing to ship
-    assert r0.core.engine.terminating_pods(j)[0]
+    assert r0.core.ingest.terminating_pods(j)[0]
     await rounds(clock, [r1, r0, r1], 1)  # r1 joins and takes j's shard from r0
     assert r1.core.acts_on(j) and not r0.core.acts_on(j)
-    assert not r1.core.engine.terminating_pods(j)[0]
+    assert not r1.core.ingest.terminating_pods(j)[0]
     await rounds(clock, [r0], 1)  # r0's next round reads who holds the shard now
-    r0.core.engine.process(
+    r0.core.ingest.process(
         stream, report("n1", 2, utils=[60.0, 60.0], pods=[f"{j[3:]}-trainer-1"] * 2, t=clock.now())
     )
     r0.sharding.ship()  # the next shipment carries the notice still active at r0
@@ -299,7 +299,7 @@ async def test_a_notice_for_a_job_not_owned_is_refused_and_counted(
     notice = NodeNotice(j, "n1", telemetry_pb2.NodeEvent.KIND_CORDONED, None, frozenset({"p"}))
     assert rs["r0"].core.receive_notices([notice]) == (0, 1)
     assert rs["r0"].core.metrics.notices_received.labels("refused")._value.get() == 1
-    assert not rs["r0"].core.engine.remote_notices
+    assert not rs["r0"].core.ingest.remote_notices
 
 
 async def test_an_uncordon_is_shipped_to_the_owner_at_once_and_drops_its_copy(
@@ -310,22 +310,22 @@ async def test_an_uncordon_is_shipped_to_the_owner_at_once_and_drops_its_copy(
     j = next(j for j, o in owners().items() if o == "r1")
     pod = f"{j.partition('/')[2]}-trainer-1"
     r0, r1 = rs["r0"], rs["r1"]
-    stream = r0.core.engine.open_stream()
+    stream = r0.core.ingest.open_stream()
     cordon = report("n1", 1, utils=[60.0, 60.0], pods=[pod, pod], t=clock.now())
     cordon.events.add(kind=telemetry_pb2.NodeEvent.KIND_CORDONED, detail="drain")
-    r0.core.engine.process(stream, cordon)
+    r0.core.ingest.process(stream, cordon)
     await shipped(r0)
-    assert r1.core.engine.terminating_pods(j)[0] == {pod}
+    assert r1.core.ingest.terminating_pods(j)[0] == {pod}
     clock.advance(1.0)
     back = report("n1", 2, utils=[60.0, 60.0], pods=[pod, pod], t=clock.now())
     back.events.add(kind=telemetry_pb2.NodeEvent.KIND_UNCORDONED, detail="uncordon")
-    r0.core.engine.process(stream, back)
+    r0.core.ingest.process(stream, back)
     # Not stale_after_s (5 s) after the last resend: the uncordon ships on its own, now.
     await shipped(r0)
     withdrawn = [n for _a, _s, ns in peers.notices for n in ns if n.withdrawn]
     assert [(n.job_id, n.node, n.pods) for n in withdrawn] == [(j, "n1", frozenset({pod}))]
-    assert r1.core.engine.terminating_pods(j)[0] == set()
-    assert not r1.core.engine.remote_notices[j]
+    assert r1.core.ingest.terminating_pods(j)[0] == set()
+    assert not r1.core.ingest.remote_notices[j]
     d = await r1.core.evaluate(j)
     assert d.reason is not Reason.NODE_TERMINATION
     # Resent for the staleness limit (a lost shipment costs one interval), a duplicate
@@ -337,7 +337,7 @@ async def test_an_uncordon_is_shipped_to_the_owner_at_once_and_drops_its_copy(
     assert r1.core.metrics.notices_received.labels("duplicate")._value.get() >= 1
     sent = len(peers.notices)
     clock.advance(6.0)
-    r0.core.engine.process(
+    r0.core.ingest.process(
         stream, report("n1", 3, utils=[60.0, 60.0], pods=[pod, pod], t=clock.now())
     )
     r0.sharding.ship()
@@ -362,9 +362,9 @@ async def five_reports(r: Replica, clock: FakeClock, node: str, job: str, *, shi
     GPU 0 at 10..50 %, GPU 1 at 90 % (a mean of 60 %); each shipped at once with ``ship``."""
     name = job.partition("/")[2]
     pods = [f"{name}-trainer-0", f"{name}-trainer-1"]
-    stream = r.core.engine.open_stream()
+    stream = r.core.ingest.open_stream()
     for seq in range(1, 6):
-        r.core.engine.process(
+        r.core.ingest.process(
             stream, report(node, seq, utils=[10.0 * seq, 90.0], pods=pods, t=clock.now())
         )
         if ship:
@@ -384,16 +384,16 @@ async def test_a_new_owner_adds_the_slots_it_shipped_to_the_dead_one(
     j = next(j for j, o in owners().items() if o == "r0")
     # Within r0's lease: r0 takes every shipment.
     await five_reports(r1, clock, "n1", j, ship=True)
-    w0 = r0.core.engine.windows[j]
+    w0 = r0.core.ingest.windows[j]
     end = w0.slot_of(clock.now()) + 1
     had = w0.means(end, 4)
     assert any(m == m for m in had), had  # r0's window holds the shipped samples
-    w1 = r1.core.engine.windows.get(j)
+    w1 = r1.core.ingest.windows.get(j)
     assert w1 is None or all(m != m for m in w1.means(end, 4))  # r1 forwarded them all
     del peers.cores["r0:1"]  # r0 is dead: its leases run out
     await rounds(clock, [r1], 6)
     assert r1.core.acts_on(j)
-    got = r1.core.engine.windows[j].means(end, 4)
+    got = r1.core.ingest.windows[j].means(end, 4)
     # Every sample once: GPU 0 at 10..50 %, GPU 1 at 90 %, five reports.
     assert [m for m in had if m == m] == pytest.approx([60.0])
     assert [m for m in got if m == m] == pytest.approx([60.0])
@@ -410,19 +410,19 @@ async def test_a_shard_given_up_hands_the_old_owners_own_samples_to_the_new_one(
     j = next(j for j, o in owners().items() if o == "r1")
     assert r0.core.acts_on(j)
     await five_reports(r0, clock, "n0", j, ship=False)
-    w0 = r0.core.engine.windows[j]
+    w0 = r0.core.ingest.windows[j]
     end = w0.slot_of(clock.now()) + 1
     had = [m for m in w0.means(end, 4) if m == m]
     assert had == pytest.approx([60.0])
     await rounds(clock, [r1, r0, r1], 1)  # r1 joins, r0 gives its shards up, r1 takes them
     assert not r0.core.acts_on(j) and r1.core.acts_on(j)
-    assert j not in r0.core.engine.windows  # dropped, so a return counts nothing twice
+    assert j not in r0.core.ingest.windows  # dropped, so a return counts nothing twice
     await rounds(clock, [r0], 1)  # r0 reads r1's new lease
     r0.sharding.ship()
     await asyncio.gather(*r0.sharding._in_flight.values())
-    got = [m for m in r1.core.engine.windows[j].means(end, 4) if m == m]
+    got = [m for m in r1.core.ingest.windows[j].means(end, 4) if m == m]
     assert got == pytest.approx([60.0])
     r0.sharding.ship()  # a replay goes once per owner change
     await asyncio.gather(*r0.sharding._in_flight.values())
-    slots = r1.core.engine.windows[j].slots().values()
+    slots = r1.core.ingest.windows[j].slots().values()
     assert (sum(v[0] for v in slots), sum(v[1] for v in slots)) == pytest.approx((600.0, 10))

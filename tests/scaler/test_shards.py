@@ -1,4 +1,4 @@
-"""Shard leases (services/scaler/shards.py): the assignment, and replicas on one store
+"""Shard leases (services/scaler/leases.py): the assignment, and replicas on one store
 with a fake clock: every shard held by at most one replica at every moment, and
 rebalanced when a replica joins, leaves cleanly or dies."""
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.scaler.shards import ShardLeases, ShardSettings, assign, shard_of
+from services.scaler.leases import ShardLeases, ShardSettings, assign, shard_of
 from services.scaler.store import DecisionStore
 from services.store import db
 from services.testing.clock import FakeClock

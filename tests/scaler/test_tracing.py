@@ -18,9 +18,9 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from services.common import tracing
 from services.coordinator.store import MemoryStore
 from services.scaler.coordination import GrpcCoordinatorClient
+from services.scaler.engine.core import ScalerCore
 from services.scaler.ingest import IngestSettings
 from services.scaler.policy import PolicySettings
-from services.scaler.service import ScalerCore
 from services.scaler.store import DecisionState, DecisionStore
 from services.store import db
 from services.testing.actuators import InMemoryActuator
@@ -163,11 +163,11 @@ async def test_a_policy_decision_starts_at_its_tipping_sample(
     try:
         await core.upsert_job("ns/a", {}, gpus_per_replica=4)
         await eventually(lambda: "uid-a-1" in core.registry.by_uid)
-        st = core.engine.open_stream()
+        st = core.ingest.open_stream()
         pods = ["uid-a-0"] * 4 + ["uid-a-1"] * 4
         for seq in range(1, 36):
             clock.advance(1.0)
-            core.engine.process(st, report("n1", seq, t=clock.now(), utils=[95.0] * 8, pods=pods))
+            core.ingest.process(st, report("n1", seq, t=clock.now(), utils=[95.0] * 8, pods=pods))
         tipping = clock.now() - 2.0  # the sample that tipped the window, a moment ago
         await core.evaluate("ns/a", tipping_s=tipping)
         for task in list(core.controller.tasks.values()):

@@ -63,7 +63,7 @@ async def test_an_agent_reports_for_its_own_node_only(stack: Stack) -> None:
             await _stream(ch, _report("node-b"))
         assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED
         assert "node-a" in (err.value.details() or "")
-    assert "node-b" not in stack.core.engine.nodes
+    assert "node-b" not in stack.core.ingest.nodes
 
 
 async def test_no_certificate_wrong_ca_and_expired_are_refused_at_the_handshake(
@@ -212,8 +212,8 @@ async def test_a_second_live_stream_for_a_node_is_a_conflict_never_a_merge(
             assert err.value.code() is grpc.StatusCode.ALREADY_EXISTS
             await first.put(None)
             assert await live.read() is grpc.aio.EOF
-        assert s.core.engine.nodes["node-a"].boot_id == "b1"
-        assert s.core.engine.rejected[Rejection.DUPLICATE_STREAM] == 1
+        assert s.core.ingest.nodes["node-a"].boot_id == "b1"
+        assert s.core.ingest.rejected[Rejection.DUPLICATE_STREAM] == 1
     finally:
         await s.close()
 
@@ -224,8 +224,8 @@ async def test_a_report_from_ten_years_ago_is_dropped(stack: Stack) -> None:
     old.sampled_at.FromSeconds(int(old.sampled_at.seconds - 10 * 365 * 86400))
     async with stack.channel(stack.scaler_target, stack.ca.agent("node-a")) as ch:
         assert await _stream(ch, old) == [1]
-    assert stack.core.engine.rejected[Rejection.TIMESTAMP_TOO_OLD] == 1
-    assert stack.core.engine.reports_accepted == 0
+    assert stack.core.ingest.rejected[Rejection.TIMESTAMP_TOO_OLD] == 1
+    assert stack.core.ingest.reports_accepted == 0
 
 
 async def test_out_of_range_timestamps_are_invalid_argument_naming_the_field(

@@ -16,9 +16,9 @@ from services.common.config import CommonSettings
 from services.common.pki import CertificateAuthority, Issued
 from services.common.server import ServiceSpec, start_server
 from services.common.validate import validate_request
+from services.scaler.engine.core import ScalerCore
 from services.scaler.partials import JobPartial
 from services.scaler.peers import GrpcPeerLink
-from services.scaler.service import ScalerCore
 from services.scaler.servicer import RULES, ScalerPeersServicer
 from services.scaler.store import DecisionStore
 from services.store import db
@@ -78,7 +78,7 @@ async def test_only_scalers_ship_partials_checked_by_the_service_name(tmp_path: 
         links.append(scaler)
         sent, refused = await scaler.ship(address, "r0", [part], timeout_s=5.0)
         assert sent > 0 and refused == 0
-        assert core.engine.fresh_gpus_of("ns/a", clock.now()) == 2
+        assert core.ingest.fresh_gpus_of("ns/a", clock.now()) == 2
         assert core.metrics.partials_received._value.get() == 1
 
         # Without the name, the pod IP is not in the certificate: the handshake fails.

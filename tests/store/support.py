@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -21,3 +23,12 @@ def sqlite_factory(tmp_path: Path, busy_timeout_s: float = 5.0) -> sessionmaker[
 def no_sleep(seconds: float) -> None:
     """A unit of work's sleep that fails the test: it must not have retried."""
     raise AssertionError(f"unit of work retried (backoff {seconds} s) but must not")
+
+
+R = TypeVar("R")
+
+
+def tx(factory: sessionmaker[Session], fn: Callable[[Session], R]) -> R:
+    """``fn`` in one transaction of ``factory``'s."""
+    with db.session_scope(factory) as session:
+        return fn(session)

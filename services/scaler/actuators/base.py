@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 from services.scaler.errors import StaleEpoch
 
 #: Whether the scaler replica that asked for this change still leads
-#: (services/scaler/leader.py), for the actuator to ask before each write it
+#: (services/scaler/leases.py), for the actuator to ask before each write it
 #: retries. The controller asks right before it calls the actuator; but an
 #: actuator that read, lost a race (409, a changed file), and read again, would
 #: otherwise apply a paused old leader's change on top of what the new leader did

@@ -91,7 +91,7 @@ def _error(what: str, exc: ApiException) -> TideError:
 
 
 class KubernetesLease:
-    """A lease backend of :class:`services.scaler.leader.LeaderElector` on a Lease in
+    """A lease backend of :class:`services.scaler.leases.LeaderElector` on a Lease in
     ``namespace``; ``owner_id`` is its ``holderIdentity``."""
 
     def __init__(

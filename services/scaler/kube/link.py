@@ -12,10 +12,10 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from services.scaler.actuators.kubernetes import KubernetesActuator
+from services.scaler.engine.core import ScalerCore
 from services.scaler.kube.discovery import Discovery
 from services.scaler.kube.events import EventRecorder, decision_event
 from services.scaler.kube.trust import TrustBundle
-from services.scaler.service import ScalerCore
 from services.scaler.store import DecisionRecord
 
 Background = Callable[[], Coroutine[Any, Any, None]]
@@ -52,7 +52,7 @@ class KubeLink:
         def on_decision(d: DecisionRecord, detail: str) -> None:
             discovery.event(d.job_id, decision_event(d, detail))
 
-        core.observers.append(on_decision)
+        core.feed.observers.append(on_decision)
 
         async def run() -> None:
             actuator.start()

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from services.scaler.store.pages import (
         DEFAULT_PAGE_SIZE,
         MAX_PAGE_SIZE,
+        decision_rows,
         list_decisions,
     )
     from services.scaler.store.rollups import (
@@ -101,6 +102,7 @@ _LAZY = {
     "DEFAULT_PAGE_SIZE": "services.scaler.store.pages",
     "MAX_PAGE_SIZE": "services.scaler.store.pages",
     "list_decisions": "services.scaler.store.pages",
+    "decision_rows": "services.scaler.store.pages",
     "delete_rollups_before": "services.scaler.store.rollups",
     "delete_seconds_before": "services.scaler.store.rollups",
     "merge_rollups": "services.scaler.store.rollups",
@@ -148,6 +150,7 @@ __all__ = [
     "active_decisions",
     "check_epoch",
     "create_decision",
+    "decision_rows",
     "delete_decisions_before",
     "delete_rollups_before",
     "delete_seconds_before",

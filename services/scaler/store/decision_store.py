@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from services.common.clock import Clock
 from services.scaler.errors import DecisionInProgress, JobNotFound, StaleEpoch
-from services.scaler.store import decisions, jobs, leases, pages, rollups
+from services.scaler.store import decisions, jobs, pages, rollups
 from services.scaler.store.records import (
     DecisionDetailRecord,
     DecisionPage,
@@ -26,7 +26,7 @@ from services.scaler.store.records import (
     JobRecord,
     RollupRecord,
 )
-from services.store import db
+from services.store import db, leases
 
 logger = logging.getLogger(__name__)
 

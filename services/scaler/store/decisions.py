@@ -19,6 +19,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.util import identity_key
 
 from services.scaler.errors import (
     DecisionChanged,
@@ -43,13 +44,15 @@ from services.scaler.store.rows import (
     decision_record,
     event_record,
     execute,
-    flush,
     json_copy,
 )
+from services.store.failures import StaleWrite
 from services.store.models.scaler import OPEN_STATES, Decision, DecisionEvent, Job
 from tidebase.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
+
+EVENTS: Table = cast(Table, DecisionEvent.__table__)
 
 
 def create_decision(
@@ -87,43 +90,24 @@ def create_decision(
             raise DecisionInProgress(
                 f"job {job_id} has decision {active.id} in state {active.state}"
             )
-    row = Decision(
-        job_id=job_id,
-        from_replicas=from_replicas,
-        to_replicas=to_replicas,
-        reason=reason,
-        trigger=trigger,
-        message=message,
-        inputs=json_copy(inputs, f"inputs of a decision for job {job_id}"),
-        state=DecisionState.PENDING.value,
-        error="",
-        pause_s=0.0,
-        lost_steps=0,
-        generation=0,
-        requested_by=requested_by,
-        created_at=now,
-        updated_at=now,
-        ended_at=None,
+    (row,) = _insert_decisions(
+        session,
+        [
+            {
+                "job_id": job_id,
+                "from_replicas": from_replicas,
+                "to_replicas": to_replicas,
+                "reason": reason,
+                "trigger": trigger,
+                "message": message,
+                "inputs": inputs,
+                "requested_by": requested_by,
+            }
+        ],
+        epochs={job_id: epoch},
+        now=now,
     )
-    session.add(row)
-    flush(session, f"create decision for job {job_id}")
-    session.add(
-        DecisionEvent(
-            decision_id=row.id, state=row.state, at=now, detail=message, owner_epoch=epoch
-        )
-    )
-    flush(session, f"create decision event for job {job_id}")
-    logger.info(
-        "decision %d for job %s: %d -> %d (%s, %s)",
-        row.id,
-        job_id,
-        from_replicas,
-        to_replicas,
-        reason,
-        trigger,
-        extra={"job_id": job_id, "decision_id": row.id},
-    )
-    return decision_record(row)
+    return row
 
 
 def create_decisions(
@@ -166,8 +150,7 @@ def create_decisions(
             )
         )
     }
-    rows: list[dict[str, Any]] = []
-    placed: list[int] = []
+    placed: list[tuple[int, Mapping[str, Any]]] = []
     for n, kw in ok:
         job_id = kw["job_id"]
         active = busy.get(job_id)
@@ -177,60 +160,77 @@ def create_decisions(
             )
             continue
         busy[job_id] = (0, DecisionState.PENDING.value)  # the same job twice: once
-        rows.append(
-            {
-                "job_id": job_id,
-                "from_replicas": kw["from_replicas"],
-                "to_replicas": kw["to_replicas"],
-                "reason": kw["reason"],
-                "trigger": kw["trigger"],
-                "message": kw["message"],
-                "inputs": json_copy(kw["inputs"], f"inputs of a decision for job {job_id}"),
-                "state": DecisionState.PENDING.value,
-                "error": "",
-                "pause_s": 0.0,
-                "lost_steps": 0,
-                "generation": 0,
-                "requested_by": kw.get("requested_by", ""),
-                "created_at": now,
-                "updated_at": now,
-                "ended_at": None,
-                # The ORM's version counter starts at 1 (Decision.version_id_col).
-                "version": 1,
-            }
-        )
-        placed.append(n)
-    if rows:
-        table = DECISIONS
-        written = session.execute(
-            insert(table).returning(*table.c, sort_by_parameter_order=True), rows
-        ).all()
-        session.execute(
-            insert(cast(Table, DecisionEvent.__table__)),
-            [
-                {
-                    "decision_id": row.id,
-                    "state": row.state,
-                    "at": now,
-                    "detail": row.message,
-                    "owner_epoch": epochs[row.job_id],
-                }
-                for row in written
-            ],
-        )
-        for n, row in zip(placed, written, strict=True):
-            out[n] = decision_record(row)
-            logger.info(
-                "decision %d for job %s: %d -> %d (%s, %s)",
-                row.id,
-                row.job_id,
-                row.from_replicas,
-                row.to_replicas,
-                row.reason,
-                row.trigger,
-                extra={"job_id": row.job_id, "decision_id": row.id},
-            )
+        placed.append((n, kw))
+    written = _insert_decisions(session, [kw for _, kw in placed], epochs=epochs, now=now)
+    for (n, _), record in zip(placed, written, strict=True):
+        out[n] = record
     return [r for r in out if r is not None]
+
+
+def _insert_decisions(
+    session: Session,
+    items: Sequence[Mapping[str, Any]],
+    *,
+    epochs: Mapping[str, int],
+    now: datetime,
+) -> list[DecisionRecord]:
+    """Write PENDING decisions and their first events: one multi-row INSERT of each
+    (Core, RETURNING the rows), whatever the number of decisions. The caller checked
+    the epochs and the exclusivity."""
+    if not items:
+        return []
+    rows = [
+        {
+            "job_id": kw["job_id"],
+            "from_replicas": kw["from_replicas"],
+            "to_replicas": kw["to_replicas"],
+            "reason": kw["reason"],
+            "trigger": kw["trigger"],
+            "message": kw["message"],
+            "inputs": json_copy(kw["inputs"], f"inputs of a decision for job {kw['job_id']}"),
+            "state": DecisionState.PENDING.value,
+            "error": "",
+            "pause_s": 0.0,
+            "lost_steps": 0,
+            "generation": 0,
+            "requested_by": kw.get("requested_by", ""),
+            "created_at": now,
+            "updated_at": now,
+            "ended_at": None,
+            # The ORM's version counter starts at 1 (Decision.version_id_col).
+            "version": 1,
+        }
+        for kw in items
+    ]
+    table = DECISIONS
+    written = session.execute(
+        insert(table).returning(*table.c, sort_by_parameter_order=True), rows
+    ).all()
+    session.execute(
+        insert(EVENTS),
+        [
+            {
+                "decision_id": row.id,
+                "state": row.state,
+                "at": now,
+                "detail": row.message,
+                "owner_epoch": epochs[row.job_id],
+            }
+            for row in written
+        ],
+    )
+    for row in written:
+        logger.info(
+            "decision %d for job %s: %d -> %d (%s, %s)",
+            row.id,
+            row.job_id,
+            row.from_replicas,
+            row.to_replicas,
+            row.reason,
+            row.trigger,
+            extra={"job_id": row.job_id, "decision_id": row.id},
+        )
+    return [decision_record(row) for row in written]
 
 
 def transition_decision(
@@ -260,22 +260,87 @@ def transition_decision(
     COMPLETED also sets the job's current replicas to ``to_replicas`` and
     its generation. ``to_replicas`` may be lowered on the way (a grow that
     proceeds with the newcomers that arrived).
+
+    Core statements, not the ORM: a read of the row's job and state, the fencing
+    UPDATE, one UPDATE of the row guarded by the state read (RETURNING the row), one
+    INSERT of the event, and on a final state one UPDATE of the job. The ORM's get,
+    refresh and flush were most of a decision's store time (docs/scaler.md).
     """
     aware("now", now)
     new_state = DecisionState(new_state)
-    row = session.get(Decision, decision_id)
-    if row is None:
+    table = DECISIONS
+    seen = session.execute(
+        select(table.c.job_id, table.c.state).where(table.c.id == decision_id)
+    ).one_or_none()
+    if seen is None:
         raise DecisionNotFound(f"decision {decision_id} not found")
-    check_epoch(session, row.job_id, epoch)
-    # The fencing UPDATE may have waited for another writer of this job; re-read.
-    session.refresh(row)
-    old_state = DecisionState(row.state)
-    if expected is not None and DecisionState(expected) is not old_state:
-        raise DecisionChanged(
-            f"decision {decision_id} of job {row.job_id}: expected {DecisionState(expected)},"
-            f" found {old_state}"
+    job_id = str(seen.job_id)
+    # The fencing UPDATE locks the job row on PostgreSQL: every writer of the job's
+    # decisions takes it first, so the state read above holds unless one came between.
+    check_epoch(session, job_id, epoch)
+    old_state = DecisionState(seen.state)
+    for _ in range(2):
+        if expected is not None and DecisionState(expected) is not old_state:
+            raise DecisionChanged(
+                f"decision {decision_id} of job {job_id}: expected {DecisionState(expected)},"
+                f" found {old_state}"
+            )
+        DECISION_LIFECYCLE.check(old_state, new_state, what=f"{decision_id} of job {job_id}")
+        _check_transition_args(pause_s, lost_steps, generation, to_replicas)
+        values: dict[str, Any] = {
+            "state": new_state.value,
+            "updated_at": now,
+            # The ORM's version counter (Decision.version_id_col), kept as it would.
+            "version": table.c.version + 1,
+        }
+        for name, value in (
+            ("error", error),
+            ("pause_s", pause_s),
+            ("lost_steps", lost_steps),
+            ("generation", generation),
+            ("to_replicas", to_replicas),
+        ):
+            if value is not None:
+                values[name] = value
+        if new_state in FINAL_STATES:
+            values["ended_at"] = now
+        row = session.execute(
+            update(table)
+            .where(table.c.id == decision_id, table.c.state == old_state.value)
+            .values(**values)
+            .returning(*table.c)
+        ).one_or_none()
+        if row is not None:
+            break
+        # Another writer moved it between the read and the lock: once more, as it is now.
+        old_state = DecisionState(
+            session.execute(select(table.c.state).where(table.c.id == decision_id)).scalar_one()
         )
-    DECISION_LIFECYCLE.check(old_state, new_state, what=f"{decision_id} of job {row.job_id}")
+    else:
+        raise StaleWrite(f"transition decision {decision_id}: its state kept changing")
+    session.execute(
+        insert(EVENTS).values(
+            decision_id=decision_id, state=row.state, at=now, detail=detail, owner_epoch=epoch
+        )
+    )
+    _expire(session, Decision, decision_id)
+    if new_state in FINAL_STATES:
+        _update_job_on_end(session, row, new_state, now)
+    logger.info(
+        "decision %d of job %s: %s -> %s (%s)",
+        decision_id,
+        job_id,
+        old_state,
+        new_state,
+        detail,
+        extra={"job_id": job_id, "decision_id": decision_id},
+    )
+    return decision_record(row)
+
+
+def _check_transition_args(
+    pause_s: float | None, lost_steps: int | None, generation: int | None, to_replicas: int | None
+) -> None:
     if pause_s is not None and (not math.isfinite(pause_s) or pause_s < 0):
         raise InvalidArgument(f"pause_s must be finite and >= 0, got {pause_s}")
     if lost_steps is not None and lost_steps < 0:
@@ -284,41 +349,17 @@ def transition_decision(
         raise InvalidArgument(f"generation must be >= 0, got {generation}")
     if to_replicas is not None and to_replicas < 0:
         raise InvalidArgument(f"to_replicas must be >= 0, got {to_replicas}")
-    row.state = new_state.value
-    row.updated_at = now
-    if error is not None:
-        row.error = error
-    if pause_s is not None:
-        row.pause_s = pause_s
-    if lost_steps is not None:
-        row.lost_steps = lost_steps
-    if generation is not None:
-        row.generation = generation
-    if to_replicas is not None:
-        row.to_replicas = to_replicas
-    if new_state in FINAL_STATES:
-        row.ended_at = now
-    session.add(
-        DecisionEvent(decision_id=row.id, state=row.state, at=now, detail=detail, owner_epoch=epoch)
-    )
-    flush(session, f"transition decision {decision_id}")
-    if new_state in FINAL_STATES:
-        _update_job_on_end(session, row, new_state, now)
-    logger.info(
-        "decision %d of job %s: %s -> %s (%s)",
-        decision_id,
-        row.job_id,
-        old_state,
-        new_state,
-        detail,
-        extra={"job_id": row.job_id, "decision_id": decision_id},
-    )
-    return decision_record(row)
 
 
-def _update_job_on_end(
-    session: Session, row: Decision, state: DecisionState, now: datetime
-) -> None:
+def _expire(session: Session, cls: type[Any], key: Any) -> None:
+    """A Core write bypassed the identity map: an object of the row this session holds
+    is expired (read again when next used); none is loaded for it."""
+    obj = session.identity_map.get(identity_key(cls, key))
+    if obj is not None:
+        session.expire(obj)
+
+
+def _update_job_on_end(session: Session, row: Any, state: DecisionState, now: datetime) -> None:
     table = JOBS
     values: dict[str, Any] = {
         "last_resize_ended_at": now,
@@ -332,8 +373,7 @@ def _update_job_on_end(
             (table.c.generation < row.generation, row.generation), else_=table.c.generation
         )
     execute(session, update(table).where(table.c.job_id == row.job_id).values(**values))
-    # Core bypassed the identity map; reload the job if this session holds it.
-    session.get(Job, row.job_id, populate_existing=True)
+    _expire(session, Job, row.job_id)
 
 
 def active_decision(session: Session, job_id: str) -> DecisionRecord | None:

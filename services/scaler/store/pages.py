@@ -9,9 +9,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Final
+from typing import Any, Final
 
-from sqlalchemy import ColumnElement, and_, or_, select
+from sqlalchemy import ColumnElement, Row, and_, or_, select
 from sqlalchemy.orm import Session
 
 from services.scaler.store.records import DecisionPage, DecisionState
@@ -52,6 +52,34 @@ def list_decisions(
     them: the API's Decision carries no inputs (GetDecision does), and parsing
     20,000 JSON documents was a fifth of a busy job's `tide history --all`.
     """
+    rows, token = decision_rows(
+        session,
+        job_id=job_id,
+        since=since,
+        until=until,
+        states=states,
+        page_size=page_size,
+        page_token=page_token,
+        with_inputs=with_inputs,
+    )
+    records = tuple(decision_record(r, with_inputs=with_inputs) for r in rows)
+    return DecisionPage(decisions=records, next_page_token=token)
+
+
+def decision_rows(
+    session: Session,
+    *,
+    job_id: str = "",
+    since: datetime | None = None,
+    until: datetime | None = None,
+    states: Sequence[DecisionState] = (),
+    page_size: int = DEFAULT_PAGE_SIZE,
+    page_token: str = "",
+    with_inputs: bool = True,
+) -> tuple[list[Row[Any]], str]:
+    """:func:`list_decisions`' page as plain rows (the decisions table's columns, less
+    ``inputs`` unless ``with_inputs``) and the next page's token: what a reader that
+    prints rows as they are (`tide history --db`) reads, converting each once."""
     if not (1 <= page_size <= MAX_PAGE_SIZE):
         raise InvalidArgument(f"page_size must be in 1..{MAX_PAGE_SIZE}, got {page_size}")
     state_values = sorted({DecisionState(s).value for s in states})
@@ -96,8 +124,7 @@ def list_decisions(
     if more:
         last = rows[-1]
         token = _encode_token(_Cursor(last.created_at, last.id, fingerprint))
-    records = tuple(decision_record(r, with_inputs=with_inputs) for r in rows)
-    return DecisionPage(decisions=records, next_page_token=token)
+    return rows, token
 
 
 def _fingerprint(

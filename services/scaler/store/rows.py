@@ -20,7 +20,8 @@ from services.scaler.store.records import (
     JobRecord,
     RollupRecord,
 )
-from services.store.db import StaleWrite, json_dumps
+from services.store.db import json_dumps
+from services.store.failures import StaleWrite
 from services.store.models.scaler import (
     JOB_ID_LEN,
     Decision,

@@ -1,7 +1,7 @@
 """Leader election among scaler replicas, and the epoch of every decision event.
 
 - ``leader_leases``: one row per lease name; the replica whose row has not
-  expired leads (services/scaler/leader.py). ``epoch`` grows at every change of
+  expired leads (services/scaler/leases.py). ``epoch`` grows at every change of
   holder.
 - ``decision_events.owner_epoch``: the job's owner epoch its writer held, so the
   history shows that no old leader wrote after a new one took the job (events

@@ -1,9 +1,11 @@
-"""Decision events to the WatchDecisions streams: one bounded queue per watcher."""
+"""The event feed: every decision event to the WatchDecisions streams (one bounded
+queue per watcher) and to the observers (the Kubernetes Events)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.scaler.store import DecisionRecord
@@ -24,6 +26,8 @@ class DecisionFeed:
     def __init__(self, max_queued: int = 1000) -> None:
         self.max_queued = max_queued
         self._watchers: list[tuple[str, asyncio.Queue[Watched | None]]] = []
+        #: Told of every decision state (the Kubernetes Events); must not block.
+        self.observers: list[Callable[[DecisionRecord, str], None]] = []
 
     def subscribe(self, job_id: str) -> asyncio.Queue[Watched | None]:
         q: asyncio.Queue[Watched | None] = asyncio.Queue(maxsize=self.max_queued)
@@ -34,6 +38,18 @@ class DecisionFeed:
         self._watchers = [(j, w) for j, w in self._watchers if w is not q]
 
     def publish(self, d: DecisionRecord, detail: str) -> None:
+        self._enqueue(d, detail)
+        for observe in self.observers:
+            try:
+                observe(d, detail)
+            except Exception:
+                logger.exception(
+                    "decision %d: an observer failed",
+                    d.id,
+                    extra={"job_id": d.job_id, "decision_id": d.id},
+                )
+
+    def _enqueue(self, d: DecisionRecord, detail: str) -> None:
         for job_id, q in list(self._watchers):
             if job_id and job_id != d.job_id:
                 continue

@@ -1,6 +1,17 @@
-"""Jobs sharded across scaler replicas: a SQL lease per shard, rebalanced as replicas
-join and leave.
+"""Leases and leaders of the scaler, in one place: who may decide which jobs.
 
+Two ways for several replicas to share the work, each on leases in the store's
+lease table (services/store/leases.py: compare-and-set, an epoch per change of
+holder), either way fenced by the store's per-job owner epochs:
+
+**Leader election** (:class:`LeaderElector`, ``--leader-election sql|kubernetes``).
+The leader takes every job (bumping each job's owner epoch, the fencing token its
+writes carry), resumes their decisions and evaluates them. The others follow: they
+serve health and reads, and take over once the lease has expired. Either lease
+backend (SQL row or Kubernetes Lease), the fencing epochs are the store's: whoever
+is elected takes every job in SQL before it acts.
+
+**Shards** (:class:`ShardLeases`, ``--shards N``).
 Every job belongs to one of ``shards`` shards (a hash of its id), and a replica
 decides a job only while it holds the job's shard lease. The leases are rows of
 the leader lease's table, taken and renewed with the same compare-and-set
@@ -21,7 +32,7 @@ each, renewed on every round) is. Each round a replica
 
 A replica counts each shard's deadline from before the renewing call, so its
 own view never outlasts the store's: when a lease runs out in the store, its
-old holder has already stopped deciding (the same rule as services/scaler/leader.py).
+old holder has already stopped deciding (the same rule as leader election).
 """
 
 from __future__ import annotations
@@ -36,10 +47,44 @@ from dataclasses import dataclass
 
 from services.common.clock import Clock
 from services.scaler.store import DecisionStore
-from services.scaler.store.leases import LeaseRecord
+from services.store.leader import LeaderElector as _Elector
+from services.store.leader import LeaseBackend, LeaseSettings
+from services.store.leases import LeaseRecord
 from tidebase.errors import ConfigError, TideError
 
+__all__ = [
+    "LEASE_NAME",
+    "SHARDS_MAX",
+    "SHARD_LEASE_PREFIX",
+    "LeaderElector",
+    "LeaseBackend",
+    "LeaseRecord",
+    "LeaseSettings",
+    "ShardLeases",
+    "ShardSettings",
+    "assign",
+    "shard_of",
+]
+
 logger = logging.getLogger(__name__)
+
+LEASE_NAME = "tide-scaler"
+
+
+class LeaderElector(_Elector):
+    """The shared elector under the scaler's lease name."""
+
+    def __init__(
+        self,
+        backend: LeaseBackend,
+        clock: Clock,
+        settings: LeaseSettings,
+        *,
+        address: str,
+        name: str = LEASE_NAME,
+    ) -> None:
+        super().__init__(backend, clock, settings, address=address, name=name)
+
 
 SHARD_LEASE_PREFIX = "tide-scaler-shard-"
 MEMBER_LEASE_PREFIX = "tide-scaler-member-"

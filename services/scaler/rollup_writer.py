@@ -1,4 +1,4 @@
-"""Utilization history: finished minutes go to SQL; rows past retention go away.
+"""The rollup writer: finished utilization minutes go to SQL; rows past retention go away.
 
 Each minute is written twice: its mean, min and max (``utilization_rollups``,
 kept ``rollup_retention_days``) and each of its seconds (``utilization_seconds``,
@@ -6,7 +6,7 @@ kept ``detail_retention_days``: what `tide whatif` replays). Final decisions and
 their events are kept ``decision_retention_days``.
 
 Ingestion accumulates per-minute rollups in memory (windows.Rollups); the
-control loop calls :meth:`RollupHistory.flush` every
+control loop calls :meth:`RollupWriter.flush` every
 ``rollup_flush_interval_s``. A failed write keeps its rows for the next flush.
 Retention is started from the same flush, at most once per
 :data:`RETENTION_EVERY_S`, as a task of its own: it deletes in batches of
@@ -41,7 +41,7 @@ RETENTION_EVERY_S = 3600.0
 RETENTION_PAUSE_S = 0.05
 
 
-class RollupHistory:
+class RollupWriter:
     def __init__(
         self,
         store: DecisionStore,

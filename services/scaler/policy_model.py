@@ -1,0 +1,242 @@
+"""The policy's inputs and outputs: the settings, what it sees of a job (its state,
+window and history) and the decision it gives. services/scaler/policy.py is the
+rules over them; ``policy`` re-exports every name here.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from tidebase.errors import ConfigError
+
+
+class Reason(enum.Enum):
+    """Why the policy did (or did not) resize. Values equal tide.v1.DecisionReason."""
+
+    SUSTAINED_HIGH_UTILIZATION = 1
+    SUSTAINED_LOW_UTILIZATION = 2
+    NODE_TERMINATION = 3
+    MANUAL = 4
+    MEMBER_LOST = 5
+    JOB_STARTED = 6
+    SLOWER_AFTER_SCALE_UP = 7
+    RECONCILE = 8
+    WITHIN_BAND = 20
+    NOT_SUSTAINED = 21
+    COOLDOWN = 22
+    INSUFFICIENT_COVERAGE = 23
+    STALE_DATA = 24
+    AT_MAX_REPLICAS = 25
+    AT_MIN_REPLICAS = 26
+    NO_CAPACITY = 27
+    PAUSED = 28
+    RESIZE_IN_PROGRESS = 29
+    STABILIZING = 30
+    LOW_MARGINAL_THROUGHPUT = 31
+    POOL_CONTENDED = 32
+
+    @property
+    def resizes(self) -> bool:
+        return self.value < 20
+
+
+class Trigger(enum.Enum):
+    """What started a decision. Values equal tide.v1.DecisionTrigger."""
+
+    POLICY = 1
+    MANUAL = 2
+    EMERGENCY = 3
+    RECONCILE = 4
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """Effective policy of one job. Each default is written here only (ScalerSettings
+    holds the scaler's default policy as one grouped setting: each field a flag of its
+    own); docs/policy.md lists them."""
+
+    scale_up_utilization_pct: float = field(default=80.0, metadata={"help": "see docs/policy.md"})
+    scale_down_utilization_pct: float = 40.0
+    sustain_s: float = 300.0
+    bucket_s: float = 30.0
+    cooldown_s: float = 300.0
+    phase_timeout_s: float = field(default=60.0, metadata={"help": "each resize phase's deadline"})
+    min_replicas: int = 2
+    max_replicas: int = 8
+    min_coverage: float = 0.8
+    # HPA's default scale-up policy allows +4 pods per period; the same cap here.
+    max_step: int = 4
+    scale_down_stabilization_s: float = 60.0
+    # Between the two thresholds, so a resize lands the job inside the band
+    # instead of across the opposite threshold (the root of flapping).
+    target_utilization_pct: float = 60.0
+    # The goodput guard: a scale-up must give, per added replica, at least this
+    # fraction of the throughput per replica the job had (0 turns the guard off).
+    # GPU utilization cannot tell: NCCL kernels keep a GPU "busy" while it waits.
+    min_scale_up_efficiency: float = field(
+        default=0.5, metadata={"help": "the goodput guard (0 turns it off)"}
+    )
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"policy.{name}={getattr(self, name)!r}: {why}")
+
+        for name in (
+            "scale_up_utilization_pct",
+            "scale_down_utilization_pct",
+            "target_utilization_pct",
+        ):
+            v = getattr(self, name)
+            if not (0.0 <= v <= 100.0):
+                raise bad(name, "must be a percentage 0..100")
+        if not self.scale_down_utilization_pct < self.scale_up_utilization_pct:
+            raise bad("scale_down_utilization_pct", "must be below scale_up_utilization_pct")
+        if (
+            not (
+                self.scale_down_utilization_pct
+                <= self.target_utilization_pct
+                <= self.scale_up_utilization_pct
+            )
+            or self.target_utilization_pct <= 0
+        ):
+            raise bad("target_utilization_pct", "must lie within the scale-down..scale-up band")
+        if not (self.bucket_s > 0 and math.isfinite(self.bucket_s)):
+            raise bad("bucket_s", "must be > 0")
+        if not (self.sustain_s > 0 and math.isfinite(self.sustain_s)):
+            raise bad("sustain_s", "must be > 0")
+        n = self.sustain_s / self.bucket_s
+        if abs(n - round(n)) > 1e-9 or round(n) < 1:
+            raise bad("sustain_s", f"must be a positive multiple of bucket_s={self.bucket_s}")
+        if round(n) > 10_000:
+            raise bad("sustain_s", "needs more than 10000 buckets; raise bucket_s")
+        for name in ("cooldown_s", "scale_down_stabilization_s"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise bad(name, "must be >= 0")
+        if not (self.phase_timeout_s > 0 and math.isfinite(self.phase_timeout_s)):
+            raise bad("phase_timeout_s", "must be > 0")
+        if self.min_replicas < 1:
+            raise bad("min_replicas", "must be >= 1")
+        if self.max_replicas < self.min_replicas:
+            raise bad("max_replicas", f"must be >= min_replicas={self.min_replicas}")
+        if not (0.0 <= self.min_coverage <= 1.0):
+            raise bad("min_coverage", "must be a fraction 0..1")
+        if not (0.0 <= self.min_scale_up_efficiency <= 1.0):
+            raise bad("min_scale_up_efficiency", "must be a fraction 0..1")
+        if self.max_step < 1:
+            raise bad("max_step", "must be >= 1")
+
+    @property
+    def buckets(self) -> int:
+        """Buckets in the sustain window."""
+        return round(self.sustain_s / self.bucket_s)
+
+    def with_overrides(self, overrides: dict[str, Any]) -> PolicySettings:
+        """These settings with the given fields replaced (unknown names are an error)."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ConfigError(f"policy: unknown field(s) {unknown}")
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class WindowView:
+    """What the policy sees of a job's utilization window.
+
+    ``bucket_means`` are the complete buckets ending at ``end_s`` (oldest
+    first), NaN where a bucket had no sample; ``end_s`` is a bucket boundary.
+    """
+
+    bucket_s: float
+    end_s: float
+    bucket_means: tuple[float, ...]
+    gpus_expected: int
+    gpus_fresh: int
+
+    @property
+    def coverage(self) -> float:
+        if self.gpus_expected <= 0:
+            return 0.0
+        return min(1.0, self.gpus_fresh / self.gpus_expected)
+
+    def bucket_start(self, i: int) -> float:
+        """Start time of bucket ``i`` of ``bucket_means``."""
+        return self.end_s - (len(self.bucket_means) - i) * self.bucket_s
+
+    @property
+    def mean_pct(self) -> float:
+        vals = [m for m in self.bucket_means if not math.isnan(m)]
+        return sum(vals) / len(vals) if vals else math.nan
+
+
+@dataclass(frozen=True)
+class JobState:
+    """The job as the policy needs it."""
+
+    job_id: str
+    current_replicas: int
+    gpus_per_replica: int = 1
+    paused: bool = False
+    resize_in_progress: bool = False
+    # GPUs free in the cluster; None when the actuator cannot tell.
+    free_gpus: int | None = None
+    # Replicas on nodes that announced termination, with the earliest deadline.
+    terminating_replicas: int = 0
+    terminating_node: str = ""
+    terminating_deadline_s: float | None = None
+    # Those pods (uids or names, as the agents reported them).
+    terminating_pods: frozenset[str] = frozenset()
+    # The decision in flight (0: none) and, when it is a preemption, the pods it drains.
+    in_flight_decision: int = 0
+    in_flight_leaving: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
+class History:
+    """What happened before: the last resize, the recent recommendations and the
+    training throughput measured at each size."""
+
+    last_resize_end_s: float | None = None
+    # +1 grow, -1 shrink, 0 none.
+    last_direction: int = 0
+    # (time, replicas) recommended by earlier evaluations, for stabilization.
+    recommendations: tuple[tuple[float, int], ...] = ()
+    # Replicas before the last completed resize; 0 when unknown.
+    last_from_replicas: int = 0
+    # (replicas, samples/s) measured at each size the job ran at (services/scaler/goodput.py).
+    throughput: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one evaluation. Persist it only when ``resize`` is true."""
+
+    job_id: str
+    reason: Reason
+    message: str
+    from_replicas: int
+    to_replicas: int
+    trigger: Trigger = Trigger.POLICY
+    # What the proportional rule asked for before clamping; 0 when not computed.
+    raw_target: int = 0
+    # The clamped proportional answer, recorded by the caller for stabilization.
+    recommendation: int | None = None
+    # What a grow asked for before the free-GPU cap (the pool step shares GPUs by it).
+    wanted_replicas: int = 0
+    # Evidence beyond the window and the policy (goodput, pool), stored with the decision.
+    inputs: dict[str, Any] = field(default_factory=dict)
+    # A preemption that must first abort this decision in flight (0: none); the
+    # caller aborts it and evaluates again once it is final.
+    supersedes: int = 0
+
+    @property
+    def resize(self) -> bool:
+        return self.reason.resizes and self.to_replicas != self.from_replicas
+
+    @property
+    def direction(self) -> int:
+        return (self.to_replicas > self.from_replicas) - (self.to_replicas < self.from_replicas)
