@@ -13,6 +13,7 @@ Nothing here imports Paddle, so the stores and the transfer can use it.
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -101,14 +102,20 @@ def file_pieces(files: Mapping[str, bytes]) -> Iterator[tuple[str, list[Piece]]]
         yield TENSORS, list(pieces(arrays))
 
 
-def write_into(arrays: Mapping[str, Any], out: Any) -> None:
-    """``state.tensors`` of ``arrays`` into ``out`` (a writable uint8 array of its size):
-    one copy of each array, straight into its place."""
-    header, offsets, _ = layout(specs(arrays))
-    out[: len(header)] = np.frombuffer(header, np.uint8)
-    for array, offset in zip(arrays.values(), offsets, strict=True):
-        view = byte_view(array)
-        out[offset : offset + view.nbytes] = view
+def allocate(tensor_specs: list[TensorSpec]) -> dict[str, Any]:
+    """Empty arrays for ``tensor_specs``, in one region of memory whose pages are all mapped
+    at once (MAP_POPULATE): page by page, the first write into fresh memory cost up to 3 ms
+    per MB on this machine's VM, ten times a copy."""
+    _, offsets, total = layout(tensor_specs)
+    if total == 0:
+        region = np.zeros(0, np.uint8)
+    else:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        region = np.frombuffer(mmap.mmap(-1, total, flags=flags), np.uint8)
+    return {
+        s.name: region[o : o + s.nbytes].view(np.dtype(s.dtype)).reshape(s.shape)
+        for s, o in zip(tensor_specs, offsets, strict=True)
+    }
 
 
 def decode(data: Any) -> dict[str, Any]:

@@ -38,7 +38,7 @@ import numpy as np
 import xxhash
 
 from tidebase.errors import ConfigError
-from trainer.rawstate import StateFiles, TensorSpec, byte_view, specs
+from trainer.rawstate import StateFiles, TensorSpec, allocate, byte_view, specs
 
 # Env var: the largest piece one collective moves, MB (TransferSettings).
 CHUNK_MB_ENV = "TIDE_TRANSFER_CHUNK_MB"
@@ -190,19 +190,22 @@ def send_tensors(
         names = _broadcast_header(None, source, group)
     tensor_specs = [TensorSpec(n, d, tuple(s)) for n, d, s in json.loads(names)]
     out = Transferred()
+    if not sending:
+        out.arrays = allocate(tensor_specs)
     digests: list[int] = []
     fault = os.environ.get(FAULT_ENV, "") if not sending else ""
     for spec in tensor_specs:
-        if sending:
-            assert arrays is not None
-            array = arrays[spec.name]
-        else:
-            array = np.empty(spec.shape, np.dtype(spec.dtype))
-            out.arrays[spec.name] = array
+        array = arrays[spec.name] if arrays is not None and sending else out.arrays[spec.name]
         flat = byte_view(array)
         for start in range(0, flat.nbytes, chunk_bytes):
             piece = flat[start : start + chunk_bytes]
-            _broadcast(piece, source, group)
+            if flat.flags.writeable:
+                _broadcast(piece, source, group)
+            else:
+                # gloo writes into its root's buffer: a read-only one (bytes read from disk)
+                # goes through a copy, one chunk at a time.
+                scratch = piece.copy()
+                _broadcast(scratch, source, group)
             if fault == "flip" and out.chunks == 0:
                 piece[0] ^= 0xFF
             digests.append(xxhash.xxh3_64_intdigest(piece))
