@@ -110,13 +110,20 @@ MODES = ("plain", "overlap")
 
 
 async def tide_way(
-    workdir: Path, reps: int, group_init: dict[int, float], mode: str = "plain"
+    workdir: Path,
+    reps: int,
+    group_init: dict[int, float],
+    mode: str = "plain",
+    train: list[str] = TRAIN,
+    example: str = EXAMPLE,
 ) -> list[Measure]:
+    """``train`` and ``example``: the training script and its flags (bench/statesize.py's)."""
     # Enough budget that the job never ends inside a barrier; it is stopped after the last resize.
     steps = 100 + reps * 300
     job = LocalJob(
         workdir,
-        [*TRAIN, "--steps", str(steps)],
+        [*train, "--steps", str(steps)],
+        example=example,
         # A long sync timeout: a coordinator starved of CPU by 6 processes on 2 cores must
         # not declare members lost (it happened with 4 s).
         heartbeat_timeout_s=15.0,
@@ -219,10 +226,10 @@ def _fixed_env(world: int, tag: str) -> list[dict[str, str]]:
     ]
 
 
-def _train_argv(workdir: Path, extra: list[str]) -> list[str]:
+def _train_argv(workdir: Path, extra: list[str], example: str = EXAMPLE) -> list[str]:
     return [
         sys.executable,
-        EXAMPLE,
+        example,
         "--ckpt-dir",
         str(workdir / "ckpt"),
         "--log-dir",
@@ -231,20 +238,28 @@ def _train_argv(workdir: Path, extra: list[str]) -> list[str]:
     ]
 
 
-async def paddle_way(workdir: Path, old: int, new: int, zygote: ZygoteSpawner) -> Measure:
+async def paddle_way(
+    workdir: Path,
+    old: int,
+    new: int,
+    zygote: ZygoteSpawner,
+    train: list[str] = TRAIN,
+    example: str = EXAMPLE,
+    ckpt_every: int = CKPT_EVERY,
+) -> Measure:
     """Kill every process half a checkpoint period after a checkpoint; relaunch fresh.
 
     The killed job is forked from a zygote only to start it quickly: how it started does not
     matter. The relaunch is what is measured, with fresh processes as Paddle does it."""
     workdir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before any timing
-    argv = _train_argv(workdir, [*TRAIN, "--steps", "100000"])
+    argv = _train_argv(workdir, [*train, "--steps", "100000"], example)
     workers = [
         await zygote.spawn(argv, env, str(ROOT), str(workdir / f"old-rank{rank}.log"))
         for rank, env in enumerate(_fixed_env(old, "1"))
     ]
-    kill_after = 2 * CKPT_EVERY + CKPT_EVERY // 2
+    kill_after = 2 * ckpt_every + ckpt_every // 2
     try:
-        async with asyncio.timeout(120):
+        async with asyncio.timeout(300):
             while True:
                 recs = loss_records(workdir / "logs")
                 if recs and int(recs[-1]["step"]) >= kill_after:
@@ -257,7 +272,7 @@ async def paddle_way(workdir: Path, old: int, new: int, zygote: ZygoteSpawner) -
             await w.wait()
     last = loss_records(workdir / "logs")[-1]
     reached = int(last["step"])
-    argv = _train_argv(workdir, [*TRAIN, "--steps", str(reached + 3)])
+    argv = _train_argv(workdir, [*train, "--steps", str(reached + 3)], example)
     procs = []
     for rank, env in enumerate(_fixed_env(new, "2")):
         log = open(workdir / f"new-rank{rank}.log", "ab")  # noqa: SIM115, ASYNC230
