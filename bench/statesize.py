@@ -177,7 +177,7 @@ def _slope(points: dict[float, float]) -> float:
     """Least-squares slope of seconds over MB, in ms per MB."""
     xs, ys = np.array(list(points)), np.array(list(points.values()))
     if len(xs) < 2:
-        return float("nan")
+        raise ValueError("a slope needs two sizes or more (--sizes-mb)")
     return float(np.polyfit(xs, ys, 1)[0] * 1000)
 
 

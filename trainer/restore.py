@@ -3,9 +3,9 @@ store, in that order of preference (trainer/transfer.py has the rule; docs/train
 
 Every rank reports the newest step it holds without reading it (the handover's and the
 durable store's listings); the ranks agree on a plan; every rank that holds the step in memory
-takes its own (a stayer), and the lowest of them sends it to the others (the newcomers) over a
-group of just those ranks. After a crash (nobody has it in memory) one rank reads the durable
-store and sends it. A checkpoint that turns out damaged when the source reads it makes the
+takes its own (a stayer), and the lowest of them sends it to the others (the newcomers) over
+the new group (trainer/transfer.py). After a crash (nobody has it in memory) one rank reads the
+durable store and sends it. A checkpoint that turns out damaged when the source reads it makes the
 source fall back to an older one, and since every receiver takes the source's bytes, the ranks
 still agree.
 
@@ -36,7 +36,6 @@ from trainer.transfer import (
     all_holdings,
     plan_restore,
     send_state,
-    subgroup,
 )
 
 logger = logging.getLogger(__name__)
@@ -117,7 +116,7 @@ def locate(
         # damaged).
         return out
     if plan.transfer:
-        _transfer(plan, rank, world_size, receiving, settings, out)
+        _transfer(plan, rank, receiving, settings, out)
     # One all_reduce: a rank without the planned step (a damaged transfer, a handover it
     # listed but could not take) must not go on alone with another step.
     if agree(int(out.step != plan.step or not out.transfer_intact)):
@@ -128,22 +127,21 @@ def locate(
 def _transfer(
     plan: RestorePlan,
     rank: int,
-    world_size: int,
     receiving: bool,
     settings: TransferSettings | None,
     out: Located,
 ) -> None:
-    group = subgroup((plan.source, *plan.receivers), world_size)
-    if rank == plan.source or receiving:
-        chunk_bytes = (settings or TransferSettings.from_env()).chunk_bytes
-        files = StateFiles(out.files, getattr(out.files, "arrays", None))
-        step, got, moved = send_state(files, out.step, plan.source, rank, group, chunk_bytes)
-        if receiving:
-            out.step, out.files, out.source = step, got, "peer"
-            out.transfer_s, out.received_bytes = moved.seconds, moved.nbytes
-            out.transfer_intact = moved.intact
-            if step != plan.step:
-                logger.warning("rank %d sent step %d instead of %d", plan.source, step, plan.step)
+    chunk_bytes = (settings or TransferSettings.from_env()).chunk_bytes
+    files = StateFiles(out.files, getattr(out.files, "arrays", None))
+    step, got, moved = send_state(
+        files if rank == plan.source else None, out.step, plan.source, rank, chunk_bytes, receiving
+    )
+    if receiving:
+        out.step, out.files, out.source = step, got, "peer"
+        out.transfer_s, out.received_bytes = moved.seconds, moved.nbytes
+        out.transfer_intact = moved.intact
+        if step != plan.step:
+            logger.warning("rank %d sent step %d instead of %d", plan.source, step, plan.step)
 
 
 def _fall_back(step: int, source: int, rank: int, store: DurableStore, out: Located) -> None:

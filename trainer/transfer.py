@@ -17,6 +17,13 @@ views on both sides, no packed buffer, no copy), each chunk checked with xxh3-64
 path any state takes between ranks (optimizer shards of a sharded job too). The small files of
 a state travel as one more tensor beside the arrays.
 
+The broadcast is over the whole new group: a stayer that is not the source takes part with one
+chunk-sized buffer and drops the bytes (it neither keeps, checks nor loads them). A group of
+the source and the newcomers alone would spare the source those copies, but Paddle 3.3's gloo
+gives no such group here: ``new_group`` failed in overlap mode (a gloo address of another
+size: "136 vs 204"), cost 0.5 s when it worked, and gloo's send/recv number their messages by a
+per-process counter, so a pair's messages go out of step with the others'.
+
 What the checksum guards against: bytes that differ between the holder and a receiver (a
 transport or buffer fault, a chunk written into the wrong place, a receiver's layout that does
 not match the sender's). It is not a defence against an adversary (xxh3 is not
@@ -141,16 +148,6 @@ def agree(flag: int, op: str = "max") -> int:
     return int(t.numpy()[0])
 
 
-def subgroup(members: Sequence[int], world_size: int) -> Any:
-    """The process group of ``members`` (every rank of the world calls this, in the same
-    order: Paddle numbers groups by a per-process counter); None for the whole world."""
-    if len(members) == world_size:
-        return None
-    import paddle.distributed as dist
-
-    return dist.new_group(sorted(members))
-
-
 def _broadcast(array: Any, source: int, group: Any) -> None:
     import paddle
     import paddle.distributed as dist
@@ -172,68 +169,84 @@ def send_tensors(
     arrays: Mapping[str, Any] | None,
     source: int,
     rank: int,
-    group: Any,
     chunk_bytes: int,
+    keep: bool = True,
+    group: Any = None,
 ) -> Transferred:
-    """``source``'s named arrays on every member of ``group`` (``arrays`` is read on
-    ``source`` only; the others receive their names, dtypes and shapes first). Chunks of at
-    most ``chunk_bytes`` go straight from the source's arrays into the receivers' (DLPack
-    views: no copy); every chunk's xxh3-64 is sent after the data and compared. A receiver
-    whose chunks differ returns ``intact=False`` (the caller decides what then)."""
+    """``source``'s named arrays on every rank of ``group`` that ``keep``s them (``arrays``
+    is read on ``source`` only; the others receive their names, dtypes and shapes first).
+    Chunks of at most ``chunk_bytes`` go straight from the source's arrays into the
+    receivers' (DLPack views: no copy); every chunk's xxh3-64 is sent after the data and
+    compared. A rank that does not keep them (a stayer that holds the state already) takes
+    part in each broadcast with one chunk-sized buffer and drops the bytes. A receiver whose
+    chunks differ returns ``intact=False`` (the caller decides what then)."""
     started = time.monotonic()
     sending = rank == source
+    header = None
     if sending:
         assert arrays is not None
-        header = json.dumps([[s.name, s.dtype, list(s.shape)] for s in specs(arrays)])
-        names = _broadcast_header(header.encode(), source, group)
-    else:
-        names = _broadcast_header(None, source, group)
+        header = json.dumps([[s.name, s.dtype, list(s.shape)] for s in specs(arrays)]).encode()
+    names = _broadcast_header(header, source, group)
     tensor_specs = [TensorSpec(n, d, tuple(s)) for n, d, s in json.loads(names)]
     out = Transferred()
-    if not sending:
+    if not sending and keep:
         out.arrays = allocate(tensor_specs)
+    scratch = None if sending or keep else np.empty(chunk_bytes, np.uint8)
     digests: list[int] = []
-    fault = os.environ.get(FAULT_ENV, "") if not sending else ""
+    fault = os.environ.get(FAULT_ENV, "") if keep and not sending else ""
     for spec in tensor_specs:
-        array = arrays[spec.name] if arrays is not None and sending else out.arrays[spec.name]
-        flat = byte_view(array)
-        for start in range(0, flat.nbytes, chunk_bytes):
-            piece = flat[start : start + chunk_bytes]
+        flat = None
+        if sending:
+            assert arrays is not None
+            flat = byte_view(arrays[spec.name])
+        elif keep:
+            flat = byte_view(out.arrays[spec.name])
+        for start in range(0, spec.nbytes, chunk_bytes):
+            size = min(chunk_bytes, spec.nbytes - start)
+            if flat is None:
+                assert scratch is not None
+                _broadcast(scratch[:size], source, group)
+                continue
+            piece = flat[start : start + size]
             if flat.flags.writeable:
                 _broadcast(piece, source, group)
             else:
                 # gloo writes into its root's buffer: a read-only one (bytes read from disk)
                 # goes through a copy, one chunk at a time.
-                scratch = piece.copy()
-                _broadcast(scratch, source, group)
+                _broadcast(piece.copy(), source, group)
             if fault == "flip" and out.chunks == 0:
                 piece[0] ^= 0xFF
             digests.append(xxhash.xxh3_64_intdigest(piece))
             out.chunks += 1
             out.nbytes += piece.nbytes
-    sent = np.array(digests, dtype=np.uint64).view(np.int64)
+    count = np.array([len(digests)], np.int64)
+    _broadcast(count, source, group)
+    theirs = np.array(digests, dtype=np.uint64).view(np.int64)
+    if not sending:
+        theirs = np.empty(int(count[0]), np.int64)
+    _broadcast(theirs, source, group)
     if sending:
-        _broadcast(sent, source, group)
         out.arrays = dict(arrays or {})
-    else:
-        theirs = np.empty(len(digests), np.int64)
-        _broadcast(theirs, source, group)
-        out.intact = bool(np.array_equal(theirs, sent))
+    elif keep:
+        mine = np.array(digests, dtype=np.uint64).view(np.int64)
+        out.intact = bool(np.array_equal(theirs, mine))
     out.seconds = time.monotonic() - started
     return out
 
 
 def send_state(
-    files: StateFiles | None, step: int, source: int, rank: int, group: Any, chunk_bytes: int
+    files: StateFiles | None, step: int, source: int, rank: int, chunk_bytes: int, keep: bool
 ) -> tuple[int, StateFiles, Transferred]:
     """A whole state (its arrays and its small files, and its step) from ``source`` to the
-    members of ``group``: (step, files, what moved)."""
+    ranks that ``keep`` it: (step, files, what moved); the others get (0, empty, ...)."""
     arrays: dict[str, Any] | None = None
     if rank == source:
         assert files is not None
         blob = pack({**files, "tide.step": str(step).encode()})
         arrays = {**files.arrays, FILES_TENSOR: np.frombuffer(blob, np.uint8)}
-    moved = send_tensors(arrays, source, rank, group, chunk_bytes)
+    moved = send_tensors(arrays, source, rank, chunk_bytes, keep)
+    if not keep:
+        return 0, StateFiles(), moved
     got = dict(moved.arrays)
     small = unpack(got.pop(FILES_TENSOR).tobytes())
     got_step = int(small.pop("tide.step", b"0"))
