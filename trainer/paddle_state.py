@@ -67,7 +67,8 @@ def _dump(obj: Any) -> bytes:
 
 def _raw_array(value: Any) -> Any:
     """``value``'s array when it can travel as plain bytes, else None: a view of the
-    tensor's own memory (DLPack), not a copy; the state is read while every rank holds."""
+    tensor's own memory (DLPack; of its detached alias, which a parameter that requires
+    gradients needs), not a copy; the state is read while every rank holds."""
     import numpy as np
     import paddle
 
@@ -76,10 +77,30 @@ def _raw_array(value: Any) -> Any:
     if str(value.dtype).removeprefix("paddle.") not in _RAW_DTYPES:
         return None
     try:
-        return np.from_dlpack(value)
+        return np.from_dlpack(value.detach())
     except (BufferError, TypeError, RuntimeError):
         # A tensor DLPack cannot export (a device this numpy cannot see): a copy.
         return np.ascontiguousarray(value.numpy())
+
+
+def live_arrays(model: Any, optimizer: Any) -> dict[str, Any]:
+    """The raw form's arrays of this process's model and optimizer as they are now: views of
+    their memory, where a transfer can write the state straight in (an optimizer that has
+    not stepped yet has no accumulators: those are missing)."""
+    out: dict[str, Any] = {}
+    if model is None:
+        return out
+    for key, value in model.state_dict().items():
+        array = _raw_array(value)
+        if array is not None:
+            out[_MODEL_PREFIX + key] = array
+    if optimizer is not None:
+        state = _positional(model, optimizer.state_dict(), to_positions=True)
+        for key, value in state.items():
+            array = _raw_array(value)
+            if array is not None:
+                out[_OPT_PREFIX + key] = array
+    return out
 
 
 def state_files(

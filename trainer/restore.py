@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainer.checkpoint import CheckpointCorrupt, CheckpointNotFound, LoadedCheckpoint
 from trainer.handover import StateHandover
@@ -99,7 +100,11 @@ def locate(
     rank: int,
     world_size: int,
     settings: TransferSettings | None = None,
+    into: Mapping[str, Any] | None = None,
 ) -> Located:
+    """This rank's state (see the module docstring). ``into``: this process's live arrays
+    (paddle_state.live_arrays): a newcomer receives straight into them (no new memory for
+    what its model has already; loading them is then a copy onto themselves)."""
     out = Located()
     mine = _holding(handover, store)
     plan = plan_restore(all_holdings(mine, world_size))
@@ -116,7 +121,7 @@ def locate(
         # damaged).
         return out
     if plan.transfer:
-        _transfer(plan, rank, receiving, settings, out)
+        _transfer(plan, rank, receiving, settings, out, into)
     # One all_reduce: a rank without the planned step (a damaged transfer, a handover it
     # listed but could not take) must not go on alone with another step.
     if agree(int(out.step != plan.step or not out.transfer_intact)):
@@ -130,11 +135,18 @@ def _transfer(
     receiving: bool,
     settings: TransferSettings | None,
     out: Located,
+    into: Mapping[str, Any] | None,
 ) -> None:
     chunk_bytes = (settings or TransferSettings.from_env()).chunk_bytes
     files = StateFiles(out.files, getattr(out.files, "arrays", None))
     step, got, moved = send_state(
-        files if rank == plan.source else None, out.step, plan.source, rank, chunk_bytes, receiving
+        files if rank == plan.source else None,
+        out.step,
+        plan.source,
+        rank,
+        chunk_bytes,
+        receiving,
+        into,
     )
     if receiving:
         out.step, out.files, out.source = step, got, "peer"

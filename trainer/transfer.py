@@ -172,14 +172,17 @@ def send_tensors(
     chunk_bytes: int,
     keep: bool = True,
     group: Any = None,
+    into: Mapping[str, Any] | None = None,
 ) -> Transferred:
     """``source``'s named arrays on every rank of ``group`` that ``keep``s them (``arrays``
     is read on ``source`` only; the others receive their names, dtypes and shapes first).
     Chunks of at most ``chunk_bytes`` go straight from the source's arrays into the
     receivers' (DLPack views: no copy); every chunk's xxh3-64 is sent after the data and
     compared. A rank that does not keep them (a stayer that holds the state already) takes
-    part in each broadcast with one chunk-sized buffer and drops the bytes. A receiver whose
-    chunks differ returns ``intact=False`` (the caller decides what then)."""
+    part in each broadcast with one chunk-sized buffer and drops the bytes. ``into``: arrays
+    a receiver has already (its live tensors) that the bytes of the same name, dtype and shape
+    go straight into; the others are allocated. A receiver whose chunks differ returns
+    ``intact=False`` (the caller decides what then; ``into`` then holds damaged bytes)."""
     started = time.monotonic()
     sending = rank == source
     header = None
@@ -190,7 +193,7 @@ def send_tensors(
     tensor_specs = [TensorSpec(n, d, tuple(s)) for n, d, s in json.loads(names)]
     out = Transferred()
     if not sending and keep:
-        out.arrays = allocate(tensor_specs)
+        out.arrays = _destinations(tensor_specs, into or {})
     scratch = None if sending or keep else np.empty(chunk_bytes, np.uint8)
     digests: list[int] = []
     fault = os.environ.get(FAULT_ENV, "") if keep and not sending else ""
@@ -234,8 +237,32 @@ def send_tensors(
     return out
 
 
+def _destinations(tensor_specs: list[TensorSpec], into: Mapping[str, Any]) -> dict[str, Any]:
+    """Where each received array goes: ``into``'s array of the same name, dtype and shape
+    (writable and contiguous), or new memory."""
+
+    def fits(spec: TensorSpec) -> bool:
+        have = into.get(spec.name)
+        return (
+            have is not None
+            and have.dtype.str == spec.dtype
+            and tuple(have.shape) == spec.shape
+            and have.flags.writeable
+            and have.flags.c_contiguous
+        )
+
+    fresh = allocate([s for s in tensor_specs if not fits(s)])
+    return {s.name: into[s.name] if fits(s) else fresh[s.name] for s in tensor_specs}
+
+
 def send_state(
-    files: StateFiles | None, step: int, source: int, rank: int, chunk_bytes: int, keep: bool
+    files: StateFiles | None,
+    step: int,
+    source: int,
+    rank: int,
+    chunk_bytes: int,
+    keep: bool,
+    into: Mapping[str, Any] | None = None,
 ) -> tuple[int, StateFiles, Transferred]:
     """A whole state (its arrays and its small files, and its step) from ``source`` to the
     ranks that ``keep`` it: (step, files, what moved); the others get (0, empty, ...)."""
@@ -244,7 +271,7 @@ def send_state(
         assert files is not None
         blob = pack({**files, "tide.step": str(step).encode()})
         arrays = {**files.arrays, FILES_TENSOR: np.frombuffer(blob, np.uint8)}
-    moved = send_tensors(arrays, source, rank, chunk_bytes, keep)
+    moved = send_tensors(arrays, source, rank, chunk_bytes, keep, into=into)
     if not keep:
         return 0, StateFiles(), moved
     got = dict(moved.arrays)

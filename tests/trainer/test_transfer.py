@@ -59,6 +59,8 @@ def test_newcomers_get_checked_chunks_and_a_damaged_one_falls_back_to_disk(
         assert (r["step"], r["intact"], r["rng"]) == (5, True, "rng-5")
         assert r["digests"] == r["expected"]
     assert clean[2]["durable"] == [3]
+    # The newcomer's live tensor received its bytes in place.
+    assert clean[2]["live_is_result"] and clean[2]["live"] == clean[2]["expected"]["model/w"]
 
     # A damaged chunk: detected; the source makes the step durable, the newcomer reads it.
     assert [r["source"] for r in flipped] == ["memory", "memory", "disk"]
