@@ -420,7 +420,13 @@ class ElasticSession:
             # Rank 0 is the only durable writer, and a new generation starts here: what a
             # crashed writer left is garbage now (a writer still running keeps its directory).
             self.store.cleanup_tmp()
-        located = locate(self.handover, self.store, self.rank, self.world_size)
+        located = locate(
+            self.handover,
+            self.store,
+            self.rank,
+            self.world_size,
+            into=paddle_state.live_arrays(self._model, self._optimizer),
+        )
         named = self.env.restore_step
         if named is not None and located.step < named:
             logger.warning(
