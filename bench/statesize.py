@@ -16,8 +16,9 @@ Fidelity: every new generation's rank checks after its first step that the buffe
 what the steps made of it (``restore.jsonl``); exactly-once samples and lost steps from the
 logs; the loss trajectory against a fixed 2-rank run of the same MLP (``max_rel_diff``).
 
-    python -m bench.statesize --quick   # one resize each way per size and mode
-    python -m bench.statesize --sizes-mb 1,100,1024,2048
+    python -m bench.statesize --quick   # 1 MB, 100 MB, 1 GB: one resize each way, each mode
+    python -m bench.statesize           # and 2 GB
+    python -m bench.statesize --sizes-mb 1,100,400 --modes plain
 
 The last line is ``RESULT {json}``: ms_per_mb (the plain mode's pause, least-squares slope
 over the sizes, the worse direction), bare_broadcast_ms_per_mb, slope_over_bare (target <= 2),
@@ -224,14 +225,16 @@ async def tide_at(
     return rows, facts
 
 
-async def run(quick: bool, sizes_mb: list[float], workdir: Path) -> dict[str, Any]:
+async def run(
+    quick: bool, sizes_mb: list[float], workdir: Path, modes: tuple[str, ...] = MODES
+) -> dict[str, Any]:
     t0 = time.monotonic()
     load_before = os.getloadavg()
     bare = await bare_broadcast(workdir / "bcast", sizes_mb)
     profile = {mb: stage_profile(mb, workdir) for mb in sizes_mb}
     tide: dict[tuple[str, float], list[Measure]] = {}
     facts: dict[tuple[str, float], dict[str, Any]] = {}
-    for mode in MODES:
+    for mode in modes:
         for mb in sizes_mb:
             tide[(mode, mb)], facts[(mode, mb)] = await tide_at(
                 workdir / f"tide-{mode}-{mb:g}", mb, mode
@@ -266,7 +269,7 @@ async def run(quick: bool, sizes_mb: list[float], workdir: Path) -> dict[str, An
     )
 
     def worst(mode: str, mb: float, key: str = "pause_s") -> float:
-        return max(getattr(m, key) for m in tide[(mode, mb)])
+        return max(float(getattr(m, key)) for m in tide[(mode, mb)])
 
     print(f"{'mode':8}{'MB':>7}{'resize':>7}{'pause':>8}{'barrier':>9}{'put':>7}{'restart':>9}"
           f"{'init':>7}{'restore':>9}{'memory':>8}{'peer':>7}{'disk':>7}{'lost':>6}")  # fmt: skip
@@ -295,15 +298,15 @@ async def run(quick: bool, sizes_mb: list[float], workdir: Path) -> dict[str, An
         "bare_broadcast_ms_per_mb": round(bare_ms_per_mb, 3),
         "slope_over_bare": round(ms_per_mb / bare_ms_per_mb, 2),
         "ms_per_mb_by_mode": {
-            mode: round(_slope({mb: worst(mode, mb) for mb in sizes_mb}), 3) for mode in MODES
+            mode: round(_slope({mb: worst(mode, mb) for mb in sizes_mb}), 3) for mode in modes
         },
         "pause_over_relaunch_1gb": {
-            mode: round(worst(mode, largest) / relaunch_s, 3) for mode in MODES
+            mode: round(worst(mode, largest) / relaunch_s, 3) for mode in modes
         },
         "barrier_growth_s": round(
             max(
                 worst(mode, largest, "barrier_s") - worst(mode, smallest, "barrier_s")
-                for mode in MODES
+                for mode in modes
             ),
             3,
         ),
@@ -318,11 +321,11 @@ async def run(quick: bool, sizes_mb: list[float], workdir: Path) -> dict[str, An
                 f"{mb:g}": {m.resize: round(m.pause_s, 3) for m in tide[(mode, mb)]}
                 for mb in sizes_mb
             }
-            for mode in MODES
+            for mode in modes
         },
         "barrier_s": {
             mode: {f"{mb:g}": round(worst(mode, mb, "barrier_s"), 3) for mb in sizes_mb}
-            for mode in MODES
+            for mode in modes
         },
         "relaunch_pause_s": {m.resize: round(m.pause_s, 3) for m in relaunch},
         "bare_broadcast_s": {f"{mb:g}": round(s, 3) for mb, s in bare.items()},
@@ -341,13 +344,20 @@ async def run(quick: bool, sizes_mb: list[float], workdir: Path) -> dict[str, An
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="one resize each way per size and mode")
-    p.add_argument("--sizes-mb", default="1,100,1024", help="state per rank, MB, comma-separated")
+    p.add_argument("--quick", action="store_true", help="1 MB, 100 MB and 1 GB per rank")
+    p.add_argument(
+        "--sizes-mb",
+        default="",
+        help="state per rank, MB, comma-separated (default 1,100,1024; without --quick ,2048)",
+    )
+    p.add_argument("--modes", default=",".join(MODES), help="resize modes, comma-separated")
     p.add_argument("--workdir", default="", help="keep logs here (default: a temp dir)")
     args = p.parse_args(argv)
-    sizes = [float(s) for s in args.sizes_mb.split(",")]
+    sizes_mb = args.sizes_mb or ("1,100,1024" if args.quick else "1,100,1024,2048")
+    sizes = [float(s) for s in sizes_mb.split(",")]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tide-statesize-"))
-    result = asyncio.run(run(args.quick, sizes, workdir))
+    modes = tuple(m for m in args.modes.split(",") if m)
+    result = asyncio.run(run(args.quick, sizes, workdir, modes))
     print(f"logs in {workdir}")
     print("RESULT " + json.dumps(result))
     return 0

@@ -16,6 +16,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import paddle
@@ -35,7 +36,7 @@ class Sized(paddle.nn.Layer):
         n = max(BLOCK, int(state_mb * 2**20) // 4)
         self.register_buffer("ballast", paddle.zeros([n], dtype="float32"), persistable=True)
 
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+    def forward(self, x: paddle.Tensor) -> Any:
         return self.mlp(x)
 
     def _block(self, step: int) -> int:
@@ -44,7 +45,8 @@ class Sized(paddle.nn.Layer):
     def touch(self, step: int) -> None:
         """The step's change to the ballast: one block, in place."""
         i = self._block(step)
-        np.from_dlpack(self.ballast)[i : i + BLOCK] += np.float32(step)
+        view: Any = np.from_dlpack(self.ballast)
+        view[i : i + BLOCK] += np.float32(step)
 
     def ballast_is(self, step: int) -> bool:
         """Whether the ballast is exactly what steps 1..step made of zeros. Before the
@@ -131,7 +133,8 @@ def main() -> int:
     session.finish()
     if args.log_dir and session.rank == 0:
         params = {k: v.numpy() for k, v in model.mlp.state_dict().items()}
-        digest = xxhash.xxh3_64_intdigest(np.from_dlpack(model.ballast))
+        ballast: Any = np.from_dlpack(model.ballast)
+        digest = xxhash.xxh3_64_intdigest(ballast)
         params["ballast_xxh3"] = np.array([digest], dtype=np.uint64)
         np.savez(Path(args.log_dir) / "final_params.npz", **params)  # type: ignore[arg-type]
     return 0

@@ -35,7 +35,9 @@ def state(step: int) -> StateFiles:
 
 def digests(files: Any) -> dict[str, str]:
     arrays = getattr(files, "arrays", None) or rawstate.decode(files[rawstate.TENSORS])
-    return {k: xxhash.xxh3_64_hexdigest(np.ascontiguousarray(v)) for k, v in arrays.items()}
+    return {
+        k: xxhash.xxh3_64_hexdigest(np.ascontiguousarray(v).tobytes()) for k, v in arrays.items()
+    }
 
 
 def main() -> int:
@@ -66,7 +68,7 @@ def main() -> int:
                 "expected": digests(state(step)),
                 "rng": got.files["rng.pickle"].decode(),
                 "durable": store.list_steps(),
-                "live": xxhash.xxh3_64_hexdigest(live["model/w"]),
+                "live": xxhash.xxh3_64_hexdigest(live["model/w"].tobytes()),
                 "live_is_result": getattr(got.files, "arrays", {}).get("model/w")
                 is live["model/w"],
             }
