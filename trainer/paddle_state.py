@@ -223,6 +223,19 @@ def checkpoint_files(files: Mapping[str, bytes]) -> dict[str, bytes]:
     return out
 
 
+def _in_place(state: dict[str, Any], live: Mapping[str, Any]) -> None:
+    """Entries of ``state`` that already are ``live``'s memory (a newcomer received into its
+    own tensors) become those tensors: setting a tensor to itself costs nothing, to a numpy
+    view of itself a copy (0.3-0.4 ms per MB here)."""
+    for key, value in state.items():
+        tensor = live.get(key)
+        if tensor is None or not hasattr(value, "ctypes"):
+            continue
+        own = _raw_array(tensor)
+        if own is not None and own.ctypes.data == value.ctypes.data and own.shape == value.shape:
+            state[key] = tensor
+
+
 def load_state(
     files: Mapping[str, bytes], model: Any, optimizer: Any, lr: Any, scaler: Any = None
 ) -> None:
@@ -232,9 +245,13 @@ def load_state(
     import paddle
 
     model_state, opt_state = _model_and_optimizer(files)
+    live_model = model.state_dict()
+    _in_place(model_state, live_model)
     model.set_state_dict(model_state)
     if optimizer is not None and opt_state:
-        optimizer.set_state_dict(_positional(model, opt_state, to_positions=False))
+        opt_state = _positional(model, opt_state, to_positions=False)
+        _in_place(opt_state, optimizer.state_dict())
+        optimizer.set_state_dict(opt_state)
     if lr is not None and LR in files:
         lr.set_state_dict(paddle.load(io.BytesIO(files[LR])))
     if scaler is not None and SCALER in files:
