@@ -116,10 +116,12 @@ async def tide_way(
     mode: str = "plain",
     train: list[str] = TRAIN,
     example: str = EXAMPLE,
+    steps: int = 0,
 ) -> list[Measure]:
-    """``train`` and ``example``: the training script and its flags (bench/statesize.py's)."""
+    """``train`` and ``example``: the training script and its flags (bench/statesize.py's);
+    ``steps``: the job's budget (0: enough for ``reps`` at this script's pace)."""
     # Enough budget that the job never ends inside a barrier; it is stopped after the last resize.
-    steps = 100 + reps * 300
+    steps = steps or 100 + reps * 300
     job = LocalJob(
         workdir,
         [*train, "--steps", str(steps)],

@@ -208,7 +208,14 @@ async def tide_at(
     workdir: Path, state_mb: float, mode: str
 ) -> tuple[list[Measure], dict[str, Any]]:
     rows = await tide_way(
-        workdir, 1, {2: 0.0, 4: 0.0}, mode, train=train_args(state_mb, 100000), example=SCRIPT
+        workdir,
+        1,
+        {2: 0.0, 4: 0.0},
+        mode,
+        train=train_args(state_mb, 100000),
+        example=SCRIPT,
+        # A large state's standby workers take long to build: the job must not end first.
+        steps=100000,
     )
     log_dir = workdir / "logs"
     restores = read_jsonl(log_dir / "restore.jsonl")
