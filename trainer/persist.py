@@ -91,10 +91,7 @@ class DurableWriter:
             self._lock.notify_all()
 
     def _run(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        except OSError:
-            logger.info("durable writer: cannot lower its priority", exc_info=True)
+        niced = False
         while True:
             with self._lock:
                 if self._waiting is None:
@@ -102,6 +99,14 @@ class DurableWriter:
                     self._lock.notify_all()
                     return
                 snap, self._waiting, self._busy = self._waiting, None, True
+            if not niced:
+                # Once the snapshot is taken: at nice 19 from its start, the thread could
+                # leave it waiting long enough on a busy machine for the next to replace it.
+                niced = True
+                try:
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+                except OSError:
+                    logger.info("durable writer: cannot lower its priority", exc_info=True)
             try:
                 checkpoint = self.store.write(snap.step, snap.files, snap.meta)
                 written = Written(snap, checkpoint, lag_s=time.monotonic() - snap.taken_at)
