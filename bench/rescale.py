@@ -54,7 +54,7 @@ from typing import Any
 
 from tide.v1 import coordinator_pb2 as pb
 
-from services.testing.localjob import EXAMPLE, ROOT, LocalJob, loss_records, read_jsonl
+from services.testing.localjob import EXAMPLE, ROOT, LocalJob, Pod, loss_records, read_jsonl
 from services.testing.localjob import free_port as _free_port
 from trainer.spawner import ZygoteSpawner
 
@@ -117,9 +117,13 @@ async def tide_way(
     train: list[str] = TRAIN,
     example: str = EXAMPLE,
     steps: int = 0,
+    settle: bool = False,
 ) -> list[Measure]:
     """``train`` and ``example``: the training script and its flags (bench/statesize.py's);
-    ``steps``: the job's budget (0: enough for ``reps`` at this script's pace)."""
+    ``steps``: the job's budget (0: enough for ``reps`` at this script's pace); ``settle``:
+    each resize waits until every pod's standby worker has built its model and waits for a
+    rendezvous (on two cores, new pods building a large model beside the hold took most of
+    the CPU the old workers' handover needed; on a cluster they have their own)."""
     # Enough budget that the job never ends inside a barrier; it is stopped after the last resize.
     steps = steps or 100 + reps * 300
     job = LocalJob(
@@ -148,6 +152,8 @@ async def tide_way(
                     for i in (2 + 2 * rep, 3 + 2 * rep):
                         job.add_pod(10 + i)
                     await job.wait_standby(2)
+                if settle:
+                    await _standby_settled(job)
                 updates = await job.resize(target)
                 final = updates[-1]
                 if final.phase != pb.RESIZE_PHASE_COMPLETED:
@@ -183,6 +189,23 @@ async def tide_way(
     finally:
         await job.close()
     return out
+
+
+async def _standby_settled(job: LocalJob, timeout_s: float = 300.0) -> None:
+    """Until the newest standby worker of every live pod logged that it waits for a
+    rendezvous (its model built and warmed)."""
+
+    def settled(pod: Pod) -> bool:
+        logs = sorted(
+            pod.state_dir.glob("worker-standby-*.log"), key=lambda p: int(p.stem.rsplit("-", 1)[1])
+        )
+        return bool(logs) and "waiting for a rendezvous" in logs[-1].read_text(errors="replace")
+
+    async with asyncio.timeout(timeout_s):
+        while True:
+            if all(settled(p) for p in job.pods if p.proc.poll() is None):
+                return
+            await asyncio.sleep(0.1)
 
 
 def _breakdown(log_dir: Path, gen: int, ckpt: int, mode: str) -> Measure:

@@ -216,6 +216,7 @@ async def tide_at(
         example=SCRIPT,
         # A large state's standby workers take long to build: the job must not end first.
         steps=100000,
+        settle=True,
     )
     log_dir = workdir / "logs"
     restores = read_jsonl(log_dir / "restore.jsonl")
