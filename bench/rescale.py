@@ -56,6 +56,7 @@ from tide.v1 import coordinator_pb2 as pb
 
 from services.testing.localjob import EXAMPLE, ROOT, LocalJob, Pod, loss_records, read_jsonl
 from services.testing.localjob import free_port as _free_port
+from trainer.checkpoint import CheckpointStore
 from trainer.spawner import ZygoteSpawner
 
 CKPT_EVERY = 10
@@ -287,7 +288,15 @@ async def paddle_way(
         async with asyncio.timeout(300):
             while True:
                 recs = loss_records(workdir / "logs")
-                if recs and int(recs[-1]["step"]) >= kill_after:
+                # The checkpoint before the kill must be committed: a large state's write
+                # (a background thread) can still be under way at the kill step.
+                committed = CheckpointStore(workdir / "ckpt").list_steps()
+                if (
+                    recs
+                    and int(recs[-1]["step"]) >= kill_after
+                    and committed
+                    and committed[-1] >= kill_after - kill_after % ckpt_every
+                ):
                     break
                 await asyncio.sleep(0.005)
     finally:
