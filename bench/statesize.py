@@ -35,6 +35,7 @@ import asyncio
 import gc
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -166,8 +167,6 @@ def stage_profile(state_mb: float, workdir: Path) -> dict[str, float]:
         out["durable_write_s"] = time.monotonic() - t
         del taken
     finally:
-        import shutil
-
         shutil.rmtree(handover.root, ignore_errors=True)
         del model, opt
         gc.collect()
@@ -359,14 +358,20 @@ def main(argv: list[str] | None = None) -> int:
         help="state per rank, MB, comma-separated (default 1,100,1024; without --quick ,2048)",
     )
     p.add_argument("--modes", default=",".join(MODES), help="resize modes, comma-separated")
-    p.add_argument("--workdir", default="", help="keep logs here (default: a temp dir)")
+    p.add_argument(
+        "--workdir", default="", help="keep logs here (default: a temp dir, removed at the end)"
+    )
     args = p.parse_args(argv)
     sizes_mb = args.sizes_mb or ("1,100,1024" if args.quick else "1,100,1024,2048")
     sizes = [float(s) for s in sizes_mb.split(",")]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tide-statesize-"))
     modes = tuple(m for m in args.modes.split(",") if m)
     result = asyncio.run(run(args.quick, sizes, workdir, modes))
-    print(f"logs in {workdir}")
+    if args.workdir:
+        print(f"logs in {workdir}")
+    else:
+        # Gigabytes of checkpoints: a temporary workdir goes (--workdir keeps one).
+        shutil.rmtree(workdir, ignore_errors=True)
     print("RESULT " + json.dumps(result))
     return 0
 
