@@ -54,8 +54,9 @@ from typing import Any
 
 from tide.v1 import coordinator_pb2 as pb
 
-from services.testing.localjob import EXAMPLE, ROOT, LocalJob, loss_records, read_jsonl
+from services.testing.localjob import EXAMPLE, ROOT, LocalJob, Pod, loss_records, read_jsonl
 from services.testing.localjob import free_port as _free_port
+from trainer.checkpoint import CheckpointStore
 from trainer.spawner import ZygoteSpawner
 
 CKPT_EVERY = 10
@@ -110,13 +111,26 @@ MODES = ("plain", "overlap")
 
 
 async def tide_way(
-    workdir: Path, reps: int, group_init: dict[int, float], mode: str = "plain"
+    workdir: Path,
+    reps: int,
+    group_init: dict[int, float],
+    mode: str = "plain",
+    train: list[str] = TRAIN,
+    example: str = EXAMPLE,
+    steps: int = 0,
+    settle: bool = False,
 ) -> list[Measure]:
+    """``train`` and ``example``: the training script and its flags (bench/statesize.py's);
+    ``steps``: the job's budget (0: enough for ``reps`` at this script's pace); ``settle``:
+    each resize waits until every pod's standby worker has built its model and waits for a
+    rendezvous (on two cores, new pods building a large model beside the hold took most of
+    the CPU the old workers' handover needed; on a cluster they have their own)."""
     # Enough budget that the job never ends inside a barrier; it is stopped after the last resize.
-    steps = 100 + reps * 300
+    steps = steps or 100 + reps * 300
     job = LocalJob(
         workdir,
-        [*TRAIN, "--steps", str(steps)],
+        [*train, "--steps", str(steps)],
+        example=example,
         # A long sync timeout: a coordinator starved of CPU by 6 processes on 2 cores must
         # not declare members lost (it happened with 4 s).
         heartbeat_timeout_s=15.0,
@@ -139,6 +153,8 @@ async def tide_way(
                     for i in (2 + 2 * rep, 3 + 2 * rep):
                         job.add_pod(10 + i)
                     await job.wait_standby(2)
+                if settle:
+                    await _standby_settled(job)
                 updates = await job.resize(target)
                 final = updates[-1]
                 if final.phase != pb.RESIZE_PHASE_COMPLETED:
@@ -174,6 +190,23 @@ async def tide_way(
     finally:
         await job.close()
     return out
+
+
+async def _standby_settled(job: LocalJob, timeout_s: float = 300.0) -> None:
+    """Until the newest standby worker of every live pod logged that it waits for a
+    rendezvous (its model built and warmed)."""
+
+    def settled(pod: Pod) -> bool:
+        logs = sorted(
+            pod.state_dir.glob("worker-standby-*.log"), key=lambda p: int(p.stem.rsplit("-", 1)[1])
+        )
+        return bool(logs) and "waiting for a rendezvous" in logs[-1].read_text(errors="replace")
+
+    async with asyncio.timeout(timeout_s):
+        while True:
+            if all(settled(p) for p in job.pods if p.proc.poll() is None):
+                return
+            await asyncio.sleep(0.1)
 
 
 def _breakdown(log_dir: Path, gen: int, ckpt: int, mode: str) -> Measure:
@@ -219,10 +252,10 @@ def _fixed_env(world: int, tag: str) -> list[dict[str, str]]:
     ]
 
 
-def _train_argv(workdir: Path, extra: list[str]) -> list[str]:
+def _train_argv(workdir: Path, extra: list[str], example: str = EXAMPLE) -> list[str]:
     return [
         sys.executable,
-        EXAMPLE,
+        example,
         "--ckpt-dir",
         str(workdir / "ckpt"),
         "--log-dir",
@@ -231,23 +264,39 @@ def _train_argv(workdir: Path, extra: list[str]) -> list[str]:
     ]
 
 
-async def paddle_way(workdir: Path, old: int, new: int, zygote: ZygoteSpawner) -> Measure:
+async def paddle_way(
+    workdir: Path,
+    old: int,
+    new: int,
+    zygote: ZygoteSpawner,
+    train: list[str] = TRAIN,
+    example: str = EXAMPLE,
+    ckpt_every: int = CKPT_EVERY,
+) -> Measure:
     """Kill every process half a checkpoint period after a checkpoint; relaunch fresh.
 
     The killed job is forked from a zygote only to start it quickly: how it started does not
     matter. The relaunch is what is measured, with fresh processes as Paddle does it."""
     workdir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before any timing
-    argv = _train_argv(workdir, [*TRAIN, "--steps", "100000"])
+    argv = _train_argv(workdir, [*train, "--steps", "100000"], example)
     workers = [
         await zygote.spawn(argv, env, str(ROOT), str(workdir / f"old-rank{rank}.log"))
         for rank, env in enumerate(_fixed_env(old, "1"))
     ]
-    kill_after = 2 * CKPT_EVERY + CKPT_EVERY // 2
+    kill_after = 2 * ckpt_every + ckpt_every // 2
     try:
-        async with asyncio.timeout(120):
+        async with asyncio.timeout(300):
             while True:
                 recs = loss_records(workdir / "logs")
-                if recs and int(recs[-1]["step"]) >= kill_after:
+                # The checkpoint before the kill must be committed: a large state's write
+                # (a background thread) can still be under way at the kill step.
+                committed = CheckpointStore(workdir / "ckpt").list_steps()
+                if (
+                    recs
+                    and int(recs[-1]["step"]) >= kill_after
+                    and committed
+                    and committed[-1] >= kill_after - kill_after % ckpt_every
+                ):
                     break
                 await asyncio.sleep(0.005)
     finally:
@@ -257,7 +306,7 @@ async def paddle_way(workdir: Path, old: int, new: int, zygote: ZygoteSpawner) -
             await w.wait()
     last = loss_records(workdir / "logs")[-1]
     reached = int(last["step"])
-    argv = _train_argv(workdir, [*TRAIN, "--steps", str(reached + 3)])
+    argv = _train_argv(workdir, [*train, "--steps", str(reached + 3)], example)
     procs = []
     for rank, env in enumerate(_fixed_env(new, "2")):
         log = open(workdir / f"new-rank{rank}.log", "ab")  # noqa: SIM115, ASYNC230

@@ -33,12 +33,13 @@ import secrets
 import shutil
 import signal
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tidebase.errors import ConfigError, FailedPrecondition, NotFound
+from trainer.rawstate import Piece, file_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -130,16 +131,25 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_durable(directory: Path, name: str, data: bytes, fault_prefix: str) -> None:
+def _write_durable(
+    directory: Path, name: str, data: Sequence[Piece], fault_prefix: str
+) -> dict[str, Any]:
+    """Writes ``data`` (the file's pieces, one after the other) durably; its size and sha256."""
     part = directory / f"{name}.part"
+    digest = hashlib.sha256()
+    size = 0
     with open(part, "wb") as f:
-        f.write(data)
+        for piece in data:
+            f.write(piece)
+            digest.update(piece)
+            size += len(piece) if isinstance(piece, bytes) else piece.nbytes
         f.flush()
         _fault(f"after_{fault_prefix}_write")
         os.fsync(f.fileno())
     _fault(f"after_{fault_prefix}_fsync")
     os.replace(part, directory / name)
     _fault(f"after_{fault_prefix}_rename")
+    return {"size": size, "sha256": digest.hexdigest()}
 
 
 def step_dir_name(step: int) -> str:
@@ -199,9 +209,9 @@ class CheckpointStore:
         _fault("after_mkdir")
         entries: dict[str, dict[str, Any]] = {}
         try:
-            for name, data in files.items():
-                _write_durable(tmp, name, data, "file")
-                entries[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            # A raw state's tensors stream from their arrays into state.tensors.
+            for name, data in file_pieces(files):
+                entries[name] = _write_durable(tmp, name, data, "file")
             manifest = {
                 "format": FORMAT_VERSION,
                 "step": step,
@@ -209,7 +219,7 @@ class CheckpointStore:
                 "meta": dict(meta),
             }
             manifest_bytes = json.dumps(manifest, sort_keys=True, indent=1).encode()
-            _write_durable(tmp, MANIFEST, manifest_bytes, "manifest")
+            _write_durable(tmp, MANIFEST, [manifest_bytes], "manifest")
             _fsync_dir(tmp)
         except OSError:
             # A full or read-only volume: the half-written step goes now, not at the next

@@ -34,6 +34,7 @@ from trainer.checkpoint import (
     WrittenCheckpoint,
 )
 from trainer.persist import DurableStore
+from trainer.rawstate import file_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +73,14 @@ class ObjectStore:
         started = time.monotonic()
         prefix = f"{self.root}/step-{step:08d}.{secrets.token_hex(4)}"
         entries = {}
-        for name, data in files.items():
-            self.fs.pipe_file(f"{prefix}/{name}", bytes(data))
-            entries[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for name, pieces in file_pieces(files):
+            digest, size = hashlib.sha256(), 0
+            with self.fs.open(f"{prefix}/{name}", "wb") as f:
+                for piece in pieces:
+                    f.write(piece)
+                    digest.update(piece)
+                    size += len(piece) if isinstance(piece, bytes) else piece.nbytes
+            entries[name] = {"size": size, "sha256": digest.hexdigest()}
         manifest = {"format": FORMAT_VERSION, "step": step, "files": entries, "meta": dict(meta)}
         body = json.dumps(manifest, sort_keys=True, indent=1).encode()
         self.fs.pipe_file(f"{prefix}/{MANIFEST}", body)

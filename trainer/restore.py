@@ -2,11 +2,18 @@
 store, in that order of preference (trainer/transfer.py has the rule; docs/trainer.md).
 
 Every rank reports the newest step it holds without reading it (the handover's and the
-durable store's listings); the ranks agree on a plan; then either every rank loads its own
-handover, or one rank loads (from memory, or from disk when nobody has the step in memory)
-and broadcasts. A checkpoint that turns out damaged when the source reads it makes the
-source fall back to an older one, and since everyone takes the source's bytes, the ranks
-still agree. The time spent reading memory, reading disk and transferring is measured apart.
+durable store's listings); the ranks agree on a plan; every rank that holds the step in memory
+takes its own (a stayer), and the lowest of them sends it to the others (the newcomers) over
+the new group (trainer/transfer.py). After a crash (nobody has it in memory) one rank reads the
+durable store and sends it. A checkpoint that turns out damaged when the source reads it makes the
+source fall back to an older one, and since every receiver takes the source's bytes, the ranks
+still agree.
+
+A transfer whose chunks arrive damaged falls back to the durable store: every rank learns it
+(an all_reduce), the source makes sure the store has the step (it writes the state it holds
+if not, synchronously: a fallback, not the planned path), and the receivers read it there;
+the stayers keep the state they took. A receiver that still cannot get the step fails the
+restore loudly. The time spent reading memory, reading disk and transferring is measured apart.
 """
 
 from __future__ import annotations
@@ -15,16 +22,24 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainer.checkpoint import CheckpointCorrupt, CheckpointNotFound, LoadedCheckpoint
 from trainer.handover import StateHandover
 from trainer.persist import DurableStore
-from trainer.transfer import Holding, Where, all_holdings, broadcast_files, plan_restore
+from trainer.rawstate import StateFiles
+from trainer.transfer import (
+    Holding,
+    RestorePlan,
+    TransferSettings,
+    Where,
+    agree,
+    all_holdings,
+    plan_restore,
+    send_state,
+)
 
 logger = logging.getLogger(__name__)
-
-# The step travels with the files of a broadcast under this (checkpoint-safe) name.
-STEP_FILE = "tide.step"
 
 
 @dataclass
@@ -36,6 +51,10 @@ class Located:
     handover_s: float = 0.0
     disk_read_s: float = 0.0
     transfer_s: float = 0.0
+    # Received over the group (a receiver), bytes; False: a damaged transfer was replaced
+    # by the durable store's copy.
+    received_bytes: int = 0
+    transfer_intact: bool = True
 
 
 def _holding(handover: StateHandover | None, store: DurableStore) -> Holding:
@@ -76,42 +95,92 @@ def _read(
 
 
 def locate(
-    handover: StateHandover | None, store: DurableStore, rank: int, world_size: int
+    handover: StateHandover | None,
+    store: DurableStore,
+    rank: int,
+    world_size: int,
+    settings: TransferSettings | None = None,
+    into: Mapping[str, Any] | None = None,
 ) -> Located:
+    """This rank's state (see the module docstring). ``into``: this process's live arrays
+    (paddle_state.live_arrays): a newcomer receives straight into them (no new memory for
+    what its model has already; loading them is then a copy onto themselves)."""
     out = Located()
     mine = _holding(handover, store)
     plan = plan_restore(all_holdings(mine, world_size))
     if plan.step == 0:
         return out
-    if world_size == 1:
-        # Alone: whatever this rank holds that verifies (an older one if the newest is
-        # damaged).
+    receiving = rank in plan.receivers
+    loaded: LoadedCheckpoint | None = None
+    if not receiving:
         loaded = _read(mine.where, plan.step, handover, store, out)
         if loaded is not None:
             out.step, out.files = loaded.step, loaded.files
+    if world_size == 1:
+        # Alone: whatever this rank holds that verifies (an older one if the newest is
+        # damaged).
         return out
-    if not plan.broadcast:
-        loaded = _read(mine.where, plan.step, handover, store, out)
-        if loaded is None or loaded.step != plan.step:
-            # Every rank said it holds the step in memory: one that cannot must not go on
-            # alone with another step.
-            raise CheckpointNotFound(f"rank {rank} lost its handover of step {plan.step}")
-        out.step, out.files = loaded.step, loaded.files
-        return out
-    files: dict[str, bytes] | None = None
-    if rank == plan.source:
-        loaded = _read(mine.where, plan.step, handover, store, out)
-        if loaded is not None:
-            files = {**loaded.files, STEP_FILE: str(loaded.step).encode()}
-        else:
-            files = {STEP_FILE: b"0"}
-    started = time.monotonic()
-    received = broadcast_files(files, plan.source, rank)
-    if rank != plan.source:
-        out.transfer_s = time.monotonic() - started
-        out.source = "peer"
-    out.step = int(received.pop(STEP_FILE, b"0"))
-    out.files = received
-    if out.step != plan.step:
-        logger.warning("rank %d broadcast step %d instead of %d", plan.source, out.step, plan.step)
+    if plan.transfer:
+        _transfer(plan, rank, receiving, settings, out, into)
+    # One all_reduce: a rank without the planned step (a damaged transfer, a handover it
+    # listed but could not take) must not go on alone with another step.
+    if agree(int(out.step != plan.step or not out.transfer_intact)):
+        _fall_back(plan.step, plan.source, rank, store, out)
     return out
+
+
+def _transfer(
+    plan: RestorePlan,
+    rank: int,
+    receiving: bool,
+    settings: TransferSettings | None,
+    out: Located,
+    into: Mapping[str, Any] | None,
+) -> None:
+    chunk_bytes = (settings or TransferSettings.from_env()).chunk_bytes
+    files = StateFiles(out.files, getattr(out.files, "arrays", None))
+    step, got, moved = send_state(
+        files if rank == plan.source else None,
+        out.step,
+        plan.source,
+        rank,
+        chunk_bytes,
+        receiving,
+        into,
+    )
+    if receiving:
+        out.step, out.files, out.source = step, got, "peer"
+        out.transfer_s, out.received_bytes = moved.seconds, moved.nbytes
+        out.transfer_intact = moved.intact
+        if step != plan.step:
+            logger.warning("rank %d sent step %d instead of %d", plan.source, step, plan.step)
+
+
+def _fall_back(step: int, source: int, rank: int, store: DurableStore, out: Located) -> None:
+    """Some rank lacks ``step`` (a damaged transfer): those ranks read it from the durable
+    store, which the source fills first if it lacks it; the others keep what they took.
+    Every rank then checks that every rank has the step."""
+    missing = out.step != step or not out.transfer_intact
+    logger.warning(
+        "rank %d: step %d did not reach every rank intact (this one %s); "
+        "the ranks without it read the durable store",
+        rank,
+        step,
+        "lacks it" if missing else "has it",
+    )
+    if rank == source and out.step == step and step not in store.list_steps():
+        store.write(step, out.files, {"step": step, "from": "transfer fallback"})
+    agree(0)
+    if missing:
+        started = time.monotonic()
+        try:
+            loaded = store.load_latest(at_most=step)
+            out.step, out.files, out.source = loaded.step, loaded.files, "disk"
+        except (CheckpointNotFound, CheckpointCorrupt):
+            out.step = 0
+        out.disk_read_s += time.monotonic() - started
+    if agree(int(out.step == step), op="min") == 0:
+        raise CheckpointNotFound(
+            f"rank {rank}: the transfer of step {step} was damaged and the durable store "
+            "cannot replace it on every rank"
+        )

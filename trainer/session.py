@@ -453,7 +453,13 @@ class ElasticSession:
             # Rank 0 is the only durable writer, and a new generation starts here: what a
             # crashed writer left is garbage now (a writer still running keeps its directory).
             self.store.cleanup_tmp()
-        located = locate(self.handover, self.store, self.rank, self.world_size)
+        located = locate(
+            self.handover,
+            self.store,
+            self.rank,
+            self.world_size,
+            into=paddle_state.live_arrays(self._model, self._optimizer),
+        )
         named = self.env.restore_step
         if named is not None and located.step < named:
             logger.warning(
@@ -537,8 +543,8 @@ class ElasticSession:
         if step in self.store.list_steps():
             return
         self._written_step = step
-        durable = paddle_state.checkpoint_files(files)
-        self.persist.submit(Snapshot(step, durable, self._meta(step, False), False))
+        # As it is: a raw state goes to disk raw (load_state reads both forms).
+        self.persist.submit(Snapshot(step, files, self._meta(step, False), False))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -824,18 +830,16 @@ class ElasticSession:
         self, step: int, held_at: float, checkpoint: bool, ids: list[str], leaving: bool = False
     ) -> None:
         info: CheckpointInfo | None = None
-        durable = False
         if checkpoint and self.handover is not None:
             # Each pod's first worker hands the state to the pod's next worker, in memory,
-            # as the tensors' bytes (not pickled: the pause's critical path); rank 0 also
-            # makes it durable in Paddle's form, off the pause: serialised once the Held is
-            # out (the state does not change while the ranks hold).
+            # as the tensors' bytes (not pickled: the pause's critical path). The next
+            # generation's rank 0 makes it durable after the pause (restore()), so nothing
+            # of the durable write competes with the barrier (trainer/persist.py).
             handed: WrittenCheckpoint | None = None
             # A leaving pod has no next worker to read it; rank 0 still reports the state.
             if self.env.local_rank == 0 and (self.rank == 0 or not leaving):
                 files = self._state_files(raw=True)
                 handed = self.handover.put(step, files, self._meta(step, False))
-                durable = self.rank == 0
             if self.rank == 0:
                 assert handed is not None
                 info = CheckpointInfo(step=step, digest=handed.digest, write_s=handed.write_s)
@@ -855,8 +859,6 @@ class ElasticSession:
         self.channel.send(
             Held(step=step, held_at=held_at, directive_ids=tuple(ids), checkpoint=info)
         )
-        if durable:
-            self._write_checkpoint(step, periodic=False)
 
     def _exit(self) -> None:
         logger.info(

@@ -26,16 +26,17 @@ M, D, N = Where.MEMORY, Where.DISK, Where.NOWHERE
     ("holdings", "plan"),
     [
         # A planned resize of stayers only: each takes its own, nothing moves.
-        ([(7, M), (7, M)], RestorePlan(7, -1)),
-        # A newcomer: the first stayer with the step in memory sends it.
-        ([(7, M), (7, M), (0, N)], RestorePlan(7, 0)),
-        ([(0, N), (7, M)], RestorePlan(7, 1)),
+        ([(7, M), (7, M)], RestorePlan(7)),
+        # Newcomers: the first stayer sends to them alone; every stayer keeps its own.
+        ([(7, M), (7, M), (0, N)], RestorePlan(7, 0, (2,))),
+        ([(7, M), (7, M), (0, N), (0, N)], RestorePlan(7, 0, (2, 3))),
+        ([(0, N), (7, M)], RestorePlan(7, 1, (0,))),
         # After a crash: the durable store's newest, read by one rank only.
-        ([(0, N), (10, D), (10, D)], RestorePlan(10, 1)),
+        ([(0, N), (10, D), (10, D)], RestorePlan(10, 1, (0, 2))),
         # Memory beats disk for the same step; the newest step beats both.
-        ([(10, D), (10, M)], RestorePlan(10, 1)),
-        ([(10, M), (12, D)], RestorePlan(12, 1)),
-        ([(0, N), (0, N)], RestorePlan(0, -1)),
+        ([(10, D), (10, M)], RestorePlan(10, 1, (0,))),
+        ([(10, M), (12, D)], RestorePlan(12, 1, (0,))),
+        ([(0, N), (0, N)], RestorePlan(0)),
     ],
 )
 def test_the_newest_step_from_memory_first(

@@ -1,0 +1,71 @@
+"""The state's way to newcomers over a real gloo group (trainer/transfer.py, restore.py):
+stayers keep their own, the newcomer receives chunked and checked tensors, and a damaged
+chunk makes the newcomer read the durable store while the stayers keep what they took."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.testing.localjob import ROOT, free_port
+
+pytest.importorskip("paddle")
+
+pytestmark = [pytest.mark.integration, pytest.mark.paddle]
+
+WORKER = str(Path(__file__).with_name("transfer_worker.py"))
+
+
+def test_newcomers_get_checked_chunks_and_a_damaged_one_falls_back_to_disk(
+    tmp_path: Path,
+) -> None:
+    world = 3
+    ports = [free_port() for _ in range(world)]
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}",
+            "PADDLE_DISTRI_BACKEND": "gloo",
+            "PADDLE_MASTER": f"127.0.0.1:{ports[0]}",
+            "PADDLE_TRAINER_ID": str(rank),
+            "PADDLE_TRAINERS_NUM": str(world),
+            "PADDLE_TRAINER_ENDPOINTS": ",".join(f"127.0.0.1:{p}" for p in ports),
+            "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{ports[rank]}",
+        }
+        log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, WORKER, str(tmp_path)], cwd=ROOT, env=env, stdout=log, stderr=log
+            )
+        )
+        log.close()
+    codes = [p.wait(timeout=120) for p in procs]
+    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(world))
+    assert codes == [0] * world, logs
+    clean, flipped = zip(
+        *(json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(world)),
+        strict=True,
+    )
+
+    # A planned resize: the stayers take their own, the newcomer gets the same bytes.
+    assert [r["source"] for r in clean] == ["memory", "memory", "peer"]
+    for r in clean:
+        assert (r["step"], r["intact"], r["rng"]) == (5, True, "rng-5")
+        assert r["digests"] == r["expected"]
+    assert clean[2]["durable"] == [3]
+    # The newcomer's live tensor received its bytes in place.
+    assert clean[2]["live_is_result"] and clean[2]["live"] == clean[2]["expected"]["model/w"]
+
+    # A damaged chunk: detected; the source makes the step durable, the newcomer reads it.
+    assert [r["source"] for r in flipped] == ["memory", "memory", "disk"]
+    assert [r["intact"] for r in flipped] == [True, True, False]
+    for r in flipped:
+        assert (r["step"], r["rng"]) == (6, "rng-6")
+        assert r["digests"] == r["expected"], "a rank went on with damaged state"
+    assert flipped[2]["durable"] == [3, 6]
