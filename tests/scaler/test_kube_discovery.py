@@ -150,6 +150,24 @@ async def test_an_opted_in_paddlejob_becomes_a_job_and_follows_its_changes(rig: 
     assert {x.state for x in page.decisions} == {DecisionState.COMPLETED}
 
 
+async def test_a_job_the_coordinator_failed_gets_a_warning_event_once(rig: Rig) -> None:
+    rig.c.api.create(PADDLE_OPERATOR, paddle_operator_job("f", 1, lo=1, hi=2))
+    await eventually(lambda: rig.core.jobs.get("default/f"), 20, what="the job")
+    # Its first generation formed (by a decision): the coordinator knows the job.
+    await eventually(lambda: rig.core.jobs["default/f"].current_replicas == 1, 20)
+    await eventually(lambda: "SuccessfulRescale" in rig.reasons("f"), 20, what="formed")
+    coordinator = rig.core.coordinator
+    assert isinstance(coordinator, InMemoryCoordinator)
+    coordinator.fail("default/f", "restart budget spent: the worker was killed by SIGSEGV")
+    await rig.core.tick()
+    event = await eventually(
+        lambda: [e for e in rig.events("f") if e[1] == "JobFailed"], 20, what="the Event"
+    )
+    assert event[0][0] == "Warning" and "killed by SIGSEGV" in event[0][2]
+    await rig.core.tick()
+    assert rig.reasons("f").count("JobFailed") == 1
+
+
 async def test_a_job_another_autoscaler_targets_is_refused_until_it_goes(rig: Rig) -> None:
     api = rig.c.api
     hpa_t = api.rtype(*HPA)

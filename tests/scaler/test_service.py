@@ -261,11 +261,17 @@ async def test_a_finished_job_is_no_longer_evaluated(rig: Rig) -> None:
 
 
 async def test_a_failed_job_is_no_longer_evaluated(rig: Rig) -> None:
-    rig.coordinator.fail("ns/a", "restart budget spent: the worker was killed by SIGSEGV")
+    said: list[tuple[str, str]] = []
+    rig.core.feed.failure_observers.append(lambda job_id, why: said.append((job_id, why)))
+    why = "restart budget spent: the worker was killed by SIGSEGV"
+    rig.coordinator.fail("ns/a", why)
     feed(rig, 35, 95.0)
     await rig.core.tick()
     assert "ns/a" not in rig.core.evaluations
     assert (await rig.store.list_decisions(job_id="ns/a")).decisions == ()
+    # Said once (the Kubernetes Event of the failure), not at every pass.
+    await rig.core.tick()
+    assert said == [("ns/a", why)]
 
 
 async def test_the_notice_deadline_rules_the_barrier_deadline(rig: Rig) -> None:

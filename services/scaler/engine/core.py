@@ -139,6 +139,7 @@ class ScalerCore:
             driver=driver,
             pipeline=self.pipeline,
             metrics=metrics,
+            feed=self.feed,
         )
         self.rollups = RollupWriter(
             store,

@@ -1,5 +1,6 @@
 """The event feed: every decision event to the WatchDecisions streams (one bounded
-queue per watcher) and to the observers (the Kubernetes Events)."""
+queue per watcher) and to the observers (the Kubernetes Events); and the end of a job
+that failed for good (its restart budget spent, issue 27) to the failure observers."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class DecisionFeed:
         self._watchers: list[tuple[str, asyncio.Queue[Watched | None]]] = []
         #: Told of every decision state (the Kubernetes Events); must not block.
         self.observers: list[Callable[[DecisionRecord, str], None]] = []
+        #: Told once of each job the coordinator failed for good, with why; must not block.
+        self.failure_observers: list[Callable[[str, str], None]] = []
 
     def subscribe(self, job_id: str) -> asyncio.Queue[Watched | None]:
         q: asyncio.Queue[Watched | None] = asyncio.Queue(maxsize=self.max_queued)
@@ -47,6 +50,15 @@ class DecisionFeed:
                     "decision %d: an observer failed",
                     d.id,
                     extra={"job_id": d.job_id, "decision_id": d.id},
+                )
+
+    def job_failed(self, job_id: str, why: str) -> None:
+        for observe in self.failure_observers:
+            try:
+                observe(job_id, why)
+            except Exception:
+                logger.exception(
+                    "job %s: a failure observer failed", job_id, extra={"job_id": job_id}
                 )
 
     def _enqueue(self, d: DecisionRecord, detail: str) -> None:

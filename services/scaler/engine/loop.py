@@ -102,6 +102,8 @@ class Loop:
                     await losses.record_loss(job_id)
             if not st.over:
                 running.append((job_id, None))
+            elif st.failure:
+                losses.note_failure(job_id, st)
         await self.pipeline.evaluate_many(running, fresh, reuse=self.pipeline.reuse_answers)
 
     async def drain_triggers(self) -> None:

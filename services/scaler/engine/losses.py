@@ -8,6 +8,8 @@ decision of this scaler's.
   replicas and the coordinator's world size, and corrects each drift through a
   recorded decision (services/scaler/reconcile.py).
 - The throughput each job trains at, once settled, for the goodput guard.
+- A job the coordinator failed for good (its workers crashed at every start until the
+  restart budget was spent): said once, to the log and the feed (a Kubernetes Event).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from services.scaler import reconcile
 from services.scaler.actuators import Actuator
 from services.scaler.coordination import CoordinatorClient, JobStatusView
 from services.scaler.engine.decisions import DecisionDriver
+from services.scaler.engine.feed import DecisionFeed
 from services.scaler.engine.jobs import JobBook
 from services.scaler.engine.ownership import Ownership
 from services.scaler.engine.pipeline import Pipeline
@@ -44,6 +47,7 @@ class Losses:
         driver: DecisionDriver,
         pipeline: Pipeline,
         metrics: ScalerMetrics,
+        feed: DecisionFeed,
     ) -> None:
         self.actuator = actuator
         self.coordinator = coordinator
@@ -52,6 +56,9 @@ class Losses:
         self.driver = driver
         self.pipeline = pipeline
         self.metrics = metrics
+        self.feed = feed
+        #: The jobs whose failure was already said (once per job and process).
+        self._failures_said: set[str] = set()
         #: Each job's lost_steps_total as last seen, to tell what a loss cost.
         self._lost_seen: dict[str, int] = {}
 
@@ -60,6 +67,19 @@ class Losses:
         good): no more resizes."""
         st = self.coordinator.latest_status(job_id)
         return st is not None and st.over
+
+    def note_failure(self, job_id: str, st: JobStatusView) -> None:
+        """Say once that the coordinator failed ``job_id`` for good, with its cause."""
+        if not st.failure or job_id in self._failures_said:
+            return
+        self._failures_said.add(job_id)
+        logger.warning(
+            "job %s failed for good: %s",
+            job_id,
+            st.failure.splitlines()[0],
+            extra={"job_id": job_id},
+        )
+        self.feed.job_failed(job_id, st.failure)
 
     def measure(self, job_id: str, now: float, status: JobStatusView) -> None:
         """The job's throughput at its size, once settled (the goodput guard's curve)."""

@@ -35,6 +35,8 @@ AUTOSCALER_CONFLICT = "AutoscalerConflict"
 INVALID_ANNOTATION = "InvalidPolicyAnnotation"
 INVALID_BOUNDS = "InvalidReplicaBounds"
 ADOPTED = "Adopted"
+# The coordinator failed the job for good (its workers crashed at every start).
+JOB_FAILED = "JobFailed"
 RELEASED = "Released"
 
 
@@ -69,6 +71,12 @@ def decision_event(d: DecisionRecord, detail: str) -> EventSpec:
         msg = f"{head}: {detail}"
     # The API server refuses messages over 1 KiB.
     return EventSpec(kind, reason, msg[:1024])
+
+
+def failure_event(why: str) -> EventSpec:
+    """The Event of a job the coordinator failed for good: the last worker's end and
+    the tail of its log (`tide jobs -o json` has the whole of it)."""
+    return EventSpec(WARNING, JOB_FAILED, f"the job failed for good: {why}"[:1024])
 
 
 class EventRecorder:

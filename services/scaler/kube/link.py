@@ -14,7 +14,7 @@ from typing import Any
 from services.scaler.actuators.kubernetes import KubernetesActuator
 from services.scaler.engine.core import ScalerCore
 from services.scaler.kube.discovery import Discovery
-from services.scaler.kube.events import EventRecorder, decision_event
+from services.scaler.kube.events import EventRecorder, decision_event, failure_event
 from services.scaler.kube.trust import TrustBundle
 from services.scaler.store import DecisionRecord
 
@@ -52,7 +52,11 @@ class KubeLink:
         def on_decision(d: DecisionRecord, detail: str) -> None:
             discovery.event(d.job_id, decision_event(d, detail))
 
+        def on_failure(job_id: str, why: str) -> None:
+            discovery.event(job_id, failure_event(why))
+
         core.feed.observers.append(on_decision)
+        core.feed.failure_observers.append(on_failure)
 
         async def run() -> None:
             actuator.start()
