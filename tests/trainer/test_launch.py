@@ -278,6 +278,10 @@ async def test_reconnects_and_reregisters_with_the_same_launcher_id(tmp_path: Pa
     run = asyncio.create_task(launcher.run())
     await eventually(lambda: coord.members, 10, what="registration")
     (mid,) = coord.members
+    # Its directive stream open first: the fake answers Register before the launcher opens
+    # it, and a stream first opened on the restarted fake (which still knows the member)
+    # needs no re-registration.
+    await eventually(lambda: coord.members[mid].streams, 10, what="the directive stream")
     await server.stop(None)
     # A restarted coordinator on the same port: the launcher finds it again by itself.
     server2 = await _serve_on(coord, port)
