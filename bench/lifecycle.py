@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.history import DEFAULT_PG, pg_schema
+from bench.history_seed import DEFAULT_PG, pg_schema
 
 WARM = 10
 

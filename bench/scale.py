@@ -418,7 +418,8 @@ def run_phase(
 
 
 def big_history(url: str) -> float:
-    from bench.history import BUSY_DECISIONS, measure_scaler, pg_schema, seed
+    from bench.history import measure_scaler
+    from bench.history_seed import BUSY_DECISIONS, pg_schema, seed
 
     total = BUSY_DECISIONS * 2
     with pg_schema(url) as u:
@@ -429,7 +430,7 @@ def big_history(url: str) -> float:
 def sweep(sizes: list[int], seconds: float, pg: str, resizing_every: int) -> int:
     """One replica at each fleet size; RESULT holds, per size, what the capacity target
     is judged by (agents per core used, ack p99) and whether the fleet kept its 1 Hz."""
-    from bench.history import pg_schema
+    from bench.history_seed import pg_schema
     from services.store import db
 
     out: dict[str, Any] = {}
@@ -480,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     agents = args.agents or (1200 if args.quick else 3000)
     seconds = args.seconds or (30.0 if args.quick else 90.0)
     t_start = time.monotonic()
-    from bench.history import pg_schema
+    from bench.history_seed import pg_schema
     from services.store import db
 
     if args.sweep:
