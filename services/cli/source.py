@@ -399,31 +399,11 @@ class SqlHistory:
         page_size: Callable[[], int] = lambda: PAGE_SIZE,
     ) -> AsyncIterator[tuple[list[scaler_pb2.Decision], bool]]:
         """As GrpcScaler's: one keyset page per read transaction."""
-        from services.scaler import store
         from services.scaler.convert import decision_to_proto
-        from services.scaler.lifecycle import state_from_proto
+        from services.scaler.store.rows import decision_record
 
-        wanted = [state_from_proto(v) for v in states]
-        token = ""
-        while True:
-
-            def q(s: Any, token: str = token) -> Any:
-                return store.list_decisions(
-                    s,
-                    job_id=job_id,
-                    since=since,
-                    until=until,
-                    states=wanted,
-                    page_size=page_size(),
-                    page_token=token,
-                    with_inputs=False,
-                )
-
-            page = self._read(q)
-            token = page.next_page_token
-            yield [decision_to_proto(r) for r in page.decisions], bool(token)
-            if not token:
-                return
+        async for rows, more in self._decision_rows(job_id, since, until, states, page_size):
+            yield [decision_to_proto(decision_record(r, with_inputs=False)) for r in rows], more
 
     async def history_table_pages(
         self,
@@ -438,6 +418,20 @@ class SqlHistory:
         """`tide history`'s table rows straight from the store's rows: no record and no
         message per decision (100,000 decisions took 8.8 s that way; docs/cli.md)."""
         from services.cli import render
+
+        async for rows, more in self._decision_rows(job_id, since, until, states, page_size):
+            yield render.history_rows_of_store(rows, wide=wide), more
+
+    async def _decision_rows(
+        self,
+        job_id: str,
+        since: datetime | None,
+        until: datetime | None,
+        states: Sequence[int],
+        page_size: Callable[[], int],
+    ) -> AsyncIterator[tuple[list[Any], bool]]:
+        """The store's decision rows, newest first, one keyset page per read transaction
+        (without their inputs: no page shows them), and whether more follow."""
         from services.scaler import store
         from services.scaler.lifecycle import state_from_proto
 
@@ -458,7 +452,7 @@ class SqlHistory:
                 )
 
             rows, token = self._read(q)
-            yield render.history_rows_of_store(rows, wide=wide), bool(token)
+            yield rows, bool(token)
             if not token:
                 return
 
