@@ -22,9 +22,8 @@ import numpy as np
 import paddle
 import xxhash
 
-from trainer.checkpoint import CheckpointSettings
-from trainer.examples.train_mlp import build_model, make_dataset, parse_args
-from trainer.session import ElasticSession, SessionConfig
+from trainer.examples.train_mlp import build_model, make_dataset, parse_args, session_config
+from trainer.session import ElasticSession
 
 BLOCK = 4096
 
@@ -79,18 +78,7 @@ def main() -> int:
         del argv[i : i + 2]
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    config = SessionConfig(
-        dataset_size=args.dataset_size,
-        global_batch=args.global_batch,
-        seed=args.seed,
-        max_steps=args.steps,
-        checkpoint_dir=args.ckpt_dir,
-        checkpoint=CheckpointSettings(
-            keep=args.keep, every_steps=args.ckpt_every_steps, every_s=args.ckpt_every_s
-        ),
-        log_dir=args.log_dir,
-    )
-    session = ElasticSession.from_env(config)
+    session = ElasticSession.from_env(session_config(args))
     x_all, y_all = make_dataset(args.dataset_size, args.seed)
     paddle.seed(args.seed)
     model = Sized(args.hidden, state_mb)

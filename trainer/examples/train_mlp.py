@@ -56,10 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    config = SessionConfig(
+def session_config(args: argparse.Namespace) -> SessionConfig:
+    """The session's settings from this script's flags (bench/statesize_train.py's too)."""
+    return SessionConfig(
         dataset_size=args.dataset_size,
         global_batch=args.global_batch,
         seed=args.seed,
@@ -70,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         ),
         log_dir=args.log_dir,
     )
-    session = ElasticSession.from_env(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    session = ElasticSession.from_env(session_config(args))
     # Build before joining the group: group init waits for the slowest rank anyway.
     x_all, y_all = make_dataset(args.dataset_size, args.seed)
     paddle.seed(args.seed)
