@@ -54,7 +54,15 @@ from typing import Any
 
 from tide.v1 import coordinator_pb2 as pb
 
-from services.testing.localjob import EXAMPLE, ROOT, LocalJob, Pod, loss_records, read_jsonl
+from services.testing.localjob import (
+    EXAMPLE,
+    ROOT,
+    LocalJob,
+    Pod,
+    gloo_env,
+    loss_records,
+    read_jsonl,
+)
 from services.testing.localjob import free_port as _free_port
 from trainer.checkpoint import CheckpointStore
 from trainer.spawner import ZygoteSpawner
@@ -236,16 +244,10 @@ def _breakdown(log_dir: Path, gen: int, ckpt: int, mode: str) -> Measure:
 
 def _fixed_env(world: int, tag: str) -> list[dict[str, str]]:
     ports = [_free_port() for _ in range(world)]
-    endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
     return [
         {
             **os.environ,
-            "PADDLE_DISTRI_BACKEND": "gloo",
-            "PADDLE_MASTER": f"127.0.0.1:{ports[0]}",
-            "PADDLE_TRAINER_ID": str(rank),
-            "PADDLE_TRAINERS_NUM": str(world),
-            "PADDLE_TRAINER_ENDPOINTS": endpoints,
-            "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{ports[rank]}",
+            **gloo_env(rank, ports),
             "TIDE_GENERATION": tag,
         }
         for rank in range(world)
@@ -373,12 +375,7 @@ async def pure_group_init(workdir: Path, world: int, reps: int) -> float:
             for rank in range(world):
                 env = {
                     **os.environ,
-                    "PADDLE_DISTRI_BACKEND": "gloo",
-                    "PADDLE_MASTER": f"127.0.0.1:{ports[0]}",
-                    "PADDLE_TRAINER_ID": str(rank),
-                    "PADDLE_TRAINERS_NUM": str(world),
-                    "PADDLE_TRAINER_ENDPOINTS": ",".join(f"127.0.0.1:{p}" for p in ports),
-                    "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{ports[rank]}",
+                    **gloo_env(rank, ports),
                     "PROBE_START_AT": repr(start_at),
                     "PROBE_OUT": str(out),
                 }

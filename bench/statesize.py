@@ -97,7 +97,7 @@ async def bare_broadcast(
 ) -> dict[float, float]:
     """Seconds for one gloo broadcast of each size from rank 0 to ``world`` ranks (from a
     barrier to a barrier after it: every rank has the bytes)."""
-    from services.testing.localjob import free_port
+    from services.testing.localjob import free_port, gloo_env
 
     workdir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before any timing
     script = workdir / "bcast.py"
@@ -107,12 +107,7 @@ async def bare_broadcast(
     for rank in range(world):
         env = {
             **os.environ,
-            "PADDLE_DISTRI_BACKEND": "gloo",
-            "PADDLE_MASTER": f"127.0.0.1:{ports[0]}",
-            "PADDLE_TRAINER_ID": str(rank),
-            "PADDLE_TRAINERS_NUM": str(world),
-            "PADDLE_TRAINER_ENDPOINTS": ",".join(f"127.0.0.1:{p}" for p in ports),
-            "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{ports[rank]}",
+            **gloo_env(rank, ports),
             "PROBE_SIZES": json.dumps(sizes_mb),
             "PROBE_OUT": str(workdir / "bcast"),
         }

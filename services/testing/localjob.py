@@ -339,18 +339,9 @@ def reference_run(
     """A fixed-size run without any coordinator (Paddle's plain way): the parity baseline."""
     log_dir = workdir / "logs"
     ports = [free_port() for _ in range(world_size)]
-    endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
     procs = []
     for rank in range(world_size):
-        env = {
-            **os.environ,
-            "PADDLE_DISTRI_BACKEND": "gloo",
-            "PADDLE_MASTER": f"127.0.0.1:{ports[0]}",
-            "PADDLE_TRAINER_ID": str(rank),
-            "PADDLE_TRAINERS_NUM": str(world_size),
-            "PADDLE_TRAINER_ENDPOINTS": endpoints,
-            "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{ports[rank]}",
-        }
+        env = {**os.environ, **gloo_env(rank, ports)}
         workdir.mkdir(parents=True, exist_ok=True)
         out = open(workdir / f"ref-rank{rank}.log", "ab")  # noqa: SIM115
         procs.append(
@@ -375,6 +366,19 @@ def reference_run(
     if any(codes):
         raise RuntimeError(f"reference run failed with {codes}; see {workdir}")
     return log_dir
+
+
+def gloo_env(rank: int, ports: Sequence[int]) -> dict[str, str]:
+    """The PADDLE_* environment of ``rank`` in a gloo group on loopback, one port a rank
+    (rank 0's is the master): Paddle's plain way, with no launcher."""
+    return {
+        "PADDLE_DISTRI_BACKEND": "gloo",
+        "PADDLE_MASTER": f"127.0.0.1:{ports[0]}",
+        "PADDLE_TRAINER_ID": str(rank),
+        "PADDLE_TRAINERS_NUM": str(len(ports)),
+        "PADDLE_TRAINER_ENDPOINTS": ",".join(f"127.0.0.1:{p}" for p in ports),
+        "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{ports[rank]}",
+    }
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.testing.localjob import ROOT, free_port
+from services.testing.localjob import ROOT, free_port, gloo_env
 
 pytest.importorskip("paddle")
 
@@ -31,12 +31,7 @@ def test_newcomers_get_checked_chunks_and_a_damaged_one_falls_back_to_disk(
         env = {
             **os.environ,
             "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}",
-            "PADDLE_DISTRI_BACKEND": "gloo",
-            "PADDLE_MASTER": f"127.0.0.1:{ports[0]}",
-            "PADDLE_TRAINER_ID": str(rank),
-            "PADDLE_TRAINERS_NUM": str(world),
-            "PADDLE_TRAINER_ENDPOINTS": ",".join(f"127.0.0.1:{p}" for p in ports),
-            "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{ports[rank]}",
+            **gloo_env(rank, ports),
         }
         log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115
         procs.append(
