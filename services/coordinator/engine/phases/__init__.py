@@ -29,12 +29,7 @@ from collections.abc import Mapping
 
 from services.coordinator.domain import RESIZE_TRANSITIONS, Resize, ResizePhase
 from services.coordinator.engine.phases.barrier import Checkpointing, Preparing
-from services.coordinator.engine.phases.base import (
-    AckEvent,
-    Context,
-    PhaseHandler,
-    ResizeEvent,
-)
+from services.coordinator.engine.phases.base import AckEvent, Context, PhaseHandler, ResizeEvent
 from services.coordinator.engine.phases.rendezvous import Rendezvous
 from services.coordinator.engine.phases.waiting import WaitingForMembers
 

@@ -14,13 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from services.coordinator.domain import (
-    DirectiveKind,
-    Member,
-    MemberState,
-    Resize,
-    ResizePhase,
-)
+from services.coordinator.domain import DirectiveKind, Member, MemberState, Resize, ResizePhase
 from services.coordinator.engine.effects import (
     Abort,
     Effect,

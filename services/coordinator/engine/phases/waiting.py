@@ -9,16 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.coordinator.domain import (
-    Resize,
-    ResizePhase,
-    choose_leaving,
-)
-from services.coordinator.engine.effects import (
-    Complete,
-    Effect,
-    Recover,
-)
+from services.coordinator.domain import Resize, ResizePhase, choose_leaving
+from services.coordinator.engine.effects import Complete, Effect, Recover
 from services.coordinator.engine.phases.barrier import _begin
 from services.coordinator.engine.phases.base import (
     Context,
