@@ -151,7 +151,7 @@ def test_a_shrink_has_no_phase_of_its_own() -> None:
 def test_a_legacy_draining_row_loads_as_a_barrier_the_restart_rules_abort() -> None:
     """A row an older coordinator stored in DRAINING must not strand its stayers at
     the barrier: it loads as CHECKPOINTING, whose restart rule aborts it (resuming
-    the stayers; tests/coordinator/test_phases.py covers that rule)."""
+    the stayers; tests/coordinator/test_phases_barrier.py covers that rule)."""
     from services.coordinator.sql_store import _phase
 
     assert _phase("DRAINING") is ResizePhase.CHECKPOINTING
