@@ -4,7 +4,9 @@ stand-ins for the PaddleJob operators and the kubelet.
 - :mod:`.apiserver`: core v1 (Namespaces, Nodes, Pods, Events), Leases,
   HPAs, CRDs and their custom resources under their groups; resourceVersion,
   409, watches with 410, patches, selectors, discovery. The official
-  ``kubernetes`` client and the real ``kubectl`` talk to it unchanged.
+  ``kubernetes`` client and the real ``kubectl`` talk to it unchanged
+  (its parts: :mod:`.resources`, :mod:`.store`, :mod:`.watch`,
+  :mod:`.semantics`, :mod:`.wire`).
 - :mod:`.operators`: the reconcilers of paddle-operator and Kubeflow's
   training-operator, pods by index from the replicas.
 - :mod:`.kubelet`: runs each pod's container command as a local process with
