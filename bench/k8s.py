@@ -8,7 +8,7 @@ and the coordinator as processes; load grows the PaddleJob 2 -> 4 and shrinks it
 a 409 armed on the PaddleJob before the grow and every watch cut with its history compacted
 (so the re-watch gets 410).
 
-Baseline: `tide demo` (services/local/demo.py) with the same policy windows, training and
+Baseline: `tide demo` (services/local/demo/) with the same policy windows, training and
 load: the same grow and shrink through the local actuator (launchers as local processes).
 
     python -m bench.k8s --quick     # one loop each way (about 3 min here)

@@ -179,7 +179,7 @@ class KubeLoop:
                     "--bucket-s", str(s.bucket_s), "--cooldown-s", str(s.cooldown_s),
                     "--scale-down-stabilization-s", "0", "--max-step", str(s.max_replicas),
                     "--phase-timeout-s", "60",
-                    # CPU workers on a shared machine rarely scale: see services/local/demo.py.
+                    # CPU workers on a shared machine rarely scale: see services/local/demo/spec.py.
                     "--min-scale-up-efficiency", "0", "--insecure",
                 ),
             )
