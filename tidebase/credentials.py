@@ -116,9 +116,10 @@ class ClientCredentials:
 NO_CREDENTIALS = ClientCredentials()
 
 
-class TokenFile:
-    """A token file, read again when its mtime, size or inode changes (a Secret's
-    atomic symlink swap changes the inode; a projected token's refresh the mtime)."""
+class WatchedFile:
+    """A file's text, read again when its mtime, size or inode changes (a Secret's
+    atomic symlink swap changes the inode; a projected token's refresh the mtime); the
+    last text is kept while the file cannot be read (a Secret being swapped)."""
 
     def __init__(self, path: str) -> None:
         self._path = path
@@ -127,20 +128,29 @@ class TokenFile:
         self._value = ""
 
     def __repr__(self) -> str:
-        return f"TokenFile({self._path!r})"
+        return f"{type(self).__name__}({self._path!r})"
 
     def read(self) -> str:
         try:
             st = os.stat(self._path)
         except OSError:
-            # A Secret being swapped: keep the last token rather than send none.
             return self._value
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
         with self._lock:
             if key != self._key:
                 try:
-                    self._value = Path(self._path).read_text().strip()
+                    self._value = self._parse(Path(self._path).read_text())
                     self._key = key
                 except OSError:
                     pass
             return self._value
+
+    def _parse(self, text: str) -> str:
+        return text
+
+
+class TokenFile(WatchedFile):
+    """A bearer token's file: its text less surrounding whitespace."""
+
+    def _parse(self, text: str) -> str:
+        return text.strip()

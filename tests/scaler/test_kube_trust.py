@@ -62,6 +62,21 @@ async def test_the_ca_follows_its_file_into_each_namespace(
     assert data(api, "x") == {}  # someone else's: left alone
 
 
+async def test_a_ca_file_mid_swap_keeps_the_last_ca_and_raises_nothing(
+    kube: tuple[KubeApiServer, client.ApiClient], tmp_path: Path
+) -> None:
+    api, c = kube
+    ca = tmp_path / "ca.crt"
+    trust = TrustBundle(c, "tide-ca", str(ca))
+    await trust.ensure(["ml"])  # no file yet: nothing copied, discovery goes on
+    assert data(api, "ml") is None
+    ca.write_text("CA-1\n")
+    await trust.ensure(["ml"])
+    ca.unlink()  # a Secret's symlink swap, caught in between
+    await trust.ensure(["ml", "research"])
+    assert data(api, "research") == {KEY: "CA-1\n"}
+
+
 async def test_discovery_puts_it_where_an_opted_in_paddlejob_is(
     kube: tuple[KubeApiServer, client.ApiClient], tmp_path: Path
 ) -> None:

@@ -15,14 +15,13 @@ pods still starting, mount it).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Iterable
-from pathlib import Path
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from tidebase.credentials import WatchedFile
 from tidebase.errors import Unavailable
 
 logger = logging.getLogger(__name__)
@@ -41,18 +40,23 @@ class TrustBundle:
     ) -> None:
         self.name = name
         self.ca_file = ca_file
+        # Read again only when the file changes; its last text kept while it cannot be
+        # read (a Secret mid-swap must not end discovery, which calls ensure every pass).
+        self._ca = WatchedFile(ca_file)
         self._core = client.CoreV1Api(api)
         self._timeout_s = request_timeout_s
-        #: The digest of the CA written into each namespace.
+        #: The CA written into each namespace.
         self.written: dict[str, str] = {}
 
     async def ensure(self, namespaces: Iterable[str]) -> None:
         """Write the CA into every namespace of ``namespaces`` that lacks it (or holds an
         older one); a namespace that refuses is logged and tried at the next pass."""
-        pem = await asyncio.to_thread(Path(self.ca_file).read_text)
-        digest = hashlib.sha256(pem.encode()).hexdigest()
+        pem = await asyncio.to_thread(self._ca.read)
+        if not pem:
+            logger.warning("trust bundle: no CA in %s yet; nothing copied", self.ca_file)
+            return
         for ns in sorted(set(namespaces)):
-            if self.written.get(ns) == digest:
+            if self.written.get(ns) == pem:
                 continue
             try:
                 await asyncio.to_thread(self._apply, ns, pem)
@@ -65,9 +69,9 @@ class TrustBundle:
                     extra={"namespace": ns},
                 )
                 if isinstance(exc, Unavailable):
-                    self.written[ns] = digest  # someone else's: said once, not every pass
+                    self.written[ns] = pem  # someone else's: said once, not every pass
                 continue
-            self.written[ns] = digest
+            self.written[ns] = pem
             logger.info("trust bundle: the CA is in ConfigMap %s/%s", ns, self.name)
 
     def _apply(self, ns: str, pem: str) -> None:
