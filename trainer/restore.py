@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +53,6 @@ class Located:
     transfer_s: float = 0.0
     # Received over the group (a receiver), bytes; False: a damaged transfer was replaced
     # by the durable store's copy.
-    received_bytes: int = 0
     transfer_intact: bool = True
 
 
@@ -100,11 +99,12 @@ def locate(
     rank: int,
     world_size: int,
     settings: TransferSettings | None = None,
-    into: Mapping[str, Any] | None = None,
+    into: Callable[[], Mapping[str, Any]] | None = None,
 ) -> Located:
-    """This rank's state (see the module docstring). ``into``: this process's live arrays
-    (paddle_state.live_arrays): a newcomer receives straight into them (no new memory for
-    what its model has already; loading them is then a copy onto themselves)."""
+    """This rank's state (see the module docstring). ``into``: gives this process's live
+    arrays (paddle_state.live_arrays), asked for only by a newcomer, which receives
+    straight into them (no new memory for what its model has already; loading them is
+    then a copy onto themselves)."""
     out = Located()
     mine = _holding(handover, store)
     plan = plan_restore(all_holdings(mine, world_size))
@@ -121,7 +121,7 @@ def locate(
         # damaged).
         return out
     if plan.transfer:
-        _transfer(plan, rank, receiving, settings, out, into)
+        _transfer(plan, rank, receiving, settings, out, into() if receiving and into else None)
     # One all_reduce: a rank without the planned step (a damaged transfer, a handover it
     # listed but could not take) must not go on alone with another step.
     if agree(int(out.step != plan.step or not out.transfer_intact)):
@@ -150,7 +150,7 @@ def _transfer(
     )
     if receiving:
         out.step, out.files, out.source = step, got, "peer"
-        out.transfer_s, out.received_bytes = moved.seconds, moved.nbytes
+        out.transfer_s = moved.seconds
         out.transfer_intact = moved.intact
         if step != plan.step:
             logger.warning("rank %d sent step %d instead of %d", plan.source, step, plan.step)

@@ -458,7 +458,9 @@ class ElasticSession:
             self.store,
             self.rank,
             self.world_size,
-            into=paddle_state.live_arrays(self._model, self._optimizer),
+            # Not rank 0's: it makes what it received durable seconds later, while its
+            # tensors train on; received into fresh arrays, that state stays the step's.
+            into=None if self.rank == 0 else self._live_arrays,
         )
         named = self.env.restore_step
         if named is not None and located.step < named:
@@ -529,6 +531,9 @@ class ElasticSession:
         self._first_step_started = time.monotonic()
         self._current()
         return self.step_done
+
+    def _live_arrays(self) -> dict[str, Any]:
+        return paddle_state.live_arrays(self._model, self._optimizer)
 
     def _persist_pending_restore(self) -> None:
         if self._restored_unpersisted is not None:

@@ -57,7 +57,9 @@ def main() -> int:
         os.environ[FAULT_ENV] = "flip" if phase == "flip" and rank == 2 else ""
         dist.barrier()
         # Chunks of 1 KiB: every array but the smallest travels in several.
-        got = locate(handover, store, rank, world, TransferSettings(chunk_mb=1 / 1024), live)
+        got = locate(
+            handover, store, rank, world, TransferSettings(chunk_mb=1 / 1024), lambda: live
+        )
         out.append(
             {
                 "phase": phase,
