@@ -24,6 +24,7 @@ from typing import Annotated, Any
 import typer
 
 from services.cli.app import Exit, echo, fail
+from services.common.files import write_atomic
 
 ENV_FILE = "TIDE_CONTEXTS_FILE"
 ENV_CONTEXT = "TIDE_CONTEXT"
@@ -69,13 +70,8 @@ def load() -> dict[str, Any]:
 def _save(doc: Mapping[str, Any]) -> None:
     import yaml
 
-    p = path()
-    p.parent.mkdir(parents=True, exist_ok=True)
     # Paths of keys and tokens, not their content; still the user's alone.
-    partial = p.with_suffix(".partial")
-    partial.write_text(yaml.safe_dump(dict(doc), sort_keys=False))
-    partial.chmod(0o600)
-    partial.replace(p)
+    write_atomic(path(), yaml.safe_dump(dict(doc), sort_keys=False).encode(), private=True)
 
 
 def settings(name: str = "") -> dict[str, str]:
@@ -115,14 +111,7 @@ def set_context(
     ] = "",
 ) -> None:
     """Create a context, or change the settings given of an existing one."""
-    given = {
-        "scaler": scaler,
-        "tls_ca_file": tls_ca_file,
-        "tls_client_cert_file": tls_client_cert_file,
-        "tls_client_key_file": tls_client_key_file,
-        "token_file": token_file,
-        "tls_server_name": tls_server_name,
-    }
+    given = {k: v for k, v in locals().items() if k in FIELDS}
     # Files by absolute path: the context is used from any directory.
     for key in ("tls_ca_file", "tls_client_cert_file", "tls_client_key_file", "token_file"):
         if given[key]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from services.common.files import write_atomic
 from services.common.guard import spiffe_id
 from tidebase.credentials import ClientCredentials
 
@@ -35,15 +35,6 @@ LOCAL_SA = "tide"
 class Issued:
     cert_file: str
     key_file: str
-
-
-def _write(path: Path, data: bytes, private: bool = False) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -97,8 +88,8 @@ class CertificateAuthority:
             )
             .sign(key, hashes.SHA256())
         )
-        _write(directory / "ca-key.pem", _key_pem(key), private=True)
-        _write(directory / "ca.pem", cert.public_bytes(serialization.Encoding.PEM))
+        write_atomic(directory / "ca-key.pem", _key_pem(key), private=True)
+        write_atomic(directory / "ca.pem", cert.public_bytes(serialization.Encoding.PEM))
         return cls(directory)
 
     @classmethod
@@ -145,8 +136,8 @@ class CertificateAuthority:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
         cert_path = self.dir / f"{safe}.pem"
         key_path = self.dir / f"{safe}-key.pem"
-        _write(key_path, _key_pem(key), private=True)
-        _write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+        write_atomic(key_path, _key_pem(key), private=True)
+        write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM))
         return Issued(str(cert_path), str(key_path))
 
     # --- Tide's identities ---

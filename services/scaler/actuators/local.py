@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.clock import Clock, SystemClock
+from services.common.files import write_atomic
 from services.scaler.actuators.base import check_still_leading
 from tidebase.credentials import CLIENT_ENV
 from tidebase.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
@@ -157,15 +158,6 @@ def is_running(pid: int, start_ticks: int) -> bool:
     return stat is not None and stat[1] == start_ticks and stat[0] not in ("Z", "X")
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class LocalActuator:
     """Implements services.scaler.actuators.Actuator with launcher processes."""
 
@@ -191,7 +183,7 @@ class LocalActuator:
             "gpus_per_replica": spec.gpus_per_replica,
             "cwd": spec.cwd,
         }
-        _write_atomic(d / "spec.json", json.dumps(doc, indent=2))
+        write_atomic(d / "spec.json", json.dumps(doc, indent=2).encode(), sync=True)
 
     def read_spec(self, job_id: str) -> JobSpec:
         path = self.job_dir(job_id) / "spec.json"
@@ -297,8 +289,10 @@ class LocalActuator:
             wanted = _resize_indexes(before - doomed, replicas)
             # The wanted pods are written first: a scaler that dies half-way
             # comes back knowing what it was asked for.
-            _write_atomic(self.job_dir(job_id) / "indexes", json.dumps(sorted(wanted)))
-            _write_atomic(self.job_dir(job_id) / "replicas", f"{replicas}\n")
+            write_atomic(
+                self.job_dir(job_id) / "indexes", json.dumps(sorted(wanted)).encode(), sync=True
+            )
+            write_atomic(self.job_dir(job_id) / "replicas", f"{replicas}\n".encode(), sync=True)
             for index in sorted(wanted):
                 if index not in live:
                     self._start(job_id, index, spec, decision_id)
@@ -414,7 +408,7 @@ class LocalActuator:
             "start": start,
             "log": str(log_path),
         }
-        _write_atomic(self._pid_file(job_id, index), json.dumps(doc))
+        write_atomic(self._pid_file(job_id, index), json.dumps(doc).encode(), sync=True)
         logger.info(
             "job %s: started pod %s (pid %d) for decision %d",
             job_id,
