@@ -45,9 +45,9 @@ class Tuning:
     # Overlap mode, when a standby misses the PREPARE deadline or nacks: "plain" carries the
     # resize on through the plain barrier, "abort" aborts it with g untouched.
     prepare_fallback: str = "plain"
-    # The crash-loop limit (docs/trainer.md, "Restarts and their budget"): a generation a
-    # worker failure broke is re-formed at most this many times in a row; one more
-    # failure and the job is FAILED. A generation that ran restart_reset_after_s before it
+    # The crash-loop limit (docs/trainer.md, "Restarts and their budget"): a generation an
+    # unplanned loss broke (a crashed worker or a silent member: either re-forms the job)
+    # is re-formed at most this many times in a row; one more loss and the job is FAILED. A generation that ran restart_reset_after_s before it
     # broke starts the count again (as Kubernetes' CrashLoopBackOff after 10 minutes).
     restart_budget: int = 5
     # The n-th re-form in a row starts its workers initial * 2^(n-1) seconds late, at most

@@ -34,7 +34,7 @@ SEGV = pb.WorkerExit(
 )
 
 
-async def _crash(env: Env, ls: list[FakeLauncher], crasher: FakeLauncher) -> None:
+async def _crash(crasher: FakeLauncher) -> None:
     """``crasher``'s worker dies in its generation; the job re-forms (or fails)."""
     crasher.phase = pb.WORKER_PHASE_FAILED
     crasher.worker_exit = SEGV
@@ -69,7 +69,7 @@ async def test_a_worker_that_fails_at_every_start_backs_off_then_fails_the_job()
         ls = await form(env, 2)
         delays: list[float] = []
         for n in range(1, CRASHY.restart_budget + 1):
-            await _crash(env, ls, ls[1])
+            await _crash(ls[1])
             await _reformed(env, ls, 1 + n)
             delays.append(ls[1].start_delays[-1])
             # It starts, then dies again two seconds later: never a healthy run.
@@ -80,7 +80,7 @@ async def test_a_worker_that_fails_at_every_start_backs_off_then_fails_the_job()
         created = [g.created_at for g in env.coordinator.jobs[JOB].generations.values()]
         assert len(created) == 1 + CRASHY.restart_budget
 
-        await _crash(env, ls, ls[1])  # one more than the budget allows
+        await _crash(ls[1])  # one more than the budget allows
         await eventually(lambda: all(K.KIND_STOP in fl.kinds() for fl in ls), what="STOP")
         st = await env.status()
         assert st.failed and st.generation == 1 + CRASHY.restart_budget
@@ -105,7 +105,7 @@ async def test_a_healthy_run_starts_the_restart_count_again() -> None:
     try:
         ls = await form(env, 2)
         for n in (1, 2):
-            await _crash(env, ls, ls[1])
+            await _crash(ls[1])
             await _reformed(env, ls, 1 + n)
             await env.heartbeat_all(advance_s=2.0)
         assert ls[1].start_delays == [0.0, 1.0, 2.0]
@@ -114,7 +114,7 @@ async def test_a_healthy_run_starts_the_restart_count_again() -> None:
         while env.clock.now() - env.coordinator.jobs[JOB].generations[3].created_at < 100.0:
             await env.heartbeat_all(advance_s=20.0)
         assert (await env.status()).restarts == 0
-        await _crash(env, ls, ls[1])
+        await _crash(ls[1])
         await _reformed(env, ls, 4)
         assert ls[1].start_delays[-1] == CRASHY.restart_backoff_initial_s
         assert not (await env.status()).failed

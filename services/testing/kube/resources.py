@@ -42,8 +42,6 @@ BUILTINS = (
     ResourceType("", "v1", "services", "Service", short_names=("svc",)),
     # The scaler's trust bundle (services/scaler/kube/trust.py); what pods mount.
     ResourceType("", "v1", "configmaps", "ConfigMap", short_names=("cm",)),
-    ResourceType("", "v1", "secrets", "Secret"),
-    ResourceType("", "v1", "serviceaccounts", "ServiceAccount", short_names=("sa",)),
     ResourceType("coordination.k8s.io", "v1", "leases", "Lease"),
     ResourceType(
         "autoscaling",
