@@ -89,10 +89,8 @@ class Endings:
     def _recover(self, reason: str) -> None:
         plan = plan_recovery(self.state, self._tuning, reason, self._clock.now())
         self.apply(plan.effects)
-        if self.state.job.failure and not plan.effects:
-            return  # failed already: nothing re-forms
-        if plan.failure:
-            return  # _fail_job logged it
+        if self.state.job.failure:
+            return  # failed, before or by this plan's FailJob (which logged it)
         if not plan.survivors:
             self._log.error(
                 "generation %d lost every member (%s); the next Resize forms a new one",

@@ -28,10 +28,9 @@ class RecoveryPlan:
     restore_step: int
     reached_step: int
     # This re-form's number in a row (1: the first since a healthy run), and how late its
-    # workers start; failure: why the job fails instead ("" when it re-forms).
+    # workers start.
     restarts: int = 0
     start_delay_s: float = 0.0
-    failure: str = ""
 
 
 def restart_streak(s: JobState, tuning: Tuning, now: float) -> int:
@@ -62,15 +61,15 @@ def plan_recovery(s: JobState, tuning: Tuning, reason: str, now: float) -> Recov
     reached = max((m.step for m in s.members.values() if m.reported_generation == g), default=0)
     survivors = s.actives()
     known = s.last_good_step()
-    restarts = restart_streak(s, tuning, now) + 1
     if s.job.failure:
         return RecoveryPlan([], g, len(survivors), known, reached)
     if not survivors:
         # The next Resize forms a new generation, like the first one.
         return RecoveryPlan([ClearRanks()], g, 0, known, reached)
+    restarts = restart_streak(s, tuning, now) + 1
     if restarts > tuning.restart_budget:
         failure = crash_loop_failure(s, tuning, restarts - 1, reason)
-        return RecoveryPlan([FailJob(failure)], g, len(survivors), known, reached, failure=failure)
+        return RecoveryPlan([FailJob(failure)], g, len(survivors), known, reached)
     delay = tuning.restart_delay_s(restarts)
     effects: list[Effect] = [
         OpenGeneration(
