@@ -156,6 +156,19 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def list_step_dirs(root: Path) -> list[int]:
+    """The steps of ``root``'s committed step directories (``step_dir_name``), oldest
+    first: the durable store's and the pod's handover's."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in root.iterdir():
+        m = _STEP_DIR.match(entry.name)
+        if m and entry.is_dir() and not entry.is_symlink():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
 class CheckpointStore:
     """Checkpoints of one job under ``root`` (a local folder or a shared volume)."""
 
@@ -250,14 +263,7 @@ class CheckpointStore:
 
     def list_steps(self) -> list[int]:
         """Steps with a committed directory, oldest first (not verified)."""
-        if not self.root.is_dir():
-            return []
-        steps = []
-        for entry in self.root.iterdir():
-            m = _STEP_DIR.match(entry.name)
-            if m and entry.is_dir() and not entry.is_symlink():
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        return list_step_dirs(self.root)
 
     def cleanup_tmp(self) -> int:
         """Delete the temporary directories of interrupted writes; returns how many.

@@ -26,7 +26,6 @@ import json
 import logging
 import mmap
 import os
-import re
 import secrets
 import shutil
 import tempfile
@@ -38,14 +37,18 @@ from typing import Any, Protocol
 import numpy as np
 
 from trainer import rawstate
-from trainer.checkpoint import LoadedCheckpoint, WrittenCheckpoint, step_dir_name
+from trainer.checkpoint import (
+    MANIFEST,
+    LoadedCheckpoint,
+    WrittenCheckpoint,
+    list_step_dirs,
+    step_dir_name,
+)
 
 logger = logging.getLogger(__name__)
 
 HANDOVER_DIR_ENV = "TIDE_HANDOVER_DIR"
 SHM = Path("/dev/shm")
-MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -95,7 +98,7 @@ class ShmHandover:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for old in self._steps()[:-1]:
+        for old in list_step_dirs(self.root)[:-1]:
             shutil.rmtree(self.root / step_dir_name(old), ignore_errors=True)
         written = WrittenCheckpoint(
             step, final, hashlib.sha256(body).hexdigest(), time.monotonic() - started
@@ -108,14 +111,8 @@ class ShmHandover:
         )
         return written
 
-    def _steps(self) -> list[int]:
-        if not self.root.is_dir():
-            return []
-        found = (_STEP_DIR.match(e.name) for e in self.root.iterdir())
-        return sorted(int(m.group(1)) for m in found if m)
-
     def latest_step(self) -> int | None:
-        steps = self._steps()
+        steps = list_step_dirs(self.root)
         return steps[-1] if steps else None
 
     def take(self) -> LoadedCheckpoint | None:
