@@ -1,0 +1,108 @@
+"""ElasticSession's checkpoint cadence: the state serialised with its metadata, rank 0's
+durable writes in the background (periodic, coordinated, or a restored state made durable
+after the pause), and their reports to the launcher.
+
+Its own room because it changes with the durable store and the handover, not with the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from trainer import paddle_state
+from trainer.checkpoint import WrittenCheckpoint
+from trainer.messages import CheckpointWritten
+from trainer.persist import Snapshot
+from trainer.session_state import SessionState
+
+logger = logging.getLogger(__name__)
+
+
+class SessionCheckpoints(SessionState):
+    def _meta(self, step: int, periodic: bool) -> dict[str, Any]:
+        pos = self.sampler.position(step)
+        return {
+            "step": step,
+            "epoch": pos.epoch,
+            "cursor": pos.cursor,
+            "generation": self.env.generation,
+            "world_size": self.world_size,
+            "seed": self.config.seed,
+            "global_batch": self.config.global_batch,
+            "periodic": periodic,
+        }
+
+    def _state_files(self, raw: bool = False) -> dict[str, bytes]:
+        """This process's training state, serialised now (the model with virtual rank 0's
+        buffers, every virtual rank's in their own file); ``raw``: the handover's form."""
+        stepper = self.stepper
+        live = stepper.use_virtual_rank_0()
+        try:
+            files = paddle_state.state_files(
+                self._model, self._optimizer, self._lr, self._scaler, raw=raw
+            )
+        finally:
+            stepper.put_back(live)
+        files.update(stepper.state_files())
+        return files
+
+    def _write_checkpoint(
+        self,
+        step: int,
+        periodic: bool,
+        wait: bool = False,
+    ) -> None:
+        """Rank 0: a durable checkpoint of ``step``, written in the background (``wait``:
+        before this returns); reported to the launcher once written."""
+        if self._written_step == step:
+            if wait:
+                self.persist.wait()
+                self._report_written()
+            return
+        self._written_step = step
+        self._periodic.mark(step, time.monotonic())
+        self.persist.submit(
+            Snapshot(step, self._state_files(), self._meta(step, periodic), periodic)
+        )
+        if wait:
+            self.persist.wait()
+            self._report_written()
+
+    def _report_written(self) -> WrittenCheckpoint | None:
+        last = None
+        for done in self.persist.poll():
+            if done.checkpoint is None:
+                logger.error(
+                    "durable checkpoint of step %d failed: %s", done.snapshot.step, done.error
+                )
+                continue
+            last = done.checkpoint
+            self._last_written = last
+            self.channel.send(
+                CheckpointWritten(
+                    step=last.step,
+                    digest=last.digest,
+                    write_s=last.write_s,
+                    periodic=done.snapshot.periodic,
+                )
+            )
+        return last
+
+    def _persist_pending_restore(self) -> None:
+        if self._restored_unpersisted is not None:
+            step, files, _ = self._restored_unpersisted
+            self._restored_unpersisted = None
+            self._persist_restored(step, files)
+
+    def _persist_restored(self, step: int, files: Mapping[str, bytes]) -> None:
+        """A state that came from memory or a peer is made durable too, in the background,
+        if the durable store lacks it (the old generation's writer may have been stopped
+        before it finished, or the store is this pod's own)."""
+        if step in self.store.list_steps():
+            return
+        self._written_step = step
+        # As it is: a raw state goes to disk raw (load_state reads both forms).
+        self.persist.submit(Snapshot(step, files, self._meta(step, False), False))
