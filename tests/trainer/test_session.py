@@ -148,7 +148,11 @@ def test_rank_0_removes_what_a_crashed_writer_left_when_it_restores(tmp_path: Pa
     session = ElasticSession(_config(tmp_path, 3, every=2), DistEnv(), QueueChannel())
     _train(session)
     assert not leftover.exists()
-    assert CheckpointStore(tmp_path / "ckpt").list_steps() == [2, 3]
+    # Step 3's is the last; step 2's is there unless step 3's superseded it before its
+    # write began (the durable writer keeps only the newest waiting snapshot, and starts
+    # niced: on a loaded machine it often has not begun by step 3).
+    steps = CheckpointStore(tmp_path / "ckpt").list_steps()
+    assert steps[-1] == 3 and set(steps) <= {2, 3}
 
 
 def test_exit_while_holding_raises_session_exit(tmp_path: Path) -> None:
