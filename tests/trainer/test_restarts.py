@@ -6,26 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from tide.v1 import coordinator_pb2 as pb
 
 from tests.support.poll import eventually
-from tests.trainer.fake_coordinator import FakeCoordinator, FakeMember, start_fake
-from tests.trainer.test_launch import _launcher
+from tests.trainer.fake_coordinator import FakeCoordinator, FakeMember
+from tests.trainer.launch_rig import make_launcher
 from trainer.launcher.logs import LOG_GLOB
 
 pytestmark = pytest.mark.component
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[tuple[FakeCoordinator, int]]:
-    coord = FakeCoordinator()
-    server, port = await start_fake(coord)
-    yield coord, port
-    await server.stop(None)
 
 
 async def _start_and_crash(coord: FakeCoordinator, mid: str, member: FakeMember) -> None:
@@ -45,7 +36,7 @@ async def test_a_worker_dying_at_start_is_reported_with_its_cause_and_log_and_lo
 ) -> None:
     monkeypatch.setenv("FAKE_SEGFAULT_AT_FIRST_STEP", "1")
     coord, port = fake
-    launcher = _launcher(port, tmp_path, worker_logs_kept=3)
+    launcher = make_launcher(port, tmp_path, worker_logs_kept=3)
     run = asyncio.create_task(launcher.run())
     await eventually(lambda: coord.members, 10, what="registration")
     (mid,) = coord.members
@@ -70,7 +61,7 @@ async def test_the_restart_backoff_delays_the_start_and_the_ack_says_what_was_re
     # The worker finds a checkpoint of step 9 on disk, newer than the named 7.
     monkeypatch.setenv("FAKE_RESTORE_AT_LEAST", "9")
     coord, port = fake
-    launcher = _launcher(port, tmp_path)
+    launcher = make_launcher(port, tmp_path)
     run = asyncio.create_task(launcher.run())
     await eventually(lambda: coord.members, 10, what="registration")
     (mid,) = coord.members
