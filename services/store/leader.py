@@ -38,6 +38,8 @@ from services.store.leases import LeaseRecord
 from tidebase.errors import ConfigError, TideError
 
 logger = logging.getLogger(__name__)
+#: A follower tries this long after the lease it saw runs out (clock rounding).
+_EXPIRY_MARGIN_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,20 @@ class LeaderElector:
                 await on_elected(lease)
             elif on_follow is not None:
                 await on_follow(self.follower_message())
-            await asyncio.sleep(self.settings.renew_s)
+            await asyncio.sleep(self._pause_s(lease))
+
+    def _pause_s(self, lease: LeaseRecord | None) -> float:
+        """Until the next try: a renew period, or for a follower until the lease it
+        saw runs out, if sooner. Trying every renew period took over up to one period
+        after the expiry (a paused leader's takeover took lease + renew + election,
+        9.25 s of a 9 s bound under load)."""
+        renew_s = self.settings.renew_s
+        if self.leading or lease is None or lease.held_by(self.backend.owner_id):
+            return renew_s
+        left_s = lease.expires_at.timestamp() - self.clock.now()
+        if left_s <= 0:
+            return renew_s  # ran out by our clock yet not ours: skew; no hammering
+        return min(renew_s, left_s + _EXPIRY_MARGIN_S)
 
     async def release(self) -> None:
         """Hand the lease back (a clean shutdown): a follower leads within its next try."""
