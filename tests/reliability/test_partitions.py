@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from tests.coordinator.fakes import TIMEOUT_S as FAKE_CALL_TIMEOUT_S
-from tests.reliability import partition_driver as drv
+from tests.coordinator.test_process import HEARTBEAT_S
+from tests.reliability import partition_common as drv
 from tests.support.netns import NetnsPair, netns_pair
 from tests.support.procs import ROOT
 
@@ -87,7 +88,7 @@ def test_launchers_cut_from_the_coordinator_keep_their_membership_and_rendezvous
         r = drive(pair, "launcher-coordinator", f"sqlite:///{tmp_path / 'coordinator.db'}")
     # Each launcher's calls fail within its call deadline + one heartbeat period + 2 s
     # (three launchers on one event loop, on a loaded machine).
-    assert r["launcher_detect_s"] <= FAKE_CALL_TIMEOUT_S + drv.HEARTBEAT_S + 2.0, r
+    assert r["launcher_detect_s"] <= FAKE_CALL_TIMEOUT_S + HEARTBEAT_S + 2.0, r
     # Unreachable is not lost: nobody is dropped while the link is down...
     assert r["generation_during"] == 1 and r["members_during"] == 3, r
     # ...and the grow asked meanwhile completes after the heal, once: one new generation,
