@@ -24,6 +24,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 from services.common.config import CommonSettings
 from services.common.guard import Guard, GuardSettings, Role, Rule, TokenReviewer
+from services.common.looplag import watch_loop_lag
 from services.common.metrics import grpc_server_metrics
 from services.common.readiness import LIVENESS, Readiness
 from services.common.shedding import ConcurrencyLimit
@@ -237,7 +238,7 @@ async def serve(
         on_bound(running.port)
     tasks: list[asyncio.Task[None]] = [
         asyncio.create_task(_guarded(fn, readiness), name=getattr(fn, "__qualname__", "task"))
-        for fn in background
+        for fn in (watch_loop_lag, *background)
     ]
     try:
         await wait_for_signal()

@@ -72,7 +72,7 @@ async def _run(settings: CoordinatorSettings) -> None:
     background: list[Callable[[], Coroutine[Any, Any, None]]] = [probe.run]
     elector: LeaderElector | None = None
     if settings.leader_election == "off":
-        coordinator.load()
+        await coordinator.call(coordinator.load)
         background.append(coordinator.run)
     else:
         elector = LeaderElector(
@@ -93,6 +93,7 @@ async def _run(settings: CoordinatorSettings) -> None:
         if elector is not None:
             # A planned stop (a rolling update) hands over now, not a lease later.
             await elector.release()
+        coordinator.close()
         engine.dispose()
 
     await serve(
@@ -119,7 +120,7 @@ def _elect(
         # The fence first: the restart rules that load applies already write.
         store.fence = Fence(lease.name, lease.holder, lease.epoch)
         try:
-            coordinator.take_over()
+            await coordinator.call(coordinator.take_over)
         except TideError as exc:
             # Holding the lease without the jobs would keep every standby out: leave,
             # and the lease runs out for one that can read the store.

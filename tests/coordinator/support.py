@@ -3,6 +3,7 @@ with a fake clock, and fake launchers joined to it."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import grpc
@@ -57,6 +58,9 @@ class Env:
     async def restart(self) -> None:
         """A new Coordinator over the same store and a new server, as after a crash."""
         await self.server.stop(0)
+        # What the old engine still had queued ends before the new one loads, as when
+        # its process dies.
+        await asyncio.to_thread(self.coordinator.close, wait=True)
         self.coordinator = Coordinator(self.store, self.clock, self.tuning)
         self.coordinator.load()
         self.server = await _serve(self.coordinator)

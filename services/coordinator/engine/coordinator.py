@@ -1,10 +1,22 @@
 """The coordinator of every job: the registry of job runtimes, the indexes from member
-and decision ids to jobs, the reload of a job whose commit failed, and the tick loop."""
+and decision ids to jobs, the reload of a job whose commit failed, and the tick loop.
+
+Every operation is synchronous and may write the store (with retries that wait). The
+server's asyncio loop therefore never runs one itself: :meth:`Coordinator.call` hands it
+to the engine's one thread and awaits it, so operations still run one at a time, in
+order, and the loop stays free for health checks and every other call while a
+commit waits for the store (docs/reliability.md, "Nothing blocks the event loop").
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from services.common.clock import Clock
 from services.coordinator.domain import JobRecord, ResizePhase
@@ -23,6 +35,8 @@ from services.coordinator.store import CoordinatorStore
 from tidebase.errors import InvalidArgument, Unavailable
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Coordinator:
@@ -51,6 +65,30 @@ class Coordinator:
         #: a leader woken from a pause past its lease must not act before the elector
         #: notices. Always true without leader election.
         self.may_act: Callable[[], bool] = lambda: True
+        # One thread: operations stay serial (the engine's state has no locks), and a
+        # SQLite connection is used by the thread that opened it.
+        self._engine_thread: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    async def call(self, fn: Callable[..., T], /, *args: Any) -> T:
+        """Run ``fn(*args)`` (an operation or a read of the engine's state) on the
+        engine's thread and return its result; the event loop waits without blocking.
+        A caller cancelled before its turn (a deadline) never runs."""
+        if self._closed:
+            raise Unavailable("the coordinator is shutting down: retry")
+        if self._engine_thread is None:
+            self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="coordinator-engine")
+        ctx = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._engine_thread, functools.partial(ctx.run, fn, *args)
+        )
+
+    def close(self, *, wait: bool = False) -> None:
+        """Take no more operations; the engine's thread ends once those in its queue are
+        done (``wait``: block until then; never on the event loop)."""
+        self._closed = True
+        if self._engine_thread is not None:
+            self._engine_thread.shutdown(wait=wait)
 
     def _serving(self) -> None:
         if self.standby:
@@ -209,7 +247,7 @@ class Coordinator:
             await self._clock.sleep(interval)
             now = self._clock.monotonic()
             late = now - last - interval
-            self.tick(late if late > interval else 0.0)
+            await self.call(self.tick, late if late > interval else 0.0)
             last = self._clock.monotonic()
 
 

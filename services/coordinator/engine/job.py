@@ -1,8 +1,8 @@
 """One job's coordinator: each call is one operation that asks the rules (membership,
 the phase table, recovery) for effects, lets the outbox perform them and commits.
 
-Every operation is synchronous (no await inside), so on the server's one asyncio
-loop each runs atomically.
+Every operation is synchronous (no await inside) and runs on the engine's one thread
+(:meth:`Coordinator.call`), so each runs atomically.
 """
 
 from __future__ import annotations
