@@ -32,7 +32,7 @@ from services.coordinator.errors import UnknownJob, UnknownMember, UnknownResize
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.settings import Tuning
 from services.coordinator.store import CoordinatorStore
-from tidebase.errors import InvalidArgument, Unavailable
+from tidebase.errors import Conflict, InvalidArgument, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +129,20 @@ class Coordinator:
         # NOT_FOUND, which would send every launcher to register again as new members.
         snaps = self._store.load_all()
         old = self.jobs.pop(job_id, None)
+        fault = old.outbox.fault if old is not None else None
         for snap in snaps:
             if snap.job.job_id == job_id:
                 rt = JobRuntime.from_snapshot(
                     snap, self._store, self._clock, self.tuning, self.metrics
                 )
-                rt.recover_after_restart()
+                if isinstance(fault, Conflict):
+                    # Another writer changed the job (a second coordinator): what this
+                    # one knew in memory may be wrong, as after a restart.
+                    rt.recover_after_restart()
+                else:
+                    # The store failed a commit: the same process carries on from what
+                    # it stored (docs/reliability.md, "A resize survives its store").
+                    rt.recover_after_store_fault(old, _first_line(fault))
                 self._install(rt)
                 if old is not None:
                     old.notifier.notify()  # ends streams bound to the discarded runtime
@@ -255,3 +263,8 @@ def _validate_job_id(job_id: str) -> None:
     ns, sep, name = job_id.partition("/")
     if not sep or not ns or not name or "/" in name or len(job_id) > 253:
         raise InvalidArgument(f"job_id: expected 'namespace/name', got {job_id!r}")
+
+
+def _first_line(exc: BaseException | None) -> str:
+    text = str(exc) if exc is not None else ""
+    return text.splitlines()[0] if text else "unknown cause"

@@ -102,6 +102,8 @@ class Outbox(Endings):
         self.state = state
         self.notifier = Notifier()
         self.broken = False
+        #: Why the last commit failed (what made the runtime broken); None before.
+        self.fault: Exception | None = None
         self._store = store
         self._clock = clock
         self._tuning = tuning
@@ -139,6 +141,7 @@ class Outbox(Endings):
             self._store.save(unit)
         except Exception as exc:
             self.broken = True
+            self.fault = exc
             self._metrics.commit_failures.inc()
             self._log.exception("commit failed; the job will be reloaded from the store")
             if isinstance(exc, Unavailable):
@@ -256,8 +259,9 @@ class Outbox(Endings):
                 r.phase_started_at = max(r.phase_started_at, e.at)
                 self._changed(r)
                 self._log.info(
-                    "resize %d: carried on after restart in phase %s",
+                    "resize %d: carried on after %s in phase %s",
                     r.decision_id,
+                    e.after,
                     r.phase.name,
                     extra={"decision_id": r.decision_id},
                 )
