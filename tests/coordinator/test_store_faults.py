@@ -10,7 +10,7 @@ it COMPLETES, and no reason names a restart that never happened.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -124,26 +124,19 @@ def _assert_truthful(final: pb.ResizeProgress) -> None:
     assert "restart" not in final.message
 
 
-@pytest.mark.parametrize("kind", ["once", "down"])
-async def test_waiting_for_members_survives_the_store(
-    fenv: Env, store: FlakyStore, kind: str
-) -> None:
-    env = fenv
+async def waiting_for_members(env: Env, store: FlakyStore, kind: str) -> pb.ResizeProgress:
     await _form(env, 2)
-    w = ResizeWatch(env.stub, JOB, 2, 3, deadline_s=60.0)
+    ResizeWatch(env.stub, JOB, 2, 3, deadline_s=60.0)
     await eventually(lambda: 2 in env.coordinator.jobs[JOB].resizes, what="resize 2")
     await _fault(env, store, kind)
     # The awaited newcomer registers: the commit that lets the resize go on.
     newcomer = FakeLauncher(env.target, env.clock, JOB, 2)
     env.launchers.append(newcomer)
     await _tolerant(newcomer.join())
-    _assert_truthful(await _until_final(env, store))
-    del w
+    return await _until_final(env, store)
 
 
-@pytest.mark.parametrize("kind", ["once", "down"])
-async def test_checkpointing_survives_the_store(fenv: Env, store: FlakyStore, kind: str) -> None:
-    env = fenv
+async def checkpointing(env: Env, store: FlakyStore, kind: str) -> pb.ResizeProgress:
     ls = await _form(env, 2)
     await env.heartbeat_all()
     await env.launcher(2)
@@ -154,13 +147,10 @@ async def test_checkpointing_survives_the_store(fenv: Env, store: FlakyStore, ki
     # The held member's ack is the commit that completes the barrier.
     ls[1].answer_checkpoint = True
     await ls[1].disconnect()
-    _assert_truthful(await _until_final(env, store))
-    assert [fl.generation for fl in env.launchers] == [2, 2, 2]
+    return await _until_final(env, store)
 
 
-@pytest.mark.parametrize("kind", ["once", "down"])
-async def test_rendezvous_survives_the_store(fenv: Env, store: FlakyStore, kind: str) -> None:
-    env = fenv
+async def rendezvous(env: Env, store: FlakyStore, kind: str) -> pb.ResizeProgress:
     await _form(env, 2)
     await env.heartbeat_all()
     for fl in env.launchers:
@@ -172,4 +162,24 @@ async def test_rendezvous_survives_the_store(fenv: Env, store: FlakyStore, kind:
     for fl in env.launchers:
         fl.answer_rendezvous = True
         await fl.disconnect()
-    _assert_truthful(await _until_final(env, store))
+    return await _until_final(env, store)
+
+
+#: Each phase's scenario: resize 2 (2 -> 3 members) with the store failed in that phase.
+SCENARIOS: dict[str, Callable[[Env, FlakyStore, str], Awaitable[pb.ResizeProgress]]] = {
+    "WAITING_FOR_MEMBERS": waiting_for_members,
+    "CHECKPOINTING": checkpointing,
+    "RENDEZVOUS": rendezvous,
+}
+FAULTS = ("once", "down")
+
+
+@pytest.mark.parametrize("kind", FAULTS)
+@pytest.mark.parametrize("phase", list(SCENARIOS))
+async def test_a_resize_survives_the_store(
+    fenv: Env, store: FlakyStore, phase: str, kind: str
+) -> None:
+    final = await SCENARIOS[phase](fenv, store, kind)
+    _assert_truthful(final)
+    assert [fl.generation for fl in fenv.launchers] == [2, 2, 2]
+    assert (await fenv.status()).lost_steps_total == 0
