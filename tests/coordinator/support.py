@@ -74,7 +74,8 @@ class Env:
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     async def status(self) -> pb.JobStatus:
-        st: pb.JobStatus = await self.stub.GetJobStatus(
+        # The generated stub is typed for the sync API; on an aio channel it is awaitable.
+        st: pb.JobStatus = await self.stub.GetJobStatus(  # type: ignore[misc]
             pb.GetJobStatusRequest(job_id=JOB), timeout=TIMEOUT_S
         )
         return st

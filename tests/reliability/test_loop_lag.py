@@ -68,11 +68,11 @@ class HealthSampler:
             while not self._stop.is_set():
                 started = time.perf_counter()
                 try:
-                    resp = stub.Check(req, timeout=2.0)
+                    resp = stub.Check(req, timeout=2.0)  # type: ignore[attr-defined]
                     if resp.status != health_pb2.HealthCheckResponse.SERVING:
                         self.errors.append(f"liveness {resp.status}")
                 except grpc.RpcError as exc:
-                    self.errors.append(f"{exc.code()}")  # type: ignore[attr-defined]
+                    self.errors.append(f"{exc.code()}")
                 self.latencies_s.append(time.perf_counter() - started)
                 self._stop.wait(0.05)
 
