@@ -26,7 +26,7 @@ from services.common.clock import SystemClock
 from services.common.entry import run_service
 from services.common.metrics import register_build_info
 from services.common.readiness import Readiness
-from services.common.server import ServiceSpec, serve
+from services.common.server import ServiceSpec, check_port_free, serve
 from services.common.validate import validate_request
 from services.coordinator.engine import Coordinator
 from services.coordinator.metrics import CoordinatorMetrics
@@ -58,6 +58,8 @@ async def _run(settings: CoordinatorSettings) -> None:
     clock = SystemClock()
     if problem := settings.tuning().lead_problem():
         logger.warning("%s", problem)
+    # Before the schema and the jobs: a second coordinator on a busy port stops here.
+    check_port_free(settings.listen)
     db.upgrade(settings.db)
     engine = db.make_engine(settings.db)
     factory = db.make_session_factory(engine)
