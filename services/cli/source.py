@@ -309,8 +309,9 @@ class SqlHistory:
 
         from services.store import db
 
-        engine = db.make_engine(self._url)
         where = db.redact_url(self._url)
+        _check_sqlite_file(self._url, where)
+        engine = db.make_engine(self._url)
         try:
             tables = set(inspect(engine).get_table_names())
         except DBAPIError as exc:
@@ -502,3 +503,19 @@ class SqlHistory:
 
         result: list[scaler_pb2.UtilizationPoint] = self._read(q)
         return result
+
+
+def _check_sqlite_file(url: str, where: str) -> None:
+    """A read names the directory that is not there: opening the file would create it
+    and then report an empty database as one without Tide's schema."""
+    from pathlib import Path
+
+    from services.store import db
+
+    parsed = db.parse_url(url)
+    name = parsed.database or ""
+    if parsed.get_backend_name() != "sqlite" or name in ("", ":memory:"):
+        return
+    path = Path(name).expanduser()
+    if not path.parent.is_dir():
+        raise errors.NotFound(f"database {where}: directory {path.parent} does not exist")
