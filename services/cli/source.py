@@ -134,6 +134,11 @@ class GrpcScaler:
         from tidebase.tlsprobe import diagnose
 
         err = domain_error(exc)
+        if isinstance(err, errors.Unavailable) and errors.is_store_cause(exc.trailing_metadata()):
+            # The scaler answered: it is its database that is down, not the link.
+            return errors.StoreUnavailable(
+                f"scaler at {self._target} answered, but its database is down: {exc.details()}"
+            )
         if isinstance(err, errors.Unavailable):
             cause = await asyncio.to_thread(
                 diagnose, self._target, self._credentials, server_name=self._server_name

@@ -338,8 +338,9 @@ class Guard(grpc.aio.ServerInterceptor):
             found = identity_from_spiffe(uri)
             if found is not None:
                 return found
-        if uris or _peer_has_certificate(context):
-            # Authenticated by the CA, but as nobody Tide knows (docs/security.md).
+        if uris or (not self.settings.insecure and _peer_has_certificate(context)):
+            # Authenticated by the CA, but as nobody Tide knows (docs/security.md). An
+            # insecure server takes a certificate without any URI as anonymous, as before.
             raise PermissionDenied("the client certificate names no Tide identity")
         if self.settings.insecure:
             return self._anonymous
