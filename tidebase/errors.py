@@ -87,3 +87,23 @@ def grpc_status_of(exc: BaseException) -> grpc.StatusCode:
         if isinstance(exc, cls):
             return grpc.StatusCode[code]
     return grpc.StatusCode.INTERNAL
+
+
+#: Trailing metadata key naming an UNAVAILABLE's cause; "store": the service answered,
+#: its database did not. A client tells that from a service it cannot reach.
+CAUSE_KEY = "tide-cause"
+STORE_CAUSE = "store"
+
+
+def trailing_metadata_of(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """What a servicer adds to the status of ``exc``: the cause of a store outage."""
+    return ((CAUSE_KEY, STORE_CAUSE),) if isinstance(exc, StoreUnavailable) else ()
+
+
+def is_store_cause(trailing_metadata: object) -> bool:
+    """Whether a failed call's trailing metadata names the service's store as the cause."""
+    try:
+        items = list(trailing_metadata or ())  # type: ignore[call-overload]
+    except TypeError:
+        return False
+    return any(tuple(kv) == (CAUSE_KEY, STORE_CAUSE) for kv in items)

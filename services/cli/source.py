@@ -134,6 +134,11 @@ class GrpcScaler:
         from tidebase.tlsprobe import diagnose
 
         err = domain_error(exc)
+        if isinstance(err, errors.Unavailable) and errors.is_store_cause(exc.trailing_metadata()):
+            # The scaler answered: it is its database that is down, not the link.
+            return errors.StoreUnavailable(
+                f"scaler at {self._target} answered, but its database is down: {exc.details()}"
+            )
         if isinstance(err, errors.Unavailable):
             cause = await asyncio.to_thread(
                 diagnose, self._target, self._credentials, server_name=self._server_name
@@ -309,8 +314,9 @@ class SqlHistory:
 
         from services.store import db
 
-        engine = db.make_engine(self._url)
         where = db.redact_url(self._url)
+        _check_sqlite_file(self._url, where)
+        engine = db.make_engine(self._url)
         try:
             tables = set(inspect(engine).get_table_names())
         except DBAPIError as exc:
@@ -502,3 +508,19 @@ class SqlHistory:
 
         result: list[scaler_pb2.UtilizationPoint] = self._read(q)
         return result
+
+
+def _check_sqlite_file(url: str, where: str) -> None:
+    """A read names the directory that is not there: opening the file would create it
+    and then report an empty database as one without Tide's schema."""
+    from pathlib import Path
+
+    from services.store import db
+
+    parsed = db.parse_url(url)
+    name = parsed.database or ""
+    if parsed.get_backend_name() != "sqlite" or name in ("", ":memory:"):
+        return
+    path = Path(name).expanduser()
+    if not path.parent.is_dir():
+        raise errors.NotFound(f"database {where}: directory {path.parent} does not exist")

@@ -334,11 +334,13 @@ class Guard(grpc.aio.ServerInterceptor):
         if token:
             return await self._from_token(token)
         uris = _peer_uris(context)
-        if uris:
-            for uri in uris:
-                found = identity_from_spiffe(uri)
-                if found is not None:
-                    return found
+        for uri in uris:
+            found = identity_from_spiffe(uri)
+            if found is not None:
+                return found
+        if uris or (not self.settings.insecure and _peer_has_certificate(context)):
+            # Authenticated by the CA, but as nobody Tide knows (docs/security.md). An
+            # insecure server takes a certificate without any URI as anonymous, as before.
             raise PermissionDenied("the client certificate names no Tide identity")
         if self.settings.insecure:
             return self._anonymous
@@ -508,6 +510,14 @@ def _peer_uris(context: Any) -> list[str]:
     except Exception:
         return []
     return [u.decode() if isinstance(u, bytes) else str(u) for u in auth.get("peer_uri", ())]
+
+
+def _peer_has_certificate(context: Any) -> bool:
+    # A certificate without any URI SAN has no peer_uri, but grpc still gives its PEM.
+    try:
+        return bool(context.auth_context().get("x509_pem_cert"))
+    except Exception:
+        return False
 
 
 _COUNTERS: dict[tuple[int, str], Any] = {}

@@ -13,7 +13,7 @@ from typing import Any, TypeVar, cast
 import grpc
 
 from services.common import logs
-from tidebase.errors import TideError, grpc_status_of
+from tidebase.errors import TideError, grpc_status_of, trailing_metadata_of
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def rpc_errors(fn: F) -> F:
                     async for item in gen_fn(self, request, context):
                         yield item
                 except TideError as exc:
-                    await context.abort(grpc_status_of(exc), str(exc))
+                    await context.abort(grpc_status_of(exc), str(exc), trailing_metadata_of(exc))
                 except (grpc.aio.AbortError, grpc.aio.UsageError):
                     raise
                 except Exception:
@@ -66,7 +66,7 @@ def rpc_errors(fn: F) -> F:
             try:
                 return await coro_fn(self, request, context)
             except TideError as exc:
-                await context.abort(grpc_status_of(exc), str(exc))
+                await context.abort(grpc_status_of(exc), str(exc), trailing_metadata_of(exc))
             except (grpc.aio.AbortError, grpc.aio.UsageError):
                 raise
             except Exception:

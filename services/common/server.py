@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +25,11 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 from services.common.config import CommonSettings
 from services.common.guard import Guard, GuardSettings, Role, Rule, TokenReviewer
+from services.common.looplag import watch_loop_lag
 from services.common.metrics import grpc_server_metrics
 from services.common.readiness import LIVENESS, Readiness
 from services.common.shedding import ConcurrencyLimit
+from tidebase.errors import FailedPrecondition
 from tidebase.grpc_options import server_options
 from tidebase.listening import listening_line
 
@@ -204,6 +207,24 @@ async def wait_for_signal(
             loop.remove_signal_handler(sig)
 
 
+def check_port_free(listen: str) -> None:
+    """Fail now, in one line, if ``listen`` (HOST:PORT) is taken: a service that would
+    only find out at bind time has already migrated its schema and loaded its state
+    (a second coordinator started by mistake). Port 0 is always free."""
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return
+    host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # As gRPC binds (SO_REUSEADDR, no SO_REUSEPORT: tidebase/grpc_options.py).
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+        except OSError as exc:
+            raise FailedPrecondition(f"cannot listen on {listen}: {exc.strerror}") from None
+
+
 async def serve(
     settings: CommonSettings,
     services: Sequence[ServiceSpec],
@@ -237,7 +258,7 @@ async def serve(
         on_bound(running.port)
     tasks: list[asyncio.Task[None]] = [
         asyncio.create_task(_guarded(fn, readiness), name=getattr(fn, "__qualname__", "task"))
-        for fn in background
+        for fn in (watch_loop_lag, *background)
     ]
     try:
         await wait_for_signal()

@@ -26,7 +26,7 @@ from services.common.clock import SystemClock
 from services.common.entry import run_service
 from services.common.metrics import register_build_info
 from services.common.readiness import Readiness
-from services.common.server import ServiceSpec, serve
+from services.common.server import ServiceSpec, check_port_free, serve
 from services.common.validate import validate_request
 from services.coordinator.engine import Coordinator
 from services.coordinator.metrics import CoordinatorMetrics
@@ -58,6 +58,8 @@ async def _run(settings: CoordinatorSettings) -> None:
     clock = SystemClock()
     if problem := settings.tuning().lead_problem():
         logger.warning("%s", problem)
+    # Before the schema and the jobs: a second coordinator on a busy port stops here.
+    check_port_free(settings.listen)
     db.upgrade(settings.db)
     engine = db.make_engine(settings.db)
     factory = db.make_session_factory(engine)
@@ -72,7 +74,7 @@ async def _run(settings: CoordinatorSettings) -> None:
     background: list[Callable[[], Coroutine[Any, Any, None]]] = [probe.run]
     elector: LeaderElector | None = None
     if settings.leader_election == "off":
-        coordinator.load()
+        await coordinator.call(coordinator.load)
         background.append(coordinator.run)
     else:
         elector = LeaderElector(
@@ -93,6 +95,7 @@ async def _run(settings: CoordinatorSettings) -> None:
         if elector is not None:
             # A planned stop (a rolling update) hands over now, not a lease later.
             await elector.release()
+        coordinator.close()
         engine.dispose()
 
     await serve(
@@ -119,7 +122,7 @@ def _elect(
         # The fence first: the restart rules that load applies already write.
         store.fence = Fence(lease.name, lease.holder, lease.epoch)
         try:
-            coordinator.take_over()
+            await coordinator.call(coordinator.take_over)
         except TideError as exc:
             # Holding the lease without the jobs would keep every standby out: leave,
             # and the lease runs out for one that can read the store.

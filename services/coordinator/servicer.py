@@ -1,5 +1,6 @@
 """The Coordinator gRPC service: decode the request, call one engine function, encode
-the answer (services/coordinator/convert.py holds the conversions).
+the answer (services/coordinator/convert.py holds the conversions). The engine runs on
+its own thread (Coordinator.call): the event loop only waits for it.
 
 Errors are TideErrors raised by the engine; :func:`services.common.rpc.rpc_errors`
 turns them into statuses. Streams are the engine's (engine/streams.py): they wait on
@@ -55,7 +56,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @rpc_errors
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
-        return convert.register_to_proto(self._c.register(convert.register_from_proto(request)))
+        inp = convert.register_from_proto(request)
+        return convert.register_to_proto(await self._c.call(self._c.register, inp))
 
     @rpc_errors
     async def Directives(
@@ -66,12 +68,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @rpc_errors
     async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
-        self._c.ack(convert.ack_from_proto(request))
+        await self._c.call(self._c.ack, convert.ack_from_proto(request))
         return pb.AckResponse()
 
     @rpc_errors
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
-        generation = self._c.heartbeat(convert.heartbeat_from_proto(request))
+        inp = convert.heartbeat_from_proto(request)
+        generation = await self._c.call(self._c.heartbeat, inp)
         return pb.HeartbeatResponse(generation=generation)
 
     @rpc_errors
@@ -89,12 +92,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def AbortResize(
         self, request: pb.AbortResizeRequest, context: Any
     ) -> pb.AbortResizeResponse:
-        phase = self._c.abort_resize(request.decision_id, request.job_id, request.reason)
+        phase = await self._c.call(
+            self._c.abort_resize, request.decision_id, request.job_id, request.reason
+        )
         return pb.AbortResizeResponse(phase=int(phase))  # type: ignore[arg-type]
 
     @rpc_errors
     async def GetJobStatus(self, request: pb.GetJobStatusRequest, context: Any) -> pb.JobStatus:
-        return convert.status_to_proto(self._c.job(request.job_id).status())
+        view = await self._c.call(lambda: self._c.job(request.job_id).status())
+        return convert.status_to_proto(view)
 
     @rpc_errors
     async def WatchJob(

@@ -155,3 +155,12 @@ def test_store_without_schema_or_unreachable(tmp_path: Path) -> None:
     assert code == 3 and "unreachable" in err
     code, _, err = tide("jobs", "--db", "mysql://x")
     assert code == 2 and err.startswith("tide: ")
+
+
+def test_db_in_a_missing_directory_says_so(tmp_path: Path) -> None:
+    # Issue 30: it said "has no Tide schema" (and created the directory to say it).
+    missing = tmp_path / "nowhere" / "tide.db"
+    code, out, err = tide("history", "all", "--db", f"sqlite:///{missing}")
+    assert code != 0
+    assert f"directory {missing.parent} does not exist" in out + err
+    assert not missing.parent.exists()

@@ -71,6 +71,9 @@ class FakeLauncher:
         self.worker_starts = 0
         self.received: list[pb.Directive] = []
         self.handled: dict[str, pb.Directive] = {}
+        # The fields of each directive's last ack: a re-sent directive gets the same ack
+        # again, as the real launcher's (trainer/launcher/core.py, _handled).
+        self._ack_fields: dict[str, dict[str, Any]] = {}
         self.ack_errors: list[grpc.aio.AioRpcError] = []
         self.exited = False
         # The pod's uid sent at Register, and whether its heartbeats ask to leave (SIGTERM).
@@ -173,6 +176,7 @@ class FakeLauncher:
         return resp
 
     async def ack(self, d: pb.Directive, **fields: Any) -> None:
+        self._ack_fields[d.directive_id] = fields
         try:
             await self.stub.Ack(
                 pb.AckRequest(
@@ -200,7 +204,8 @@ class FakeLauncher:
 
     async def handle(self, d: pb.Directive) -> None:
         if d.directive_id in self.handled:
-            await self.ack(d, ok=True)  # a re-sent directive: ack again, do nothing
+            # A re-sent directive: the same ack again, nothing done.
+            await self.ack(d, **self._ack_fields.get(d.directive_id, {"ok": True}))
             return
         if d.kind == K.KIND_CHECKPOINT:
             if not self.answer_checkpoint:

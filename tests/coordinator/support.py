@@ -3,6 +3,7 @@ with a fake clock, and fake launchers joined to it."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import grpc
@@ -57,6 +58,9 @@ class Env:
     async def restart(self) -> None:
         """A new Coordinator over the same store and a new server, as after a crash."""
         await self.server.stop(0)
+        # What the old engine still had queued ends before the new one loads, as when
+        # its process dies.
+        await asyncio.to_thread(self.coordinator.close, wait=True)
         self.coordinator = Coordinator(self.store, self.clock, self.tuning)
         self.coordinator.load()
         self.server = await _serve(self.coordinator)
@@ -70,7 +74,8 @@ class Env:
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     async def status(self) -> pb.JobStatus:
-        st: pb.JobStatus = await self.stub.GetJobStatus(
+        # The generated stub is typed for the sync API; on an aio channel it is awaitable.
+        st: pb.JobStatus = await self.stub.GetJobStatus(  # type: ignore[misc]
             pb.GetJobStatusRequest(job_id=JOB), timeout=TIMEOUT_S
         )
         return st

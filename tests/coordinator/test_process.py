@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from tide.v1 import coordinator_pb2_grpc as pb_grpc
 from services.common.clock import SystemClock
 from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch
 from tests.support.poll import eventually
-from tests.support.procs import ServiceProcess, start_service
+from tests.support.procs import ROOT, ServiceProcess, start_service
 
 pytestmark = pytest.mark.integration
 
@@ -180,3 +183,37 @@ async def test_sigkill_mid_resize_ends_in_one_generation(tmp_path: Path, kill_in
             await ll.stop()
         await channel.close()
         svc.kill()
+
+
+def test_a_second_coordinator_on_a_busy_port_stops_before_touching_the_store(
+    tmp_path: Path,
+) -> None:
+    # Issue 30: it used to migrate the schema and load every job, then die with a traceback.
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    db_file = tmp_path / "never.db"
+    try:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.coordinator",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--db",
+                f"sqlite:///{db_file}",
+                "--insecure",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+    finally:
+        busy.close()
+    assert out.returncode == 1, out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not db_file.exists()  # nothing migrated

@@ -50,7 +50,7 @@ def pg() -> Iterator[PrivatePostgres]:
 def health(target: str, service: str = "") -> int:
     with grpc.insecure_channel(target) as ch:
         try:
-            resp = health_pb2_grpc.HealthStub(ch).Check(
+            resp = health_pb2_grpc.HealthStub(ch).Check(  # type: ignore[attr-defined]
                 health_pb2.HealthCheckRequest(service=service), timeout=2.0
             )
         except grpc.RpcError:

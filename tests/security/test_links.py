@@ -262,3 +262,16 @@ async def test_out_of_range_timestamps_are_invalid_argument_naming_the_field(
                 await call(req, timeout=T)
             assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             assert (err.value.details() or "").startswith(field + ":")
+
+
+async def test_a_certificate_of_the_ca_without_a_tide_identity_is_permission_denied(
+    stack: Stack,
+) -> None:
+    # No URI SAN at all, as a certificate issued by the right CA for something else;
+    # docs/security.md: PERMISSION_DENIED (authenticated, but nobody Tide knows).
+    nobody = stack.ca.issue("printer")
+    async with stack.channel(stack.scaler_target, nobody) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await scaler_pb2_grpc.ScalerStub(ch).ListJobs(scaler_pb2.ListJobsRequest(), timeout=T)
+        assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED, err.value
+        assert "no Tide identity" in (err.value.details() or "")

@@ -1,10 +1,22 @@
 """The coordinator of every job: the registry of job runtimes, the indexes from member
-and decision ids to jobs, the reload of a job whose commit failed, and the tick loop."""
+and decision ids to jobs, the reload of a job whose commit failed, and the tick loop.
+
+Every operation is synchronous and may write the store (with retries that wait). The
+server's asyncio loop therefore never runs one itself: :meth:`Coordinator.call` hands it
+to the engine's one thread and awaits it, so operations still run one at a time, in
+order, and the loop stays free for health checks and every other call while a
+commit waits for the store (docs/reliability.md, "Nothing blocks the event loop").
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from services.common.clock import Clock
 from services.coordinator.domain import JobRecord, ResizePhase
@@ -20,9 +32,11 @@ from services.coordinator.errors import UnknownJob, UnknownMember, UnknownResize
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.settings import Tuning
 from services.coordinator.store import CoordinatorStore
-from tidebase.errors import InvalidArgument, Unavailable
+from tidebase.errors import Conflict, InvalidArgument, Unavailable
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Coordinator:
@@ -51,6 +65,30 @@ class Coordinator:
         #: a leader woken from a pause past its lease must not act before the elector
         #: notices. Always true without leader election.
         self.may_act: Callable[[], bool] = lambda: True
+        # One thread: operations stay serial (the engine's state has no locks), and a
+        # SQLite connection is used by the thread that opened it.
+        self._engine_thread: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    async def call(self, fn: Callable[..., T], /, *args: Any) -> T:
+        """Run ``fn(*args)`` (an operation or a read of the engine's state) on the
+        engine's thread and return its result; the event loop waits without blocking.
+        A caller cancelled before its turn (a deadline) never runs."""
+        if self._closed:
+            raise Unavailable("the coordinator is shutting down: retry")
+        if self._engine_thread is None:
+            self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="coordinator-engine")
+        ctx = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._engine_thread, functools.partial(ctx.run, fn, *args)
+        )
+
+    def close(self, *, wait: bool = False) -> None:
+        """Take no more operations; the engine's thread ends once those in its queue are
+        done (``wait``: block until then; never on the event loop)."""
+        self._closed = True
+        if self._engine_thread is not None:
+            self._engine_thread.shutdown(wait=wait)
 
     def _serving(self) -> None:
         if self.standby:
@@ -91,12 +129,20 @@ class Coordinator:
         # NOT_FOUND, which would send every launcher to register again as new members.
         snaps = self._store.load_all()
         old = self.jobs.pop(job_id, None)
+        fault = old.outbox.fault if old is not None else None
         for snap in snaps:
             if snap.job.job_id == job_id:
                 rt = JobRuntime.from_snapshot(
                     snap, self._store, self._clock, self.tuning, self.metrics
                 )
-                rt.recover_after_restart()
+                if isinstance(fault, Conflict):
+                    # Another writer changed the job (a second coordinator): what this
+                    # one knew in memory may be wrong, as after a restart.
+                    rt.recover_after_restart()
+                else:
+                    # The store failed a commit: the same process carries on from what
+                    # it stored (docs/reliability.md, "A resize survives its store").
+                    rt.recover_after_store_fault(old, _first_line(fault))
                 self._install(rt)
                 if old is not None:
                     old.notifier.notify()  # ends streams bound to the discarded runtime
@@ -209,7 +255,7 @@ class Coordinator:
             await self._clock.sleep(interval)
             now = self._clock.monotonic()
             late = now - last - interval
-            self.tick(late if late > interval else 0.0)
+            await self.call(self.tick, late if late > interval else 0.0)
             last = self._clock.monotonic()
 
 
@@ -217,3 +263,8 @@ def _validate_job_id(job_id: str) -> None:
     ns, sep, name = job_id.partition("/")
     if not sep or not ns or not name or "/" in name or len(job_id) > 253:
         raise InvalidArgument(f"job_id: expected 'namespace/name', got {job_id!r}")
+
+
+def _first_line(exc: BaseException | None) -> str:
+    text = str(exc) if exc is not None else ""
+    return text.splitlines()[0] if text else "unknown cause"

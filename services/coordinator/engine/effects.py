@@ -181,10 +181,12 @@ class AckedLeaver:
 
 @dataclass(frozen=True)
 class ExtendPhase:
-    """The phase deadline starts again no earlier than ``at`` (after a restart)."""
+    """The phase deadline starts again no earlier than ``at`` (after a restart, or after
+    the store failed a commit: ``after`` says which)."""
 
     decision_id: int
     at: float
+    after: str = "restart"
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """One job's coordinator: each call is one operation that asks the rules (membership,
 the phase table, recovery) for effects, lets the outbox perform them and commits.
 
-Every operation is synchronous (no await inside), so on the server's one asyncio
-loop each runs atomically.
+Every operation is synchronous (no await inside) and runs on the engine's one thread
+(:meth:`Coordinator.call`), so each runs atomically.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from services.common.clock import Clock
@@ -26,6 +27,7 @@ from services.coordinator.engine import membership, recovery, views
 from services.coordinator.engine.effects import (
     CreditStall,
     DrainOut,
+    ExtendPhase,
     Lose,
     RecordAck,
     RenewDeadlines,
@@ -356,3 +358,40 @@ class JobRuntime:
         if r is not None:
             self.outbox.apply(rules(r).on_restart(self.outbox.context(), r))
         self.outbox.commit()
+
+    def recover_after_store_fault(self, old: JobRuntime | None, cause: str) -> None:
+        """Carry on from the stored state after a commit the store failed, in the same
+        process: not a restart, so no resize is aborted for one.
+
+        What the failed unit changed was never sent (directives go out only after their
+        commit), so the store holds all that members were told; what they did meanwhile
+        (acks, heartbeats) was refused UNAVAILABLE and comes again (a reconnecting
+        launcher re-acks what it handled). What heartbeats reported lives in memory
+        only, and this process still knows it: it is carried over, so a barrier is
+        still placed past every member's step. Nobody could be heard while the store
+        was down, so every member, directive and phase gets its full time again."""
+        if old is not None:
+            for m in self.members.values():
+                before = old.members.get(m.member_id)
+                if before is not None:
+                    _carry_reported(before, m)
+        mono = self._clock.monotonic()
+        for m in self.members.values():
+            m.last_seen_mono = mono
+        self.outbox.apply([RenewDeadlines(self._tuning.heartbeat_timeout_s)])
+        r = self.active_resize()
+        if r is not None:
+            after = f"the store failed a commit ({cause})"
+            self.outbox.apply([ExtendPhase(r.decision_id, self._clock.now(), after=after)])
+        self._finish_operation()
+
+
+#: The fields of a Member that heartbeats report and the store does not keep (those
+#: declared after ``version``, domain.py).
+_FIELDS = [f.name for f in dataclasses.fields(Member)]
+_REPORTED = tuple(_FIELDS[_FIELDS.index("version") + 1 :])
+
+
+def _carry_reported(src: Member, dst: Member) -> None:
+    for name in _REPORTED:
+        setattr(dst, name, getattr(src, name))

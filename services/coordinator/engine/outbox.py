@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from typing import assert_never
@@ -52,26 +53,38 @@ MAX_PHASE_CHANGES = longest_chain()
 
 
 class Notifier:
-    """A change counter that coroutines can wait on (streams, watchers)."""
+    """A change counter that coroutines can wait on (streams, watchers).
+
+    Changes happen on the engine's thread (Coordinator.call) and waiters wait on the
+    event loop: the counter and the waiters' list are guarded by a lock, and a waiter is
+    woken through its loop's thread-safe queue."""
 
     def __init__(self) -> None:
         self.version = 0
         self._waiters: list[asyncio.Future[None]] = []
+        self._mu = threading.Lock()
 
     def notify(self) -> None:
-        self.version += 1
-        waiters, self._waiters = self._waiters, []
+        with self._mu:
+            self.version += 1
+            waiters, self._waiters = self._waiters, []
         for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+            fut.get_loop().call_soon_threadsafe(_wake, fut)
 
     async def wait(self, seen: int) -> int:
         """Return once the version differs from ``seen``."""
-        while self.version == seen:
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
+        while True:
+            with self._mu:
+                if self.version != seen:
+                    return self.version
+                fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                self._waiters.append(fut)
             await fut
-        return self.version
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class Outbox(Endings):
@@ -89,6 +102,8 @@ class Outbox(Endings):
         self.state = state
         self.notifier = Notifier()
         self.broken = False
+        #: Why the last commit failed (what made the runtime broken); None before.
+        self.fault: Exception | None = None
         self._store = store
         self._clock = clock
         self._tuning = tuning
@@ -126,6 +141,7 @@ class Outbox(Endings):
             self._store.save(unit)
         except Exception as exc:
             self.broken = True
+            self.fault = exc
             self._metrics.commit_failures.inc()
             self._log.exception("commit failed; the job will be reloaded from the store")
             if isinstance(exc, Unavailable):
@@ -243,8 +259,9 @@ class Outbox(Endings):
                 r.phase_started_at = max(r.phase_started_at, e.at)
                 self._changed(r)
                 self._log.info(
-                    "resize %d: carried on after restart in phase %s",
+                    "resize %d: carried on after %s in phase %s",
                     r.decision_id,
+                    e.after,
                     r.phase.name,
                     extra={"decision_id": r.decision_id},
                 )

@@ -278,9 +278,14 @@ class DecisionStore:
 
     async def set_paused(self, job_id: str, paused: bool, reason: str) -> JobRecord:
         now = self.now()
-        return await self._run(
+        job = await self._run(
             lambda s: jobs.set_paused(s, job_id, paused=paused, reason=reason, now=now)
         )
+        # After the commit: a write the store refused logs nothing it did not do.
+        logger.info(
+            "job %s autoscaling paused=%s (%s)", job_id, paused, reason, extra={"job_id": job_id}
+        )
+        return job
 
     # -- decisions -----------------------------------------------------------------
 

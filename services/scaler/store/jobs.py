@@ -151,9 +151,7 @@ def set_paused(
     row.autoscaling_paused = paused
     row.updated_at = now
     flush(session, f"set paused={paused} on job {job_id}")
-    logger.info(
-        "job %s autoscaling paused=%s (%s)", job_id, paused, reason, extra={"job_id": job_id}
-    )
+    # Logged by the caller once the unit commits: a refused write paused nothing.
     return job_record(row)
 
 
