@@ -155,3 +155,31 @@ def test_store_without_schema_or_unreachable(tmp_path: Path) -> None:
     assert code == 3 and "unreachable" in err
     code, _, err = tide("jobs", "--db", "mysql://x")
     assert code == 2 and err.startswith("tide: ")
+
+
+@pytest.mark.parametrize(
+    ("args", "asked"), [((), [10_000]), (("--chunk-size", "2"), [2, 2]), (("--limit", "1"), [1])]
+)
+def test_history_from_the_store_reads_large_pages(
+    store: tuple[str, Seeded],
+    monkeypatch: pytest.MonkeyPatch,
+    args: tuple[str, ...],
+    asked: list[int],
+) -> None:
+    """`--db` is not bound by the API's 1,000 a page: `--all` reads 10,000 decisions a
+    transaction (100,000 are 10 reads; bench.history), unless told otherwise."""
+    from services.scaler.store import pages
+
+    seen: list[int] = []
+    rows = pages.decision_rows
+
+    def counted(*a: object, page_size: int, **kw: object) -> object:
+        seen.append(page_size)
+        return rows(*a, page_size=page_size, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("services.scaler.store.decision_rows", counted)
+    url, _ = store
+    all_ = () if "--limit" in args else ("--all",)
+    code, _, err = tide("history", JOB, "--db", url, "--since", "3650d", *all_, *args)
+    assert code == 0, err
+    assert seen == asked
