@@ -23,7 +23,8 @@ and the share of answers reused.
 ``tipping`` (``--tipping``, or after the three above; ``--only-tipping`` alone): issue
 18's target "all 1,000 jobs on 2 s buckets decide within one bucket of their tipping
 sample", in real time. One ScalerCore with its own loop (``ScalerCore.run``: the slot
-triggers and the 1 s pass), SQLite (or PostgreSQL, ``--pg URL``), 1,000 jobs
+triggers and the 1 s pass), SQLite (or PostgreSQL, ``--pg URL``: in a throw-away
+schema, so that no run starts from the last run's jobs), 1,000 jobs
 (``--jobs``) of 4 agents of 8 GPUs, each agent reporting once a second at its own
 phase within the second, every report stamped with the second it was due (a report the
 feeder delivers late counts its delay against the decision). Every GPU is at 50 %
