@@ -23,7 +23,8 @@ and the share of answers reused.
 ``tipping`` (``--tipping``, or after the three above; ``--only-tipping`` alone): issue
 18's target "all 1,000 jobs on 2 s buckets decide within one bucket of their tipping
 sample", in real time. One ScalerCore with its own loop (``ScalerCore.run``: the slot
-triggers and the 1 s pass), SQLite (or PostgreSQL, ``--pg URL``), 1,000 jobs
+triggers and the 1 s pass), SQLite (or PostgreSQL, ``--pg URL``: in a throw-away
+schema, so that no run starts from the last run's jobs), 1,000 jobs
 (``--jobs``) of 4 agents of 8 GPUs, each agent reporting once a second at its own
 phase within the second, every report stamped with the second it was due (a report the
 feeder delivers late counts its delay against the decision). Every GPU is at 50 %
@@ -55,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.fleet import varint
+from bench.history_seed import pg_schema
 from bench.ingest import _base
 from bench.scale import NODES_PER_JOB
 
@@ -344,11 +346,19 @@ def main(argv: list[str] | None = None) -> int:
             res["decide_all_over_steady"] = round(
                 res["decide_all"]["pass_ms"] / max(1e-9, res["steady"]["pass_ms"]), 2
             )
-        url = args.pg or f"sqlite:///{Path(d) / 'tipping.db'}"
-        # The windows fill (sustain 4 s, one bucket spare) before the flip; then the
-        # jobs have a sustain and 10 s more to decide.
-        jobs = args.jobs or (250 if args.quick else 1000)
-        tipping = asyncio.run(run_tipping(jobs, url, 8.0, TIP_SUSTAIN_S + 10.0, args.spread))
+        # PostgreSQL: a throw-away schema. In the database itself the jobs of the last
+        # run are still there, at the replicas they grew to: after a few runs they are
+        # at their maximum, or their windows short of the GPUs they are expected to
+        # have, and decide nothing (a run at 0 % that measured the previous runs).
+        with (
+            pg_schema(args.pg)
+            if args.pg
+            else contextlib.nullcontext(f"sqlite:///{Path(d) / 'tipping.db'}") as url
+        ):
+            # The windows fill (sustain 4 s, one bucket spare) before the flip; then
+            # the jobs have a sustain and 10 s more to decide.
+            jobs = args.jobs or (250 if args.quick else 1000)
+            tipping = asyncio.run(run_tipping(jobs, url, 8.0, TIP_SUSTAIN_S + 10.0, args.spread))
     print(f"tipping: {json.dumps(tipping)}", flush=True)
     res["tipping"] = tipping
     # The issue's figures, at the top: the share decided within one bucket, and the p99.

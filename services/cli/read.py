@@ -26,7 +26,7 @@ from services.cli.output import (
     parse_output,
     print_table,
 )
-from services.cli.source import PAGE_SIZE
+from services.cli.source import PAGE_SIZE, SQL_PAGE_SIZE
 from services.cli.timeparse import iso
 
 
@@ -97,8 +97,13 @@ def history_cmd(
     ] = False,
     chunk_size: Annotated[
         int,
-        typer.Option(min=1, max=1000, help="decisions fetched per ListDecisions call"),
-    ] = PAGE_SIZE,
+        typer.Option(
+            min=0,
+            max=PAGE_SIZE,
+            help=f"decisions fetched per ListDecisions call (0: {PAGE_SIZE};"
+            f" with --db, {SQL_PAGE_SIZE} per read)",
+        ),
+    ] = 0,
     watch: Annotated[
         bool,
         typer.Option(
@@ -149,8 +154,11 @@ def history_cmd(
         if job_id:
             await src.get_job(job_id)  # an unknown job is an error, not an empty history
 
+        # Through the API a page is at most PAGE_SIZE; the store itself reads more at once.
+        chunk = chunk_size or (SQL_PAGE_SIZE if conn.offline else PAGE_SIZE)
+
         def page_size() -> int:
-            return chunk_size if want is None else max(1, min(chunk_size, want - printer.count))
+            return chunk if want is None else max(1, min(chunk, want - printer.count))
 
         pages = (
             src.history_table_pages(job_id, lo, hi, states, wide=out.wide, page_size=page_size)

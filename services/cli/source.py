@@ -35,6 +35,10 @@ logger = logging.getLogger(__name__)
 #: default); the API caps pages at 1000.
 PAGE_SIZE = 1000
 
+#: Rows per read transaction of `tide history --db` (no API between, so not capped
+#: at PAGE_SIZE): 100,000 decisions are 10 reads, not 100 (bench.history).
+SQL_PAGE_SIZE = 10_000
+
 #: The API's limit on GetDecision.context_minutes.
 MAX_CONTEXT_MINUTES = 1440
 

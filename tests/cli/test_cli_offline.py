@@ -164,3 +164,31 @@ def test_db_in_a_missing_directory_says_so(tmp_path: Path) -> None:
     assert code != 0
     assert f"directory {missing.parent} does not exist" in out + err
     assert not missing.parent.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "asked"), [((), [10_000]), (("--chunk-size", "2"), [2, 2]), (("--limit", "1"), [1])]
+)
+def test_history_from_the_store_reads_large_pages(
+    store: tuple[str, Seeded],
+    monkeypatch: pytest.MonkeyPatch,
+    args: tuple[str, ...],
+    asked: list[int],
+) -> None:
+    """`--db` is not bound by the API's 1,000 a page: `--all` reads 10,000 decisions a
+    transaction (100,000 are 10 reads; bench.history), unless told otherwise."""
+    from services.scaler.store import pages
+
+    seen: list[int] = []
+    rows = pages.decision_rows
+
+    def counted(*a: object, page_size: int, **kw: object) -> object:
+        seen.append(page_size)
+        return rows(*a, page_size=page_size, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("services.scaler.store.decision_rows", counted)
+    url, _ = store
+    all_ = () if "--limit" in args else ("--all",)
+    code, _, err = tide("history", JOB, "--db", url, "--since", "3650d", *all_, *args)
+    assert code == 0, err
+    assert seen == asked

@@ -132,6 +132,25 @@ def installed_extras(steps: list[Instruction]) -> list[str]:
     ]
 
 
+def top_levels(whl: zipfile.ZipFile) -> set[str]:
+    return {n.split("/", 1)[0] for n in whl.namelist() if ".dist-info/" not in n}
+
+
+def test_the_wheel_ships_neither_the_benchmarks_nor_the_test_doubles(tmp_path: Path) -> None:
+    """Built from a context that has bench/ and services/testing/ (as `pip wheel .` from
+    a checkout does): neither is installed into a user's image; what the services
+    and the trainer run is (pyproject's packages.find)."""
+    whl = wheel_of(
+        ["pyproject.toml", "README.md", "proto", "tidebase", "services", "trainer", "bench"],
+        tmp_path,
+    )
+    names = whl.namelist()
+    assert top_levels(whl) == {"services", "tide", "tidebase", "trainer"}
+    assert not [n for n in names if n.startswith(("bench/", "services/testing/", "tests/"))]
+    for module in ("services.scaler", "services.coordinator", "services.cli", "trainer.launch"):
+        assert has_module(whl, module), module
+
+
 def has_module(whl: zipfile.ZipFile, module: str) -> bool:
     path = module.replace(".", "/")
     names = set(whl.namelist())
@@ -231,6 +250,8 @@ def test_the_trainer_image_is_paddle_with_the_launcher(tmp_path: Path) -> None:
     (entrypoint,) = [json.loads(s.args) for s in steps if s.keyword == "ENTRYPOINT"]
     assert entrypoint == ["python", "-m", "trainer.launch"]
     whl = wheel_of(copy_sources(steps), tmp_path)
+    # The trainer and the base it stands on, nothing of the control plane.
+    assert top_levels(whl) == {"tide", "tidebase", "trainer"}
     assert installed_extras(steps) == ["trainer"]
     assert "trainer" in extras(whl)
     assert has_module(whl, entrypoint[2])

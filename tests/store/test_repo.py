@@ -402,6 +402,53 @@ def test_a_batch_of_decisions_refuses_per_job_and_writes_the_rest(factory: Facto
         decide(factory, ea, job_id="ml/a")
 
 
+def test_a_batch_of_decisions_fences_all_its_jobs_in_one_statement(factory: Factory) -> None:
+    """The round trips of a batch do not grow with its jobs: one fencing UPDATE of
+    the jobs and one read of the open decisions (bench.tick's
+    1,000-job burst wrote batches of 800 with one UPDATE each before)."""
+    from services.scaler.store.decisions import create_decisions
+
+    jobs = [f"ml/j{i}" for i in range(12)]
+    for j in jobs:
+        make_job(factory, j)
+    epochs = {j: own(factory, j) for j in jobs}
+    seen: list[str] = []
+    engine = factory.kw["bind"]
+
+    def note(_c: Any, _cur: Any, statement: str, *_a: Any) -> None:
+        seen.append(statement.split(None, 1)[0].upper())
+
+    sa.event.listen(engine, "before_cursor_execute", note)
+    try:
+        out = tx(
+            factory,
+            lambda s: create_decisions(
+                s,
+                [
+                    {
+                        "job_id": j,
+                        "from_replicas": 2,
+                        "to_replicas": 4,
+                        "reason": "SUSTAINED_HIGH_UTILIZATION",
+                        "trigger": "POLICY",
+                        "message": "m",
+                        "inputs": {},
+                    }
+                    for j in jobs
+                ],
+                epochs=epochs,
+                now=T0,
+            ),
+        )
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", note)
+    assert all(isinstance(d, repo.DecisionRecord) for d in out)
+    assert seen.count("UPDATE") == 1
+    # (The INSERTs: one statement each on PostgreSQL; SQLite's driver runs a
+    # RETURNING insert row by row, in-process, no round trip.)
+    assert seen.count("SELECT") == 1
+
+
 def test_non_final_decisions_lists_what_a_restart_must_resume(factory: Factory) -> None:
     ids: dict[str, int] = {}
     for i, state in enumerate([S.PENDING, S.PREPARING, S.ACTUATING, S.COMPLETED, S.FAILED]):

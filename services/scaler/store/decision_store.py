@@ -74,8 +74,15 @@ class DecisionStore:
 
     async def _run_inline(self, fn: Callable[[Session], T], *, what: str = "") -> T:
         lock = self._write_lock
+        loop = asyncio.get_running_loop()
         if not self.inline_creates or lock is None:
-            return await self._run(fn, what=what)
+            # PostgreSQL: a thread of the creates' own. In the default executor a
+            # create queued behind the lifecycle writes of every decision in flight:
+            # bench.tick's 1,000-job burst had its last batch (631 creates) wait
+            # seconds behind 2,900 transitions (docs/scaler.md, "Tipping").
+            return await loop.run_in_executor(
+                self._creates, self._unit, fn, True, what or "scaler store"
+            )
         # Inline only when the write lock is free: a lifecycle write in a thread may
         # hold it, and waiting for it here would stop the loop (ingestion, acks, every
         # other evaluation) behind that thread and behind every writer queued before
@@ -85,7 +92,6 @@ class DecisionStore:
         if not lock.acquire(blocking=False):
             # Its own thread: the default executor's queue holds the lifecycle's
             # writes of every decision in flight, hundreds when many jobs resize.
-            loop = asyncio.get_running_loop()
             return await loop.run_in_executor(
                 self._creates, self._unit, fn, True, what or "scaler store"
             )

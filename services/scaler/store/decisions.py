@@ -28,7 +28,7 @@ from services.scaler.errors import (
     JobNotFound,
     StaleEpoch,
 )
-from services.scaler.store.jobs import check_epoch
+from services.scaler.store.jobs import check_epoch, check_epochs
 from services.scaler.store.records import (
     DECISION_LIFECYCLE,
     FINAL_STATES,
@@ -119,29 +119,28 @@ def create_decisions(
 ) -> list[DecisionRecord | DecisionInProgress | StaleEpoch]:
     """:func:`create_decision` for many jobs in the caller's transaction, each
     ``items`` entry its keywords but ``epoch`` and ``now``: the same checks (the fencing
-    UPDATE per job; the exclusivity check in one read of the open decisions of all of
-    them) and then one multi-row INSERT of the decisions and one of their first events,
-    instead of two ORM flushes per decision. A job refused (a stale epoch, a decision
+    UPDATE of all the jobs in one statement, ``check_epochs``; the exclusivity check
+    in one read of the open decisions of all of them) and then one multi-row INSERT of
+    the decisions and one of their first events, instead of two ORM flushes per
+    decision. A job refused (a stale epoch, a decision
     in flight, or the same job twice) gets its error in its place and nothing written;
     a job not found or an invalid item raises for the whole batch."""
     aware("now", now)
     out: list[DecisionRecord | DecisionInProgress | StaleEpoch | None] = []
     ok: list[tuple[int, Mapping[str, Any]]] = []
-    for n, kw in enumerate(items):
-        job_id = kw["job_id"]
+    for kw in items:
         if kw["from_replicas"] < 0 or kw["to_replicas"] < 0:
             raise InvalidArgument(
                 f"replicas must be >= 0, got from={kw['from_replicas']} to={kw['to_replicas']}"
             )
         if not kw["reason"] or not kw["trigger"]:
             raise InvalidArgument("reason and trigger must not be empty")
-        try:
-            check_epoch(session, job_id, epochs[job_id])
-        except StaleEpoch as exc:
-            out.append(exc)
-            continue
-        out.append(None)
-        ok.append((n, kw))
+    stale = check_epochs(session, {kw["job_id"]: epochs[kw["job_id"]] for kw in items})
+    for n, kw in enumerate(items):
+        exc = stale.get(kw["job_id"])
+        out.append(exc)
+        if exc is None:
+            ok.append((n, kw))
     busy = {
         str(job_id): (int(did), str(state))
         for job_id, did, state in session.execute(

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select, tuple_, update
 from sqlalchemy.orm import Session
 
 from services.scaler.errors import JobNotFound, StaleEpoch
@@ -268,3 +268,31 @@ def check_epoch(session: Session, job_id: str, epoch: int) -> None:
     raise StaleEpoch(
         f"job {job_id}: epoch {epoch} is stale, owned by {row.owner_id!r} at epoch {row.owner_epoch}"
     )
+
+
+def check_epochs(session: Session, epochs: Mapping[str, int]) -> dict[str, StaleEpoch]:
+    """:func:`check_epoch` for many jobs in one UPDATE (one round trip, however many
+    jobs: a batch of 800 creates spent most of its second in one UPDATE each on
+    PostgreSQL); returns each refused job's error. Locks the jobs' rows as
+    :func:`check_epoch` does; a job not found raises JobNotFound."""
+    if not epochs:
+        return {}
+    table = JOBS
+    pairs = sorted(epochs.items())
+    matched = set(
+        session.execute(
+            update(table)
+            .where(tuple_(table.c.job_id, table.c.owner_epoch).in_(pairs))
+            .values(owner_epoch=table.c.owner_epoch)
+            .returning(table.c.job_id)
+        ).scalars()
+    )
+    refused: dict[str, StaleEpoch] = {}
+    for job_id, epoch in pairs:
+        if job_id in matched:
+            continue
+        try:
+            check_epoch(session, job_id, epoch)  # the error's words (or JobNotFound)
+        except StaleEpoch as exc:
+            refused[job_id] = exc
+    return refused

@@ -20,6 +20,9 @@ from services.store.models.scaler import Decision
 from tidebase.errors import InvalidArgument
 
 MAX_PAGE_SIZE: Final = 1000
+#: :func:`decision_rows`' most for a reader of the store itself (`tide history --db`),
+#: where no message has to fit an RPC.
+MAX_ROWS_PAGE_SIZE: Final = 10_000
 DEFAULT_PAGE_SIZE: Final = 100
 
 
@@ -52,6 +55,8 @@ def list_decisions(
     them: the API's Decision carries no inputs (GetDecision does), and parsing
     20,000 JSON documents was a fifth of a busy job's `tide history --all`.
     """
+    if not (1 <= page_size <= MAX_PAGE_SIZE):
+        raise InvalidArgument(f"page_size must be in 1..{MAX_PAGE_SIZE}, got {page_size}")
     rows, token = decision_rows(
         session,
         job_id=job_id,
@@ -79,9 +84,10 @@ def decision_rows(
 ) -> tuple[list[Row[Any]], str]:
     """:func:`list_decisions`' page as plain rows (the decisions table's columns, less
     ``inputs`` unless ``with_inputs``) and the next page's token: what a reader that
-    prints rows as they are (`tide history --db`) reads, converting each once."""
-    if not (1 <= page_size <= MAX_PAGE_SIZE):
-        raise InvalidArgument(f"page_size must be in 1..{MAX_PAGE_SIZE}, got {page_size}")
+    prints rows as they are (`tide history --db`) reads, converting each once; its
+    pages go up to MAX_ROWS_PAGE_SIZE (the API's, :func:`list_decisions`, to 1,000)."""
+    if not (1 <= page_size <= MAX_ROWS_PAGE_SIZE):
+        raise InvalidArgument(f"page_size must be in 1..{MAX_ROWS_PAGE_SIZE}, got {page_size}")
     state_values = sorted({DecisionState(s).value for s in states})
     fingerprint = _fingerprint(job_id, since, until, state_values)
     conditions: list[ColumnElement[bool]] = []
