@@ -11,7 +11,7 @@ import time
 
 from tide.v1 import common_pb2, telemetry_pb2
 
-from services.scaler.ingest import Ingest, IngestSettings
+from services.scaler.ingest import Ingest, IngestSettings, StreamState
 from services.scaler.members import Member
 from services.testing.clock import FakeClock
 from services.testing.members import InMemoryMemberRegistry
@@ -67,7 +67,7 @@ def _engine() -> Ingest:
 
 def _run(wire: list[bytes]) -> float:
     ing = _engine()
-    streams = {}
+    streams: dict[str, StreamState] = {}
     parse = telemetry_pb2.NodeReport.FromString
     # CPU time of this thread: on a shared machine, wall time counts the other
     # processes' turns too.
