@@ -87,12 +87,13 @@ def decide_on_throughput(
     if above:
         nxt = min(above)
         ahead = efficiency(curve, cur, nxt)
-        if ahead is not None and ahead < bar:
+        # Measured to stall (or not to pay): growing into it again would only shrink back.
+        if ahead is not None and ahead < max(bar, policy.stalled_efficiency):
             return noop(
                 Reason.LOW_MARGINAL_THROUGHPUT,
                 f"throughput: {cur} -> {nxt} was measured at {_pct(ahead)} of a replica's "
-                f"samples/s per added replica (min_scale_up_efficiency {bar:.2f}): not tried "
-                "again",
+                f"samples/s per added replica (min_scale_up_efficiency {bar:.2f}, "
+                f"stalled_efficiency {policy.stalled_efficiency:.2f}): not tried again",
                 inputs={"goodput": _evidence(curve, policy, nxt, ahead, "refused")},
             )
     to = cur + 1
