@@ -24,7 +24,9 @@ spawned processes pinned to the other CPU:
 It then compares the pipeline delay (sample to decision, without the policy's
 deliberate sustain window, which both paths add alike) with the path of DCGM
 exporter → Prometheus → HPA at their default periods, by simulation over
-random phases. The last line is ``RESULT {json}``.
+random phases. Last, in its own process, the CPU time the ingest spends per report
+with and without NVML GPM activity on every GPU (``ingest_cost_ratio_with_gpm``,
+bench/ingest_gpm.py). The last line is ``RESULT {json}``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from bench.fleet import varint
+from bench.ingest_gpm import gpm_cost_ratio
 
 PERIOD_S = 6.0  # utilization flips between high and low this often (paced phase)
 BUCKET_S = 2.0  # the paced policy: buckets of 2 s, sustain 4 s, no cooldown
@@ -355,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     scaler = run_phase("scaler", args.streams, seconds, 0.0, args.procs)
     # Long enough for a few flips after the windows first fill (PERIOD_S apart).
     paced = run_phase("scaler", args.streams, seconds + 14.0, TARGET_REPORTS_S, args.procs)
+    # In this process, after the phases (their servers are gone): the GPM fields' cost.
+    gpm_cost = gpm_cost_ratio(1000 if args.quick else 2000, 9 if args.quick else 15)
     lat_ms = [x * 1000 for x in paced["latencies_s"]]
     lags = lag_over_sustain(paced.get("decided_at_s", []), paced["started_at_s"])
     rng = random.Random(7)
@@ -384,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         "hpa_path_mean_s_15s_scrape": round(statistics.mean(hpa15), 1),
         "tide_path_mean_s": round(statistics.mean(tide), 3),
         "reaction_ratio": round(ratio, 1),
+        **gpm_cost,
         "streams": args.streams,
         "seconds_per_phase": seconds,
         "wall_s": round(time.monotonic() - t_start, 1),
@@ -426,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
         f"reaction (sample -> decision, no sustain): tide mean {result['tide_path_mean_s']} s; "
         f"DCGM 30 s + Prometheus 60 s (15 s) + HPA 15 s mean {result['hpa_path_mean_s']} s "
         f"({result['hpa_path_mean_s_15s_scrape']} s): ratio {result['reaction_ratio']}x"
+    )
+    print(
+        f"ingest CPU per report of {GPUS} GPUs: {gpm_cost['ingest_us_per_report']} us, with "
+        f"GPM {gpm_cost['ingest_us_per_report_with_gpm']} us: ratio "
+        f"{gpm_cost['ingest_cost_ratio_with_gpm']} (bench/ingest_gpm.py)"
     )
     if os.environ.get("TIDE_BENCH_VERBOSE"):
         print("latencies ms (in order):", [round(x, 1) for x in lat_ms])

@@ -17,6 +17,7 @@ it prompted), sim_speed, and the pool rule's throughput against FCFS.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -51,6 +52,24 @@ def show(c: Comparison) -> None:
     print(f"  {c.wall_s:.2f} s wall, {c.sim_speed:,.0f} simulated s per wall s")
 
 
+SIGNALS = ("utilization", "sm_active", "tensor_active", "throughput")
+
+
+def on_signal(s: sc.Scenario, signal: str) -> sc.Scenario:
+    """``s`` with Tide's policy scaling on ``signal`` (docs/policy.md "Signals")."""
+    policy = s.tide.policy.with_overrides({"signal": signal})
+    return dataclasses.replace(s, tide=dataclasses.replace(s.tide, policy=policy))
+
+
+def grows(c: Comparison, policy: str = "tide") -> int:
+    """Resizes that added replicas, over every job of the run."""
+    return sum(1 for r in c.sims[policy].runs for z in r.resizes if z.to_replicas > z.from_replicas)
+
+
+def by_signal(s: sc.Scenario) -> dict[str, Comparison]:
+    return {sig: compare(on_signal(s, sig), ("tide",)) for sig in SIGNALS}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="skip the 30-day, 100-job pool")
@@ -67,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     show(pool_rule)
     runs.append(pool_rule)
     marginal, fcfs = pool_rule.by_policy("tide"), pool_rule.by_policy("tide-fcfs")
+
+    # The same scenarios under each signal Tide can scale on.
+    eco_sig = by_signal(sc.load(SCENARIOS / "ecommerce.yaml"))
+    busy = by_signal(sc.load(SCENARIOS / "busy_idle.yaml"))
+    print(f"  {'signal':<14}{'ecommerce cost':>15}{'lost steps':>12}{'busy_idle grows':>17}")
+    for sig in SIGNALS:
+        o = eco_sig[sig].by_policy("tide")
+        print(f"  {sig:<14}{o.cost:>15.0f}{o.lost_steps:>12.0f}{grows(busy[sig]):>17}")
 
     result: dict[str, Any] = {
         "static_hours": _r(s.mean_jct_h),
@@ -87,6 +114,16 @@ def main(argv: list[str] | None = None) -> int:
             marginal.throughput_replica_equiv / fcfs.throughput_replica_equiv, 4
         ),
         "pool_rule_mean_jct_vs_fcfs": _r(marginal.mean_jct_h / fcfs.mean_jct_h, 4),
+        "signal_costs": {
+            sig: {
+                "cost": _r(c.by_policy("tide").cost, 0),
+                "lost_steps": _r(c.by_policy("tide").lost_steps, 0),
+                "mean_jct_h": _r(c.by_policy("tide").mean_jct_h),
+            }
+            for sig, c in eco_sig.items()
+        },
+        "busy_idle_grows": {sig: grows(c) for sig, c in busy.items()},
+        "sm_active_avoided_grows": grows(busy["utilization"]) - grows(busy["sm_active"]),
     }
     if not args.quick:
         pool = compare(sc.load(SCENARIOS / "pool.yaml"))

@@ -8,7 +8,10 @@ Needs a machine with an NVIDIA GPU, its driver, and ``paddlepaddle-gpu`` in plac
 It checks, in order, and stops at the first failure (each check's outcome is in the result):
 
 1. ``nvml``: real NVML readings through the agent's own source
-   (services.agent.nvml.NvmlSource): utilization, memory, power, temperature, health.
+   (services.agent.nvml.NvmlSource): utilization, memory, power, temperature, health,
+   and on GPUs with NVML GPM (Hopper and later) SM, occupancy, tensor and DRAM activity:
+   every GPU that reports GPM support must carry all four, in 0..100, from its second
+   sample on (``gpm_supported`` lists them; a GPU without GPM carries none).
 2. ``devices``: the launcher's view of the pod (trainer/devices.py): backend nccl, one
    worker per visible GPU.
 3. ``launcher_nccl``: the BatchNorm CNN (trainer/examples/train_bn.py) under the real
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -59,7 +63,9 @@ def check_nvml() -> dict[str, Any]:
         readings = []
         for _ in range(3):
             readings = source.sample()
+            # Longer than NVML's minimum GPM period (services/agent/gpm.py).
             time.sleep(0.5)
+        supported = source.gpm.supported
     finally:
         source.close()
     gpus = [
@@ -72,11 +78,17 @@ def check_nvml() -> dict[str, Any]:
             "power_w": r.power_w,
             "temperature_c": r.temperature_c,
             "health": r.health.name,
+            "gpm": dataclasses.asdict(r.gpm) if r.gpm is not None else None,
         }
         for r in readings
     ]
     ok = count > 0 and all(r.memory_total_bytes > 0 and r.health.name == "OK" for r in readings)
-    return {"ok": ok, "gpus": gpus}
+    gpm_ok = all(
+        (r.gpm is not None) == (r.index in supported)
+        and (r.gpm is None or all(0.0 <= v <= 100.0 for v in dataclasses.astuple(r.gpm)))
+        for r in readings
+    )
+    return {"ok": ok and gpm_ok, "gpm_ok": gpm_ok, "gpm_supported": supported, "gpus": gpus}
 
 
 def check_devices() -> dict[str, Any]:

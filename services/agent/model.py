@@ -27,6 +27,17 @@ class GpuProcess:
 
 
 @dataclass(frozen=True)
+class GpmActivity:
+    """NVML GPM metrics of one GPU over the interval between two GPM samples,
+    percent 0..100 each (tide.v1.GpmActivity)."""
+
+    sm_active_pct: float
+    sm_occupancy_pct: float
+    tensor_active_pct: float
+    dram_active_pct: float
+
+
+@dataclass(frozen=True)
 class GpuReading:
     """One GPU at one instant. A GPU whose readings failed keeps its index and
     UUID, carries zeros and says so in ``health``: it is never left out."""
@@ -40,6 +51,9 @@ class GpuReading:
     temperature_c: float = 0.0
     health: HealthFlag = HealthFlag.OK
     processes: tuple[GpuProcess, ...] = ()
+    #: None where the GPU cannot measure it (no GPM) or the interval is not yet
+    #: complete: not measured, never zero.
+    gpm: GpmActivity | None = None
     #: Why ``health`` is not OK, for logs ("utilization: GPU is lost").
     error: str = ""
 

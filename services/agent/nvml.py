@@ -8,10 +8,13 @@ zeros, never skipped: a missing GPU would look like an idle one to the scaler.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from .errors import SourceError
+from .gpm import GpmReader
 from .model import GpuProcess, GpuReading, HealthFlag
 
 logger = logging.getLogger(__name__)
@@ -22,14 +25,20 @@ def _text(value: Any) -> str:
 
 
 class NvmlSource:
-    """Reads utilization, memory, power, temperature, ECC, XID and processes.
+    """Reads utilization, memory, power, temperature, ECC, XID, processes and, on
+    GPUs with NVML GPM, SM/tensor/DRAM activity (services/agent/gpm.py).
 
     ``nvml`` is the pynvml module (a stand-in in tests). ECC counters and the
     process list change slowly and cost a driver call each per GPU, so they are
     read every ``slow_every`` samples and reused in between.
     """
 
-    def __init__(self, nvml: ModuleType | Any | None = None, slow_every: int = 5) -> None:
+    def __init__(
+        self,
+        nvml: ModuleType | Any | None = None,
+        slow_every: int = 5,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
         if nvml is None:
             import pynvml
 
@@ -44,6 +53,7 @@ class NvmlSource:
         self._procs: dict[int, tuple[GpuProcess, ...]] = {}
         self._ecc_supported: dict[int, bool] = {}
         self._last_health: dict[int, HealthFlag] = {}
+        self.gpm = GpmReader(nvml, now)
 
     def open(self) -> int:
         nv = self._nv
@@ -78,6 +88,8 @@ class NvmlSource:
                 handle = None
             self._handles.append(handle)
             self._uuids.append(uuid)
+            if handle is not None:
+                self.gpm.open(i, handle)
             if handle is not None and self._events is not None:
                 try:
                     nv.nvmlDeviceRegisterEvents(
@@ -85,7 +97,7 @@ class NvmlSource:
                     )
                 except nv.NVMLError as exc:
                     logger.info("NVML: GPU %d: XID events not available: %s", i, exc)
-        logger.info("NVML: driver %s, %d GPUs", driver, count)
+        logger.info("NVML: driver %s, %d GPUs, %d with GPM", driver, count, len(self.gpm.supported))
         return count
 
     def _poll_xids(self) -> dict[int, list[int]]:
@@ -167,6 +179,7 @@ class NvmlSource:
         if not flags & HealthFlag.LOST and self._tick % self._slow_every == 0:
             self._read_slow(i, handle)
         flags |= self._ecc_flags.get(i, HealthFlag.OK)
+        gpm = None if flags & HealthFlag.LOST else self.gpm.read(i)
         memory = values.get("memory")
         return GpuReading(
             index=i,
@@ -178,6 +191,7 @@ class NvmlSource:
             temperature_c=values.get("temperature", 0.0),
             health=flags,
             processes=self._procs.get(i, ()),
+            gpm=gpm,
             error="; ".join(errors),
         )
 
@@ -197,6 +211,7 @@ class NvmlSource:
 
     def close(self) -> None:
         nv = self._nv
+        self.gpm.close()
         try:
             if self._events is not None:
                 nv.nvmlEventSetFree(self._events)

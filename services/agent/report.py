@@ -27,6 +27,12 @@ def node_event(notice: NodeNotice) -> telemetry_pb2.NodeEvent:
     )
 
 
+def _pct(x: float) -> float:
+    # GPM computes its percentages from counters over an interval; rounding can
+    # put one a hair outside 0..100, which the scaler would reject.
+    return min(100.0, max(0.0, x))
+
+
 def build_report(
     sample: Sample, node_name: str, boot_id: str, owners: dict[str, PodOwner]
 ) -> telemetry_pb2.NodeReport:
@@ -50,6 +56,16 @@ def build_report(
             temperature_c=r.temperature_c,
             health_flags=int(r.health),
         )
+        if r.gpm is not None:
+            a = r.gpm
+            gpu.gpm.CopyFrom(
+                telemetry_pb2.GpmActivity(
+                    sm_active_pct=_pct(a.sm_active_pct),
+                    sm_occupancy_pct=_pct(a.sm_occupancy_pct),
+                    tensor_active_pct=_pct(a.tensor_active_pct),
+                    dram_active_pct=_pct(a.dram_active_pct),
+                )
+            )
         owner = owner_of(owners, r)
         if owner is not None:
             gpu.pod.CopyFrom(

@@ -112,6 +112,8 @@ def decision_inputs(
             "mean_pct": view.mean_pct,
             "computed_at_s": at,
         },
+        # The signal the job scaled on and its buckets (the window above is utilization).
+        "signal": pol.signal_evidence(view, p),
         "policy": dataclasses.asdict(p),
         "current_replicas": current_replicas,
         "free_gpus": -1 if free is None else free,

@@ -306,9 +306,20 @@ class Ingest(PeerExchange):
             util_arr[i] = u
             seen_arr[i] = t
             job_arr[i] = job
+            # GPM activity, when the agent measured it (unset: not measured, not 0).
+            # One presence check per sample; out of range counts as not measured.
+            gc = sm = te = 0.0
+            if g.HasField("gpm"):
+                gpm = g.gpm
+                sm = gpm.sm_active_pct
+                te = gpm.tensor_active_pct
+                if 0.0 <= sm <= 100.0 and 0.0 <= te <= 100.0:
+                    gc = 1.0
+                else:
+                    sm = te = 0.0
             a = acc.get(job)
             if a is None:
-                acc[job] = [u, 1.0, u, u]
+                acc[job] = [u, 1.0, u, u, gc, sm, te]
             else:
                 a[0] += u
                 a[1] += 1.0
@@ -316,13 +327,17 @@ class Ingest(PeerExchange):
                     a[2] = u
                 elif u > a[3]:
                     a[3] = u
+                if gc:
+                    a[4] += 1.0
+                    a[5] += sm
+                    a[6] += te
             accepted += 1
         self.samples_accepted += accepted
         if not acc:
             return
         job_nodes = self.job_nodes
         forward = self.forward
-        for job, (total, count, lo, hi) in acc.items():
+        for job, (total, count, lo, hi, gc, sm, te) in acc.items():
             if job is None:
                 self.samples_unattributed += int(count)
                 continue
@@ -337,9 +352,11 @@ class Ingest(PeerExchange):
                 w = self.windows[job] = self._new_window(job, bucket_s, buckets)
             slot = int((t - w.offset_s) // w.slot_s)
             if forward is not None and forward(job):
-                self.partials.add(job, (w.bucket_s, w.buckets), slot, t, total, int(count), lo, hi)
+                self.partials.add(
+                    job, (w.bucket_s, w.buckets), slot, t, total, int(count), lo, hi, gc, sm, te
+                )
                 continue
-            w.add(slot, total, int(count))
+            w.add(slot, total, int(count), int(gc), sm, te)
             self.rollups.add(job, t, total, int(count), lo, hi)
             last = self._last_slot.get(job)
             if last is None or slot > last:

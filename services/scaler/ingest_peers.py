@@ -12,7 +12,7 @@ from tide.v1 import telemetry_pb2
 
 from services.common.clock import Clock
 from services.scaler.ingest_state import IngestSettings, NodeState, WindowShape
-from services.scaler.partials import JobPartial, NodeNotice, Partials
+from services.scaler.partials import JobPartial, NodeNotice, Partials, widened
 from services.scaler.windows import JobWindow, Rollups
 
 _INF = math.inf
@@ -54,12 +54,12 @@ class PeerExchange:
         m_ring = self.merged.get(job_id)
         merged = m_ring.slots() if m_ring is not None else {}
         own: dict[int, list[float]] = {}
-        for slot, (total, count) in w.slots().items():
+        for slot, v in w.slots().items():
             m = merged.get(slot)
             if m is not None:
-                total, count = total - m[0], count - m[1]
-            if count > 0:
-                own[slot] = [total, count]
+                v = [x - y for x, y in zip(v, m, strict=True)]
+            if v[1] > 0:
+                own[slot] = v
         if not own:
             return None
         return JobPartial(job_id, w.bucket_s, w.buckets, own)
@@ -101,9 +101,9 @@ class PeerExchange:
                 if not own and (merged is None or merged.shape != w.shape):
                     merged = self.merged[job] = JobWindow(bucket_s, buckets, w.offset_s)
                 for slot in sorted(p.slots):
-                    total, count = p.slots[slot]
-                    if w.add(slot, total, int(count)) and merged is not None:
-                        merged.add(slot, total, int(count))
+                    total, count, gc, sm, te = widened(p.slots[slot])
+                    if w.add(slot, total, int(count), int(gc), sm, te) and merged is not None:
+                        merged.add(slot, total, int(count), int(gc), sm, te)
                     last = self._last_slot.get(job)
                     if last is None or slot > last:
                         self._last_slot[job] = slot

@@ -29,7 +29,8 @@ class JobPartial:
     #: (a policy change in flight), as it resets its own window then.
     bucket_s: float
     buckets: int
-    #: slot → [sum of utilization, samples]
+    #: slot → [sum of utilization, samples, GPM samples, SM activity sum, tensor
+    #: activity sum] (SLOT_WIDTH numbers; JobWindow.slots)
     slots: dict[int, list[float]] = field(default_factory=dict)
     #: epoch second → [sum, samples, min, max] (the rollups)
     seconds: dict[int, list[float]] = field(default_factory=dict)
@@ -37,6 +38,15 @@ class JobPartial:
     #: sender's nodes. By GPU, not a count: a node that moved to another replica is
     #: still fresh in its old one's last shipment, and must count once.
     seen_s: dict[tuple[str, int], float] = field(default_factory=dict)
+
+
+#: Numbers per slot of a partial: JobWindow.add's arguments after the slot.
+SLOT_WIDTH = 5
+
+
+def widened(v: list[float]) -> list[float]:
+    """A slot as SLOT_WIDTH numbers (a slot of [sum, samples]: no GPM samples)."""
+    return v + [0.0] * (SLOT_WIDTH - len(v)) if len(v) < SLOT_WIDTH else v
 
 
 class Partials:
@@ -55,16 +65,23 @@ class Partials:
         count: int,
         lo: float,
         hi: float,
+        gpm: float = 0.0,
+        sm: float = 0.0,
+        tensor: float = 0.0,
     ) -> None:
         p = self._acc.get(job_id)
         if p is None or (p.bucket_s, p.buckets) != shape:
             p = self._acc[job_id] = JobPartial(job_id, shape[0], shape[1])
         s = p.slots.get(slot)
         if s is None:
-            p.slots[slot] = [total, count]
+            p.slots[slot] = [total, count, gpm, sm, tensor]
         else:
             s[0] += total
             s[1] += count
+            if gpm:
+                s[2] += gpm
+                s[3] += sm
+                s[4] += tensor
         sec = int(t)
         r = p.seconds.get(sec)
         if r is None:
@@ -197,14 +214,14 @@ class Shipped:
 
 
 def _summed(a: dict[int, list[float]], b: dict[int, list[float]]) -> dict[int, list[float]]:
-    out = {k: [v[0], v[1]] for k, v in a.items()}
-    for k, (total, count) in b.items():
+    out = {k: widened(list(v)) for k, v in a.items()}
+    for k, v in b.items():
         r = out.get(k)
         if r is None:
-            out[k] = [total, count]
+            out[k] = widened(list(v))
         else:
-            r[0] += total
-            r[1] += count
+            for i, x in enumerate(v):
+                r[i] += x
     return out
 
 

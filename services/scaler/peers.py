@@ -53,7 +53,14 @@ def partial_to_proto(p: JobPartial) -> peers_pb2.JobPartial:
         bucket_s=p.bucket_s,
         buckets=p.buckets,
         slots=[
-            peers_pb2.PartialSlot(slot=k, sum_pct=v[0], samples=int(v[1]))
+            peers_pb2.PartialSlot(
+                slot=k,
+                sum_pct=v[0],
+                samples=int(v[1]),
+                gpm_samples=int(v[2]) if len(v) > 2 else 0,
+                sm_active_sum_pct=v[3] if len(v) > 2 else 0.0,
+                tensor_active_sum_pct=v[4] if len(v) > 2 else 0.0,
+            )
             for k, v in p.slots.items()
         ],
         seconds=[
@@ -74,7 +81,16 @@ def partial_from_proto(m: peers_pb2.JobPartial) -> JobPartial:
         m.job_id,
         m.bucket_s,
         m.buckets,
-        slots={s.slot: [s.sum_pct, float(s.samples)] for s in m.slots},
+        slots={
+            s.slot: [
+                s.sum_pct,
+                float(s.samples),
+                float(s.gpm_samples),
+                s.sm_active_sum_pct,
+                s.tensor_active_sum_pct,
+            ]
+            for s in m.slots
+        },
         seconds={s.second: [s.sum_pct, float(s.samples), s.min_pct, s.max_pct] for s in m.seconds},
         seen_s={(g.node_name, g.index): g.sampled_at_s for g in m.seen},
     )

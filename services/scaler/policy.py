@@ -19,9 +19,11 @@ from services.scaler.policy_model import (
     JobState,
     PolicySettings,
     Reason,
+    Signal,
     Trigger,
     WindowView,
 )
+from services.scaler.throughput_rule import decide_on_throughput
 from tidebase.errors import FailedPrecondition, InvalidArgument
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "JobState",
     "PolicySettings",
     "Reason",
+    "Signal",
     "Trigger",
     "WindowView",
     "answer_holds_until",
@@ -38,6 +41,7 @@ __all__ = [
     "inputs_key",
     "manual",
     "proportional",
+    "signal_evidence",
     "sustained",
 ]
 
@@ -58,15 +62,49 @@ def sustained(window: WindowView, policy: PolicySettings) -> int:
     The scaler asks this of every slot a job's window slides by, and evaluates the
     job when it is not 0 (``decide`` has the final word)."""
     n = policy.buckets
+    sig = policy.scaled_on
     if window.bucket_s != policy.bucket_s or len(window.bucket_means) < n:
         return 0
-    means = window.bucket_means[-n:]
+    if sig is Signal.THROUGHPUT:
+        return 0  # not a window's condition: the tick evaluates the job
+    means = window.means_of(sig)[-n:]
+    down, _, up = policy.band
     # NaN compares false both ways: an empty bucket is never "above" nor "below".
-    if all(m > policy.scale_up_utilization_pct for m in means):
+    if all(m > up for m in means):
         return 1
-    if all(m < policy.scale_down_utilization_pct for m in means):
+    if all(m < down for m in means):
         return -1
     return 0
+
+
+def signal_evidence(window: WindowView, policy: PolicySettings) -> dict[str, Any]:
+    """What the job scaled on, over which window, stored in a decision's inputs for
+    `tide explain` (null for an empty bucket, as JSON has no NaN)."""
+    sig = policy.scaled_on
+    n = policy.buckets
+
+    def clean(xs: tuple[float, ...]) -> list[float | None]:
+        return [None if x != x else x for x in xs[-n:]]
+
+    out: dict[str, Any] = {
+        "name": sig.value,
+        "bucket_s": window.bucket_s,
+        "sustain_s": policy.sustain_s,
+        "end_s": window.end_s,
+    }
+    if sig is Signal.THROUGHPUT:
+        out["window"] = "the samples/s the job reported at each size (goodput)"
+        return out
+    down, target, up = policy.band
+    out.update(
+        bucket_means_pct=clean(window.means_of(sig)),
+        scale_up_pct=up,
+        scale_down_pct=down,
+        target_pct=target,
+    )
+    if sig.gpm:
+        out["gpm_fractions"] = clean(window.gpm_fractions)
+    return out
 
 
 def goodput_evidence(
@@ -179,14 +217,30 @@ def decide(
         )
 
     n = policy.buckets
-    means = window.bucket_means[-n:] if window.bucket_s == policy.bucket_s else ()
+    sig = policy.scaled_on
+    if sig is Signal.THROUGHPUT:
+        return decide_on_throughput(job, policy, curve, noop)
+    if sig.gpm and window.bucket_s == policy.bucket_s:
+        missing = window.unmeasured(n, policy.min_coverage)
+        if missing:
+            return noop(
+                Reason.NO_SIGNAL,
+                f"{sig.value} is not measured for the job's GPUs in {missing} of the last "
+                f"{n} buckets (fewer than {policy.min_coverage:.2f} of the samples carried "
+                "NVML GPM: a GPU before Hopper, or an old driver or agent); a missing "
+                "reading is not taken as zero",
+                inputs={"signal": signal_evidence(window, policy)},
+            )
+    down, target, up = policy.band
+    all_means = window.means_of(sig)
+    means = all_means[-n:] if window.bucket_s == policy.bucket_s else ()
     valid = [m for m in means if not math.isnan(m)]
     latest = valid[-1] if valid else math.nan
     rec = None
     raw = 0
     if valid:
         mean = sum(valid) / len(valid)
-        raw = proportional(cur, mean, policy.target_utilization_pct)
+        raw = proportional(cur, mean, target)
         rec = min(policy.max_replicas, max(policy.min_replicas, raw))
     if len(means) < n or len(valid) < n:
         return noop(
@@ -211,9 +265,9 @@ def decide(
                 raw,
             )
     mean = sum(means) / n
-    band = f"{policy.scale_down_utilization_pct:.0f}..{policy.scale_up_utilization_pct:.0f}%"
+    band = f"{down:.0f}..{up:.0f}% {sig.value}"
     if not high and not low:
-        if latest > policy.scale_up_utilization_pct or latest < policy.scale_down_utilization_pct:
+        if latest > up or latest < down:
             return noop(
                 Reason.NOT_SUSTAINED,
                 f"latest bucket {_fmt(latest)}% is outside {band} but not every bucket of "
@@ -224,12 +278,12 @@ def decide(
             )
         return noop(Reason.WITHIN_BAND, f"mean {_fmt(mean)}% is within {band}", rec, raw)
 
-    raw = proportional(cur, mean, policy.target_utilization_pct)
+    raw = proportional(cur, mean, target)
     if high:
         if cur >= policy.max_replicas:
             return noop(
                 Reason.AT_MAX_REPLICAS,
-                f"every bucket above {policy.scale_up_utilization_pct:.0f}% "
+                f"every bucket above {up:.0f}% {sig.value} "
                 f"(mean {_fmt(mean)}%) but already at max_replicas {policy.max_replicas}",
                 rec,
                 raw,
@@ -239,7 +293,7 @@ def decide(
         if guard is None:
             return noop(
                 Reason.LOW_MARGINAL_THROUGHPUT,
-                f"every bucket above {policy.scale_up_utilization_pct:.0f}% "
+                f"every bucket above {up:.0f}% {sig.value} "
                 f"(mean {_fmt(mean)}%) but {goodput['note']}",
                 rec,
                 raw,
@@ -255,7 +309,7 @@ def decide(
                 return replace(
                     noop(
                         Reason.NO_CAPACITY,
-                        f"every bucket above {policy.scale_up_utilization_pct:.0f}% "
+                        f"every bucket above {up:.0f}% {sig.value} "
                         f"(mean {_fmt(mean)}%) but {job.free_gpus} free GPU(s) < "
                         f"{job.gpus_per_replica} per replica",
                         rec,
@@ -271,9 +325,9 @@ def decide(
             job.job_id,
             Reason.SUSTAINED_HIGH_UTILIZATION,
             f"every {policy.bucket_s:.0f}s bucket of the last {policy.sustain_s:.0f}s above "
-            f"{policy.scale_up_utilization_pct:.0f}% (mean {_fmt(mean)}%, min "
+            f"{up:.0f}% {sig.value} (mean {_fmt(mean)}%, min "
             f"{_fmt(min(means))}%): ceil({cur} x {_fmt(mean)} / "
-            f"{policy.target_utilization_pct:.0f}) = {raw}, grow {cur} -> {to}{cap_note}",
+            f"{target:.0f}) = {raw}, grow {cur} -> {to}{cap_note}",
             cur,
             to,
             raw_target=raw,
@@ -285,7 +339,7 @@ def decide(
     if cov < 1.0:
         return noop(
             Reason.INSUFFICIENT_COVERAGE,
-            f"every bucket below {policy.scale_down_utilization_pct:.0f}% but only "
+            f"every bucket below {down:.0f}% {sig.value} but only "
             f"{window.gpus_fresh}/{window.gpus_expected} GPUs are fresh; partial data "
             "never scales down",
             rec,
@@ -294,7 +348,7 @@ def decide(
     if cur <= policy.min_replicas:
         return noop(
             Reason.AT_MIN_REPLICAS,
-            f"every bucket below {policy.scale_down_utilization_pct:.0f}% "
+            f"every bucket below {down:.0f}% {sig.value} "
             f"(mean {_fmt(mean)}%) but already at min_replicas {policy.min_replicas}",
             rec,
             raw,
@@ -309,7 +363,7 @@ def decide(
     if to >= cur:
         return noop(
             Reason.STABILIZING,
-            f"every bucket below {policy.scale_down_utilization_pct:.0f}% but the highest "
+            f"every bucket below {down:.0f}% {sig.value} but the highest "
             f"recommendation of the last {policy.scale_down_stabilization_s:.0f}s is {stab}",
             rec,
             raw,
@@ -318,9 +372,9 @@ def decide(
         job.job_id,
         Reason.SUSTAINED_LOW_UTILIZATION,
         f"every {policy.bucket_s:.0f}s bucket of the last {policy.sustain_s:.0f}s below "
-        f"{policy.scale_down_utilization_pct:.0f}% (mean {_fmt(mean)}%, max "
+        f"{down:.0f}% {sig.value} (mean {_fmt(mean)}%, max "
         f"{_fmt(max(means))}%): ceil({cur} x {_fmt(mean)} / "
-        f"{policy.target_utilization_pct:.0f}) = {raw}, shrink {cur} -> {to}",
+        f"{target:.0f}) = {raw}, shrink {cur} -> {to}",
         cur,
         to,
         raw_target=raw,
@@ -333,7 +387,9 @@ def decide(
 _TIME_IN_MESSAGE = frozenset({Reason.COOLDOWN})
 #: Answers that read the free GPUs (a grow, or none for want of room), left out of
 #: :func:`inputs_key` because they change with every grow and shrink in the cluster.
-_READS_FREE_GPUS = frozenset({Reason.SUSTAINED_HIGH_UTILIZATION, Reason.NO_CAPACITY})
+_READS_FREE_GPUS = frozenset(
+    {Reason.SUSTAINED_HIGH_UTILIZATION, Reason.THROUGHPUT_GAINING, Reason.NO_CAPACITY}
+)
 #: Answers that read the recommendations of the stabilization window, left out of
 #: :func:`inputs_key` because every evaluation adds one.
 _READS_RECOMMENDATIONS = frozenset({Reason.STABILIZING, Reason.SUSTAINED_LOW_UTILIZATION})
@@ -414,7 +470,8 @@ def inputs_key(
         job.in_flight_decision,
         job.in_flight_leaving,
         window.bucket_s,
-        tuple(None if m != m else m for m in window.bucket_means),
+        tuple(None if m != m else m for m in window.means_of(policy.scaled_on)),
+        tuple(None if f != f else f for f in window.gpm_fractions),
         window.gpus_expected,
         window.gpus_fresh,
         policy,

@@ -24,6 +24,8 @@ class Reason(enum.Enum):
     JOB_STARTED = 6
     SLOWER_AFTER_SCALE_UP = 7
     RECONCILE = 8
+    THROUGHPUT_GAINING = 9
+    THROUGHPUT_STALLED = 10
     WITHIN_BAND = 20
     NOT_SUSTAINED = 21
     COOLDOWN = 22
@@ -37,10 +39,43 @@ class Reason(enum.Enum):
     STABILIZING = 30
     LOW_MARGINAL_THROUGHPUT = 31
     POOL_CONTENDED = 32
+    NO_SIGNAL = 33
 
     @property
     def resizes(self) -> bool:
         return self.value < 20
+
+    @property
+    def grows(self) -> bool:
+        """A grow the policy asked for on the job's signal (the pool shares free GPUs
+        among these)."""
+        return self in _GROWS
+
+
+_GROWS = frozenset({Reason.SUSTAINED_HIGH_UTILIZATION, Reason.THROUGHPUT_GAINING})
+
+
+class Signal(enum.Enum):
+    """What a job scales on (docs/policy.md "Signals")."""
+
+    #: NVML's GPU utilization: some kernel ran during the sample period.
+    UTILIZATION = "utilization"
+    #: NVML GPM SM activity: the fraction of time warps were resident on the SMs.
+    SM_ACTIVE = "sm_active"
+    #: NVML GPM tensor activity: the fraction of cycles a tensor pipe was busy.
+    TENSOR_ACTIVE = "tensor_active"
+    #: The job's own samples/s by replica count (services/scaler/goodput.py).
+    THROUGHPUT = "throughput"
+
+    @property
+    def gpm(self) -> bool:
+        """Measured by NVML GPM, which only some GPUs have."""
+        return self in (Signal.SM_ACTIVE, Signal.TENSOR_ACTIVE)
+
+
+#: The signals whose windows hold a percentage per bucket, and the prefix of their
+#: settings' names (scale_up_<prefix>_pct, scale_down_<prefix>_pct, target_<prefix>_pct).
+PERCENT_SIGNALS = (Signal.UTILIZATION, Signal.SM_ACTIVE, Signal.TENSOR_ACTIVE)
 
 
 class Trigger(enum.Enum):
@@ -79,30 +114,48 @@ class PolicySettings:
     min_scale_up_efficiency: float = field(
         default=0.5, metadata={"help": "the goodput guard (0 turns it off)"}
     )
+    signal: str = field(
+        default=Signal.UTILIZATION.value,
+        metadata={
+            "help": "what the job scales on: utilization, sm_active, tensor_active, "
+            "throughput (docs/policy.md)"
+        },
+    )
+    # NVIDIA's guidance on DCGM's SM activity: >= 80 % is needed for the GPU to be
+    # used well, < 50 % likely means it is not (docs/policy.md "Signals").
+    scale_up_sm_active_pct: float = 80.0
+    scale_down_sm_active_pct: float = 50.0
+    target_sm_active_pct: float = 65.0
+    # Tensor-pipe activity of dense mixed-precision training sits well below its SM
+    # activity; Tide's defaults, to calibrate with `tide simulate` (docs/policy.md).
+    scale_up_tensor_active_pct: float = 60.0
+    scale_down_tensor_active_pct: float = 25.0
+    target_tensor_active_pct: float = 40.0
+    # The throughput signal shrinks back when the last grow gave less than this per
+    # added replica, as a fraction of a replica's throughput (it stopped gaining).
+    stalled_efficiency: float = 0.1
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
             return ConfigError(f"policy.{name}={getattr(self, name)!r}: {why}")
 
-        for name in (
-            "scale_up_utilization_pct",
-            "scale_down_utilization_pct",
-            "target_utilization_pct",
-        ):
-            v = getattr(self, name)
-            if not (0.0 <= v <= 100.0):
-                raise bad(name, "must be a percentage 0..100")
-        if not self.scale_down_utilization_pct < self.scale_up_utilization_pct:
-            raise bad("scale_down_utilization_pct", "must be below scale_up_utilization_pct")
-        if (
-            not (
-                self.scale_down_utilization_pct
-                <= self.target_utilization_pct
-                <= self.scale_up_utilization_pct
+        if self.signal not in {x.value for x in Signal}:
+            raise bad("signal", f"must be one of {', '.join(x.value for x in Signal)}")
+        for sig in PERCENT_SIGNALS:
+            up, down, target = (
+                f"{k}_{sig.value}_pct" for k in ("scale_up", "scale_down", "target")
             )
-            or self.target_utilization_pct <= 0
-        ):
-            raise bad("target_utilization_pct", "must lie within the scale-down..scale-up band")
+            for name in (up, down, target):
+                v = getattr(self, name)
+                if not (0.0 <= v <= 100.0):
+                    raise bad(name, "must be a percentage 0..100")
+            if not getattr(self, down) < getattr(self, up):
+                raise bad(down, f"must be below {up}")
+            t = getattr(self, target)
+            if not (getattr(self, down) <= t <= getattr(self, up)) or t <= 0:
+                raise bad(target, "must lie within the scale-down..scale-up band")
+        if not (0.0 <= self.stalled_efficiency <= 1.0):
+            raise bad("stalled_efficiency", "must be a fraction 0..1")
         if not (self.bucket_s > 0 and math.isfinite(self.bucket_s)):
             raise bad("bucket_s", "must be > 0")
         if not (self.sustain_s > 0 and math.isfinite(self.sustain_s)):
@@ -130,6 +183,22 @@ class PolicySettings:
             raise bad("max_step", "must be >= 1")
 
     @property
+    def scaled_on(self) -> Signal:
+        return Signal(self.signal)
+
+    @property
+    def band(self) -> tuple[float, float, float]:
+        """(scale_down, target, scale_up) percent of the job's signal; the utilization
+        band for the throughput signal, whose window still shows utilization."""
+        sig = self.scaled_on
+        key = sig.value if sig in PERCENT_SIGNALS else Signal.UTILIZATION.value
+        return (
+            getattr(self, f"scale_down_{key}_pct"),
+            getattr(self, f"target_{key}_pct"),
+            getattr(self, f"scale_up_{key}_pct"),
+        )
+
+    @property
     def buckets(self) -> int:
         """Buckets in the sustain window."""
         return round(self.sustain_s / self.bucket_s)
@@ -145,10 +214,12 @@ class PolicySettings:
 
 @dataclass(frozen=True)
 class WindowView:
-    """What the policy sees of a job's utilization window.
+    """What the policy sees of a job's window of its signal (utilization, SM or tensor
+    activity; utilization for the throughput signal).
 
     ``bucket_means`` are the complete buckets ending at ``end_s`` (oldest
-    first), NaN where a bucket had no sample; ``end_s`` is a bucket boundary.
+    first), NaN where a bucket had no sample (or, for a GPM signal, no sample with
+    it); ``end_s`` is a bucket boundary.
     """
 
     bucket_s: float
@@ -156,6 +227,14 @@ class WindowView:
     bucket_means: tuple[float, ...]
     gpus_expected: int
     gpus_fresh: int
+    #: The same buckets' means of SM and tensor activity over the samples that carried
+    #: NVML GPM, NaN where none did; () when the window keeps none (all NaN).
+    sm_active_means: tuple[float, ...] = ()
+    tensor_active_means: tuple[float, ...] = ()
+    #: Per bucket, the fraction of its samples that carried GPM (NaN: no sample). A
+    #: GPU that cannot measure it lowers it: the policy refuses (NO_SIGNAL) rather
+    #: than read a missing figure as zero.
+    gpm_fractions: tuple[float, ...] = ()
 
     @property
     def coverage(self) -> float:
@@ -166,6 +245,27 @@ class WindowView:
     def bucket_start(self, i: int) -> float:
         """Start time of bucket ``i`` of ``bucket_means``."""
         return self.end_s - (len(self.bucket_means) - i) * self.bucket_s
+
+    def means_of(self, signal: Signal) -> tuple[float, ...]:
+        """The buckets' means of ``signal`` (utilization for the throughput signal)."""
+        if signal is Signal.SM_ACTIVE:
+            got = self.sm_active_means
+        elif signal is Signal.TENSOR_ACTIVE:
+            got = self.tensor_active_means
+        else:
+            return self.bucket_means
+        return got or (math.nan,) * len(self.bucket_means)
+
+    def unmeasured(self, n: int, min_fraction: float) -> int:
+        """Of the last ``n`` buckets with samples, those in which fewer than
+        ``min_fraction`` of the samples carried GPM."""
+        fr = (
+            self.gpm_fractions[-n:]
+            if self.gpm_fractions
+            else (0.0,) * min(n, len(self.bucket_means))
+        )
+        means = self.bucket_means[-n:]
+        return sum(1 for f, m in zip(fr, means, strict=False) if m == m and not f >= min_fraction)
 
     @property
     def mean_pct(self) -> float:

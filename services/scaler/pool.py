@@ -20,7 +20,7 @@ from services.scaler import policy as pol
 from services.scaler.goodput import Claim, PoolRule, allocate
 
 #: Reasons that mean "this job wants to grow" (it grows, or there is no room).
-WANTING = frozenset({pol.Reason.SUSTAINED_HIGH_UTILIZATION, pol.Reason.NO_CAPACITY})
+WANTING = frozenset({*(r for r in pol.Reason if r.grows), pol.Reason.NO_CAPACITY})
 
 
 def arbitrate(
@@ -32,7 +32,7 @@ def arbitrate(
     the replica adds per GPU, services/scaler/goodput.py); ``d`` keeps what it was
     granted, or becomes POOL_CONTENDED."""
     free = job.free_gpus
-    if free is None or d.reason is not pol.Reason.SUSTAINED_HIGH_UTILIZATION or not d.resize:
+    if free is None or not d.reason.grows or not d.resize:
         return d
     if sum(c.wanted_gpus for c in claims) <= free:
         return d

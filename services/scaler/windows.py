@@ -13,6 +13,7 @@ import zlib
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from services.scaler.policy import WindowView
 
@@ -46,7 +47,20 @@ class JobWindow:
     slot being filled; its memory depends on the policy's shape only.
     """
 
-    __slots__ = ("_counts", "_head", "_sums", "bucket_s", "buckets", "k", "n", "offset_s", "slot_s")
+    __slots__ = (
+        "_counts",
+        "_gpm",
+        "_head",
+        "_sm",
+        "_sums",
+        "_tensor",
+        "bucket_s",
+        "buckets",
+        "k",
+        "n",
+        "offset_s",
+        "slot_s",
+    )
 
     def __init__(self, bucket_s: float, buckets: int, offset_s: float = 0.0) -> None:
         self.bucket_s = bucket_s
@@ -58,14 +72,29 @@ class JobWindow:
         self.n = (buckets + 1) * self.k + 1
         self._sums = array("d", bytes(8 * self.n))
         self._counts = array("q", bytes(8 * self.n))
+        # NVML GPM (tide.v1.GpmActivity): of each slot's samples, those that carried
+        # it, and the sums of their SM and tensor activity. Absent is not zero: a
+        # bucket's GPM mean is over these samples only, and its fraction says how many.
+        self._gpm = array("q", bytes(8 * self.n))
+        self._sm = array("d", bytes(8 * self.n))
+        self._tensor = array("d", bytes(8 * self.n))
         # The newest slot written; the ring holds slots head-n+1 .. head.
         self._head: int | None = None
 
     def slot_of(self, t: float) -> int:
         return math.floor((t - self.offset_s) / self.slot_s)
 
-    def add(self, slot_id: int, total: float, count: int) -> bool:
-        """Add ``count`` samples summing to ``total`` to slot ``slot_id``.
+    def add(
+        self,
+        slot_id: int,
+        total: float,
+        count: int,
+        gpm: int = 0,
+        sm: float = 0.0,
+        tensor: float = 0.0,
+    ) -> bool:
+        """Add ``count`` samples summing to ``total`` to slot ``slot_id``, ``gpm`` of
+        them with GPM activity summing to ``sm`` and ``tensor``.
         Returns False when that slot has already left the ring."""
         n = self.n
         head = self._head
@@ -77,12 +106,19 @@ class JobWindow:
                 i = s % n
                 self._sums[i] = 0.0
                 self._counts[i] = 0
+                self._gpm[i] = 0
+                self._sm[i] = 0.0
+                self._tensor[i] = 0.0
             self._head = slot_id
         elif slot_id <= head - n:
             return False
         i = slot_id % n
         self._sums[i] += total
         self._counts[i] += count
+        if gpm:
+            self._gpm[i] += gpm
+            self._sm[i] += sm
+            self._tensor[i] += tensor
         return True
 
     @property
@@ -91,7 +127,8 @@ class JobWindow:
         return self.bucket_s, self.buckets, self.offset_s
 
     def slots(self) -> dict[int, list[float]]:
-        """The slots the ring holds that have samples: slot → [sum, samples]."""
+        """The slots the ring holds that have samples: slot → [sum, samples, GPM
+        samples, SM activity sum, tensor activity sum] (partials.SLOT_WIDTH)."""
         head = self._head
         if head is None:
             return {}
@@ -100,28 +137,41 @@ class JobWindow:
         for s in range(head - n + 1, head + 1):
             count = self._counts[s % n]
             if count:
-                out[s] = [self._sums[s % n], float(count)]
+                i = s % n
+                out[s] = [
+                    self._sums[i],
+                    float(count),
+                    float(self._gpm[i]),
+                    self._sm[i],
+                    self._tensor[i],
+                ]
         return out
 
-    def _total(self, lo: int, hi: int) -> tuple[float, int]:
-        """Sum and count of slots lo .. hi-1 (those the ring holds)."""
+    def _range(self, lo: int, hi: int) -> tuple[int, int, int] | None:
+        """Ring positions of slots lo .. hi-1 (those the ring holds): (a, b, wrap)."""
         head = self._head
         if head is None:
-            return 0.0, 0
+            return None
         n = self.n
         lo = max(lo, head - n + 1)
         hi = min(hi, head + 1)
         if lo >= hi:
-            return 0.0, 0
+            return None
         a = lo % n
         b = a + (hi - lo)
-        if b <= n:
-            return sum(self._sums[a:b]), sum(self._counts[a:b])
-        b -= n
-        return (
-            sum(self._sums[a:]) + sum(self._sums[:b]),
-            sum(self._counts[a:]) + sum(self._counts[:b]),
-        )
+        return (a, b, 0) if b <= n else (a, n, b - n)
+
+    @staticmethod
+    def _sum(arr: array[Any], r: tuple[int, int, int]) -> Any:
+        a, b, wrap = r
+        return sum(arr[a:b]) + (sum(arr[:wrap]) if wrap else 0)
+
+    def _total(self, lo: int, hi: int) -> tuple[float, int]:
+        """Sum and count of slots lo .. hi-1 (those the ring holds)."""
+        r = self._range(lo, hi)
+        if r is None:
+            return 0.0, 0
+        return self._sum(self._sums, r), self._sum(self._counts, r)
 
     def means(self, end_slot: int, k: int) -> tuple[float, ...]:
         """Means of the ``k`` buckets ending before slot ``end_slot`` (exclusive), oldest
@@ -133,15 +183,41 @@ class JobWindow:
             out.append(total / count if count else math.nan)
         return tuple(out)
 
+    def gpm_means(
+        self, end_slot: int, k: int
+    ) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+        """Of the same buckets as ``means``: SM activity and tensor activity means over
+        the samples that carried GPM (NaN: none did), and the fraction that did (NaN:
+        no sample at all)."""
+        sm, tensor, frac = [], [], []
+        nan = math.nan
+        step = self.k
+        for i in range(k, 0, -1):
+            r = self._range(end_slot - i * step, end_slot - (i - 1) * step)
+            count = self._sum(self._counts, r) if r is not None else 0
+            g = self._sum(self._gpm, r) if r is not None and count else 0
+            frac.append(g / count if count else nan)
+            if r is None or not g:
+                sm.append(nan)
+                tensor.append(nan)
+                continue
+            sm.append(self._sum(self._sm, r) / g)
+            tensor.append(self._sum(self._tensor, r) / g)
+        return tuple(sm), tuple(tensor), tuple(frac)
+
     def view(self, now_s: float, buckets: int, gpus_expected: int, gpus_fresh: int) -> WindowView:
         """The sustain window's buckets, the newest ending with the slot that holds ``now_s``."""
         end = self.slot_of(now_s) + 1
+        sm, tensor, frac = self.gpm_means(end, buckets)
         return WindowView(
             bucket_s=self.bucket_s,
             end_s=end * self.slot_s + self.offset_s,
             bucket_means=self.means(end, buckets),
             gpus_expected=gpus_expected,
             gpus_fresh=gpus_fresh,
+            sm_active_means=sm,
+            tensor_active_means=tensor,
+            gpm_fractions=frac,
         )
 
 

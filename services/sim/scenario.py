@@ -148,6 +148,11 @@ class JobSpec:
     # GPU utilization while training: data-parallel training keeps a GPU "busy" in
     # NCCL kernels too, so it stays high whether or not another replica helps.
     busy_util_pct: float = 95.0
+    # NVML GPM activity as a fraction of the utilization the GPUs show: SM activity and
+    # tensor-pipe activity. None: the job's GPUs have no GPM (before Hopper), and a
+    # policy scaling on it refuses (NO_SIGNAL).
+    sm_active_ratio: float | None = None
+    tensor_active_ratio: float | None = None
     # Samples/s the input pipeline delivers, by time of day (online training); None: unlimited.
     input_per_s: Daily | None = None
 
@@ -369,8 +374,15 @@ _JOB_KEYS = {
     "checkpoint_interval",
     "global_batch",
     "busy_util_pct",
+    "sm_active_ratio",
+    "tensor_active_ratio",
     "input_per_s",
 }
+
+
+def _ratio(t: Mapping[str, Any], key: str, name: str) -> float | None:
+    raw = t.get(name)
+    return None if raw is None else number(f"{key}.{name}", raw, 0, 1)
 
 
 def _jobs(raw: Any, duration_s: float, rng: random.Random) -> tuple[JobSpec, ...]:
@@ -465,6 +477,8 @@ def _template(
                 global_batch=integer(f"{key}.global_batch", t.get("global_batch", 1024), 1),
                 busy_util_pct=number(f"{key}.busy_util_pct", t.get("busy_util_pct", 95.0), 0, 100),
                 input_per_s=parse_daily(f"{key}.input_per_s", input_raw) if input_raw else None,
+                sm_active_ratio=_ratio(t, key, "sm_active_ratio"),
+                tensor_active_ratio=_ratio(t, key, "tensor_active_ratio"),
             )
         )
     return out

@@ -88,6 +88,10 @@ class TideController:
             if n < spec.min_replicas or not sim.launch(r, n):
                 return
             self._st(r).members_since = r.paused_until
+            if self.p.scaled_on is pol.Signal.THROUGHPUT:
+                # It grows from the size it started at: that one is measured too (the
+                # figures of the other signals keep the seed's model: resizes only).
+                sim.at(r.paused_until + gp.SETTLE_S, self._measure, r, n)
             self._wake(r, r.paused_until)
 
     def on_capacity(self) -> None:
@@ -196,12 +200,19 @@ class TideController:
         k = math.floor(first / self.interval) + 1
         ts = k * self.interval
         segs = r.segments
+        sm_ratio, tensor_ratio = r.spec.sm_active_ratio, r.spec.tensor_active_ratio
+        gpm = sm_ratio is not None and tensor_ratio is not None
+        sm_ratio = sm_ratio or 0.0
+        tensor_ratio = tensor_ratio or 0.0
         i = 0
         while ts <= t:
             while i + 1 < len(segs) and segs[i + 1][0] <= ts:
                 i += 1
             u = segs[i][1] if segs and segs[0][0] <= ts else 0.0
-            w.add(w.slot_of(ts), u, 1)
+            if gpm:
+                w.add(w.slot_of(ts), u, 1, 1, u * sm_ratio, u * tensor_ratio)
+            else:
+                w.add(w.slot_of(ts), u, 1)
             ts += self.interval
         st.fed_to = max(st.fed_to, t)
 
@@ -233,10 +244,7 @@ class TideController:
             horizon = t - st.policy.scale_down_stabilization_s
             while st.recs and st.recs[0][0] < horizon:
                 st.recs.pop(0)
-        wanting = d.wanted_replicas and d.reason in (
-            pol.Reason.SUSTAINED_HIGH_UTILIZATION,
-            pol.Reason.NO_CAPACITY,
-        )
+        wanting = d.wanted_replicas and (d.reason.grows or d.reason is pol.Reason.NO_CAPACITY)
         if wanting:
             st.claim_since = st.claim_since if st.claim_since is not None else t
             self.claims[r.name] = gp.Claim(
@@ -307,8 +315,21 @@ class TideController:
         # Only a load outside the band can come to hold a sustain condition: a job whose
         # GPUs now show a level inside it needs no evaluation until that changes (a
         # condition can stop holding on its own, never start).
+        sig = p.scaled_on
+        if sig is pol.Signal.THROUGHPUT:
+            return held  # the curve changes only when measured (_measure wakes the job)
         shown = r.util_at(t)
-        if p.scale_down_utilization_pct <= shown <= p.scale_up_utilization_pct:
+        if sig.gpm:
+            ratio = (
+                r.spec.sm_active_ratio
+                if sig is pol.Signal.SM_ACTIVE
+                else r.spec.tensor_active_ratio
+            )
+            if ratio is None:
+                return held  # NO_SIGNAL until the GPUs change: they never do here
+            shown *= ratio
+        down, _, up = p.band
+        if down <= shown <= up:
             return held
         recent = t - p.sustain_s - p.bucket_s
         anchors = [start for start, _ in r.segments if start >= recent]

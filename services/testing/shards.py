@@ -51,6 +51,12 @@ def _report(node: int, seq: int, t: float, utils: list[float]) -> telemetry_pb2.
             memory_total_bytes=2,
             pod=common_pb2.PodRef(namespace="ns", name=pod, uid=pod),
         )
+        if node % 2 == 0:
+            # Half the nodes measure GPM: the partials carry its sums and its count,
+            # and the owner's window must tell the GPUs without it apart.
+            r.gpus[-1].gpm.CopyFrom(
+                telemetry_pb2.GpmActivity(sm_active_pct=u / 2, tensor_active_pct=u / 4)
+            )
     return r
 
 
@@ -112,12 +118,11 @@ def compare_sharded(
             diffs.append(f"{job}: fresh_gpus {whole}, single {want_fresh}")
         got = owner.window_view(job, now, 16, fresh)
         want = single.window_view(job, now, 16, want_fresh)
-        same = all(
-            (a != a and b != b) or abs(a - b) < 1e-9
-            for a, b in zip(got.bucket_means, want.bucket_means, strict=True)
-        )
-        if not same or got.end_s != want.end_s:
-            diffs.append(f"{job}: window {got.bucket_means}, single {want.bucket_means}")
+        for name in ("bucket_means", "sm_active_means", "tensor_active_means", "gpm_fractions"):
+            g, w = getattr(got, name), getattr(want, name)
+            same = all((a != a and b != b) or abs(a - b) < 1e-9 for a, b in zip(g, w, strict=True))
+            if not same or got.end_s != want.end_s:
+                diffs.append(f"{job}: window {name} {g}, single {w}")
 
     def rows(es: list[Ingest]) -> list[tuple[object, ...]]:
         return sorted(

@@ -22,6 +22,31 @@ NVML_TEMPERATURE_GPU = pynvml.NVML_TEMPERATURE_GPU
 NVML_MEMORY_ERROR_TYPE_UNCORRECTED = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
 NVML_VOLATILE_ECC = pynvml.NVML_VOLATILE_ECC
 nvmlEventTypeXidCriticalError = pynvml.nvmlEventTypeXidCriticalError
+NVML_SUCCESS = pynvml.NVML_SUCCESS
+NVML_GPM_METRICS_GET_VERSION = pynvml.NVML_GPM_METRICS_GET_VERSION
+NVML_GPM_METRIC_SM_UTIL = pynvml.NVML_GPM_METRIC_SM_UTIL
+NVML_GPM_METRIC_SM_OCCUPANCY = pynvml.NVML_GPM_METRIC_SM_OCCUPANCY
+NVML_GPM_METRIC_ANY_TENSOR_UTIL = pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL
+NVML_GPM_METRIC_DRAM_BW_UTIL = pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL
+_GPM_FIELDS = {
+    NVML_GPM_METRIC_SM_UTIL: 0,
+    NVML_GPM_METRIC_SM_OCCUPANCY: 1,
+    NVML_GPM_METRIC_ANY_TENSOR_UTIL: 2,
+    NVML_GPM_METRIC_DRAM_BW_UTIL: 3,
+}
+
+
+class c_nvmlGpmMetricsGet_t:
+    """pynvml's struct, as plain attributes."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.numMetrics = 0
+        self.sample1: Any = None
+        self.sample2: Any = None
+        self.metrics = [
+            SimpleNamespace(metricId=0, nvmlReturn=0, value=0.0) for _ in range(len(_GPM_FIELDS))
+        ]
 
 
 @dataclass
@@ -35,6 +60,11 @@ class FakeGpu:
     ecc_uncorrected: int = 0
     ecc_supported: bool = True
     processes: list[tuple[int, int]] = field(default_factory=list)
+    #: GPM activity (sm_active, sm_occupancy, tensor_active, dram_active), percent,
+    #: as the next GPM interval measures it; None: the GPU has no GPM (pre-Hopper).
+    gpm: tuple[float, float, float, float] | None = None
+    #: GPM metric ids whose per-metric return is an error (the read itself succeeds).
+    gpm_failing: set[int] = field(default_factory=set)
     #: NVML error code raised by every reading call (e.g. NVML_ERROR_GPU_IS_LOST).
     fail_with: int | None = None
     #: Error code raised by just this call name, e.g. {"power": NVML_ERROR_UNKNOWN}.
@@ -50,6 +80,7 @@ class FakeNvml:
         self.calls = 0
         self.pending_xids: list[tuple[int, int]] = []
         self.registered: set[int] = set()
+        self.gpm_samples_allocated = 0
         for name in (
             "NVMLError",
             "NVMLError_NotSupported",
@@ -59,6 +90,13 @@ class FakeNvml:
             "NVML_MEMORY_ERROR_TYPE_UNCORRECTED",
             "NVML_VOLATILE_ECC",
             "nvmlEventTypeXidCriticalError",
+            "NVML_SUCCESS",
+            "NVML_GPM_METRICS_GET_VERSION",
+            "NVML_GPM_METRIC_SM_UTIL",
+            "NVML_GPM_METRIC_SM_OCCUPANCY",
+            "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
+            "NVML_GPM_METRIC_DRAM_BW_UTIL",
+            "c_nvmlGpmMetricsGet_t",
         ):
             setattr(self, name, globals()[name])
 
@@ -143,6 +181,43 @@ class FakeNvml:
         gpu = self._call(h, "processes")
         assert gpu is not None
         return [SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in gpu.processes]
+
+    def nvmlGpmQueryDeviceSupport(self, h: int) -> Any:
+        gpu = self._call(h, "gpm_support")
+        assert gpu is not None
+        return SimpleNamespace(version=1, isSupportedDevice=int(gpu.gpm is not None))
+
+    def nvmlGpmSampleAlloc(self) -> Any:
+        self._call()
+        self.gpm_samples_allocated += 1
+        return SimpleNamespace(handle=None, values=None)
+
+    def nvmlGpmSampleFree(self, sample: Any) -> None:
+        self._call()
+        self.gpm_samples_allocated -= 1
+
+    def nvmlGpmSampleGet(self, h: int, sample: Any) -> Any:
+        gpu = self._call(h, "gpm")
+        assert gpu is not None
+        if gpu.gpm is None:
+            raise NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        sample.handle = h
+        sample.values = gpu.gpm
+        return sample
+
+    def nvmlGpmMetricsGet(self, mg: c_nvmlGpmMetricsGet_t) -> c_nvmlGpmMetricsGet_t:
+        self._call()
+        assert mg.version == NVML_GPM_METRICS_GET_VERSION
+        a, b = mg.sample1, mg.sample2
+        assert a is not b and a.handle == b.handle and b.values is not None
+        gpu = self.gpus[b.handle]
+        for m in mg.metrics[: mg.numMetrics]:
+            if m.metricId in gpu.gpm_failing:
+                m.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                continue
+            m.nvmlReturn = NVML_SUCCESS
+            m.value = b.values[_GPM_FIELDS[m.metricId]]
+        return mg
 
     def nvmlEventSetCreate(self) -> str:
         self._call()

@@ -362,3 +362,23 @@ def test_take_notices_ships_each_active_notice_per_forwarded_job_until_its_deadl
     clock.advance(6.0)
     assert engine.take_notices(clock.now()) == []
     assert not engine.noticed
+
+
+def test_gpm_rides_the_window_and_absent_is_not_zero(engine: Ingest, clock: FakeClock) -> None:
+    """SM/tensor activity means are over the samples that carried GPM; a GPU without it
+    lowers the bucket's GPM fraction instead of adding a zero."""
+    st = engine.open_stream()
+    r = report(seq=1, t=T0, utils=[95.0] * 8, pods=PODS)
+    for g in r.gpus[:6]:
+        g.gpm.CopyFrom(telemetry_pb2.GpmActivity(sm_active_pct=30.0, tensor_active_pct=10.0))
+    r.gpus[6].gpm.CopyFrom(telemetry_pb2.GpmActivity(sm_active_pct=130.0))  # out of range
+    engine.process(st, r)
+    view = engine.window_view("ns/a", T0, 8, 8)
+    assert view.bucket_means[-1] == 95.0
+    assert view.sm_active_means[-1] == 30.0 and view.tensor_active_means[-1] == 10.0
+    assert view.gpm_fractions[-1] == 6 / 8
+    assert math.isnan(view.gpm_fractions[0])  # an empty bucket: no sample at all
+    clock.advance(30)
+    engine.process(st, report(seq=2, t=T0 + 30, utils=[95.0] * 8, pods=PODS))  # an old agent
+    later = engine.window_view("ns/a", T0 + 30, 8, 8)
+    assert later.gpm_fractions[-1] == 0.0 and math.isnan(later.sm_active_means[-1])

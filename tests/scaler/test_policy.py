@@ -27,14 +27,31 @@ P = PolicySettings()  # 80/40, sustain 300 s of 30 s buckets, cooldown 300, 2..8
 NOW = 100_000.0  # a bucket boundary (100_000 / 30 is not whole, but the view sets end_s)
 
 
-def window(means: list[float], fresh: int = 4, expected: int = 4) -> WindowView:
+def window(
+    means: list[float],
+    fresh: int = 4,
+    expected: int = 4,
+    sm: list[float] | None = None,
+    gpm: float = 1.0,
+) -> WindowView:
+    """A utilization window; ``sm``: the SM (and tensor) activity of its buckets, carried
+    by a ``gpm`` fraction of the samples (none: the GPUs have no GPM)."""
+    act = tuple(sm) if sm is not None else ()
     return WindowView(
         bucket_s=30.0,
         end_s=NOW,
         bucket_means=tuple(means),
         gpus_expected=expected,
         gpus_fresh=fresh,
+        sm_active_means=act,
+        tensor_active_means=act,
+        gpm_fractions=(gpm,) * len(means) if sm is not None else (),
     )
+
+
+SM = PolicySettings(signal="sm_active")  # 80/50, target 65
+TENSOR = PolicySettings(signal="tensor_active")  # 60/25, target 40
+TPUT = PolicySettings(signal="throughput")
 
 
 def flat(v: float, n: int = 10) -> list[float]:
@@ -53,6 +70,8 @@ class Case:
     job: dict[str, object] = field(default_factory=dict)
     history: History = field(default_factory=History)
     policy: PolicySettings = P
+    sm: list[float] | None = None
+    gpm: float = 1.0
 
 
 CASES = [
@@ -286,13 +305,92 @@ CASES = [
         history=History(throughput=((4, 400.0), (5, 420.0))),
         policy=PolicySettings(min_scale_up_efficiency=0.0),
     ),
+    # Signals (docs/policy.md "Signals"): the same rules on the job's chosen signal.
+    Case(
+        "sm_active: utilization high but SMs mostly idle shrinks",
+        flat(95),
+        Reason.SUSTAINED_LOW_UTILIZATION,
+        2,
+        policy=SM,
+        sm=flat(30),
+    ),
+    Case(
+        "sm_active: SMs busy grows on SM activity",
+        flat(95),
+        Reason.SUSTAINED_HIGH_UTILIZATION,
+        6,
+        policy=SM,
+        sm=flat(90),
+    ),
+    Case("sm_active within its band", flat(95), Reason.WITHIN_BAND, 4, policy=SM, sm=flat(70)),
+    Case(
+        "sm_active on GPUs without GPM refuses",
+        flat(95),
+        Reason.NO_SIGNAL,
+        4,
+        policy=SM,
+        sm=flat(math.nan),
+        gpm=0.0,
+    ),
+    Case(
+        "sm_active with GPM on half the GPUs refuses",
+        flat(95),
+        Reason.NO_SIGNAL,
+        4,
+        policy=SM,
+        sm=flat(95),
+        gpm=0.5,
+    ),
+    Case(
+        "tensor_active low shrinks",
+        flat(95),
+        Reason.SUSTAINED_LOW_UTILIZATION,
+        2,
+        policy=TENSOR,
+        sm=flat(20),
+    ),
+    Case(
+        "throughput: the last grow paid, grow one more",
+        flat(50),
+        Reason.THROUGHPUT_GAINING,
+        5,
+        policy=TPUT,
+        history=History(throughput=((2, 200.0), (4, 390.0))),
+    ),
+    Case(
+        "throughput: the last grow stopped gaining, shrink back",
+        flat(95),
+        Reason.THROUGHPUT_STALLED,
+        3,
+        policy=TPUT,
+        history=History(throughput=((3, 300.0), (4, 305.0))),
+    ),
+    Case(
+        "throughput: the last grow paid too little, hold",
+        flat(95),
+        Reason.LOW_MARGINAL_THROUGHPUT,
+        4,
+        policy=TPUT,
+        history=History(throughput=((3, 300.0), (4, 330.0))),
+    ),
+    Case("throughput: nothing reported yet refuses", flat(95), Reason.NO_SIGNAL, 4, policy=TPUT),
+    Case(
+        "throughput: no room to grow",
+        flat(50),
+        Reason.NO_CAPACITY,
+        4,
+        policy=TPUT,
+        job={"free_gpus": 0},
+        history=History(throughput=((4, 400.0),)),
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_policy_table(case: Case) -> None:
     job = JobState("ns/a", current_replicas=case.current, **case.job)  # type: ignore[arg-type]
-    d = decide(job, window(case.means, case.fresh, case.expected), case.policy, case.history, NOW)
+    w = window(case.means, case.fresh, case.expected, case.sm, case.gpm)
+    d = decide(job, w, case.policy, case.history, NOW)
     assert d.reason is case.reason, d.message
     assert d.to_replicas == case.to, d.message
     assert d.resize == case.reason.resizes
@@ -314,6 +412,22 @@ def test_every_policy_reason_is_covered_by_the_table() -> None:
         Reason.RECONCILE,
     }
     assert set(Reason) - not_decide <= {c.reason for c in CASES}
+
+
+def test_a_signal_is_validated_and_has_its_own_band() -> None:
+    with pytest.raises(ConfigError, match="signal"):
+        PolicySettings(signal="power")
+    with pytest.raises(ConfigError, match="scale_down_sm_active_pct"):
+        PolicySettings(scale_down_sm_active_pct=90.0)
+    assert SM.band == (50.0, 65.0, 80.0) and P.band == (40.0, 60.0, 80.0)
+
+
+def test_no_signal_records_the_signal_and_its_window() -> None:
+    d = decide(JobState("j", 4), window(flat(95), sm=flat(math.nan), gpm=0.0), SM, History(), NOW)
+    ev = d.inputs["signal"]
+    assert ev["name"] == "sm_active" and ev["bucket_s"] == 30.0 and ev["sustain_s"] == 300.0
+    assert ev["gpm_fractions"] == [0.0] * 10 and ev["bucket_means_pct"] == [None] * 10
+    assert "not taken as zero" in d.message
 
 
 def test_the_guard_records_its_evidence() -> None:

@@ -131,3 +131,17 @@ def test_the_pool_rule_against_first_come_first_served() -> None:
     marginal, fcfs = c.by_policy("tide"), c.by_policy("tide-fcfs")
     assert marginal.throughput_replica_equiv > fcfs.throughput_replica_equiv
     assert marginal.makespan_h < fcfs.makespan_h
+
+
+def test_each_signal_replays_and_sm_active_does_not_grow_a_busy_idle_job() -> None:
+    """scenarios/busy_idle.yaml: utilization 95 %, SM activity 30 %: the utilization rule
+    grows the job, sm_active does not; GPUs without GPM make sm_active refuse (no grow,
+    no shrink on a missing reading)."""
+    from bench.simulate import SCENARIOS, by_signal, grows, on_signal
+
+    busy = by_signal(sc.load(SCENARIOS / "busy_idle.yaml"))
+    assert grows(busy["utilization"]) >= 1
+    assert grows(busy["sm_active"]) == 0
+    no_gpm = sc.parse(one_job(work={"hours": 8, "at_replicas": 2}))
+    _, sim = simulate(on_signal(no_gpm, "sm_active"), "tide")
+    assert sim.runs[0].resizes == []

@@ -89,6 +89,14 @@ class _DecisionReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decisi
     """Reconcile: the actuator's replicas or the coordinator's world size differed
     from the last decision's size; put back through a recorded decision.
     """
+    DECISION_REASON_THROUGHPUT_GAINING: _DecisionReason.ValueType  # 9
+    """The throughput signal: the last grow paid (samples/s per added replica at or
+    above min_scale_up_efficiency of a replica's), so the job grows on.
+    """
+    DECISION_REASON_THROUGHPUT_STALLED: _DecisionReason.ValueType  # 10
+    """The throughput signal: the last grow gave less than stalled_efficiency per added
+    replica; shrink back to the size before.
+    """
     DECISION_REASON_WITHIN_BAND: _DecisionReason.ValueType  # 20
     """No-op reasons (not persisted).
     Utilization is between the two thresholds.
@@ -121,6 +129,11 @@ class _DecisionReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decisi
     """More jobs want to grow than there are free GPUs, and the pool rule gave them
     to jobs whose next replica adds more throughput per GPU.
     """
+    DECISION_REASON_NO_SIGNAL: _DecisionReason.ValueType  # 33
+    """The job's signal is not measured for (some of) its GPUs, e.g. sm_active on
+    GPUs without NVML GPM, or throughput before the job reported any: no decision
+    is made on it (a missing reading is never taken as zero).
+    """
 
 class DecisionReason(_DecisionReason, metaclass=_DecisionReasonEnumTypeWrapper):
     """Why the policy did or did not resize. Reasons that lead to a resize are
@@ -146,6 +159,14 @@ DECISION_REASON_SLOWER_AFTER_SCALE_UP: DecisionReason.ValueType  # 7
 DECISION_REASON_RECONCILE: DecisionReason.ValueType  # 8
 """Reconcile: the actuator's replicas or the coordinator's world size differed
 from the last decision's size; put back through a recorded decision.
+"""
+DECISION_REASON_THROUGHPUT_GAINING: DecisionReason.ValueType  # 9
+"""The throughput signal: the last grow paid (samples/s per added replica at or
+above min_scale_up_efficiency of a replica's), so the job grows on.
+"""
+DECISION_REASON_THROUGHPUT_STALLED: DecisionReason.ValueType  # 10
+"""The throughput signal: the last grow gave less than stalled_efficiency per added
+replica; shrink back to the size before.
 """
 DECISION_REASON_WITHIN_BAND: DecisionReason.ValueType  # 20
 """No-op reasons (not persisted).
@@ -178,6 +199,11 @@ throughput per added replica (below min_scale_up_efficiency); not repeated.
 DECISION_REASON_POOL_CONTENDED: DecisionReason.ValueType  # 32
 """More jobs want to grow than there are free GPUs, and the pool rule gave them
 to jobs whose next replica adds more throughput per GPU.
+"""
+DECISION_REASON_NO_SIGNAL: DecisionReason.ValueType  # 33
+"""The job's signal is not measured for (some of) its GPUs, e.g. sm_active on
+GPUs without NVML GPM, or throughput before the job reported any: no decision
+is made on it (a missing reading is never taken as zero).
 """
 Global___DecisionReason: _TypeAlias = DecisionReason  # noqa: Y015
 

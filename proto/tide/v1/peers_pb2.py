@@ -25,27 +25,27 @@ _sym_db = _symbol_database.Default()
 from tide.v1 import telemetry_pb2 as tide_dot_v1_dot_telemetry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tide/v1/peers.proto\x12\x07tide.v1\x1a\x17tide/v1/telemetry.proto\"=\n\x0bPartialSlot\x12\x0c\n\x04slot\x18\x01 \x01(\x03\x12\x0f\n\x07sum_pct\x18\x02 \x01(\x01\x12\x0f\n\x07samples\x18\x03 \x01(\x03\"c\n\rPartialSecond\x12\x0e\n\x06second\x18\x01 \x01(\x03\x12\x0f\n\x07sum_pct\x18\x02 \x01(\x01\x12\x0f\n\x07samples\x18\x03 \x01(\x03\x12\x0f\n\x07min_pct\x18\x04 \x01(\x01\x12\x0f\n\x07max_pct\x18\x05 \x01(\x01\"A\n\x07GpuSeen\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x14\n\x0csampled_at_s\x18\x03 \x01(\x01\"\xad\x01\n\nJobPartial\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08\x62ucket_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x62uckets\x18\x03 \x01(\x05\x12#\n\x05slots\x18\x04 \x03(\x0b\x32\x14.tide.v1.PartialSlot\x12\'\n\x07seconds\x18\x05 \x03(\x0b\x32\x16.tide.v1.PartialSecond\x12\x1e\n\x04seen\x18\x06 \x03(\x0b\x32\x10.tide.v1.GpuSeen\"x\n\nNodeNotice\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tnode_name\x18\x02 \x01(\t\x12%\n\x04kind\x18\x03 \x01(\x0e\x32\x17.tide.v1.NodeEvent.Kind\x12\x12\n\ndeadline_s\x18\x04 \x01(\x01\x12\x0c\n\x04pods\x18\x05 \x03(\t\"\x96\x01\n\x13ShipPartialsRequest\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12!\n\x04jobs\x18\x02 \x03(\x0b\x32\x13.tide.v1.JobPartial\x12$\n\x07notices\x18\x03 \x03(\x0b\x32\x13.tide.v1.NodeNotice\x12&\n\twithdrawn\x18\x04 \x03(\x0b\x32\x13.tide.v1.NodeNotice\"i\n\x14ShipPartialsResponse\x12\x0e\n\x06merged\x18\x01 \x01(\x05\x12\x0f\n\x07refused\x18\x02 \x01(\x05\x12\x17\n\x0fnotices_applied\x18\x03 \x01(\x05\x12\x17\n\x0fnotices_refused\x18\x04 \x01(\x05\x32Z\n\x0bScalerPeers\x12K\n\x0cShipPartials\x12\x1c.tide.v1.ShipPartialsRequest\x1a\x1d.tide.v1.ShipPartialsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tide/v1/peers.proto\x12\x07tide.v1\x1a\x17tide/v1/telemetry.proto\"\x8c\x01\n\x0bPartialSlot\x12\x0c\n\x04slot\x18\x01 \x01(\x03\x12\x0f\n\x07sum_pct\x18\x02 \x01(\x01\x12\x0f\n\x07samples\x18\x03 \x01(\x03\x12\x13\n\x0bgpm_samples\x18\x04 \x01(\x03\x12\x19\n\x11sm_active_sum_pct\x18\x05 \x01(\x01\x12\x1d\n\x15tensor_active_sum_pct\x18\x06 \x01(\x01\"c\n\rPartialSecond\x12\x0e\n\x06second\x18\x01 \x01(\x03\x12\x0f\n\x07sum_pct\x18\x02 \x01(\x01\x12\x0f\n\x07samples\x18\x03 \x01(\x03\x12\x0f\n\x07min_pct\x18\x04 \x01(\x01\x12\x0f\n\x07max_pct\x18\x05 \x01(\x01\"A\n\x07GpuSeen\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x14\n\x0csampled_at_s\x18\x03 \x01(\x01\"\xad\x01\n\nJobPartial\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08\x62ucket_s\x18\x02 \x01(\x01\x12\x0f\n\x07\x62uckets\x18\x03 \x01(\x05\x12#\n\x05slots\x18\x04 \x03(\x0b\x32\x14.tide.v1.PartialSlot\x12\'\n\x07seconds\x18\x05 \x03(\x0b\x32\x16.tide.v1.PartialSecond\x12\x1e\n\x04seen\x18\x06 \x03(\x0b\x32\x10.tide.v1.GpuSeen\"x\n\nNodeNotice\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tnode_name\x18\x02 \x01(\t\x12%\n\x04kind\x18\x03 \x01(\x0e\x32\x17.tide.v1.NodeEvent.Kind\x12\x12\n\ndeadline_s\x18\x04 \x01(\x01\x12\x0c\n\x04pods\x18\x05 \x03(\t\"\x96\x01\n\x13ShipPartialsRequest\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12!\n\x04jobs\x18\x02 \x03(\x0b\x32\x13.tide.v1.JobPartial\x12$\n\x07notices\x18\x03 \x03(\x0b\x32\x13.tide.v1.NodeNotice\x12&\n\twithdrawn\x18\x04 \x03(\x0b\x32\x13.tide.v1.NodeNotice\"i\n\x14ShipPartialsResponse\x12\x0e\n\x06merged\x18\x01 \x01(\x05\x12\x0f\n\x07refused\x18\x02 \x01(\x05\x12\x17\n\x0fnotices_applied\x18\x03 \x01(\x05\x12\x17\n\x0fnotices_refused\x18\x04 \x01(\x05\x32Z\n\x0bScalerPeers\x12K\n\x0cShipPartials\x12\x1c.tide.v1.ShipPartialsRequest\x1a\x1d.tide.v1.ShipPartialsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tide.v1.peers_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PARTIALSLOT']._serialized_start=57
-  _globals['_PARTIALSLOT']._serialized_end=118
-  _globals['_PARTIALSECOND']._serialized_start=120
-  _globals['_PARTIALSECOND']._serialized_end=219
-  _globals['_GPUSEEN']._serialized_start=221
-  _globals['_GPUSEEN']._serialized_end=286
-  _globals['_JOBPARTIAL']._serialized_start=289
-  _globals['_JOBPARTIAL']._serialized_end=462
-  _globals['_NODENOTICE']._serialized_start=464
-  _globals['_NODENOTICE']._serialized_end=584
-  _globals['_SHIPPARTIALSREQUEST']._serialized_start=587
-  _globals['_SHIPPARTIALSREQUEST']._serialized_end=737
-  _globals['_SHIPPARTIALSRESPONSE']._serialized_start=739
-  _globals['_SHIPPARTIALSRESPONSE']._serialized_end=844
-  _globals['_SCALERPEERS']._serialized_start=846
-  _globals['_SCALERPEERS']._serialized_end=936
+  _globals['_PARTIALSLOT']._serialized_start=58
+  _globals['_PARTIALSLOT']._serialized_end=198
+  _globals['_PARTIALSECOND']._serialized_start=200
+  _globals['_PARTIALSECOND']._serialized_end=299
+  _globals['_GPUSEEN']._serialized_start=301
+  _globals['_GPUSEEN']._serialized_end=366
+  _globals['_JOBPARTIAL']._serialized_start=369
+  _globals['_JOBPARTIAL']._serialized_end=542
+  _globals['_NODENOTICE']._serialized_start=544
+  _globals['_NODENOTICE']._serialized_end=664
+  _globals['_SHIPPARTIALSREQUEST']._serialized_start=667
+  _globals['_SHIPPARTIALSREQUEST']._serialized_end=817
+  _globals['_SHIPPARTIALSRESPONSE']._serialized_start=819
+  _globals['_SHIPPARTIALSRESPONSE']._serialized_end=924
+  _globals['_SCALERPEERS']._serialized_start=926
+  _globals['_SCALERPEERS']._serialized_end=1016
 # @@protoc_insertion_point(module_scope)

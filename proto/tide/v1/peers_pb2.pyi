@@ -28,20 +28,32 @@ class PartialSlot(_message.Message):
     SLOT_FIELD_NUMBER: _builtins.int
     SUM_PCT_FIELD_NUMBER: _builtins.int
     SAMPLES_FIELD_NUMBER: _builtins.int
+    GPM_SAMPLES_FIELD_NUMBER: _builtins.int
+    SM_ACTIVE_SUM_PCT_FIELD_NUMBER: _builtins.int
+    TENSOR_ACTIVE_SUM_PCT_FIELD_NUMBER: _builtins.int
     slot: _builtins.int
     """The slot's index on the job's slot grid (its window's offset and width)."""
     sum_pct: _builtins.float
     samples: _builtins.int
+    gpm_samples: _builtins.int
+    """Of those samples, the ones that carried GPM activity, and the sums of their
+    SM and tensor activity (0 samples: no GPU of the job measured it here).
+    """
+    sm_active_sum_pct: _builtins.float
+    tensor_active_sum_pct: _builtins.float
     def __init__(
         self,
         *,
         slot: _builtins.int = ...,
         sum_pct: _builtins.float = ...,
         samples: _builtins.int = ...,
+        gpm_samples: _builtins.int = ...,
+        sm_active_sum_pct: _builtins.float = ...,
+        tensor_active_sum_pct: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["samples", b"samples", "slot", b"slot", "sum_pct", b"sum_pct"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpm_samples", b"gpm_samples", "samples", b"samples", "slot", b"slot", "sm_active_sum_pct", b"sm_active_sum_pct", "sum_pct", b"sum_pct", "tensor_active_sum_pct", b"tensor_active_sum_pct"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

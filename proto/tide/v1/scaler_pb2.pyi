@@ -41,6 +41,14 @@ class Policy(_message.Message):
     SCALE_DOWN_STABILIZATION_S_FIELD_NUMBER: _builtins.int
     TARGET_UTILIZATION_PCT_FIELD_NUMBER: _builtins.int
     MIN_SCALE_UP_EFFICIENCY_FIELD_NUMBER: _builtins.int
+    SIGNAL_FIELD_NUMBER: _builtins.int
+    SCALE_UP_SM_ACTIVE_PCT_FIELD_NUMBER: _builtins.int
+    SCALE_DOWN_SM_ACTIVE_PCT_FIELD_NUMBER: _builtins.int
+    TARGET_SM_ACTIVE_PCT_FIELD_NUMBER: _builtins.int
+    SCALE_UP_TENSOR_ACTIVE_PCT_FIELD_NUMBER: _builtins.int
+    SCALE_DOWN_TENSOR_ACTIVE_PCT_FIELD_NUMBER: _builtins.int
+    TARGET_TENSOR_ACTIVE_PCT_FIELD_NUMBER: _builtins.int
+    STALLED_EFFICIENCY_FIELD_NUMBER: _builtins.int
     scale_up_utilization_pct: _builtins.float
     """Scale up when every bucket of the sustain window is above this, percent 0..100."""
     scale_down_utilization_pct: _builtins.float
@@ -72,6 +80,23 @@ class Policy(_message.Message):
     """The goodput guard: a scale-up must add, per added replica, at least this
     fraction 0..1 of the throughput per replica the job had; 0 turns it off.
     """
+    signal: _builtins.str
+    """What the job scales on (docs/policy.md "Signals"): "utilization" (NVML's GPU
+    utilization; the default), "sm_active", "tensor_active" (NVML GPM activity) or
+    "throughput" (the samples/s the job reports, by replica count).
+    """
+    scale_up_sm_active_pct: _builtins.float
+    """The thresholds and target of the sm_active signal, percent 0..100."""
+    scale_down_sm_active_pct: _builtins.float
+    target_sm_active_pct: _builtins.float
+    scale_up_tensor_active_pct: _builtins.float
+    """The thresholds and target of the tensor_active signal, percent 0..100."""
+    scale_down_tensor_active_pct: _builtins.float
+    target_tensor_active_pct: _builtins.float
+    stalled_efficiency: _builtins.float
+    """The throughput signal shrinks back when the last grow gave, per added replica,
+    less than this fraction 0..1 of a replica's throughput (the job stopped gaining).
+    """
     def __init__(
         self,
         *,
@@ -88,10 +113,18 @@ class Policy(_message.Message):
         scale_down_stabilization_s: _builtins.float | None = ...,
         target_utilization_pct: _builtins.float | None = ...,
         min_scale_up_efficiency: _builtins.float | None = ...,
+        signal: _builtins.str | None = ...,
+        scale_up_sm_active_pct: _builtins.float | None = ...,
+        scale_down_sm_active_pct: _builtins.float | None = ...,
+        target_sm_active_pct: _builtins.float | None = ...,
+        scale_up_tensor_active_pct: _builtins.float | None = ...,
+        scale_down_tensor_active_pct: _builtins.float | None = ...,
+        target_tensor_active_pct: _builtins.float | None = ...,
+        stalled_efficiency: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s", "_cooldown_s", b"_cooldown_s", "_max_replicas", b"_max_replicas", "_max_step", b"_max_step", "_min_coverage", b"_min_coverage", "_min_replicas", b"_min_replicas", "_min_scale_up_efficiency", b"_min_scale_up_efficiency", "_phase_timeout_s", b"_phase_timeout_s", "_scale_down_stabilization_s", b"_scale_down_stabilization_s", "_scale_down_utilization_pct", b"_scale_down_utilization_pct", "_scale_up_utilization_pct", b"_scale_up_utilization_pct", "_sustain_s", b"_sustain_s", "_target_utilization_pct", b"_target_utilization_pct", "bucket_s", b"bucket_s", "cooldown_s", b"cooldown_s", "max_replicas", b"max_replicas", "max_step", b"max_step", "min_coverage", b"min_coverage", "min_replicas", b"min_replicas", "min_scale_up_efficiency", b"min_scale_up_efficiency", "phase_timeout_s", b"phase_timeout_s", "scale_down_stabilization_s", b"scale_down_stabilization_s", "scale_down_utilization_pct", b"scale_down_utilization_pct", "scale_up_utilization_pct", b"scale_up_utilization_pct", "sustain_s", b"sustain_s", "target_utilization_pct", b"target_utilization_pct"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s", "_cooldown_s", b"_cooldown_s", "_max_replicas", b"_max_replicas", "_max_step", b"_max_step", "_min_coverage", b"_min_coverage", "_min_replicas", b"_min_replicas", "_min_scale_up_efficiency", b"_min_scale_up_efficiency", "_phase_timeout_s", b"_phase_timeout_s", "_scale_down_sm_active_pct", b"_scale_down_sm_active_pct", "_scale_down_stabilization_s", b"_scale_down_stabilization_s", "_scale_down_tensor_active_pct", b"_scale_down_tensor_active_pct", "_scale_down_utilization_pct", b"_scale_down_utilization_pct", "_scale_up_sm_active_pct", b"_scale_up_sm_active_pct", "_scale_up_tensor_active_pct", b"_scale_up_tensor_active_pct", "_scale_up_utilization_pct", b"_scale_up_utilization_pct", "_signal", b"_signal", "_stalled_efficiency", b"_stalled_efficiency", "_sustain_s", b"_sustain_s", "_target_sm_active_pct", b"_target_sm_active_pct", "_target_tensor_active_pct", b"_target_tensor_active_pct", "_target_utilization_pct", b"_target_utilization_pct", "bucket_s", b"bucket_s", "cooldown_s", b"cooldown_s", "max_replicas", b"max_replicas", "max_step", b"max_step", "min_coverage", b"min_coverage", "min_replicas", b"min_replicas", "min_scale_up_efficiency", b"min_scale_up_efficiency", "phase_timeout_s", b"phase_timeout_s", "scale_down_sm_active_pct", b"scale_down_sm_active_pct", "scale_down_stabilization_s", b"scale_down_stabilization_s", "scale_down_tensor_active_pct", b"scale_down_tensor_active_pct", "scale_down_utilization_pct", b"scale_down_utilization_pct", "scale_up_sm_active_pct", b"scale_up_sm_active_pct", "scale_up_tensor_active_pct", b"scale_up_tensor_active_pct", "scale_up_utilization_pct", b"scale_up_utilization_pct", "signal", b"signal", "stalled_efficiency", b"stalled_efficiency", "sustain_s", b"sustain_s", "target_sm_active_pct", b"target_sm_active_pct", "target_tensor_active_pct", b"target_tensor_active_pct", "target_utilization_pct", b"target_utilization_pct"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s", "_cooldown_s", b"_cooldown_s", "_max_replicas", b"_max_replicas", "_max_step", b"_max_step", "_min_coverage", b"_min_coverage", "_min_replicas", b"_min_replicas", "_min_scale_up_efficiency", b"_min_scale_up_efficiency", "_phase_timeout_s", b"_phase_timeout_s", "_scale_down_stabilization_s", b"_scale_down_stabilization_s", "_scale_down_utilization_pct", b"_scale_down_utilization_pct", "_scale_up_utilization_pct", b"_scale_up_utilization_pct", "_sustain_s", b"_sustain_s", "_target_utilization_pct", b"_target_utilization_pct", "bucket_s", b"bucket_s", "cooldown_s", b"cooldown_s", "max_replicas", b"max_replicas", "max_step", b"max_step", "min_coverage", b"min_coverage", "min_replicas", b"min_replicas", "min_scale_up_efficiency", b"min_scale_up_efficiency", "phase_timeout_s", b"phase_timeout_s", "scale_down_stabilization_s", b"scale_down_stabilization_s", "scale_down_utilization_pct", b"scale_down_utilization_pct", "scale_up_utilization_pct", b"scale_up_utilization_pct", "sustain_s", b"sustain_s", "target_utilization_pct", b"target_utilization_pct"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s", "_cooldown_s", b"_cooldown_s", "_max_replicas", b"_max_replicas", "_max_step", b"_max_step", "_min_coverage", b"_min_coverage", "_min_replicas", b"_min_replicas", "_min_scale_up_efficiency", b"_min_scale_up_efficiency", "_phase_timeout_s", b"_phase_timeout_s", "_scale_down_sm_active_pct", b"_scale_down_sm_active_pct", "_scale_down_stabilization_s", b"_scale_down_stabilization_s", "_scale_down_tensor_active_pct", b"_scale_down_tensor_active_pct", "_scale_down_utilization_pct", b"_scale_down_utilization_pct", "_scale_up_sm_active_pct", b"_scale_up_sm_active_pct", "_scale_up_tensor_active_pct", b"_scale_up_tensor_active_pct", "_scale_up_utilization_pct", b"_scale_up_utilization_pct", "_signal", b"_signal", "_stalled_efficiency", b"_stalled_efficiency", "_sustain_s", b"_sustain_s", "_target_sm_active_pct", b"_target_sm_active_pct", "_target_tensor_active_pct", b"_target_tensor_active_pct", "_target_utilization_pct", b"_target_utilization_pct", "bucket_s", b"bucket_s", "cooldown_s", b"cooldown_s", "max_replicas", b"max_replicas", "max_step", b"max_step", "min_coverage", b"min_coverage", "min_replicas", b"min_replicas", "min_scale_up_efficiency", b"min_scale_up_efficiency", "phase_timeout_s", b"phase_timeout_s", "scale_down_sm_active_pct", b"scale_down_sm_active_pct", "scale_down_stabilization_s", b"scale_down_stabilization_s", "scale_down_tensor_active_pct", b"scale_down_tensor_active_pct", "scale_down_utilization_pct", b"scale_down_utilization_pct", "scale_up_sm_active_pct", b"scale_up_sm_active_pct", "scale_up_tensor_active_pct", b"scale_up_tensor_active_pct", "scale_up_utilization_pct", b"scale_up_utilization_pct", "signal", b"signal", "stalled_efficiency", b"stalled_efficiency", "sustain_s", b"sustain_s", "target_sm_active_pct", b"target_sm_active_pct", "target_tensor_active_pct", b"target_tensor_active_pct", "target_utilization_pct", b"target_utilization_pct"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__bucket_s: _TypeAlias = _typing.Literal["bucket_s"]  # noqa: Y015
     _WhichOneofArgType__bucket_s: _TypeAlias = _typing.Literal["_bucket_s", b"_bucket_s"]  # noqa: Y015
@@ -109,14 +142,30 @@ class Policy(_message.Message):
     _WhichOneofArgType__min_scale_up_efficiency: _TypeAlias = _typing.Literal["_min_scale_up_efficiency", b"_min_scale_up_efficiency"]  # noqa: Y015
     _WhichOneofReturnType__phase_timeout_s: _TypeAlias = _typing.Literal["phase_timeout_s"]  # noqa: Y015
     _WhichOneofArgType__phase_timeout_s: _TypeAlias = _typing.Literal["_phase_timeout_s", b"_phase_timeout_s"]  # noqa: Y015
+    _WhichOneofReturnType__scale_down_sm_active_pct: _TypeAlias = _typing.Literal["scale_down_sm_active_pct"]  # noqa: Y015
+    _WhichOneofArgType__scale_down_sm_active_pct: _TypeAlias = _typing.Literal["_scale_down_sm_active_pct", b"_scale_down_sm_active_pct"]  # noqa: Y015
     _WhichOneofReturnType__scale_down_stabilization_s: _TypeAlias = _typing.Literal["scale_down_stabilization_s"]  # noqa: Y015
     _WhichOneofArgType__scale_down_stabilization_s: _TypeAlias = _typing.Literal["_scale_down_stabilization_s", b"_scale_down_stabilization_s"]  # noqa: Y015
+    _WhichOneofReturnType__scale_down_tensor_active_pct: _TypeAlias = _typing.Literal["scale_down_tensor_active_pct"]  # noqa: Y015
+    _WhichOneofArgType__scale_down_tensor_active_pct: _TypeAlias = _typing.Literal["_scale_down_tensor_active_pct", b"_scale_down_tensor_active_pct"]  # noqa: Y015
     _WhichOneofReturnType__scale_down_utilization_pct: _TypeAlias = _typing.Literal["scale_down_utilization_pct"]  # noqa: Y015
     _WhichOneofArgType__scale_down_utilization_pct: _TypeAlias = _typing.Literal["_scale_down_utilization_pct", b"_scale_down_utilization_pct"]  # noqa: Y015
+    _WhichOneofReturnType__scale_up_sm_active_pct: _TypeAlias = _typing.Literal["scale_up_sm_active_pct"]  # noqa: Y015
+    _WhichOneofArgType__scale_up_sm_active_pct: _TypeAlias = _typing.Literal["_scale_up_sm_active_pct", b"_scale_up_sm_active_pct"]  # noqa: Y015
+    _WhichOneofReturnType__scale_up_tensor_active_pct: _TypeAlias = _typing.Literal["scale_up_tensor_active_pct"]  # noqa: Y015
+    _WhichOneofArgType__scale_up_tensor_active_pct: _TypeAlias = _typing.Literal["_scale_up_tensor_active_pct", b"_scale_up_tensor_active_pct"]  # noqa: Y015
     _WhichOneofReturnType__scale_up_utilization_pct: _TypeAlias = _typing.Literal["scale_up_utilization_pct"]  # noqa: Y015
     _WhichOneofArgType__scale_up_utilization_pct: _TypeAlias = _typing.Literal["_scale_up_utilization_pct", b"_scale_up_utilization_pct"]  # noqa: Y015
+    _WhichOneofReturnType__signal: _TypeAlias = _typing.Literal["signal"]  # noqa: Y015
+    _WhichOneofArgType__signal: _TypeAlias = _typing.Literal["_signal", b"_signal"]  # noqa: Y015
+    _WhichOneofReturnType__stalled_efficiency: _TypeAlias = _typing.Literal["stalled_efficiency"]  # noqa: Y015
+    _WhichOneofArgType__stalled_efficiency: _TypeAlias = _typing.Literal["_stalled_efficiency", b"_stalled_efficiency"]  # noqa: Y015
     _WhichOneofReturnType__sustain_s: _TypeAlias = _typing.Literal["sustain_s"]  # noqa: Y015
     _WhichOneofArgType__sustain_s: _TypeAlias = _typing.Literal["_sustain_s", b"_sustain_s"]  # noqa: Y015
+    _WhichOneofReturnType__target_sm_active_pct: _TypeAlias = _typing.Literal["target_sm_active_pct"]  # noqa: Y015
+    _WhichOneofArgType__target_sm_active_pct: _TypeAlias = _typing.Literal["_target_sm_active_pct", b"_target_sm_active_pct"]  # noqa: Y015
+    _WhichOneofReturnType__target_tensor_active_pct: _TypeAlias = _typing.Literal["target_tensor_active_pct"]  # noqa: Y015
+    _WhichOneofArgType__target_tensor_active_pct: _TypeAlias = _typing.Literal["_target_tensor_active_pct", b"_target_tensor_active_pct"]  # noqa: Y015
     _WhichOneofReturnType__target_utilization_pct: _TypeAlias = _typing.Literal["target_utilization_pct"]  # noqa: Y015
     _WhichOneofArgType__target_utilization_pct: _TypeAlias = _typing.Literal["_target_utilization_pct", b"_target_utilization_pct"]  # noqa: Y015
     @_typing.overload
@@ -136,13 +185,29 @@ class Policy(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__phase_timeout_s) -> _WhichOneofReturnType__phase_timeout_s | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__scale_down_sm_active_pct) -> _WhichOneofReturnType__scale_down_sm_active_pct | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__scale_down_stabilization_s) -> _WhichOneofReturnType__scale_down_stabilization_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__scale_down_tensor_active_pct) -> _WhichOneofReturnType__scale_down_tensor_active_pct | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__scale_down_utilization_pct) -> _WhichOneofReturnType__scale_down_utilization_pct | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__scale_up_sm_active_pct) -> _WhichOneofReturnType__scale_up_sm_active_pct | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__scale_up_tensor_active_pct) -> _WhichOneofReturnType__scale_up_tensor_active_pct | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__scale_up_utilization_pct) -> _WhichOneofReturnType__scale_up_utilization_pct | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__signal) -> _WhichOneofReturnType__signal | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__stalled_efficiency) -> _WhichOneofReturnType__stalled_efficiency | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sustain_s) -> _WhichOneofReturnType__sustain_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__target_sm_active_pct) -> _WhichOneofReturnType__target_sm_active_pct | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__target_tensor_active_pct) -> _WhichOneofReturnType__target_tensor_active_pct | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__target_utilization_pct) -> _WhichOneofReturnType__target_utilization_pct | None: ...
 

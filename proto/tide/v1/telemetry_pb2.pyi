@@ -66,6 +66,7 @@ class GpuSample(_message.Message):
     TEMPERATURE_C_FIELD_NUMBER: _builtins.int
     HEALTH_FLAGS_FIELD_NUMBER: _builtins.int
     POD_FIELD_NUMBER: _builtins.int
+    GPM_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """NVML index on the node, 0..(gpu_capacity-1)."""
     uuid: _builtins.str
@@ -88,6 +89,14 @@ class GpuSample(_message.Message):
         when no pod holds it or the agent could not tell.
         """
 
+    @_builtins.property
+    def gpm(self) -> Global___GpmActivity:
+        """What the GPU's streaming multiprocessors and pipes did over the sampling
+        interval, from NVML GPM (Hopper and later); unset where the GPU or driver
+        cannot measure it. Unset is "not measured", never zero: the scaler refuses
+        to scale a job on a signal its GPUs do not report (NO_SIGNAL).
+        """
+
     def __init__(
         self,
         *,
@@ -100,14 +109,60 @@ class GpuSample(_message.Message):
         temperature_c: _builtins.float = ...,
         health_flags: _builtins.int = ...,
         pod: _common_pb2.PodRef | None = ...,
+        gpm: Global___GpmActivity | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["pod", b"pod"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["gpm", b"gpm", "pod", b"pod"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["health_flags", b"health_flags", "index", b"index", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "pod", b"pod", "power_w", b"power_w", "temperature_c", b"temperature_c", "utilization_pct", b"utilization_pct", "uuid", b"uuid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gpm", b"gpm", "health_flags", b"health_flags", "index", b"index", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "pod", b"pod", "power_w", b"power_w", "temperature_c", b"temperature_c", "utilization_pct", b"utilization_pct", "uuid", b"uuid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GpuSample: _TypeAlias = GpuSample  # noqa: Y015
+
+@_typing.final
+class GpmActivity(_message.Message):
+    """NVML GPM metrics of one GPU over the interval between two GPM samples (at
+    least NVML's minimum sampling period apart). All four or none: the agent
+    sends the message only when every one was read.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SM_ACTIVE_PCT_FIELD_NUMBER: _builtins.int
+    SM_OCCUPANCY_PCT_FIELD_NUMBER: _builtins.int
+    TENSOR_ACTIVE_PCT_FIELD_NUMBER: _builtins.int
+    DRAM_ACTIVE_PCT_FIELD_NUMBER: _builtins.int
+    sm_active_pct: _builtins.float
+    """Fraction of time at least one warp was resident on an SM, averaged over
+    the SMs, percent 0..100 (NVML_GPM_METRIC_SM_UTIL; DCGM_FI_PROF_SM_ACTIVE).
+    """
+    sm_occupancy_pct: _builtins.float
+    """Warps resident relative to the SMs' maximum, percent 0..100
+    (NVML_GPM_METRIC_SM_OCCUPANCY; DCGM_FI_PROF_SM_OCCUPANCY).
+    """
+    tensor_active_pct: _builtins.float
+    """Fraction of cycles any tensor pipe was active, percent 0..100
+    (NVML_GPM_METRIC_ANY_TENSOR_UTIL; DCGM_FI_PROF_PIPE_TENSOR_ACTIVE).
+    """
+    dram_active_pct: _builtins.float
+    """Fraction of cycles the device memory interface was busy, percent 0..100
+    (NVML_GPM_METRIC_DRAM_BW_UTIL; DCGM_FI_PROF_DRAM_ACTIVE).
+    """
+    def __init__(
+        self,
+        *,
+        sm_active_pct: _builtins.float = ...,
+        sm_occupancy_pct: _builtins.float = ...,
+        tensor_active_pct: _builtins.float = ...,
+        dram_active_pct: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dram_active_pct", b"dram_active_pct", "sm_active_pct", b"sm_active_pct", "sm_occupancy_pct", b"sm_occupancy_pct", "tensor_active_pct", b"tensor_active_pct"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GpmActivity: _TypeAlias = GpmActivity  # noqa: Y015
 
 @_typing.final
 class NodeEvent(_message.Message):

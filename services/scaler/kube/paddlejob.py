@@ -217,6 +217,8 @@ class Overrides:
 
 def _parse(name: str, raw: str) -> Any:
     field = next(f for f in dataclasses.fields(PolicySettings) if f.name == name)
+    if field.type in (str, "str"):
+        return raw.strip()  # the signal; PolicySettings checks its value
     try:
         return int(raw) if field.type in (int, "int") else float(raw)
     except ValueError:
