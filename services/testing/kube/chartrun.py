@@ -104,7 +104,9 @@ class ChartRun:
             capture_output=True, text=True, check=True, timeout=60,
         ).stdout  # fmt: skip
 
-    def exec_in(self, pod: dict[str, Any], argv: list[str]) -> subprocess.CompletedProcess[str]:
+    def exec_in(
+        self, pod: dict[str, Any], argv: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """``kubectl exec``: argv in the pod's mount namespace with its container's env."""
         key = (pod["metadata"]["namespace"], pod["metadata"]["name"])
         proc = self.kubelet.procs[key]
@@ -112,7 +114,7 @@ class ChartRun:
         penv = dict(e.decode().split("=", 1) for e in raw if b"=" in e)
         return subprocess.run(
             ["nsenter", "-t", str(proc.pid), "-m", "--root", "--wd=/", *argv],
-            env=penv, capture_output=True, text=True, timeout=120, cwd="/",
+            env={**penv, **(env or {})}, capture_output=True, text=True, timeout=120, cwd="/",
         )  # fmt: skip
 
     # -- steps ---------------------------------------------------------------------------------
@@ -194,10 +196,23 @@ class ChartRun:
         deadline = time.monotonic() + timeout_s
         for replicas in (3, 2):
             while True:
-                done = self.exec_in(scaler, [*tide, "scale", JOB, "--replicas", str(replicas),
-                                             "--reason", "chart e2e", "--wait",
-                                             "--token", self.admin_token,
-                                             "--wait-timeout", "2m"])  # fmt: skip
+                argv = [
+                    *tide,
+                    "scale",
+                    JOB,
+                    "--replicas",
+                    str(replicas),
+                    "--reason",
+                    "chart e2e",
+                    "--wait",
+                    "--wait-timeout",
+                    "2m",
+                    "--token",
+                    self.admin_token,
+                ]
+                # The pod's own token names the scaler, which may not resize: an admin
+                # call carries the admin token alone.
+                done = self.exec_in(scaler, argv, {"TIDE_TOKEN_FILE": ""})  # fmt: skip
                 if done.returncode == 0 or time.monotonic() > deadline:
                     break
                 time.sleep(1.0)  # the job not known yet, or its start in progress

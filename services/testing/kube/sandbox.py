@@ -5,8 +5,9 @@ resolvable, so the chart's rendered commands run unchanged.
 How, on Linux, as root (or where unprivileged user namespaces let ``unshare`` map root):
 
 - a mount namespace (``unshare --mount``) whose root is an overlay of the host's ``/``
-  (the image: this machine's files, copy-on-write, so nothing a pod writes outside its
-  volumes reaches the host), with ``/proc``, ``/sys`` and ``/dev`` bound in, entered
+  (the image: this machine's files, copy-on-write into the pod's ``layer/u``, so
+  nothing a pod writes outside its volumes reaches the host, and what it wrote can be
+  read after), with ``/proc``, ``/sys`` and ``/dev`` bound in, entered
   with ``chroot``;
 - each volume a directory under the pod's directory, bound at its ``mountPath``:
   ``configMap`` and ``secret`` (``items`` honoured, Secrets decoded), ``projected``
@@ -50,7 +51,7 @@ SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 _SCRIPT = r"""
 set -e
 P=$1; BINDS=$2; shift 2
-mount -t tmpfs tmpfs "$P/layer"; mkdir -p "$P/layer/u" "$P/layer/w"
+mkdir -p "$P/layer/u" "$P/layer/w"
 mount -t overlay overlay -o "lowerdir=/,upperdir=$P/layer/u,workdir=$P/layer/w" "$P/root"
 for m in proc sys dev; do mount --rbind "/$m" "$P/root/$m"; done
 while read -r src dst; do
