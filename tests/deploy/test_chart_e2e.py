@@ -4,7 +4,10 @@ required, TokenReview served), cert-manager's stand-in issuing the Certificates,
 the stand-in kubelet running every Deployment and DaemonSet pod in its sandbox with
 its rendered command, env, Secrets, ConfigMaps and projected tokens at their mount
 paths (services/testing/kube/chartrun.py). Every link is TLS: the services refuse to
-start on a missing certificate, and become Ready only when serving."""
+start on a missing certificate, and become Ready only when serving. Then the shipped
+example PaddleJob (deploy/examples/) is applied as is, its launchers join over TLS with
+their projected tokens, and `tide scale` run in the scaler's pod resizes it 2 -> 3 -> 2,
+each decision COMPLETED."""
 
 from __future__ import annotations
 
@@ -20,10 +23,12 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.skipif(not Sandboxes.available(), reason="pod sandboxes need root and unshare")
-def test_the_charts_pods_start_with_security_on(tmp_path: Path) -> None:
+def test_the_charts_pods_start_and_the_example_is_resized_with_security_on(
+    tmp_path: Path,
+) -> None:
     tools = kubetools()
     run = ChartRun(tmp_path, tools.helm, tools.kubectl)
-    out = run.run(timeout_s=50.0, example=False)
+    out = run.run(timeout_s=60.0)
     assert out.error == "", f"{out.error} (logs in {tmp_path / 'logs'})"
     assert sorted(out.rendered_pods) == [
         "DaemonSet/tide-agent",
@@ -32,3 +37,5 @@ def test_the_charts_pods_start_with_security_on(tmp_path: Path) -> None:
     ]
     # One pod per Deployment replica and one agent on the one GPU node, all Ready.
     assert out.pods_started == 3
+    assert out.scale_rcs == [0, 0]
+    assert out.example_resized == 1

@@ -75,7 +75,17 @@ class ChartRun:
         self.admin_token = os.urandom(16).hex()
         self.ops: list[OperatorStandIn] = []
         self.controllers = Controllers(self.api, self.issuer)
-        trainer = Image((sys.executable, "-m", "trainer.launch"), {"/app/train.py": TRAIN})
+        # The user's /app/train.py of the image: the example MLP, trained until stopped
+        # (its default 60 steps end before a resize could), a little slower than flat out.
+        train = workdir / "image" / "train.py"
+        train.parent.mkdir(parents=True, exist_ok=True)
+        train.write_text(
+            "import runpy, sys\n"
+            f"sys.argv = [{str(TRAIN)!r}, '--steps', '10000000', '--step-delay-s', '0.05',"
+            " '--ckpt-every-steps', '50', *sys.argv[1:]]\n"
+            f"runpy.run_path({str(TRAIN)!r}, run_name='__main__')\n"
+        )
+        trainer = Image((sys.executable, "-m", "trainer.launch"), {"/app/train.py": train})
         self.sandbox = Sandboxes(
             self.api, workdir / "node", "gpu-node-1", {"registry.example.com/ml/resnet:1": trainer}
         )
@@ -204,14 +214,12 @@ class ChartRun:
                     str(replicas),
                     "--reason",
                     "chart e2e",
-                    "--wait",
-                    "--wait-timeout",
-                    "2m",
                     "--token",
                     self.admin_token,
                 ]
                 # The pod's own token names the scaler, which may not resize: an admin
-                # call carries the admin token alone.
+                # call carries the admin token alone (and `--wait` would follow with no
+                # credentials then: the decision is followed with the pod's own below).
                 done = self.exec_in(scaler, argv, {"TIDE_TOKEN_FILE": ""})  # fmt: skip
                 if done.returncode == 0 or time.monotonic() > deadline:
                     break
@@ -219,6 +227,15 @@ class ChartRun:
             out.scale_rcs.append(done.returncode)
             if done.returncode != 0:
                 raise RuntimeError(f"tide scale {replicas}: {done.stdout} {done.stderr}")
+            decision = done.stdout.split(":")[0].split()[-1]
+
+            def final() -> str | None:
+                shown = self.exec_in(scaler, [*tide, "explain", decision]).stdout
+                return next((w for w in ("COMPLETED", "ABORTED", "FAILED") if w in shown), None)
+
+            state = self._wait(f"decision {decision}", final, max(1.0, deadline - time.monotonic()))
+            if state != "COMPLETED":
+                raise RuntimeError(f"decision {decision} to {replicas} replicas: {state}")
         out.example_resized = 1
 
     def stop(self) -> None:

@@ -47,10 +47,11 @@ if TYPE_CHECKING:
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 #: Runs in the new mount namespace: the overlay root, the binds, then the container.
-#: $1 is the pod directory, $2 the file of binds (SOURCE TARGET per line); the rest is argv.
+#: $1 is the pod directory, $2 the file of binds (SOURCE TARGET per line), $3 the pod's
+#: hostname (its own UTS namespace); the rest is argv.
 _SCRIPT = r"""
 set -e
-P=$1; BINDS=$2; shift 2
+P=$1; BINDS=$2; hostname "$3"; shift 3
 mkdir -p "$P/layer/u" "$P/layer/w"
 mount -t overlay overlay -o "lowerdir=/,upperdir=$P/layer/u,workdir=$P/layer/w" "$P/root"
 for m in proc sys dev; do mount --rbind "/$m" "$P/root/$m"; done
@@ -85,7 +86,7 @@ class Sandboxes:
         self._net = f"127.{random.randint(10, 250)}.{random.randint(0, 255)}"
         self._next_ip = 2
         self._ips: dict[str, str] = {}  # pod uid → IP
-        self._hosts: list[Path] = []
+        self._hosts: list[tuple[Path, str]] = []  # each pod's file, and its own line
         root.mkdir(parents=True, exist_ok=True)
 
     @staticmethod
@@ -204,10 +205,10 @@ class Sandboxes:
     def refresh_hosts(self) -> None:
         """Cluster DNS: every pod's /etc/hosts, rewritten in place (the bind keeps the inode)."""
         text = self.hosts()
-        for h in self._hosts:
-            if h.exists() and h.read_text() != text:
+        for h, own in self._hosts:
+            if h.exists() and h.read_text() != own + text:
                 with open(h, "r+") as f:
-                    f.write(text)
+                    f.write(own + text)
                     f.truncate()
 
     def prepare(
@@ -242,8 +243,10 @@ class Sandboxes:
                 shutil.copyfile(self.api.ca_file, sa / "ca.crt")
             binds.append((sa, SA_DIR))
         hosts = d / "hosts"
-        hosts.write_text(self.hosts())
-        self._hosts.append(hosts)
+        # The pod's hostname is its name, resolving to its IP (gloo looks itself up).
+        own = f"{ip} {meta['name']}\n"
+        hosts.write_text(own + self.hosts())
+        self._hosts.append((hosts, own))
         binds.append((hosts, "/etc/hosts"))
         # A target through a symlink of the image (/var/run → /run) is where the link
         # leads, inside the pod's root: resolved here, on the same files.
@@ -258,8 +261,9 @@ class Sandboxes:
         env["KUBERNETES_SERVICE_PORT"] = str(self.api.port)
         command = list(container.get("command") or (image.entrypoint if image else ()))
         argv = [self._local(a, ip) for a in [*command, *(container.get("args") or [])]]
-        wrapper = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _SCRIPT]
-        return [*wrapper, "sandbox", str(d), str(d / "binds"), *argv], env
+        wrapper = ["unshare", "--mount", "--uts", "--propagation", "private", "--"]
+        script = ["sh", "-c", _SCRIPT, "sandbox", str(d), str(d / "binds"), meta["name"]]
+        return [*wrapper, *script, *argv], env
 
     @staticmethod
     def _local(value: str, ip: str) -> str:
