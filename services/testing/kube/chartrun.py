@@ -229,7 +229,7 @@ class ChartRun:
                 raise RuntimeError(f"tide scale {replicas}: {done.stdout} {done.stderr}")
             decision = done.stdout.split(":")[0].split()[-1]
 
-            def final() -> str | None:
+            def final(decision: str = decision) -> str | None:
                 shown = self.exec_in(scaler, [*tide, "explain", decision]).stdout
                 return next((w for w in ("COMPLETED", "ABORTED", "FAILED") if w in shown), None)
 
