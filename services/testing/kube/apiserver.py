@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import ssl
+import sys
 import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -53,6 +54,15 @@ from services.testing.kube.watch import WatchableStore
 from services.testing.kube.wire import handler
 
 __all__ = ["BUILTINS", "KubeApiServer", "ResourceType", "Stats", "now_rfc3339"]
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A client that hangs up mid-response (a watch closed, a TLS session cut) is
+        # routine for an API server: not a traceback on stderr.
+        if isinstance(sys.exc_info()[1], (ssl.SSLError, ConnectionError)):
+            return
+        super().handle_error(request, client_address)  # type: ignore[arg-type]
 
 
 class KubeApiServer(WatchableStore):
@@ -75,7 +85,7 @@ class KubeApiServer(WatchableStore):
         self.tokens = TokenAuthority()
         self.require_auth = require_auth
         self.ca_file = tls[2] if tls else ""
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), handler(self))
+        self._server = _Server(("127.0.0.1", port), handler(self))
         self._server.daemon_threads = True
         if tls:
             ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
