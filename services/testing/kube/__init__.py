@@ -10,7 +10,12 @@ stand-ins for the PaddleJob operators and the kubelet.
 - :mod:`.operators`: the reconcilers of paddle-operator and Kubeflow's
   training-operator, pods by index from the replicas.
 - :mod:`.kubelet`: runs each pod's container command as a local process with
-  the Downward API's environment, reports its phase, stops it on deletion.
+  the Downward API's environment, reports its phase, stops it on deletion;
+  with :mod:`.sandbox`, in a pod sandbox (volumes at their mount paths,
+  cluster DNS, a pod IP of its own).
+- :mod:`.auth`: bound ServiceAccount tokens, TokenReview, bearer checks;
+  :mod:`.controllers`: Deployments, DaemonSets, cert-manager's Certificates;
+  :mod:`.chartrun`: the Helm chart installed and run on all of it.
 
 A test double: no production module may import it (import-linter).
 """

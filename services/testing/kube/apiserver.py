@@ -41,10 +41,13 @@ server and keeps the names the tests and stand-ins import.
 from __future__ import annotations
 
 import json
+import ssl
+import sys
 import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
+from services.testing.kube.auth import TokenAuthority
 from services.testing.kube.resources import BUILTINS, ResourceType
 from services.testing.kube.store import Stats, now_rfc3339
 from services.testing.kube.watch import WatchableStore
@@ -53,14 +56,41 @@ from services.testing.kube.wire import handler
 __all__ = ["BUILTINS", "KubeApiServer", "ResourceType", "Stats", "now_rfc3339"]
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A client that hangs up mid-response (a watch closed, a TLS session cut) is
+        # routine for an API server: not a traceback on stderr.
+        if isinstance(sys.exc_info()[1], (ssl.SSLError, ConnectionError)):
+            return
+        super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
 class KubeApiServer(WatchableStore):
     """The emulator: ``start()``, then point a kubeconfig (``write_kubeconfig``) or a
     client Configuration (``host``) at it; ``close()`` when done."""
 
-    def __init__(self, *, history: int = 1000, port: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        history: int = 1000,
+        port: int = 0,
+        tls: tuple[str, str, str] | None = None,
+        require_auth: bool = False,
+    ) -> None:
+        """``tls``: (certificate, key, CA) files to serve HTTPS, as a cluster's API server
+        does (the certificate names 127.0.0.1: what KUBERNETES_SERVICE_HOST points at).
+        ``require_auth``: every request needs a bearer token (401 otherwise): a pod's
+        ServiceAccount token or ``tokens.admin_token``."""
         super().__init__(history=history)
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), handler(self))
+        self.tokens = TokenAuthority()
+        self.require_auth = require_auth
+        self.ca_file = tls[2] if tls else ""
+        self._server = _Server(("127.0.0.1", port), handler(self))
         self._server.daemon_threads = True
+        if tls:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(tls[0], tls[1])
+            self._server.socket = ctx.wrap_socket(self._server.socket, server_side=True)
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -68,7 +98,8 @@ class KubeApiServer(WatchableStore):
 
     @property
     def host(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.ca_file else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     def start(self) -> KubeApiServer:
         self._thread.start()
@@ -88,11 +119,15 @@ class KubeApiServer(WatchableStore):
         self.close()
 
     def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
+        cluster: dict[str, str] = {"server": self.host}
+        if self.ca_file:
+            cluster["certificate-authority"] = self.ca_file
+        user = {"token": self.tokens.admin_token} if self.require_auth else {}
         doc = {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": "emulator", "cluster": {"server": self.host}}],
-            "users": [{"name": "tester", "user": {}}],
+            "clusters": [{"name": "emulator", "cluster": cluster}],
+            "users": [{"name": "tester", "user": user}],
             "contexts": [
                 {
                     "name": "emulator",

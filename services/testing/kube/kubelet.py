@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +34,7 @@ from typing import Any
 
 from services.testing.kube.apiserver import KubeApiServer, now_rfc3339
 from services.testing.kube.operators import POD
+from services.testing.kube.sandbox import Sandboxes
 from services.testing.kube.semantics import ApiError, Obj
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,27 @@ def container_env(pod: Obj, container: Obj) -> dict[str, str]:
     return env
 
 
+def _probe_port(container: Obj) -> int | None:
+    """The readiness probe's port (a number, or a named container port), or None."""
+    probe = container.get("readinessProbe") or {}
+    for kind in ("grpc", "tcpSocket", "httpGet"):
+        port = (probe.get(kind) or {}).get("port")
+        if isinstance(port, int):
+            return port
+        for p in container.get("ports") or []:
+            if port is not None and p.get("name") == port:
+                return int(p["containerPort"])
+    return None
+
+
+def _with_ready(pod: Obj) -> Obj:
+    status = pod.setdefault("status", {})
+    status["conditions"] = [{"type": "Ready", "status": "True"}]
+    for c in status.get("containerStatuses") or []:
+        c["ready"] = True
+    return pod
+
+
 class KubeletStandIn:
     """One node: ``start()``, ``stop()`` (which kills whatever it still runs)."""
 
@@ -90,7 +113,11 @@ class KubeletStandIn:
         images: Mapping[str, Sequence[str]] | None = None,
         extra_env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
+        sandbox: Sandboxes | None = None,
     ) -> None:
+        """``sandbox``: run each container in its pod's sandbox (volumes at their mount
+        paths, cluster DNS, a pod IP of its own: sandbox.py); without it, as a plain
+        process with the environment only."""
         self.api = api
         self.node_name = node_name
         self.workdir = workdir
@@ -98,6 +125,7 @@ class KubeletStandIn:
         self.images = dict(images or {})
         self.extra_env = dict(extra_env or {})
         self.cwd = cwd
+        self.sandbox = sandbox
         self.procs: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
         self.exit_codes: dict[tuple[str, str], int] = {}
         self._uids: dict[tuple[str, str], str] = {}
@@ -154,6 +182,8 @@ class KubeletStandIn:
 
     def sync(self) -> None:
         pods, _ = self.api.list(POD)
+        if self.sandbox is not None:
+            self.sandbox.refresh_hosts()
         self._schedule([p for p in pods if not p.get("spec", {}).get("nodeName")], pods)
         for pod in pods:
             if pod.get("spec", {}).get("nodeName") != self.node_name:
@@ -164,6 +194,7 @@ class KubeletStandIn:
                 proc = self.procs.get(key) if self._uids.get(key) == uid else None
                 exited = key in self.exit_codes and self._uids.get(key) == uid
             if pod["metadata"].get("deletionTimestamp"):
+                self.api.tokens.revoke_pod(uid)
                 if proc is not None and proc.poll() is None:
                     self._terminate(key, proc, pod)
                 elif proc is None or proc.poll() is not None:
@@ -234,13 +265,21 @@ class KubeletStandIn:
         if argv[0] in ("python", "python3"):
             argv[0] = sys.executable
         # The pod IP is known before the process starts, as with a real sandbox.
-        self._set_status(key, {"podIP": "127.0.0.1", "hostIP": "127.0.0.1"})
+        ip = self.sandbox.pod_ip(pod) if self.sandbox is not None else "127.0.0.1"
+        self._set_status(key, {"podIP": ip, "hostIP": "127.0.0.1"})
         pod = self.api.get(POD, *key)
+        own = container_env(pod, container)
+        if self.sandbox is not None:
+            try:
+                argv, own = self.sandbox.prepare(pod, container, own)
+            except ApiError as exc:  # a volume's or env's object is missing: ContainerCreating
+                logger.debug("kubelet: pod %s/%s waits: %s", *key, exc.message)
+                return
         env = {
             **os.environ,
             "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
             **self.extra_env,
-            **container_env(pod, container),
+            **own,
         }
         log = self.workdir / f"{key[0]}_{key[1]}.log"
         with open(log, "ab") as out:
@@ -258,16 +297,18 @@ class KubeletStandIn:
             self._uids[key] = pod["metadata"]["uid"]
             self.exit_codes.pop(key, None)
         now = now_rfc3339()
+        probe_port = _probe_port(container)
+        ready = probe_port is None
         self._set_status(
             key,
             {
                 "phase": "Running",
                 "startTime": now,
-                "conditions": [{"type": "Ready", "status": "True"}],
+                "conditions": [{"type": "Ready", "status": str(ready)}],
                 "containerStatuses": [
                     {
                         "name": container.get("name", "worker"),
-                        "ready": True,
+                        "ready": ready,
                         "restartCount": 0,
                         "image": container.get("image", ""),
                         "state": {"running": {"startedAt": now}},
@@ -278,6 +319,27 @@ class KubeletStandIn:
         threading.Thread(
             target=self._wait, args=(key, proc, pod["metadata"]["uid"]), daemon=True
         ).start()
+        if probe_port is not None:
+            threading.Thread(
+                target=self._probe, args=(key, proc, ip, probe_port), daemon=True
+            ).start()
+
+    def _probe(
+        self, key: tuple[str, str], proc: subprocess.Popen[bytes], ip: str, port: int
+    ) -> None:
+        """The readiness probe, as a TCP connect to its port (a gRPC or HTTP probe's
+        server accepts first): Ready once it answers."""
+        while proc.poll() is None and not self._stop.is_set():
+            with contextlib.suppress(OSError), socket.create_connection((ip, port), timeout=1):
+                self.api.update(
+                    POD,
+                    key[0],
+                    key[1],
+                    lambda cur: _with_ready(cur),
+                    subresource="status",
+                )
+                return
+            self._stop.wait(0.5)
 
     def _wait(self, key: tuple[str, str], proc: subprocess.Popen[bytes], uid: str) -> None:
         code = proc.wait()

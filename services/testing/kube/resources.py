@@ -43,6 +43,39 @@ BUILTINS = (
     # The scaler's trust bundle (services/scaler/kube/trust.py); what pods mount.
     ResourceType("", "v1", "configmaps", "ConfigMap", short_names=("cm",)),
     ResourceType("coordination.k8s.io", "v1", "leases", "Lease"),
+    # What a chart installs (services/testing/kube/chartrun.py): stored and served;
+    # Deployments and DaemonSets get pods from controllers.py, Secrets and ConfigMaps
+    # become files in pods (sandbox.py). RBAC and NetworkPolicies are stored, not enforced.
+    ResourceType("", "v1", "secrets", "Secret"),
+    ResourceType("", "v1", "serviceaccounts", "ServiceAccount", short_names=("sa",)),
+    ResourceType("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", short_names=("pvc",)),
+    ResourceType(
+        "apps", "v1", "deployments", "Deployment", short_names=("deploy",), status_subresource=True
+    ),
+    ResourceType(
+        "apps", "v1", "daemonsets", "DaemonSet", short_names=("ds",), status_subresource=True
+    ),
+    ResourceType("batch", "v1", "jobs", "Job", status_subresource=True),
+    ResourceType(
+        "policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", short_names=("pdb",)
+    ),
+    ResourceType(
+        "networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", short_names=("netpol",)
+    ),
+    ResourceType("rbac.authorization.k8s.io", "v1", "roles", "Role"),
+    ResourceType("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding"),
+    ResourceType(
+        "rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", namespaced=False
+    ),
+    ResourceType(
+        "rbac.authorization.k8s.io",
+        "v1",
+        "clusterrolebindings",
+        "ClusterRoleBinding",
+        namespaced=False,
+    ),
+    # Create-only: answered by auth.py's review, never stored (as the real API server does).
+    ResourceType("authentication.k8s.io", "v1", "tokenreviews", "TokenReview", namespaced=False),
     ResourceType(
         "autoscaling",
         "v2",

@@ -93,7 +93,11 @@ def handler(api: KubeApiServer) -> type[BaseHTTPRequestHandler]:
                 url = urlparse(self.path)
                 query = {k: v[-1] for k, v in parse_qs(url.query).items()}
                 path = url.path.rstrip("/") or "/"
+                self._authenticate()
                 if verb == "GET" and self._discovery(path):
+                    return
+                if verb == "POST" and path == "/apis/authentication.k8s.io/v1/tokenreviews":
+                    self._send(201, api.tokens.review(self._body() or {}))
                     return
                 m = _PATH.match(path)
                 if not m:
@@ -105,6 +109,13 @@ def handler(api: KubeApiServer) -> type[BaseHTTPRequestHandler]:
                 self._send(exc.code, exc.status())
             except (BrokenPipeError, ConnectionResetError):
                 return
+
+        def _authenticate(self) -> None:
+            if not api.require_auth:
+                return
+            scheme, _, token = (self.headers.get("Authorization") or "").partition(" ")
+            if scheme.lower() != "bearer" or not api.tokens.authenticates(token.strip()):
+                raise ApiError(401, "Unauthorized", "Unauthorized")
 
         def do_GET(self) -> None:
             self._serve("GET")
