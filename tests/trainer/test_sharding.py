@@ -91,7 +91,7 @@ def test_a_plain_job_is_not_sharded() -> None:
 
 
 def test_the_stepper_sees_a_wrapped_sharded_optimizer() -> None:
-    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (  # noqa: E501
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
         DygraphShardingOptimizer,
     )
 
