@@ -85,7 +85,7 @@ async def test_sharded_job_resized_2_3_2_matches_a_fixed_run(
     results = []
     for target in (3, 2):
         st = await job.wait_status(lambda s: s.step >= 3, 60, "training")
-        st = await job.wait_status(lambda s, at=st.step: s.step >= at + 5, 60, "5 more steps")
+        st = await job.wait_status(lambda s, at=st.step: s.step >= at + 5, 60, "5 more steps")  # type: ignore[misc]
         assert st.step < STEPS - 15, "the run is too fast for the resize to land mid-run"
         final = (await job.resize(target))[-1]
         assert final.phase == pb.RESIZE_PHASE_COMPLETED, final
