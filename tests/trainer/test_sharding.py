@@ -111,3 +111,17 @@ def test_checkpoints_keep_the_wrapped_layers_keys() -> None:
     assert sorted(wrapped.state_dict()) == ["_layers.0.bias", "_layers.0.weight"]
     assert paddle_state.layers(wrapped) is net
     assert paddle_state.layers(net) is net
+
+
+def test_a_sharded_job_in_overlap_mode_is_refused(tmp_path: Any) -> None:
+    from tests.trainer.queue_channel import QueueChannel
+    from trainer import ElasticSession, SessionConfig
+    from trainer.distenv import DistEnv
+
+    config = SessionConfig(
+        dataset_size=8, global_batch=4, seed=0, max_steps=1, checkpoint_dir=str(tmp_path)
+    )
+    session = ElasticSession(config, DistEnv(prepared=True), QueueChannel())
+    session.init_process_group()
+    with pytest.raises(sharding.UnsupportedLayout, match="overlap resize mode"):
+        session.fleet_strategy()
