@@ -44,13 +44,24 @@ TRAIN = [
 
 
 # The sharded script, and the same model in plain data parallel (train_mlp.py): the baseline
-# of the pause figures in docs/sharded.md, measured in the same session.
-@pytest.fixture(params=[SHARDED, MLP], ids=["sharded", "dp"])
+# of the pause figures in docs/sharded.md, measured in the same session. In overlap mode a
+# sharded job's prepared workers refuse (session.fleet_strategy) and the launchers resize it
+# the plain way: still exact.
+@pytest.fixture(
+    params=[(SHARDED, "plain"), (MLP, "plain"), (SHARDED, "overlap")],
+    ids=["sharded", "dp", "sharded-overlap"],
+)
 async def sharded_job(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[LocalJob]:
     # A pause per step (the trajectory does not see it) keeps the run longer than two
     # resizes take on a loaded machine.
-    job = LocalJob(tmp_path / "job", [*TRAIN, "--step-delay-s", "0.1"], heartbeat_timeout_s=10.0)
-    job.example = request.param
+    example, mode = request.param
+    job = LocalJob(
+        tmp_path / "job",
+        [*TRAIN, "--step-delay-s", "0.1"],
+        heartbeat_timeout_s=10.0,
+        resize_mode=mode,
+    )
+    job.example = example
     job.start_coordinator()
     yield job
     await job.close()
