@@ -38,7 +38,7 @@ _RAW_DTYPES = frozenset(
 )
 
 
-def _positional(model: Any, state: dict[str, Any], to_positions: bool) -> dict[str, Any]:
+def positional(model: Any, state: dict[str, Any], to_positions: bool) -> dict[str, Any]:
     """Optimizer accumulators are keyed by parameter name (``linear_3.w_0_moment1_0``),
     and names come from a per-process counter; a checkpoint keys them by the parameter's
     position instead, so any process that builds the same model can load it."""
@@ -57,6 +57,22 @@ def _positional(model: Any, state: dict[str, Any], to_positions: bool) -> dict[s
     return out
 
 
+def layers(model: Any) -> Any:
+    """The model whose state a checkpoint keeps: fleet's model wrappers (``ShardingParallel``)
+    prefix every key with ``_layers.``, and a job resized to one rank runs unwrapped (fleet
+    has no layout for one process), so its checkpoints are the wrapped layers'.
+    ``paddle.DataParallel`` already gives its layers' keys."""
+    inner = getattr(model, "_layers", None)
+    if inner is None or type(model).__module__.split(".")[:4] != [
+        "paddle",
+        "distributed",
+        "fleet",
+        "meta_parallel",
+    ]:
+        return model
+    return inner
+
+
 def _dump(obj: Any) -> bytes:
     import paddle
 
@@ -65,7 +81,7 @@ def _dump(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _raw_array(value: Any) -> Any:
+def raw_array(value: Any) -> Any:
     """``value``'s array when it can travel as plain bytes, else None: a view of the
     tensor's own memory (DLPack; of its detached alias, which a parameter that requires
     gradients needs), not a copy; the state is read while every rank holds."""
@@ -90,14 +106,14 @@ def live_arrays(model: Any, optimizer: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if model is None:
         return out
-    for key, value in model.state_dict().items():
-        array = _raw_array(value)
+    for key, value in layers(model).state_dict().items():
+        array = raw_array(value)
         if array is not None:
             out[_MODEL_PREFIX + key] = array
     if optimizer is not None:
-        state = _positional(model, optimizer.state_dict(), to_positions=True)
+        state = positional(model, optimizer.state_dict(), to_positions=True)
         for key, value in state.items():
-            array = _raw_array(value)
+            array = raw_array(value)
             if array is not None:
                 out[_OPT_PREFIX + key] = array
     return out
@@ -116,9 +132,9 @@ def state_files(
     import paddle
 
     files: dict[str, bytes] = {}
-    model_state = model.state_dict()
+    model_state = layers(model).state_dict()
     opt_state = (
-        _positional(model, optimizer.state_dict(), to_positions=True)
+        positional(model, optimizer.state_dict(), to_positions=True)
         if optimizer is not None
         else None
     )
@@ -126,14 +142,14 @@ def state_files(
         arrays: dict[str, Any] = {}
         model_rest: dict[str, Any] = {}
         for key, value in model_state.items():
-            array = _raw_array(value)
+            array = raw_array(value)
             if array is None:
                 model_rest[key] = value
             else:
                 arrays[_MODEL_PREFIX + key] = array
         opt_rest: dict[str, Any] = {}
         for key, value in (opt_state or {}).items():
-            array = _raw_array(value)
+            array = raw_array(value)
             if array is None:
                 opt_rest[key] = value
             else:
@@ -231,7 +247,7 @@ def _in_place(state: dict[str, Any], live: Mapping[str, Any]) -> None:
         tensor = live.get(key)
         if tensor is None or not hasattr(value, "ctypes"):
             continue
-        own = _raw_array(tensor)
+        own = raw_array(tensor)
         if own is not None and own.ctypes.data == value.ctypes.data and own.shape == value.shape:
             state[key] = tensor
 
@@ -245,11 +261,11 @@ def load_state(
     import paddle
 
     model_state, opt_state = _model_and_optimizer(files)
-    live_model = model.state_dict()
+    live_model = layers(model).state_dict()
     _in_place(model_state, live_model)
-    model.set_state_dict(model_state)
+    layers(model).set_state_dict(model_state)
     if optimizer is not None and opt_state:
-        opt_state = _positional(model, opt_state, to_positions=False)
+        opt_state = positional(model, opt_state, to_positions=False)
         _in_place(opt_state, optimizer.state_dict())
         optimizer.set_state_dict(opt_state)
     if lr is not None and LR in files:

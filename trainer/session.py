@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidebase.errors import ConfigError
-from trainer import paddle_state
+from trainer import paddle_state, sharding
 from trainer.channel import NullChannel, SocketChannel, WorkerChannel
 from trainer.checkpoint import CheckpointNotFound, CheckpointSettings
+from trainer.contract import UsageError
 from trainer.distenv import (
     GENERATION_ENV,
     PREWARM_ENV,
@@ -144,6 +145,14 @@ class ElasticSession(SessionStartup, SessionLoop):
         ``paddle.DataParallel``): a prepared worker warms the optimizer in whichever comes
         second."""
         self.lifecycle.attach()
+        self._sharded = sharding.check_attached(model, optimizer, self.world_size)
+        if self._sharded is not None and self.config.checkpoint.every_s > 0:
+            raise sharding.UnsupportedLayout(
+                f"checkpoint every_s={self.config.checkpoint.every_s} with a sharded optimizer "
+                "is not supported under Tide: every rank gathers the optimizer's shards at a "
+                "checkpoint step, and a timed cadence is due at different steps on different "
+                "ranks; use every_steps"
+            )
         self._model = model
         self._optimizer = optimizer
         self._lr = lr_scheduler
@@ -153,6 +162,28 @@ class ElasticSession(SessionStartup, SessionLoop):
             self._warm_grads_left = False
         if self.lifecycle.grouped and self.env.prepared:
             self._warm_optimizer()
+
+    def fleet_strategy(self, strategy: Any = None) -> Any:
+        """The ``fleet.DistributedStrategy`` for ``fleet.init(is_collective=True,
+        strategy=...)`` in this generation: ``strategy`` (or a new one) with the optimizer
+        sharded over the whole world (trainer/sharding.py; docs/sharded.md). After
+        :meth:`init_process_group`: the world size is known then. Raises
+        ``UnsupportedLayout`` for tensor or pipeline parallelism, sharding stage 2 and the
+        like."""
+        if not self.lifecycle.grouped:
+            raise UsageError(
+                "session.fleet_strategy() before session.init_process_group(): the sharding "
+                "degree is the generation's world size, known once the group forms"
+            )
+        if self.env.prepared:
+            # Measured: the next generation's fleet groups, formed while the current one
+            # trains, never completed (the first step did not come within 60 s).
+            raise sharding.UnsupportedLayout(
+                "a sharded fleet job in the coordinator's overlap resize mode is not supported "
+                "under Tide: fleet's groups formed ahead hang on gloo; use resize_mode=plain "
+                "(docs/sharded.md)"
+            )
+        return sharding.fleet_strategy(self.world_size, strategy)
 
     def batch_sampler(self) -> Any:
         """A ``paddle.io.BatchSampler`` of this rank's micro-batches from the restored step
@@ -277,6 +308,8 @@ class ElasticSession(SessionStartup, SessionLoop):
         self.deliveries.close()
         if self._stepper is not None:
             self._stepper.use_virtual_rank_0()
+        if self.step_done > 0:
+            self._gather_shards(self.step_done)
         if self.rank == 0 and self.step_done > 0:
             self._write_checkpoint(self.step_done, periodic=True, wait=True)
         self.persist.wait()

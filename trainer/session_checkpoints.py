@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from tidebase.errors import FailedPrecondition
 from trainer import paddle_state
 from trainer.checkpoint import WrittenCheckpoint
 from trainer.messages import CheckpointWritten
@@ -42,12 +43,40 @@ class SessionCheckpoints(SessionState):
         live = stepper.use_virtual_rank_0()
         try:
             files = paddle_state.state_files(
-                self._model, self._optimizer, self._lr, self._scaler, raw=raw
+                self._model, self._state_optimizer(), self._lr, self._scaler, raw=raw
             )
         finally:
             stepper.put_back(live)
         files.update(stepper.state_files())
         return files
+
+    def _state_optimizer(self) -> Any:
+        """What a checkpoint saves of the optimizer: itself, or for a sharded one the whole
+        state gathered at this step (:meth:`_gather_shards`); never one rank's shard."""
+        if self._sharded is None:
+            return self._optimizer
+        if self._gathered is None or self._gathered.step != self.step_done:
+            raise FailedPrecondition(
+                f"rank {self.rank}: a checkpoint of step {self.step_done} of a sharded "
+                "optimizer without its gathered state (it would hold one shard)"
+            )
+        return self._gathered
+
+    def _gather_shards(self, step: int) -> None:
+        """A sharded job, every rank at once: the whole optimizer state for the checkpoint of
+        ``step`` (trainer/sharding.py); once per step."""
+        if self._sharded is None or (self._gathered is not None and self._gathered.step == step):
+            return
+        self._gathered = None
+        self._gathered = self._sharded.gather(self._model, self._optimizer, step, self.rank)
+        self._log.timing(
+            "shards_gathered",
+            self.env.generation,
+            self.rank,
+            step=step,
+            gather_s=self._gathered.seconds,
+            nbytes=self._gathered.nbytes,
+        )
 
     def _write_checkpoint(
         self,

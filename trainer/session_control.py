@@ -115,6 +115,9 @@ class SessionControl(SessionCheckpoints):
         self, step: int, held_at: float, checkpoint: bool, ids: list[str], leaving: bool = False
     ) -> None:
         info: CheckpointInfo | None = None
+        if checkpoint:
+            # Every rank, before only some of them serialise (a collective, trainer/sharding.py).
+            self._gather_shards(step)
         if checkpoint and self.handover is not None:
             # Each pod's first worker hands the state to the pod's next worker, in memory,
             # as the tensors' bytes (not pickled: the pause's critical path). The next

@@ -149,7 +149,12 @@ class SessionLoop(SessionControl):
         self._report_progress()
         if self._restored_unpersisted is not None and now >= self._restored_unpersisted[2]:
             self._persist_pending_restore()
-        if self.rank == 0 and self._periodic.due(plan.step, now):
+        self._gathered = None
+        due = self._periodic.due(plan.step, now)
+        if due and self._sharded is not None:
+            # Every rank: a step-based cadence (attach refuses a timed one) is due on all.
+            self._gather_shards(plan.step)
+        if self.rank == 0 and due:
             self._write_checkpoint(plan.step, periodic=True)
         self._report_written()
         self._drain_channel()

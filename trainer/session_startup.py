@@ -116,7 +116,9 @@ class SessionStartup(SessionControl):
         machine under load. The accumulators it leaves are overwritten by the restore,
         which in overlap mode always loads a state (the barrier's step is >= 1); a
         prepared worker that finds no state at all refuses to start from scratch."""
-        if self._optimizer is None or self._model is None:
+        if self._optimizer is None or self._model is None or self._sharded is not None:
+            # A sharded optimizer's step is a collective over the group: its first real step
+            # pays.
             return
         started = time.monotonic()
         params = list(self._model.parameters())

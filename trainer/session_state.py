@@ -23,6 +23,7 @@ from trainer.handover import ShmHandover, StateHandover
 from trainer.objstore import make_store
 from trainer.persist import DurableStore, DurableWriter
 from trainer.sampler import MicroBatch, ResumableSampler, SamplerConfig
+from trainer.sharding import Gathered, Sharded
 from trainer.steplog import StepLog
 from trainer.stepper import Stepper
 
@@ -111,6 +112,10 @@ class SessionState:
         # boundary after RESTORED_PERSIST_AFTER_S (session.py; monotonic time, the third item).
         self._restored_unpersisted: tuple[int, Mapping[str, bytes], float] | None = None
         self._log = StepLog(config.log_dir)
+        # Fleet's sharded optimizer (trainer/sharding.py): set at attach; and the whole
+        # optimizer state gathered for the checkpoint of one step (its ``step``).
+        self._sharded: Sharded | None = None
+        self._gathered: Gathered | None = None
 
     @property
     def rank(self) -> int:

@@ -13,7 +13,10 @@ whatever the world size; any other reduction is refused:
 - with ``paddle.DataParallel``, whose reducer *averages* over the ``W`` ranks, the weight
   is multiplied by ``W`` first; every micro-batch but a rank's last of the step runs with
   the reducer off (``grad_need_sync``, what ``no_sync()`` sets), so every rank launches the
-  reducer's all-reduces exactly once per step, however many micro-batches it runs.
+  reducer's all-reduces exactly once per step, however many micro-batches it runs;
+- with fleet's sharded optimizer (trainer/sharding.py), whose ``step()`` reduces each
+  gradient to its owner as an *average* (scaled by 1/W, then summed), the weight is
+  multiplied by ``W`` too, and the session's sum carries the loss alone.
 
 **Virtual ranks** (a fixed logical data-parallel degree ``V``, EasyScale's approach): the
 global batch is cut into ``V`` micro-batches whatever the world size, and each keeps its
@@ -51,6 +54,16 @@ def micro_seed(seed: int, step: int, virtual_rank: int, index: int) -> int:
     return derive_seed(seed, step, virtual_rank, index)
 
 
+def _sharded(optimizer: Any) -> bool:
+    """``optimizer`` is (or wraps) fleet's ``DygraphShardingOptimizer``."""
+    seen = 0
+    while optimizer is not None and seen < 8:
+        if type(optimizer).__name__ == "DygraphShardingOptimizer":
+            return True
+        optimizer, seen = getattr(optimizer, "_inner_opt", None), seen + 1
+    return False
+
+
 class Stepper:
     def __init__(
         self,
@@ -72,6 +85,9 @@ class Stepper:
         self.virtual_ranks = virtual_ranks
         self.seed = seed
         self.data_parallel = isinstance(model, paddle.DataParallel)
+        # Who sums the gradients: the session (a plain model), or the framework, as an
+        # average over the ranks (DataParallel's reducer, the sharded optimizer's step).
+        self.framework_averages = self.data_parallel or _sharded(optimizer)
         # The model's state that is not trained: buffers, and the parameters that take no
         # gradient (Paddle's BatchNorm keeps its running mean and variance as those).
         self._buffers = [
@@ -154,7 +170,7 @@ class Stepper:
         if not mb.padding:
             self._loss_sum += float(term)
         # DataParallel's reducer averages over the ranks: the term times W makes it a sum.
-        weighted = term * self.world_size if self.data_parallel else term
+        weighted = term * self.world_size if self.framework_averages else term
         if self.scaler is not None:
             weighted = self.scaler.scale(weighted)
         weighted.backward()
@@ -181,7 +197,7 @@ class Stepper:
                 ran_here[v] = 1.0
             extras += [ran_here, mine.reshape(-1)]
         extra = paddle.to_tensor(np.concatenate(extras))
-        params = [] if self.data_parallel else self._grads()
+        params = [] if self.framework_averages else self._grads()
         flat = paddle.concat([*(p.grad.reshape([-1]) for p in params), extra])
         started = time.monotonic()
         if self.world_size > 1:

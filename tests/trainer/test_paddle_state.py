@@ -34,7 +34,7 @@ def _step(model: Any, opt: Any, lr: Any, i: int) -> None:
 
 def _state(model: Any, opt: Any) -> dict[str, np.ndarray]:
     out = {f"m:{k}": v.numpy() for k, v in model.state_dict().items()}
-    positional = paddle_state._positional(model, opt.state_dict(), to_positions=True)
+    positional = paddle_state.positional(model, opt.state_dict(), to_positions=True)
     out.update({f"o:{k}": v.numpy() for k, v in positional.items() if hasattr(v, "numpy")})
     return out
 

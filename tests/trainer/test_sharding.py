@@ -1,0 +1,127 @@
+"""trainer/sharding.py: the strategy of a generation, what is refused before the first step,
+and how the stepper and the state files see a fleet job (the resize itself:
+tests/e2e/test_sharded.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trainer import paddle_state, sharding
+from trainer.stepper import _sharded
+
+paddle = pytest.importorskip("paddle")
+
+pytestmark = [pytest.mark.unit, pytest.mark.paddle]
+
+
+def _strategy(**hybrid: Any) -> Any:
+    from paddle.distributed import fleet
+
+    s = fleet.DistributedStrategy()
+    for key, value in hybrid.items():
+        if key == "sharding_configs":
+            # A message field: set in place, as fleet's own scripts do.
+            for name, flag in value.items():
+                setattr(s.hybrid_configs["sharding_configs"], name, flag)
+        else:
+            s.hybrid_configs = {key: value}
+    return s
+
+
+def test_the_strategy_shards_over_the_whole_world() -> None:
+    configs = sharding.fleet_strategy(3).hybrid_configs
+    degrees = [configs[k] for k in ("sharding_degree", "dp_degree", "mp_degree", "pp_degree")]
+    assert degrees == [3, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("hybrid", "named"),
+    [
+        ({"mp_degree": 2}, "mp_degree=2"),
+        ({"pp_degree": 2}, "pp_degree=2"),
+        ({"dp_degree": 2}, "dp_degree=2"),
+        ({"sharding_configs": {"split_param": True}}, "split_param=True"),
+        ({"sharding_configs": {"tensor_fusion": True}}, "tensor_fusion=True"),
+    ],
+)
+def test_a_layout_tide_cannot_resize_is_refused_naming_it(hybrid: Any, named: str) -> None:
+    with pytest.raises(sharding.UnsupportedLayout, match=named) as err:
+        sharding.fleet_strategy(2, _strategy(**hybrid))
+    assert "not supported under Tide" in str(err.value)
+
+
+def _bare(cls: type) -> Any:
+    """An instance of a fleet class without its constructor (which needs a process group):
+    what an isinstance check sees."""
+    return object.__new__(cls)
+
+
+def test_sharding_stage_2_and_3_are_refused_at_attach() -> None:
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_optimizer_stage2 import (
+        GroupShardedOptimizerStage2,
+    )
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_stage2 import (
+        GroupShardedStage2,
+    )
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_stage3 import (
+        GroupShardedStage3,
+    )
+
+    plain = paddle.nn.Linear(2, 2)
+    adam = paddle.optimizer.Adam(parameters=plain.parameters())
+    with pytest.raises(sharding.UnsupportedLayout, match="sharding stage 2"):
+        sharding.check_attached(_bare(GroupShardedStage2), adam, 2)
+    with pytest.raises(sharding.UnsupportedLayout, match="sharding stage 3"):
+        sharding.check_attached(_bare(GroupShardedStage3), adam, 2)
+
+    class Wrapper:
+        _inner_opt = _bare(GroupShardedOptimizerStage2)
+
+    with pytest.raises(sharding.UnsupportedLayout, match="GroupShardedOptimizerStage2"):
+        sharding.check_attached(plain, Wrapper(), 2)
+
+
+def test_a_plain_job_is_not_sharded() -> None:
+    model = paddle.nn.Linear(2, 2)
+    adam = paddle.optimizer.Adam(parameters=model.parameters())
+    assert sharding.check_attached(model, adam, 1) is None
+    assert not _sharded(adam)
+
+
+def test_the_stepper_sees_a_wrapped_sharded_optimizer() -> None:
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer.dygraph_sharding_optimizer import (
+        DygraphShardingOptimizer,
+    )
+
+    class Hybrid:
+        _inner_opt = _bare(DygraphShardingOptimizer)
+
+    assert _sharded(Hybrid())
+
+
+def test_checkpoints_keep_the_wrapped_layers_keys() -> None:
+    from paddle.distributed.fleet.meta_parallel.sharding_parallel import ShardingParallel
+
+    net = paddle.nn.Sequential(paddle.nn.Linear(2, 2))
+    wrapped = _bare(ShardingParallel)
+    paddle.nn.Layer.__init__(wrapped)
+    wrapped._layers = net
+    assert sorted(wrapped.state_dict()) == ["_layers.0.bias", "_layers.0.weight"]
+    assert paddle_state.layers(wrapped) is net
+    assert paddle_state.layers(net) is net
+
+
+def test_a_sharded_job_in_overlap_mode_is_refused(tmp_path: Any) -> None:
+    from tests.trainer.queue_channel import QueueChannel
+    from trainer import ElasticSession, SessionConfig
+    from trainer.distenv import DistEnv
+
+    config = SessionConfig(
+        dataset_size=8, global_batch=4, seed=0, max_steps=1, checkpoint_dir=str(tmp_path)
+    )
+    session = ElasticSession(config, DistEnv(prepared=True), QueueChannel())
+    session.init_process_group()
+    with pytest.raises(sharding.UnsupportedLayout, match="overlap resize mode"):
+        session.fleet_strategy()
