@@ -196,3 +196,23 @@ def test_an_object_store_checkpoint_is_visible_only_with_a_manifest_that_verifie
     loaded = store.load_latest()
     assert loaded.step == 1 and len(loaded.skipped) == 1
     assert store.cleanup_tmp() == 1 and store.list_steps() == [1, 2]
+
+
+def test_a_raw_durable_checkpoint_is_restored_as_arrays_not_one_file(tmp_path: Path) -> None:
+    import numpy as np
+
+    from trainer.rawstate import TENSORS, StateFiles
+
+    store = CheckpointStore(tmp_path / "ckpt")
+    arrays = {"model/w": np.arange(12, dtype=np.float32).reshape(3, 4), "opt/m": np.ones(5)}
+    store.write(4, StateFiles({"rng.pickle": b"r"}, arrays), {})
+    got = locate(None, store, rank=0, world_size=1)
+    # state.tensors decoded into its arrays (views of the bytes read): a transfer sends them
+    # as tensors, not as one file inside the small files' packed blob.
+    assert (got.step, got.source, dict(got.files)) == (4, "disk", {"rng.pickle": b"r"})
+    assert TENSORS not in got.files
+    got_arrays = getattr(got.files, "arrays", {})
+    assert sorted(got_arrays) == sorted(arrays)
+    for name, array in arrays.items():
+        assert np.array_equal(got_arrays[name], array)
+        assert got_arrays[name].dtype == array.dtype
