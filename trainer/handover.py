@@ -22,7 +22,7 @@ The one copy at the hold is a copy into pages that already exist: a put writes o
 previous handover's ``state.tensors`` (the one this pod's worker took, obsolete once a newer
 step is handed over; never one whose mapping this process still uses, as rank 0's durable write
 of it does) or over a reserve that a pod with nothing handed over yet fills beforehand
-(:meth:`ShmHandover.reserve`, after its worker's first step, on a thread at nice 19). On this
+(:meth:`ShmHandover.reserve`, after its worker's first step, on a thread beside training). On this
 VM a write(2) into fresh tmpfs pages cost 0.4-1.5 s per GB (the guest and the host back each
 page on first touch), into existing ones 0.3-0.4 s. So a pod holds one state's size in
 ``/dev/shm`` from its first worker's first step on, as a stayer's pod already did after a take.
@@ -55,7 +55,6 @@ from trainer.checkpoint import (
     list_step_dirs,
     step_dir_name,
 )
-from trainer.persist import WRITER_NICE
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +158,7 @@ class ShmHandover:
         return False
 
     def reserve(self, nbytes: int) -> bool:
-        """Fills ``nbytes`` of this pod's shared memory, on a thread at nice 19, for the next
+        """Fills ``nbytes`` of this pod's shared memory, on a thread, for the next
         put to write over (see the module docstring): only where nothing handed over will
         serve (a pod whose worker took a handover puts over that one's pages). The put
         that comes first cancels it."""
@@ -176,10 +175,9 @@ class ShmHandover:
         return True
 
     def _fill(self, nbytes: int) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        except OSError:
-            logger.info("handover reserve: cannot lower its priority", exc_info=True)
+        # At the training's own priority: at nice 19 a 1 GB fill took 15.8 s at load 8 here
+        # and was still under way at the hold; it is a one-off cost of the first step's
+        # seconds (0.4-1.5 s of CPU per GB), which is what it takes out of the pause.
         started = time.monotonic()
         tmp = self.root / f"{RESERVE}.tmp-{secrets.token_hex(4)}"
         try:
