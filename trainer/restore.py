@@ -18,6 +18,7 @@ restore loudly. The time spent reading memory, reading disk and transferring is 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -27,7 +28,7 @@ from typing import Any
 from trainer.checkpoint import CheckpointCorrupt, CheckpointNotFound, LoadedCheckpoint
 from trainer.handover import StateHandover
 from trainer.persist import DurableStore
-from trainer.rawstate import StateFiles
+from trainer.rawstate import TENSORS, StateFiles, decode
 from trainer.transfer import (
     Holding,
     RestorePlan,
@@ -85,12 +86,23 @@ def _read(
         logger.warning("handover of step %d missing or damaged; reading the durable store", step)
         started = time.monotonic()
     try:
-        loaded = store.load_latest(at_most=step)
+        loaded = _as_arrays(store.load_latest(at_most=step))
         out.source = "disk"
     except (CheckpointNotFound, CheckpointCorrupt):
         loaded = None
     out.disk_read_s += time.monotonic() - started
     return loaded
+
+
+def _as_arrays(loaded: LoadedCheckpoint) -> LoadedCheckpoint:
+    """A raw durable checkpoint's ``state.tensors`` as named arrays (views of the bytes read,
+    no copy), the form a transfer sends as tensors: left as one file, it would travel inside
+    the small files' packed blob, the whole state joined into one new buffer."""
+    files = loaded.files
+    if TENSORS not in files or getattr(files, "arrays", None):
+        return loaded
+    small = {name: data for name, data in files.items() if name != TENSORS}
+    return dataclasses.replace(loaded, files=StateFiles(small, decode(files[TENSORS])))
 
 
 def locate(
@@ -174,7 +186,7 @@ def _fall_back(step: int, source: int, rank: int, store: DurableStore, out: Loca
     if missing:
         started = time.monotonic()
         try:
-            loaded = store.load_latest(at_most=step)
+            loaded = _as_arrays(store.load_latest(at_most=step))
             out.step, out.files, out.source = loaded.step, loaded.files, "disk"
         except (CheckpointNotFound, CheckpointCorrupt):
             out.step = 0

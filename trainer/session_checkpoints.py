@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tidebase.errors import FailedPrecondition
-from trainer import paddle_state
+from trainer import paddle_state, rawstate
 from trainer.checkpoint import WrittenCheckpoint
 from trainer.messages import CheckpointWritten
 from trainer.persist import Snapshot
@@ -119,6 +119,16 @@ class SessionCheckpoints(SessionState):
                 )
             )
         return last
+
+    def _reserve_handover(self) -> None:
+        """Once, after this worker's first step (its optimizer's accumulators exist): the pod's
+        handover readies memory of the state's size for the put at a hold, off the pause
+        (trainer/handover.py). Only the pod's first worker puts."""
+        if self._handover_reserved or self.handover is None or self.env.local_rank != 0:
+            return
+        self._handover_reserved = True
+        arrays = paddle_state.live_arrays(self._model, self._optimizer)
+        self.handover.reserve(rawstate.layout(rawstate.specs(arrays))[2])
 
     def _persist_pending_restore(self) -> None:
         if self._restored_unpersisted is not None:

@@ -157,6 +157,7 @@ class SessionLoop(SessionControl):
         if self.rank == 0 and due:
             self._write_checkpoint(plan.step, periodic=True)
         self._report_written()
+        self._reserve_handover()
         self._drain_channel()
         stop_at, want_ckpt, want_exit = self._agree()
         if want_exit:

@@ -111,6 +111,8 @@ class SessionState:
         # Rank 0: a state restored from memory or a peer, made durable at the first step
         # boundary after RESTORED_PERSIST_AFTER_S (session.py; monotonic time, the third item).
         self._restored_unpersisted: tuple[int, Mapping[str, bytes], float] | None = None
+        # The handover's memory readied for this worker's put (once, after its first step).
+        self._handover_reserved = False
         self._log = StepLog(config.log_dir)
         # Fleet's sharded optimizer (trainer/sharding.py): set at attach; and the whole
         # optimizer state gathered for the checkpoint of one step (its ``step``).

@@ -76,6 +76,9 @@ class MemoryHandover:
         step, files, digest = self._held
         return LoadedCheckpoint(step, Path("memory"), digest, files, {})
 
+    def reserve(self, nbytes: int) -> bool:
+        return False
+
 
 @pytest.fixture(params=["shm", "memory"])
 def handover(request: pytest.FixtureRequest, tmp_path: Path) -> StateHandover:
@@ -196,3 +199,81 @@ def test_an_object_store_checkpoint_is_visible_only_with_a_manifest_that_verifie
     loaded = store.load_latest()
     assert loaded.step == 1 and len(loaded.skipped) == 1
     assert store.cleanup_tmp() == 1 and store.list_steps() == [1, 2]
+
+
+def test_a_raw_durable_checkpoint_is_restored_as_arrays_not_one_file(tmp_path: Path) -> None:
+    import numpy as np
+
+    from trainer.rawstate import TENSORS, StateFiles
+
+    store = CheckpointStore(tmp_path / "ckpt")
+    arrays = {"model/w": np.arange(12, dtype=np.float32).reshape(3, 4), "opt/m": np.ones(5)}
+    store.write(4, StateFiles({"rng.pickle": b"r"}, arrays), {})
+    got = locate(None, store, rank=0, world_size=1)
+    # state.tensors decoded into its arrays (views of the bytes read): a transfer sends them
+    # as tensors, not as one file inside the small files' packed blob.
+    assert (got.step, got.source, dict(got.files)) == (4, "disk", {"rng.pickle": b"r"})
+    assert TENSORS not in got.files
+    got_arrays = getattr(got.files, "arrays", {})
+    assert sorted(got_arrays) == sorted(arrays)
+    for name, array in arrays.items():
+        assert np.array_equal(got_arrays[name], array)
+        assert got_arrays[name].dtype == array.dtype
+
+
+def _raw(step: int, size: int) -> Any:
+    import numpy as np
+
+    from trainer.rawstate import StateFiles
+
+    return StateFiles({"rng.pickle": b"%d" % step}, {"w": np.full(size, step, np.uint8)})
+
+
+def test_a_put_writes_over_the_reserve_a_fresh_pod_filled(tmp_path: Path) -> None:
+    import numpy as np
+
+    from trainer.handover import RESERVE
+
+    shm = ShmHandover(tmp_path / "shm")
+    assert shm.reserve(5000)
+    reserve = tmp_path / "shm" / RESERVE
+    wait_for(reserve.exists, timeout_s=10)
+    inode = reserve.stat().st_ino
+    shm.put(1, _raw(1, 3000), {})
+    tensors = tmp_path / "shm" / "step-00000001" / "state.tensors"
+    # The reserve's pages became the handover (cut to its size); no reserve is left.
+    assert tensors.stat().st_ino == inode and not reserve.exists()
+    taken = shm.take()
+    assert taken is not None and np.array_equal(getattr(taken.files, "arrays", {})["w"], [1] * 3000)
+    # A pod with a handover (or a reserve) fills none; a put cancels any later one.
+    assert not shm.reserve(5000)
+
+
+def test_a_put_writes_over_the_taken_handover_once_nothing_maps_it(tmp_path: Path) -> None:
+    import gc
+
+    import numpy as np
+
+    before = ShmHandover(tmp_path / "shm")
+    before.put(1, _raw(1, 4000), {})
+    first = tmp_path / "shm" / "step-00000001" / "state.tensors"
+    inode = first.stat().st_ino
+
+    after = ShmHandover(tmp_path / "shm")  # the pod's next worker
+    taken = after.take()
+    assert taken is not None
+    held = getattr(taken.files, "arrays", {})["w"]
+    # Its views still in use (rank 0's durable write of it): the put writes new pages.
+    after.put(2, _raw(2, 4000), {})
+    second = tmp_path / "shm" / "step-00000002" / "state.tensors"
+    assert second.stat().st_ino != inode
+    assert np.array_equal(held, [1] * 4000), "a view of the taken state was written over"
+    del taken, held
+    gc.collect()
+    # Nothing maps step 2's pages in this process: step 3 goes into them.
+    inode = second.stat().st_ino
+    after.put(3, _raw(3, 4100), {})
+    third = tmp_path / "shm" / "step-00000003" / "state.tensors"
+    assert third.stat().st_ino == inode
+    got = after.take()
+    assert got is not None and np.array_equal(getattr(got.files, "arrays", {})["w"], [3] * 4100)

@@ -43,10 +43,17 @@ def test_newcomers_get_checked_chunks_and_a_damaged_one_falls_back_to_disk(
     codes = [p.wait(timeout=120) for p in procs]
     logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(world))
     assert codes == [0] * world, logs
-    clean, flipped = zip(
+    disk, clean, flipped = zip(
         *(json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(world)),
         strict=True,
     )
+
+    # After a crash: rank 0 reads the raw checkpoint and sends its arrays as tensors (its
+    # state.tensors decoded, not a file inside the packed blob); the others receive them.
+    assert [r["source"] for r in disk] == ["disk", "peer", "peer"]
+    for r in disk:
+        assert (r["step"], r["intact"], r["rng"]) == (3, True, "rng-3")
+        assert r["digests"] == r["expected"] and not r["tensors_file"]
 
     # A planned resize: the stayers take their own, the newcomer gets the same bytes.
     assert [r["source"] for r in clean] == ["memory", "memory", "peer"]

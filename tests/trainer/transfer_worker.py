@@ -1,6 +1,7 @@
 """One rank of tests/trainer/test_transfer.py: ranks 0 and 1 are stayers (a handover in their
-own "pod's" memory), rank 2 a newcomer; they restore twice through trainer/restore.py, the
-second time with the newcomer flipping a received byte (TIDE_TRANSFER_FAULT)."""
+own "pod's" memory), rank 2 a newcomer; they restore three times through trainer/restore.py:
+from the durable store alone (a crash), from the stayers' memory, and from their memory with
+the newcomer flipping a received byte (TIDE_TRANSFER_FAULT)."""
 
 from __future__ import annotations
 
@@ -51,8 +52,10 @@ def main() -> int:
     out = []
     # The newcomer's live tensor of one name: the bytes go straight into it.
     live = {"model/w": np.zeros((33, 17), np.float32)}
-    for phase, step in (("clean", 5), ("flip", 6)):
-        if handover is not None:
+    # "disk": nobody holds a step in memory yet (a crash): rank 0 reads the durable store's
+    # raw checkpoint and sends its arrays.
+    for phase, step in (("disk", 3), ("clean", 5), ("flip", 6)):
+        if handover is not None and phase != "disk":
             handover.put(step, state(step), {})
         os.environ[FAULT_ENV] = "flip" if phase == "flip" and rank == 2 else ""
         dist.barrier()
@@ -69,6 +72,7 @@ def main() -> int:
                 "digests": digests(got.files),
                 "expected": digests(state(step)),
                 "rng": got.files["rng.pickle"].decode(),
+                "tensors_file": rawstate.TENSORS in got.files,
                 "durable": store.list_steps(),
                 "live": xxhash.xxh3_64_hexdigest(live["model/w"].tobytes()),
                 "live_is_result": getattr(got.files, "arrays", {}).get("model/w")
