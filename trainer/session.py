@@ -175,14 +175,6 @@ class ElasticSession(SessionStartup, SessionLoop):
                 "session.fleet_strategy() before session.init_process_group(): the sharding "
                 "degree is the generation's world size, known once the group forms"
             )
-        if self.env.prepared:
-            # Measured: the next generation's fleet groups, formed while the current one
-            # trains, never completed (the first step did not come within 60 s).
-            raise sharding.UnsupportedLayout(
-                "a sharded fleet job in the coordinator's overlap resize mode is not supported "
-                "under Tide: fleet's groups formed ahead hang on gloo; use resize_mode=plain "
-                "(docs/sharded.md)"
-            )
         return sharding.fleet_strategy(self.world_size, strategy)
 
     def batch_sampler(self) -> Any:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from trainer.distenv import PREWARM_ENV, DistEnv, wait_for_port
+from trainer.gloo_groups import share_world_context
 from trainer.messages import Go, Prepared, Rendezvous, Start
 from trainer.session_control import SessionControl
 
@@ -93,6 +94,8 @@ class SessionStartup(SessionControl):
             if self.rank != 0:
                 wait_for_port(self.env.master, self.config.master_wait_s)
             dist.init_parallel_env()
+            if self.env.paddle_device == "cpu":
+                share_world_context()
         self.timings.group_init_s = time.monotonic() - started
         logger.info(
             "rank %d/%d of generation %d: group ready in %.3fs",

@@ -113,7 +113,10 @@ def test_checkpoints_keep_the_wrapped_layers_keys() -> None:
     assert paddle_state.layers(net) is net
 
 
-def test_a_sharded_job_in_overlap_mode_is_refused(tmp_path: Any) -> None:
+def test_a_prepared_worker_gets_the_sharded_strategy(tmp_path: Any) -> None:
+    """Overlap mode: a worker formed ahead gets its generation's strategy like any other
+    (it used to be refused while fleet's extra gloo groups failed to form; trainer/
+    gloo_groups.py)."""
     from tests.trainer.queue_channel import QueueChannel
     from trainer import ElasticSession, SessionConfig
     from trainer.distenv import DistEnv
@@ -123,5 +126,4 @@ def test_a_sharded_job_in_overlap_mode_is_refused(tmp_path: Any) -> None:
     )
     session = ElasticSession(config, DistEnv(prepared=True), QueueChannel())
     session.init_process_group()
-    with pytest.raises(sharding.UnsupportedLayout, match="overlap resize mode"):
-        session.fleet_strategy()
+    assert session.fleet_strategy().hybrid_configs["sharding_degree"] == 1

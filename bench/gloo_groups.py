@@ -1,0 +1,102 @@
+"""How often a CPU job's extra gloo groups fail to form, with and without Tide's shared
+world context (trainer/gloo_groups.py; docs/sharded.md).
+
+    python -m bench.gloo_groups              # 20 tries each, worlds 3 and 4
+    python -m bench.gloo_groups --tries 6    # quicker
+
+Each try starts ``world`` plain Paddle processes on loopback (no Tide session, no launcher):
+``init_parallel_env()``, then ``fleet.init`` with the optimizer sharded over the world (two
+more gloo groups over every rank), then one all-reduce over the sharding group. The baseline
+is Paddle as it ships; ``shared`` calls :func:`trainer.gloo_groups.share_world_context` after
+``init_parallel_env``. A try fails when any rank exits non-zero or is still running after
+``--timeout-s``. The last line is ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from services.testing.localjob import free_port, gloo_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The per-rank program; argv[1] is "shared" or "plain".
+_RANK = """
+import sys
+import paddle
+import paddle.distributed as dist
+from paddle.distributed import fleet
+dist.init_parallel_env()
+if sys.argv[1] == "shared":
+    from trainer.gloo_groups import share_world_context
+    share_world_context()
+world = dist.get_world_size()
+strategy = fleet.DistributedStrategy()
+strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": 1,
+                           "sharding_degree": world}
+fleet.init(is_collective=True, strategy=strategy)
+t = paddle.to_tensor([float(dist.get_rank())])
+dist.all_reduce(t, group=fleet.get_hybrid_communicate_group().get_sharding_parallel_group())
+assert t.item() == sum(range(world)), t.item()
+"""
+
+
+def one_try(mode: str, world: int, timeout_s: float) -> tuple[bool, float]:
+    ports = [free_port() for _ in range(world)]
+    started = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, mode],
+            cwd=ROOT,
+            env={**os.environ, **gloo_env(rank, ports)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for rank in range(world)
+    ]
+    ok = True
+    for p in procs:
+        try:
+            ok = p.wait(timeout=max(0.1, timeout_s - (time.monotonic() - started))) == 0 and ok
+        except subprocess.TimeoutExpired:
+            ok = False
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return ok, time.monotonic() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tries", type=int, default=20)
+    ap.add_argument("--worlds", default="3,4")
+    ap.add_argument("--timeout-s", type=float, default=40.0)
+    args = ap.parse_args(argv)
+    result: dict[str, object] = {"tries": args.tries}
+    for world in (int(w) for w in args.worlds.split(",")):
+        for mode in ("plain", "shared"):
+            # Interleaved per try would be fairer to load, but a failed plain try hangs its
+            # ranks until the timeout; in blocks, the counts are what matters.
+            fails, seconds = 0, []
+            for _ in range(args.tries):
+                ok, took = one_try(mode, world, args.timeout_s)
+                fails += not ok
+                if ok:
+                    seconds.append(took)
+            print(f"world {world} {mode}: {fails}/{args.tries} failed", flush=True)
+            result[f"w{world}_{mode}_failed"] = fails
+            if seconds:
+                result[f"w{world}_{mode}_median_s"] = round(sorted(seconds)[len(seconds) // 2], 2)
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

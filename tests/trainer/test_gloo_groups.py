@@ -1,0 +1,55 @@
+"""trainer/gloo_groups.py: which groups share the world's gloo context and which form their
+own. In process, over a recorded ``_new_process_group_impl``; the 3-rank jobs of
+tests/e2e/test_sharded.py run it for real."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import paddle.distributed as dist
+import pytest
+from paddle.distributed import collective
+
+from trainer.gloo_groups import share_world_context
+
+pytestmark = pytest.mark.unit
+
+WORLD_PG = object()
+
+
+@pytest.fixture
+def formed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """The groups that formed a context of their own: (backend, size)."""
+    calls: list[tuple[str, int]] = []
+
+    def original(backend: str, store: Any, rank: int, size: int, name: str, *a: Any) -> Any:
+        calls.append((backend, size))
+        return object()
+
+    monkeypatch.setattr(collective, "_new_process_group_impl", original)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(
+        collective,
+        "_get_default_group",
+        lambda: SimpleNamespace(nranks=3, process_group=WORLD_PG),
+    )
+    return calls
+
+
+def test_a_gloo_group_of_the_whole_world_shares_the_default_context(
+    formed: list[tuple[str, int]],
+) -> None:
+    share_world_context()
+    share_world_context()  # a second call does not wrap twice
+    impl = collective._new_process_group_impl
+    assert impl("gloo", None, 1, 3, "sharding", None) is WORLD_PG
+    assert formed == []
+
+
+def test_other_groups_form_their_own(formed: list[tuple[str, int]]) -> None:
+    share_world_context()
+    impl = collective._new_process_group_impl
+    assert impl("gloo", None, 0, 2, "pair", None) is not WORLD_PG
+    assert impl("nccl", None, 0, 3, "world-on-gpu", None) is not WORLD_PG
+    assert formed == [("gloo", 2), ("nccl", 3)]
