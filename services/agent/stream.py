@@ -235,7 +235,12 @@ class TelemetryStream:
                     continue
             if self._waiting_since is None:
                 self._waiting_since = self._clock.monotonic()
-            await call.write(report)
+            try:
+                await call.write(report)
+            except asyncio.InvalidStateError:
+                # The call ended under the write (a scaler not listening yet, a closed
+                # stream): the receiver ends with the call's status, which is the reason.
+                await asyncio.Event().wait()
             self.metrics.reports_written.inc()
 
     async def _watchdog(self) -> None:

@@ -257,3 +257,23 @@ async def test_a_failing_source_still_lets_notices_through(
     assert agent.failure is None
     failed = agent.metrics.registry.get_sample_value("tide_agent_samples_failed_total")
     assert failed is not None and failed >= 1
+
+
+async def test_a_scaler_not_listening_yet_is_unavailable_not_an_error(
+    run_agent: RunAgent, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent that starts before its scaler (a DaemonSet rolled out first): each try ends
+    UNAVAILABLE, and no write into the ended call is logged as an ERROR."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = await run_agent(agent_settings(port))
+    sink = single_stream(r.agent)
+    await eventually(lambda: len(sink.stream.state.disconnects) >= 3, what="3 tries")
+    reasons = [d.reason for d in sink.stream.state.disconnects]
+    assert all(reason.startswith("UNAVAILABLE") for reason in reasons), reasons
+    errors = [rec.getMessage() for rec in caplog.records if rec.levelname == "ERROR"]
+    assert errors == []
+    await r.shutdown()
