@@ -78,17 +78,22 @@ def channel_target(address: str) -> tuple[str, dict[str, Any]]:
 
 
 class _Token:
-    """Adds ``authorization: Bearer <token>`` to every call, the token read from its
-    file at each call (cheap: a stat), so a rotated token is sent from the next call on."""
+    """Adds ``authorization: Bearer <token>`` to every call that has none of its own, the
+    token read from its file at each call (cheap: a stat), so a rotated token is sent from
+    the next call on."""
 
     def __init__(self, credentials: ClientCredentials) -> None:
         self._creds = credentials
 
     def details(self, details: Any) -> Any:
+        metadata = list(details.metadata or ())
+        if any(k.lower() == "authorization" for k, _ in metadata):
+            # A call that brings its own token (the CLI's --token for an admin call) keeps
+            # it: the file is the channel's default, not an override.
+            return details
         token = self._creds.token()
         if not token:
             return details
-        metadata = [(k, v) for k, v in (details.metadata or ()) if k.lower() != "authorization"]
         metadata.append(("authorization", f"Bearer {token}"))
         return details._replace(metadata=grpc.aio.Metadata(*metadata))
 

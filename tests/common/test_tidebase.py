@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import json
 from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -105,3 +107,25 @@ def test_replica_addresses_become_one_health_routed_target() -> None:
 def test_a_bad_replica_list_names_the_value(bad: str) -> None:
     with pytest.raises(ConfigError, match="address list"):
         channel_target(bad)
+
+
+def test_a_calls_own_token_beats_the_token_file(tmp_path: Path) -> None:
+    """The token file is a channel's default: an admin call that carries ``--token`` keeps
+    it (in the scaler's pod, whose TIDE_TOKEN_FILE is the pod's own token)."""
+    from collections import namedtuple
+
+    from tidebase.client import _UnaryUnary
+    from tidebase.credentials import ClientCredentials
+
+    token_file = tmp_path / "token"
+    token_file.write_text("pod-token\n")
+    interceptor = _UnaryUnary(ClientCredentials(token_file=str(token_file)))
+    details = namedtuple("details", ["method", "metadata"])
+
+    def authorization(metadata: Any) -> list[str]:
+        out = interceptor.details(details("/m", metadata)).metadata
+        return [v for k, v in out if k == "authorization"]
+
+    assert authorization(None) == ["Bearer pod-token"]
+    assert authorization(grpc.aio.Metadata(("x", "1"))) == ["Bearer pod-token"]
+    assert authorization(grpc.aio.Metadata(("authorization", "Bearer admin"))) == ["Bearer admin"]
