@@ -48,11 +48,15 @@ def _emit(fd: int, event: dict[str, Any]) -> None:
     os.write(fd, (json.dumps(event) + "\n").encode())
 
 
-def _run_child(request: dict[str, Any], close_fds: list[int]) -> None:
+def _run_child(request: dict[str, Any], close_fds: list[int], zygote_pid: int) -> None:
     """Runs in the forked child; never returns."""
     code = 1
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != zygote_pid:
+            # The zygote died between the fork and the prctl: no death signal will come,
+            # and this worker would run on as an orphan (seen under load in CI).
+            os._exit(1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         # stdin becomes /dev/null by dup2, never by close: a free fd 0 would be handed to the
@@ -181,9 +185,10 @@ def serve(preload: list[str]) -> int:
                         events_fd, {"event": "error", "id": request.get("id"), "message": "bad cmd"}
                     )
                     continue
+                zygote_pid = os.getpid()
                 pid = os.fork()
                 if pid == 0:
-                    _run_child(request, [stdin_fd, events_fd])
+                    _run_child(request, [stdin_fd, events_fd], zygote_pid)
                 children.add(pid)
                 _emit(events_fd, {"event": "spawned", "id": request.get("id"), "pid": pid})
     finally:
