@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test test-fast nightly lint proto proto-check chart-schema bench clean
+.PHONY: setup demo test test-fast nightly frameworks lint proto proto-check chart-schema bench clean
 
 setup:
 	PYTHON=$(PYTHON) scripts/setup.sh
@@ -36,12 +36,20 @@ test: setup proto-check lint
 	scripts/ensure_postgres.sh
 	scripts/ensure_prometheus.sh
 	TIDE_TEST_STRICT=1 TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test $(PY) -m pytest -m "not nightly"
+	$(MAKE) frameworks
 
 # The full-length reliability runs (docs/reliability.md: the 10-minute soak, the long
 # write contention), left out of `make test` for its 30-minute budget.
 nightly: setup
 	scripts/ensure_postgres.sh
 	TIDE_TEST_STRICT=1 TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test $(PY) -m pytest -m nightly --timeout 1800
+
+# PaddleFormers' Trainer under Tide (docs/migrate.md), in its own venv: the paddleformers
+# extra pins numpy 1.26 (scripts/setup_frameworks.sh). .venv's pytest skips these tests;
+# `make test` ends with this target.
+frameworks:
+	PYTHON=$(PYTHON) scripts/setup_frameworks.sh
+	TIDE_TEST_STRICT=1 .venv-frameworks/bin/python -m pytest -m paddleformers
 
 test-fast: setup
 	$(PY) -m pytest -m "unit or component"
@@ -63,4 +71,4 @@ bench: setup
 	$(PY) -m bench.k8s --quick
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .tide
+	rm -rf $(VENV) .venv-frameworks .mypy_cache .ruff_cache .pytest_cache .tide
