@@ -16,7 +16,7 @@ fixed-size run of the same script; and the ``paddle.distributed.launch`` command
 - ``launch_args_supported``: ``paddle.distributed.launch`` arguments ``trainer.launch``
   accepts (trainer/integrations/paddle_launch.py), out of ``launch_args_total``.
 
-    python -m bench.frameworks --quick
+    .venv-frameworks/bin/python -m bench.frameworks --quick   # the venv make frameworks builds
 
 The last line is ``RESULT {json}``.
 """
