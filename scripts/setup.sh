@@ -1,25 +1,38 @@
 #!/usr/bin/env bash
-# Create .venv and install Tide with every extra, unless the venv already holds an
+# Create a venv (.venv unless VENV says otherwise) and install Tide with its extras
+# (EXTRAS; every extra but paddleformers by default), unless the venv already holds an
 # install of this very pyproject.toml. The stamp is the file's hash rather than a make
 # timestamp: a fresh clone that reuses a venv (a symlink to another checkout's) must not
 # reinstall into it, which would repoint the editable install at the clone.
+# UNPINNED (a regex of package names) drops those pins of constraints.txt: `make
+# frameworks` builds .venv-frameworks so, the paddleformers extra needing older numpy,
+# pyarrow and fsspec than the main venv's pins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+EXTRAS=${EXTRAS:-services,trainer,paddle-cpu,demo,dev}
+UNPINNED=${UNPINNED:-}
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 repo=$(pwd -P)
 # Whether the venv's editable install serves this checkout (run from / so that the
 # current directory does not answer instead); a venv of this checkout's own that
 # another checkout reinstalled into points elsewhere, and `tide` may then be gone.
 serves_here() {
-    [ "$(cd / && "$repo/.venv/bin/python" -c 'import tidebase; print(tidebase.__path__[0])' 2>/dev/null)" = "$repo/tidebase" ]
+    [ "$(cd / && "$repo/$VENV/bin/python" -c 'import tidebase; print(tidebase.__path__[0])' 2>/dev/null)" = "$repo/tidebase" ]
 }
-if [ -x .venv/bin/python ] && [ "$(cat .venv/.installed 2>/dev/null)" = "$want" ] \
-    && { [ -L .venv ] || serves_here; }; then
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.installed" 2>/dev/null)" = "$want" ] \
+    && { [ -L "$VENV" ] || serves_here; }; then
     exit 0
 fi
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
 # constraints.txt: the versions the suite passed with, as the images install them.
-.venv/bin/python -m pip install -q -c constraints.txt -e '.[services,trainer,paddle-cpu,demo,dev]'
-echo "$want" > .venv/.installed
+constraints=constraints.txt
+if [ -n "$UNPINNED" ]; then
+    constraints=$(mktemp)
+    trap 'rm -f "$constraints"' EXIT
+    grep -v -E "^($UNPINNED)==" constraints.txt > "$constraints"
+fi
+"$VENV/bin/python" -m pip install -q -c "$constraints" -e ".[$EXTRAS]"
+echo "$want" > "$VENV/.installed"
