@@ -5,8 +5,7 @@ or more: ``core.ProcessGroupGloo.create`` reads a peer address that no listener 
 ("connect [127.0.0.1]:<port>: Connection refused", or a pair TIMEOUT) and the others hang.
 Plain Paddle does it without Tide (``python -m bench.gloo_groups``; the rates are in
 docs/sharded.md). A fleet job asks for exactly such groups: with the optimizer sharded over
-the world, its sharding group and its check group are the world again, so a sharded CPU job
-at 3 ranks failed to start about one try in three.
+the world, its sharding group and its check group are the world again.
 
 A group whose members are every rank of the world is the default group under another name: it
 has the same members in the same order, and a gloo process group runs its collectives one at

@@ -94,8 +94,8 @@ class SessionStartup(SessionControl):
             if self.rank != 0:
                 wait_for_port(self.env.master, self.config.master_wait_s)
             dist.init_parallel_env()
-            if self.env.paddle_device == "cpu":
-                share_world_context()
+            # Touches gloo groups only (the CPU's); NCCL's form as Paddle forms them.
+            share_world_context()
         self.timings.group_init_s = time.monotonic() - started
         logger.info(
             "rank %d/%d of generation %d: group ready in %.3fs",

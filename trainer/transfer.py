@@ -21,9 +21,8 @@ The broadcast is over the whole new group: a stayer that is not the source takes
 chunk-sized buffer and drops the bytes (it neither keeps, checks nor loads them). A group of
 the source and the newcomers alone would spare the source those copies, but Paddle 3.3's gloo
 gives no such group here: ``new_group`` failed in overlap mode (a gloo address of another
-size: "136 vs 204"; Paddle 3.3's gloo fails to form a second group over ranks that already
-have one, trainer/gloo_groups.py, which spares only groups of the whole world), cost 0.5 s
-when it worked, and gloo's send/recv number their messages by a per-process counter, so a
+size: "136 vs 204", likely the fault trainer/gloo_groups.py works around for groups of the
+whole world only), cost 0.5 s when it worked, and gloo's send/recv number their messages by a per-process counter, so a
 pair's messages go out of step with the others'.
 
 What the checksum guards against: bytes that differ between the holder and a receiver (a

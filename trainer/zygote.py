@@ -55,7 +55,7 @@ def _run_child(request: dict[str, Any], close_fds: list[int], zygote_pid: int) -
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != zygote_pid:
             # The zygote died between the fork and the prctl: no death signal will come,
-            # and this worker would run on as an orphan (seen under load in CI).
+            # and this worker would run on as an orphan (CI's leak check found one).
             os._exit(1)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -146,6 +146,7 @@ def serve(preload: list[str]) -> int:
     _emit(events_fd, {"event": "ready", "import_s": time.monotonic() - started})
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     children: set[int] = set()
+    zygote_pid = os.getpid()
     orphans: set[int] = set()
     buf = b""
     stdin_fd = 0
@@ -185,7 +186,6 @@ def serve(preload: list[str]) -> int:
                         events_fd, {"event": "error", "id": request.get("id"), "message": "bad cmd"}
                     )
                     continue
-                zygote_pid = os.getpid()
                 pid = os.fork()
                 if pid == 0:
                     _run_child(request, [stdin_fd, events_fd], zygote_pid)
