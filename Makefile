@@ -49,7 +49,7 @@ nightly: setup
 # that fits its pyarrow < 21 (4.0) wants an older fsspec. .venv's pytest skips these tests;
 # `make test` ends with this target.
 frameworks:
-	PYTHON=$(PYTHON) VENV=.venv-frameworks EXTRAS=services,trainer,paddle-cpu,dev,paddleformers \
+	PYTHON=$(PYTHON) VENV=.venv-frameworks EXTRAS=services,trainer,paddle-cpu,dev,demo,paddleformers \
 		UNPINNED='numpy|pyarrow|fsspec' scripts/setup.sh
 	TIDE_TEST_STRICT=1 .venv-frameworks/bin/python -m pytest -m paddleformers
 

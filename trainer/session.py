@@ -153,6 +153,15 @@ class ElasticSession(SessionStartup, SessionLoop):
                 "checkpoint step, and a timed cadence is due at different steps on different "
                 "ranks; use every_steps"
             )
+        if self._sharded is not None:
+            # What this generation really runs, for the operator and the e2e test that
+            # checks a sharded job stayed sharded through its resizes.
+            logger.info(
+                "rank %d of generation %d: optimizer state sharded over %d ranks (stage 1)",
+                self.rank,
+                self.env.generation,
+                self._sharded.degree,
+            )
         self._model = model
         self._optimizer = optimizer
         self._lr = lr_scheduler

@@ -118,6 +118,13 @@ def demo_cmd(
     ] = "text",
     insecure: InsecureOpt = False,
     admin_token_file: AdminTokenFileOpt = None,
+    workload: Annotated[
+        str,
+        typer.Option(
+            help="the example job: mlp (data parallel) or sharded (a fleet script, AdamW's"
+            " state sharded over the ranks)"
+        ),
+    ] = "mlp",
 ) -> None:
     """Scale the example Paddle job 2 → 4 → 2 with synthetic GPU load, and prove nothing was lost."""
     for module, extra in (("paddle", "paddle-cpu"), ("matplotlib", "demo"), ("numpy", "trainer")):
@@ -138,6 +145,7 @@ def demo_cmd(
             log_format=log_format,
             tls=not insecure,
             admin_token_file=admin_token_file,
+            workload=workload,
         )
     except errors.ConfigError as exc:
         fail(Exit.USAGE, str(exc))

@@ -135,11 +135,25 @@ def test_each_run_is_a_new_job(tmp_path: Path) -> None:
         ({"hold_s": -1}, "hold_s"),
         ({"cycles": 0}, "cycles"),
         ({"global_batch": 10_000}, "global_batch"),
+        ({"workload": "pipeline"}, "workload"),
     ],
 )
 def test_demo_settings_validation(kw: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         DemoSettings(**kw)  # type: ignore[arg-type]
+
+
+def test_tide_demo_refuses_an_unknown_workload_in_one_line(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from services.cli.main import app
+
+    r = CliRunner().invoke(app, ["demo", "--workload", "pipeline", "--state-dir", str(tmp_path)])
+    assert r.exit_code == 2
+    assert r.stderr.strip().splitlines() == [
+        "tide: workload: one of mlp, sharded, got 'pipeline'"
+    ], r.stderr
+    assert not (tmp_path / "tide.db").exists()  # refused before anything started
 
 
 @pytest.mark.parametrize(

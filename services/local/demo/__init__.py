@@ -2,8 +2,9 @@
 
 1. `tide up`'s control plane starts under the state dir (coordinator, scaler
    with the local actuator), with a synthetic GPU node the demo drives.
-2. The example model (trainer/examples/train_mlp.py) is registered with the
-   scaler at 2 replicas; the scaler starts it (a JOB_STARTED decision 0 → 2:
+2. The example job (trainer/examples/train_mlp.py; ``--workload sharded``:
+   train_sharded.py, a fleet script with AdamW's state sharded over the ranks)
+   is registered with the scaler at 2 replicas; the scaler starts it (a JOB_STARTED decision 0 → 2:
    the local actuator starts the launchers, the coordinator forms generation 1).
 3. HIGH: every GPU of the job reports ~95 %; after the sustain window the
    scaler decides 2 → 4, newcomers start and warm up, the job checkpoints at
@@ -40,14 +41,14 @@ from services.local.demo.scenario import (
     next_job_id,
     next_phase,
 )
-from services.local.demo.settings import RPC_TIMEOUT_S, DemoSettings
-from services.local.demo.spec import EXAMPLE, ROOT
+from services.local.demo.settings import RPC_TIMEOUT_S, WORKLOADS, DemoSettings
+from services.local.demo.spec import ROOT
 
 __all__ = [
     "DEMO_LIFECYCLE",
-    "EXAMPLE",
     "ROOT",
     "RPC_TIMEOUT_S",
+    "WORKLOADS",
     "Demo",
     "DemoSettings",
     "Outcome",

@@ -124,7 +124,7 @@ class Demo:
         await cluster.start()
         self.echo(
             f"scaler {cluster.scaler_target}, coordinator {cluster.coordinator_target};"
-            f" job {self.job_id} on {self.s.start_replicas} workers"
+            f" job {self.job_id} ({self.s.workload} example) on {self.s.start_replicas} workers"
         )
         async with (
             open_channel(

@@ -8,11 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from tidebase.errors import ConfigError
 
 # Generous: on two shared cores a worker restart can starve the services for a while.
 RPC_TIMEOUT_S = 5.0
+
+# The example jobs the demo can run, by name: the script under trainer/examples/. Both take
+# the same flags (train_mlp.py's), so the demo's data settings and sample audit hold for each.
+WORKLOADS: Final = {
+    # Pure data parallel: every rank holds the whole model and optimizer.
+    "mlp": "train_mlp.py",
+    # A fleet script (fleet.init, distributed_model/optimizer): AdamW's state sharded over
+    # the ranks, resharded at each resize (docs/sharded.md).
+    "sharded": "train_sharded.py",
+}
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,8 @@ class DemoSettings:
     # mTLS on every link (False: --insecure) and an optional admin token file; UpSettings'.
     tls: bool = True
     admin_token_file: Path | None = None
+    # Which example job runs: a key of WORKLOADS.
+    workload: str = "mlp"
 
     def __post_init__(self) -> None:
         if not 1 <= self.start_replicas < self.max_replicas <= 16:
@@ -62,6 +75,8 @@ class DemoSettings:
         for name in ("cooldown_s", "hold_s", "step_delay_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.workload not in WORKLOADS:
+            raise ConfigError(f"workload: one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         if self.cycles < 1:
             raise ConfigError(f"cycles: must be >= 1, got {self.cycles}")
         if not 1 <= self.global_batch <= self.dataset_size:

@@ -13,12 +13,12 @@ from pathlib import Path
 from tide.v1 import scaler_pb2
 
 import trainer
-from services.local.demo.settings import DemoSettings
+from services.local.demo.settings import WORKLOADS, DemoSettings
 from services.local.up import UpSettings
 from services.scaler.actuators.local import JobSpec
 
 ROOT = Path(trainer.__file__).resolve().parent.parent
-EXAMPLE = ROOT / "trainer" / "examples" / "train_mlp.py"
+EXAMPLES = ROOT / "trainer" / "examples"
 
 
 def up_settings(s: DemoSettings) -> UpSettings:
@@ -57,7 +57,7 @@ def job_spec(s: DemoSettings, samples_dir: Path, ckpt_dir: Path) -> JobSpec:
     return JobSpec(
         command=(
             sys.executable,
-            str(EXAMPLE),
+            str(EXAMPLES / WORKLOADS[s.workload]),
             "--dataset-size",
             str(s.dataset_size),
             "--global-batch",
