@@ -25,6 +25,12 @@ class AgentMetrics:
         self.reports_acked = Counter(
             "tide_agent_reports_acked_total", "Reports the scaler acknowledged.", registry=r
         )
+        self.reports_refused = Counter(
+            "tide_agent_reports_refused_total",
+            "Reports the scaler acknowledged but dropped, by reason (timestamp_in_future, ...).",
+            ["reason"],
+            registry=r,
+        )
         self.buffered = Gauge(
             "tide_agent_buffered_reports", "Reports held, sent or not, until acked.", registry=r
         )

@@ -33,6 +33,7 @@ from tidebase.retry import Backoff
 
 from .buffer import ReportBuffer
 from .metrics import AgentMetrics
+from .refusals import RefusalLog
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ class StreamConfig:
     #: The name the scaler's certificate is checked against when ``target`` is an
     #: address (fan-out, services/agent/fanout.py); empty: ``target``'s host.
     tls_server_name: str = ""
+    #: Reports the scaler refused for their timestamp: at most one WARNING per cause
+    #: this often (services/agent/refusals.py); every one is counted.
+    refusal_log_interval_s: float = 300.0
 
     # BDP probing is off: reports are tiny, and an outstanding BDP ping holds back
     # the keepalive ping that detects a stalled path.
@@ -123,6 +127,7 @@ class TelemetryStream:
         self._acked = asyncio.Event()
         self._waiting_since: float | None = None
         self._resume_at = 1
+        self._refusals = RefusalLog(self._log, self.metrics, config.refusal_log_interval_s)
 
     async def run(self) -> None:
         """Keep a stream open until cancelled."""
@@ -214,6 +219,8 @@ class TelemetryStream:
             if ack.boot_id and ack.boot_id != self.config.boot_id:
                 self._log.debug("ack for another boot id %s", ack.boot_id)
                 continue
+            if ack.refused:
+                self._refusals.note(ack.refused, self._clock.monotonic())
             released = self.buffer.ack(ack.acked_seq)
             if released:
                 self.metrics.reports_acked.inc(released)

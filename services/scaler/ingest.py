@@ -112,6 +112,10 @@ class Ingest(PeerExchange):
         self.seq_gaps = 0
         self.rejected: dict[Rejection, int] = dict.fromkeys(Rejection, 0)
         self.streams_open = 0
+        # Per stream, reports dropped for their timestamp since its last ack, by cause:
+        # (reports, the last one's sampled_at less our clock, its seq). The stream's
+        # next ack names them (take_refused); empty while every report is taken.
+        self.refused: dict[StreamState, dict[Rejection, tuple[int, float, int]]] = {}
 
     # -- streams -------------------------------------------------------------
 
@@ -121,8 +125,13 @@ class Ingest(PeerExchange):
 
     def close_stream(self, stream: StreamState) -> None:
         self.streams_open -= 1
+        self.refused.pop(stream, None)
         if stream.node is not None:
             stream.node.streams -= 1
+
+    def take_refused(self, stream: StreamState) -> dict[Rejection, tuple[int, float, int]] | None:
+        """The stream's refusals since its previous ack, forgotten once taken."""
+        return self.refused.pop(stream, None)
 
     def malformed(self, stream: StreamState, detail: str) -> InvalidStream:
         """A message that did not even parse as a NodeReport."""
@@ -227,13 +236,17 @@ class Ingest(PeerExchange):
         t = seconds_of(r.sampled_at)
         now = self.clock.now()
         if t <= 0.0:
-            return self._drop(Rejection.TIMESTAMP_MISSING, boot, acked)
+            self._drop(Rejection.TIMESTAMP_MISSING, stream, seq, 0.0)
+            return boot, acked
         if t > now + self.settings.max_clock_skew_s:
-            return self._drop(Rejection.TIMESTAMP_IN_FUTURE, boot, acked)
+            self._drop(Rejection.TIMESTAMP_IN_FUTURE, stream, seq, t - now)
+            return boot, acked
         if t < now - self.settings.max_report_age_s:
-            return self._drop(Rejection.TIMESTAMP_TOO_OLD, boot, acked)
+            self._drop(Rejection.TIMESTAMP_TOO_OLD, stream, seq, t - now)
+            return boot, acked
         if t < node.last_sampled_s:
-            return self._drop(Rejection.TIMESTAMP_OUT_OF_ORDER, boot, acked)
+            self._drop(Rejection.TIMESTAMP_OUT_OF_ORDER, stream, seq, t - now)
+            return boot, acked
         node.last_sampled_s = t
         if n:
             self._samples(node, gpus, cap, t)
@@ -244,11 +257,16 @@ class Ingest(PeerExchange):
         self.reports_accepted += 1
         return boot, acked
 
-    def _drop(self, reason: Rejection, boot: str, acked: int) -> tuple[str, int]:
-        # The report is consumed (acked) but none of it reaches a window.
+    def _drop(self, reason: Rejection, stream: StreamState, seq: int, skew_s: float) -> None:
+        # The report is consumed (acked) but none of it reaches a window; the ack that
+        # covers it tells the agent why (services/scaler/telemetry.py).
         self.rejected[reason] += 1
         self.reports_dropped += 1
-        return boot, acked
+        per = self.refused.get(stream)
+        if per is None:
+            per = self.refused[stream] = {}
+        before = per.get(reason)
+        per[reason] = (1 if before is None else before[0] + 1, skew_s, seq)
 
     def _samples(
         self, node: NodeState, gpus: Iterable[telemetry_pb2.GpuSample], cap: int, t: float

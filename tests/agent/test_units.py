@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -14,12 +15,15 @@ from services.agent.agent import AGENT_LIFECYCLE, Agent, AgentState
 from services.agent.attribution import owners_from_response
 from services.agent.buffer import ReportBuffer
 from services.agent.errors import SourceError
+from services.agent.metrics import AgentMetrics
 from services.agent.model import GpuReading, HealthFlag, NodeNotice, NoticeKind, PodOwner, Sample
 from services.agent.podresources import api_pb2
+from services.agent.refusals import RefusalLog, reason_label
 from services.agent.report import build_report
 from services.agent.settings import AgentSettings
 from services.agent.sources import Profile, ReplaySource, SyntheticSource
 from services.common.config import ProcessSettings, load_settings
+from services.common.logs import with_context
 from services.testing.clock import FakeClock
 from tidebase.errors import ConfigError
 from tidebase.lifecycle import InvalidTransition
@@ -276,3 +280,32 @@ def test_lifecycle_is_one_table_and_a_missing_edge_is_a_bug() -> None:
     with pytest.raises(InvalidTransition, match="CREATED -> DRAINING"):
         agent._transition(AgentState.DRAINING)
     assert agent.state is AgentState.CREATED
+
+
+def test_refusals_are_counted_each_and_logged_once_per_cause_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    metrics = AgentMetrics()
+    log = RefusalLog(
+        with_context(logging.getLogger("services.agent.test"), node="n"), metrics, 60.0
+    )
+    Refusal = telemetry_pb2.ReportRefusal
+    ahead = Refusal(
+        reason=Refusal.REASON_TIMESTAMP_IN_FUTURE, reports=3, skew_s=7200.0, limit_s=5.0, last_seq=3
+    )
+    back = Refusal(reason=Refusal.REASON_TIMESTAMP_OUT_OF_ORDER, reports=1, skew_s=-2.0, last_seq=4)
+    with caplog.at_level(logging.WARNING):
+        log.note([ahead], 0.0)
+        log.note([ahead, back], 10.0)  # the second cause logs at once, the first waits
+        log.note([ahead], 59.0)
+        log.note([ahead], 61.0)  # the interval passed: the reports since the last line
+    lines = caplog.messages
+    assert len(lines) == 3, lines
+    assert "dropped 3 report(s) (timestamp_in_future" in lines[0]
+    assert "2.0 h ahead" in lines[0] and "allows 5.0 s" in lines[0]
+    assert "(timestamp_out_of_order" in lines[1] and "stepped back" in lines[1]
+    assert "dropped 9 report(s) (timestamp_in_future" in lines[2]
+    count = metrics.registry.get_sample_value
+    assert count("tide_agent_reports_refused_total", {"reason": "timestamp_in_future"}) == 12
+    assert count("tide_agent_reports_refused_total", {"reason": "timestamp_out_of_order"}) == 1
+    assert reason_label(99) == "unknown"

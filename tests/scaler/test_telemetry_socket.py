@@ -148,3 +148,56 @@ async def test_held_back_acks_of_later_bursts_go_out(telemetry_server: Telemetry
         await call.done_writing()
         call.cancel()
     assert telemetry_server.engine.reports_accepted == 15
+
+
+async def test_a_report_refused_for_its_timestamp_is_acked_with_the_cause(
+    telemetry_server: TelemetryServer,
+) -> None:
+    ten_years_s = 10 * 365.25 * 86400
+    now = time.time()
+    dated = [now, now + ten_years_s, now + ten_years_s, now + ten_years_s, now - ten_years_s]
+    dated += [now + 0.5, now + 0.2]  # the last goes back in time: out of order
+    Refusal = telemetry_pb2.ReportRefusal
+    async with grpc.aio.insecure_channel(telemetry_server.target, options=client_options()) as ch:
+        call = telemetry_pb2_grpc.TelemetryStub(ch).Stream(timeout=10)
+        for seq, t in enumerate(dated, start=1):
+            await call.write(report("skewed", seq, t=t))
+        seen: dict[int, tuple[int, float, float, int]] = {}
+        ack = await call.read()
+        while True:
+            for r in ack.refused:
+                before = seen.get(r.reason, (0, 0.0, 0.0, 0))[0]
+                seen[r.reason] = (before + r.reports, r.skew_s, r.limit_s, r.last_seq)
+            if ack.acked_seq >= len(dated):
+                break
+            ack = await call.read()
+        # Every report is acknowledged (resending cannot help); the acks name each cause.
+        assert set(seen) == {
+            Refusal.REASON_TIMESTAMP_IN_FUTURE,
+            Refusal.REASON_TIMESTAMP_TOO_OLD,
+            Refusal.REASON_TIMESTAMP_OUT_OF_ORDER,
+        }
+        reports, skew_s, limit_s, last_seq = seen[Refusal.REASON_TIMESTAMP_IN_FUTURE]
+        assert (reports, limit_s, last_seq) == (3, 5.0, 4)
+        assert skew_s == pytest.approx(ten_years_s, abs=60)
+        reports, skew_s, limit_s, last_seq = seen[Refusal.REASON_TIMESTAMP_TOO_OLD]
+        assert (reports, limit_s, last_seq) == (1, 900.0, 5)
+        assert skew_s == pytest.approx(-ten_years_s, abs=60)
+        assert seen[Refusal.REASON_TIMESTAMP_OUT_OF_ORDER][0::3] == (1, 7)
+
+        # A good report's ack carries no refusal already told.
+        await call.write(report("skewed", 8, t=now + 1.0))
+        while (ack := await call.read()).acked_seq < 8:
+            pass
+        assert list(ack.refused) == []
+        # A refused report behind a gap (9 is missing) is told though the ack stays at 8.
+        await call.write(report("skewed", 10, t=time.time() + ten_years_s))
+        ack = await call.read()
+        assert ack.acked_seq == 8
+        assert [(r.reason, r.reports, r.last_seq) for r in ack.refused] == [
+            (Refusal.REASON_TIMESTAMP_IN_FUTURE, 1, 10)
+        ]
+        await call.done_writing()
+        call.cancel()
+    e = telemetry_server.engine
+    assert (e.reports_accepted, e.reports_dropped) == (3, 6)

@@ -295,23 +295,101 @@ class TelemetryAck(_message.Message):
     BOOT_ID_FIELD_NUMBER: _builtins.int
     ACKED_SEQ_FIELD_NUMBER: _builtins.int
     REPORT_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
     boot_id: _builtins.str
     """Boot id the ack refers to."""
     acked_seq: _builtins.int
     """Highest sequence number n such that every report 1..n was received."""
     report_interval_s: _builtins.float
     """If > 0, the scaler asks the agent to report every this many seconds."""
+    @_builtins.property
+    def refused(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReportRefusal]:
+        """Reports up to acked_seq that were acknowledged but dropped for their
+        timestamp since the previous ack on this stream, one entry per cause. An
+        agent whose clock is wrong learns it here (an older agent ignores it).
+        """
+
     def __init__(
         self,
         *,
         boot_id: _builtins.str = ...,
         acked_seq: _builtins.int = ...,
         report_interval_s: _builtins.float = ...,
+        refused: _abc.Iterable[Global___ReportRefusal] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_seq", b"acked_seq", "boot_id", b"boot_id", "report_interval_s", b"report_interval_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_seq", b"acked_seq", "boot_id", b"boot_id", "refused", b"refused", "report_interval_s", b"report_interval_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TelemetryAck: _TypeAlias = TelemetryAck  # noqa: Y015
+
+@_typing.final
+class ReportRefusal(_message.Message):
+    """Reports acknowledged but dropped, for one cause, since the previous ack."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Reason:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _ReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[ReportRefusal._Reason.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        REASON_UNSPECIFIED: ReportRefusal._Reason.ValueType  # 0
+        REASON_TIMESTAMP_MISSING: ReportRefusal._Reason.ValueType  # 1
+        """sampled_at is unset."""
+        REASON_TIMESTAMP_IN_FUTURE: ReportRefusal._Reason.ValueType  # 2
+        """sampled_at is further ahead of the scaler's clock than it allows."""
+        REASON_TIMESTAMP_TOO_OLD: ReportRefusal._Reason.ValueType  # 3
+        """sampled_at is further behind the scaler's clock than it allows."""
+        REASON_TIMESTAMP_OUT_OF_ORDER: ReportRefusal._Reason.ValueType  # 4
+        """sampled_at is before that of a report already taken from this node."""
+
+    class Reason(_Reason, metaclass=_ReasonEnumTypeWrapper): ...
+    REASON_UNSPECIFIED: ReportRefusal.Reason.ValueType  # 0
+    REASON_TIMESTAMP_MISSING: ReportRefusal.Reason.ValueType  # 1
+    """sampled_at is unset."""
+    REASON_TIMESTAMP_IN_FUTURE: ReportRefusal.Reason.ValueType  # 2
+    """sampled_at is further ahead of the scaler's clock than it allows."""
+    REASON_TIMESTAMP_TOO_OLD: ReportRefusal.Reason.ValueType  # 3
+    """sampled_at is further behind the scaler's clock than it allows."""
+    REASON_TIMESTAMP_OUT_OF_ORDER: ReportRefusal.Reason.ValueType  # 4
+    """sampled_at is before that of a report already taken from this node."""
+
+    REASON_FIELD_NUMBER: _builtins.int
+    REPORTS_FIELD_NUMBER: _builtins.int
+    SKEW_S_FIELD_NUMBER: _builtins.int
+    LIMIT_S_FIELD_NUMBER: _builtins.int
+    LAST_SEQ_FIELD_NUMBER: _builtins.int
+    reason: Global___ReportRefusal.Reason.ValueType
+    """The cause."""
+    reports: _builtins.int
+    """Reports refused for this cause since the previous ack."""
+    skew_s: _builtins.float
+    """The last such report's sampled_at minus the scaler's clock when it arrived,
+    seconds: positive when the agent's clock is ahead. 0 when sampled_at is unset.
+    """
+    limit_s: _builtins.float
+    """The bound it crossed, seconds: the scaler's max_clock_skew_s ahead or its
+    max_report_age_s behind; 0 for the other causes.
+    """
+    last_seq: _builtins.int
+    """The sequence number of the last such report."""
+    def __init__(
+        self,
+        *,
+        reason: Global___ReportRefusal.Reason.ValueType = ...,
+        reports: _builtins.int = ...,
+        skew_s: _builtins.float = ...,
+        limit_s: _builtins.float = ...,
+        last_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_seq", b"last_seq", "limit_s", b"limit_s", "reason", b"reason", "reports", b"reports", "skew_s", b"skew_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportRefusal: _TypeAlias = ReportRefusal  # noqa: Y015
