@@ -211,4 +211,5 @@ def resize_from_proto(r: pb.ResizeRequest) -> ResizeInput:
         deadline_s=r.deadline_s,
         leaving_pods=tuple(r.leaving_pods),
         min_world_size=r.min_world_size,
+        world_multiple=r.world_multiple,
     )

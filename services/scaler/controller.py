@@ -43,6 +43,13 @@ def _leaving_pods(d: DecisionRecord) -> tuple[str, ...]:
     return tuple(str(p) for p in d.inputs.get("leaving_pods", []) or [])
 
 
+def _world_multiple(d: DecisionRecord) -> int:
+    """The whole groups the job's world moves by, from the policy the decision was made
+    under (stored with it, so a restarted scaler asks the coordinator for the same)."""
+    policy = d.inputs.get("policy") or {}
+    return int(policy.get("replica_multiple", 1) or 1)
+
+
 def _with_message(detail: str, p: Progress) -> str:
     """An event's detail with the coordinator's own word on the outcome, if it adds one
     (the in-memory coordinator's says that nothing moved)."""
@@ -449,6 +456,7 @@ class Controller:
             target_world_size=d.to_replicas,
             deadline_s=deadline_s,
             leaving_pods=leaving,
+            world_multiple=_world_multiple(d),
         )
         give_up = self.clock.monotonic() + deadline_s * 3 + 30.0
         backoff = Backoff(self.retry_s, self.retry_max_s)

@@ -54,6 +54,8 @@ class ResizeSpec:
     deadline_s: float
     leaving_pods: tuple[str, ...] = ()
     min_world_size: int = 0
+    # The world moves by whole groups of this many members (1: any size).
+    world_multiple: int = 1
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class GrpcCoordinatorClient:
             leaving_pods=list(spec.leaving_pods),
             deadline_s=spec.deadline_s,
             min_world_size=spec.min_world_size,
+            world_multiple=spec.world_multiple,
         )
         # The stream lasts as long as the resize: its deadline is the barrier's
         # plus room for the waits around it.

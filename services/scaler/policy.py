@@ -8,11 +8,10 @@ docs/policy.md spells out every rule, its order and the defaults.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from services.scaler.goodput import efficiency
+from services.scaler.goodput_guard import goodput_evidence, guard_grow, revert_if_slower
 from services.scaler.policy_model import (
     Decision,
     History,
@@ -22,6 +21,7 @@ from services.scaler.policy_model import (
     Signal,
     Trigger,
     WindowView,
+    smallest_grow_gpus,
 )
 from services.scaler.throughput_rule import decide_on_throughput
 from tidebase.errors import FailedPrecondition, InvalidArgument
@@ -50,6 +50,13 @@ def proportional(current: int, util_pct: float, target_pct: float) -> int:
     """ceil(current × util / target), the HPA rule."""
     # A tiny epsilon keeps 4 × 60 / 60 at 4 despite binary floating point.
     return max(1, math.ceil(current * util_pct / target_pct - 1e-9))
+
+
+def _groups_note(policy: PolicySettings, asked: int, to: int) -> str:
+    """What a decision's message says when whole groups moved its target."""
+    if asked == to or policy.replica_multiple == 1:
+        return ""
+    return f" (not {asked}: replicas move in whole groups of {policy.replica_multiple})"
 
 
 def _fmt(x: float) -> str:
@@ -107,23 +114,6 @@ def signal_evidence(window: WindowView, policy: PolicySettings) -> dict[str, Any
     return out
 
 
-def goodput_evidence(
-    curve: Mapping[int, float],
-    policy: PolicySettings,
-    compared: int,
-    eff: float | None,
-    verdict: str,
-) -> dict[str, Any]:
-    """What the goodput guard saw, stored in the decision's inputs for `tide explain`."""
-    return {
-        "throughput_by_replicas": {str(r): v for r, v in sorted(curve.items())},
-        "compared_replicas": compared,
-        "efficiency": eff,
-        "min_scale_up_efficiency": policy.min_scale_up_efficiency,
-        "verdict": verdict,
-    }
-
-
 def decide(
     job: JobState,
     window: WindowView,
@@ -155,10 +145,12 @@ def decide(
     if job.terminating_replicas > 0:
         # The node goes whatever we do; a coordinated checkpoint beats lost work,
         # so neither cooldown, pause nor min_replicas holds this back (floor 1).
-        to = max(1, cur - job.terminating_replicas)
+        # A group a leaving pod breaks cannot train: its other pods leave with it.
+        to = max(policy.replica_multiple, policy.whole_down(cur - job.terminating_replicas))
         message = (
             f"node {job.terminating_node or '?'} is terminating with "
             f"{job.terminating_replicas} replica(s) of the job: shrink {cur} -> {to}"
+            f"{_groups_note(policy, cur - job.terminating_replicas, to)}"
         )
         if to < cur and not job.resize_in_progress:
             return Decision(
@@ -200,7 +192,7 @@ def decide(
                 f"cooldown {policy.cooldown_s:.0f}s ({left:.0f}s left)",
             )
     curve = dict(history.throughput)
-    reverted = _revert_if_slower(job, policy, history, curve)
+    reverted = revert_if_slower(job, policy, history, curve)
     if reverted is not None:
         return reverted
     if window.gpus_fresh <= 0:
@@ -288,8 +280,9 @@ def decide(
                 rec,
                 raw,
             )
-        to = min(max(raw, cur + 1), policy.max_replicas, cur + policy.max_step)
-        guard, goodput = _guard_grow(cur, to, curve, policy)
+        asked = min(max(raw, cur + policy.replica_multiple), policy.max_replicas)
+        to = policy.whole_down(min(asked, cur + policy.max_step))
+        guard, goodput = guard_grow(cur, to, curve, policy)
         if guard is None:
             return noop(
                 Reason.LOW_MARGINAL_THROUGHPUT,
@@ -301,25 +294,26 @@ def decide(
             )
         cap_note = goodput.get("note", "")
         cap_note = f", {cap_note}" if cap_note and guard < to else ""
+        cap_note += _groups_note(policy, asked, to) if guard == to else ""
         to = wanted = guard
         extra = {"goodput": goodput["evidence"]} if goodput else {}
         if job.free_gpus is not None:
-            room = job.free_gpus // max(1, job.gpus_per_replica)
-            if room <= 0:
+            fits = policy.whole_down(cur + job.free_gpus // max(1, job.gpus_per_replica))
+            if fits <= cur:
                 return replace(
                     noop(
                         Reason.NO_CAPACITY,
                         f"every bucket above {up:.0f}% {sig.value} "
                         f"(mean {_fmt(mean)}%) but {job.free_gpus} free GPU(s) < "
-                        f"{job.gpus_per_replica} per replica",
+                        f"{smallest_grow_gpus(job, policy)}",
                         rec,
                         raw,
                         extra,
                     ),
                     wanted_replicas=wanted,
                 )
-            if cur + room < to:
-                to = cur + room
+            if fits < to:
+                to = fits
                 cap_note += f", capped by {job.free_gpus} free GPU(s)"
         return Decision(
             job.job_id,
@@ -353,13 +347,14 @@ def decide(
             rec,
             raw,
         )
-    to = max(min(raw, cur - 1), policy.min_replicas, cur - policy.max_step)
+    asked = max(min(raw, cur - policy.replica_multiple), policy.min_replicas)
+    to = policy.whole_up(max(asked, cur - policy.max_step))
     recent = [
         r for t, r in history.recommendations if now - policy.scale_down_stabilization_s <= t <= now
     ]
     stab = max(recent, default=to)
     if stab > to:
-        to = min(cur, stab)
+        to = asked = min(cur, policy.whole_up(stab))
     if to >= cur:
         return noop(
             Reason.STABILIZING,
@@ -374,7 +369,7 @@ def decide(
         f"every {policy.bucket_s:.0f}s bucket of the last {policy.sustain_s:.0f}s below "
         f"{down:.0f}% {sig.value} (mean {_fmt(mean)}%, max "
         f"{_fmt(max(means))}%): ceil({cur} x {_fmt(mean)} / "
-        f"{target:.0f}) = {raw}, shrink {cur} -> {to}",
+        f"{target:.0f}) = {raw}, shrink {cur} -> {to}{_groups_note(policy, asked, to)}",
         cur,
         to,
         raw_target=raw,
@@ -482,75 +477,6 @@ def inputs_key(
     )
 
 
-def _revert_if_slower(
-    job: JobState, policy: PolicySettings, history: History, curve: Mapping[int, float]
-) -> Decision | None:
-    """The goodput guard's revert: the last resize grew the job and it trains slower."""
-    cur = job.current_replicas
-    frm = history.last_from_replicas
-    if policy.min_scale_up_efficiency <= 0 or history.last_direction <= 0 or not 0 < frm < cur:
-        return None
-    eff = efficiency(curve, frm, cur)
-    if eff is None or eff >= 0:
-        return None
-    to = max(frm, policy.min_replicas)
-    if to >= cur:
-        return None
-    return Decision(
-        job.job_id,
-        Reason.SLOWER_AFTER_SCALE_UP,
-        f"the grow {frm} -> {cur} made training slower ({curve[frm]:.1f} -> "
-        f"{curve[cur]:.1f} samples/s): shrink back {cur} -> {to}",
-        cur,
-        to,
-        raw_target=to,
-        inputs={"goodput": goodput_evidence(curve, policy, frm, eff, "reverted")},
-    )
-
-
-def _guard_grow(
-    cur: int, to: int, curve: Mapping[int, float], policy: PolicySettings
-) -> tuple[int | None, dict[str, Any]]:
-    """The goodput guard on a grow ``cur -> to``: the size it may grow to (None: not at
-    all) and its evidence. A size above ``cur`` already measured with too little gain
-    per added replica is not tried again; the grow is halved below it instead (a
-    bisection towards the job's best size), and refused when nothing is left."""
-    if policy.min_scale_up_efficiency <= 0 or cur not in curve:
-        return to, {}
-    above = sorted(s for s in curve if s > cur)
-    below = sorted(s for s in curve if s < cur)
-    if (not above or above[0] > to) and below:
-        # Nothing measured above: the step that brought the job here predicts the next
-        # one (gains shrink as a job grows); if it did not pay, growing on is not tried.
-        a = below[-1]
-        eff = efficiency(curve, a, cur)
-        if eff is not None and eff < policy.min_scale_up_efficiency:
-            ev = goodput_evidence(curve, policy, a, eff, "refused")
-            why = (
-                f"the grow {a} -> {cur} gave {_fmt(100 * eff)}% of a replica's throughput per "
-                f"added replica ({curve[a]:.1f} -> {curve[cur]:.1f} samples/s; "
-                f"min_scale_up_efficiency {policy.min_scale_up_efficiency:.2f})"
-            )
-            return None, {"evidence": ev, "note": f"{why}: growing on is not tried"}
-    if not above or above[0] > to:
-        return to, {"evidence": goodput_evidence(curve, policy, 0, None, "unmeasured")}
-    s1 = above[0]
-    eff = efficiency(curve, cur, s1)
-    if eff is None or eff >= policy.min_scale_up_efficiency:
-        return to, {"evidence": goodput_evidence(curve, policy, s1, eff, "paid")}
-    half = cur + (s1 - cur) // 2
-    why = (
-        f"{cur} -> {s1} gave {_fmt(100 * eff)}% of a replica's throughput per added replica "
-        f"({curve[cur]:.1f} -> {curve[s1]:.1f} samples/s; min_scale_up_efficiency "
-        f"{policy.min_scale_up_efficiency:.2f})"
-    )
-    if half <= cur:
-        ev = goodput_evidence(curve, policy, s1, eff, "refused")
-        return None, {"evidence": ev, "note": f"the last {why}: not tried again"}
-    ev = goodput_evidence(curve, policy, s1, eff, "halved")
-    return half, {"evidence": ev, "note": f"halved below {s1}: {why}"}
-
-
 def manual(job: JobState, policy: PolicySettings, replicas: int, why: str) -> Decision:
     """A resize an operator asked for, checked against the job's bounds."""
     if not why.strip():
@@ -559,6 +485,11 @@ def manual(job: JobState, policy: PolicySettings, replicas: int, why: str) -> De
         raise InvalidArgument(
             f"replicas={replicas} is outside the job's bounds "
             f"{policy.min_replicas}..{policy.max_replicas}"
+        )
+    if replicas % policy.replica_multiple:
+        raise InvalidArgument(
+            f"replicas={replicas} is not a multiple of the job's replica_multiple "
+            f"{policy.replica_multiple} (the pods of one model-parallel group)"
         )
     if job.resize_in_progress:
         raise FailedPrecondition(f"job {job.job_id} has a decision that is not final yet")

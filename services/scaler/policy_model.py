@@ -134,6 +134,11 @@ class PolicySettings:
     # The throughput signal shrinks back when the last grow gave less than this per
     # added replica, as a fraction of a replica's throughput (it stopped gaining).
     stalled_efficiency: float = 0.1
+    # Replicas move in whole groups of this many: the pods one model-parallel group of
+    # the job spans (docs/sharded.md "Layouts"); 1 where each pod holds whole groups.
+    replica_multiple: int = field(
+        default=1, metadata={"help": "replicas move in groups of this many (docs/sharded.md)"}
+    )
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
@@ -181,6 +186,12 @@ class PolicySettings:
             raise bad("min_scale_up_efficiency", "must be a fraction 0..1")
         if self.max_step < 1:
             raise bad("max_step", "must be >= 1")
+        m = self.replica_multiple
+        if m < 1:
+            raise bad("replica_multiple", "must be >= 1")
+        for name in ("min_replicas", "max_replicas", "max_step"):
+            if getattr(self, name) % m:
+                raise bad(name, f"must be a multiple of replica_multiple={m}")
 
     @property
     def scaled_on(self) -> Signal:
@@ -197,6 +208,14 @@ class PolicySettings:
             getattr(self, f"target_{key}_pct"),
             getattr(self, f"scale_up_{key}_pct"),
         )
+
+    def whole_down(self, replicas: int) -> int:
+        """``replicas`` rounded down to whole groups (``replica_multiple``)."""
+        return replicas - replicas % self.replica_multiple
+
+    def whole_up(self, replicas: int) -> int:
+        """``replicas`` rounded up to whole groups (``replica_multiple``)."""
+        return -(-replicas // self.replica_multiple) * self.replica_multiple
 
     @property
     def buckets(self) -> int:
@@ -293,6 +312,14 @@ class JobState:
     # The decision in flight (0: none) and, when it is a preemption, the pods it drains.
     in_flight_decision: int = 0
     in_flight_leaving: frozenset[str] | None = None
+
+
+def smallest_grow_gpus(job: JobState, policy: PolicySettings) -> str:
+    """The GPUs the smallest grow needs, as a NO_CAPACITY message says it."""
+    if policy.replica_multiple == 1:
+        return f"{job.gpus_per_replica} per replica"
+    step = policy.whole_up(job.current_replicas + 1) - job.current_replicas
+    return f"{step * job.gpus_per_replica} for a whole group of {policy.replica_multiple} replicas"
 
 
 @dataclass(frozen=True)

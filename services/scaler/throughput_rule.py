@@ -15,29 +15,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
 
 from services.scaler.goodput import efficiency
-from services.scaler.policy_model import Decision, JobState, PolicySettings, Reason
+from services.scaler.goodput_guard import goodput_evidence
+from services.scaler.policy_model import (
+    Decision,
+    JobState,
+    PolicySettings,
+    Reason,
+    smallest_grow_gpus,
+)
 
 #: ``decide``'s no-op builder: (reason, message, recommendation, raw target, inputs).
 Noop = Callable[..., Decision]
-
-
-def _evidence(
-    curve: Mapping[int, float],
-    policy: PolicySettings,
-    compared: int,
-    eff: float | None,
-    verdict: str,
-) -> dict[str, Any]:
-    return {
-        "throughput_by_replicas": {str(r): v for r, v in sorted(curve.items())},
-        "compared_replicas": compared,
-        "efficiency": eff,
-        "min_scale_up_efficiency": policy.min_scale_up_efficiency,
-        "verdict": verdict,
-    }
 
 
 def _pct(eff: float) -> str:
@@ -58,7 +48,7 @@ def decide_on_throughput(
     prev = max(below) if below else 0
     eff = efficiency(curve, prev, cur) if prev else None
     if eff is not None and eff < policy.stalled_efficiency and cur > policy.min_replicas:
-        to = max(prev, policy.min_replicas, cur - policy.max_step)
+        to = policy.whole_up(max(prev, policy.min_replicas, cur - policy.max_step))
         return Decision(
             job.job_id,
             Reason.THROUGHPUT_STALLED,
@@ -68,7 +58,7 @@ def decide_on_throughput(
             cur,
             to,
             raw_target=to,
-            inputs={"goodput": _evidence(curve, policy, prev, eff, "stalled")},
+            inputs={"goodput": goodput_evidence(curve, policy, prev, eff, "stalled")},
         )
     if cur >= policy.max_replicas:
         return noop(
@@ -81,7 +71,7 @@ def decide_on_throughput(
             Reason.LOW_MARGINAL_THROUGHPUT,
             f"throughput: the grow {prev} -> {cur} gave {_pct(eff)} of a replica's samples/s "
             f"per added replica (min_scale_up_efficiency {bar:.2f}): holding at {cur}",
-            inputs={"goodput": _evidence(curve, policy, prev, eff, "refused")},
+            inputs={"goodput": goodput_evidence(curve, policy, prev, eff, "refused")},
         )
     above = [s for s in curve if s > cur]
     if above:
@@ -94,23 +84,26 @@ def decide_on_throughput(
                 f"throughput: {cur} -> {nxt} was measured at {_pct(ahead)} of a replica's "
                 f"samples/s per added replica (min_scale_up_efficiency {bar:.2f}, "
                 f"stalled_efficiency {policy.stalled_efficiency:.2f}): not tried again",
-                inputs={"goodput": _evidence(curve, policy, nxt, ahead, "refused")},
+                inputs={"goodput": goodput_evidence(curve, policy, nxt, ahead, "refused")},
             )
-    to = cur + 1
+    # One step at a time: each is the measurement of the next (a whole group, if grouped).
+    to = policy.whole_down(cur + policy.replica_multiple)
     why = (
         "nothing measured below"
         if eff is None
         else f"the grow {prev} -> {cur} gave {_pct(eff)} per added replica"
     )
     ev = {
-        "goodput": _evidence(curve, policy, prev, eff, "paid" if eff is not None else "unmeasured")
+        "goodput": goodput_evidence(
+            curve, policy, prev, eff, "paid" if eff is not None else "unmeasured"
+        )
     }
-    if job.free_gpus is not None and job.free_gpus < job.gpus_per_replica:
+    if job.free_gpus is not None and job.free_gpus < (to - cur) * job.gpus_per_replica:
         return replace(
             noop(
                 Reason.NO_CAPACITY,
                 f"throughput: {why}, but {job.free_gpus} free GPU(s) < "
-                f"{job.gpus_per_replica} per replica",
+                f"{smallest_grow_gpus(job, policy)}",
                 None,
                 to,
                 ev,

@@ -31,7 +31,7 @@ from pathlib import Path
 from services.scaler.coordination import JobStatusView, Phase, Progress, ResizeSpec
 from services.scaler.members import Member
 from services.testing.actuators import InMemoryActuator
-from tidebase.errors import NotFound
+from tidebase.errors import InvalidArgument, NotFound
 
 #: In the message of every final progress (and so in every decision it ends).
 NOTHING_MOVED = "in-memory coordinator: nothing moved"
@@ -184,6 +184,12 @@ class InMemoryCoordinator:
 
     async def resize(self, spec: ResizeSpec) -> AsyncIterator[Progress]:
         self.calls.append(spec)
+        if spec.world_multiple > 1 and spec.target_world_size % spec.world_multiple:
+            # As the coordinator's start_resize refuses it (INVALID_ARGUMENT).
+            raise InvalidArgument(
+                f"target_world_size: {spec.target_world_size} is not a multiple of"
+                f" world_multiple {spec.world_multiple}"
+            )
         if self.path is not None and not self._running:
             # The file is the coordinator's store: another scaler replica may have
             # driven resizes since this one read it.

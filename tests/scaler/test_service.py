@@ -18,7 +18,7 @@ from services.testing.clock import FakeClock
 from tests.scaler.service_rig import FAST, T0, Rig, feed, final, make_rig
 from tests.scaler.support import report
 from tests.support.poll import eventually
-from tidebase.errors import StoreUnavailable, Unavailable
+from tidebase.errors import InvalidArgument, StoreUnavailable, Unavailable
 
 pytestmark = pytest.mark.component
 
@@ -342,6 +342,23 @@ async def test_manual_resize_and_pause(rig: Rig) -> None:
     assert [(c.old, c.new) for c in rig.actuator.changes] == [(2, 3)]
 
 
+async def test_a_job_in_whole_groups_resizes_by_them_end_to_end(rig: Rig) -> None:
+    """replica_multiple reaches the coordinator with each resize (from the policy stored
+    with the decision), and a manual resize to part of a group is refused at the edge."""
+    await rig.core.upsert_job("ns/a", {"min_replicas": 2, "max_step": 4, "replica_multiple": 2})
+    with pytest.raises(InvalidArgument, match="replicas=3 is not a multiple"):
+        await rig.core.request_resize("ns/a", 3, "load test", "alice")
+    feed(rig, 35, 95.0)
+    d = await rig.core.evaluate("ns/a")
+    assert (d.reason, d.to_replicas) == (Reason.SUSTAINED_HIGH_UTILIZATION, 4)
+    dec = (await rig.store.list_decisions(job_id="ns/a")).decisions[0]
+    assert await final(rig, dec.id) is DecisionState.COMPLETED
+    assert (
+        rig.coordinator.calls[0].target_world_size,
+        rig.coordinator.calls[0].world_multiple,
+    ) == (4, 2)
+
+
 async def test_restart_resumes_a_committed_decision(scaler_db_url: str) -> None:
     clock = FakeClock(T0)
     a = make_rig(scaler_db_url, clock)
@@ -489,8 +506,6 @@ async def test_a_start_interrupted_by_a_restart_is_resumed(scaler_db_url: str) -
 
 
 async def test_start_outside_the_bounds_is_refused_and_writes_nothing(rig: Rig) -> None:
-    from tidebase.errors import InvalidArgument
-
     with pytest.raises(InvalidArgument, match="initial_replicas=9"):
         await rig.core.upsert_job("ns/b", FAST, initial_replicas=9)
     assert "ns/b" not in rig.core.jobs

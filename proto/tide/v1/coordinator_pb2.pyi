@@ -619,6 +619,7 @@ class ResizeRequest(_message.Message):
     LEAVING_PODS_FIELD_NUMBER: _builtins.int
     DEADLINE_S_FIELD_NUMBER: _builtins.int
     MIN_WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    WORLD_MULTIPLE_FIELD_NUMBER: _builtins.int
     decision_id: _builtins.int
     """The scaler's decision; the idempotency key."""
     job_id: _builtins.str
@@ -633,6 +634,11 @@ class ResizeRequest(_message.Message):
     """Proceed with fewer newcomers than asked when the deadline passes, if at
     least this many workers are available; 0 means target_world_size.
     """
+    world_multiple: _builtins.int
+    """The world is whole groups of this many members (the pods one model-parallel
+    group spans; 0 or 1: any size): target_world_size must be a multiple of it, and
+    a grow takes all its newcomers or none (min_world_size 0 or the target).
+    """
     @_builtins.property
     def leaving_pods(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """For a shrink: pods that leave. Empty: the highest pod indexes leave."""
@@ -646,10 +652,11 @@ class ResizeRequest(_message.Message):
         leaving_pods: _abc.Iterable[_builtins.str] | None = ...,
         deadline_s: _builtins.float = ...,
         min_world_size: _builtins.int = ...,
+        world_multiple: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_s", b"deadline_s", "decision_id", b"decision_id", "job_id", b"job_id", "leaving_pods", b"leaving_pods", "min_world_size", b"min_world_size", "target_world_size", b"target_world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_s", b"deadline_s", "decision_id", b"decision_id", "job_id", b"job_id", "leaving_pods", b"leaving_pods", "min_world_size", b"min_world_size", "target_world_size", b"target_world_size", "world_multiple", b"world_multiple"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

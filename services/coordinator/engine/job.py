@@ -263,6 +263,7 @@ class JobRuntime:
                 f"min_world_size: must be <= target_world_size ({inp.target_world_size}), "
                 f"got {inp.min_world_size}"
             )
+        _check_whole_groups(inp, min_size)
         ended = self._ended()
         if ended:
             raise JobEnded(f"job {self.job.job_id} {ended}: nothing to resize")
@@ -395,3 +396,20 @@ _REPORTED = tuple(_FIELDS[_FIELDS.index("version") + 1 :])
 def _carry_reported(src: Member, dst: Member) -> None:
     for name in _REPORTED:
         setattr(dst, name, getattr(src, name))
+
+
+def _check_whole_groups(inp: ResizeInput, min_size: int) -> None:
+    """A world of model-parallel groups moves by whole groups: a partial one cannot train."""
+    m = inp.world_multiple
+    if m <= 1:
+        return
+    if inp.target_world_size % m:
+        raise InvalidArgument(
+            f"target_world_size: {inp.target_world_size} is not a multiple of world_multiple"
+            f" {m} (the members one model-parallel group spans)"
+        )
+    if min_size != inp.target_world_size:
+        raise InvalidArgument(
+            f"min_world_size: must be 0 or target_world_size ({inp.target_world_size}) with"
+            f" world_multiple {m}: a grow takes all its newcomers or none, got {min_size}"
+        )

@@ -84,6 +84,8 @@ class ResizeInput:
     deadline_s: float
     leaving_pods: tuple[str, ...] = ()
     min_world_size: int = 0
+    #: The world is whole groups of this many members (0 or 1: any size).
+    world_multiple: int = 0
     #: The caller's trace context (services.common.tracing.extract); opaque here.
     trace_parent: Any = field(default=None, compare=False)
 
