@@ -30,14 +30,12 @@ import itertools
 import json
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tide.v1 import coordinator_pb2 as pb
-
 from bench.parity import CHAIN, rel_diff
-from services.testing.localjob import ROOT, LocalJob, reference_run
+from services.testing.localjob import ROOT, LocalJob, reference_run, resize_along
 from services.testing.parity import check_exactly_once, final_losses, samples_per_step
 from trainer.integrations import paddle_launch
 
@@ -61,44 +59,11 @@ def user_lines_changed(a: Path = STOCK, b: Path = TIDE) -> int:
     return sum(1 for line in script_diff(a, b, 0) if line[:1] in "+-" and line[1:].strip())
 
 
-def _past(step: int) -> Callable[[pb.JobStatus], bool]:
-    return lambda s: s.step >= step
-
-
 async def live(workdir: Path, steps: int, worlds: Sequence[int] = CHAIN) -> tuple[Path, int]:
     """The example under a coordinator, resized along ``worlds`` while it trains: its log
     directory and the coordinator's count of lost steps."""
     job = LocalJob(workdir, ["--steps", str(steps)], heartbeat_timeout_s=10.0, example=PACED)
-    job.start_coordinator()
-    try:
-        for i in range(max(worlds)):
-            job.add_pod(i)
-        await job.wait_standby(max(worlds), timeout_s=120)
-        at, world = 0, 0
-        for n, target in enumerate(worlds):
-            if n:
-                at = (await job.wait_status(_past(at + 3), 120, "3 more steps")).step
-            await job.wait_standby(target - world, timeout_s=120)
-            final = (await job.resize(target))[-1]
-            if final.phase != pb.RESIZE_PHASE_COMPLETED:
-                raise RuntimeError(f"resize to {target}: {final}")
-            world = target
-            # The pods a shrink removed are gone (as deleted pods are): the next grow's
-            # new ones start now, so that they are warm by then.
-            ahead = worlds[n + 1] - world if n + 1 < len(worlds) else 0
-            st = await job.status()
-            standby = sum(m.state == pb.MEMBER_STATE_STANDBY for m in st.members) if st else 0
-            for _ in range(ahead - standby):
-                job.add_pod(len(job.pods))
-        codes = await job.wait_pods_exit(300)
-        if any(codes):
-            raise RuntimeError(f"pods exited {codes}; see {workdir}")
-        final_status = await job.status()
-        if final_status is None:
-            raise RuntimeError(f"the coordinator did not answer at the end; see {workdir}")
-    finally:
-        await job.close()
-    return job.log_dir, final_status.lost_steps_total
+    return job.log_dir, (await resize_along(job, worlds)).lost_steps
 
 
 def run(quick: bool, workdir: Path) -> dict[str, Any]:

@@ -387,3 +387,65 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _past(step: int) -> Callable[[pb.JobStatus], bool]:
+    return lambda s: s.step >= step
+
+
+@dataclass
+class Chain:
+    """What :func:`resize_along` saw: each completed resize's final progress (the first
+    forms generation 1), the aborted tries, and the coordinator's count of lost steps."""
+
+    completed: list[pb.ResizeProgress] = field(default_factory=list)
+    aborted: list[pb.ResizeProgress] = field(default_factory=list)
+    lost_steps: int = 0
+
+
+async def resize_along(
+    job: LocalJob, worlds: Sequence[int], steps_between: int = 3, tries: int = 3
+) -> Chain:
+    """Start ``job``'s coordinator and pods, form its first generation at ``worlds[0]`` and
+    resize it along the rest while it trains (``steps_between`` steps at each size), then
+    wait for every pod to finish. An ABORTED resize (a barrier missed: on a loaded machine a
+    worker can pass the checkpoint step before its directive comes) is tried again, as the
+    scaler's next decision would, up to ``tries`` times. The pods a shrink removed are gone
+    (as deleted pods are); the next grow's new ones start as soon as the shrink ended, so
+    that they are warm by then. Raises when a resize does not complete or a pod fails."""
+    job.start_coordinator()
+    out = Chain()
+    try:
+        for i in range(max(worlds)):
+            job.add_pod(i)
+        await job.wait_standby(max(worlds), timeout_s=120)
+        at, world = 0, 0
+        for n, target in enumerate(worlds):
+            if n:
+                what = f"{steps_between} more steps"
+                at = (await job.wait_status(_past(at + steps_between), 120, what)).step
+            await job.wait_standby(target - world, timeout_s=120)
+            for _ in range(tries):
+                final = (await job.resize(target))[-1]
+                if final.phase != pb.RESIZE_PHASE_ABORTED:
+                    break
+                out.aborted.append(final)
+            if final.phase != pb.RESIZE_PHASE_COMPLETED:
+                raise RuntimeError(f"resize to {target}: {final}")
+            out.completed.append(final)
+            world = target
+            ahead = worlds[n + 1] - world if n + 1 < len(worlds) else 0
+            st = await job.status()
+            standby = sum(m.state == pb.MEMBER_STATE_STANDBY for m in st.members) if st else 0
+            for _ in range(ahead - standby):
+                job.add_pod(len(job.pods))
+        codes = await job.wait_pods_exit(300)
+        if any(codes):
+            raise RuntimeError(f"pods exited {codes}; see {job.workdir}")
+        final_status = await job.status()
+        if final_status is None:
+            raise RuntimeError(f"the coordinator did not answer at the end; see {job.workdir}")
+        out.lost_steps = final_status.lost_steps_total
+    finally:
+        await job.close()
+    return out

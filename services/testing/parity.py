@@ -67,3 +67,22 @@ def max_rel_param_diff(a: Path, b: Path) -> float:
         x, y = pa[k].astype(np.float64), pb[k].astype(np.float64)
         worst = max(worst, float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(y))), 1e-12)))
     return worst
+
+
+def optimizer_state(ckpt_dir: Path) -> dict[str, Any]:
+    """The optimizer state of the newest durable checkpoint, by parameter position (every
+    slot whole: a sharded job's checkpoint holds the gathered state, trainer/sharding.py)."""
+    from trainer import paddle_state
+    from trainer.objstore import make_store
+
+    files = make_store(str(ckpt_dir)).load_latest().files
+    _, opt = paddle_state._model_and_optimizer(files)
+    return {k: np.asarray(v) for k, v in opt.items() if hasattr(v, "shape")}
+
+
+def max_rel_array_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """The largest difference of any array of ``a`` from ``b``'s, relative to ``b``'s."""
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max(
+        float(np.max(np.abs(a[k] - b[k])) / max(float(np.max(np.abs(b[k]))), 1e-12)) for k in b
+    )

@@ -9,13 +9,12 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pytest
 from tide.v1 import coordinator_pb2 as pb
 
 from services.testing.localjob import ROOT, LocalJob, gloo_env, reference_run
+from services.testing.parity import max_rel_array_diff, optimizer_state
 from tests.e2e.checks import (
     check_exactly_once,
     final_losses,
@@ -70,23 +69,6 @@ async def sharded_job(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIt
     await job.close()
 
 
-def _optimizer_state(ckpt_dir: Path) -> dict[str, Any]:
-    """The optimizer state of the newest durable checkpoint, by parameter position."""
-    from trainer import paddle_state
-    from trainer.objstore import make_store
-
-    files = make_store(str(ckpt_dir)).load_latest().files
-    _, opt = paddle_state._model_and_optimizer(files)
-    return {k: np.asarray(v) for k, v in opt.items() if hasattr(v, "shape")}
-
-
-def _max_rel_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
-    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
-    return max(
-        float(np.max(np.abs(a[k] - b[k])) / max(float(np.max(np.abs(b[k]))), 1e-12)) for k in b
-    )
-
-
 @pytest.mark.timeout(300)
 async def test_sharded_job_resized_2_3_2_matches_a_fixed_run(
     sharded_job: LocalJob, tmp_path: Path
@@ -119,8 +101,8 @@ async def test_sharded_job_resized_2_3_2_matches_a_fixed_run(
     loss_diff = max_rel_loss_diff(final_losses(job.log_dir), final_losses(ref))
     param_diff = max_rel_param_diff(job.log_dir / "final_params.npz", ref / "final_params.npz")
     # Every moment and beta power of every parameter, whole in the final checkpoint.
-    opt_diff = _max_rel_diff(
-        _optimizer_state(job.ckpt_dir), _optimizer_state(tmp_path / "ref/ckpt")
+    opt_diff = max_rel_array_diff(
+        optimizer_state(job.ckpt_dir), optimizer_state(tmp_path / "ref/ckpt")
     )
     kind = "sharded" if job.example == SHARDED else "dp"
     print(
@@ -171,8 +153,8 @@ def test_a_sharded_job_restarted_from_disk_at_other_degrees_matches_a_fixed_run(
         )
     fixed = reference_run(tmp_path / "fixed", [*base, "--steps", "40"], 2, example=SHARDED)
     param_diff = max_rel_param_diff(logs / "final_params.npz", fixed / "final_params.npz")
-    opt_diff = _max_rel_diff(
-        _optimizer_state(tmp_path / "restarted/ckpt"), _optimizer_state(tmp_path / "fixed/ckpt")
+    opt_diff = max_rel_array_diff(
+        optimizer_state(tmp_path / "restarted/ckpt"), optimizer_state(tmp_path / "fixed/ckpt")
     )
     print(f"restarted 2 -> 3 -> 2 from disk: params {param_diff:.2e}, optimizer {opt_diff:.2e}")
     assert param_diff <= 1e-5

@@ -6,6 +6,9 @@ the ranks, so a resized run is the same run only in distribution. With ``--virtu
 each of the V micro-batches draws from its own RNG stream, seeded from (seed, step, virtual
 rank), and the run is exact across resizes (docs/trainer.md, "When to use which").
 
+``--sharded``: the same model trained the way a Paddle fleet script does, AdamW's state
+sharded over the ranks (fleet's sharding stage 1, docs/sharded.md); bench/hybrid.py resizes it.
+
 ``python trainer/examples/train_transformer.py --steps 20`` alone, or under the launcher.
 """
 
@@ -13,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import paddle
@@ -40,12 +45,19 @@ class SyntheticSequences(paddle.io.Dataset[tuple[np.ndarray, np.int64]]):
 
 
 class Classifier(paddle.nn.Layer):
-    def __init__(self, d_model: int, layers: int, dropout: float) -> None:
+    def __init__(
+        self, d_model: int, layers: int, dropout: float, attention_bias: bool = True
+    ) -> None:
         super().__init__()
         self.embed = paddle.nn.Embedding(VOCAB, d_model)
         self.pos = paddle.create_parameter([1, LENGTH, d_model], "float32")
         layer = paddle.nn.TransformerEncoderLayer(
-            d_model, nhead=2, dim_feedforward=2 * d_model, dropout=dropout
+            d_model,
+            nhead=2,
+            dim_feedforward=2 * d_model,
+            dropout=dropout,
+            # (attention's, feed-forward's): False drops the attention's biases.
+            bias_attr=None if attention_bias else [False, paddle.ParamAttr()],
         )
         self.encoder = paddle.nn.TransformerEncoder(layer, layers)
         self.head = paddle.nn.Linear(d_model, CLASSES)
@@ -72,7 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt-dir", default="ckpt")
     p.add_argument("--ckpt-every-steps", type=int, default=0)
     p.add_argument("--log-dir", default="")
+    p.add_argument("--sharded", action="store_true", help="fleet sharding stage 1")
+    # The keys' bias has no gradient (softmax ignores a shift of every key) but rounding:
+    # AdamW turns that into full-size steps, which differ with the summation order, so
+    # parity checks of every parameter drop the attention's biases (as Llama has none).
+    p.add_argument("--no-attention-bias", action="store_true")
+    p.add_argument("--step-delay-s", type=float, default=0.0, help="stand-in for heavier compute")
     args = p.parse_args(argv)
+    if args.sharded and args.amp:
+        p.error("--sharded with --amp: this example shards a float32 AdamW only")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     dataset = SyntheticSequences(args.dataset_size, args.seed)
@@ -90,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     paddle.seed(args.seed)
-    model = Classifier(args.d_model, args.layers, args.dropout)
+    model = Classifier(args.d_model, args.layers, args.dropout, not args.no_attention_bias)
     lr = paddle.optimizer.lr.LinearWarmup(
         paddle.optimizer.lr.CosineAnnealingDecay(1e-3, T_max=max(args.steps, 1)),
         warmup_steps=10,
@@ -100,13 +120,25 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = paddle.optimizer.AdamW(learning_rate=lr, parameters=model.parameters())
     scaler = paddle.amp.GradScaler(enable=args.amp)
     session.init_process_group()
-    session.attach(model, optimizer, lr, scaler)
+    net: paddle.nn.Layer = model
+    if args.sharded:
+        from paddle.distributed import fleet
+
+        api: Any = fleet  # Paddle's fleet API is untyped; used as documented
+        api.init(is_collective=True, strategy=session.fleet_strategy())
+        if session.world_size > 1:
+            # Alone, fleet has no layout to wrap the model in; the state is whole then.
+            net = api.distributed_model(model)
+            optimizer = api.distributed_optimizer(optimizer)
+    session.attach(net, optimizer, lr, scaler)
     session.restore()
     loader = session.data_loader(dataset, num_workers=args.loader_workers)
     for tokens, labels in loader:
         with paddle.amp.auto_cast(enable=args.amp):
-            loss = paddle.nn.functional.cross_entropy(model(tokens), labels)
+            loss = paddle.nn.functional.cross_entropy(net(tokens), labels)
         session.step(loss)
+        if args.step_delay_s:
+            time.sleep(args.step_delay_s)
     session.finish()
     if args.log_dir and session.rank == 0:
         params = {k: v.numpy() for k, v in model.state_dict().items()}
