@@ -1,6 +1,6 @@
 """Issue 30, item 1: a resize survives its store.
 
-Each phase of a resize × {a commit that fails once, the store down for longer than the
+Each phase of a resize (PREPARING in the overlap mode) × {a commit that fails once, the store down for longer than the
 retry budget} × {memory, SQLite, PostgreSQL}: the store fails (services/testing/
 flaky_store.py, as SqlStore fails once its retries are spent) at the commit that moves
 the resize on, and the resize carries on from its stored state once the store answers:
@@ -10,6 +10,7 @@ it COMPLETES, and no reason names a restart that never happened.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -23,13 +24,14 @@ from services.store import db
 from services.testing.clock import FakeClock
 from services.testing.flaky_store import FlakyStore
 from tests.coordinator.fakes import FakeLauncher, ResizeWatch
-from tests.coordinator.support import JOB, Env, close_env, make_env
+from tests.coordinator.support import JOB, TUNING, Env, close_env, make_env
 from tests.support.poll import eventually
 
 pytestmark = pytest.mark.integration
 
 K = pb.Directive.Kind
 P = pb.ResizePhase
+OVERLAP = dataclasses.replace(TUNING, resize_mode="overlap")
 
 
 @pytest.fixture(
@@ -56,8 +58,9 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FlakyStore
 
 
 @pytest.fixture
-async def fenv(store: FlakyStore) -> AsyncIterator[Env]:
-    e = await make_env(store)
+async def fenv(store: FlakyStore, phase: str) -> AsyncIterator[Env]:
+    # PREPARING is the overlap mode's phase: g+1's group forms before the barrier.
+    e = await make_env(store, OVERLAP if phase == "PREPARING" else TUNING)
     yield e
     await close_env(e)
 
@@ -150,6 +153,22 @@ async def checkpointing(env: Env, store: FlakyStore, kind: str) -> pb.ResizeProg
     return await _until_final(env, store)
 
 
+async def preparing(env: Env, store: FlakyStore, kind: str) -> pb.ResizeProgress:
+    await _form(env, 2)
+    await env.heartbeat_all(steps=3)
+    newcomer = await env.launcher(2)
+    newcomer.prepare_ok = None  # holds its PREPARE's ack: the resize waits in PREPARING
+    ResizeWatch(env.stub, JOB, 2, 3, deadline_s=60.0)
+    await eventually(lambda: K.KIND_PREPARE in newcomer.kinds(), what="prepare sent")
+    assert env.coordinator.jobs[JOB].resizes[2].phase.name == "PREPARING"
+    await _fault(env, store, kind)
+    # The newcomer's ack (its group formed) is the commit that lets the barrier begin;
+    # past the deadline ("down"), the plain barrier is the fallback. Either completes.
+    newcomer.prepare_ok = True
+    await newcomer.disconnect()
+    return await _until_final(env, store)
+
+
 async def rendezvous(env: Env, store: FlakyStore, kind: str) -> pb.ResizeProgress:
     await _form(env, 2)
     await env.heartbeat_all()
@@ -168,6 +187,7 @@ async def rendezvous(env: Env, store: FlakyStore, kind: str) -> pb.ResizeProgres
 #: Each phase's scenario: resize 2 (2 -> 3 members) with the store failed in that phase.
 SCENARIOS: dict[str, Callable[[Env, FlakyStore, str], Awaitable[pb.ResizeProgress]]] = {
     "WAITING_FOR_MEMBERS": waiting_for_members,
+    "PREPARING": preparing,
     "CHECKPOINTING": checkpointing,
     "RENDEZVOUS": rendezvous,
 }
@@ -180,6 +200,7 @@ async def test_a_resize_survives_the_store(
     fenv: Env, store: FlakyStore, phase: str, kind: str
 ) -> None:
     final = await SCENARIOS[phase](fenv, store, kind)
+    assert store.failed > 0, "the fault never met a commit"
     _assert_truthful(final)
     assert [fl.generation for fl in fenv.launchers] == [2, 2, 2]
     assert (await fenv.status()).lost_steps_total == 0
