@@ -19,20 +19,32 @@ from services.testing.kube.chartrun import ChartRun
 from services.testing.kube.sandbox import Sandboxes
 from tests.support.kubetools import kubetools
 
-# Nightly, not `make test`: in the first CI run of merged main its pods did not become
-# Ready within 60 s (run outside `make test`, the pods' `python` was not the venv's and
-# could not import `services`); until it passes there every time it is not a gate.
-pytestmark = [pytest.mark.e2e, pytest.mark.nightly]
+# In `make test`. Its first CI run failed because the clone was under /tmp: the chart's
+# /tmp emptyDir hid the checkout and the venv in the coordinator's and scaler's
+# sandboxes, so their `python` was the system's, could not import `services`, and the
+# pods never became Ready. The sandboxes now bind the checkout, the venv and its
+# interpreter over the volumes (sandbox.py), wherever they live.
+pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
+
+# Bounds, at least twice the longest measured (2026-12-06, 2 cores shared with other
+# test runs at load average 15-23, some runs with a core busy-looping besides): the
+# pods Ready 2.8-12.6 s after the apply, the example's two resizes 24-53 s after its
+# apply, the whole test 30-71 s.
+READY_TIMEOUT_S = 60.0
+RESIZED_TIMEOUT_S = 120.0
+TEST_TIMEOUT_S = 240
 
 
 @pytest.mark.skipif(not Sandboxes.available(), reason="pod sandboxes need root and unshare")
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_the_charts_pods_start_and_the_example_is_resized_with_security_on(
     tmp_path: Path,
 ) -> None:
     tools = kubetools()
     run = ChartRun(tmp_path, tools.helm, tools.kubectl)
-    out = run.run(timeout_s=60.0)
-    assert out.error == "", f"{out.error} (logs in {tmp_path / 'logs'})"
+    out = run.run(timeout_s=READY_TIMEOUT_S, example_timeout_s=RESIZED_TIMEOUT_S)
+    took = f"{out.elapsed_s} s, pods Ready in {out.ready_s} s, resized in {out.resized_s} s"
+    assert out.error == "", f"{out.error} ({took}; logs in {tmp_path / 'logs'})"
     assert sorted(out.rendered_pods) == [
         "DaemonSet/tide-agent",
         "Deployment/tide-coordinator",

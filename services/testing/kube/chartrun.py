@@ -12,7 +12,9 @@ example PaddleJob trained and resized by hand from inside the scaler's pod.
   PersistentVolumeClaim it names), its image the trainer's entrypoint with
   trainer/examples/train_mlp.py as /app/train.py;
 - ``tide scale`` run in the scaler pod (``kubectl exec`` as ``nsenter`` into its mount
-  namespace, with its environment), up one and back.
+  namespace, with its environment), up one and back once the job trains; each decision
+  followed to its final state by the Event the scaler posts on the PaddleJob, then
+  ``tide history`` in the pod, with the pod's own credentials, must show both COMPLETED.
 
 Used by tests/deploy/test_chart_e2e.py and bench/install.py.
 """
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,12 @@ TRAIN = ROOT / "trainer" / "examples" / "train_mlp.py"
 NS = "tide-system"
 REPO = "registry.example.com/tide"
 JOB = "ml-research/resnet"
+#: The scaler's Event reasons for a decision's final states (services/scaler/kube/events.py).
+FINAL_EVENTS = {
+    "SuccessfulRescale": "COMPLETED",
+    "AbortedRescale": "ABORTED",
+    "FailedRescale": "FAILED",
+}
 
 
 @dataclass
@@ -56,6 +65,10 @@ class ChartOutcome:
     example_resized: int = 0
     error: str = ""
     elapsed_s: float = 0.0
+    #: From the rendered chart applied to its pods all Ready; then from the example
+    #: applied to its second resize COMPLETED (0 where not reached).
+    ready_s: float = 0.0
+    resized_s: float = 0.0
 
 
 class ChartRun:
@@ -155,6 +168,18 @@ class ChartRun:
             for c in p["status"].get("conditions") or []
         )
 
+    def _decision_state(self, decision: int) -> str | None:
+        """A decision's final state, from the Event the scaler posts on the PaddleJob when
+        it gets there (what ``kubectl describe`` shows), or None. Looked at on every
+        change of the API server: a `tide explain` started for each look was a cold
+        Python start each, back to back, which on a loaded machine took a core from
+        the training and the services being measured."""
+        for ev in self.api.list(self.api.rtype("", "v1", "events"), JOB.split("/")[0])[0]:
+            state = FINAL_EVENTS.get(ev.get("reason", ""))
+            if state and f"decision {decision}, " in ev.get("message", ""):
+                return state
+        return None
+
     def install(self, out: ChartOutcome, timeout_s: float) -> None:
         self.api.start()
         self.api.write_kubeconfig(self.kubeconfig)
@@ -181,6 +206,7 @@ class ChartRun:
             for d in docs
             if d["kind"] in ("Deployment", "DaemonSet", "StatefulSet")
         ]
+        t0 = time.monotonic()
         self.kubectl_run("apply", "-f", "-", stdin=rendered)
 
         def started() -> list[dict[str, Any]] | None:
@@ -191,12 +217,14 @@ class ChartRun:
             return pods if ok else None
 
         out.pods_started = len(self._wait("the chart's pods Ready", started, timeout_s))
+        out.ready_s = round(time.monotonic() - t0, 1)
 
     def example(self, out: ChartOutcome, timeout_s: float) -> None:
         pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                "metadata": {"name": "resnet-ckpt", "namespace": "ml-research"},
                "spec": {"accessModes": ["ReadWriteMany"],
                         "resources": {"requests": {"storage": "1Gi"}}}}  # fmt: skip
+        t0 = time.monotonic()
         self.kubectl_run("apply", "-f", "-", stdin=json.dumps(pvc))
         self.kubectl_run("apply", "-f", str(EXAMPLE))
         (scaler,) = [
@@ -204,6 +232,23 @@ class ChartRun:
         ]
         tide = [sys.executable, "-m", "services.cli"]
         deadline = time.monotonic() + timeout_s
+
+        def left_s() -> float:
+            return max(1.0, deadline - time.monotonic())
+
+        # The job's start (decision 1) first: a resize asked while it runs is refused.
+        self._wait("decision 1", partial(self._decision_state, 1), left_s())
+        # Then its training under way (its first periodic checkpoint on the claim): a
+        # resize asked in the job's first second was ABORTED, the coordinator setting
+        # the barrier from its first report (step 1, no rate yet) and the workers past
+        # it when the CHECKPOINT reached them (a late CHECKPOINT aborts, safely).
+        ckpt = self.sandbox.root / "pvc" / "ml-research" / "resnet-ckpt"
+
+        def trains() -> bool:
+            return any(ckpt.glob("step-*/manifest.json"))
+
+        self._wait("the example's first checkpoint", trains, left_s())
+        decisions: dict[int, int] = {}  # decision → replicas
         for replicas in (3, 2):
             while True:
                 argv = [
@@ -218,25 +263,36 @@ class ChartRun:
                     self.admin_token,
                 ]
                 # The pod's own token names the scaler, which may not resize: an admin
-                # call carries the admin token alone (and `--wait` would follow with no
-                # credentials then: the decision is followed with the pod's own below).
+                # call carries the admin token alone (not `--wait`: its WatchDecisions
+                # stream then goes without credentials and is refused).
                 done = self.exec_in(scaler, argv, {"TIDE_TOKEN_FILE": ""})  # fmt: skip
                 if done.returncode == 0 or time.monotonic() > deadline:
                     break
-                time.sleep(1.0)  # the job not known yet, or its start in progress
+                time.sleep(1.0)  # the job not known to the scaler yet
             out.scale_rcs.append(done.returncode)
             if done.returncode != 0:
                 raise RuntimeError(f"tide scale {replicas}: {done.stdout} {done.stderr}")
-            decision = done.stdout.split(":")[0].split()[-1]
-
-            def final(decision: str = decision) -> str | None:
-                shown = self.exec_in(scaler, [*tide, "explain", decision]).stdout
-                return next((w for w in ("COMPLETED", "ABORTED", "FAILED") if w in shown), None)
-
-            state = self._wait(f"decision {decision}", final, max(1.0, deadline - time.monotonic()))
+            decision = int(done.stdout.split(":")[0].split()[-1])
+            decisions[decision] = replicas
+            follow = partial(self._decision_state, decision)
+            state = self._wait(f"decision {decision}", follow, left_s())
             if state != "COMPLETED":
                 raise RuntimeError(f"decision {decision} to {replicas} replicas: {state}")
+        # Then the history as `tide history` in the pod shows it with the pod's own
+        # credentials (one CLI start for both decisions): what the Events said.
+        shown = self.exec_in(scaler, [*tide, "history", JOB, "-o", "json"])
+        states = {
+            d["id"]: (d["to_replicas"], d["state"])
+            for d in json.loads(shown.stdout or "{}").get("decisions", [])
+        }
+        for decision, replicas in decisions.items():
+            if states.get(decision) != (replicas, "COMPLETED"):
+                raise RuntimeError(
+                    f"tide history: decision {decision} is {states.get(decision)}, not"
+                    f" COMPLETED to {replicas}: {shown.stdout} {shown.stderr}"
+                )
         out.example_resized = 1
+        out.resized_s = round(time.monotonic() - t0, 1)
 
     def stop(self) -> None:
         self.kubelet.stop()
@@ -245,13 +301,21 @@ class ChartRun:
         self.controllers.stop()
         self.api.close()
 
-    def run(self, timeout_s: float = 120.0, *, example: bool = True) -> ChartOutcome:
+    def run(
+        self,
+        timeout_s: float = 120.0,
+        *,
+        example: bool = True,
+        example_timeout_s: float | None = None,
+    ) -> ChartOutcome:
+        """``timeout_s`` for the pods to be Ready, and for the example too unless
+        ``example_timeout_s`` says otherwise."""
         out = ChartOutcome()
         t0 = time.monotonic()
         try:
             self.install(out, timeout_s)
             if example:
-                self.example(out, timeout_s)
+                self.example(out, timeout_s if example_timeout_s is None else example_timeout_s)
         except Exception as exc:
             out.error = f"{type(exc).__name__}: {exc}"
         finally:

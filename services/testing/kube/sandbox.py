@@ -24,6 +24,13 @@ How, on Linux, as root (or where unprivileged user namespaces let ``unshare`` ma
 - the pod's network: its own loopback address (127.X.Y.Z) as its pod IP; a container's
   ``0.0.0.0`` or ``127.0.0.1`` in its args and env means that address (what a network
   namespace would make of them), so pods of fixed ports never collide.
+- the image's Tide install (``install_paths()``: this checkout, the venv and the
+  interpreter it was made from) bound read-only at their own paths over the volumes,
+  and ``python`` in a command this interpreter, with the checkout first on
+  ``PYTHONPATH``: what ``/opt/tide`` is to the real image. Without the binds, a
+  checkout under ``/tmp`` (a CI clone) is hidden by the chart's ``/tmp`` emptyDir,
+  and one on another filesystem is not in the overlay of ``/`` at all: the pod's
+  ``python`` was then the system's and could not import ``services``.
 
 Env ``valueFrom``: ``fieldRef``, ``secretKeyRef``, ``configMapKeyRef``.
 """
@@ -34,6 +41,7 @@ import base64
 import os
 import random
 import shutil
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +55,7 @@ if TYPE_CHECKING:
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 #: Runs in the new mount namespace: the overlay root, the binds, then the container.
-#: $1 is the pod directory, $2 the file of binds (SOURCE TARGET per line), $3 the pod's
+#: $1 is the pod directory, $2 the file of binds (SOURCE TARGET [ro] per line), $3 the pod's
 #: hostname (its own UTS namespace); the rest is argv.
 _SCRIPT = r"""
 set -e
@@ -55,13 +63,26 @@ P=$1; BINDS=$2; hostname "$3"; shift 3
 mkdir -p "$P/layer/u" "$P/layer/w"
 mount -t overlay overlay -o "lowerdir=/,upperdir=$P/layer/u,workdir=$P/layer/w" "$P/root"
 for m in proc sys dev; do mount --rbind "/$m" "$P/root/$m"; done
-while read -r src dst; do
+while read -r src dst mode; do
   [ -d "$src" ] && mkdir -p "$P/root$dst" || { mkdir -p "$(dirname "$P/root$dst")"; touch "$P/root$dst"; }
   mount --bind "$src" "$P/root$dst"
+  if [ "$mode" = ro ]; then mount -o remount,bind,ro "$P/root$dst"; fi
 done < "$BINDS"
 cd /
 exec chroot "$P/root" "$@"
 """
+
+
+#: The checkout the pods run (services/testing/kube/sandbox.py is three levels down).
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def install_paths() -> tuple[Path, ...]:
+    """What every pod's image holds of this machine, parents first: the checkout, the
+    venv (``sys.prefix``) and the Python it was made from (``sys.base_prefix``), by
+    their real paths (a venv may be a symlink to another checkout's)."""
+    paths = {ROOT, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}
+    return tuple(sorted(paths, key=lambda p: len(p.parts)))
 
 
 @dataclass(frozen=True)
@@ -227,6 +248,10 @@ class Sandboxes:
         for m in container.get("volumeMounts") or []:
             src = self._volume(pod, vols[m["name"]], d / "volumes" / m["name"])
             binds.append((src, m["mountPath"]))
+        n_volumes = len(binds)
+        # Over the volumes, so that the chart's /tmp emptyDir cannot hide a checkout in
+        # /tmp; read-only, as an image's files are to a pod that may not write them.
+        install = [(p, str(p)) for p in install_paths()]
         image = self.images.get(container.get("image", ""))
         for target, src in (image.files if image else {}).items():
             binds.append((src, target))
@@ -250,7 +275,11 @@ class Sandboxes:
         binds.append((hosts, "/etc/hosts"))
         # A target through a symlink of the image (/var/run → /run) is where the link
         # leads, inside the pod's root: resolved here, on the same files.
-        (d / "binds").write_text("".join(f"{s} {os.path.realpath(t)}\n" for s, t in binds))
+        (d / "binds").write_text(
+            "".join(f"{s} {os.path.realpath(t)}\n" for s, t in binds[:n_volumes])
+            + "".join(f"{s} {t} ro\n" for s, t in install)
+            + "".join(f"{s} {os.path.realpath(t)}\n" for s, t in binds[n_volumes:])
+        )
         for e in container.get("env") or []:
             if "valueFrom" in e and "fieldRef" not in e["valueFrom"]:
                 value = self.env_from(pod, e)
@@ -260,7 +289,12 @@ class Sandboxes:
         env["KUBERNETES_SERVICE_HOST"] = "127.0.0.1"
         env["KUBERNETES_SERVICE_PORT"] = str(self.api.port)
         command = list(container.get("command") or (image.entrypoint if image else ()))
+        if command and command[0] in ("python", "python3"):
+            command[0] = sys.executable  # the venv's, whatever the PATH
         argv = [self._local(a, ip) for a in [*command, *(container.get("args") or [])]]
+        # The checkout's code, whichever checkout the venv's editable install serves.
+        code = [str(ROOT), str(ROOT / "proto")]
+        env["PYTHONPATH"] = os.pathsep.join([*code, *filter(None, [env.get("PYTHONPATH")])])
         wrapper = ["unshare", "--mount", "--uts", "--propagation", "private", "--"]
         script = ["sh", "-c", _SCRIPT, "sandbox", str(d), str(d / "binds"), meta["name"]]
         return [*wrapper, *script, *argv], env
