@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
+from typing import cast
 
 from tide.v1 import telemetry_pb2
 
@@ -49,6 +50,31 @@ __all__ = [
 
 _INF = math.inf
 _EVENT = telemetry_pb2.NodeEvent
+# Called unbound: half the cost of g.HasField, which builds a bound method per sample.
+_HAS_FIELD = telemetry_pb2.GpuSample.HasField
+
+
+_NO_JOB = object()  # no sample folded yet (None is the unattributed samples' job)
+
+
+def _fold(acc: dict[str | None, list[float]], job: object, run: tuple[float, ...]) -> None:
+    """Add one run of a job's samples (sum, count, min, max, GPM count, SM and tensor
+    sums) to its sums of the report."""
+    key = cast("str | None", job)
+    a = acc.get(key)
+    if a is None:
+        acc[key] = list(run)
+        return
+    tot, cnt, lo, hi, ngc, sms, tes = run
+    a[0] += tot
+    a[1] += cnt
+    if lo < a[2]:
+        a[2] = lo
+    if hi > a[3]:
+        a[3] = hi
+    a[4] += ngc
+    a[5] += sms
+    a[6] += tes
 
 
 class Ingest(PeerExchange):
@@ -282,7 +308,10 @@ class Ingest(PeerExchange):
         by_uid = self.registry.by_uid
         by_name = self.registry.by_name
         rejected = self.rejected
+        has_field = _HAS_FIELD
         acc: dict[str | None, list[float]] = {}
+        cur: object = _NO_JOB
+        tot = cnt = lo = hi = ngc = sms = tes = 0.0
         seen_mask = 0
         accepted = 0
         for g in gpus:
@@ -324,32 +353,33 @@ class Ingest(PeerExchange):
             util_arr[i] = u
             seen_arr[i] = t
             job_arr[i] = job
+            # Folded into the running sums of the job of the samples before it (a node's
+            # GPUs mostly hold one job): local floats, not a list in a dict per sample.
+            if job is not cur:
+                if cur is not _NO_JOB:
+                    _fold(acc, cur, (tot, cnt, lo, hi, ngc, sms, tes))
+                cur = job
+                tot = cnt = ngc = sms = tes = 0.0
+                lo = hi = u
+            tot += u
+            cnt += 1.0
+            if u < lo:
+                lo = u
+            elif u > hi:
+                hi = u
             # GPM activity, when the agent measured it (unset: not measured, not 0).
             # One presence check per sample; out of range counts as not measured.
-            gc = sm = te = 0.0
-            if g.HasField("gpm"):
+            if has_field(g, "gpm"):
                 gpm = g.gpm
                 sm = gpm.sm_active_pct
                 te = gpm.tensor_active_pct
                 if 0.0 <= sm <= 100.0 and 0.0 <= te <= 100.0:
-                    gc = 1.0
-                else:
-                    sm = te = 0.0
-            a = acc.get(job)
-            if a is None:
-                acc[job] = [u, 1.0, u, u, gc, sm, te]
-            else:
-                a[0] += u
-                a[1] += 1.0
-                if u < a[2]:
-                    a[2] = u
-                elif u > a[3]:
-                    a[3] = u
-                if gc:
-                    a[4] += 1.0
-                    a[5] += sm
-                    a[6] += te
+                    ngc += 1.0
+                    sms += sm
+                    tes += te
             accepted += 1
+        if cur is not _NO_JOB:
+            _fold(acc, cur, (tot, cnt, lo, hi, ngc, sms, tes))
         self.samples_accepted += accepted
         if not acc:
             return

@@ -7,7 +7,9 @@ only ever holds up its own stream. Acks are coalesced: one goes out after
 the previous one, so an agent reporting every second gets every report acked
 at once, while a burst (a resend after reconnect) costs one ack per batch.
 Held-back acks and idle streams are looked after by two tasks shared by all
-streams, not two per stream (docs/scaler.md "Scaling out").
+streams, not two per stream (docs/scaler.md "Scaling out"). A write runs beside
+the handler when the flusher started it; the reports taken meanwhile follow the
+same rule, so a busy stream gets an ack per batch, not one per write's round trip.
 
 A report dropped for its timestamp is still acknowledged (resending it cannot
 help), and the ack that covers it names the cause, how many reports it took
@@ -98,20 +100,21 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         self._reaper: asyncio.Task[None] | None = None
 
     async def _write(self, st: _Acks) -> None:
-        """Write the stream's newest ack, and again if a newer one came meanwhile."""
+        """Write the stream's newest ack; one that came meanwhile goes out when due."""
         if st.writing:
-            return  # the write in flight sends the newest ack when it is done
+            return  # the write in flight sees to the newest ack when it is done
         st.writing = True
         msg = st.msg
         ingest = self.ingest
         refused = ingest.refused
+        monotonic = ingest.clock.monotonic
         try:
             # A refusal goes out even when the ack did not move (the refused report
             # waits behind a gap): the agent learns of it within ack_max_delay_s.
             while st.ack is not None and (st.ack != st.sent or (refused and st.stream in refused)):
                 ack = st.sent = st.ack
                 st.since = 0
-                st.last_s = ingest.clock.monotonic()
+                st.last_s = monotonic()
                 boot, seq = ack
                 if msg.boot_id != boot:
                     msg.boot_id = boot
@@ -122,8 +125,24 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                     st.refusing = False
                     msg.ClearField("refused")
                 await st.context.write(msg)
+                # Reports taken while it was in flight (a flusher's write runs beside the
+                # handler) are acked as any others: now if due, else held back. Writing
+                # again whenever the ack had moved kept a busy stream's acks back to back,
+                # one every report or two (docs/scaler.md "Ingest ceiling").
+                if (
+                    st.since < self.ack_every_reports
+                    and monotonic() - st.last_s < self.ack_max_delay_s
+                ):
+                    if st.ack != st.sent or (refused and st.stream in refused):
+                        self._hold(st)
+                    break
         finally:
             st.writing = False
+
+    def _hold(self, st: _Acks) -> None:
+        self._held.add(st)
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush_held())
 
     def _refusals(self, st: _Acks, msg: telemetry_pb2.TelemetryAck) -> None:
         if st.refusing:

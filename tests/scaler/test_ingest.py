@@ -382,3 +382,23 @@ def test_gpm_rides_the_window_and_absent_is_not_zero(engine: Ingest, clock: Fake
     engine.process(st, report(seq=2, t=T0 + 30, utils=[95.0] * 8, pods=PODS))  # an old agent
     later = engine.window_view("ns/a", T0 + 30, 8, 8)
     assert later.gpm_fractions[-1] == 0.0 and math.isnan(later.sm_active_means[-1])
+
+
+def test_a_report_whose_gpus_alternate_between_jobs_sums_each_job_once(
+    clock: FakeClock,
+) -> None:
+    """A report's samples are summed per run of one job and the runs folded together:
+    interleaved jobs and unattributed GPUs still give each job its own mean, min, max
+    and count."""
+    reg = InMemoryMemberRegistry()
+    reg.set_members("ns/a", [Member("a-0", "a-0")])
+    reg.set_members("ns/b", [Member("b-0", "b-0")])
+    engine = Ingest(IngestSettings(stagger_slots=False), reg, clock)
+    pods = ["a-0", "b-0", "a-0", "", "b-0", "a-0", "b-0", "x"]
+    utils = [40.0, 90.0, 20.0, 5.0, 70.0, 60.0, 80.0, 1.0]
+    engine.process(engine.open_stream(), report(seq=1, t=T0, utils=utils, pods=pods))
+    rows = engine.rollups.take_complete(T0 + 70, {})
+    got = {r.job_id: (r.mean_pct, r.min_pct, r.max_pct, r.samples) for r in rows}
+    assert got == {"ns/a": (40.0, 20.0, 60.0, 3), "ns/b": (80.0, 70.0, 90.0, 3)}
+    assert engine.samples_unattributed == 2
+    assert engine.samples_accepted == 8

@@ -9,11 +9,13 @@ import grpc
 import pytest
 from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
-from services.scaler.ingest import Rejection
+from services.common.clock import SystemClock
+from services.scaler.ingest import Ingest, IngestSettings, Rejection
 from services.scaler.members import Member
+from services.scaler.servicer import TelemetryServicer
 from services.testing.members import InMemoryMemberRegistry
 from tests.scaler.support import TelemetryServer, report
-from tidebase.grpc_options import client_options
+from tidebase.grpc_options import client_options, server_options
 
 pytestmark = pytest.mark.component
 
@@ -201,3 +203,43 @@ async def test_a_report_refused_for_its_timestamp_is_acked_with_the_cause(
         call.cancel()
     e = telemetry_server.engine
     assert (e.reports_accepted, e.reports_dropped) == (3, 6)
+
+
+async def test_a_busy_stream_is_acked_once_per_batch_not_per_report(
+    registry: InMemoryMemberRegistry,
+) -> None:
+    """A write started by the shared flusher runs beside the handler; when it is done,
+    reports taken meanwhile wait for their batch or the delay. (It once wrote again
+    whenever the ack had moved: a busy stream got an ack every report or two.)"""
+    every, delay_s, n = 32, 0.05, 3000
+    engine = Ingest(IngestSettings(stale_after_s=5.0), registry, SystemClock())
+    server = grpc.aio.server(options=server_options())
+    servicer = TelemetryServicer(engine, ack_every_reports=every, ack_max_delay_s=delay_s)
+    telemetry_pb2_grpc.add_TelemetryServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    t = time.time()
+    reports = [report("busy", s, t=t + s * 1e-4, utils=[50.0]) for s in range(1, n + 1)]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=client_options()) as ch:
+            call = telemetry_pb2_grpc.TelemetryStub(ch).Stream(timeout=60)
+
+            async def send() -> None:
+                for r in reports:
+                    await call.write(r)
+
+            sender = asyncio.create_task(send())
+            started = time.monotonic()
+            acks = 0
+            while (await call.read()).acked_seq < n:
+                acks += 1
+            elapsed_s = time.monotonic() - started
+            await sender
+            await call.done_writing()
+            call.cancel()
+    finally:
+        await server.stop(0)
+    assert engine.reports_accepted == n
+    # One ack per batch of `every`, plus at most one per delay from the handler and one
+    # from the flusher: a few dozen, where an ack per report or two is well over 1,000.
+    assert acks <= n / every + 2 * elapsed_s / delay_s + 2, (acks, elapsed_s)
