@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -55,6 +56,13 @@ FINAL_EVENTS = {
     "AbortedRescale": "ABORTED",
     "FailedRescale": "FAILED",
 }
+
+
+def _last_checkpoint(d: Path) -> int:
+    """The highest step of a checkpoint in ``d``, or 0: trainer/checkpoint.py renames
+    ``step-N.tmp-<nonce>`` to ``step-N`` once it is complete."""
+    names = (m.group(1) for c in d.glob("step-*") if (m := re.fullmatch(r"step-(\d+)", c.name)))
+    return max(map(int, names), default=0)
 
 
 @dataclass
@@ -238,18 +246,22 @@ class ChartRun:
 
         # The job's start (decision 1) first: a resize asked while it runs is refused.
         self._wait("decision 1", partial(self._decision_state, 1), left_s())
-        # Then its training under way (its first periodic checkpoint on the claim): a
-        # resize asked in the job's first second was ABORTED, the coordinator setting
-        # the barrier from its first report (step 1, no rate yet) and the workers past
-        # it when the CHECKPOINT reached them (a late CHECKPOINT aborts, safely).
         ckpt = self.sandbox.root / "pvc" / "ml-research" / "resnet-ckpt"
-
-        def trains() -> bool:
-            return any(ckpt.glob("step-*/manifest.json"))
-
-        self._wait("the example's first checkpoint", trains, left_s())
         decisions: dict[int, int] = {}  # decision → replicas
         for replicas in (3, 2):
+            # Each resize once the job trains at speed in its generation: 100 steps
+            # past the checkpoints on the claim now (two periodic checkpoints). The
+            # coordinator sets the barrier step from the rate it last measured: asked
+            # in a generation's first seconds (no rate yet, or one that spans the
+            # restart's slow first steps), the barrier was a few steps ahead, the
+            # workers were past it when the CHECKPOINT reached them, and the decision
+            # was ABORTED (a late CHECKPOINT aborts, safely).
+            at = _last_checkpoint(ckpt) + 100
+
+            def trains(at: int = at) -> bool:
+                return _last_checkpoint(ckpt) >= at
+
+            self._wait(f"the example's checkpoint of step {at}", trains, left_s())
             while True:
                 argv = [
                     *tide,
