@@ -27,9 +27,9 @@ from tests.support.kubetools import kubetools
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 
 # Bounds, at least twice the longest measured (2026-12-06, 2 cores shared with other
-# test runs at load average 15-23, some runs with a core busy-looping besides): the
-# pods Ready 2.8-12.6 s after the apply, the example's two resizes 24-53 s after its
-# apply, the whole test 30-71 s.
+# sessions' test runs at load average 4-31, some runs with one or both cores
+# busy-looping besides): the pods Ready 2.4-12.6 s after the apply, the example's two
+# resizes 24-53 s after its apply, the whole test 30-71 s (37-45 s at load 4-9).
 READY_TIMEOUT_S = 60.0
 RESIZED_TIMEOUT_S = 120.0
 TEST_TIMEOUT_S = 240
