@@ -78,20 +78,21 @@ def channel_target(address: str) -> tuple[str, dict[str, Any]]:
 
 
 class _Token:
-    """Adds ``authorization: Bearer <token>`` to every call that has none of its own, the
+    """Adds ``authorization: Bearer <token>`` to every call that has none of its own, unary
+    and streaming alike: the channel's literal token (the CLI's ``--token``), else the
     token read from its file at each call (cheap: a stat), so a rotated token is sent from
     the next call on."""
 
-    def __init__(self, credentials: ClientCredentials) -> None:
+    def __init__(self, credentials: ClientCredentials, token: str = "") -> None:
         self._creds = credentials
+        self._token = token
 
     def details(self, details: Any) -> Any:
         metadata = list(details.metadata or ())
         if any(k.lower() == "authorization" for k, _ in metadata):
-            # A call that brings its own token (the CLI's --token for an admin call) keeps
-            # it: the file is the channel's default, not an override.
+            # A call that brings its own token keeps it: the channel's is a default.
             return details
-        token = self._creds.token()
+        token = self._token or self._creds.token()
         if not token:
             return details
         metadata.append(("authorization", f"Bearer {token}"))
@@ -119,10 +120,12 @@ class _StreamStream(_Token, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(self.details(details), requests)
 
 
-def _token_interceptors(credentials: ClientCredentials) -> list[Any] | None:
-    if not credentials.token_file:
+def _token_interceptors(credentials: ClientCredentials, token: str) -> list[Any] | None:
+    if not (token or credentials.token_file):
         return None
-    return [cls(credentials) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    return [
+        cls(credentials, token) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
+    ]
 
 
 def open_channel(
@@ -133,10 +136,13 @@ def open_channel(
     keepalive_timeout_s: float | None = None,
     own_subchannels: bool = False,
     extra_options: Mapping[str, Any] | None = None,
+    token: str = "",
 ) -> grpc.aio.Channel:
     """An aio channel to ``target`` (HOST:PORT). With ``credentials.tls_ca_file`` it
     uses TLS, with a client certificate and key it presents them (mTLS), and with a
-    token file every call carries the token.
+    token file every call carries the token. ``token``: a bearer token given literally
+    (the CLI's ``--token``), which every call, unary or streaming, carries instead of the
+    file's.
 
     ``own_subchannels``: gRPC shares connections, and their reconnect backoff,
     between channels with equal options (its global subchannel pool), so a new
@@ -151,7 +157,7 @@ def open_channel(
         own_subchannels=own_subchannels,
         extra_options={**replicas, **(extra_options or {})},
     )
-    interceptors = _token_interceptors(credentials)
+    interceptors = _token_interceptors(credentials, token)
     if not credentials.tls_ca_file:
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
     c = credentials

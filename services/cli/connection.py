@@ -63,7 +63,8 @@ class Connection:
     token_file: str = ""
     #: The name the scaler's certificate must hold ("": the host of ``scaler``).
     tls_server_name: str = ""
-    #: Admin commands only: the bearer token of admin calls.
+    #: Admin commands only: the bearer token of every call the command makes, unary and
+    #: streaming (the channel's, services/cli/source.py), instead of the token file's.
     token: str = ""
     #: Read commands only: read this SQL store instead of asking the scaler.
     db: str = ""

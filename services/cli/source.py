@@ -88,9 +88,13 @@ class GrpcScaler:
 
         from tidebase.client import open_channel
 
+        # The one place the CLI's calls get their credentials: the channel's TLS and its
+        # token interceptors, so every call, unary or streaming (WatchDecisions), carries
+        # the same ones: --token, else the token file's.
         self._channel = open_channel(
             self._target,
             credentials=self._credentials,
+            token=self._token,
             extra_options=(
                 {"grpc.ssl_target_name_override": self._server_name} if self._server_name else None
             ),
@@ -113,18 +117,11 @@ class GrpcScaler:
             raise RuntimeError("GrpcScaler used outside 'async with'")
         return self._stub
 
-    async def _call(self, method: Any, request: Any, *, admin: bool = False) -> Any:
+    async def _call(self, method: Any, request: Any) -> Any:
         import grpc
 
-        from tidebase.client import bearer
-
         try:
-            return await method(
-                request,
-                timeout=self._timeout_s,
-                metadata=bearer(self._token) if admin else None,
-                wait_for_ready=False,
-            )
+            return await method(request, timeout=self._timeout_s, wait_for_ready=False)
         except grpc.aio.AioRpcError as exc:
             raise await self._error(exc) from None
 
@@ -264,12 +261,11 @@ class GrpcScaler:
             scaler_pb2.RequestResizeRequest(
                 job_id=job_id, replicas=replicas, reason=reason, requested_by=requested_by
             ),
-            admin=True,
         )
         return decision
 
     async def upsert_job(self, request: scaler_pb2.UpsertJobRequest) -> scaler_pb2.Job:
-        job: scaler_pb2.Job = await self._call(self.stub.UpsertJob, request, admin=True)
+        job: scaler_pb2.Job = await self._call(self.stub.UpsertJob, request)
         return job
 
     async def watch_decisions(self, job_id: str) -> AsyncIterator[scaler_pb2.DecisionEvent]:
@@ -280,8 +276,14 @@ class GrpcScaler:
 
         call: Any = self.stub.WatchDecisions(scaler_pb2.WatchDecisionsRequest(job_id=job_id))
         try:
-            # The scaler sends its headers once it has subscribed.
+            # The scaler sends its headers once it has subscribed. A refused call (no or
+            # wrong credentials, an old scaler) ends with its status alone, which also
+            # answers initial_metadata(): reading it raises the refusal here, before the
+            # caller acts on a subscription it does not have.
             await call.initial_metadata()
+            if call.done():
+                async for _ in call:
+                    pass
             yield scaler_pb2.DecisionEvent()  # the "subscribed" mark, never shown
             async for event in call:
                 yield event
@@ -294,7 +296,6 @@ class GrpcScaler:
         job: scaler_pb2.Job = await self._call(
             self.stub.SetAutoscaling,
             scaler_pb2.SetAutoscalingRequest(job_id=job_id, paused=paused, reason=reason),
-            admin=True,
         )
         return job
 

@@ -317,6 +317,18 @@ def test_scale_token_comes_from_the_environment(served: Served) -> None:
     assert result.exit_code == 0, result.stderr
 
 
+def test_scale_wait_requests_nothing_when_the_watch_is_refused(served: Served) -> None:
+    # The fake serves no WatchDecisions: the stream ends with its status alone, which
+    # also answers the wait for its headers. That is no subscription: nothing is asked.
+    before = dict(served.scaler.decisions)
+    code, _, err = tide(
+        "scale", "ml/idle", "--replicas", "3", "--reason", "x", "--wait",
+        "--scaler", served.target, "--token", TOKEN,
+    )  # fmt: skip
+    assert code != 0 and "decision" not in err, err
+    assert served.scaler.decisions == before
+
+
 @pytest.mark.parametrize(
     ("args", "code", "word"),
     [
