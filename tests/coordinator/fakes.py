@@ -83,6 +83,9 @@ class FakeLauncher:
         self.leave_deadline_s = 0.0
         # Behaviour switches a test flips.
         self.answer_checkpoint = True
+        # > 0: the CHECKPOINT came after g passed its step; the ranks held together this many
+        # steps later, and every rank's ack says where (as real launchers' acks do).
+        self.held_past = 0
         self.answer_rendezvous = True
         # The step its next RENDEZVOUS ack says the new worker restored (None: the named one,
         # as a worker that found nothing newer does); and the start delays it was told.
@@ -211,13 +214,16 @@ class FakeLauncher:
             if not self.answer_checkpoint:
                 return
             self.handled[d.directive_id] = d
-            self.step = max(self.step, d.checkpoint_step)
+            held = d.checkpoint_step + self.held_past
+            self.step = max(self.step, held)
             self.phase = pb.WORKER_PHASE_HOLDING
             fields: dict[str, Any] = {"ok": True, "held_at": ts(self.clock.now())}
+            if self.held_past:
+                fields.update(checkpoint_step=held)
             if self.rank == 0:
                 fields.update(
-                    checkpoint_step=d.checkpoint_step,
-                    checkpoint_digest=digest_of(self.job_id, d.checkpoint_step),
+                    checkpoint_step=held,
+                    checkpoint_digest=digest_of(self.job_id, held),
                     checkpoint_write_s=0.25,
                 )
             await self.ack(d, **fields)

@@ -65,6 +65,42 @@ async def test_grow_2_to_3_checkpoints_ahead_and_measures_the_pause(env: Env) ->
     assert (st.generation, st.world_size, st.last_checkpoint_step) == (2, 3, 13)
 
 
+def _acked(env: Env, member_id: str) -> bool:
+    r = env.coordinator.jobs[JOB].resizes[2]
+    return member_id in r.acked or r.phase.name != "CHECKPOINTING"
+
+
+@pytest.mark.parametrize("rank0_acks_first", [True, False])
+async def test_a_checkpoint_that_came_late_moves_the_barrier_to_where_g_held(
+    env: Env, rank0_acks_first: bool
+) -> None:
+    """In a generation's first seconds no step rate is known: the barrier is set 2 steps
+    ahead and g may pass it before the CHECKPOINT arrives. Every rank then holds together
+    at a later step and rank 0 writes that one: the barrier moves there (it used to abort)."""
+    ls = await form(env, 2)
+    await env.heartbeat_all()
+    newcomer = await env.launcher(2)
+    order = ls if rank0_acks_first else ls[::-1]
+    for fl in ls:
+        fl.held_past = 5
+        fl.answer_checkpoint = False
+    w = ResizeWatch(env.stub, JOB, 2, 3)
+    await eventually(lambda: all(K.KIND_CHECKPOINT in fl.kinds() for fl in ls), what="sent")
+    step = next(d.checkpoint_step for d in ls[0].received if d.kind == K.KIND_CHECKPOINT)
+    for fl in order:
+        fl.answer_checkpoint = True
+        await fl.disconnect()
+        await fl.connect()
+        await eventually(lambda f=fl: _acked(env, f.member_id), what="acked")  # type: ignore[misc]
+    everyone = [*ls, newcomer]
+    await eventually(lambda: all(fl.generation == 2 for fl in everyone), what="generation 2")
+    await env.heartbeat_all(advance_s=2.0)
+    final = await w.final()
+    assert final.phase == P.RESIZE_PHASE_COMPLETED, final.message
+    assert final.checkpoint_step == step + 5 and final.lost_steps == 0
+    assert {fl.restore_step for fl in everyone} == {step + 5}
+
+
 async def test_a_leave_request_is_shown_and_a_named_uid_drains_that_member(env: Env) -> None:
     """Preemption (docs/preemption.md): the launcher's SIGTERM reaches the scaler as the
     member's leave_requested; the scaler's Resize names its pod by uid: only it drains."""

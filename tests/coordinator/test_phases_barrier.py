@@ -176,6 +176,24 @@ def test_rank_0_without_the_checkpoint_aborts_the_barrier() -> None:
     assert got == [*_resumes("m0", "m1"), Abort(1, msg)]
 
 
+def test_a_plain_barrier_g_passed_moves_to_where_rank_0_held_with_its_checkpoint() -> None:
+    s = job()
+    r = _barrier(s)
+    late = _ack("m0", K.CHECKPOINT, directive_step=13, checkpoint_step=18, held_at=99.0)
+    # Without the checkpoint of the step it held at, nothing to move to: aborted as before.
+    msg = "rank 0 (m0) acked without the checkpoint of step 13 (got step 18)"
+    assert PHASES[r.phase].on_ack(_ctx(s), r, late) == [*_resumes("m0", "m1"), Abort(1, msg)]
+    late = dataclasses.replace(late, checkpoint_digest="abc", checkpoint_write_s=0.25)
+    got = PHASES[r.phase].on_ack(_ctx(s), r, late)
+    assert got == [RecordHold(1, "m0", 99.0, "abc", 0.25, moved_to_step=18)]
+    # Moved: a rank that held at 18 acks the CHECKPOINT of 13; an older barrier's does not.
+    r.checkpoint_step = 18
+    m1 = _ack("m1", K.CHECKPOINT, directive_step=13, checkpoint_step=18, held_at=99.0)
+    assert PHASES[r.phase].on_ack(_ctx(s), r, m1) == [RecordHold(1, "m1", 99.0)]
+    old = dataclasses.replace(m1, directive_step=7, checkpoint_step=7)
+    assert PHASES[r.phase].on_ack(_ctx(s), r, old) == []
+
+
 def _prepare(
     mid: str, rank: int, world: int = 3, endpoints: tuple[str, ...] = ENDPOINTS
 ) -> Prepare:

@@ -97,6 +97,8 @@ class RecordHold:
     held_at: float
     checkpoint_digest: str = ""
     checkpoint_write_s: float = 0.0
+    # Rank 0 held (with g) at this later step than the barrier's: the barrier moves to it.
+    moved_to_step: int = 0
 
 
 @dataclass(frozen=True)

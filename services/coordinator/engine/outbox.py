@@ -408,6 +408,18 @@ class Outbox(Endings):
     def _record_hold(self, e: fx.RecordHold) -> None:
         r = self.state.resizes[e.decision_id]
         m = self.state.members[e.member_id]
+        if e.moved_to_step > r.checkpoint_step:
+            self._log.info(
+                "resize %d: barrier moved from step %d to %d, where every rank of generation"
+                " %d held: its CHECKPOINT came after they passed step %d",
+                r.decision_id,
+                r.checkpoint_step,
+                e.moved_to_step,
+                self.state.job.generation,
+                r.checkpoint_step,
+                extra={"decision_id": r.decision_id},
+            )
+            r.checkpoint_step = e.moved_to_step
         if e.checkpoint_digest:
             r.checkpoint_digest = e.checkpoint_digest
             r.checkpoint_write_s = e.checkpoint_write_s

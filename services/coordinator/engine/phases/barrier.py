@@ -250,11 +250,12 @@ class Checkpointing(PhaseHandler):
         return [*out, *_open(c, r, s.next_members(r), r.checkpoint_step, first=False)]
 
     def on_ack(self, c: Context, r: Resize, ack: AckEvent) -> list[Effect]:
-        if (
-            ack.kind != DirectiveKind.CHECKPOINT
-            or ack.member_id not in r.participants
-            or ack.directive_step != r.checkpoint_step
-        ):
+        if ack.kind != DirectiveKind.CHECKPOINT or ack.member_id not in r.participants:
+            return []
+        # This barrier's CHECKPOINT; or, once the barrier moved to where g held (below), a
+        # member that held at the moved step. An older barrier's ack is neither.
+        moved_here = ack.directive_step < ack.checkpoint_step == r.checkpoint_step
+        if ack.directive_step != r.checkpoint_step and not moved_here:
             return []
         if not ack.ok:
             why = (
@@ -275,6 +276,25 @@ class Checkpointing(PhaseHandler):
             if ack.checkpoint_step == r.checkpoint_step and c.state.barrier_commits(r):
                 # Held at S: the launchers switched; only a re-formed generation is safe.
                 return _fail_commit(c, r, why)
+            if (
+                ack.checkpoint_step > r.checkpoint_step
+                and ack.checkpoint_digest
+                and not c.state.barrier_commits(r)
+            ):
+                # The CHECKPOINT reached g after it had passed S (a generation's first
+                # seconds, before its step rate is known): every rank held together at
+                # the same later step (they agree on the stop step at each step) and rank 0
+                # wrote it. A plain barrier moves there rather than abort a good checkpoint.
+                return [
+                    RecordHold(
+                        r.decision_id,
+                        ack.member_id,
+                        held,
+                        ack.checkpoint_digest,
+                        ack.checkpoint_write_s,
+                        moved_to_step=ack.checkpoint_step,
+                    )
+                ]
             # Held at another step (the CHECKPOINT came late): every rank of g held there
             # together and no launcher switched (each does so only at S), so g resumes.
             return _abort(c, r, why)
