@@ -62,6 +62,7 @@ bench: setup
 	$(PY) -m bench.coordinator --quick
 	$(PY) -m bench.rescale --quick
 	$(PY) -m bench.parity --quick
+	$(PY) -m bench.hybrid --quick
 	$(PY) -m bench.preemption --quick
 	$(PY) -m bench.simulate --quick
 	$(PY) -m bench.soak --quick
