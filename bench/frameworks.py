@@ -36,7 +36,7 @@ from typing import Any
 
 from bench.parity import CHAIN, rel_diff
 from services.testing.localjob import ROOT, LocalJob, reference_run, resize_along
-from services.testing.parity import check_exactly_once, final_losses, samples_per_step
+from services.testing.parity import check_exactly_once, final_losses, worlds_by_generation
 from trainer.integrations import paddle_launch
 
 EXAMPLES = ROOT / "trainer" / "integrations" / "examples"
@@ -91,10 +91,6 @@ def run(quick: bool, workdir: Path) -> dict[str, Any]:
         and result["resizes"] >= 3
     )
     return result
-
-
-def worlds_by_generation(log_dir: Path) -> dict[int, int]:
-    return {gen: len(e["ranks"]) for (gen, _), e in samples_per_step(log_dir).items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,9 +38,7 @@ import argparse
 import asyncio
 import itertools
 import json
-import re
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +49,8 @@ from services.testing.parity import (
     final_losses,
     max_rel_array_diff,
     optimizer_state,
-    samples_per_step,
+    sharding_degrees,
+    worlds_by_generation,
 )
 
 EXAMPLE = str(ROOT / "trainer" / "examples" / "train_transformer.py")
@@ -69,36 +68,36 @@ STAGE2_REASON = (
     "gradients and parameters as flat slices across ranks, not per parameter "
     "(trainer/sharding.py); its resharding is not built"
 )
-_SHARDED_LINE = re.compile(
-    r"rank (\d+) of generation (\d+): optimizer state sharded over (\d+) ranks"
-)
 
 
 def layouts(job: LocalJob) -> tuple[list[dict[str, int]], bool]:
-    """What each generation's workers logged they sharded over, and whether every rank of
-    every generation logged it, all with that generation's world size."""
-    seen: dict[int, dict[int, int]] = defaultdict(dict)
-    for log in job.workdir.glob("trainer-*/*.log"):
-        for m in _SHARDED_LINE.finditer(log.read_text(errors="replace")):
-            rank, gen, degree = map(int, m.groups())
-            seen[gen][rank] = degree
+    """Per generation, the degree its workers logged they sharded over, and whether every
+    rank of every generation logged that generation's world size (one rank alone trains
+    unwrapped: nothing sharded, nothing logged)."""
+    logged = sharding_degrees(job.workdir.glob("trainer-*/*.log"))
     worlds = worlds_by_generation(job.log_dir)
     out, consistent = [], bool(worlds)
     for gen, world in sorted(worlds.items()):
-        degrees = seen.get(gen, {})
-        # One rank alone trains unwrapped: nothing is sharded, the state is whole.
-        want = {r: world for r in range(world)} if world > 1 else {}
-        consistent = consistent and degrees == want
-        out.append({"generation": gen, "world": world, "sharding_degree": world, "dp_degree": 1})
+        degrees = logged.get(gen, {})
+        consistent = consistent and degrees == (
+            {r: world for r in range(world)} if world > 1 else {}
+        )
+        degree = max(degrees.values(), default=1)
+        out.append(
+            {
+                "generation": gen,
+                "world": world,
+                "sharding_degree": degree,
+                "dp_degree": world // degree,
+            }
+        )
     return out, consistent
 
 
-def worlds_by_generation(log_dir: Path) -> dict[int, int]:
-    return {gen: len(e["ranks"]) for (gen, _), e in samples_per_step(log_dir).items()}
-
-
 def run(quick: bool, workdir: Path) -> dict[str, Any]:
-    steps = 40 if quick else 120
+    # Long enough that the chain ends before the run does on a loaded machine (newcomers
+    # start while it trains on).
+    steps = 80 if quick else 200
     train = [*MODEL, "--steps", str(steps)]
     paced = ["--step-delay-s", "0.1"]  # the chain's resizes land mid-run
     fixed = reference_run(workdir / "fixed", [*train, "--sharded"], 2, example=EXAMPLE)

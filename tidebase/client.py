@@ -95,7 +95,7 @@ class _Token:
         token = self._token or self._creds.token()
         if not token:
             return details
-        metadata.append(("authorization", f"Bearer {token}"))
+        metadata.extend(bearer(token))
         return details._replace(metadata=grpc.aio.Metadata(*metadata))
 
 

@@ -12,11 +12,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.scaler.goodput import efficiency
-from services.scaler.policy_model import Decision, History, JobState, PolicySettings, Reason
-
-
-def _fmt(x: float) -> str:
-    return "nan" if x != x else f"{x:.1f}"
+from services.scaler.policy_model import (
+    Decision,
+    History,
+    JobState,
+    PolicySettings,
+    Reason,
+    fmt,
+)
 
 
 def goodput_evidence(
@@ -81,7 +84,7 @@ def guard_grow(
         if eff is not None and eff < policy.min_scale_up_efficiency:
             ev = goodput_evidence(curve, policy, a, eff, "refused")
             why = (
-                f"the grow {a} -> {cur} gave {_fmt(100 * eff)}% of a replica's throughput per "
+                f"the grow {a} -> {cur} gave {fmt(100 * eff)}% of a replica's throughput per "
                 f"added replica ({curve[a]:.1f} -> {curve[cur]:.1f} samples/s; "
                 f"min_scale_up_efficiency {policy.min_scale_up_efficiency:.2f})"
             )
@@ -94,7 +97,7 @@ def guard_grow(
         return to, {"evidence": goodput_evidence(curve, policy, s1, eff, "paid")}
     half = policy.whole_down(cur + (s1 - cur) // 2)
     why = (
-        f"{cur} -> {s1} gave {_fmt(100 * eff)}% of a replica's throughput per added replica "
+        f"{cur} -> {s1} gave {fmt(100 * eff)}% of a replica's throughput per added replica "
         f"({curve[cur]:.1f} -> {curve[s1]:.1f} samples/s; min_scale_up_efficiency "
         f"{policy.min_scale_up_efficiency:.2f})"
     )

@@ -21,6 +21,7 @@ from services.scaler.policy_model import (
     Signal,
     Trigger,
     WindowView,
+    fmt,
     smallest_grow_gpus,
 )
 from services.scaler.throughput_rule import decide_on_throughput
@@ -57,10 +58,6 @@ def _groups_note(policy: PolicySettings, asked: int, to: int) -> str:
     if asked == to or policy.replica_multiple == 1:
         return ""
     return f" (not {asked}: replicas move in whole groups of {policy.replica_multiple})"
-
-
-def _fmt(x: float) -> str:
-    return "nan" if math.isnan(x) else f"{x:.1f}"
 
 
 def sustained(window: WindowView, policy: PolicySettings) -> int:
@@ -262,13 +259,13 @@ def decide(
         if latest > up or latest < down:
             return noop(
                 Reason.NOT_SUSTAINED,
-                f"latest bucket {_fmt(latest)}% is outside {band} but not every bucket of "
-                f"the {policy.sustain_s:.0f}s window is (min {_fmt(min(means))}, "
-                f"max {_fmt(max(means))})",
+                f"latest bucket {fmt(latest)}% is outside {band} but not every bucket of "
+                f"the {policy.sustain_s:.0f}s window is (min {fmt(min(means))}, "
+                f"max {fmt(max(means))})",
                 rec,
                 raw,
             )
-        return noop(Reason.WITHIN_BAND, f"mean {_fmt(mean)}% is within {band}", rec, raw)
+        return noop(Reason.WITHIN_BAND, f"mean {fmt(mean)}% is within {band}", rec, raw)
 
     raw = proportional(cur, mean, target)
     if high:
@@ -276,7 +273,7 @@ def decide(
             return noop(
                 Reason.AT_MAX_REPLICAS,
                 f"every bucket above {up:.0f}% {sig.value} "
-                f"(mean {_fmt(mean)}%) but already at max_replicas {policy.max_replicas}",
+                f"(mean {fmt(mean)}%) but already at max_replicas {policy.max_replicas}",
                 rec,
                 raw,
             )
@@ -287,7 +284,7 @@ def decide(
             return noop(
                 Reason.LOW_MARGINAL_THROUGHPUT,
                 f"every bucket above {up:.0f}% {sig.value} "
-                f"(mean {_fmt(mean)}%) but {goodput['note']}",
+                f"(mean {fmt(mean)}%) but {goodput['note']}",
                 rec,
                 raw,
                 {"goodput": goodput["evidence"]},
@@ -304,7 +301,7 @@ def decide(
                     noop(
                         Reason.NO_CAPACITY,
                         f"every bucket above {up:.0f}% {sig.value} "
-                        f"(mean {_fmt(mean)}%) but {job.free_gpus} free GPU(s) < "
+                        f"(mean {fmt(mean)}%) but {job.free_gpus} free GPU(s) < "
                         f"{smallest_grow_gpus(job, policy)}",
                         rec,
                         raw,
@@ -319,8 +316,8 @@ def decide(
             job.job_id,
             Reason.SUSTAINED_HIGH_UTILIZATION,
             f"every {policy.bucket_s:.0f}s bucket of the last {policy.sustain_s:.0f}s above "
-            f"{up:.0f}% {sig.value} (mean {_fmt(mean)}%, min "
-            f"{_fmt(min(means))}%): ceil({cur} x {_fmt(mean)} / "
+            f"{up:.0f}% {sig.value} (mean {fmt(mean)}%, min "
+            f"{fmt(min(means))}%): ceil({cur} x {fmt(mean)} / "
             f"{target:.0f}) = {raw}, grow {cur} -> {to}{cap_note}",
             cur,
             to,
@@ -343,7 +340,7 @@ def decide(
         return noop(
             Reason.AT_MIN_REPLICAS,
             f"every bucket below {down:.0f}% {sig.value} "
-            f"(mean {_fmt(mean)}%) but already at min_replicas {policy.min_replicas}",
+            f"(mean {fmt(mean)}%) but already at min_replicas {policy.min_replicas}",
             rec,
             raw,
         )
@@ -367,8 +364,8 @@ def decide(
         job.job_id,
         Reason.SUSTAINED_LOW_UTILIZATION,
         f"every {policy.bucket_s:.0f}s bucket of the last {policy.sustain_s:.0f}s below "
-        f"{down:.0f}% {sig.value} (mean {_fmt(mean)}%, max "
-        f"{_fmt(max(means))}%): ceil({cur} x {_fmt(mean)} / "
+        f"{down:.0f}% {sig.value} (mean {fmt(mean)}%, max "
+        f"{fmt(max(means))}%): ceil({cur} x {fmt(mean)} / "
         f"{target:.0f}) = {raw}, shrink {cur} -> {to}{_groups_note(policy, asked, to)}",
         cur,
         to,

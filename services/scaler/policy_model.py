@@ -314,6 +314,11 @@ class JobState:
     in_flight_leaving: frozenset[str] | None = None
 
 
+def fmt(x: float) -> str:
+    """A figure as the policy's messages print it (NaN: an empty bucket)."""
+    return "nan" if math.isnan(x) else f"{x:.1f}"
+
+
 def smallest_grow_gpus(job: JobState, policy: PolicySettings) -> str:
     """The GPUs the smallest grow needs, as a NO_CAPACITY message says it."""
     if policy.replica_multiple == 1:

@@ -3,7 +3,9 @@ e2e tests and bench/parity.py judge runs with these."""
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +88,24 @@ def max_rel_array_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max(
         float(np.max(np.abs(a[k] - b[k])) / max(float(np.max(np.abs(b[k]))), 1e-12)) for k in b
     )
+
+
+def worlds_by_generation(log_dir: Path) -> dict[int, int]:
+    """Generation -> how many ranks logged its steps."""
+    return {gen: len(e["ranks"]) for (gen, _), e in samples_per_step(log_dir).items()}
+
+
+# What trainer/session.py logs at attach for a sharded optimizer.
+_SHARDED_LINE = re.compile(
+    r"rank (\d+) of generation (\d+): optimizer state sharded over (\d+) ranks"
+)
+
+
+def sharding_degrees(worker_logs: Iterable[Path]) -> dict[int, dict[int, int]]:
+    """Generation -> rank -> the degree that rank's worker logged it sharded over."""
+    seen: dict[int, dict[int, int]] = defaultdict(dict)
+    for log in worker_logs:
+        for m in _SHARDED_LINE.finditer(log.read_text(errors="replace")):
+            rank, gen, degree = map(int, m.groups())
+            seen[gen][rank] = degree
+    return dict(seen)

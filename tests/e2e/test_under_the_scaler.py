@@ -16,7 +16,6 @@ job the degree each generation's workers sharded their optimizer over.
 from __future__ import annotations
 
 import asyncio
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from tide.v1 import common_pb2
 
 from services.local.demo import Demo, DemoSettings
 from services.scaler.actuators.local import JobSpec
+from services.testing.parity import sharding_degrees
 from tests.support.procs import ROOT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
@@ -59,18 +59,11 @@ def test_a_fleet_sharded_job_is_grown_and_shrunk_by_the_scaler(tmp_path: Path) -
     assert "lost steps: 0" in out
     assert "every sample consumed exactly once" in out and "g1×2, g2×4, g3×2" in out
     # The workers did shard: every rank of each generation over that generation's world.
-    degrees: dict[int, set[tuple[int, int]]] = {}
-    for log in (state / "pods").rglob("*.log"):
-        text = log.read_text(errors="replace")
-        for m in re.finditer(
-            r"rank (\d+) of generation (\d+): optimizer state sharded over (\d+) ranks", text
-        ):
-            rank, gen, degree = map(int, m.groups())
-            degrees.setdefault(gen, set()).add((rank, degree))
+    degrees = sharding_degrees((state / "pods").rglob("*.log"))
     assert degrees == {
-        1: {(0, 2), (1, 2)},
-        2: {(r, 4) for r in range(4)},
-        3: {(0, 2), (1, 2)},
+        1: {0: 2, 1: 2},
+        2: {r: 4 for r in range(4)},
+        3: {0: 2, 1: 2},
     }, degrees
 
 
