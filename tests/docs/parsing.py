@@ -1,0 +1,280 @@
+"""Parse a documented command's arguments with the program's own parser, without
+running the program.
+
+Run as ``python -m tests.docs.parsing IN.json OUT.json`` in a process of its own:
+every check imports the program's module as ``__main__`` (argparse modules build
+their parser inside ``main``), which must not leave its environment, logging or
+imports behind in the test process.
+
+- ``tide ...`` (typer, i.e. click): the command tree is walked with click's own
+  ``make_context`` and ``resolve_command``: options, arguments and their types are
+  converted exactly as a real run would, and nothing is invoked.
+- ``python -m MODULE`` / ``python FILE``: the module runs as ``__main__`` with
+  ``argparse.ArgumentParser.parse_args`` and ``parse_known_args`` replaced: the
+  outermost call parses for real, then raises instead of returning, so the
+  program stops at the point where its arguments were accepted; a parse error
+  is reported instead of exiting.
+
+A request's ``mode`` is ``full`` (the words must parse as they are, placeholders
+given a value) or ``options`` (a synopsis: every option it names must be one the
+parser takes, and a choice list ``a|b`` must name valid choices).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import runpy
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import typer
+from typer import _click as click  # typer vendors the part of click it uses
+from typer.core import TyperGroup
+
+# A placeholder gets a value of the type its position needs.
+VALUES = {
+    "JOB": "ns/job",
+    "NS/NAME": "ns/job",
+    "BUSY": "ns/job",
+    "{}": "ns/job",
+    "N": "1",
+    "I": "1",
+    "M": "1",
+    "S": "1",
+    "ID": "1",
+    "DECISION_ID": "1",
+    "<id>": "1",
+    "URL": "sqlite:///tide.db",
+    "HOST:PORT": "127.0.0.1:50051",
+}
+
+
+class _Parsed(BaseException):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+class _ParseError(BaseException):
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def substitute(words: list[str]) -> list[str]:
+    return [VALUES.get(w, w) for w in words]
+
+
+# ---------------------------------------------------------------- argparse
+
+
+@contextlib.contextmanager
+def _argparse_stops(mode: str) -> Iterator[None]:
+    """While active, the first parse of the process raises _Parsed (after parsing for
+    real in ``full`` mode, before in ``options`` mode) and errors raise _ParseError."""
+    orig_pa = argparse.ArgumentParser.parse_args
+    orig_pka = argparse.ArgumentParser.parse_known_args
+    orig_error = argparse.ArgumentParser.error
+    orig_exit = argparse.ArgumentParser.exit
+    depth = [0]
+
+    def outermost(fn: Any) -> Any:
+        def wrapper(self: argparse.ArgumentParser, *a: Any, **k: Any) -> Any:
+            if mode == "options" and depth[0] == 0:
+                raise _Parsed(self)
+            depth[0] += 1
+            try:
+                out = fn(self, *a, **k)
+            finally:
+                depth[0] -= 1
+            if depth[0] == 0:
+                raise _Parsed(self)
+            return out
+
+        return wrapper
+
+    def error(self: argparse.ArgumentParser, message: str) -> Any:
+        raise _ParseError(message)
+
+    def exit(self: argparse.ArgumentParser, status: int = 0, message: str | None = None) -> Any:
+        # --help and --version exit 0 from inside the parse: accepted.
+        if status == 0:
+            raise _Parsed(self)
+        raise _ParseError(message or f"exit {status}")
+
+    argparse.ArgumentParser.parse_args = outermost(orig_pa)  # type: ignore[method-assign]
+    argparse.ArgumentParser.parse_known_args = outermost(orig_pka)  # type: ignore[method-assign]
+    argparse.ArgumentParser.error = error  # type: ignore[method-assign]
+    argparse.ArgumentParser.exit = exit  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.parse_args = orig_pa  # type: ignore[method-assign]
+        argparse.ArgumentParser.parse_known_args = orig_pka  # type: ignore[method-assign]
+        argparse.ArgumentParser.error = orig_error  # type: ignore[method-assign]
+        argparse.ArgumentParser.exit = orig_exit  # type: ignore[method-assign]
+
+
+def check_argparse(target: str, is_file: bool, words: list[str], mode: str) -> str:
+    """'' when the program's parser accepts ``words``, else why not."""
+    argv = substitute(words) if mode == "full" else words
+    sys.argv = [target, *argv]
+    out = io.StringIO()
+    try:
+        with _argparse_stops(mode), contextlib.redirect_stdout(out):
+            if is_file:
+                runpy.run_path(target, run_name="__main__")
+            else:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+    except _Parsed as p:
+        if mode == "options":
+            return _argparse_options(p.parser, words)
+        return ""
+    except _ParseError as e:
+        if "required" in e.message or "expected one argument" in e.message:
+            return f"incomplete: {e.message}"
+        return f"its parser refuses it: {e.message}"
+    except SystemExit as e:
+        return f"exited {e.code} before parsing its arguments: {out.getvalue()[-300:]}"
+    except Exception as e:  # reported; the next check goes on
+        return f"failed before parsing its arguments: {type(e).__name__}: {e}"
+    return "ran to the end without parsing its arguments with argparse"
+
+
+def _argparse_options(parser: argparse.ArgumentParser, words: list[str]) -> str:
+    known = parser._option_string_actions  # argparse keeps them only here
+    cut = words.index("--") if "--" in words else len(words)
+    bad = []
+    for i, w in enumerate(words[:cut]):
+        if not w.startswith("-") or w == "-":
+            continue
+        name = w.split("=", 1)[0]
+        action = known.get(name)
+        if action is None:
+            bad.append(f"{name}: no such option")
+            continue
+        nxt = words[i + 1] if i + 1 < cut else ""
+        if action.choices and "|" in nxt:
+            wrong = [c for c in nxt.split("|") if c not in action.choices]
+            if wrong:
+                bad.append(f"{name}: not a choice: {', '.join(wrong)}")
+    return "; ".join(bad)
+
+
+# ---------------------------------------------------------------- click (tide)
+
+
+def _root() -> click.Command:
+    import typer.main
+
+    from services.cli.main import app
+
+    return typer.main.get_command(app)
+
+
+def _choices(param: click.Parameter) -> list[str] | None:
+    desc = getattr(param, "type_descriptor", None)
+    if desc is None or not desc.is_choice or desc.choices is None:
+        return None
+    return [str(getattr(c, "value", c)) for c in desc.choices]
+
+
+def _rest(ctx: click.Context) -> list[str]:
+    return [*ctx._protected_args, *ctx.args]
+
+
+def check_click(words: list[str], mode: str) -> str:
+    root = _root()
+    # The shell-completion options install into the caller's shell rc when parsed.
+    for p in root.params:
+        if p.name in ("install_completion", "show_completion"):
+            p.callback = None
+    if mode == "options":
+        return _click_options(root, words)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            ctx = root.make_context("tide", substitute(words))
+            cmd = root
+            while isinstance(cmd, TyperGroup):
+                rest = _rest(ctx)
+                if not rest:
+                    break
+                name, sub, rest = cmd.resolve_command(ctx, rest)
+                assert sub is not None and name is not None
+                ctx = sub.make_context(name, rest, parent=ctx)
+                cmd = sub
+    except typer.Exit as e:
+        return "" if e.exit_code == 0 else f"exited {e.exit_code}"
+    except click.exceptions.MissingParameter as e:
+        return f"incomplete: {e.format_message()}"
+    except click.exceptions.UsageError as e:
+        msg = e.format_message()
+        if "requires an argument" in msg:
+            return f"incomplete: {msg}"
+        return f"its parser refuses it: {msg}"
+    return ""
+
+
+def _click_options(root: click.Command, words: list[str]) -> str:
+    ctx = click.Context(root, info_name="tide")
+    cmd = root
+    bad: list[str] = []
+    words = list(words)
+    while words and isinstance(cmd, TyperGroup) and not words[0].startswith("-"):
+        names = words.pop(0).split("|")
+        subs = [cmd.get_command(ctx, n) for n in names]
+        bad += [f"{n}: no such command" for n, s in zip(names, subs, strict=True) if s is None]
+        if subs[0] is None:
+            return "; ".join(bad)
+        cmd = subs[0]
+        ctx = click.Context(cmd, info_name=names[0], parent=ctx)
+    opts = {o: p for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+    for i, w in enumerate(words):
+        if not w.startswith("-") or w == "-":
+            continue
+        name = w.split("=", 1)[0]
+        param = opts.get(name)
+        if param is None:
+            bad.append(f"{name}: no such option of {ctx.command_path}")
+            continue
+        nxt = words[i + 1] if i + 1 < len(words) else ""
+        choices = _choices(param)
+        if choices is not None and "|" in nxt:
+            wrong = [c for c in nxt.split("|") if c not in choices]
+            if wrong:
+                bad.append(f"{name}: not a choice: {', '.join(wrong)}")
+    return "; ".join(bad)
+
+
+# ---------------------------------------------------------------- driver
+
+
+def check(request: dict[str, Any]) -> str:
+    saved = dict(os.environ)
+    os.environ.update(request.get("env", {}))
+    try:
+        if request["kind"] == "tide":
+            return check_click(request["words"], request["mode"])
+        return check_argparse(
+            request["target"], request["kind"] == "file", request["words"], request["mode"]
+        )
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def main() -> None:
+    src, dst = sys.argv[1:3]  # each check sets sys.argv
+    with open(src) as f:
+        requests = json.load(f)
+    results = {r["id"]: check(r) for r in requests}
+    with open(dst, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
