@@ -110,9 +110,13 @@ def extract(path: Path, root: Path = ROOT) -> list[Command]:
     rel = str(path.relative_to(root))
     lines = path.read_text().split("\n")
     out: list[Command] = []
+    para: list[tuple[int, str]] = []  # prose since the last blank line: spans may wrap
     i = 0
     while i < len(lines):
         fence = re.match(r"^\s*(```+|~~~+)\s*([\w-]*)", lines[i])
+        if fence or not lines[i].strip() or lines[i].lstrip().startswith("|"):
+            out.extend(_inline_commands(rel, para))
+            para = []
         if fence:
             marker, lang = fence.group(1), fence.group(2).lower()
             skip = i > 0 and NOT_A_COMMAND in lines[i - 1]
@@ -125,9 +129,9 @@ def extract(path: Path, root: Path = ROOT) -> list[Command]:
             if not skip and lang in SHELL_LANGS:
                 out.extend(_block_commands(rel, lang, body))
             continue
-        if NOT_A_COMMAND not in lines[i]:
-            out.extend(_inline_commands(rel, i + 1, lines[i]))
+        para.append((i + 1, lines[i]))
         i += 1
+    out.extend(_inline_commands(rel, para))
     return out
 
 
@@ -162,15 +166,24 @@ def _block_commands(rel: str, lang: str, body: list[tuple[int, str]]) -> list[Co
     return out
 
 
-def _inline_commands(rel: str, lineno: int, line: str) -> list[Command]:
+def _inline_commands(rel: str, para: list[tuple[int, str]]) -> list[Command]:
+    """The commands in the code spans of a paragraph (or table row); a span may wrap."""
+    if not para:
+        return []
+    first = para[0][0]
+    text = "\n".join(line for _, line in para)
     out = []
-    for m in re.finditer(r"(?<!`)`([^`]+)`(?!`)", line):
-        text = m.group(1).strip().replace("\\|", "|")
-        words = text.split()
-        # `tide` names the program, `tide = services.cli.main:main` is an entry point.
-        if len(words) < 2 or words[1] == "=" or not _starts_command(text):
+    for m in re.finditer(r"(?<!`)`([^`]+)`(?!`)", text):
+        start = first + text.count("\n", 0, m.start())
+        end = first + text.count("\n", 0, m.end())
+        if any(NOT_A_COMMAND in line for n, line in para if start <= n <= end):
             continue
-        out.append(Command(rel, lineno, text, inline=True))
+        span = " ".join(m.group(1).split()).replace("\\|", "|")
+        words = span.split()
+        # `tide` names the program, `tide = services.cli.main:main` is an entry point.
+        if len(words) < 2 or words[1] == "=" or not _starts_command(span):
+            continue
+        out.append(Command(rel, start, span, inline=True))
     return out
 
 

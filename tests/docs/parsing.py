@@ -237,10 +237,12 @@ def _click_options(root: click.Command, words: list[str]) -> str:
         if not w.startswith("-") or w == "-":
             continue
         name = w.split("=", 1)[0]
-        param = opts.get(name)
-        if param is None:
-            bad.append(f"{name}: no such option of {ctx.command_path}")
+        # --live/--plain: a flag and its negation, both must exist
+        missing = [n for n in name.split("/") if n not in opts]
+        if missing:
+            bad += [f"{n}: no such option of {ctx.command_path}" for n in missing]
             continue
+        param = opts[name.split("/")[0]]
         nxt = words[i + 1] if i + 1 < len(words) else ""
         choices = _choices(param)
         if choices is not None and "|" in nxt:

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -52,13 +53,21 @@ from tests.docs.commands import (
 
 pytestmark = pytest.mark.integration
 
-# Run end to end, exactly as written (each a few seconds).
+# Run end to end, exactly as written (each a second or two), in a scratch checkout
+# and a scratch HOME; the commands of a group in order, the groups side by side.
 RUN = (
-    "tide --version",
-    "python -m services.cli --version",
-    "python -m services.scaler --help",
-    "tide simulate scenarios/busy_idle.yaml --set tide.policy.signal=sm_active",
+    ("tide --version",),
+    ("python -m services.cli --version",),
+    ("python -m services.scaler --help",),
+    ("tide simulate scenarios/busy_idle.yaml --set tide.policy.signal=sm_active",),
+    (  # docs/cli.md's contexts, as a new user types them
+        "tide config set-context prod --scaler 127.0.0.1:50051 --tls-ca-file tide-ca.crt"
+        " --token-file ~/.tide-token --tls-server-name tide-scaler",
+        "tide config use-context prod",
+        "tide config get-contexts",
+    ),
 )
+RUN_WORDS = frozenset(w for group in RUN for w in group)
 
 # (file, command as written) -> why it is not checked.
 ALLOWED: dict[tuple[str, str], str] = {
@@ -275,7 +284,7 @@ def check(commands: list[Command], tmp: Path) -> list[Outcome]:
             checker.add(cmd, s)
     checker.run_parsers(tmp)
     for o in checker.outcomes:
-        if o.how == "parsed" and o.cmd.text in RUN:
+        if o.how == "parsed" and o.words in RUN_WORDS:
             o.how = "run"
     return checker.outcomes
 
@@ -390,28 +399,34 @@ def mirror(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield d
 
 
-def test_the_cheap_commands_run_as_written(mirror: Path) -> None:
-    written = {c.text: c for c in all_commands()}
-    missing = [text for text in RUN if text not in written]
-    assert not missing, f"RUN names commands the docs no longer hold: {missing}"
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-    env.pop("TIDE_INSECURE", None)
-    procs = {
-        text: subprocess.Popen(
-            split_line(written[text])[0].argv,
-            cwd=mirror,
-            env={**env, **split_line(written[text])[0].env},
+def _run_group(group: tuple[str, ...], cwd: Path, env: dict[str, str]) -> str:
+    written = {" ".join(s.argv): (c, s) for c in all_commands() for s in split_line(c)}
+    for words in group:
+        cmd, simple = written[words]
+        r = subprocess.run(
+            simple.argv,
+            cwd=cwd,
+            env={**env, **simple.env},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            timeout=120,
         )
-        for text in RUN
-    }
-    failures = []
-    for text, p in procs.items():
-        out, _ = p.communicate(timeout=120)
-        logged = re.search(r"^\S+ (WARNING|ERROR) ", out, re.M) or "Traceback" in out
-        if p.returncode != 0 or logged:
-            failures.append(f"`{text}` ({written[text].where}) exit {p.returncode}:\n{out[-1500:]}")
+        logged = re.search(r"^\S+ (WARNING|ERROR) ", r.stdout, re.M) or "Traceback" in r.stdout
+        if r.returncode != 0 or logged:
+            return f"`{words}` ({cmd.where}) exit {r.returncode}:\n{r.stdout[-1500:]}"
+    return ""
+
+
+def test_the_cheap_commands_run_as_written(mirror: Path, tmp_path: Path) -> None:
+    written = {" ".join(s.argv) for c in all_commands() for s in split_line(c)}
+    missing = [words for words in RUN_WORDS if words not in written]
+    assert not missing, f"RUN names commands the docs no longer hold: {missing}"
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    env["HOME"] = str(tmp_path)
+    for name in [k for k in env if k.startswith("TIDE_")]:
+        del env[name]  # as a fresh shell has it
+    with ThreadPoolExecutor(len(RUN)) as pool:
+        failures = [f for f in pool.map(lambda g: _run_group(g, mirror, env), RUN) if f]
     assert not failures, "\n".join(failures)
