@@ -1,5 +1,5 @@
 """trainer/gloo_groups.py: which groups share the world's gloo context and which form their
-own. In process, over a recorded ``_new_process_group_impl``; the 3-rank jobs of
+own (over a store of their own). In process, over a recorded ``_new_process_group_impl``; the 3-rank jobs of
 tests/e2e/test_sharded.py run it for real."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import Any
 
 import paddle.distributed as dist
 import pytest
+from paddle.base import core
 from paddle.distributed import collective
 
 from trainer.gloo_groups import share_world_context
@@ -47,9 +48,37 @@ def test_a_gloo_group_of_the_whole_world_shares_the_default_context(
     assert formed == []
 
 
-def test_other_groups_form_their_own(formed: list[tuple[str, int]]) -> None:
+class _Store:
+    """The default group's store: what set puts, get reads."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self.kv[key] = value
+
+    def get(self, key: str) -> list[int]:
+        return list(self.kv[key])
+
+
+def test_other_groups_form_their_own(
+    formed: list[tuple[str, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stores: list[tuple[str, int, bool, int]] = []
+    monkeypatch.setattr(
+        core,
+        "TCPStore",
+        lambda host, port, master, n, timeout: stores.append((host, port, master, n)),
+    )
     share_world_context()
     impl = collective._new_process_group_impl
-    assert impl("gloo", None, 0, 2, "pair", None) is not WORLD_PG
+    default = _Store()
+    # A subgroup's rank 0 serves a store of its own and publishes where; its rank 1 reads it.
+    assert impl("gloo", default, 0, 2, "pair", None) is not WORLD_PG
+    assert impl("gloo", default, 1, 2, "pair", None) is not WORLD_PG
     assert impl("nccl", None, 0, 3, "world-on-gpu", None) is not WORLD_PG
-    assert formed == [("gloo", 2), ("nccl", 3)]
+    assert formed == [("gloo", 2), ("gloo", 2), ("nccl", 3)]
+    (host, port, master, n), (host1, port1, master1, n1) = stores
+    assert (master, n, master1, n1) == (True, 2, False, 2)
+    assert (host1, port1) == (host, port)
+    assert default.kv["/tide/gloo_store/pair"] == f"{host}:{port}".encode()
