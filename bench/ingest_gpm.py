@@ -1,6 +1,7 @@
-"""What the GPM fields cost the ingest: the same reports with and without
-tide.v1.GpmActivity on every GPU, parsed and applied by one Ingest, in one process,
-rounds alternating so that both see the same machine load. Read by bench.ingest
+"""What the GPM fields cost the ingest: the same reports with and without the GPM
+activity of every GPU (tide.v1.GpuSample's four fields, as the agent sends them:
+all four), parsed and applied by one Ingest, in one process, rounds alternating so
+that both see the same machine load. Read by bench.ingest
 (``ingest_cost_ratio_with_gpm``); alone: ``python -m bench.ingest_gpm``.
 """
 
@@ -46,14 +47,10 @@ def _reports(n: int, gpm: bool) -> list[bytes]:
                 pod=common_pb2.PodRef(namespace="ns", name=pod, uid=pod),
             )
             if gpm:
-                g.gpm.CopyFrom(
-                    telemetry_pb2.GpmActivity(
-                        sm_active_pct=30.0 + i,
-                        sm_occupancy_pct=20.0,
-                        tensor_active_pct=10.0 + i,
-                        dram_active_pct=40.0,
-                    )
-                )
+                g.sm_active_pct = 30.0 + i
+                g.sm_occupancy_pct = 20.0
+                g.tensor_active_pct = 10.0 + i
+                g.dram_active_pct = 40.0
         out.append(r.SerializeToString())
     return out
 

@@ -57,15 +57,12 @@ def build_report(
             health_flags=int(r.health),
         )
         if r.gpm is not None:
+            # All four or none (tide.v1.GpuSample): an unset one reads NaN, "not measured".
             a = r.gpm
-            gpu.gpm.CopyFrom(
-                telemetry_pb2.GpmActivity(
-                    sm_active_pct=_pct(a.sm_active_pct),
-                    sm_occupancy_pct=_pct(a.sm_occupancy_pct),
-                    tensor_active_pct=_pct(a.tensor_active_pct),
-                    dram_active_pct=_pct(a.dram_active_pct),
-                )
-            )
+            gpu.sm_active_pct = _pct(a.sm_active_pct)
+            gpu.sm_occupancy_pct = _pct(a.sm_occupancy_pct)
+            gpu.tensor_active_pct = _pct(a.tensor_active_pct)
+            gpu.dram_active_pct = _pct(a.dram_active_pct)
         owner = owner_of(owners, r)
         if owner is not None:
             gpu.pod.CopyFrom(

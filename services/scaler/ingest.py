@@ -50,8 +50,6 @@ __all__ = [
 
 _INF = math.inf
 _EVENT = telemetry_pb2.NodeEvent
-# Called unbound: half the cost of g.HasField, which builds a bound method per sample.
-_HAS_FIELD = telemetry_pb2.GpuSample.HasField
 
 
 _NO_JOB = object()  # no sample folded yet (None is the unattributed samples' job)
@@ -308,7 +306,6 @@ class Ingest(PeerExchange):
         by_uid = self.registry.by_uid
         by_name = self.registry.by_name
         rejected = self.rejected
-        has_field = _HAS_FIELD
         acc: dict[str | None, list[float]] = {}
         cur: object = _NO_JOB
         tot = cnt = lo = hi = ngc = sms = tes = 0.0
@@ -367,13 +364,14 @@ class Ingest(PeerExchange):
                 lo = u
             elif u > hi:
                 hi = u
-            # GPM activity, when the agent measured it (unset: not measured, not 0).
-            # One presence check per sample; out of range counts as not measured.
-            if has_field(g, "gpm"):
-                gpm = g.gpm
-                sm = gpm.sm_active_pct
-                te = gpm.tensor_active_pct
-                if 0.0 <= sm <= 100.0 and 0.0 <= te <= 100.0:
+            # GPM activity, when the agent measured it. Unset reads NaN (explicit
+            # presence, default nan: tide.v1.GpuSample), which fails the range check
+            # as out-of-range values do: not measured, never 0, without a presence
+            # check or a sub-message object per sample (docs/scaler.md "Measured").
+            sm = g.sm_active_pct
+            if 0.0 <= sm <= 100.0:
+                te = g.tensor_active_pct
+                if 0.0 <= te <= 100.0:
                     ngc += 1.0
                     sms += sm
                     tes += te

@@ -54,9 +54,8 @@ def _report(node: int, seq: int, t: float, utils: list[float]) -> telemetry_pb2.
         if node % 2 == 0:
             # Half the nodes measure GPM: the partials carry its sums and its count,
             # and the owner's window must tell the GPUs without it apart.
-            r.gpus[-1].gpm.CopyFrom(
-                telemetry_pb2.GpmActivity(sm_active_pct=u / 2, tensor_active_pct=u / 4)
-            )
+            r.gpus[-1].sm_active_pct = u / 2
+            r.gpus[-1].tensor_active_pct = u / 4
     return r
 
 

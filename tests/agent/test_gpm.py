@@ -3,6 +3,8 @@ against the stand-in of pynvml: absent is absent, never zero."""
 
 from __future__ import annotations
 
+import math
+
 import pynvml
 import pytest
 
@@ -102,7 +104,14 @@ def test_the_report_carries_gpm_only_when_measured() -> None:
         {"GPU-h": PodOwner("ns", "job-0")},
     )
     with_gpm, without = report.gpus
-    assert with_gpm.HasField("gpm") and not without.HasField("gpm")
-    # Clamped into 0..100, so one rounding cannot make the scaler reject the report.
-    assert with_gpm.gpm.sm_active_pct == 100.0 and with_gpm.gpm.dram_active_pct == 0.0
-    assert with_gpm.gpm.tensor_active_pct == 20.0
+    fields = ("sm_active_pct", "sm_occupancy_pct", "tensor_active_pct", "dram_active_pct")
+    assert all(with_gpm.HasField(f) for f in fields)
+    # Not measured: not sent, and read as NaN (never 0) by the scaler.
+    assert not any(without.HasField(f) for f in fields)
+    assert all(math.isnan(getattr(without, f)) for f in fields)
+    # Clamped into 0..100, so one rounding cannot make the scaler reject the report; a
+    # measured 0.0 is sent (explicit presence), not taken for "not measured".
+    assert with_gpm.sm_active_pct == 100.0 and with_gpm.dram_active_pct == 0.0
+    assert with_gpm.tensor_active_pct == 20.0 and with_gpm.sm_occupancy_pct == 30.0
+    wire = type(with_gpm).FromString(with_gpm.SerializeToString())
+    assert wire.HasField("dram_active_pct") and wire.dram_active_pct == 0.0

@@ -370,8 +370,9 @@ def test_gpm_rides_the_window_and_absent_is_not_zero(engine: Ingest, clock: Fake
     st = engine.open_stream()
     r = report(seq=1, t=T0, utils=[95.0] * 8, pods=PODS)
     for g in r.gpus[:6]:
-        g.gpm.CopyFrom(telemetry_pb2.GpmActivity(sm_active_pct=30.0, tensor_active_pct=10.0))
-    r.gpus[6].gpm.CopyFrom(telemetry_pb2.GpmActivity(sm_active_pct=130.0))  # out of range
+        g.sm_active_pct = 30.0
+        g.tensor_active_pct = 10.0
+    r.gpus[6].sm_active_pct = 130.0  # out of range, and no tensor activity: not measured
     engine.process(st, r)
     view = engine.window_view("ns/a", T0, 8, 8)
     assert view.bucket_means[-1] == 95.0
@@ -382,6 +383,29 @@ def test_gpm_rides_the_window_and_absent_is_not_zero(engine: Ingest, clock: Fake
     engine.process(st, report(seq=2, t=T0 + 30, utils=[95.0] * 8, pods=PODS))  # an old agent
     later = engine.window_view("ns/a", T0 + 30, 8, 8)
     assert later.gpm_fractions[-1] == 0.0 and math.isnan(later.sm_active_means[-1])
+
+
+def test_a_measured_zero_counts_and_half_a_gpm_reading_does_not(
+    engine: Ingest, clock: FakeClock
+) -> None:
+    """GPM read 0.0 (idle SMs) is a measurement and lowers the means; a sample with SM
+    activity but no tensor activity (against the all-four rule) is not measured, and
+    neither counts nor reads as 0."""
+    st = engine.open_stream()
+    r = report(seq=1, t=T0, utils=[95.0] * 8, pods=PODS)
+    for g in r.gpus[:4]:
+        g.sm_active_pct = 40.0
+        g.tensor_active_pct = 20.0
+    for g in r.gpus[4:6]:
+        g.sm_active_pct = 0.0
+        g.tensor_active_pct = 0.0
+    r.gpus[6].sm_active_pct = 50.0
+    r.gpus[7].tensor_active_pct = 50.0
+    engine.process(st, r)
+    view = engine.window_view("ns/a", T0, 8, 8)
+    assert view.gpm_fractions[-1] == 6 / 8
+    assert view.sm_active_means[-1] == pytest.approx(160.0 / 6)
+    assert view.tensor_active_means[-1] == pytest.approx(80.0 / 6)
 
 
 def test_a_report_whose_gpus_alternate_between_jobs_sums_each_job_once(

@@ -26,31 +26,46 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from tide.v1 import common_pb2 as tide_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tide/v1/telemetry.proto\x12\x07tide.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14tide/v1/common.proto\"\xf7\x01\n\tGpuSample\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x17\n\x0futilization_pct\x18\x03 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07power_w\x18\x06 \x01(\x01\x12\x15\n\rtemperature_c\x18\x07 \x01(\x01\x12\x14\n\x0chealth_flags\x18\x08 \x01(\r\x12\x1c\n\x03pod\x18\t \x01(\x0b\x32\x0f.tide.v1.PodRef\x12!\n\x03gpm\x18\n \x01(\x0b\x32\x14.tide.v1.GpmActivity\"r\n\x0bGpmActivity\x12\x15\n\rsm_active_pct\x18\x01 \x01(\x01\x12\x18\n\x10sm_occupancy_pct\x18\x02 \x01(\x01\x12\x19\n\x11tensor_active_pct\x18\x03 \x01(\x01\x12\x17\n\x0f\x64ram_active_pct\x18\x04 \x01(\x01\"\x9d\x02\n\tNodeEvent\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.tide.v1.NodeEvent.Kind\x12/\n\x0bobserved_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"z\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x11\n\rKIND_CORDONED\x10\x01\x12\x13\n\x0fKIND_UNCORDONED\x10\x02\x12\x1b\n\x17KIND_TERMINATION_NOTICE\x10\x03\x12\x17\n\x13KIND_AGENT_SHUTDOWN\x10\x04\"\xc9\x01\n\nNodeReport\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12.\n\nsampled_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12 \n\x04gpus\x18\x05 \x03(\x0b\x32\x12.tide.v1.GpuSample\x12\"\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x12.tide.v1.NodeEvent\x12\x14\n\x0cgpu_capacity\x18\x07 \x01(\r\"v\n\x0cTelemetryAck\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\x11\n\tacked_seq\x18\x02 \x01(\x04\x12\x19\n\x11report_interval_s\x18\x03 \x01(\x01\x12\'\n\x07refused\x18\x04 \x03(\x0b\x32\x16.tide.v1.ReportRefusal\"\xa4\x02\n\rReportRefusal\x12-\n\x06reason\x18\x01 \x01(\x0e\x32\x1d.tide.v1.ReportRefusal.Reason\x12\x0f\n\x07reports\x18\x02 \x01(\r\x12\x0e\n\x06skew_s\x18\x03 \x01(\x01\x12\x0f\n\x07limit_s\x18\x04 \x01(\x01\x12\x10\n\x08last_seq\x18\x05 \x01(\x04\"\x9f\x01\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x1c\n\x18REASON_TIMESTAMP_MISSING\x10\x01\x12\x1e\n\x1aREASON_TIMESTAMP_IN_FUTURE\x10\x02\x12\x1c\n\x18REASON_TIMESTAMP_TOO_OLD\x10\x03\x12!\n\x1dREASON_TIMESTAMP_OUT_OF_ORDER\x10\x04*\xa1\x01\n\rGpuHealthFlag\x12\x16\n\x12GPU_HEALTH_FLAG_OK\x10\x00\x12\x17\n\x13GPU_HEALTH_FLAG_XID\x10\x01\x12%\n!GPU_HEALTH_FLAG_ECC_UNCORRECTABLE\x10\x02\x12\x1e\n\x1aGPU_HEALTH_FLAG_NVML_ERROR\x10\x04\x12\x18\n\x14GPU_HEALTH_FLAG_LOST\x10\x08\x32\x45\n\tTelemetry\x12\x38\n\x06Stream\x12\x13.tide.v1.NodeReport\x1a\x15.tide.v1.TelemetryAck(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tide/v1/telemetry.proto\x12\x07tide.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14tide/v1/common.proto\"\xfb\x02\n\tGpuSample\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x17\n\x0futilization_pct\x18\x03 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\x05 \x01(\x04\x12\x0f\n\x07power_w\x18\x06 \x01(\x01\x12\x15\n\rtemperature_c\x18\x07 \x01(\x01\x12\x14\n\x0chealth_flags\x18\x08 \x01(\r\x12#\n\x03pod\x18\t \x01(\x0b\x32\x0f.tide.v1.PodRefB\x05\xaa\x01\x02\x08\x01\x12!\n\rsm_active_pct\x18\x0b \x01(\x01:\x03nanB\x05\xaa\x01\x02\x08\x01\x12$\n\x10sm_occupancy_pct\x18\x0c \x01(\x01:\x03nanB\x05\xaa\x01\x02\x08\x01\x12%\n\x11tensor_active_pct\x18\r \x01(\x01:\x03nanB\x05\xaa\x01\x02\x08\x01\x12#\n\x0f\x64ram_active_pct\x18\x0e \x01(\x01:\x03nanB\x05\xaa\x01\x02\x08\x01J\x04\x08\n\x10\x0bR\x03gpm\"\xab\x02\n\tNodeEvent\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.tide.v1.NodeEvent.Kind\x12\x36\n\x0bobserved_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x05\xaa\x01\x02\x08\x01\x12\x33\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x05\xaa\x01\x02\x08\x01\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"z\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x11\n\rKIND_CORDONED\x10\x01\x12\x13\n\x0fKIND_UNCORDONED\x10\x02\x12\x1b\n\x17KIND_TERMINATION_NOTICE\x10\x03\x12\x17\n\x13KIND_AGENT_SHUTDOWN\x10\x04\"\xd0\x01\n\nNodeReport\x12\x11\n\tnode_name\x18\x01 \x01(\t\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x35\n\nsampled_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x05\xaa\x01\x02\x08\x01\x12 \n\x04gpus\x18\x05 \x03(\x0b\x32\x12.tide.v1.GpuSample\x12\"\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x12.tide.v1.NodeEvent\x12\x14\n\x0cgpu_capacity\x18\x07 \x01(\r\"v\n\x0cTelemetryAck\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12\x11\n\tacked_seq\x18\x02 \x01(\x04\x12\x19\n\x11report_interval_s\x18\x03 \x01(\x01\x12\'\n\x07refused\x18\x04 \x03(\x0b\x32\x16.tide.v1.ReportRefusal\"\xa4\x02\n\rReportRefusal\x12-\n\x06reason\x18\x01 \x01(\x0e\x32\x1d.tide.v1.ReportRefusal.Reason\x12\x0f\n\x07reports\x18\x02 \x01(\r\x12\x0e\n\x06skew_s\x18\x03 \x01(\x01\x12\x0f\n\x07limit_s\x18\x04 \x01(\x01\x12\x10\n\x08last_seq\x18\x05 \x01(\x04\"\x9f\x01\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x1c\n\x18REASON_TIMESTAMP_MISSING\x10\x01\x12\x1e\n\x1aREASON_TIMESTAMP_IN_FUTURE\x10\x02\x12\x1c\n\x18REASON_TIMESTAMP_TOO_OLD\x10\x03\x12!\n\x1dREASON_TIMESTAMP_OUT_OF_ORDER\x10\x04*\xa1\x01\n\rGpuHealthFlag\x12\x16\n\x12GPU_HEALTH_FLAG_OK\x10\x00\x12\x17\n\x13GPU_HEALTH_FLAG_XID\x10\x01\x12%\n!GPU_HEALTH_FLAG_ECC_UNCORRECTABLE\x10\x02\x12\x1e\n\x1aGPU_HEALTH_FLAG_NVML_ERROR\x10\x04\x12\x18\n\x14GPU_HEALTH_FLAG_LOST\x10\x08\x32\x45\n\tTelemetry\x12\x38\n\x06Stream\x12\x13.tide.v1.NodeReport\x1a\x15.tide.v1.TelemetryAck(\x01\x30\x01\x42\x05\x92\x03\x02\x08\x02\x62\x08\x65\x64itionsp\xe8\x07')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tide.v1.telemetry_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
-  _globals['_GPUHEALTHFLAG']._serialized_start=1365
-  _globals['_GPUHEALTHFLAG']._serialized_end=1526
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\222\003\002\010\002'
+  _globals['_GPUSAMPLE'].fields_by_name['pod']._loaded_options = None
+  _globals['_GPUSAMPLE'].fields_by_name['pod']._serialized_options = b'\252\001\002\010\001'
+  _globals['_GPUSAMPLE'].fields_by_name['sm_active_pct']._loaded_options = None
+  _globals['_GPUSAMPLE'].fields_by_name['sm_active_pct']._serialized_options = b'\252\001\002\010\001'
+  _globals['_GPUSAMPLE'].fields_by_name['sm_occupancy_pct']._loaded_options = None
+  _globals['_GPUSAMPLE'].fields_by_name['sm_occupancy_pct']._serialized_options = b'\252\001\002\010\001'
+  _globals['_GPUSAMPLE'].fields_by_name['tensor_active_pct']._loaded_options = None
+  _globals['_GPUSAMPLE'].fields_by_name['tensor_active_pct']._serialized_options = b'\252\001\002\010\001'
+  _globals['_GPUSAMPLE'].fields_by_name['dram_active_pct']._loaded_options = None
+  _globals['_GPUSAMPLE'].fields_by_name['dram_active_pct']._serialized_options = b'\252\001\002\010\001'
+  _globals['_NODEEVENT'].fields_by_name['observed_at']._loaded_options = None
+  _globals['_NODEEVENT'].fields_by_name['observed_at']._serialized_options = b'\252\001\002\010\001'
+  _globals['_NODEEVENT'].fields_by_name['deadline']._loaded_options = None
+  _globals['_NODEEVENT'].fields_by_name['deadline']._serialized_options = b'\252\001\002\010\001'
+  _globals['_NODEREPORT'].fields_by_name['sampled_at']._loaded_options = None
+  _globals['_NODEREPORT'].fields_by_name['sampled_at']._serialized_options = b'\252\001\002\010\001'
+  _globals['_GPUHEALTHFLAG']._serialized_start=1402
+  _globals['_GPUHEALTHFLAG']._serialized_end=1563
   _globals['_GPUSAMPLE']._serialized_start=92
-  _globals['_GPUSAMPLE']._serialized_end=339
-  _globals['_GPMACTIVITY']._serialized_start=341
-  _globals['_GPMACTIVITY']._serialized_end=455
-  _globals['_NODEEVENT']._serialized_start=458
-  _globals['_NODEEVENT']._serialized_end=743
-  _globals['_NODEEVENT_KIND']._serialized_start=621
-  _globals['_NODEEVENT_KIND']._serialized_end=743
-  _globals['_NODEREPORT']._serialized_start=746
-  _globals['_NODEREPORT']._serialized_end=947
-  _globals['_TELEMETRYACK']._serialized_start=949
-  _globals['_TELEMETRYACK']._serialized_end=1067
-  _globals['_REPORTREFUSAL']._serialized_start=1070
-  _globals['_REPORTREFUSAL']._serialized_end=1362
-  _globals['_REPORTREFUSAL_REASON']._serialized_start=1203
-  _globals['_REPORTREFUSAL_REASON']._serialized_end=1362
-  _globals['_TELEMETRY']._serialized_start=1528
-  _globals['_TELEMETRY']._serialized_end=1597
+  _globals['_GPUSAMPLE']._serialized_end=471
+  _globals['_NODEEVENT']._serialized_start=474
+  _globals['_NODEEVENT']._serialized_end=773
+  _globals['_NODEEVENT_KIND']._serialized_start=651
+  _globals['_NODEEVENT_KIND']._serialized_end=773
+  _globals['_NODEREPORT']._serialized_start=776
+  _globals['_NODEREPORT']._serialized_end=984
+  _globals['_TELEMETRYACK']._serialized_start=986
+  _globals['_TELEMETRYACK']._serialized_end=1104
+  _globals['_REPORTREFUSAL']._serialized_start=1107
+  _globals['_REPORTREFUSAL']._serialized_end=1399
+  _globals['_REPORTREFUSAL_REASON']._serialized_start=1240
+  _globals['_REPORTREFUSAL_REASON']._serialized_end=1399
+  _globals['_TELEMETRY']._serialized_start=1565
+  _globals['_TELEMETRY']._serialized_end=1634
 # @@protoc_insertion_point(module_scope)
