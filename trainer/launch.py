@@ -139,6 +139,16 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         help="overlap mode on GPUs: nack a PREPARE unless every GPU of the pod has this much"
         " memory free, MiB (env TIDE_PREPARE_MIN_FREE_MIB; 0: no check)",
     )
+    p.add_argument(
+        "--final-report-timeout-s",
+        type=float,
+        default=float(
+            os.environ.get("TIDE_FINAL_REPORT_TIMEOUT_S", str(_default("final_report_timeout_s")))
+        ),
+        help="once training finished, keep reporting it until the coordinator recorded it, at"
+        " most this long, seconds: longer than a store outage the coordinator rides out"
+        " (env TIDE_FINAL_REPORT_TIMEOUT_S)",
+    )
     p.add_argument("--log-level", default=os.environ.get("TIDE_LOG_LEVEL", "INFO"))
     p.add_argument(
         "--log-format",
@@ -168,6 +178,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
         backend=ns.backend,
         workers_per_pod=ns.workers_per_pod,
         leave_grace_s=ns.leave_grace_s,
+        final_report_timeout_s=ns.final_report_timeout_s,
     )
 
 

@@ -19,7 +19,7 @@ import pytest
 from tide.v1 import coordinator_pb2 as pb
 
 from services.coordinator.sql_store import SqlStore
-from services.coordinator.store import CoordinatorStore, MemoryStore
+from services.coordinator.store import CoordinatorStore, JobSnapshot, MemoryStore, Unit
 from services.store import db
 from services.testing.clock import FakeClock
 from services.testing.flaky_store import FlakyStore
@@ -204,3 +204,94 @@ async def test_a_resize_survives_the_store(
     _assert_truthful(final)
     assert [fl.generation for fl in fenv.launchers] == [2, 2, 2]
     assert (await fenv.status()).lost_steps_total == 0
+
+
+async def test_a_job_that_finishes_while_its_store_is_down_is_recorded_finished(
+    store: FlakyStore,
+) -> None:
+    """Both workers finish while the store is down, with a resize waiting for a newcomer.
+    Member 0's end is heard (in memory) and its commit fails; its launcher then gives up
+    and exits. Member 1's end is refused outright (the job cannot be reloaded) and its
+    launcher reports it again once the store is back. Afterwards the job is finished, no
+    member was lost, and the resize ended because the job finished, not for a silence."""
+    env = await make_env(store, TUNING)
+    try:
+        ls = await _form(env, 2)
+        await env.heartbeat_all(steps=9)  # step 10
+        ls[0].last_checkpoint = 10
+        # Waits for a newcomer; its stream may break in the outage, as the scaler's does.
+        ResizeWatch(env.stub, JOB, 2, 3, deadline_s=60.0)
+        await eventually(lambda: 2 in env.coordinator.jobs[JOB].resizes, what="resize 2")
+        store.down = True
+        for fl in ls:
+            fl.phase = pb.WORKER_PHASE_IDLE
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await fl.heartbeat(steps=0)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        ls[0].exited = True
+        env.clock.advance(TUNING.heartbeat_timeout_s + 5)
+        await env.coordinator.call(env.coordinator.tick)  # cannot reload: nothing decided
+        store.down = False
+        await env.coordinator.call(env.coordinator.tick)  # reloads; member 0's end recorded
+        await ls[1].heartbeat(steps=0)
+        final = await ResizeWatch(env.stub, JOB, 2, 3).final()
+        assert final.phase == P.RESIZE_PHASE_ABORTED, final.message
+        assert "finished at step 10" in final.message
+        for _ in range(3):  # far past the heartbeat timeout: nothing is lost
+            env.clock.advance(TUNING.heartbeat_timeout_s)
+            await env.coordinator.call(env.coordinator.tick)
+        st = await env.status()
+        assert st.finished and st.lost_steps_total == 0
+        assert [(m.state, m.phase, m.step) for m in st.members] == [
+            (pb.MEMBER_STATE_GONE, pb.WORKER_PHASE_IDLE, 10),
+            (pb.MEMBER_STATE_GONE, pb.WORKER_PHASE_IDLE, 10),
+        ]
+        assert env.coordinator.metrics.registry.get_sample_value(
+            "tide_coordinator_members_lost_total", {"job_id": JOB}
+        ) in (None, 0.0)
+    finally:
+        await close_env(env)
+
+
+class _SlowCommits:
+    """A store whose commits take ``slow_s`` of the (fake) clock: the retries of a commit
+    that waited out an outage and then went through."""
+
+    def __init__(self, inner: CoordinatorStore) -> None:
+        self.inner = inner
+        self.clock: FakeClock | None = None
+        self.slow_s = 0.0
+
+    def save(self, unit: Unit) -> None:
+        if self.slow_s and self.clock is not None:
+            self.clock.advance(self.slow_s)
+        self.inner.save(unit)
+
+    def load_all(self) -> list[JobSnapshot]:
+        return self.inner.load_all()
+
+
+async def test_a_commit_that_waited_out_an_outage_is_nobodys_silence() -> None:
+    """Heartbeats queue behind a commit that retries through an outage (and those whose
+    deadline passes are never heard): the members are not lost for it."""
+    store = _SlowCommits(MemoryStore())
+    env = await make_env(store, TUNING)
+    store.clock = env.clock
+    try:
+        ls = await _form(env, 2)
+        await env.heartbeat_all(steps=4)
+        ls[0].last_checkpoint = 5  # its report is a commit
+        store.slow_s = TUNING.heartbeat_timeout_s + 5
+        await ls[0].heartbeat(steps=0)
+        store.slow_s = 0.0
+        await env.coordinator.call(env.coordinator.tick)
+        st = await env.status()
+        assert [m.state for m in st.members] == [pb.MEMBER_STATE_ACTIVE] * 2
+        assert (st.generation, st.lost_steps_total) == (1, 0)
+        # Silence after it still counts.
+        env.clock.advance(TUNING.heartbeat_timeout_s + 1)
+        await env.coordinator.call(env.coordinator.tick)
+        assert env.coordinator.jobs[JOB].active_resize() is None
+        assert not env.coordinator.jobs[JOB].current_members()
+    finally:
+        await close_env(env)

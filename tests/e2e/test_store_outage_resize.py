@@ -7,10 +7,16 @@ good (StoreUnavailable), the job is reloaded from what was stored, and the resiz
 on. It must COMPLETE with no reason naming a restart, lose no step, and the job must go on
 training in the new generation with every step once. tests/coordinator/test_store_faults.py
 covers every phase × fault × store with fake launchers.
+
+A job that *finishes* while the store is down (the second test) is recorded as finished
+once the store is back: its launchers keep their final report until the coordinator has
+committed it (``final_report_timeout_s``), where they used to give up after one heartbeat
+timeout and exit, and the coordinator then counted every member lost to silence.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import threading
 import time
@@ -26,6 +32,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 
 # Past the store's retry budget (5 x 5 s busy timeout and the backoff between).
 OUTAGE_S = 32.0
+# Longer than the launcher's old give-up time after its workers finish (one heartbeat
+# timeout of retries, each try up to its 5 s call deadline), so that today's code fails.
+FINISH_OUTAGE_S = 50.0
+FINISH_TRAIN = [
+    "--steps", "80", "--dataset-size", "400", "--global-batch", "32",
+    "--step-delay-s", "0.05", "--ckpt-every-steps", "10",
+]  # fmt: skip
 TRAIN = [
     "--steps", "100000", "--dataset-size", "400", "--global-batch", "32",
     "--step-delay-s", "0.05",
@@ -91,3 +104,53 @@ async def test_a_resize_of_real_trainers_carries_on_through_a_store_outage(
         await job.close()
         for t in locker:
             t.join(timeout=OUTAGE_S + 5)
+
+
+@pytest.mark.timeout(240)
+async def test_a_job_that_finishes_while_its_store_is_down_is_recorded_finished(
+    tmp_path: Path,
+) -> None:
+    job = LocalJob(tmp_path / "job", FINISH_TRAIN, heartbeat_timeout_s=20.0)
+    job.start_coordinator()
+    locked = threading.Event()
+    locker: list[threading.Thread] = []
+    try:
+        for i in range(2):
+            job.add_pod(i)
+        await job.wait_standby(2, timeout_s=120)
+        assert (await job.resize(2))[-1].phase == pb.RESIZE_PHASE_COMPLETED
+        await job.wait_status(lambda s: s.step >= 20, 60, "20 steps")
+        args = (job.workdir / "coordinator.db", FINISH_OUTAGE_S, locked)
+        locker.append(threading.Thread(target=_lock, args=args, daemon=True))
+        locker[0].start()
+        assert locked.wait(10), "the store was never locked"
+        locked_at = time.monotonic()
+        # The workers finish while the store is down (a periodic checkpoint's report has
+        # already failed a commit by then); the launchers wait for their end's ack.
+        by_gen: dict[int, list[int]] = {}
+        deadline = locked_at + FINISH_OUTAGE_S - 5
+        while time.monotonic() < deadline and 80 not in by_gen.get(1, []):
+            await asyncio.sleep(0.5)
+            by_gen = steps_by_generation(job.log_dir)
+        assert 80 in by_gen.get(1, []), "the job did not finish during the outage"
+        st = await job.wait_status(
+            lambda s: s.finished or not s.members or s.generation > 1,
+            FINISH_OUTAGE_S + job.heartbeat_timeout_s * 2,
+            "the job recorded as finished",
+        )
+        assert time.monotonic() - locked_at >= FINISH_OUTAGE_S - 1, "recorded inside the outage"
+        assert st.finished, st
+        assert (st.generation, st.step, st.lost_steps_total) == (1, 80, 0)
+        assert [(m.state, m.phase) for m in st.members] == [
+            (pb.MEMBER_STATE_GONE, pb.WORKER_PHASE_IDLE)
+        ] * 2
+        assert await job.wait_pods_exit(30) == [0, 0]
+        log = (job.workdir / "coordinator.log").read_text()
+        assert "commit failed" in log, "no commit failed during the outage"
+        assert " lost: " not in log, "a member was recorded lost"
+        steps = sorted(s for ss in by_gen.values() for s in ss)
+        assert steps == list(range(1, 81)), "a step was lost or repeated"
+    finally:
+        await job.close()
+        for t in locker:
+            t.join(timeout=FINISH_OUTAGE_S + 5)

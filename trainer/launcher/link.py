@@ -471,29 +471,61 @@ class CoordinatorLink:
         with contextlib.suppress(TideError):
             await call
 
-    async def final_heartbeat(self) -> None:
-        """Tell the coordinator the worker finished (phase IDLE in the current generation).
-        Retried for up to a heartbeat timeout: if it never arrives, the member's silence
-        reads as a loss and the job re-forms to train nothing."""
-        deadline = time.monotonic() + self.heartbeat_timeout_s
+    async def final_heartbeat(self) -> bool:
+        """Tell the coordinator the worker finished (phase IDLE in the current generation)
+        and keep telling it until it answers. A heartbeat is answered only once what it
+        changed is committed, so the answer is the durable ack of the member's end. While
+        the coordinator's store is down the report is refused (UNAVAILABLE, or unanswered
+        while a commit waits for the store); it is retried for up to
+        ``final_report_timeout_s``, because a launcher that exits unheard is a silent
+        member, and silence reads as a loss. Returns whether the end was acknowledged (or
+        the coordinator no longer counts the member: nothing to tell)."""
+        limit_s = self.s.final_report_timeout_s
+        deadline = time.monotonic() + limit_s
         backoff = Backoff(self.s.backoff_initial_s, self.s.backoff_max_s)
+        refusals = 0
         while True:
             try:
                 await self.heartbeat()
-                return
             except (NotFound, FailedPrecondition):
-                return  # the coordinator no longer counts this member: nothing to tell
+                return True  # the coordinator no longer counts this member: nothing to tell
             except TideError as exc:
+                refusals += 1
+                if refusals == 1:
+                    logger.info(
+                        "member %s (job %s): completion report refused (%s: %s); retrying for"
+                        " up to %.0f s (final_report_timeout_s)",
+                        self.member_id,
+                        self.s.job_id,
+                        type(exc).__name__,
+                        exc,
+                        limit_s,
+                    )
                 delay = backoff.next_delay_s()
                 if time.monotonic() + delay > deadline:
                     logger.warning(
-                        "member %s (job %s): could not report completion: %s",
+                        "member %s (job %s) exits without the coordinator having recorded its"
+                        " completion: refused %d time(s) in %.0f s (final_report_timeout_s),"
+                        " last %s: %s; the coordinator will count this member lost once its"
+                        " silence outlasts the heartbeat timeout",
                         self.member_id,
                         self.s.job_id,
+                        refusals,
+                        limit_s,
+                        type(exc).__name__,
                         exc,
                     )
-                    return
-            await asyncio.sleep(delay)
+                    return False
+                await asyncio.sleep(delay)
+                continue
+            if refusals:
+                logger.info(
+                    "member %s (job %s): completion recorded after %d refusal(s)",
+                    self.member_id,
+                    self.s.job_id,
+                    refusals,
+                )
+            return True
 
     # -- acks -------------------------------------------------------------------------------
 

@@ -53,6 +53,11 @@ class LauncherSettings:
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 5.0
     rpc_timeout_s: float = DEFAULT_TIMEOUT_S
+    # How long a launcher whose workers finished keeps reporting it until the coordinator
+    # has recorded it (a heartbeat answered only after its commit), seconds. It must outlast
+    # a store outage the coordinator rides out: a launcher that exits unheard is silent, and
+    # silence reads as a loss (docs/reliability.md, "A job that finishes during an outage").
+    final_report_timeout_s: float = 600.0
     # Worker log files kept in the state folder (per local worker), the newest ones; live
     # workers' logs are always kept. A worker that crashes at every start adds one a try.
     worker_logs_kept: int = 10
@@ -77,7 +82,13 @@ class LauncherSettings:
             raise ConfigError(
                 f"prepare_min_free_mib must be >= 0, got {self.prepare_min_free_mib!r}"
             )
-        for name in ("exit_grace_s", "start_timeout_s", "backoff_initial_s", "rpc_timeout_s"):
+        for name in (
+            "exit_grace_s",
+            "start_timeout_s",
+            "backoff_initial_s",
+            "rpc_timeout_s",
+            "final_report_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.worker_logs_kept < 1:

@@ -28,6 +28,7 @@ from services.coordinator.engine.effects import (
     CreditStall,
     DrainOut,
     ExtendPhase,
+    Finish,
     Lose,
     RecordAck,
     RenewDeadlines,
@@ -371,15 +372,30 @@ class JobRuntime:
         only, and this process still knows it: it is carried over, so a barrier is
         still placed past every member's step. Nobody could be heard while the store
         was down, so every member, directive and phase gets its full time again."""
+        finished: list[str] = []
         if old is not None:
             for m in self.members.values():
                 before = old.members.get(m.member_id)
                 if before is not None:
                     _carry_reported(before, m)
+                    if _finished_unstored(before, m, self.job.generation):
+                        finished.append(m.member_id)
         mono = self._clock.monotonic()
         for m in self.members.values():
             m.last_seen_mono = mono
         self.outbox.apply([RenewDeadlines(self._tuning.heartbeat_timeout_s)])
+        for mid in finished:
+            # Its launcher reported the end (its worker exited 0 at the job's last step)
+            # and the commit of that report failed: a fact this process heard, not a
+            # silence. Its launcher may have given up reporting it again before the store
+            # came back; recorded now, the member finishes instead of being lost later.
+            self._log.info(
+                "member %s reported its final step %d before the store failed; recorded now",
+                mid,
+                self.members[mid].step,
+                extra={"member": mid},
+            )
+            self.outbox.apply([Finish(mid)])
         r = self.active_resize()
         if r is not None:
             after = f"the store failed a commit ({cause})"
@@ -391,6 +407,19 @@ class JobRuntime:
 #: declared after ``version``, domain.py).
 _FIELDS = [f.name for f in dataclasses.fields(Member)]
 _REPORTED = tuple(_FIELDS[_FIELDS.index("version") + 1 :])
+
+
+def _finished_unstored(before: Member, stored: Member, generation: int) -> bool:
+    """Whether the member finished in memory in the stored ``generation`` (GONE with its
+    rank kept: the mark of a finished member, a lost one has none) while the store still
+    has it running."""
+    return (
+        before.reported_generation == generation
+        and before.state == MemberState.GONE
+        and before.rank is not None
+        and stored.state == MemberState.ACTIVE
+        and stored.rank is not None
+    )
 
 
 def _carry_reported(src: Member, dst: Member) -> None:

@@ -40,6 +40,7 @@ from services.coordinator.domain import (
 from services.coordinator.engine import effects as fx
 from services.coordinator.engine.endings import Endings
 from services.coordinator.engine.phases import Context, longest_chain, rules
+from services.coordinator.engine.recovery import credit_silence
 from services.coordinator.engine.state import JobState
 from services.coordinator.engine.traces import ResizeTraces
 from services.coordinator.metrics import CoordinatorMetrics
@@ -137,6 +138,7 @@ class Outbox(Endings):
         if unit.empty():
             return
         started = time.perf_counter()
+        held_from = self._clock.monotonic()
         try:
             self._store.save(unit)
         except Exception as exc:
@@ -148,6 +150,9 @@ class Outbox(Endings):
                 raise
             raise Unavailable(f"job {self.state.job_id}: cannot persist state: {exc}") from exc
         self._metrics.commit_seconds.observe(time.perf_counter() - started)
+        # A commit that retried through a store outage held every heartbeat back.
+        mono = self._clock.monotonic()
+        credit_silence(self.state, mono - held_from, mono)
         for d in queued:
             self.state.directives[d.directive_id] = d
         for r in unit.resizes:

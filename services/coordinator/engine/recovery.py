@@ -142,6 +142,16 @@ def _late(deadline_at: float | None, now: float) -> bool:
     return deadline_at is not None and now > deadline_at
 
 
+def credit_silence(s: JobState, seconds: float, mono: float) -> None:
+    """An operation held the engine for ``seconds`` (a commit that waited for the store):
+    heartbeats queued behind it were not heard, and those whose deadline passed never
+    will be. That silence is the coordinator's, not the members': each member's last
+    sighting moves by it, never past now."""
+    for m in s.members.values():
+        if m.state != MemberState.GONE:
+            m.last_seen_mono = min(mono, m.last_seen_mono + seconds)
+
+
 def forget_liveness(s: JobState, mono: float) -> None:
     """After a restart nobody has been heard: every member gets a full heartbeat timeout
     to come back, and what heartbeats reported (in memory only) is learned again."""
