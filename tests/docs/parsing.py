@@ -1,7 +1,7 @@
 """Parse a documented command's arguments with the program's own parser, without
 running the program.
 
-Run as ``python -m tests.docs.parsing IN.json OUT.json`` in a process of its own:
+Run as ``python -m tests.docs.parsing IN.json OUT.json EMPTY.db`` in a process of its own:
 every check imports the program's module as ``__main__`` (argparse modules build
 their parser inside ``main``), which must not leave its environment, logging or
 imports behind in the test process.
@@ -14,6 +14,11 @@ imports behind in the test process.
   outermost call parses for real, then raises instead of returning, so the
   program stops at the point where its arguments were accepted; a parse error
   is reported instead of exiting.
+
+A ``tide`` read command that can read the store offline (jobs, history,
+explain, chart, whatif) then runs for real, in process, against an empty
+SQLite store (EMPTY.db): the values the parser leaves to the command (times,
+states, output formats) must pass; "not found" is the expected answer.
 
 A request's ``mode`` is ``full`` (the words must parse as they are, placeholders
 given a value) or ``options`` (a synopsis: every option it names must be one the
@@ -186,7 +191,42 @@ def _rest(ctx: click.Context) -> list[str]:
     return [*ctx._protected_args, *ctx.args]
 
 
-def check_click(words: list[str], mode: str) -> str:
+# Read commands that take --db: after the parse they run for real against an empty
+# store, which checks what the parser leaves to the command (times, states, formats).
+OFFLINE = frozenset({"jobs", "history", "explain", "chart", "whatif"})
+ONLINE_ONLY = frozenset({"-w", "--watch", "--scaler", "--context"})
+
+
+def check_click(words: list[str], mode: str, empty_db: str = "") -> tuple[str, bool]:
+    """(why the words fail, '' if not; whether they also ran against an empty store)."""
+    problem = _click_parse(words, mode)
+    if problem or mode != "full" or not empty_db:
+        return problem, False
+    args = substitute(words)
+    if not args or args[0] not in OFFLINE or ONLINE_ONLY & set(args):
+        return "", False
+    if "--db" in args:  # the store it names: this one, empty
+        i = args.index("--db")
+        del args[i : i + 2]
+    return _run_offline([*args, "--db", empty_db]), True
+
+
+def _run_offline(args: list[str]) -> str:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = _root().main(args=args, prog_name="tide", standalone_mode=False)
+    except SystemExit as e:
+        code = e.code
+    except typer.Exit as e:
+        code = e.exit_code
+    # 0, or 1: the job or decision is not in an empty store; 2 is a bad value.
+    if code in (None, 0, 1):
+        return ""
+    return f"against an empty store it exits {code}: {out.getvalue().strip()[-300:]}"
+
+
+def _click_parse(words: list[str], mode: str) -> str:
     root = _root()
     # The shell-completion options install into the caller's shell rc when parsed.
     for p in root.params:
@@ -255,25 +295,28 @@ def _click_options(root: click.Command, words: list[str]) -> str:
 # ---------------------------------------------------------------- driver
 
 
-def check(request: dict[str, Any]) -> str:
+def check(request: dict[str, Any], empty_db: str) -> tuple[str, bool]:
     saved = dict(os.environ)
     os.environ.update(request.get("env", {}))
     try:
         if request["kind"] == "tide":
-            return check_click(request["words"], request["mode"])
-        return check_argparse(
+            return check_click(request["words"], request["mode"], empty_db)
+        problem = check_argparse(
             request["target"], request["kind"] == "file", request["words"], request["mode"]
         )
+        return problem, False
     finally:
         os.environ.clear()
         os.environ.update(saved)
 
 
 def main() -> None:
-    src, dst = sys.argv[1:3]  # each check sets sys.argv
+    src, dst, db_path = sys.argv[1:4]  # each check sets sys.argv
     with open(src) as f:
         requests = json.load(f)
-    results = {r["id"]: check(r) for r in requests}
+    empty_db = f"sqlite:///{db_path}"
+    assert _run_offline(["db", "upgrade", "--db", empty_db]) == ""
+    results = {r["id"]: check(r, empty_db) for r in requests}
     with open(dst, "w") as f:
         json.dump(results, f)
 

@@ -12,6 +12,9 @@ handled here:
   (tests/docs/parsing.py); placeholders (JOB, N, URL) get a value of their type.
 - options: a synopsis (``[--opt]``, ``a|b``, ``…``) names only options, and choices,
   its command takes.
+- offline: a read command of ``tide`` (jobs, history, explain, chart, whatif)
+  parsed, then run in process against an empty SQLite store: the times, states
+  and formats its body checks must pass, "not found" is the expected answer.
 - reference: an inline span that names a command and options without their
   values (``tide scale --wait``): the names must exist.
 - make targets exist in the Makefile; pytest paths exist and markers are declared;
@@ -254,7 +257,7 @@ class Checker:
         src, dst = tmp / "requests.json", tmp / "results.json"
         src.write_text(json.dumps([r for _, r in self.requests]))
         r = subprocess.run(
-            [sys.executable, "-m", "tests.docs.parsing", str(src), str(dst)],
+            [sys.executable, "-m", "tests.docs.parsing", str(src), str(dst), str(tmp / "e.db")],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -263,10 +266,12 @@ class Checker:
         assert r.returncode == 0, r.stderr[-3000:]
         results = json.loads(dst.read_text())
         for o, request in self.requests:
-            problem = results[str(request["id"])]
+            problem, ran = results[str(request["id"])]
             if problem.startswith("incomplete:") and o.cmd.inline:
                 # `tide scale --wait` in prose names a command and an option.
                 o.how, problem = "reference", ""
+            elif ran:
+                o.how = "offline"
             o.problem = problem
 
 
@@ -309,6 +314,7 @@ WRONG = {
     "tide --token-file t jobs": "No such option: --token-file",  # the token is an option of each command
     "tide scale ml/resnet --replicas two --reason x": "replicas",
     "tide history JOB --limit": "incomplete",  # a block command must be complete
+    "tide history JOB --since yesterday": "against an empty store it exits 2",
     "python -m bench.k8s --quick --insecure": "unrecognized arguments: --insecure",
     "python -m trainer.launch --backend auto|mpi": "not a choice: mpi",
     "python -m bench.nosuch --quick": "no module bench.nosuch",
@@ -321,6 +327,7 @@ WRONG = {
 }
 RIGHT = (
     "tide history JOB --all",
+    "tide history ml/resnet --since 24h --state ABORTED,FAILED --db URL",
     "TIDE_INSECURE=1 python -m bench.k8s --quick --workdir /tmp/x",
     "tide scale NS/NAME --replicas N --reason x",
     "python -m trainer.launch --backend auto|nccl|gloo --workers-per-pod N",
