@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import sqlite3
 import sys
@@ -50,6 +51,8 @@ logger = logging.getLogger(__name__)
 PY = sys.executable
 GROW, SHRINK = "healthy/grow", "healthy/shrink"
 _RPC_TIMEOUT_S = 5.0
+# "stopped agent-1 (0), agent-0 (0), scaler (0), coordinator (0)": tide up's last line.
+_STOPPED = re.compile(r"(?P<name>[a-z0-9-]+) \((?P<code>-?\d+)\)")
 # `tide up`'s own stderr, under STATE_DIR/logs: it logs nothing there when all is well.
 UP_STDERR = "up.stderr"
 
@@ -98,6 +101,8 @@ class HealthyOutcome:
     lost_steps_recorded: int = 0
     steps_redone: int = 0
     exactly_once: bool = False
+    # Each service's exit code as `tide up` printed it at its stop.
+    stop_codes: dict[str, int] = field(default_factory=dict)
     error: str = ""
 
     @property
@@ -114,7 +119,14 @@ class HealthyOutcome:
 
     @property
     def ok(self) -> bool:
-        return not self.error and self.up_rc == 0 and self.resized_once and self.exactly_once
+        return (
+            not self.error
+            and self.up_rc == 0
+            and self.resized_once
+            and self.exactly_once
+            and bool(self.stop_codes)
+            and not any(self.stop_codes.values())
+        )
 
 
 def _policies(s: HealthySettings) -> dict[str, dict[str, Any]]:
@@ -171,6 +183,9 @@ class HealthyRun:
         self.state = settings.state_dir.resolve()
         self.logs = self.state / "logs"
         self.demo = DemoSettings(state_dir=self.state, step_delay_s=settings.step_delay_s)
+        # `tide up`'s stdout after READY.
+        self.up_lines: list[str] = []
+        self._drain_task: asyncio.Task[None] | None = None
 
     def _samples(self, job: str) -> Path:
         return self.state / "samples" / job_dir_name(job)
@@ -247,15 +262,15 @@ class HealthyRun:
                     f"tide up exited before READY (see {self.logs / UP_STDERR})"
                 )
             if line.startswith("READY "):
-                # Keep its stdout drained for the rest of the run.
-                asyncio.get_running_loop().create_task(self._drain(proc))
+                # Keep its stdout drained for the rest of the run; its last line names
+                # each service's exit code.
+                self._drain_task = asyncio.create_task(self._drain(proc))
                 return line.split()[1].removeprefix("scaler=")
 
-    @staticmethod
-    async def _drain(proc: asyncio.subprocess.Process) -> None:
+    async def _drain(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
-        while await proc.stdout.readline():
-            pass
+        while line := await proc.stdout.readline():
+            self.up_lines.append(line.decode(errors="replace").rstrip())
 
     async def _watch(
         self, scaler: str, out: HealthyOutcome, t0: float, proc: asyncio.subprocess.Process
@@ -300,9 +315,18 @@ class HealthyRun:
             proc.kill()
             await proc.wait()
             return None
+        finally:
+            if self._drain_task is not None:
+                await self._drain_task
 
     def _account(self, out: HealthyOutcome) -> None:
         out.warnings = warnings_in(self.logs, every_line=(UP_STDERR,))
+        for line in self.up_lines:
+            if line.startswith("stopped "):
+                out.stop_codes = {
+                    m["name"]: int(m["code"])
+                    for m in _STOPPED.finditer(line.removeprefix("stopped "))
+                }
         db = self.state / "tide.db"
         if db.exists():
             with contextlib.closing(sqlite3.connect(db)) as conn:
@@ -337,6 +361,7 @@ def result(out: HealthyOutcome) -> dict[str, Any]:
         },
         "healthy_exactly_once": out.exactly_once,
         "healthy_elapsed_s": out.elapsed_s,
+        "healthy_stop_codes": out.stop_codes,
         "healthy_error": out.error or None,
     }
 

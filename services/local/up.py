@@ -20,8 +20,8 @@ Start order: coordinator, scaler (``python -m services.scaler --actuator local:D
 node agents (``python -m services.agent --source synthetic``), each with a
 stand-in kubelet PodResources socket (services/local/kubelet.py) that says
 which local pod holds which of its GPUs. Stop order, on SIGINT/SIGTERM or when
-a service dies: agents and scaler together (no new decisions), the local pods
-(a job's at once), coordinator.
+a service dies: the agents (together), the scaler (no new decisions), the local
+pods (a job's at once), coordinator.
 """
 
 from __future__ import annotations
@@ -363,15 +363,27 @@ class LocalCluster:
         for t in self._node_tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(t, 5)
-        # The agents and the scaler together: once the scaler stops nothing reads the
-        # agents, and one wait instead of one per process keeps Ctrl-C under a second.
-        # The coordinator outlives the pods, so that they leave it rather than lose it;
-        # with no pod running it goes with the others.
-        first = [*reversed(self.agents), *([self.scaler] if self.scaler is not None else [])]
-        if self.coordinator is not None and not self._pods_running():
-            first.append(self.coordinator)
-        exits = await asyncio.gather(*(self.supervisor.stop(c) for c in first))
-        codes = {c.name: code for c, code in zip(first, exits, strict=True)}
+        # The agents before the scaler: each sends its final report and ends its
+        # Telemetry stream while the scaler still serves it. Stopped together, an agent
+        # ended its stream as the scaler's server was stopping, and gRPC logged "Aborting
+        # method [/tide.v1.Telemetry/Stream] due to server stop" (a WARNING) in a healthy
+        # run. The agents together (one wait, not one per agent), then the scaler; the
+        # coordinator outlives the pods, so that they leave it rather than lose it; with
+        # no pod running it goes with the scaler.
+        codes: dict[str, int] = {}
+        for group in (
+            list(reversed(self.agents)),
+            [
+                *([self.scaler] if self.scaler is not None else []),
+                *(
+                    [self.coordinator]
+                    if self.coordinator is not None and not self._pods_running()
+                    else []
+                ),
+            ],
+        ):
+            exits = await asyncio.gather(*(self.supervisor.stop(c) for c in group))
+            codes.update({c.name: code for c, code in zip(group, exits, strict=True)})
         for server in self._kubelets:
             await server.stop(0)
         if self.actuator is not None:

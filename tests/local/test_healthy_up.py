@@ -29,6 +29,10 @@ def test_two_jobs_each_resized_once_log_no_warning(tmp_path: Path) -> None:
     logs = f"logs in {out.state_dir / 'logs'}"
     assert out.error == "", f"{out.error} ({logs})"
     assert out.up_rc == 0, logs
+    # Every service stopped cleanly on Ctrl-C.
+    assert out.stop_codes == dict.fromkeys(("agent-1", "agent-0", "scaler", "coordinator"), 0), (
+        out.stop_codes
+    )
     assert [(a, b, st) for _, a, b, st in out.resizes[GROW]] == [(2, 3, "COMPLETED")]
     assert [(a, b, st) for _, a, b, st in out.resizes[SHRINK]] == [(2, 1, "COMPLETED")]
     assert out.exactly_once, logs
