@@ -99,6 +99,10 @@ class SessionConfig:
     virtual_ranks: int = 0
     # Micro-batches per rank (or per virtual rank) and step, their gradients accumulated.
     accumulation_steps: int = 1
+    # A fleet job's cap on its sharding degree (0: none, the optimizer sharded over the whole
+    # world): each generation shards over the largest divisor of its world size not above it
+    # and replicates data-parallel over the rest (trainer/sharding.py degrees; docs/sharded.md).
+    sharding_degree_max: int = 0
 
     def __post_init__(self) -> None:
         if self.max_steps < 0:
@@ -111,6 +115,10 @@ class SessionConfig:
             raise ConfigError(f"virtual_ranks must be >= 0, got {self.virtual_ranks}")
         if self.accumulation_steps < 1:
             raise ConfigError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
+        if self.sharding_degree_max < 0:
+            raise ConfigError(
+                f"sharding_degree_max must be >= 0 (0: no cap), got {self.sharding_degree_max}"
+            )
         SamplerConfig(self.dataset_size, self.global_batch, self.seed)
 
 
@@ -145,7 +153,10 @@ class ElasticSession(SessionStartup, SessionLoop):
         ``paddle.DataParallel``): a prepared worker warms the optimizer in whichever comes
         second."""
         self.lifecycle.attach()
-        self._sharded = sharding.check_attached(model, optimizer, self.world_size)
+        fleet_job = sharding.check_attached(
+            model, optimizer, self.world_size, self.config.sharding_degree_max
+        )
+        self._sharded = fleet_job.sharded if fleet_job is not None else None
         if self._sharded is not None and self.config.checkpoint.every_s > 0:
             raise sharding.UnsupportedLayout(
                 f"checkpoint every_s={self.config.checkpoint.every_s} with a sharded optimizer "
@@ -153,14 +164,16 @@ class ElasticSession(SessionStartup, SessionLoop):
                 "checkpoint step, and a timed cadence is due at different steps on different "
                 "ranks; use every_steps"
             )
-        if self._sharded is not None:
-            # What this generation really runs, for the operator and the e2e test that
-            # checks a sharded job stayed sharded through its resizes.
+        if fleet_job is not None:
+            # What this generation really runs, for the operator and the e2e tests that check
+            # each generation's layout (services/testing/parity.py parses it).
             logger.info(
-                "rank %d of generation %d: optimizer state sharded over %d ranks (stage 1)",
+                "rank %d of generation %d: optimizer state sharded over %d ranks (stage 1), "
+                "%d data-parallel replicas",
                 self.rank,
                 self.env.generation,
-                self._sharded.degree,
+                fleet_job.sharding_degree,
+                fleet_job.dp_degree,
             )
         self._model = model
         self._optimizer = optimizer
@@ -174,8 +187,9 @@ class ElasticSession(SessionStartup, SessionLoop):
 
     def fleet_strategy(self, strategy: Any = None) -> Any:
         """The ``fleet.DistributedStrategy`` for ``fleet.init(is_collective=True,
-        strategy=...)`` in this generation: ``strategy`` (or a new one) with the optimizer
-        sharded over the whole world (trainer/sharding.py; docs/sharded.md). After
+        strategy=...)`` in this generation: ``strategy`` (or a new one) with its data-parallel
+        and sharding degrees by ``config.sharding_degree_max`` (trainer/sharding.py degrees;
+        docs/sharded.md). After
         :meth:`init_process_group`: the world size is known then. Raises
         ``UnsupportedLayout`` for tensor or pipeline parallelism, sharding stage 2 and the
         like."""
@@ -184,7 +198,7 @@ class ElasticSession(SessionStartup, SessionLoop):
                 "session.fleet_strategy() before session.init_process_group(): the sharding "
                 "degree is the generation's world size, known once the group forms"
             )
-        return sharding.fleet_strategy(self.world_size, strategy)
+        return sharding.fleet_strategy(self.world_size, strategy, self.config.sharding_degree_max)
 
     def batch_sampler(self) -> Any:
         """A ``paddle.io.BatchSampler`` of this rank's micro-batches from the restored step

@@ -2,17 +2,20 @@
 is refused, and the optimizer state gathered whole at every checkpoint (docs/sharded.md).
 
 **Layout.** A sharded job states it once, by calling :func:`fleet_strategy` (through
-``session.fleet_strategy()``) for the strategy it passes to ``fleet.init``: the optimizer
-state is sharded over the whole data-parallel world Tide gives each generation
-(``sharding_degree`` = world size, ``dp_degree`` = ``mp_degree`` = ``pp_degree`` = 1). A
-resize changes the sharding degree, so each new rank owns other parameters' moments.
+``session.fleet_strategy()``) for the strategy it passes to ``fleet.init``. Each generation of
+W ranks runs ``dp_degree`` x ``sharding_degree`` = W by :func:`degrees`: the sharding degree is
+the largest divisor of W not above ``SessionConfig.sharding_degree_max`` (0, the default: W
+itself, the optimizer sharded over the whole world), the data-parallel degree the rest
+(``mp_degree`` = ``pp_degree`` = ``sep_degree`` = 1). A resize changes the degrees, so each new
+rank owns other parameters' moments.
 
 **Exact across a resize.** fleet's ``DygraphShardingOptimizer`` gives each parameter one
 owner (its own rule: parameters by size, largest first, each to the rank holding the fewest
 elements so far) and keeps that parameter's optimizer slots (Adam's moments and beta powers,
 AMP's master weight) on the owner alone. Tide's checkpoints (the durable one and the pod's
-handover alike) hold the whole optimizer state instead: at a checkpoint step every rank
-sends its shard to every other one (:func:`gather`, over trainer/transfer.py's
+handover alike) hold the whole optimizer state instead: at a checkpoint step the ranks of one
+sharding group (the first data-parallel replica's: every replica holds the same shards) send
+their shards to every rank of the world (:func:`gather`, over trainer/transfer.py's
 ``send_tensors``, one source rank after another), so any rank's state is a whole one. At a
 restore, fleet's own ``set_state_dict`` keeps the slots of the parameters the rank owns under
 the *new* degree, so the next step runs as if the job had started at that size. The price: a
@@ -21,8 +24,9 @@ time in the resize's pause (docs/sharded.md has the figures).
 
 **Refused** (:class:`UnsupportedLayout`, at ``fleet_strategy`` or ``attach``, before step 1):
 tensor, pipeline or sequence parallelism (``mp_degree``/``pp_degree``/``sep_degree`` > 1: their
-groups are fixed by the model, and fleet needs a GPU for them), data parallelism beside
-sharding (``dp_degree`` > 1), sharding stage 2 and 3 (``GroupShardedStage2/3``, the
+groups are fixed by the model, and fleet needs a GPU for them), degrees other than
+:func:`degrees` gives (a ``dp_degree`` of the script's own: the cap is the setting
+``sharding_degree_max``), sharding stage 2 and 3 (``GroupShardedStage2/3``, the
 ``split_param`` optimizer: their slots and gradients are flat slices, not per parameter),
 fleet's ``tensor_fusion``/``comm_overlap`` (fused buffers), and a time-based checkpoint
 cadence (``every_s``: the gather needs every rank at the same step).
@@ -53,34 +57,64 @@ class UnsupportedLayout(ConfigError):
 
 def _refuse(what: str, why: str) -> UnsupportedLayout:
     return UnsupportedLayout(
-        f"{what} is not supported under Tide: {why}. Tide resizes fleet jobs with the "
-        "optimizer sharded over the data-parallel world only (sharding stage 1, "
-        "sharding_degree = world size); see docs/sharded.md"
+        f"{what} is not supported under Tide: {why}. Tide resizes fleet jobs along the "
+        "data-parallel world only (sharding stage 1, dp_degree x sharding_degree = world "
+        "size by SessionConfig.sharding_degree_max); see docs/sharded.md"
     )
 
 
-def _check_degrees(configs: Any, world_size: int | None) -> None:
+def degrees(world_size: int, sharding_degree_max: int = 0) -> tuple[int, int]:
+    """``(dp_degree, sharding_degree)`` of a generation of ``world_size`` ranks: the sharding
+    degree is the largest divisor of the world size not above ``sharding_degree_max`` (0: no
+    cap, the whole world), the data-parallel degree the rest. The largest such divisor keeps
+    the least optimizer state per rank the cap allows; a divisor, because fleet's groups
+    tile the world."""
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    if sharding_degree_max < 0:
+        raise ConfigError(f"sharding_degree_max must be >= 0, got {sharding_degree_max}")
+    cap = world_size if sharding_degree_max == 0 else min(sharding_degree_max, world_size)
+    sharding = max(d for d in range(1, cap + 1) if world_size % d == 0)
+    return world_size // sharding, sharding
+
+
+def _get(configs: Any, name: str) -> int:
+    return int(configs.get(name, 1) if isinstance(configs, dict) else getattr(configs, name))
+
+
+def _check_degrees(
+    configs: Any, world_size: int | None, sharding_degree_max: int = 0
+) -> tuple[int, int]:
+    """Refuses model-parallel degrees, and degrees other than the rule's for ``world_size``
+    (None: the script's own strategy, whose dp_degree is refused: the rule sets it).
+    Returns the (dp, sharding) degrees checked (the rule's)."""
     for name, why in (
         ("mp_degree", "tensor-parallel groups are fixed by the model"),
         ("pp_degree", "pipeline stages are fixed by the model"),
         ("sep_degree", "sequence-parallel groups are fixed by the model"),
-        ("dp_degree", "data parallelism beside sharding is not resharded"),
     ):
-        value = int(configs.get(name, 1) if isinstance(configs, dict) else getattr(configs, name))
+        value = _get(configs, name)
         if value > 1:
             raise _refuse(f"{name}={value}", why)
-    if world_size is not None:
-        degree = int(
-            configs.get("sharding_degree", 1)
-            if isinstance(configs, dict)
-            else configs.sharding_degree
-        )
-        if degree not in (1, world_size) or (degree == 1 and world_size > 1):
+    if world_size is None:
+        dp = _get(configs, "dp_degree")
+        if dp > 1:
             raise _refuse(
-                f"sharding_degree={degree} in a world of {world_size}",
-                "the sharding degree is the generation's world size "
-                "(take the strategy from session.fleet_strategy())",
+                f"dp_degree={dp} in the script's strategy",
+                "Tide sets the data-parallel and sharding degrees of each generation; cap "
+                "the sharding degree with SessionConfig.sharding_degree_max instead",
             )
+        return 1, 1
+    want = degrees(world_size, sharding_degree_max)
+    got = (_get(configs, "dp_degree"), _get(configs, "sharding_degree"))
+    if got != want:
+        raise _refuse(
+            f"dp_degree={got[0]} x sharding_degree={got[1]} in a world of {world_size}",
+            f"the degrees of this generation are dp_degree={want[0]} x "
+            f"sharding_degree={want[1]} (sharding_degree_max={sharding_degree_max}; take "
+            "the strategy from session.fleet_strategy())",
+        )
+    return want
 
 
 def _check_sharding_configs(strategy: Any) -> None:
@@ -94,9 +128,9 @@ def _check_sharding_configs(strategy: Any) -> None:
             raise _refuse(f"sharding_configs.{name}=True", why)
 
 
-def fleet_strategy(world_size: int, strategy: Any = None) -> Any:
+def fleet_strategy(world_size: int, strategy: Any = None, sharding_degree_max: int = 0) -> Any:
     """The ``fleet.DistributedStrategy`` of a generation of ``world_size`` ranks: the
-    script's own (or a new one) with the optimizer sharded over the whole world. Raises
+    script's own (or a new one) with the degrees of :func:`degrees`. Raises
     :class:`UnsupportedLayout` for a degree or sharding option Tide cannot resize."""
     from paddle.distributed import fleet
 
@@ -106,12 +140,13 @@ def fleet_strategy(world_size: int, strategy: Any = None) -> Any:
         {k: mine[k] for k in ("mp_degree", "pp_degree", "sep_degree", "dp_degree")}, None
     )
     _check_sharding_configs(strategy)
+    dp, sharding = degrees(world_size, sharding_degree_max)
     strategy.hybrid_configs = {
-        "dp_degree": 1,
+        "dp_degree": dp,
         "mp_degree": 1,
         "pp_degree": 1,
         "sep_degree": 1,
-        "sharding_degree": world_size,
+        "sharding_degree": sharding,
     }
     return strategy
 
@@ -124,10 +159,23 @@ def _unwrap(optimizer: Any) -> list[Any]:
     return chain
 
 
-def check_attached(model: Any, optimizer: Any, world_size: int) -> Sharded | None:
-    """What Tide resizes about the attached model and optimizer: a :class:`Sharded` for
-    fleet's stage 1, None for a plain (or ``paddle.DataParallel``) job; raises
-    :class:`UnsupportedLayout` for what it cannot resize."""
+@dataclass(frozen=True)
+class Attached:
+    """What a generation of a fleet job runs: its degrees, and for a sharded optimizer (a
+    sharding degree above 1) what gathers its state."""
+
+    dp_degree: int
+    sharding_degree: int
+    sharded: Sharded | None
+
+
+def check_attached(
+    model: Any, optimizer: Any, world_size: int, sharding_degree_max: int = 0
+) -> Attached | None:
+    """What Tide resizes about the attached model and optimizer: an :class:`Attached` for a
+    fleet job (its ``sharded`` set for fleet's stage 1), None for a plain (or
+    ``paddle.DataParallel``) job; raises :class:`UnsupportedLayout` for what it cannot
+    resize."""
     from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import (
         dygraph_sharding_optimizer as dso,
     )
@@ -155,26 +203,35 @@ def check_attached(model: Any, optimizer: Any, world_size: int) -> Sharded | Non
             raise _refuse(
                 "sharding_configs.split_param=True", "stage 2 slices parameters and their slots"
             )
-    hybrid = any(isinstance(o, hpo.HybridParallelOptimizer) for o in chain)
-    if hybrid:
-        from paddle.distributed import fleet
-
-        hcg = fleet.get_hybrid_communicate_group()
-        _check_degrees(
-            {
-                "mp_degree": hcg.get_model_parallel_world_size(),
-                "pp_degree": hcg.get_pipe_parallel_world_size(),
-                "sep_degree": hcg.get_sep_parallel_world_size(),
-                "dp_degree": hcg.get_data_parallel_world_size(),
-                "sharding_degree": hcg.get_sharding_parallel_world_size(),
-            },
-            world_size,
+    sharding_opt = next((o for o in chain if isinstance(o, dso.DygraphShardingOptimizer)), None)
+    if not any(isinstance(o, hpo.HybridParallelOptimizer) for o in chain):
+        return (
+            None
+            if sharding_opt is None
+            else Attached(1, world_size, Sharded(sharding_opt, world_size))
         )
-        _check_sharding_configs(fleet.fleet._user_defined_strategy)
-    for opt in chain:
-        if isinstance(opt, dso.DygraphShardingOptimizer):
-            return Sharded(opt, world_size)
-    return None
+    from paddle.distributed import fleet
+
+    hcg = fleet.get_hybrid_communicate_group()
+    dp, degree = _check_degrees(
+        {
+            "mp_degree": hcg.get_model_parallel_world_size(),
+            "pp_degree": hcg.get_pipe_parallel_world_size(),
+            "sep_degree": hcg.get_sep_parallel_world_size(),
+            "dp_degree": hcg.get_data_parallel_world_size(),
+            "sharding_degree": hcg.get_sharding_parallel_world_size(),
+        },
+        world_size,
+        sharding_degree_max,
+    )
+    _check_sharding_configs(fleet.fleet._user_defined_strategy)
+    if sharding_opt is None or degree == 1:
+        # Plain data parallel under fleet's wrapper: every rank's state is whole.
+        return Attached(dp, degree, None)
+    # The first data-parallel replica's sharding group, by sharding rank: the ranks whose
+    # shards make up the whole state (every replica holds the same ones).
+    sources = sorted(hcg.topology().get_axis_list("data", 0))
+    return Attached(dp, degree, Sharded(sharding_opt, sources))
 
 
 @dataclass
@@ -194,9 +251,11 @@ class Gathered:
 class Sharded:
     """A job whose optimizer is fleet's ``DygraphShardingOptimizer`` (stage 1)."""
 
-    def __init__(self, sharding_optimizer: Any, world_size: int) -> None:
+    def __init__(self, sharding_optimizer: Any, sources: list[int] | int) -> None:
+        """``sources``: the global ranks of one sharding group (an int: ranks 0..n-1)."""
         self.optimizer = sharding_optimizer
-        self.degree = world_size
+        self.sources = list(range(sources)) if isinstance(sources, int) else list(sources)
+        self.degree = len(self.sources)
 
     def owners(self) -> dict[str, int]:
         """Each parameter's owning sharding rank, by name (fleet's own assignment)."""
@@ -210,9 +269,9 @@ class Sharded:
         rank: int,
         settings: TransferSettings | None = None,
     ) -> Gathered:
-        """Every rank's shard of the optimizer state on every rank: one ``send_tensors``
-        per source rank, each over the whole group. A collective: every rank calls it at the
-        same step."""
+        """One sharding group's shards of the optimizer state on every rank: one
+        ``send_tensors`` per source rank, each over the whole world. A collective: every rank
+        calls it at the same step."""
         import paddle
 
         started = time.monotonic()
@@ -221,7 +280,7 @@ class Sharded:
         mine = _arrays(model, own)
         merged: dict[str, Any] = {}
         nbytes = 0
-        for source in range(self.degree):
+        for source in self.sources:
             moved = send_tensors(mine if rank == source else None, source, rank, chunk)
             if not moved.intact:
                 raise ConnectionError(

@@ -95,17 +95,27 @@ def worlds_by_generation(log_dir: Path) -> dict[int, int]:
     return {gen: len(e["ranks"]) for (gen, _), e in samples_per_step(log_dir).items()}
 
 
-# What trainer/session.py logs at attach for a sharded optimizer.
+# What trainer/session.py logs at attach for a fleet job; the data-parallel degree came later
+# (a line without it is one replica).
 _SHARDED_LINE = re.compile(
     r"rank (\d+) of generation (\d+): optimizer state sharded over (\d+) ranks"
+    r"(?: \(stage 1\), (\d+) data-parallel replicas)?"
 )
+
+
+def fleet_layouts(worker_logs: Iterable[Path]) -> dict[int, dict[int, tuple[int, int]]]:
+    """Generation -> rank -> (dp_degree, sharding_degree) that rank's worker logged."""
+    seen: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)
+    for log in worker_logs:
+        for m in _SHARDED_LINE.finditer(log.read_text(errors="replace")):
+            rank, gen, degree = map(int, m.groups()[:3])
+            seen[gen][rank] = (int(m.group(4) or 1), degree)
+    return dict(seen)
 
 
 def sharding_degrees(worker_logs: Iterable[Path]) -> dict[int, dict[int, int]]:
     """Generation -> rank -> the degree that rank's worker logged it sharded over."""
-    seen: dict[int, dict[int, int]] = defaultdict(dict)
-    for log in worker_logs:
-        for m in _SHARDED_LINE.finditer(log.read_text(errors="replace")):
-            rank, gen, degree = map(int, m.groups())
-            seen[gen][rank] = degree
-    return dict(seen)
+    return {
+        gen: {rank: sharding for rank, (_, sharding) in ranks.items()}
+        for gen, ranks in fleet_layouts(worker_logs).items()
+    }

@@ -37,11 +37,57 @@ def test_the_strategy_shards_over_the_whole_world() -> None:
 
 
 @pytest.mark.parametrize(
+    ("world", "cap", "dp", "shards"),
+    [
+        (4, 0, 1, 4),  # no cap: the whole world (the default)
+        (4, 2, 2, 2),
+        (3, 2, 3, 1),  # 3 has no divisor in 2..2: plain data parallel
+        (2, 2, 1, 2),
+        (6, 4, 2, 3),  # the largest divisor under the cap, not the cap
+        (8, 4, 2, 4),
+        (1, 2, 1, 1),
+        (3, 8, 1, 3),  # a cap above the world is the world
+    ],
+)
+def test_the_degree_rule(world: int, cap: int, dp: int, shards: int) -> None:
+    assert sharding.degrees(world, cap) == (dp, shards)
+    configs = sharding.fleet_strategy(world, None, cap).hybrid_configs
+    assert (configs["dp_degree"], configs["sharding_degree"]) == (dp, shards)
+
+
+def test_the_rule_divides_the_world_and_stays_under_the_cap() -> None:
+    for world in range(1, 33):
+        for cap in range(0, 10):
+            dp, shards = sharding.degrees(world, cap)
+            assert dp * shards == world
+            assert (cap == 0 and shards == world) or shards <= cap
+            better = [d for d in range(shards + 1, (cap or world) + 1) if world % d == 0]
+            assert not better
+
+
+def test_a_negative_cap_is_refused_naming_it(tmp_path: Any) -> None:
+    from tidebase.errors import ConfigError
+    from trainer import SessionConfig
+
+    with pytest.raises(ConfigError, match="sharding_degree_max"):
+        SessionConfig(8, 4, 0, 1, str(tmp_path), sharding_degree_max=-1)
+    with pytest.raises(ConfigError, match="sharding_degree_max"):
+        sharding.degrees(4, -1)
+
+
+def test_degrees_other_than_the_rule_are_refused_at_attach() -> None:
+    with pytest.raises(sharding.UnsupportedLayout, match="sharding_degree_max=2") as err:
+        sharding._check_degrees({"dp_degree": 1, "sharding_degree": 4}, 4, 2)
+    assert "dp_degree=2 x sharding_degree=2" in str(err.value)
+    assert sharding._check_degrees({"dp_degree": 2, "sharding_degree": 2}, 4, 2) == (2, 2)
+
+
+@pytest.mark.parametrize(
     ("hybrid", "named"),
     [
         ({"mp_degree": 2}, "mp_degree=2"),
         ({"pp_degree": 2}, "pp_degree=2"),
-        ({"dp_degree": 2}, "dp_degree=2"),
+        ({"dp_degree": 2}, "sharding_degree_max"),
         ({"sharding_configs": {"split_param": True}}, "split_param=True"),
         ({"sharding_configs": {"tensor_fusion": True}}, "tensor_fusion=True"),
     ],
@@ -127,3 +173,16 @@ def test_a_prepared_worker_gets_the_sharded_strategy(tmp_path: Any) -> None:
     session = ElasticSession(config, DistEnv(prepared=True), QueueChannel())
     session.init_process_group()
     assert session.fleet_strategy().hybrid_configs["sharding_degree"] == 1
+
+
+def test_the_layout_lines_parse_old_and_new(tmp_path: Any) -> None:
+    from services.testing.parity import fleet_layouts, sharding_degrees
+
+    (tmp_path / "a.log").write_text(
+        "x rank 0 of generation 2: optimizer state sharded over 3 ranks (stage 1)\n"
+        "x rank 1 of generation 3: optimizer state sharded over 2 ranks (stage 1), "
+        "2 data-parallel replicas\n"
+    )
+    logs = [tmp_path / "a.log"]
+    assert fleet_layouts(logs) == {2: {0: (1, 3)}, 3: {1: (2, 2)}}
+    assert sharding_degrees(logs) == {2: {0: 3}, 3: {1: 2}}

@@ -3,13 +3,15 @@ strategy, ``fleet.distributed_model`` and ``fleet.distributed_optimizer``, AdamW
 sharded over the ranks (fleet's sharding stage 1), elastic under Tide (docs/sharded.md).
 
 What Tide changes in such a script: the strategy comes from ``session.fleet_strategy()`` (the
-sharding degree is each generation's world size), and ``session.step(loss)`` replaces
+data-parallel and sharding degrees are each generation's, by ``--sharding-degree-max``: 0, the
+default, shards over the whole world), and ``session.step(loss)`` replaces
 backward/step/clear_grad. Run it under ``python -m trainer.launch`` or with Paddle's own
-launcher; ``--strategy`` asks for a layout Tide refuses (tests).
+launcher; ``--hybrid=KEY:VALUE`` asks for a layout Tide refuses (tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -28,9 +30,16 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     extra = [a for a in argv if a.startswith("--hybrid=")]
-    args = parse_args([a for a in argv if not a.startswith("--hybrid=")])
+    # "--sharding-degree-max=N": the cap of the degree rule (SessionConfig.sharding_degree_max).
+    caps = [a for a in argv if a.startswith("--sharding-degree-max=")]
+    args = parse_args([a for a in argv if a not in extra and a not in caps])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    session = ElasticSession.from_env(session_config(args))
+    config = session_config(args)
+    if caps:
+        config = dataclasses.replace(
+            config, sharding_degree_max=int(caps[-1].removeprefix("--sharding-degree-max="))
+        )
+    session = ElasticSession.from_env(config)
     x_all, y_all = make_dataset(args.dataset_size, args.seed)
     paddle.seed(args.seed)
     net = build_model(args.hidden)
