@@ -13,7 +13,10 @@ imports behind in the test process.
   ``argparse.ArgumentParser.parse_args`` and ``parse_known_args`` replaced: the
   outermost call parses for real, then raises instead of returning, so the
   program stops at the point where its arguments were accepted; a parse error
-  is reported instead of exiting.
+  is reported instead of exiting. A service (settings from
+  services/common/config.py) goes further, as far as a real start does before it
+  configures its logs: its values converted, its settings and its security
+  checked, so a line that would exit 2 ("no TLS: ...") fails here too.
 
 A ``tide`` read command that can read the store offline (jobs, history,
 explain, chart, whatif) then runs for real, in process, against an empty
@@ -41,6 +44,9 @@ import typer
 from typer import _click as click  # typer vendors the part of click it uses
 from typer.core import TyperGroup
 
+from services.common import config as settings_config
+from services.common import logs as service_logs
+
 # A placeholder gets a value of the type its position needs.
 VALUES = {
     "JOB": "ns/job",
@@ -60,7 +66,7 @@ VALUES = {
 
 
 class _Parsed(BaseException):
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
+    def __init__(self, parser: argparse.ArgumentParser | None) -> None:
         self.parser = parser
 
 
@@ -84,12 +90,20 @@ def _argparse_stops(mode: str) -> Iterator[None]:
     orig_pka = argparse.ArgumentParser.parse_known_args
     orig_error = argparse.ArgumentParser.error
     orig_exit = argparse.ArgumentParser.exit
+    orig_build, orig_configure = settings_config.build_parser, service_logs.configure
     depth = [0]
+    settings_parsed = [False]
 
     def outermost(fn: Any) -> Any:
         def wrapper(self: argparse.ArgumentParser, *a: Any, **k: Any) -> Any:
             if mode == "options" and depth[0] == 0:
                 raise _Parsed(self)
+            if getattr(self, "tide_settings", False):
+                # A service: its values are converted and its security checked after
+                # the parse; it stops where it would configure its logs and start.
+                out = fn(self, *a, **k)
+                settings_parsed[0] = True
+                return out
             depth[0] += 1
             try:
                 out = fn(self, *a, **k)
@@ -110,6 +124,18 @@ def _argparse_stops(mode: str) -> Iterator[None]:
             raise _Parsed(self)
         raise _ParseError(message or f"exit {status}")
 
+    def build_parser(*a: Any, **k: Any) -> argparse.ArgumentParser:
+        parser = orig_build(*a, **k)
+        parser.tide_settings = True  # type: ignore[attr-defined]
+        return parser
+
+    def configure(*a: Any, **k: Any) -> None:
+        if settings_parsed[0]:
+            raise _Parsed(None)
+        orig_configure(*a, **k)
+
+    settings_config.build_parser = build_parser
+    service_logs.configure = configure
     argparse.ArgumentParser.parse_args = outermost(orig_pa)  # type: ignore[method-assign]
     argparse.ArgumentParser.parse_known_args = outermost(orig_pka)  # type: ignore[method-assign]
     argparse.ArgumentParser.error = error  # type: ignore[method-assign]
@@ -121,6 +147,7 @@ def _argparse_stops(mode: str) -> Iterator[None]:
         argparse.ArgumentParser.parse_known_args = orig_pka  # type: ignore[method-assign]
         argparse.ArgumentParser.error = orig_error  # type: ignore[method-assign]
         argparse.ArgumentParser.exit = orig_exit  # type: ignore[method-assign]
+        settings_config.build_parser, service_logs.configure = orig_build, orig_configure
 
 
 def check_argparse(target: str, is_file: bool, words: list[str], mode: str) -> str:
@@ -129,13 +156,17 @@ def check_argparse(target: str, is_file: bool, words: list[str], mode: str) -> s
     sys.argv = [target, *argv]
     out = io.StringIO()
     try:
-        with _argparse_stops(mode), contextlib.redirect_stdout(out):
+        with (
+            _argparse_stops(mode),
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(out),
+        ):
             if is_file:
                 runpy.run_path(target, run_name="__main__")
             else:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
     except _Parsed as p:
-        if mode == "options":
+        if mode == "options" and p.parser is not None:
             return _argparse_options(p.parser, words)
         return ""
     except _ParseError as e:
@@ -143,7 +174,7 @@ def check_argparse(target: str, is_file: bool, words: list[str], mode: str) -> s
             return f"incomplete: {e.message}"
         return f"its parser refuses it: {e.message}"
     except SystemExit as e:
-        return f"exited {e.code} before parsing its arguments: {out.getvalue()[-300:]}"
+        return f"exits {e.code} at start: {out.getvalue().strip()[-300:]}"
     except Exception as e:  # reported; the next check goes on
         return f"failed before parsing its arguments: {type(e).__name__}: {e}"
     return "ran to the end without parsing its arguments with argparse"
