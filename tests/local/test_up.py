@@ -114,6 +114,20 @@ def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path: Path) -> None:
     assert offline.returncode == 0 and "no jobs" in offline.stderr
     logs = {p.name for p in (state / "logs").iterdir()}
     assert {"coordinator.log", "scaler.log", "agent-0.log"} <= logs
+    # The agent ended its stream before the scaler began to stop: stopped together, the
+    # scaler's gRPC server logged "Aborting method [/tide.v1.Telemetry/Stream] due to
+    # server stop" (a WARNING) in a healthy run.
+    agent_done = logged_at(state / "logs" / "agent-0.log", "agent draining -> stopped")
+    scaler_stops = logged_at(state / "logs" / "scaler.log", "shutting down")
+    assert agent_done <= scaler_stops
+
+
+def logged_at(log: Path, text: str) -> str:
+    """The time (RFC 3339, UTC: ordered as strings) of the first text-format line with ``text``."""
+    for line in log.read_text().splitlines():
+        if text in line:
+            return line.split()[0]
+    raise AssertionError(f"{log.name}: no line with {text!r}")
 
 
 def test_up_refuses_bad_settings(tmp_path: Path) -> None:
