@@ -367,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     # Long enough for a few flips after the windows first fill (PERIOD_S apart).
     paced = run_phase("scaler", args.streams, seconds + 14.0, TARGET_REPORTS_S, args.procs)
     # In this process, after the phases (their servers are gone): the GPM fields' cost.
-    gpm_cost = gpm_cost_ratio(1000 if args.quick else 2000, 9 if args.quick else 15)
+    # The same size with --quick: it takes about 2 s, and on the shared machine 9 rounds
+    # of 1,000 reports left single runs 0.05-0.3 off the ratio (docs/scaler.md).
+    gpm_cost = gpm_cost_ratio()
     lat_ms = [x * 1000 for x in paced["latencies_s"]]
     lags = lag_over_sustain(paced.get("decided_at_s", []), paced["started_at_s"])
     rng = random.Random(7)
