@@ -233,6 +233,9 @@ class CheckpointWritten(_Message):
     digest: str = ""
     write_s: float = 0.0
     periodic: bool = False
+    # From the snapshot of the state to the commit in the durable store, seconds: how far
+    # the durable copy lagged the training (a background write waits its turn).
+    lag_s: float = 0.0
 
 
 @dataclass(frozen=True)

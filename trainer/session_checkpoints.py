@@ -116,6 +116,7 @@ class SessionCheckpoints(SessionState):
                     digest=last.digest,
                     write_s=last.write_s,
                     periodic=done.snapshot.periodic,
+                    lag_s=done.lag_s,
                 )
             )
         return last

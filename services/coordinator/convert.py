@@ -106,7 +106,12 @@ def status_to_proto(v: JobView) -> pb.JobStatus:
         failure=v.failure,
         restarts=v.restarts,
         restart_budget=v.restart_budget,
+        durable_checkpoint_step=v.durable_checkpoint_step,
+        durable_checkpoint_lag_s=v.durable_checkpoint_lag_s,
     )
+    durable_at = _ts(v.durable_checkpoint_at)
+    if durable_at is not None:
+        out.durable_checkpoint_at.CopyFrom(durable_at)
     for m in v.members:
         member = out.members.add(
             member_id=m.member_id,
@@ -193,6 +198,8 @@ def heartbeat_from_proto(r: pb.HeartbeatRequest) -> HeartbeatInput:
         last_checkpoint_digest=r.last_checkpoint_digest,
         leave_requested=r.leave_requested,
         leave_deadline_s=field_seconds(r, "leave_deadline"),
+        last_checkpoint_lag_s=r.last_checkpoint_lag_s,
+        last_checkpoint_at=field_seconds(r, "last_checkpoint_at"),
         worker_exit=WorkerExit(
             exit_code=r.worker_exit.exit_code,
             cause=r.worker_exit.cause or f"exited with {r.worker_exit.exit_code}",

@@ -245,6 +245,12 @@ class Member:
     leave_deadline_s: float | None = None
     # How its last failed worker ended (a heartbeat in phase FAILED said so).
     worker_exit: WorkerExit | None = None
+    # The newest checkpoint its launcher reported committed to the durable store (rank 0
+    # writes them after the pause), that commit's lag behind the snapshot, seconds, and
+    # when it committed (unix seconds; 0: unknown).
+    durable_step: int = 0
+    durable_lag_s: float = 0.0
+    durable_at: float = 0.0
 
     @property
     def endpoint(self) -> str:

@@ -4,7 +4,7 @@ Label values are snake_case; ``job_id`` is bounded by the number of jobs."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class CoordinatorMetrics:
@@ -59,8 +59,34 @@ class CoordinatorMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
             registry=r,
         )
+        self.durable_lag_seconds = Gauge(
+            "tide_coordinator_durable_checkpoint_lag_seconds",
+            "The job's newest durable checkpoint: seconds from its snapshot to its commit in"
+            " the durable store (rank 0 writes it in the background after the pause).",
+            ["job_id"],
+            registry=r,
+        )
+        self.durable_step = Gauge(
+            "tide_coordinator_durable_checkpoint_step",
+            "The step of the job's newest checkpoint in the durable store.",
+            ["job_id"],
+            registry=r,
+        )
+        self.durable_timestamp = Gauge(
+            "tide_coordinator_durable_checkpoint_timestamp_seconds",
+            "When the job's newest durable checkpoint committed (unix seconds).",
+            ["job_id"],
+            registry=r,
+        )
         self.commit_failures = Counter(
             "tide_coordinator_commit_failures_total",
             "Units that could not be committed (the job is reloaded from the store).",
             registry=r,
         )
+
+    def durable(self, job_id: str, step: int, lag_s: float, at: float) -> None:
+        """The job's newest durable checkpoint, as rank 0's launcher reported it."""
+        self.durable_step.labels(job_id).set(step)
+        self.durable_lag_seconds.labels(job_id).set(lag_s)
+        if at:
+            self.durable_timestamp.labels(job_id).set(at)

@@ -68,6 +68,9 @@ class FakeLauncher:
         self.first_step_at: float | None = None
         # The newest checkpoint this member's worker wrote (rank 0 reports it); 0: none.
         self.last_checkpoint = 0
+        # That checkpoint's lag (snapshot to durable commit, seconds) and commit time (unix).
+        self.last_checkpoint_lag_s = 0.0
+        self.last_checkpoint_at = 0.0
         self.worker_starts = 0
         self.received: list[pb.Directive] = []
         self.handled: dict[str, pb.Directive] = {}
@@ -172,6 +175,8 @@ class FakeLauncher:
             last_checkpoint_digest=digest_of(self.job_id, self.last_checkpoint)
             if self.last_checkpoint
             else "",
+            last_checkpoint_lag_s=self.last_checkpoint_lag_s,
+            last_checkpoint_at=ts(self.last_checkpoint_at) if self.last_checkpoint_at else None,
         )
         if self.first_step_at is not None:
             req.first_step_at.CopyFrom(ts(self.first_step_at))

@@ -55,6 +55,7 @@ from trainer.launcher.model import (
     Beat,
     Directive,
     DirectiveKind,
+    DurableCheckpoint,
     State,
     WorkerExit,
     WorkerProgress,
@@ -85,10 +86,9 @@ class Launcher:
         self.generation = 0
         self.exit_code = 0
         self.progress = WorkerProgress()
-        # The newest checkpoint a worker of this launcher wrote and verified (rank 0 only):
-        # heartbeats report it so that the coordinator names it after a loss.
-        self.last_checkpoint_step = 0
-        self.last_checkpoint_digest = ""
+        # The newest checkpoint a worker of this launcher committed durably (rank 0 only):
+        # heartbeats report it (named after a loss) with its lag, for the job's status.
+        self.checkpoint = DurableCheckpoint()
         # Set by trainer/launcher/leave.py when the pod is told to go.
         self.leave_requested = False
         self.leave_deadline_s = 0.0
@@ -151,8 +151,7 @@ class Launcher:
             generation=self.generation,
             state=self.state,
             progress=dataclasses.replace(self.progress),
-            last_checkpoint_step=self.last_checkpoint_step,
-            last_checkpoint_digest=self.last_checkpoint_digest,
+            checkpoint=self.checkpoint,
             leave_requested=self.leave_requested,
             leave_deadline_s=self.leave_deadline_s,
             worker_exit=self.worker_exit if self.state is State.FAILED else None,
@@ -541,9 +540,8 @@ class Launcher:
             if self.state is State.HOLDING:
                 self._set_state(State.RUNNING)
         elif isinstance(msg, CheckpointWritten):
-            if msg.step > self.last_checkpoint_step and msg.digest:
-                self.last_checkpoint_step = msg.step
-                self.last_checkpoint_digest = msg.digest
+            if msg.step > self.checkpoint.step and msg.digest:
+                self.checkpoint = DurableCheckpoint(msg.step, msg.digest, msg.lag_s, time.time())
                 # At once, not at the next beat: a loss right after this write must restore it.
                 self.link.wake_heartbeat()
             logger.info(

@@ -421,8 +421,10 @@ class CoordinatorLink:
                 restore_s=p.restore_s,
             ),
             free_port=find_free_port(self.s.host),
-            last_checkpoint_step=beat.last_checkpoint_step,
-            last_checkpoint_digest=beat.last_checkpoint_digest,
+            last_checkpoint_step=beat.checkpoint.step,
+            last_checkpoint_digest=beat.checkpoint.digest,
+            last_checkpoint_lag_s=beat.checkpoint.lag_s,
+            last_checkpoint_at=ts_from_seconds(beat.checkpoint.at) if beat.checkpoint.at else None,
             leave_requested=beat.leave_requested,
             leave_deadline=ts_from_seconds(beat.leave_deadline_s)
             if beat.leave_deadline_s

@@ -123,6 +123,20 @@ class WorkerProgress:
 
 
 @dataclass(frozen=True)
+class DurableCheckpoint:
+    """The newest checkpoint a worker of this launcher committed to the durable store and
+    verified (rank 0 only)."""
+
+    step: int = 0
+    # Its manifest's sha256 (hex).
+    digest: str = ""
+    # From its snapshot to its commit, seconds: how far the durable copy lagged training.
+    lag_s: float = 0.0
+    # When the launcher heard of its commit (unix seconds).
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
 class Beat:
     """One heartbeat's content, taken when it is sent."""
 
@@ -130,8 +144,7 @@ class Beat:
     state: State
     progress: WorkerProgress
     # The newest checkpoint a worker of this launcher wrote and verified (rank 0 only).
-    last_checkpoint_step: int = 0
-    last_checkpoint_digest: str = ""
+    checkpoint: DurableCheckpoint = DurableCheckpoint()
     # The pod got SIGTERM: this member asks for a coordinated leave (trainer/launcher/leave.py).
     leave_requested: bool = False
     # When the pod's grace ends (unix seconds; 0: not asked), for the scaler's plan.

@@ -487,6 +487,8 @@ class HeartbeatRequest(_message.Message):
     LEAVE_REQUESTED_FIELD_NUMBER: _builtins.int
     LEAVE_DEADLINE_FIELD_NUMBER: _builtins.int
     WORKER_EXIT_FIELD_NUMBER: _builtins.int
+    LAST_CHECKPOINT_LAG_S_FIELD_NUMBER: _builtins.int
+    LAST_CHECKPOINT_AT_FIELD_NUMBER: _builtins.int
     member_id: _builtins.str
     generation: _builtins.int
     phase: Global___WorkerPhase.ValueType
@@ -510,6 +512,11 @@ class HeartbeatRequest(_message.Message):
     pod) and asks for a coordinated leave before its grace period ends; the
     scaler drains it like a pod on a noticed node (docs/preemption.md).
     """
+    last_checkpoint_lag_s: _builtins.float
+    """The checkpoint of last_checkpoint_step is in the durable store (rank 0 writes
+    it in the background after the pause): seconds from its snapshot to its commit,
+    how far the durable copy lagged the training state; 0 when none.
+    """
     @_builtins.property
     def first_step_at(self) -> _timestamp_pb2.Timestamp:
         """Wall time of the first completed step in this generation; unset until then."""
@@ -532,6 +539,10 @@ class HeartbeatRequest(_message.Message):
         names the last one when a crash loop exhausts the job's restart budget.
         """
 
+    @_builtins.property
+    def last_checkpoint_at(self) -> _timestamp_pb2.Timestamp:
+        """When that checkpoint committed; unset when none."""
+
     def __init__(
         self,
         *,
@@ -550,10 +561,12 @@ class HeartbeatRequest(_message.Message):
         leave_requested: _builtins.bool = ...,
         leave_deadline: _timestamp_pb2.Timestamp | None = ...,
         worker_exit: Global___WorkerExit | None = ...,
+        last_checkpoint_lag_s: _builtins.float = ...,
+        last_checkpoint_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["first_step_at", b"first_step_at", "leave_deadline", b"leave_deadline", "startup", b"startup", "worker_exit", b"worker_exit"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_step_at", b"first_step_at", "last_checkpoint_at", b"last_checkpoint_at", "leave_deadline", b"leave_deadline", "startup", b"startup", "worker_exit", b"worker_exit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_at", b"first_step_at", "free_port", b"free_port", "generation", b"generation", "last_checkpoint_digest", b"last_checkpoint_digest", "last_checkpoint_step", b"last_checkpoint_step", "leave_deadline", b"leave_deadline", "leave_requested", b"leave_requested", "member_id", b"member_id", "phase", b"phase", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "startup", b"startup", "step", b"step", "worker_exit", b"worker_exit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "first_step_at", b"first_step_at", "free_port", b"free_port", "generation", b"generation", "last_checkpoint_at", b"last_checkpoint_at", "last_checkpoint_digest", b"last_checkpoint_digest", "last_checkpoint_lag_s", b"last_checkpoint_lag_s", "last_checkpoint_step", b"last_checkpoint_step", "leave_deadline", b"leave_deadline", "leave_requested", b"leave_requested", "member_id", b"member_id", "phase", b"phase", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "startup", b"startup", "step", b"step", "worker_exit", b"worker_exit"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -891,6 +904,9 @@ class JobStatus(_message.Message):
     FAILURE_FIELD_NUMBER: _builtins.int
     RESTARTS_FIELD_NUMBER: _builtins.int
     RESTART_BUDGET_FIELD_NUMBER: _builtins.int
+    DURABLE_CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
+    DURABLE_CHECKPOINT_LAG_S_FIELD_NUMBER: _builtins.int
+    DURABLE_CHECKPOINT_AT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     generation: _builtins.int
     world_size: _builtins.int
@@ -921,11 +937,25 @@ class JobStatus(_message.Message):
     """Re-forms after a worker failure in a row, without a healthy run between them."""
     restart_budget: _builtins.int
     """How many such re-forms the coordinator allows before the job fails."""
+    durable_checkpoint_step: _builtins.int
+    """The newest checkpoint in the durable store (disk, PVC, object storage), as
+    rank 0's launcher reported it; last_checkpoint_step may be newer (a coordinated
+    checkpoint held in the pods' memory until its durable write commits). 0 / unset
+    when none, or until a restarted coordinator hears a heartbeat again.
+    """
+    durable_checkpoint_lag_s: _builtins.float
+    """Seconds from that checkpoint's snapshot to its commit in the durable store: a
+    durable copy that falls behind is a warning (an alert), never a stall.
+    """
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___Member]: ...
     @_builtins.property
     def active_resize(self) -> Global___ResizeProgress:
         """The resize in progress, if any."""
+
+    @_builtins.property
+    def durable_checkpoint_at(self) -> _timestamp_pb2.Timestamp:
+        """When it committed."""
 
     def __init__(
         self,
@@ -946,10 +976,13 @@ class JobStatus(_message.Message):
         failure: _builtins.str = ...,
         restarts: _builtins.int = ...,
         restart_budget: _builtins.int = ...,
+        durable_checkpoint_step: _builtins.int = ...,
+        durable_checkpoint_lag_s: _builtins.float = ...,
+        durable_checkpoint_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["active_resize", b"active_resize"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["active_resize", b"active_resize", "durable_checkpoint_at", b"durable_checkpoint_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_resize", b"active_resize", "epoch", b"epoch", "failed", b"failed", "failure", b"failure", "finished", b"finished", "generation", b"generation", "job_id", b"job_id", "last_checkpoint_step", b"last_checkpoint_step", "lost_steps_total", b"lost_steps_total", "members", b"members", "restart_budget", b"restart_budget", "restarts", b"restarts", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_resize", b"active_resize", "durable_checkpoint_at", b"durable_checkpoint_at", "durable_checkpoint_lag_s", b"durable_checkpoint_lag_s", "durable_checkpoint_step", b"durable_checkpoint_step", "epoch", b"epoch", "failed", b"failed", "failure", b"failure", "finished", b"finished", "generation", b"generation", "job_id", b"job_id", "last_checkpoint_step", b"last_checkpoint_step", "lost_steps_total", b"lost_steps_total", "members", b"members", "restart_budget", b"restart_budget", "restarts", b"restarts", "samples_consumed", b"samples_consumed", "samples_per_s", b"samples_per_s", "step", b"step", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

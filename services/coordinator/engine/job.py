@@ -78,9 +78,8 @@ class JobRuntime:
         self._clock = clock
         self._tuning = tuning
         self._log = with_context(logger, job_id=job.job_id)
-        self.outbox = Outbox(
-            self.state, store, clock, tuning, metrics or CoordinatorMetrics(), self._log
-        )
+        self._metrics = metrics or CoordinatorMetrics()
+        self.outbox = Outbox(self.state, store, clock, tuning, self._metrics, self._log)
         self._stream_tokens: dict[str, object] = {}
 
     @classmethod
@@ -207,6 +206,11 @@ class JobRuntime:
         self.outbox.apply(effects)
         if changed:
             self.notifier.notify()
+        durable = views.newest_durable(self.state)
+        if durable is not None and durable.member_id == inp.member_id:
+            self._metrics.durable(
+                self.job.job_id, durable.durable_step, durable.durable_lag_s, durable.durable_at
+            )
         self._finish_operation()
         return self.job.generation
 

@@ -98,6 +98,11 @@ def heartbeat(
     # Watchers (the scaler) must see a leave request at once: it starts a preemption.
     changed = inp.leave_requested and not m.leave_requested
     m.leave_requested = m.leave_requested or inp.leave_requested
+    if inp.last_checkpoint_step and inp.last_checkpoint_step >= m.durable_step:
+        # Whatever its generation: rank 0 of an earlier one still wrote that checkpoint.
+        m.durable_step = inp.last_checkpoint_step
+        m.durable_lag_s = inp.last_checkpoint_lag_s
+        m.durable_at = inp.last_checkpoint_at or m.durable_at
     if inp.leave_requested and inp.leave_deadline_s is not None:
         m.leave_deadline_s = inp.leave_deadline_s
     if m.rank is not None and inp.generation == s.job.generation > 0:

@@ -59,6 +59,10 @@ class HeartbeatInput:
     leave_deadline_s: float | None = None
     # With phase FAILED: how the worker ended, if the launcher said.
     worker_exit: WorkerExit | None = None
+    # last_checkpoint_step is in the durable store: from its snapshot to its commit,
+    # seconds, and when it committed (unix seconds), if the launcher said.
+    last_checkpoint_lag_s: float = 0.0
+    last_checkpoint_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -139,3 +143,8 @@ class JobView:
     # Re-forms in a row after losses, and how many the coordinator allows.
     restarts: int = 0
     restart_budget: int = 0
+    # The newest checkpoint in the durable store, its lag (snapshot to commit, seconds)
+    # and when it committed (unix seconds); 0 while none was reported.
+    durable_checkpoint_step: int = 0
+    durable_checkpoint_lag_s: float = 0.0
+    durable_checkpoint_at: float = 0.0

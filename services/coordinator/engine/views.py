@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.coordinator.domain import MemberState, Resize, WorkerPhase
+from services.coordinator.domain import Member, MemberState, Resize, WorkerPhase
 from services.coordinator.engine.messages import JobView, MemberView, ResizeView
 from services.coordinator.engine.recovery import restart_streak
 from services.coordinator.engine.state import JobState
@@ -65,6 +65,7 @@ def job_view(s: JobState, tuning: Tuning, now: float) -> JobView:
     if done:
         lead = max(s.finished_members(), key=lambda m: m.step)
     r = s.active_resize()
+    durable = newest_durable(s)
     return JobView(
         job_id=s.job_id,
         generation=s.job.generation,
@@ -82,4 +83,14 @@ def job_view(s: JobState, tuning: Tuning, now: float) -> JobView:
         failure=s.job.failure,
         restarts=restart_streak(s, tuning, s.job.failed_at or now),
         restart_budget=tuning.restart_budget,
+        durable_checkpoint_step=durable.durable_step if durable else 0,
+        durable_checkpoint_lag_s=durable.durable_lag_s if durable else 0.0,
+        durable_checkpoint_at=durable.durable_at if durable else 0.0,
     )
+
+
+def newest_durable(s: JobState) -> Member | None:
+    """The member that reported the job's newest durable checkpoint (rank 0 of the
+    generation that wrote it, whatever its rank now); None before any."""
+    best = max(s.members.values(), key=lambda m: m.durable_step, default=None)
+    return best if best is not None and best.durable_step else None
