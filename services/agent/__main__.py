@@ -37,6 +37,10 @@ def make_source(settings: AgentSettings) -> Source:
         from .nvml import NvmlSource
 
         return NvmlSource()
+    if settings.source == "dcgm":
+        from .dcgm import DcgmExporterSource
+
+        return DcgmExporterSource(settings.dcgm_exporter_url, settings.dcgm_timeout_s)
     if settings.source == "replay":
         return ReplaySource(settings.replay_path, clock, loop=settings.replay_loop)
     return SyntheticSource(

@@ -28,13 +28,14 @@ class GpuProcess:
 
 @dataclass(frozen=True)
 class GpmActivity:
-    """NVML GPM metrics of one GPU over the interval between two GPM samples,
-    percent 0..100 each (tide.v1.GpmActivity)."""
+    """SM, tensor and DRAM activity of one GPU over the last interval, percent 0..100
+    each (tide.v1.GpuSample's GPM fields). NVML GPM reads all four or none; a field
+    a dcgm-exporter endpoint does not publish is None: not measured, never zero."""
 
-    sm_active_pct: float
-    sm_occupancy_pct: float
-    tensor_active_pct: float
-    dram_active_pct: float
+    sm_active_pct: float | None
+    sm_occupancy_pct: float | None
+    tensor_active_pct: float | None
+    dram_active_pct: float | None
 
 
 @dataclass(frozen=True)

@@ -57,12 +57,16 @@ def build_report(
             health_flags=int(r.health),
         )
         if r.gpm is not None:
-            # All four or none (tide.v1.GpuSample): an unset one reads NaN, "not measured".
+            # A field left unset reads NaN at the scaler: "not measured", never 0.
             a = r.gpm
-            gpu.sm_active_pct = _pct(a.sm_active_pct)
-            gpu.sm_occupancy_pct = _pct(a.sm_occupancy_pct)
-            gpu.tensor_active_pct = _pct(a.tensor_active_pct)
-            gpu.dram_active_pct = _pct(a.dram_active_pct)
+            if a.sm_active_pct is not None:
+                gpu.sm_active_pct = _pct(a.sm_active_pct)
+            if a.sm_occupancy_pct is not None:
+                gpu.sm_occupancy_pct = _pct(a.sm_occupancy_pct)
+            if a.tensor_active_pct is not None:
+                gpu.tensor_active_pct = _pct(a.tensor_active_pct)
+            if a.dram_active_pct is not None:
+                gpu.dram_active_pct = _pct(a.dram_active_pct)
         owner = owner_of(owners, r)
         if owner is not None:
             gpu.pod.CopyFrom(

@@ -17,7 +17,7 @@ from services.common.config import ClientSettings, ProcessSettings, check_hostpo
 from tidebase import grpc_options
 from tidebase.errors import ConfigError
 
-SOURCES = ("nvml", "replay", "synthetic")
+SOURCES = ("nvml", "dcgm", "replay", "synthetic")
 
 
 def _default_node_name() -> str:
@@ -38,7 +38,15 @@ class AgentSettings(ProcessSettings, ClientSettings):
         30.0, "with --scaler-fanout, how often the replicas' addresses are resolved again"
     )
     node_name: str = setting("", "Kubernetes node name; default $NODE_NAME, then the hostname")
-    source: str = setting("nvml", "where readings come from: nvml, replay or synthetic")
+    source: str = setting(
+        "nvml",
+        "where readings come from: nvml, dcgm (a dcgm-exporter endpoint), replay or synthetic",
+    )
+    dcgm_exporter_url: str = setting(
+        "http://127.0.0.1:9400/metrics",
+        "for --source dcgm: the node's dcgm-exporter /metrics (e.g. http://$NODE_IP:9400/metrics)",
+    )
+    dcgm_timeout_s: float = setting(2.0, "for --source dcgm: timeout of one scrape of the exporter")
     replay_path: str = setting("", "JSONL or CSV trace for --source replay")
     replay_loop: bool = setting(True, "start the replay trace again when it ends")
     synthetic_profile: str = setting(
@@ -98,6 +106,11 @@ class AgentSettings(ProcessSettings, ClientSettings):
             check_hostport("listen", self.listen)
         if self.source not in SOURCES:
             raise ConfigError(f"source: expected one of {', '.join(SOURCES)}, got {self.source!r}")
+        if self.source == "dcgm" and not self.dcgm_exporter_url.startswith(("http://", "https://")):
+            raise ConfigError(
+                "dcgm_exporter_url: an http:// or https:// URL is required with source=dcgm,"
+                f" got {self.dcgm_exporter_url!r}"
+            )
         if self.source == "replay" and not self.replay_path:
             raise ConfigError("replay_path: required with source=replay, got ''")
         if self.synthetic_gpus < 0:
@@ -112,6 +125,7 @@ class AgentSettings(ProcessSettings, ClientSettings):
             "keepalive_timeout_s",
             "pod_resources_refresh_s",
             "scaler_resolve_interval_s",
+            "dcgm_timeout_s",
         )
         for name in positive:
             value = getattr(self, name)

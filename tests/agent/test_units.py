@@ -239,7 +239,8 @@ def test_owners_from_pod_resources_skip_other_resources_and_strip_replicas() -> 
     ("field", "value", "message"),
     [
         ("interval_s", 0.0, "interval_s: must be > 0, got 0.0"),
-        ("source", "dcgm", "source: expected one of nvml, replay, synthetic, got 'dcgm'"),
+        ("source", "dcmg", "source: expected one of nvml, dcgm, replay, synthetic, got 'dcmg'"),
+        ("dcgm_timeout_s", 0.0, "dcgm_timeout_s: must be > 0, got 0.0"),
         ("scaler", "nohost", "scaler: expected HOST:PORT, got 'nohost'"),
         ("max_in_flight_reports", 600, "max_in_flight_reports: must be in 1..599, got 600"),
         ("backoff_max_s", 0.1, "backoff_max_s: must be >= backoff_initial_s"),

@@ -99,8 +99,9 @@ class GpuSample(_message.Message):
     presence (a measured 0.0 is sent) and read NaN when unset, so a reader
     that range-checks a value never takes an unmeasured one for 0 %, and needs
     no presence check per GPU. The scaler refuses to scale a job on a signal
-    its GPUs do not report (NO_SIGNAL). The agent sends the four together or
-    none of them.
+    its GPUs do not report (NO_SIGNAL). From NVML GPM the agent sends the four
+    together or none of them; from dcgm-exporter, those the endpoint publishes.
+    The scaler counts a GPU's SM and tensor activity only when both are set.
 
     Fraction of time at least one warp was resident on an SM, averaged over
     the SMs (NVML_GPM_METRIC_SM_UTIL; DCGM_FI_PROF_SM_ACTIVE).
