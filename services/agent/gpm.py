@@ -116,7 +116,7 @@ class GpmReader:
         for k, name in enumerate(METRICS):
             m = mg.metrics[k]
             if m.nvmlReturn != nv.NVML_SUCCESS:
-                # All four or none (tide.v1.GpmActivity): one unreadable metric is
+                # All four or none (tide.v1.GpuSample): one unreadable metric is
                 # an unmeasured interval, not a zero.
                 logger.debug("NVML: GPU %d %s: error %d", index, name, m.nvmlReturn)
                 return None

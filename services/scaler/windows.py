@@ -72,8 +72,8 @@ class JobWindow:
         self.n = (buckets + 1) * self.k + 1
         self._sums = array("d", bytes(8 * self.n))
         self._counts = array("q", bytes(8 * self.n))
-        # NVML GPM (tide.v1.GpmActivity): of each slot's samples, those that carried
-        # it, and the sums of their SM and tensor activity. Absent is not zero: a
+        # GPM activity (tide.v1.GpuSample's SM and tensor activity): of each slot's
+        # samples, those that carried it, and the sums of their SM and tensor activity. Absent is not zero: a
         # bucket's GPM mean is over these samples only, and its fraction says how many.
         self._gpm = array("q", bytes(8 * self.n))
         self._sm = array("d", bytes(8 * self.n))
