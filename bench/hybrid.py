@@ -26,8 +26,15 @@ in plain data parallel (the same script without ``--sharded``).
 - ``stage1_overlap_rel_diff``, ``overlap_pause_s``, ``overlap_lost_steps``: the sharded chain
   again in the coordinator's overlap mode (g+1's groups, fleet's included, formed while g
   trains: docs/resize-protocol.md).
+- ``dpsh_*``: data parallel beside sharding (``--sharding-degree-max 2``: each generation
+  shards over the largest divisor of its world size up to 2), resized 4 -> 3 -> 2 -> 4 (dp 2 x
+  sharding 2 -> dp 3 x 1 -> dp 1 x 2 -> dp 2 x 2) against a fixed 4-rank run of the same
+  layout: ``dpsh_rel_diff``, ``dpsh_optimizer_rel_diff``, ``dpsh_layouts`` (per generation,
+  the degrees its workers logged), ``dpsh_pause_s``, ``dpsh_exactly_once``,
+  ``dpsh_lost_steps``.
 
-    python -m bench.hybrid --quick   # about 2-3 minutes here (2 cores)
+    python -m bench.hybrid --quick   # about 3-4 minutes here (2 cores)
+    python -m bench.hybrid --quick --only dpsh   # the dp x sharding chain alone
 
 The last line is ``RESULT {json}``.
 """
@@ -47,14 +54,15 @@ from services.testing.localjob import ROOT, LocalJob, reference_run, resize_alon
 from services.testing.parity import (
     check_exactly_once,
     final_losses,
+    fleet_layouts,
     max_rel_array_diff,
     optimizer_state,
-    sharding_degrees,
     worlds_by_generation,
 )
 
 EXAMPLE = str(ROOT / "trainer" / "examples" / "train_transformer.py")
 CHAIN = (2, 3, 1, 4)
+DPSH_CHAIN, DPSH_CAP = (4, 3, 2, 4), 2
 DATASET, BATCH = 256, 16
 MODEL = [
     "--dataset-size", str(DATASET), "--global-batch", str(BATCH), "--seed", "3",
@@ -70,28 +78,50 @@ STAGE2_REASON = (
 )
 
 
-def layouts(job: LocalJob) -> tuple[list[dict[str, int]], bool]:
-    """Per generation, the degree its workers logged they sharded over, and whether every
-    rank of every generation logged that generation's world size (one rank alone trains
-    unwrapped: nothing sharded, nothing logged)."""
-    logged = sharding_degrees(job.workdir.glob("trainer-*/*.log"))
+def layouts(job: LocalJob, cap: int = 0) -> tuple[list[dict[str, int]], bool]:
+    """Per generation, the degrees its workers logged, and whether every rank of every
+    generation logged the degrees trainer/sharding.py's rule gives its world size under
+    ``cap`` (one rank alone trains unwrapped: nothing sharded, nothing logged)."""
+    from trainer.sharding import degrees as rule
+
+    logged = fleet_layouts(job.workdir.glob("trainer-*/*.log"))
     worlds = worlds_by_generation(job.log_dir)
     out, consistent = [], bool(worlds)
     for gen, world in sorted(worlds.items()):
-        degrees = logged.get(gen, {})
-        consistent = consistent and degrees == (
-            {r: world for r in range(world)} if world > 1 else {}
+        seen = logged.get(gen, {})
+        consistent = consistent and seen == (
+            {r: rule(world, cap) for r in range(world)} if world > 1 else {}
         )
-        degree = max(degrees.values(), default=1)
-        out.append(
-            {
-                "generation": gen,
-                "world": world,
-                "sharding_degree": degree,
-                "dp_degree": world // degree,
-            }
-        )
+        dp, degree = max(seen.values(), default=(1, 1))
+        out.append({"generation": gen, "world": world, "sharding_degree": degree, "dp_degree": dp})
     return out, consistent
+
+
+def dp_by_sharding(train: list[str], workdir: Path) -> dict[str, Any]:
+    """The ``dpsh_*`` keys: data parallel beside sharding, resized along DPSH_CHAIN."""
+    args = [*train, "--sharded", "--sharding-degree-max", str(DPSH_CAP)]
+    fixed = reference_run(workdir / "dpsh-fixed", args, DPSH_CHAIN[0], example=EXAMPLE)
+    job = LocalJob(workdir / "dpsh", [*args, "--step-delay-s", "0.1"], heartbeat_timeout_s=10.0)
+    job.example = EXAMPLE
+    chain = asyncio.run(resize_along(job, DPSH_CHAIN))
+    steps = int(train[train.index("--steps") + 1])
+    out: dict[str, Any] = {
+        "dpsh_rel_diff": float(f"{rel_diff(job.log_dir, fixed):.3g}"),
+        "dpsh_optimizer_rel_diff": float(
+            f"{max_rel_array_diff(optimizer_state(job.ckpt_dir), optimizer_state(workdir / 'dpsh-fixed' / 'ckpt')):.3g}"
+        ),
+        "dpsh_pause_s": [round(f.pause_s, 3) for f in chain.completed[1:]],
+        "dpsh_aborted_tries": len(chain.aborted),
+    }
+    try:
+        check_exactly_once(job.log_dir, DATASET, steps, -(-DATASET // BATCH))
+        out["dpsh_exactly_once"] = 1
+    except AssertionError:
+        out["dpsh_exactly_once"] = 0
+    done = set(final_losses(job.log_dir))
+    out["dpsh_lost_steps"] = chain.lost_steps + steps - len(done & set(range(1, steps + 1)))
+    out["dpsh_layouts"], out["dpsh_layouts_consistent"] = layouts(job, DPSH_CAP)
+    return out
 
 
 def run(quick: bool, workdir: Path) -> dict[str, Any]:
@@ -147,8 +177,14 @@ def run(quick: bool, workdir: Path) -> dict[str, Any]:
     result["pause_over_dp_pause"] = round(
         sum(result["pause_s"]) / max(sum(result["dp_pause_s"]), 1e-9), 3
     )
+    result.update(dp_by_sharding(train, workdir))
     result["ok"] = (
-        result["stage1_rel_diff"] <= 1e-5
+        result["dpsh_rel_diff"] <= 1e-5
+        and result["dpsh_optimizer_rel_diff"] <= 1e-5
+        and result["dpsh_exactly_once"] == 1
+        and result["dpsh_lost_steps"] == 0
+        and result["dpsh_layouts_consistent"]
+        and result["stage1_rel_diff"] <= 1e-5
         and result["stage1_optimizer_rel_diff"] <= 1e-5
         and result["stage1_overlap_rel_diff"] <= 1e-5
         and over.lost_steps == 0
@@ -163,9 +199,20 @@ def run(quick: bool, workdir: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", choices=["dpsh"], help="run one chain alone")
     ns = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-hybrid-") as tmp:
-        result = run(ns.quick, Path(tmp))
+        if ns.only == "dpsh":
+            result = dp_by_sharding([*MODEL, "--steps", "80" if ns.quick else "200"], Path(tmp))
+            result["ok"] = (
+                result["dpsh_rel_diff"] <= 1e-5
+                and result["dpsh_optimizer_rel_diff"] <= 1e-5
+                and result["dpsh_exactly_once"] == 1
+                and result["dpsh_lost_steps"] == 0
+                and result["dpsh_layouts_consistent"]
+            )
+        else:
+            result = run(ns.quick, Path(tmp))
     print("RESULT " + json.dumps(result))
     return 0 if result["ok"] else 1
 

@@ -7,7 +7,9 @@ each of the V micro-batches draws from its own RNG stream, seeded from (seed, st
 rank), and the run is exact across resizes (docs/trainer.md, "When to use which").
 
 ``--sharded``: the same model trained the way a Paddle fleet script does, AdamW's state
-sharded over the ranks (fleet's sharding stage 1, docs/sharded.md); bench/hybrid.py resizes it.
+sharded over the ranks (fleet's sharding stage 1, docs/sharded.md); with
+``--sharding-degree-max N`` each generation shards over at most N ranks and replicates
+data-parallel over the rest. bench/hybrid.py resizes it.
 
 ``python trainer/examples/train_transformer.py --steps 20`` alone, or under the launcher.
 """
@@ -85,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt-every-steps", type=int, default=0)
     p.add_argument("--log-dir", default="")
     p.add_argument("--sharded", action="store_true", help="fleet sharding stage 1")
+    p.add_argument(
+        "--sharding-degree-max",
+        type=int,
+        default=0,
+        help="with --sharded: cap the sharding degree, data parallel over the rest (0: none)",
+    )
     # The keys' bias has no gradient (softmax ignores a shift of every key) but rounding:
     # AdamW turns that into full-size steps, which differ with the summation order, so
     # parity checks of every parameter drop the attention's biases (as Llama has none).
@@ -107,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             log_dir=args.log_dir,
             virtual_ranks=args.virtual_ranks,
             accumulation_steps=args.accumulation_steps,
+            sharding_degree_max=args.sharding_degree_max,
         )
     )
     paddle.seed(args.seed)
