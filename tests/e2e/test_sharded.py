@@ -1,6 +1,7 @@
 """End to end: a Paddle fleet job with AdamW's state sharded (stage 1, trainer/sharding.py)
-resized 2 -> 3 -> 2 under the coordinator and launchers, against a fixed 2-rank run; and
-a layout Tide refuses, failing before its first step."""
+resized 2 -> 3 -> 2 under the coordinator and launchers, against a fixed 2-rank run; data
+parallel beside sharding (``sharding_degree_max`` 2) resized 4 -> 3 -> 2 -> 4; and a layout
+Tide refuses, failing before its first step."""
 
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ from pathlib import Path
 import pytest
 from tide.v1 import coordinator_pb2 as pb
 
-from services.testing.localjob import ROOT, LocalJob, gloo_env, reference_run
-from services.testing.parity import max_rel_array_diff, optimizer_state
+from services.testing.localjob import ROOT, LocalJob, gloo_env, reference_run, resize_along
+from services.testing.parity import (
+    fleet_layouts,
+    max_rel_array_diff,
+    optimizer_state,
+    worlds_by_generation,
+)
 from tests.e2e.checks import (
     check_exactly_once,
     final_losses,
@@ -23,6 +29,7 @@ from tests.e2e.checks import (
     samples_per_step,
     steps_by_generation,
 )
+from trainer.sharding import degrees
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 
@@ -157,5 +164,71 @@ def test_a_sharded_job_restarted_from_disk_at_other_degrees_matches_a_fixed_run(
         optimizer_state(tmp_path / "restarted/ckpt"), optimizer_state(tmp_path / "fixed/ckpt")
     )
     print(f"restarted 2 -> 3 -> 2 from disk: params {param_diff:.2e}, optimizer {opt_diff:.2e}")
+    assert param_diff <= 1e-5
+    assert opt_diff <= 1e-5
+
+
+CAP = "--sharding-degree-max=2"
+
+
+@pytest.mark.timeout(480)
+async def test_dp_beside_sharding_resized_4_3_2_4_matches_a_fixed_run(tmp_path: Path) -> None:
+    """dp 2 x sharding 2 -> dp 3 x sharding 1 -> dp 1 x sharding 2 -> dp 2 x sharding 2, by
+    the rule under sharding_degree_max 2, against a fixed run at the first layout. Each
+    generation's ranks log the degrees they run (trainer/session.py), and the state gathered
+    from the first replica's sharding group (a replica's own shards would leave out the
+    other groups') is whole at every checkpoint."""
+    job = LocalJob(
+        tmp_path / "job", [*TRAIN, CAP, "--step-delay-s", "0.1"], heartbeat_timeout_s=10.0
+    )
+    job.example = SHARDED
+    chain = await resize_along(job, (4, 3, 2, 4))
+    assert chain.lost_steps == 0
+    steps_seen = sorted(s for ss in steps_by_generation(job.log_dir).values() for s in ss)
+    assert steps_seen == list(range(1, STEPS + 1)), "a step was lost or repeated"
+    check_exactly_once(job.log_dir, DATASET, STEPS, SPE)
+    worlds = worlds_by_generation(job.log_dir)
+    assert [w for _, w in sorted(worlds.items())] == [4, 3, 2, 4]
+    logged = fleet_layouts(job.workdir.glob("trainer-*/*.log"))
+    for gen, world in worlds.items():
+        assert logged[gen] == {r: degrees(world, 2) for r in range(world)}, (gen, logged)
+    assert {degrees(w, 2) for w in worlds.values()} == {(2, 2), (3, 1), (1, 2)}
+
+    ref = reference_run(tmp_path / "ref", [*TRAIN, CAP], world_size=4, example=SHARDED)
+    loss_diff = max_rel_loss_diff(final_losses(job.log_dir), final_losses(ref))
+    param_diff = max_rel_param_diff(job.log_dir / "final_params.npz", ref / "final_params.npz")
+    opt_diff = max_rel_array_diff(
+        optimizer_state(job.ckpt_dir), optimizer_state(tmp_path / "ref/ckpt")
+    )
+    print(
+        f"dp x sharding parity vs a fixed 4-rank run: loss {loss_diff:.2e}, "
+        f"params {param_diff:.2e}, optimizer {opt_diff:.2e}; "
+        f"pauses {[round(r.pause_s, 3) for r in chain.completed[1:]]}"
+    )
+    assert loss_diff <= 1e-5
+    assert param_diff <= 1e-5
+    assert opt_diff <= 1e-5
+
+
+def test_dp_beside_sharding_restarted_from_disk_at_other_layouts_matches_a_fixed_run(
+    tmp_path: Path,
+) -> None:
+    """Restarts at 4 (dp 2 x sharding 2), 3 (dp 3), 2 (sharding 2) ranks from the durable
+    checkpoint, against a fixed 4-rank run: the gathered state is whole whichever layout
+    wrote it and whichever reads it."""
+    base = [a for a in TRAIN if a not in ("--steps", str(STEPS))] + [CAP]
+    for world, steps in ((4, 20), (3, 30), (2, 40)):
+        logs = reference_run(
+            tmp_path / "restarted", [*base, "--steps", str(steps)], world, example=SHARDED
+        )
+    fixed = reference_run(tmp_path / "fixed", [*base, "--steps", "40"], 4, example=SHARDED)
+    param_diff = max_rel_param_diff(logs / "final_params.npz", fixed / "final_params.npz")
+    opt_diff = max_rel_array_diff(
+        optimizer_state(tmp_path / "restarted/ckpt"), optimizer_state(tmp_path / "fixed/ckpt")
+    )
+    print(
+        f"dp x sharding restarted 4 -> 3 -> 2 from disk: params {param_diff:.2e}, "
+        f"optimizer {opt_diff:.2e}"
+    )
     assert param_diff <= 1e-5
     assert opt_diff <= 1e-5
