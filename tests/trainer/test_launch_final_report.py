@@ -84,3 +84,24 @@ async def test_a_launcher_that_gives_up_says_so_once_naming_the_setting(
     gave_up = [r for r in caplog.records if "exits without the coordinator" in r.getMessage()]
     assert len(gave_up) == 1 and gave_up[0].levelno == logging.WARNING
     assert "final_report_timeout_s" in gave_up[0].getMessage()
+
+
+async def test_a_launcher_stopped_while_it_reports_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("FAKE_MAX_STEPS", "12")
+    coord = StoreDownOnTheEnd(outage_s=3600.0)
+    caplog.set_level(logging.INFO, logger="trainer.launcher.link")
+    server, port = await start_fake(coord)
+    try:
+        launcher = make_launcher(port, tmp_path)
+        run = asyncio.create_task(launcher.run())
+        await eventually(lambda: coord.members, 10, what="registration")
+        coord.rendezvous(list(coord.members))
+        await eventually(lambda: coord.refused_ends >= 1, 20, what="the end refused")
+        launcher.stop()  # as on SIGTERM once finished
+        assert await asyncio.wait_for(run, 15) == 0
+    finally:
+        await server.stop(None)
+    stopped = [r for r in caplog.records if "stopped before the coordinator" in r.getMessage()]
+    assert len(stopped) == 1 and stopped[0].levelno == logging.WARNING

@@ -482,7 +482,18 @@ class CoordinatorLink:
         ``final_report_timeout_s``, because a launcher that exits unheard is a silent
         member, and silence reads as a loss. Returns whether the end was acknowledged (or
         the coordinator no longer counts the member: nothing to tell)."""
-        limit_s = self.s.final_report_timeout_s
+        try:
+            return await self._report_end(self.s.final_report_timeout_s)
+        except asyncio.CancelledError:
+            # Stopped (SIGTERM, SIGINT) while the report waited for its ack.
+            logger.warning(
+                "member %s (job %s) stopped before the coordinator recorded its completion",
+                self.member_id,
+                self.s.job_id,
+            )
+            raise
+
+    async def _report_end(self, limit_s: float) -> bool:
         deadline = time.monotonic() + limit_s
         backoff = Backoff(self.s.backoff_initial_s, self.s.backoff_max_s)
         refusals = 0
