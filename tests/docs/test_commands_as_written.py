@@ -57,7 +57,9 @@ from tests.docs.commands import (
     synopsis_words,
 )
 
-pytestmark = pytest.mark.integration
+# About 10 s of CPU in all; on a shared 2-core machine the wall time is mostly
+# waiting for it, hence more than the default 120 s before a timeout.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
 
 # Run end to end, exactly as written (each a second or two), in a scratch checkout
 # and a scratch HOME; the commands of a group in order, the groups side by side.
@@ -343,6 +345,7 @@ WRONG = {
     "tide --token-file t jobs": "No such option: --token-file",  # the token is an option of each command
     "tide scale ml/resnet --replicas two --reason x": "replicas",
     "tide history JOB --limit": "incomplete",  # a block command must be complete
+    "tide config": "incomplete: a group of commands",
     "tide history JOB --since yesterday": "against an empty store it exits 2",
     "python -m bench.k8s --quick --insecure": "unrecognized arguments: --insecure",
     "python -m trainer.launch --backend auto|mpi": "not a choice: mpi",
