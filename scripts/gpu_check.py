@@ -22,6 +22,17 @@ It checks, in order, and stops at the first failure (each check's outcome is in 
    and of the final parameters and buffers.
 5. ``amp``: ``paddle.amp`` with a ``GradScaler`` on the GPU (enabled only there): losses
    finite, the scaler's state in the checkpoint, and restore parity as in 4.
+6. ``mp_layout`` (2 GPUs or more; skipped, and said so, with fewer): plain fleet processes
+   (Paddle's launcher, NCCL) with ``mp_degree`` 2 and as many data-parallel replicas as
+   the GPUs hold whole (1 at 2-3 GPUs, 2 at 4 or more), a tensor-parallel MLP
+   (``ColumnParallelLinear`` then ``RowParallelLinear``) trained a few AdamW steps. It checks
+   trainer/layout.py against fleet's own groups: every rank's (dp, mp) coordinates and the
+   data-parallel groups; and, with 2 replicas, the premise of the resize transfer: the
+   slice (parameters and Adam moments) each rank holds equals the slice of the rank
+   ``plan_transfer`` names as its source in a resize 2 -> 4 (a newcomer at mp rank k gets
+   the stayer's at mp rank k). Not run yet: no machine with 2 GPUs has been lent to this
+   work (issue 26); ``--mp-dry-run`` runs the same program on the CPU with mp 1 (gloo),
+   which checks the plumbing only.
 
 The last line is ``RESULT {json}``; the exit code is 0 when every check passed.
 """
@@ -38,6 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
@@ -161,6 +174,126 @@ def check_restore(workdir: Path, extra: list[str]) -> dict[str, Any]:
     }
 
 
+# One rank of the mp_layout check; argv: mp degree, output folder.
+_MP_RANK = """
+import json, sys
+import numpy as np
+import paddle
+import paddle.distributed as dist
+from paddle.distributed import fleet
+mp, out = int(sys.argv[1]), sys.argv[2]
+dist.init_parallel_env()
+world = dist.get_world_size()
+strategy = fleet.DistributedStrategy()
+strategy.hybrid_configs = {"dp_degree": world // mp, "mp_degree": mp, "pp_degree": 1}
+fleet.init(is_collective=True, strategy=strategy)
+hcg = fleet.get_hybrid_communicate_group()
+paddle.seed(7)
+mpu = fleet.meta_parallel
+if mp > 1:
+    net = paddle.nn.Sequential(
+        mpu.ColumnParallelLinear(16, 32, has_bias=True, gather_output=False),
+        mpu.RowParallelLinear(32, 4, has_bias=True, input_is_parallel=True),
+    )
+else:
+    net = paddle.nn.Sequential(paddle.nn.Linear(16, 32), paddle.nn.Linear(32, 4))
+opt = paddle.optimizer.AdamW(parameters=net.parameters())
+model, opt = fleet.distributed_model(net), fleet.distributed_optimizer(opt)
+dp_rank = hcg.get_data_parallel_rank()
+for step in range(5):
+    x = np.random.default_rng(step * 100 + dp_rank).random((8, 16), dtype=np.float32)
+    loss = model(paddle.to_tensor(x)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.clear_grad()
+# This rank's slice by position (names are per-process counters).
+params = [p.numpy() for p in net.parameters()]
+state = opt.state_dict()
+moments = [state[k].numpy() for k in sorted(state) if "moment" in k]
+digest = [float(np.abs(a).sum()) for a in params + moments]
+json.dump({
+    "rank": dist.get_rank(),
+    "dp": dp_rank,
+    "mp": hcg.get_model_parallel_rank(),
+    "dp_group": sorted(hcg.get_data_parallel_group().ranks),
+    "digest": digest,
+}, open(f"{out}/rank{dist.get_rank()}.json", "w"))
+"""
+
+
+def check_mp_layout(workdir: Path, dry_run: bool = False) -> dict[str, Any]:
+    import subprocess
+
+    from trainer.layout import (
+        ModelParallel,
+        coordinates,
+        dp_groups,
+        plan_transfer,
+        stayers_by_replica,
+    )
+
+    backend: list[str] = []
+    if dry_run:
+        mp, n = 1, 2
+    else:
+        import paddle
+
+        gpus = paddle.device.cuda.device_count()
+        if gpus < 2:
+            return {"ok": True, "skipped": f"needs 2 GPUs, this machine has {gpus}"}
+        mp, n = 2, 4 if gpus >= 4 else 2
+        backend = ["--gpus", ",".join(map(str, range(n)))]
+    workdir.mkdir(parents=True, exist_ok=True)
+    program = workdir / "mp_rank.py"
+    program.write_text(_MP_RANK)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}
+    cmd = [str(program), str(mp), str(workdir)]
+    if dry_run:
+        # Paddle's launcher wants devices; on the CPU the ranks start the plain way (gloo).
+        from services.testing.localjob import free_port, gloo_env
+
+        ports = [free_port() for _ in range(n)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, *cmd],
+                env={**env, **gloo_env(r, ports)},
+                stdout=subprocess.DEVNULL,
+                stderr=open(workdir / f"rank{r}.log", "w"),  # noqa: SIM115
+            )
+            for r in range(n)
+        ]
+        codes = [p.wait(timeout=300) for p in procs]
+        if any(codes):
+            return {"ok": False, "error": f"ranks exited {codes}", "logs": str(workdir)}
+    else:
+        done = subprocess.run(
+            [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
+             str(workdir / "log"), *backend, *cmd],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        if done.returncode:
+            return {"ok": False, "error": done.stderr[-2000:], "logs": str(workdir / "log")}
+    ranks = [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(n)]
+    model = ModelParallel(mp_degree=mp)
+    coords = coordinates(n, model)
+    coords_ok = all((c.dp, c.mp) == (r["dp"], r["mp"]) for c, r in zip(coords, ranks, strict=True))
+    groups_ok = all(r["dp_group"] in dp_groups(n, model) for r in ranks)
+    outcome: dict[str, Any] = {"world": n, "mp_degree": mp, "coords_ok": coords_ok}
+    outcome["dp_groups_ok"] = groups_ok
+    transfer_ok = True
+    if n // mp >= 2:
+        # The resize 1 replica -> 2 by the plan: every newcomer's source holds its slice.
+        plan = plan_transfer(mp, 2 * mp, model, stayers_by_replica(mp, 2 * mp, model))
+        transfer_ok = all(
+            np.allclose(ranks[m.source]["digest"], ranks[m.to]["digest"], rtol=1e-5)
+            for m in plan.moves
+        )
+        outcome["transfer_sources"] = {m.to: m.source for m in plan.moves}
+    outcome["transfer_ok"] = transfer_ok
+    outcome["ok"] = coords_ok and groups_ok and transfer_ok
+    return outcome
+
+
 def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
@@ -168,6 +301,11 @@ def _finite(x: float) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--workdir", default="", help="keep the runs here (default: a temp dir)")
+    p.add_argument(
+        "--mp-dry-run",
+        action="store_true",
+        help="run only the mp_layout check, on the CPU with mp 1 (its plumbing, no GPU)",
+    )
     args = p.parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tide-gpu-check-"))
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
@@ -175,12 +313,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("FLAGS_cudnn_deterministic", "1")
     result: dict[str, Any] = {"workdir": str(workdir)}
     started = time.monotonic()
+    if args.mp_dry_run:
+        outcome = check_mp_layout(workdir / "mp_layout", dry_run=True)
+        print("RESULT " + json.dumps({"mp_layout": outcome, "ok": outcome["ok"]}))
+        return 0 if outcome["ok"] else 1
     checks = [
         ("nvml", check_nvml),
         ("devices", check_devices),
         ("launcher_nccl", lambda: asyncio.run(check_launcher(workdir / "launcher"))),
         ("restore_parity", lambda: check_restore(workdir / "restore", [])),
         ("amp", lambda: check_restore(workdir / "amp", ["--amp"])),
+        ("mp_layout", lambda: check_mp_layout(workdir / "mp_layout")),
     ]
     for name, check in checks:
         t0 = time.monotonic()

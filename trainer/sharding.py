@@ -88,10 +88,16 @@ def _check_degrees(
     """Refuses model-parallel degrees, and degrees other than the rule's for ``world_size``
     (None: the script's own strategy, whose dp_degree is refused: the rule sets it).
     Returns the (dp, sharding) degrees checked (the rule's)."""
+    gpu = (
+        "; fleet forms them on GPUs only, and Tide's path for them (elastic along data "
+        "parallel, whole model-parallel replicas: trainer/layout.py, the scaler's "
+        "replica_multiple) is checked by scripts/gpu_check.py mp_layout, not yet wired into "
+        "the session"
+    )
     for name, why in (
-        ("mp_degree", "tensor-parallel groups are fixed by the model"),
-        ("pp_degree", "pipeline stages are fixed by the model"),
-        ("sep_degree", "sequence-parallel groups are fixed by the model"),
+        ("mp_degree", "tensor-parallel groups are fixed by the model" + gpu),
+        ("pp_degree", "pipeline stages are fixed by the model" + gpu),
+        ("sep_degree", "sequence-parallel groups are fixed by the model" + gpu),
     ):
         value = _get(configs, name)
         if value > 1:
