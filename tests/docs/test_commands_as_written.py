@@ -155,6 +155,10 @@ def _missing(paths: list[str]) -> str:
     return f"no such file: {', '.join(gone)}" if gone else ""
 
 
+def _test_files(path: Path) -> list[Path]:
+    return sorted(path.rglob("test_*.py")) if path.is_dir() else [path] if path.exists() else []
+
+
 def _module_source(module: str) -> Path | None:
     spec = find_spec(module)
     if spec is None or spec.origin is None:
@@ -261,6 +265,8 @@ class Checker:
 
     def _pytest(self, args: list[str]) -> tuple[str, str]:
         problems = []
+        keywords: set[str] = set()
+        paths: list[str] = []
         it = iter(args)
         for a in it:
             if a == "-m":
@@ -269,9 +275,16 @@ class Checker:
                 if words - self.markers:
                     problems.append(f"no such marker: {', '.join(sorted(words - self.markers))}")
             elif a == "-k":
-                next(it, "")
+                keywords |= set(re.findall(r"[A-Za-z_]\w*", next(it, ""))) - {"and", "or", "not"}
             elif not a.startswith("-"):
                 problems.append(_missing([a]))
+                paths.append(a.split("::")[0])
+        # -k WORD must name a test of the files given (without collecting them).
+        files = [f for p in paths for f in _test_files(ROOT / p)]
+        names = " ".join(re.findall(r"def (test_\w+)", " ".join(f.read_text() for f in files)))
+        unknown = sorted(k for k in keywords if files and k not in names)
+        if unknown:
+            problems.append(f"-k selects no test of {', '.join(paths)}: {', '.join(unknown)}")
         return "pytest", "; ".join(p for p in problems if p)
 
     def run_parsers(self, tmp: Path) -> None:
@@ -355,6 +368,7 @@ WRONG = {
     "python scripts/nosuch.py": "no such file",
     "make no-such-target": "no such make target",
     "pytest tests/nosuch.py -m notamarker": "no such marker: notamarker",
+    "pytest tests/scaler/test_sharded.py -k frobnicate": "-k selects no test",
     "helm install tide deploy/helm/nosuch": "no such file",
     "pip install .[nosuch]": "no such extra: nosuch",
     "frobnicate --all": "no rule for the program",
