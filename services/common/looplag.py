@@ -23,13 +23,13 @@ every service of a healthy `tide up` logged "blocked" a few times per run (issue
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import time
 from typing import Final
 
 from prometheus_client import Gauge
+
+from services.common.cpuwait import CpuWait
 
 logger = logging.getLogger(__name__)
 
@@ -83,29 +83,6 @@ class LoopLag:
                     lag_s,
                     cpu_wait_s,
                 )
-
-
-class CpuWait:
-    """Seconds the calling thread has waited on a CPU run queue (Linux schedstat's
-    second field); 0.0 always where the kernel does not say."""
-
-    def __init__(self) -> None:
-        self._fd: int | None = None
-        with contextlib.suppress(OSError):
-            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-
-    def seconds(self) -> float:
-        if self._fd is None:
-            return 0.0
-        try:
-            return int(os.pread(self._fd, 128, 0).split()[1]) / 1e9
-        except (OSError, ValueError, IndexError):
-            return 0.0
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 async def watch_loop_lag(interval_s: float = PROBE_INTERVAL_S, lag: LoopLag | None = None) -> None:

@@ -21,10 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from sqlalchemy import Engine, text
+
+from services.common.cpuwait import thread_cpu_wait_s
 
 from . import metrics as store_metrics
 
@@ -37,6 +41,14 @@ PROBE_INTERVAL_S = 0.5
 #: connection hangs rather than failing; PostgreSQL's connect_timeout cannot go
 #: below 1 s, so this bound, not the driver's, is what the probe waits.
 PROBE_TIMEOUT_S = 1.0
+#: A probe whose thread was runnable but waited for a CPU (the machine had more runnable
+#: work than cores) has that wait added to its timeout, up to this many timeouts in
+#: all: the store did not fail to answer, the process did not get to ask. On 2 shared
+#: cores at load average 15-25, `tide up`'s SQLite store "had no answer within 1.0 s"
+#: about once a run, readiness went off and the scaler stopped evaluating (issue 32).
+#: A partitioned connection's thread sleeps on its socket (no run-queue time): still
+#: down after PROBE_TIMEOUT_S.
+STARVED_TIMEOUT_FACTOR = 3.0
 #: Bytes that must stay free beside a SQLite database for it to count as up: a
 #: decision's few rows plus its WAL frames are kilobytes; 8 MiB also covers a
 #: rollup flush and a WAL checkpoint, so the store is down before a write fails.
@@ -96,6 +108,9 @@ class StoreProbe:
         self._up.set()
         self._listeners: list[Listener] = []
         self._pending: asyncio.Future[None] | None = None
+        # The pending ping's thread and its run-queue time when it began.
+        self._ping_thread: int | None = None
+        self._ping_cpu_wait_s = 0.0
 
     @property
     def ok(self) -> bool:
@@ -110,6 +125,8 @@ class StoreProbe:
         await self._up.wait()
 
     def _ping(self) -> None:
+        self._ping_thread = threading.get_native_id()
+        self._ping_cpu_wait_s = thread_cpu_wait_s(self._ping_thread)
         with self._engine.connect() as conn:
             conn.execute(text("SELECT 1"))
         if self._directory is not None:
@@ -120,9 +137,10 @@ class StoreProbe:
         if self._pending is None or self._pending.done():
             # A hung probe thread is left to finish on its own (it cannot be
             # cancelled); until then no second one piles up behind it.
+            self._ping_thread = None
             self._pending = asyncio.ensure_future(asyncio.to_thread(self._ping))
         try:
-            await asyncio.wait_for(asyncio.shield(self._pending), self.timeout_s)
+            await self._answer()
         except TimeoutError:
             await self._set(False, f"no answer within {self.timeout_s:.1f} s", "timeout")
             return False
@@ -135,6 +153,25 @@ class StoreProbe:
             return False
         await self._set(True, "", "")
         return True
+
+    async def _answer(self) -> None:
+        """The pending ping's end; TimeoutError once it has had ``timeout_s`` of wall
+        time beyond what its thread spent waiting for a CPU (STARVED_TIMEOUT_FACTOR)."""
+        assert self._pending is not None
+        start, budget = time.monotonic(), self.timeout_s
+        while True:
+            try:
+                await asyncio.wait_for(
+                    asyncio.shield(self._pending), max(0.0, start + budget - time.monotonic())
+                )
+                return
+            except TimeoutError:
+                tid = self._ping_thread
+                starved = thread_cpu_wait_s(tid) - self._ping_cpu_wait_s if tid else 0.0
+                longer = min(self.timeout_s + starved, self.timeout_s * STARVED_TIMEOUT_FACTOR)
+                if longer <= budget:
+                    raise
+                budget = longer
 
     async def run(self) -> None:
         """Probe until cancelled."""

@@ -12,7 +12,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from services.common.looplag import LOG_STALL_S, CpuWait, LoopLag
+from services.common.cpuwait import CpuWait
+from services.common.looplag import LOG_STALL_S, LoopLag
 
 pytestmark = pytest.mark.unit
 
