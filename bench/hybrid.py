@@ -31,7 +31,8 @@ in plain data parallel (the same script without ``--sharded``).
   sharding 2 -> dp 3 x 1 -> dp 1 x 2 -> dp 2 x 2) against a fixed 4-rank run of the same
   layout: ``dpsh_rel_diff``, ``dpsh_optimizer_rel_diff``, ``dpsh_layouts`` (per generation,
   the degrees its workers logged), ``dpsh_pause_s``, ``dpsh_exactly_once``,
-  ``dpsh_lost_steps``.
+  ``dpsh_lost_steps``; ``dpsh_dp_pause_s`` and ``dpsh_pause_over_dp_pause``: the same chain in
+  plain data parallel, its pauses and their sums' ratio.
 
     python -m bench.hybrid --quick   # about 3-4 minutes here (2 cores)
     python -m bench.hybrid --quick --only dpsh   # the dp x sharding chain alone
@@ -121,6 +122,15 @@ def dp_by_sharding(train: list[str], workdir: Path) -> dict[str, Any]:
     done = set(final_losses(job.log_dir))
     out["dpsh_lost_steps"] = chain.lost_steps + steps - len(done & set(range(1, steps + 1)))
     out["dpsh_layouts"], out["dpsh_layouts_consistent"] = layouts(job, DPSH_CAP)
+    # The same chain of the same model in plain data parallel: the pauses' baseline.
+    dp = LocalJob(workdir / "dpsh-dp", [*train, "--step-delay-s", "0.1"], heartbeat_timeout_s=10.0)
+    dp.example = EXAMPLE
+    dp_chain = asyncio.run(resize_along(dp, DPSH_CHAIN))
+    out["dpsh_dp_pause_s"] = [round(f.pause_s, 3) for f in dp_chain.completed[1:]]
+    out["dpsh_pause_over_dp_pause"] = round(
+        sum(out["dpsh_pause_s"]) / max(sum(out["dpsh_dp_pause_s"]), 1e-9), 3
+    )
+    out["dpsh_aborted_tries"] += len(dp_chain.aborted)
     return out
 
 

@@ -172,14 +172,21 @@ CAP = "--sharding-degree-max=2"
 
 
 @pytest.mark.timeout(480)
-async def test_dp_beside_sharding_resized_4_3_2_4_matches_a_fixed_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["plain", "overlap"])
+async def test_dp_beside_sharding_resized_4_3_2_4_matches_a_fixed_run(
+    tmp_path: Path, mode: str
+) -> None:
     """dp 2 x sharding 2 -> dp 3 x sharding 1 -> dp 1 x sharding 2 -> dp 2 x sharding 2, by
     the rule under sharding_degree_max 2, against a fixed run at the first layout. Each
     generation's ranks log the degrees they run (trainer/session.py), and the state gathered
     from the first replica's sharding group (a replica's own shards would leave out the
-    other groups') is whole at every checkpoint."""
+    other groups') is whole at every checkpoint. In overlap mode the prepared workers form
+    fleet's subgroups (their own stores) while the old generation trains."""
     job = LocalJob(
-        tmp_path / "job", [*TRAIN, CAP, "--step-delay-s", "0.1"], heartbeat_timeout_s=10.0
+        tmp_path / "job",
+        [*TRAIN, CAP, "--step-delay-s", "0.1"],
+        heartbeat_timeout_s=10.0,
+        resize_mode=mode,
     )
     job.example = SHARDED
     chain = await resize_along(job, (4, 3, 2, 4))
@@ -201,7 +208,7 @@ async def test_dp_beside_sharding_resized_4_3_2_4_matches_a_fixed_run(tmp_path: 
         optimizer_state(job.ckpt_dir), optimizer_state(tmp_path / "ref/ckpt")
     )
     print(
-        f"dp x sharding parity vs a fixed 4-rank run: loss {loss_diff:.2e}, "
+        f"dp x sharding ({mode}) parity vs a fixed 4-rank run: loss {loss_diff:.2e}, "
         f"params {param_diff:.2e}, optimizer {opt_diff:.2e}; "
         f"pauses {[round(r.pause_s, 3) for r in chain.completed[1:]]}"
     )
