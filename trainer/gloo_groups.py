@@ -75,6 +75,8 @@ def _own_store(default_store: Any, rank: int, size: int, group_name: str) -> Any
     travels through the default store. Called by every member, rank being the group's."""
     from paddle.base import core
 
+    from trainer.distenv import wait_for_port
+
     key = f"/tide/gloo_store/{group_name}"
     if rank == 0:
         host = os.environ.get("PADDLE_CURRENT_ENDPOINT", "127.0.0.1:0").rsplit(":", 1)[0]
@@ -84,7 +86,11 @@ def _own_store(default_store: Any, rank: int, size: int, group_name: str) -> Any
         default_store.set(key, f"{host}:{port}".encode())
         own = core.TCPStore(host, port, True, size, _STORE_TIMEOUT_S)
     else:
-        host, port_text = bytes(default_store.get(key)).decode().rsplit(":", 1)
+        address = bytes(default_store.get(key)).decode()
+        # Before the client: Paddle's client sleeps 3 s when it connects before the server
+        # listens (it did in every grow to dp 2 x sharding 2 here, 1.8 s of its pause).
+        wait_for_port(address, _STORE_TIMEOUT_S)
+        host, port_text = address.rsplit(":", 1)
         own = core.TCPStore(host, int(port_text), False, size, _STORE_TIMEOUT_S)
     _STORES.append(own)
     logger.debug("gloo group %s of %d ranks forms over its own store", group_name, size)

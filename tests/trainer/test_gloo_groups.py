@@ -12,6 +12,7 @@ import pytest
 from paddle.base import core
 from paddle.distributed import collective
 
+from trainer import distenv
 from trainer.gloo_groups import share_world_context
 
 pytestmark = pytest.mark.unit
@@ -70,6 +71,8 @@ def test_other_groups_form_their_own(
         "TCPStore",
         lambda host, port, master, n, timeout: stores.append((host, port, master, n)),
     )
+    waited: list[str] = []
+    monkeypatch.setattr(distenv, "wait_for_port", lambda address, timeout: waited.append(address))
     share_world_context()
     impl = collective._new_process_group_impl
     default = _Store()
@@ -82,3 +85,5 @@ def test_other_groups_form_their_own(
     assert (master, n, master1, n1) == (True, 2, False, 2)
     assert (host1, port1) == (host, port)
     assert default.kv["/tide/gloo_store/pair"] == f"{host}:{port}".encode()
+    # The member connects once the server listens (Paddle's client sleeps 3 s otherwise).
+    assert waited == [f"{host}:{port}"]
