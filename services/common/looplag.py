@@ -29,7 +29,7 @@ from typing import Final
 
 from prometheus_client import Gauge
 
-from services.common.cpuwait import CpuWait
+from tidebase.cpuwait import CpuWait
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine, text
 
-from services.common.cpuwait import thread_cpu_wait_s
+from tidebase.cpuwait import thread_cpu_wait_s
 
 from . import metrics as store_metrics
 

@@ -12,8 +12,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from services.common.cpuwait import CpuWait
 from services.common.looplag import LOG_STALL_S, LoopLag
+from tidebase.cpuwait import CpuWait
 
 pytestmark = pytest.mark.unit
 

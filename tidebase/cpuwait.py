@@ -48,3 +48,12 @@ def thread_cpu_wait_s(native_id: int) -> float:
             return _run_queue_s(f.read())
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def process_cpu_wait_s(pid: int) -> float:
+    """The run-queue time of process ``pid``'s main thread."""
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            return _run_queue_s(f.read())
+    except (OSError, ValueError, IndexError):
+        return 0.0
