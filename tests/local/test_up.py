@@ -118,7 +118,7 @@ def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path: Path) -> None:
     # scaler's gRPC server logged "Aborting method [/tide.v1.Telemetry/Stream] due to
     # server stop" (a WARNING) in a healthy run.
     agent_done = logged_at(state / "logs" / "agent-0.log", "agent draining -> stopped")
-    scaler_stops = logged_at(state / "logs" / "scaler.log", "shutting down")
+    scaler_stops = logged_at(state / "logs" / "scaler.log", "shutting down: grace period")
     assert agent_done <= scaler_stops
 
 
