@@ -87,25 +87,7 @@ ALLOWED: dict[tuple[str, str], str] = {
 }
 
 # Broken commands in docs owned by another change this session: (file, command) -> fix.
-PENDING: dict[tuple[str, str], str] = {
-    ("docs/agent.md", "python -m services.agent --scaler scaler:50051 --source nvml"): (
-        "exits 2 'no TLS to the scaler': add --tls-ca-file ca.crt --token-file FILE"
-    ),
-    (
-        "docs/agent.md",
-        "python -m services.agent --source synthetic --synthetic-profile square:20:90:60"
-        " --no-watch-node --pod-resources-socket=",
-    ): "exits 2 'no TLS to the scaler': add --insecure (local use)",
-    (
-        "docs/agent.md",
-        "python -m services.agent --source replay --replay-path trace.jsonl --no-watch-node"
-        " --pod-resources-socket=",
-    ): "exits 2 'no TLS to the scaler': add --insecure; trace.jsonl is the user's recording",
-    (
-        "docs/agent.md",
-        "python -m services.testing.scaler --coordinator memory --actuator memory",
-    ): "exits 2 'no TLS': add --insecure",
-}
+PENDING: dict[tuple[str, str], str] = {}
 
 REPO_DIRS = frozenset(
     {"bench", "deploy", "docs", "proto", "scenarios", "scripts", "services", "tests"}
