@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.parity import rel_diff
-from services.testing.localjob import ROOT, LocalJob, reference_run, resize_along
+from services.testing.localjob import ROOT, Chain, LocalJob, reference_run, resize_along
 from services.testing.parity import (
     check_exactly_once,
     final_losses,
@@ -98,6 +98,18 @@ def layouts(job: LocalJob, cap: int = 0) -> tuple[list[dict[str, int]], bool]:
     return out, consistent
 
 
+def audit(job: LocalJob, chain: Chain, steps: int) -> tuple[int, int]:
+    """What really happened to a chain's job: 1 if every sample was read once per epoch (else
+    0), and the steps lost (the chain's, and any of 1..steps no generation finished)."""
+    try:
+        check_exactly_once(job.log_dir, DATASET, steps, -(-DATASET // BATCH))
+        once = 1
+    except AssertionError:
+        once = 0
+    done = set(final_losses(job.log_dir))
+    return once, chain.lost_steps + steps - len(done & set(range(1, steps + 1)))
+
+
 def dp_by_sharding(train: list[str], workdir: Path) -> dict[str, Any]:
     """The ``dpsh_*`` keys: data parallel beside sharding, resized along DPSH_CHAIN."""
     args = [*train, "--sharded", "--sharding-degree-max", str(DPSH_CAP)]
@@ -114,13 +126,7 @@ def dp_by_sharding(train: list[str], workdir: Path) -> dict[str, Any]:
         "dpsh_pause_s": [round(f.pause_s, 3) for f in chain.completed[1:]],
         "dpsh_aborted_tries": len(chain.aborted),
     }
-    try:
-        check_exactly_once(job.log_dir, DATASET, steps, -(-DATASET // BATCH))
-        out["dpsh_exactly_once"] = 1
-    except AssertionError:
-        out["dpsh_exactly_once"] = 0
-    done = set(final_losses(job.log_dir))
-    out["dpsh_lost_steps"] = chain.lost_steps + steps - len(done & set(range(1, steps + 1)))
+    out["dpsh_exactly_once"], out["dpsh_lost_steps"] = audit(job, chain, steps)
     out["dpsh_layouts"], out["dpsh_layouts_consistent"] = layouts(job, DPSH_CAP)
     # The same chain of the same model in plain data parallel: the pauses' baseline.
     dp = LocalJob(workdir / "dpsh-dp", [*train, "--step-delay-s", "0.1"], heartbeat_timeout_s=10.0)
@@ -167,13 +173,7 @@ def run(quick: bool, workdir: Path) -> dict[str, Any]:
         "stage2_rel_diff": None,
         "stage2_reason": STAGE2_REASON,
     }
-    try:
-        check_exactly_once(sharded.log_dir, DATASET, steps, -(-DATASET // BATCH))
-        result["exactly_once"] = 1
-    except AssertionError:
-        result["exactly_once"] = 0
-    done = set(final_losses(sharded.log_dir))
-    result["lost_steps"] = chain.lost_steps + steps - len(done & set(range(1, steps + 1)))
+    result["exactly_once"], result["lost_steps"] = audit(sharded, chain, steps)
     worlds = [w for _, w in sorted(worlds_by_generation(sharded.log_dir).items())]
     result["resizes"] = sum(a != b for a, b in itertools.pairwise(worlds))
     result["layouts"], result["layouts_consistent"] = layouts(sharded)
