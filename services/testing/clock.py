@@ -19,6 +19,11 @@ class FakeClock:
     def monotonic(self) -> float:
         return self._mono
 
+    def sleeping(self) -> int:
+        """How many sleeps wait on this clock: a test advances once the loop it drives sleeps
+        again, else the advance would pass while the loop is still busy and never wake it."""
+        return sum(1 for _, fut in self._sleepers if not fut.done())
+
     def advance(self, seconds: float) -> None:
         if seconds < 0:
             raise ValueError(f"cannot move a clock backwards by {seconds}")
