@@ -26,8 +26,8 @@ time in the resize's pause (docs/sharded.md has the figures).
 tensor, pipeline or sequence parallelism (``mp_degree``/``pp_degree``/``sep_degree`` > 1: their
 groups are fixed by the model, and fleet needs a GPU for them), degrees other than
 :func:`degrees` gives (a ``dp_degree`` of the script's own: the cap is the setting
-``sharding_degree_max``), sharding stage 2 and 3 (``GroupShardedStage2/3``, the
-``split_param`` optimizer: their slots and gradients are flat slices, not per parameter),
+``sharding_degree_max``), sharding stage 2 (Paddle runs it on GPUs only: :data:`WHY_STAGE2`),
+stage 3 and the ``split_param`` optimizer (their slots are flat slices, not per parameter),
 fleet's ``tensor_fusion``/``comm_overlap`` (fused buffers), and a time-based checkpoint
 cadence (``every_s``: the gather needs every rank at the same step).
 """
@@ -49,6 +49,23 @@ from trainer.transfer import TransferSettings, send_tensors
 _MASTER = "_tide_master"
 # The optimizer state entries that are not per-parameter tensors (equal on every rank).
 _SHARED_ENTRIES = ("LR_Scheduler",)
+
+
+# Why stage 2 is refused: it could not be built or tested here (docs/sharded.md "Stage 2").
+WHY_STAGE2 = (
+    "Paddle 3.3 runs sharding stage 2 on GPUs and XPUs only (on the CPU "
+    "group_sharded_parallel and GroupShardedOptimizerStage2 assert a device, and its storage "
+    "moves every parameter to one: python -m bench.stage2_probe), so its resharding could "
+    "not be built and checked on a CPU; on a GPU it would take the stage-1 gather with "
+    "GroupShardedOptimizerStage2.param2rank as the owners (parameters in order, each to the "
+    "rank holding the fewest elements), a check that its gradient storages are empty at the "
+    "checkpoint step, and the restored slots kept for the new owners only"
+)
+_WHY_STAGE3 = "its parameters and their slots are flat slices across ranks"
+_WHY_SPLIT = (
+    "fleet's sharding V2 (DygraphShardingOptimizerV2) keeps parameters and their slots as "
+    "flat slices across ranks"
+)
 
 
 class UnsupportedLayout(ConfigError):
@@ -126,7 +143,7 @@ def _check_degrees(
 def _check_sharding_configs(strategy: Any) -> None:
     cfg = strategy.hybrid_configs["sharding_configs"]
     for name, why in (
-        ("split_param", "sharding stage 2 slices parameters and their slots"),
+        ("split_param", _WHY_SPLIT),
         ("tensor_fusion", "fused buffers hold the slots, not the parameters"),
         ("comm_overlap", "fused buffers hold the gradients"),
     ):
@@ -198,17 +215,16 @@ def check_attached(
         GroupShardedStage3,
     )
 
-    why23 = "its gradients (stage 2) and parameters (stage 3) are flat slices across ranks"
-    if isinstance(model, GroupShardedStage2 | GroupShardedStage3):
-        raise _refuse(f"sharding stage {2 if isinstance(model, GroupShardedStage2) else 3}", why23)
+    if isinstance(model, GroupShardedStage3):
+        raise _refuse("sharding stage 3 (GroupShardedStage3)", _WHY_STAGE3)
+    if isinstance(model, GroupShardedStage2):
+        raise _refuse("sharding stage 2 (GroupShardedStage2)", WHY_STAGE2)
     chain = _unwrap(optimizer) if optimizer is not None else []
     for opt in chain:
         if isinstance(opt, GroupShardedOptimizerStage2):
-            raise _refuse("sharding stage 2 (GroupShardedOptimizerStage2)", why23)
+            raise _refuse("sharding stage 2 (GroupShardedOptimizerStage2)", WHY_STAGE2)
         if isinstance(opt, dso.DygraphShardingOptimizerV2):
-            raise _refuse(
-                "sharding_configs.split_param=True", "stage 2 slices parameters and their slots"
-            )
+            raise _refuse("sharding_configs.split_param=True", _WHY_SPLIT)
     sharding_opt = next((o for o in chain if isinstance(o, dso.DygraphShardingOptimizer)), None)
     if not any(isinstance(o, hpo.HybridParallelOptimizer) for o in chain):
         return (

@@ -117,8 +117,12 @@ def test_sharding_stage_2_and_3_are_refused_at_attach() -> None:
 
     plain = paddle.nn.Linear(2, 2)
     adam = paddle.optimizer.Adam(parameters=plain.parameters())
-    with pytest.raises(sharding.UnsupportedLayout, match="sharding stage 2"):
+    with pytest.raises(sharding.UnsupportedLayout, match="sharding stage 2") as err:
         sharding.check_attached(_bare(GroupShardedStage2), adam, 2)
+    # Says why (Paddle runs it on GPUs only), where the proof is, and what it would take.
+    assert "GPUs and XPUs only" in str(err.value)
+    assert "bench.stage2_probe" in str(err.value)
+    assert "param2rank" in str(err.value)
     with pytest.raises(sharding.UnsupportedLayout, match="sharding stage 3"):
         sharding.check_attached(_bare(GroupShardedStage3), adam, 2)
 
