@@ -13,7 +13,7 @@ import csv
 import io
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -133,6 +133,7 @@ class PlainStream:
         self.headers = list(headers)
         self.no_headers = no_headers
         self.widths: list[int] | None = None
+        self.line: Callable[..., str] = "".format
         n = len(self.headers)
         self.free_text = sorted({i % n for i in (range(n) if free_text is None else free_text)})
 
@@ -140,23 +141,25 @@ class PlainStream:
         free = self.free_text
         cells = []
         for row in rows:
-            cell = [str(c) for c in row]
+            cell = list(row)
             for i in free:
                 cell[i] = " ".join(cell[i].split()) or "-"
             cells.append(cell)
         if self.widths is None:
             shown = [self.headers, *cells]
             self.widths = [max(len(r[i]) for r in shown) for i in range(len(self.headers))]
+            # One format per table: a row is then one C call, not a ljust per cell
+            # (a third of the plain table's time for 100,000 rows). "{:<w}" pads as
+            # ljust does and, like it, never cuts a wider cell.
+            self.line = "   ".join(
+                [*(f"{{:<{w}}}" if w else "{}" for w in self.widths[:-1]), "{}"]
+            ).format
             if not self.no_headers:
                 cells = [self.headers, *cells]
         if not cells:
             return
-        widths = self.widths[:-1]
-        lines = [
-            "   ".join([*(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)), r[-1]]).rstrip()
-            for r in cells
-        ]
-        typer.echo("\n".join(lines))
+        line = self.line
+        typer.echo("\n".join([line(*r).rstrip() for r in cells]))
 
 
 def print_table(

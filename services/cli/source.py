@@ -426,14 +426,18 @@ class SqlHistory:
         wide: bool,
         page_size: Callable[[], int] = lambda: PAGE_SIZE,
     ) -> AsyncIterator[tuple[list[tuple[str, ...]], bool]]:
-        """`tide history`'s table rows straight from the store's rows: no record and no
-        message per decision (100,000 decisions took 8.8 s that way; docs/cli.md)."""
+        """`tide history`'s table rows straight from the store's rows (only the table's
+        columns, its times as the database keeps them): no record, no message and no
+        aware datetime per decision (100,000 decisions took 8.8 s that way; docs/cli.md)."""
         from services.cli import render
+        from services.scaler import store
 
-        async for rows, more in self._decision_rows(job_id, since, until, states, page_size):
+        async for rows, more in self._pages(
+            store.history_table_rows, job_id, since, until, states, page_size, wide=wide
+        ):
             yield render.history_rows_of_store(rows, wide=wide), more
 
-    async def _decision_rows(
+    def _decision_rows(
         self,
         job_id: str,
         since: datetime | None,
@@ -444,6 +448,22 @@ class SqlHistory:
         """The store's decision rows, newest first, one keyset page per read transaction
         (without their inputs: no page shows them), and whether more follow."""
         from services.scaler import store
+
+        return self._pages(
+            store.decision_rows, job_id, since, until, states, page_size, with_inputs=False
+        )
+
+    async def _pages(
+        self,
+        read: Callable[..., tuple[list[Any], str]],
+        job_id: str,
+        since: datetime | None,
+        until: datetime | None,
+        states: Sequence[int],
+        page_size: Callable[[], int],
+        **kw: Any,
+    ) -> AsyncIterator[tuple[list[Any], bool]]:
+        """``read``'s keyset pages, one per read transaction, and whether more follow."""
         from services.scaler.lifecycle import state_from_proto
 
         wanted = [state_from_proto(v) for v in states]
@@ -451,7 +471,7 @@ class SqlHistory:
         while True:
 
             def q(s: Any, token: str = token) -> Any:
-                return store.decision_rows(
+                return read(
                     s,
                     job_id=job_id,
                     since=since,
@@ -459,7 +479,7 @@ class SqlHistory:
                     states=wanted,
                     page_size=page_size(),
                     page_token=token,
-                    with_inputs=False,
+                    **kw,
                 )
 
             rows, token = self._read(q)

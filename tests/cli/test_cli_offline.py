@@ -180,13 +180,13 @@ def test_history_from_the_store_reads_large_pages(
     from services.scaler.store import pages
 
     seen: list[int] = []
-    rows = pages.decision_rows
+    rows = pages.history_table_rows
 
     def counted(*a: object, page_size: int, **kw: object) -> object:
         seen.append(page_size)
         return rows(*a, page_size=page_size, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("services.scaler.store.decision_rows", counted)
+    monkeypatch.setattr("services.scaler.store.history_table_rows", counted)
     url, _ = store
     all_ = () if "--limit" in args else ("--all",)
     code, _, err = tide("history", JOB, "--db", url, "--since", "3650d", *all_, *args)

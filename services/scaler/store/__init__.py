@@ -62,6 +62,7 @@ if TYPE_CHECKING:
         DEFAULT_PAGE_SIZE,
         MAX_PAGE_SIZE,
         decision_rows,
+        history_table_rows,
         list_decisions,
     )
     from services.scaler.store.rollups import (
@@ -103,6 +104,7 @@ _LAZY = {
     "MAX_PAGE_SIZE": "services.scaler.store.pages",
     "list_decisions": "services.scaler.store.pages",
     "decision_rows": "services.scaler.store.pages",
+    "history_table_rows": "services.scaler.store.pages",
     "delete_rollups_before": "services.scaler.store.rollups",
     "delete_seconds_before": "services.scaler.store.rollups",
     "merge_rollups": "services.scaler.store.rollups",
@@ -156,6 +158,7 @@ __all__ = [
     "delete_seconds_before",
     "get_decision",
     "get_job",
+    "history_table_rows",
     "last_completed_decisions",
     "last_resize_end",
     "list_decisions",
