@@ -82,7 +82,8 @@ def test_other_groups_form_their_own(
     assert impl("nccl", None, 0, 3, "world-on-gpu", None) is not WORLD_PG
     assert formed == [("gloo", 2), ("gloo", 2), ("nccl", 3)]
     (host, port, master, n), (host1, port1, master1, n1) = stores
-    assert (master, n, master1, n1) == (True, 2, False, 2)
+    # No worker count: Paddle's wait for it costs 90 ms a store; gloo's rendezvous waits anyway.
+    assert (master, n, master1, n1) == (True, 0, False, 0)
     assert (host1, port1) == (host, port)
     assert default.kv["/tide/gloo_store/pair"] == f"{host}:{port}".encode()
     # The member connects once the server listens (Paddle's client sleeps 3 s otherwise).
