@@ -32,17 +32,26 @@ lint: setup
 	# The tree itself, not wherever the venv's editable install points.
 	PYTHONPATH=.:proto $(VENV)/bin/lint-imports
 
+# The tests run in TEST_WORKERS pytest-xdist processes: most of their time is spent
+# waiting on the processes and sockets they start, so more workers than cores pays. Then
+# the tests marked serial run alone: each asserts a latency or detection-time bound, which
+# measures the machine, and three other tests beside it would be what it measured
+# (docs/reliability.md "The suite").
+TEST_WORKERS ?= 4
+TEST_ENV := TIDE_TEST_STRICT=1 TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test
+
 test: setup proto-check lint
 	scripts/ensure_postgres.sh
 	scripts/ensure_prometheus.sh
-	TIDE_TEST_STRICT=1 TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test $(PY) -m pytest -m "not nightly"
+	$(TEST_ENV) $(PY) -m pytest -m "not nightly and not serial" -n $(TEST_WORKERS) --dist worksteal
+	$(TEST_ENV) $(PY) -m pytest -m "serial and not nightly"
 	$(MAKE) frameworks
 
 # The full-length reliability runs (docs/reliability.md: the 10-minute soak, the long
 # write contention), left out of `make test` for its 30-minute budget.
 nightly: setup
 	scripts/ensure_postgres.sh
-	TIDE_TEST_STRICT=1 TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test $(PY) -m pytest -m nightly --timeout 1800
+	$(TEST_ENV) $(PY) -m pytest -m nightly --timeout 1800
 
 # PaddleFormers' Trainer under Tide (docs/migrate.md), in its own venv: the paddleformers
 # extra pins numpy <= 1.26.4 while constraints.txt holds numpy 2, and the datasets release

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.procs import ROOT
 
-pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow, pytest.mark.serial]
 
 
 @pytest.mark.parametrize("election", ["sql", "kubernetes"])

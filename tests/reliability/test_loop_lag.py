@@ -28,7 +28,7 @@ from tests.support.pgserver import PrivatePostgres, private_postgres
 from tests.support.poll import wait_for
 from tests.support.procs import ServiceProcess, start_service
 
-pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow, pytest.mark.serial]
 
 OUTAGE_S = 20.0
 #: What the issue asks of every health answer during the outage.

@@ -21,7 +21,7 @@ from tests.reliability import partition_common as drv
 from tests.support.netns import NetnsPair, netns_pair
 from tests.support.procs import ROOT
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.serial]
 
 
 def drive(pair: NetnsPair, link: str, *args: str, timeout_s: float = 90.0) -> dict[str, Any]:
