@@ -30,6 +30,7 @@ from trainer.handover import StateHandover
 from trainer.persist import DurableStore
 from trainer.rawstate import TENSORS, StateFiles, decode
 from trainer.transfer import (
+    Fanout,
     Holding,
     RestorePlan,
     TransferSettings,
@@ -55,6 +56,9 @@ class Located:
     # Received over the group (a receiver), bytes; False: a damaged transfer was replaced
     # by the durable store's copy.
     transfer_intact: bool = True
+    received_bytes: int = 0
+    # How many stayers sent it over groups of their own (0: the whole group's broadcast).
+    transfer_senders: int = 0
 
 
 def _holding(handover: StateHandover | None, store: DurableStore) -> Holding:
@@ -133,7 +137,9 @@ def locate(
         # damaged).
         return out
     if plan.transfer:
-        _transfer(plan, rank, receiving, settings, out, into() if receiving and into else None)
+        _transfer(
+            plan, rank, world_size, receiving, settings, out, into() if receiving and into else None
+        )
     # One all_reduce: a rank without the planned step (a damaged transfer, a handover it
     # listed but could not take) must not go on alone with another step.
     if agree(int(out.step != plan.step or not out.transfer_intact)):
@@ -144,26 +150,46 @@ def locate(
 def _transfer(
     plan: RestorePlan,
     rank: int,
+    world_size: int,
     receiving: bool,
     settings: TransferSettings | None,
     out: Located,
     into: Mapping[str, Any] | None,
 ) -> None:
-    chunk_bytes = (settings or TransferSettings.from_env()).chunk_bytes
+    settings = settings or TransferSettings.from_env()
     files = StateFiles(out.files, getattr(out.files, "arrays", None))
+    keepers = tuple(r for r in range(world_size) if r not in plan.receivers)
+    fanout = Fanout(keepers, plan.receivers, settings.group_min_bytes, settings.senders_max)
+    # A stayer that did not get the planned step (its handover damaged, an older one read
+    # from disk) sends nothing but the source's fallback path.
+    mine = files if rank == plan.source or (not receiving and out.step == plan.step) else None
     step, got, moved = send_state(
-        files if rank == plan.source else None,
+        mine,
         out.step,
         plan.source,
         rank,
-        chunk_bytes,
+        settings.chunk_bytes,
         receiving,
         into,
+        fanout,
     )
+    if moved.senders:
+        logger.info(
+            "rank %d: state of step %d to ranks %s from %d sender(s) over their own groups "
+            "(formed in %.3fs), %.3fs",
+            rank,
+            plan.step,
+            list(plan.receivers),
+            moved.senders,
+            moved.group_s,
+            moved.seconds,
+        )
     if receiving:
         out.step, out.files, out.source = step, got, "peer"
         out.transfer_s = moved.seconds
         out.transfer_intact = moved.intact
+        out.received_bytes = moved.nbytes
+        out.transfer_senders = moved.senders
         if step != plan.step:
             logger.warning("rank %d sent step %d instead of %d", plan.source, step, plan.step)
 

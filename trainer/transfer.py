@@ -17,13 +17,18 @@ views on both sides, no packed buffer, no copy), each chunk checked with xxh3-64
 path any state takes between ranks (optimizer shards of a sharded job too). The small files of
 a state travel as one more tensor beside the arrays.
 
-The broadcast is over the whole new group: a stayer that is not the source takes part with one
-chunk-sized buffer and drops the bytes (it neither keeps, checks nor loads them). A group of
-the source and the newcomers alone would spare the source those copies, but Paddle 3.3's gloo
-gives no such group here: ``new_group`` failed in overlap mode (a gloo address of another
-size: "136 vs 204", likely the fault trainer/gloo_groups.py works around for groups of the
-whole world only), cost 0.5 s when it worked, and gloo's send/recv number their messages by a per-process counter, so a
-pair's messages go out of step with the others'.
+A state of at least ``group_min_mb`` goes to the newcomers alone (:class:`Fanout`): every
+rank forms one gloo group per sender, the sender and the newcomers (trainer/gloo_groups.py
+forms such a subgroup over a TCP store of its own), and each sender broadcasts its share of
+the chunks over its group; a newcomer receives from every sender at once, one thread per
+group. The senders are the lowest stayers (up to ``senders_max``) whose arrays match the
+source's names, dtypes and shapes at the planned step: data-parallel replicas hold the same
+bytes, so a newcomer's arrays are the same whichever stayer sent each chunk; the small files
+(RNG state, the sampler's position) come from the source alone. The other stayers make no
+collective call at all and receive nothing. A smaller state goes over the whole new group, a
+stayer that is not the source taking part with one chunk-sized buffer and dropping the bytes:
+forming a subgroup cost 0.1-0.9 s here (Paddle's gloo connects each pair through the store),
+more than the bytes it spares below a few hundred MB (docs/trainer.md).
 
 What the checksum guards against: bytes that differ between the holder and a receiver (a
 transport or buffer fault, a chunk written into the wrong place, a receiver's layout that does
@@ -37,6 +42,7 @@ import enum
 import json
 import os
 import struct
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +56,10 @@ from trainer.rawstate import StateFiles, TensorSpec, allocate, byte_view, specs
 
 # Env var: the largest piece one collective moves, MB (TransferSettings).
 CHUNK_MB_ENV = "TIDE_TRANSFER_CHUNK_MB"
+# Env vars: the least state, MB, that goes to the newcomers alone over groups of their own,
+# and the most stayers that send a share of it (TransferSettings).
+GROUP_MIN_MB_ENV = "TIDE_TRANSFER_GROUP_MIN_MB"
+SENDERS_MAX_ENV = "TIDE_TRANSFER_SENDERS_MAX"
 # Env var naming a fault a receiver injects (tests): "flip" changes one received byte.
 FAULT_ENV = "TIDE_TRANSFER_FAULT"
 # The small files of a state travel as this tensor beside its arrays.
@@ -88,20 +98,62 @@ class TransferSettings:
     # state's own arrays (a holder whose arrays cannot be shared with the transport copies
     # one chunk at a time).
     chunk_mb: float = 64.0
+    # A state at least this large (MB) goes to the newcomers alone, over one group per
+    # sender formed for it (Fanout); a smaller one by broadcast over the whole new group,
+    # the other stayers dropping the bytes. Forming a group costs 0.1-0.9 s on gloo here.
+    group_min_mb: float = 256.0
+    # The most stayers that send a share of a state each, over groups of their own (1: the
+    # lowest stayer alone). Each sender's group is formed in turn, in the pause.
+    senders_max: int = 1
 
     def __post_init__(self) -> None:
         if self.chunk_mb <= 0:
             raise ConfigError(f"chunk_mb must be > 0, got {self.chunk_mb}")
+        if self.group_min_mb < 0:
+            raise ConfigError(f"group_min_mb must be >= 0, got {self.group_min_mb}")
+        if self.senders_max < 1:
+            raise ConfigError(f"senders_max must be >= 1, got {self.senders_max}")
 
     @property
     def chunk_bytes(self) -> int:
         return max(1, int(self.chunk_mb * 2**20))
 
+    @property
+    def group_min_bytes(self) -> int:
+        return int(self.group_min_mb * 2**20)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> TransferSettings:
         e = os.environ if env is None else env
-        raw = e.get(CHUNK_MB_ENV, "")
-        return cls(chunk_mb=float(raw)) if raw else cls()
+        values: dict[str, Any] = {}
+        for key, name, kind in (
+            (CHUNK_MB_ENV, "chunk_mb", float),
+            (GROUP_MIN_MB_ENV, "group_min_mb", float),
+            (SENDERS_MAX_ENV, "senders_max", int),
+        ):
+            raw = e.get(key, "")
+            if raw:
+                try:
+                    values[name] = kind(raw)
+                except ValueError as exc:
+                    raise ConfigError(f"{key}={raw!r}: {exc}") from exc
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Fanout:
+    """A transfer that may go to the newcomers alone: ``keepers`` hold the state (the source
+    first), ``receivers`` lack it. Over groups of their own when the state has at least
+    ``min_bytes`` and some stayer would otherwise receive it; from up to ``senders_max``
+    keepers, each with a share of the chunks."""
+
+    keepers: tuple[int, ...]
+    receivers: tuple[int, ...]
+    min_bytes: int
+    senders_max: int = 1
+
+    def applies(self, nbytes: int) -> bool:
+        return bool(self.receivers) and len(self.keepers) > 1 and nbytes >= self.min_bytes
 
 
 @dataclass
@@ -113,6 +165,10 @@ class Transferred:
     chunks: int = 0
     intact: bool = True
     seconds: float = 0.0
+    # How many ranks sent (0: the whole-group broadcast) and the seconds spent forming their
+    # groups.
+    senders: int = 0
+    group_s: float = 0.0
 
 
 def plan_restore(holdings: Sequence[Holding]) -> RestorePlan:
@@ -174,67 +230,199 @@ def send_tensors(
     keep: bool = True,
     group: Any = None,
     into: Mapping[str, Any] | None = None,
+    fanout: Fanout | None = None,
 ) -> Transferred:
     """``source``'s named arrays on every rank of ``group`` that ``keep``s them (``arrays``
-    is read on ``source`` only; the others receive their names, dtypes and shapes first).
-    Chunks of at most ``chunk_bytes`` go straight from the source's arrays into the
-    receivers' (DLPack views: no copy); every chunk's xxh3-64 is sent after the data and
-    compared. A rank that does not keep them (a stayer that holds the state already) takes
-    part in each broadcast with one chunk-sized buffer and drops the bytes. ``into``: arrays
-    a receiver has already (its live tensors) that the bytes of the same name, dtype and shape
-    go straight into; the others are allocated. A receiver whose chunks differ returns
-    ``intact=False`` (the caller decides what then; ``into`` then holds damaged bytes)."""
+    is read on ``source``, and on the other keepers of ``fanout``; the others receive their
+    names, dtypes and shapes first). Chunks of at most ``chunk_bytes`` go straight from the
+    senders' arrays into the receivers' (DLPack views: no copy); every chunk's xxh3-64 is
+    sent after the data and compared. ``into``: arrays a receiver has already (its live
+    tensors) that the bytes of the same name, dtype and shape go straight into; the others
+    are allocated. A receiver whose chunks differ returns ``intact=False`` (the caller
+    decides what then; ``into`` then holds damaged bytes).
+
+    Without ``fanout`` (or below its size) the chunks are broadcast over ``group``: a rank
+    that does not keep them (a stayer that holds the state already) takes part in each with
+    one chunk-sized buffer and drops the bytes. With it, they go to ``fanout.receivers``
+    alone, over groups formed for it (:func:`_send_over_groups`)."""
     started = time.monotonic()
-    sending = rank == source
     header = None
-    if sending:
+    if rank == source:
         assert arrays is not None
         header = json.dumps([[s.name, s.dtype, list(s.shape)] for s in specs(arrays)]).encode()
     names = _broadcast_header(header, source, group)
     tensor_specs = [TensorSpec(n, d, tuple(s)) for n, d, s in json.loads(names)]
-    out = Transferred()
-    if not sending and keep:
-        out.arrays = _destinations(tensor_specs, into or {})
-    scratch = None if sending or keep else np.empty(chunk_bytes, np.uint8)
-    digests: list[int] = []
-    fault = os.environ.get(FAULT_ENV, "") if keep and not sending else ""
-    for spec in tensor_specs:
-        flat = None
-        if sending:
-            assert arrays is not None
-            flat = byte_view(arrays[spec.name])
-        elif keep:
-            flat = byte_view(out.arrays[spec.name])
-        for start in range(0, spec.nbytes, chunk_bytes):
-            size = min(chunk_bytes, spec.nbytes - start)
-            if flat is None:
-                assert scratch is not None
-                _broadcast(scratch[:size], source, group)
-                continue
-            piece = flat[start : start + size]
-            if flat.flags.writeable:
-                _broadcast(piece, source, group)
-            else:
-                # gloo writes into its root's buffer: a read-only one (bytes read from disk)
-                # goes through a copy, one chunk at a time.
-                _broadcast(piece.copy(), source, group)
-            if fault == "flip" and out.chunks == 0:
-                piece[0] ^= 0xFF
-            digests.append(xxhash.xxh3_64_intdigest(piece))
-            out.chunks += 1
-            out.nbytes += piece.nbytes
+    if fanout is not None and fanout.applies(sum(s.nbytes for s in tensor_specs)):
+        assert group is None, "a fanout forms its groups within the world group"
+        assert fanout.keepers[0] == source
+        out = _send_over_groups(arrays, tensor_specs, rank, chunk_bytes, into, fanout)
+    else:
+        out = _send_over_group(arrays, tensor_specs, source, rank, chunk_bytes, keep, group, into)
+    out.seconds = time.monotonic() - started
+    return out
+
+
+def _chunks(tensor_specs: Sequence[TensorSpec], chunk_bytes: int) -> list[tuple[str, int, int]]:
+    """(name, first byte, size) of every chunk, in the order they are sent."""
+    return [
+        (spec.name, start, min(chunk_bytes, spec.nbytes - start))
+        for spec in tensor_specs
+        for start in range(0, spec.nbytes, chunk_bytes)
+    ]
+
+
+def _move(pieces: Sequence[Any], source: int, group: Any, sending: bool, flip: bool) -> list[int]:
+    """Broadcast each of ``pieces`` (flat uint8 arrays) from ``source`` over ``group``;
+    their xxh3-64s. ``flip``: damage the first received piece (a test's fault)."""
+    digests = []
+    for i, piece in enumerate(pieces):
+        if sending and not piece.flags.writeable:
+            # gloo writes into its root's buffer: a read-only one (bytes read from disk)
+            # goes through a copy, one chunk at a time.
+            _broadcast(piece.copy(), source, group)
+        else:
+            _broadcast(piece, source, group)
+        if flip and i == 0:
+            piece[0] ^= 0xFF
+        digests.append(xxhash.xxh3_64_intdigest(piece))
+    return digests
+
+
+def _exchange_digests(digests: list[int], source: int, group: Any, sending: bool) -> list[int]:
+    """The source's digests on every rank of ``group``."""
     count = np.array([len(digests)], np.int64)
     _broadcast(count, source, group)
     theirs = np.array(digests, dtype=np.uint64).view(np.int64)
     if not sending:
         theirs = np.empty(int(count[0]), np.int64)
     _broadcast(theirs, source, group)
+    return [int(d) for d in theirs.view(np.uint64)]
+
+
+def _send_over_group(
+    arrays: Mapping[str, Any] | None,
+    tensor_specs: list[TensorSpec],
+    source: int,
+    rank: int,
+    chunk_bytes: int,
+    keep: bool,
+    group: Any,
+    into: Mapping[str, Any] | None,
+) -> Transferred:
+    sending = rank == source
+    out = Transferred()
+    chunks = _chunks(tensor_specs, chunk_bytes)
+    if sending:
+        assert arrays is not None
+        flats = {s.name: byte_view(arrays[s.name]) for s in tensor_specs}
+    elif keep:
+        out.arrays = _destinations(tensor_specs, into or {})
+        flats = {s.name: byte_view(out.arrays[s.name]) for s in tensor_specs}
+    else:
+        scratch = np.empty(chunk_bytes, np.uint8)
+        for _, _, size in chunks:
+            _broadcast(scratch[:size], source, group)
+        _exchange_digests([], source, group, False)
+        return out
+    pieces = [flats[name][start : start + size] for name, start, size in chunks]
+    flip = keep and not sending and os.environ.get(FAULT_ENV, "") == "flip"
+    digests = _move(pieces, source, group, sending, flip)
+    theirs = _exchange_digests(digests, source, group, sending)
     if sending:
         out.arrays = dict(arrays or {})
-    elif keep:
-        mine = np.array(digests, dtype=np.uint64).view(np.int64)
-        out.intact = bool(np.array_equal(theirs, mine))
-    out.seconds = time.monotonic() - started
+    else:
+        out.intact = theirs == digests
+        out.chunks, out.nbytes = len(pieces), sum(p.nbytes for p in pieces)
+    return out
+
+
+def _matches(arrays: Mapping[str, Any] | None, tensor_specs: list[TensorSpec]) -> bool:
+    """Whether ``arrays`` have every array of ``tensor_specs`` (but the source's small
+    files) with the same dtype and shape: a stayer that can send a share."""
+    if arrays is None:
+        return False
+    for spec in tensor_specs:
+        if spec.name == FILES_TENSOR:
+            continue
+        have = arrays.get(spec.name)
+        if have is None or have.dtype.str != spec.dtype or tuple(have.shape) != spec.shape:
+            return False
+    return True
+
+
+def _send_over_groups(
+    arrays: Mapping[str, Any] | None,
+    tensor_specs: list[TensorSpec],
+    rank: int,
+    chunk_bytes: int,
+    into: Mapping[str, Any] | None,
+    fanout: Fanout,
+) -> Transferred:
+    """The chunks to ``fanout.receivers`` alone: one group per sender (the sender and the
+    receivers, formed by every rank in the same order: ``new_group`` numbers groups per
+    process), chunk k from sender k mod n, the small files from the source; a receiver
+    takes every sender's share at once, one thread each. A keeper that does not send
+    makes no collective call past the groups' numbering."""
+    import paddle.distributed as dist
+
+    out = Transferred()
+    candidates = fanout.keepers[: fanout.senders_max]
+    senders = candidates[:1]
+    if len(candidates) > 1:
+        # Every candidate must hold the source's layout at the planned step (a stayer whose
+        # handover was damaged read an older step from disk): else the source alone sends.
+        fits = rank not in candidates[1:] or _matches(arrays, tensor_specs)
+        if agree(int(fits), op="min"):
+            senders = candidates
+    formed = time.monotonic()
+    groups = [dist.new_group(sorted({s, *fanout.receivers})) for s in senders]
+    out.group_s = time.monotonic() - formed
+    out.senders = len(senders)
+    chunks = _chunks(tensor_specs, chunk_bytes)
+    owner = [
+        0 if name == FILES_TENSOR else k % len(senders) for k, (name, _, _) in enumerate(chunks)
+    ]
+    if rank in senders:
+        i = senders.index(rank)
+        assert arrays is not None
+        mine = [c for c, o in zip(chunks, owner, strict=True) if o == i]
+        pieces = [byte_view(arrays[name])[start : start + size] for name, start, size in mine]
+        _exchange_digests(_move(pieces, rank, groups[i], True, False), rank, groups[i], True)
+        out.arrays = dict(arrays)
+        return out
+    if rank not in fanout.receivers:
+        return out
+    out.arrays = _destinations(tensor_specs, into or {})
+    flats = {s.name: byte_view(out.arrays[s.name]) for s in tensor_specs}
+    flip = os.environ.get(FAULT_ENV, "") == "flip"
+    results: list[tuple[bool, int, int] | BaseException | None] = [None] * len(senders)
+
+    def receive(i: int) -> None:
+        try:
+            mine = [c for c, o in zip(chunks, owner, strict=True) if o == i]
+            pieces = [flats[name][start : start + size] for name, start, size in mine]
+            digests = _move(pieces, senders[i], groups[i], False, flip and i == 0)
+            theirs = _exchange_digests(digests, senders[i], groups[i], False)
+            results[i] = (theirs == digests, len(pieces), sum(p.nbytes for p in pieces))
+        except BaseException as exc:  # re-raised on the calling thread
+            results[i] = exc
+
+    threads = [
+        threading.Thread(target=receive, args=(i,), daemon=True) for i in range(1, len(senders))
+    ]
+    for t in threads:
+        t.start()
+    receive(0)
+    for t in threads:
+        t.join()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+        assert result is not None
+        intact, count, nbytes = result
+        out.intact = out.intact and intact
+        out.chunks += count
+        out.nbytes += nbytes
     return out
 
 
@@ -264,15 +452,20 @@ def send_state(
     chunk_bytes: int,
     keep: bool,
     into: Mapping[str, Any] | None = None,
+    fanout: Fanout | None = None,
 ) -> tuple[int, StateFiles, Transferred]:
     """A whole state (its arrays and its small files, and its step) from ``source`` to the
-    ranks that ``keep`` it: (step, files, what moved); the others get (0, empty, ...)."""
+    ranks that ``keep`` it: (step, files, what moved); the others get (0, empty, ...).
+    ``files``: the source's, and any other keeper's that holds the planned step (it may
+    send a share of the arrays, see :class:`Fanout`)."""
     arrays: dict[str, Any] | None = None
     if rank == source:
         assert files is not None
         blob = pack({**files, "tide.step": str(step).encode()})
         arrays = {**files.arrays, FILES_TENSOR: np.frombuffer(blob, np.uint8)}
-    moved = send_tensors(arrays, source, rank, chunk_bytes, keep, into=into)
+    elif files is not None:
+        arrays = dict(files.arrays)
+    moved = send_tensors(arrays, source, rank, chunk_bytes, keep, into=into, fanout=fanout)
     if not keep:
         return 0, StateFiles(), moved
     got = dict(moved.arrays)
