@@ -20,6 +20,10 @@ logs; the loss trajectory against a fixed 2-rank run of the same MLP (``max_rel_
     python -m bench.statesize --quick   # 1 MB, 100 MB, 1 GB: one resize each way, each mode
     python -m bench.statesize           # and 2 GB
     python -m bench.statesize --sizes-mb 1,100,400 --modes plain
+    python -m bench.statesize --quick --senders-max 2   # two stayers send a share each
+
+The newcomers' transfer follows the workers' TIDE_TRANSFER_* settings (trainer/transfer.py):
+``--group-min-mb`` and ``--senders-max`` set them for the run, and the result names them.
 
 The last line is ``RESULT {json}``: ms_per_mb (the plain mode's pause, least-squares slope
 over the sizes, the worse direction), bare_broadcast_ms_per_mb, slope_over_bare (target <= 2),
@@ -51,6 +55,7 @@ from bench.rescale import Measure, paddle_way, tide_way
 from services.testing.localjob import ROOT, read_jsonl, reference_run, sample_records
 from services.testing.parity import final_losses
 from trainer.spawner import ZygoteSpawner
+from trainer.transfer import GROUP_MIN_MB_ENV, SENDERS_MAX_ENV, TransferSettings
 
 SCRIPT = str(ROOT / "bench" / "statesize_train.py")
 MODES = ("plain", "overlap")
@@ -360,6 +365,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--modes", default=",".join(MODES), help="resize modes, comma-separated")
     p.add_argument(
+        "--group-min-mb",
+        type=float,
+        default=None,
+        help="TIDE_TRANSFER_GROUP_MIN_MB for the workers (default: the setting's)",
+    )
+    p.add_argument(
+        "--senders-max",
+        type=int,
+        default=None,
+        help="TIDE_TRANSFER_SENDERS_MAX for the workers (default: the setting's)",
+    )
+    p.add_argument(
         "--workdir", default="", help="keep logs here (default: a temp dir, removed at the end)"
     )
     args = p.parse_args(argv)
@@ -367,7 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [float(s) for s in sizes_mb.split(",")]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tide-statesize-"))
     modes = tuple(m for m in args.modes.split(",") if m)
+    # The launchers and their workers inherit this environment.
+    if args.group_min_mb is not None:
+        os.environ[GROUP_MIN_MB_ENV] = str(args.group_min_mb)
+    if args.senders_max is not None:
+        os.environ[SENDERS_MAX_ENV] = str(args.senders_max)
+    transfer = TransferSettings.from_env()
     result = asyncio.run(run(args.quick, sizes, workdir, modes))
+    result["transfer"] = asdict(transfer)
     if args.workdir:
         print(f"logs in {workdir}")
     else:
