@@ -4,7 +4,8 @@ store, in that order of preference (trainer/transfer.py has the rule; docs/train
 Every rank reports the newest step it holds without reading it (the handover's and the
 durable store's listings); the ranks agree on a plan; every rank that holds the step in memory
 takes its own (a stayer), and the lowest of them sends it to the others (the newcomers) over
-the new group (trainer/transfer.py). After a crash (nobody has it in memory) one rank reads the
+the new group; a large state goes to the newcomers alone, from one or more stayers over groups
+of their own (trainer/transfer.py, ``Fanout``). After a crash (nobody has it in memory) one rank reads the
 durable store and sends it. A checkpoint that turns out damaged when the source reads it makes the
 source fall back to an older one, and since every receiver takes the source's bytes, the ranks
 still agree.
