@@ -163,10 +163,14 @@ def history_cmd(
         def page_size() -> int:
             return chunk if want is None else max(1, min(chunk, want - printer.count))
 
+        # --all reads every page: the next may be asked for while one is printed.
+        ahead = want is None
         pages = (
-            src.history_table_pages(job_id, lo, hi, states, wide=out.wide, page_size=page_size)
+            src.history_table_pages(
+                job_id, lo, hi, states, wide=out.wide, page_size=page_size, ahead=ahead
+            )
             if tabular
-            else src.decision_pages(job_id, lo, hi, states, page_size=page_size)
+            else src.decision_pages(job_id, lo, hi, states, page_size=page_size, ahead=ahead)
         )
         async for page, more in pages:
             room = len(page) if want is None else want - printer.count

@@ -171,12 +171,17 @@ class GrpcScaler:
         states: Sequence[int],
         *,
         page_size: Callable[[], int] = lambda: PAGE_SIZE,
+        ahead: bool = False,
     ) -> AsyncIterator[tuple[list[scaler_pb2.Decision], bool]]:
         """The decisions one ListDecisions page at a time, newest first, each with
         whether more follow; ``page_size`` is asked before each call (a reader with a
-        limit asks for no more than it still wants)."""
-        token = ""
-        while True:
+        limit asks for no more than it still wants). ``ahead``: each next page is asked
+        for before the current one is handed over, so the scaler reads it while this
+        process draws the last (a reader that wants every page: `--all`, whose 100
+        round trips for 100,000 decisions were half its time, docs/cli.md)."""
+        import asyncio
+
+        def request(token: str) -> scaler_pb2.ListDecisionsRequest:
             req = scaler_pb2.ListDecisionsRequest(
                 job_id=job_id,
                 page_size=page_size(),
@@ -185,11 +190,27 @@ class GrpcScaler:
                 until=ts_from_datetime(until),
             )
             req.states.extend(cast(Any, states))
-            resp = await self._call(self.stub.ListDecisions, req)
-            token = resp.next_page_token
-            yield list(resp.decisions), bool(token)
-            if not token:
-                return
+            return req
+
+        call: asyncio.Future[Any] | None = None
+        try:
+            resp = await self._call(self.stub.ListDecisions, request(""))
+            while True:
+                token = resp.next_page_token
+                if token and ahead:
+                    call = asyncio.ensure_future(
+                        self._call(self.stub.ListDecisions, request(token))
+                    )
+                yield list(resp.decisions), bool(token)
+                if not token:
+                    return
+                if call is None:
+                    resp = await self._call(self.stub.ListDecisions, request(token))
+                else:
+                    resp, call = await call, None
+        finally:
+            if call is not None:
+                call.cancel()
 
     async def history_table_pages(
         self,
@@ -200,13 +221,14 @@ class GrpcScaler:
         *,
         wide: bool,
         page_size: Callable[[], int] = lambda: PAGE_SIZE,
+        ahead: bool = False,
     ) -> AsyncIterator[tuple[list[tuple[str, ...]], bool]]:
         """`tide history`'s table rows, a page at a time (the API's decisions, each
         converted once to its row)."""
         from services.cli import render
 
         async for page, more in self.decision_pages(
-            job_id, since, until, states, page_size=page_size
+            job_id, since, until, states, page_size=page_size, ahead=ahead
         ):
             yield render.history_rows(page, wide=wide)[1], more
 
@@ -408,8 +430,10 @@ class SqlHistory:
         states: Sequence[int],
         *,
         page_size: Callable[[], int] = lambda: PAGE_SIZE,
+        ahead: bool = False,
     ) -> AsyncIterator[tuple[list[scaler_pb2.Decision], bool]]:
-        """As GrpcScaler's: one keyset page per read transaction."""
+        """As GrpcScaler's: one keyset page per read transaction (``ahead`` changes
+        nothing: no round trip to overlap)."""
         from services.scaler.convert import decision_to_proto
         from services.scaler.store.rows import decision_record
 
@@ -425,6 +449,7 @@ class SqlHistory:
         *,
         wide: bool,
         page_size: Callable[[], int] = lambda: PAGE_SIZE,
+        ahead: bool = False,
     ) -> AsyncIterator[tuple[list[tuple[str, ...]], bool]]:
         """`tide history`'s table rows straight from the store's rows (only the table's
         columns, its times as the database keeps them): no record, no message and no

@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
+from google.protobuf.timestamp_pb2 import Timestamp
 from tide.v1 import common_pb2, scaler_pb2
 
 from services.scaler import policy as pol
@@ -19,6 +21,7 @@ from services.scaler.store import (
     DecisionDetailRecord,
     DecisionEventRecord,
     DecisionRecord,
+    DecisionState,
     RollupRecord,
 )
 from tidebase.timeconv import ts_from_datetime, ts_from_seconds
@@ -87,6 +90,67 @@ def decision_to_proto(d: DecisionRecord) -> scaler_pb2.Decision:
         lost_steps=d.lost_steps,
         generation=d.generation,
         requested_by=d.requested_by,
+    )
+
+
+def _names(enum: Any, prefix: str) -> dict[str, Any]:
+    return {v.name.removeprefix(prefix): v.number for v in enum.DESCRIPTOR.values}
+
+
+_REASONS = _names(common_pb2.DecisionReason, "DECISION_REASON_")
+_TRIGGERS = _names(common_pb2.DecisionTrigger, "DECISION_TRIGGER_")
+_STATES = {s.value: state_to_proto(s) for s in DecisionState}
+_EPOCH = datetime(1970, 1, 1)
+
+
+def _utc_ts(naive_utc: datetime) -> Timestamp:
+    """The Timestamp of a naive UTC datetime, in integer arithmetic."""
+    d = naive_utc - _EPOCH
+    return Timestamp(seconds=d.days * 86400 + d.seconds, nanos=d.microseconds * 1000)
+
+
+def decision_row_to_proto(row: Any) -> scaler_pb2.Decision:
+    """:func:`decision_to_proto` of a row of ``store.history_table_rows(wide=True)``
+    (names as stored, times naive UTC), with no record between and the enums from
+    tables: the API's ListDecisions pages (tests/cli/test_history_rows.py holds the
+    two equal)."""
+    (
+        i,
+        created,
+        job,
+        frm,
+        to,
+        reason,
+        state,
+        pause,
+        by,
+        trigger,
+        gen,
+        lost,
+        updated,
+        error,
+        msg,
+    ) = row
+    return scaler_pb2.Decision(
+        id=i,
+        job_id=job,
+        from_replicas=frm,
+        to_replicas=to,
+        reason=_REASONS[reason]
+        if reason in _REASONS
+        else common_pb2.DecisionReason.Value(f"DECISION_REASON_{reason}"),
+        message=msg,
+        trigger=_TRIGGERS[trigger]
+        if trigger in _TRIGGERS
+        else common_pb2.DecisionTrigger.Value(f"DECISION_TRIGGER_{trigger}"),
+        state=_STATES[state],
+        created_at=_utc_ts(created),
+        updated_at=_utc_ts(updated),
+        error=error,
+        pause_s=pause,
+        lost_steps=lost,
+        generation=gen,
+        requested_by=by,
     )
 
 

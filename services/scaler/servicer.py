@@ -24,6 +24,7 @@ from tide.v1 import (
 from services.common.guard import Kind, Role, Rule, Subject, caller, requested_by
 from services.common.rpc import rpc_errors
 from services.scaler.convert import (
+    decision_row_to_proto,
     decision_to_proto,
     detail_to_proto,
     point_to_proto,
@@ -146,19 +147,17 @@ class ScalerServicer(scaler_pb2_grpc.ScalerServicer):
             states = tuple(state_from_proto(s) for s in request.states)
         except KeyError:
             raise InvalidArgument(f"unknown decision state in {list(request.states)}") from None
-        page = await self.core.store.list_decisions(
+        # Each row to its message once, in the store's thread (no record between).
+        decisions, token = await self.core.store.decision_page(
+            decision_row_to_proto,
             job_id=request.job_id,
             since=field_datetime(request, "since"),
             until=field_datetime(request, "until"),
             states=states,
             page_size=request.page_size or 100,
             page_token=request.page_token,
-            with_inputs=False,
         )
-        return scaler_pb2.ListDecisionsResponse(
-            decisions=[decision_to_proto(d) for d in page.decisions],
-            next_page_token=page.next_page_token,
-        )
+        return scaler_pb2.ListDecisionsResponse(decisions=decisions, next_page_token=token)
 
     @rpc_errors
     async def GetDecision(

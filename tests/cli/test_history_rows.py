@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from services.cli import render
 from services.cli.output import PlainStream
 from services.scaler import store as repo
-from services.scaler.convert import decision_to_proto
+from services.scaler.convert import decision_row_to_proto, decision_to_proto
 from services.store import db
 from tests.cli.seed import seed
 from tests.support.pg import schema_url
@@ -122,6 +122,9 @@ def test_table_rows_match_the_records(url: str, wide: bool) -> None:
             assert render.history_rows_of_store(table, wide=wide) == want
             messages = [decision_to_proto(r) for r in records]
             assert render.history_rows(messages, wide=wide)[1] == want
+            # The API's pages: each row to its message straight, as from its record.
+            wide_rows = pages(repo.history_table_rows, factory, job_id=job, wide=True)
+            assert [decision_row_to_proto(r) for r in wide_rows] == messages
         # The same keyset pages as the API's rows, filters and all.
         since = datetime(2026, 12, 1, 9, 0, 59, 999_999, tzinfo=UTC)
         kw: dict[str, Any] = {"job_id": "ml/frac", "since": since}
