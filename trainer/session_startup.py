@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from trainer.distenv import PREWARM_ENV, DistEnv, wait_for_port
-from trainer.gloo_groups import share_world_context
+from trainer.gloo_groups import fast_default_store, share_world_context
 from trainer.messages import Go, Prepared, Rendezvous, Start
 from trainer.session_control import SessionControl
 
@@ -93,6 +93,7 @@ class SessionStartup(SessionControl):
 
             if self.rank != 0:
                 wait_for_port(self.env.master, self.config.master_wait_s)
+            fast_default_store(self.env.master)
             dist.init_parallel_env()
             # Touches gloo groups only (the CPU's); NCCL's form as Paddle forms them.
             share_world_context()
