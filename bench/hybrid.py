@@ -33,7 +33,8 @@ in plain data parallel (the same script without ``--sharded``).
   layout: ``dpsh_rel_diff``, ``dpsh_optimizer_rel_diff``, ``dpsh_layouts`` (per generation,
   the degrees its workers logged), ``dpsh_pause_s``, ``dpsh_exactly_once``,
   ``dpsh_lost_steps``; ``dpsh_dp_pause_s`` and ``dpsh_pause_over_dp_pause``: the same chain in
-  plain data parallel, its pauses and their sums' ratio.
+  plain data parallel, its pauses and their sums' ratio; ``dpsh_stages`` and
+  ``dpsh_dp_stages``: where each of the two chains' pauses went (:func:`stages`).
 
     python -m bench.hybrid --quick   # about 3-4 minutes here (2 cores)
     python -m bench.hybrid --quick --only dpsh   # the dp x sharding chain alone
@@ -131,6 +132,42 @@ def audit(job: LocalJob, chain: Chain, steps: int) -> tuple[int, int]:
     return once, chain.lost_steps + steps - len(done & set(range(1, steps + 1)))
 
 
+def stages(job: LocalJob) -> list[dict[str, float]]:
+    """Where each resize's pause went after the barrier, per new generation (the slowest rank
+    of each part, from the workers' timings.jsonl): ``group_init_s`` (init_parallel_env, the
+    default group), ``script_s`` (the script between that and its first step: fleet.init and
+    its groups, the wrappers, attach), ``restore_s`` (handover or transfer), ``first_step_s``,
+    and ``gather_s``: the old generation's gather of the optimizer shards at the barrier's
+    checkpoint step (0 for plain data parallel)."""
+    rows = [json.loads(line) for line in (job.log_dir / "timings.jsonl").read_text().splitlines()]
+    firsts: dict[int, list[dict[str, Any]]] = {}
+    gathers: dict[int, list[float]] = {}
+    for r in rows:
+        if r["event"] == "first_step":
+            firsts.setdefault(r["gen"], []).append(r)
+        elif r["event"] == "shards_gathered":
+            gathers.setdefault(r["gen"], []).append(r["gather_s"])
+    out = []
+    for gen in sorted(firsts)[1:]:
+        fs = firsts[gen]
+        script = [
+            r["first_step_at"] - r["restart_started_at"] - r["worker_restart_s"]
+            - r["group_init_s"] - r["restore_s"] - r["first_step_s"]
+            for r in fs
+        ]  # fmt: skip
+        out.append(
+            {
+                "generation": gen,
+                "group_init_s": round(max(r["group_init_s"] for r in fs), 3),
+                "script_s": round(max(script), 3),
+                "restore_s": round(max(r["restore_s"] for r in fs), 3),
+                "first_step_s": round(max(r["first_step_s"] for r in fs), 3),
+                "gather_s": round(max(gathers.get(gen - 1, [0.0])), 3),
+            }
+        )
+    return out
+
+
 def dp_by_sharding(train: list[str], workdir: Path) -> dict[str, Any]:
     """The ``dpsh_*`` keys: data parallel beside sharding, resized along DPSH_CHAIN."""
     args = [*train, "--sharded", "--sharding-degree-max", str(DPSH_CAP)]
@@ -149,11 +186,13 @@ def dp_by_sharding(train: list[str], workdir: Path) -> dict[str, Any]:
     }
     out["dpsh_exactly_once"], out["dpsh_lost_steps"] = audit(job, chain, steps)
     out["dpsh_layouts"], out["dpsh_layouts_consistent"] = layouts(job, DPSH_CAP)
+    out["dpsh_stages"] = stages(job)
     # The same chain of the same model in plain data parallel: the pauses' baseline.
     dp = LocalJob(workdir / "dpsh-dp", [*train, "--step-delay-s", "0.1"], heartbeat_timeout_s=10.0)
     dp.example = EXAMPLE
     dp_chain = asyncio.run(resize_along(dp, DPSH_CHAIN))
     out["dpsh_dp_pause_s"] = [round(f.pause_s, 3) for f in dp_chain.completed[1:]]
+    out["dpsh_dp_stages"] = stages(dp)
     out["dpsh_pause_over_dp_pause"] = round(
         sum(out["dpsh_pause_s"]) / max(sum(out["dpsh_dp_pause_s"]), 1e-9), 3
     )
