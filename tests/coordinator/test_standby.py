@@ -129,6 +129,7 @@ def _pause_outside_a_write(replica: ServiceProcess, db_url: str) -> None:
     raise AssertionError("the leader held the SQLite write lock at 50 pauses in a row")
 
 
+@pytest.mark.serial  # a takeover-time bound: measured alone (Makefile)
 def test_standby_takes_over_from_a_paused_leader_and_the_old_leader_writes_nothing(
     db_url: str,
 ) -> None:

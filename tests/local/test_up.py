@@ -56,6 +56,7 @@ def admin_env(state: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.serial  # a Ctrl-C time bound: measured alone (Makefile)
 def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path: Path) -> None:
     # SIGTERM takes the same handler (cli.main._run_until_signal); one start is enough.
     sig = signal.SIGINT
