@@ -292,6 +292,9 @@ def _exchange_digests(digests: list[int], source: int, group: Any, sending: bool
     """The source's digests on every rank of ``group``."""
     count = np.array([len(digests)], np.int64)
     _broadcast(count, source, group)
+    if not count[0]:
+        # A sender without a share (fewer chunks than senders): gloo refuses an empty tensor.
+        return []
     theirs = np.array(digests, dtype=np.uint64).view(np.int64)
     if not sending:
         theirs = np.empty(int(count[0]), np.int64)
