@@ -22,7 +22,6 @@ from tests.e2e.checks import (
     samples_per_step,
     steps_by_generation,
 )
-from tests.support.poll import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 
@@ -160,6 +159,22 @@ async def test_resize_2_3_1_2_loses_nothing_and_matches_a_fixed_run(
         print(f"resize to {r.world_size}: pause {r.pause_s:.3f}s {r.pause}")
 
 
+async def _mid_period_after_durable(job: LocalJob, at_least: int) -> int:
+    """Poll until rank 0 is 3 to 8 steps past the newest durable checkpoint (at least
+    ``at_least``), so that a kill now lands mid-period with its period's start durable;
+    returns that durable step."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 120
+    while True:
+        st = await job.status()
+        durable = st.durable_checkpoint_step if st else 0
+        step = max((r["step"] for r in loss_records(job.log_dir)), default=0)
+        if durable >= at_least and 3 <= step - durable <= 8:
+            return int(durable)
+        assert loop.time() < deadline, f"step {step}, durable {durable}: never mid-period"
+        await asyncio.sleep(0.005)
+
+
 async def test_sigkilled_worker_survivors_resume_from_the_last_periodic_checkpoint(
     job: LocalJob,
 ) -> None:
@@ -168,25 +183,17 @@ async def test_sigkilled_worker_survivors_resume_from_the_last_periodic_checkpoi
     await job.wait_standby(2)
     assert (await job.resize(2))[-1].phase == pb.RESIZE_PHASE_COMPLETED
     await _progress_past(job, 25)
-    # Rank 0 writes the durable copy from a niced thread: on a loaded machine step 30's copy
-    # can commit after step 33 (this test once restored 20 at load 30). What survivors must
-    # restore is the newest durable checkpoint, so the kill waits for step 30's.
-    await job.wait_status(lambda s: s.durable_checkpoint_step >= 30, 60, "step 30 durable")
-    # Kill mid-period (checkpoints every 10 steps), watching rank 0's log, not heartbeats.
-    await eventually(
-        lambda: any(r["step"] >= 33 for r in loss_records(job.log_dir)),
-        30,
-        interval_s=0.005,
-        what="step 33",
-    )
     (victim,) = [
         e["pid"]
         for e in read_jsonl(job.log_dir / "timings.jsonl")
         if e["event"] == "first_step" and e["gen"] == 1 and e["rank"] == 1
     ]
     assert victim in job.pods[1].worker_pids()
-    st = await job.status()
-    durable = st.durable_checkpoint_step if st else 0
+    # Kill mid-period (checkpoints every 10 steps), watching rank 0's log, not heartbeats,
+    # once the period's checkpoint is durable: rank 0 writes the durable copy from a niced
+    # thread, and on a loaded machine step 30's copy committed after step 33 (this test
+    # once restored 20 at load 30). What survivors must restore is the newest durable one.
+    durable = await _mid_period_after_durable(job, at_least=30)
     killed_at = asyncio.get_running_loop().time()
     os.kill(victim, signal.SIGKILL)
     await job.wait_status(

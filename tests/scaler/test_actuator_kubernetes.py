@@ -76,8 +76,9 @@ async def test_a_conflict_is_read_again_and_rechecked(
     # Every patch carries the resourceVersion it read: a stale one is refused.
     c.api.conflict_next("paddlejobs")
     await a.set_replicas("default/j", 2, decision_id=1)
-    assert a.conflicts_retried == 1
-    assert c.api.stats.conflicts == 1
+    # Every 409 the server gave was read again; the operator stand-in's own status write can
+    # make one more than the injected one on a loaded machine (it raced the first read).
+    assert a.conflicts_retried == c.api.stats.conflicts >= 1
     assert c.api.get(PADDLE_OPERATOR, "default", "j")["spec"]["worker"]["replicas"] == 2
 
     # The other writer lowered the maximum to 2: growing to 3 is no longer allowed.
