@@ -21,13 +21,12 @@ Formed over a TCP store of its own, it formed in every try: the group's rank 0 s
 free port and publishes its address in the default store under the group's name, the others
 read it there. NCCL and the other backends are left alone.
 
-Each such group used to cost 0.35-0.8 s on loopback, 1.7-2.1 s of ``fleet.init`` at dp 2 x
-sharding 2, nearly all of it Nagle's algorithm: Paddle's store client sends a request in
-several small writes, so each waits for the server's delayed ACK (45 ms an ``add``, 90 ms a
-``get``). :func:`_nodelay` turns it off on this process's connections to the group's store
+Forming such a group was slow, and nearly all of it was Nagle's algorithm: Paddle's store
+client sends a request in several small writes, so each waits for the server's delayed ACK.
+:func:`_nodelay` turns it off on this process's connections to the group's store
 and to the default one, and the group's store is made without a worker count (Paddle's wait
 for it is a loop of such requests inside the constructor; gloo's rendezvous waits for each
-member anyway): 0.02 s a group (docs/sharded.md).
+member anyway). The figures before and after are in docs/sharded.md.
 """
 
 from __future__ import annotations
@@ -77,7 +76,7 @@ def share_world_context() -> None:
     setattr(new_process_group, _SHARED, True)
     collective._new_process_group_impl = new_process_group
     # The default store serves every subgroup's address (_own_store) and fleet's later
-    # rendezvous: 90 ms a get without this (_nodelay).
+    # rendezvous: each of its requests waits a delayed ACK without this (_nodelay).
     master = os.environ.get("PADDLE_MASTER", "")
     if master:
         _nodelay(int(master.rsplit(":", 1)[1]))
@@ -101,9 +100,8 @@ def fast_default_store(master: str) -> None:
 def _nodelay(port: int) -> int:
     """Sets TCP_NODELAY on this process's TCP connections to ``port`` (a Paddle TCPStore's)
     and returns how many. Paddle's store client writes a request in several small writes and
-    leaves Nagle's algorithm on, so each request waits for the server's delayed ACK: 45 ms an
-    ``add``, 90 ms a ``get`` on loopback here, against 0.04 ms with it off (docs/sharded.md),
-    and a 2-rank gloo group's rendezvous is a dozen of them. The sockets are Paddle's own (C++),
+    leaves Nagle's algorithm on, so each request waits for the server's delayed ACK
+    (docs/sharded.md), and a 2-rank gloo group's rendezvous is a dozen of them. The sockets are Paddle's own (C++),
     reached through /proc/self/fd; elsewhere, or when a socket is gone, it does nothing."""
     done = 0
     try:

@@ -27,8 +27,8 @@ bytes, so a newcomer's arrays are the same whichever stayer sent each chunk; the
 (RNG state, the sampler's position) come from the source alone. The other stayers make no
 collective call at all and receive nothing. A smaller state goes over the whole new group, a
 stayer that is not the source taking part with one chunk-sized buffer and dropping the bytes:
-forming a subgroup cost 0.1-0.9 s here (Paddle's gloo connects each pair through the store),
-more than the bytes it spares below a few hundred MB (docs/trainer.md).
+forming a subgroup (Paddle's gloo connects each pair through the store) costs more than the
+bytes it spares below a few hundred MB (docs/trainer.md).
 
 What the checksum guards against: bytes that differ between the holder and a receiver (a
 transport or buffer fault, a chunk written into the wrong place, a receiver's layout that does
@@ -100,7 +100,7 @@ class TransferSettings:
     chunk_mb: float = 64.0
     # A state at least this large (MB) goes to the newcomers alone, over one group per
     # sender formed for it (Fanout); a smaller one by broadcast over the whole new group,
-    # the other stayers dropping the bytes. Forming a group costs 0.1-0.9 s on gloo here.
+    # the other stayers dropping the bytes. Forming a group has its cost (docs/trainer.md).
     group_min_mb: float = 256.0
     # The most stayers that send a share of a state each, over groups of their own (1: the
     # lowest stayer alone). Each sender's group is formed in turn, in the pause.
