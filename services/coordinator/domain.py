@@ -352,6 +352,10 @@ class Resize:
     breakdown: Breakdown = field(default_factory=Breakdown)
     message: str = ""
     version: int = 0
+    # The step each participant said it held at in this barrier's acks: the ranks of g must
+    # all have held at one step. In memory only (not persisted): a restarted coordinator
+    # checks the acks it hears after its restart.
+    held_steps: dict[str, int] = field(default_factory=dict, compare=False)
 
     @property
     def phase_deadline_at(self) -> float:

@@ -86,8 +86,9 @@ class FakeLauncher:
         self.leave_deadline_s = 0.0
         # Behaviour switches a test flips.
         self.answer_checkpoint = True
-        # > 0: the CHECKPOINT came after g passed its step; the ranks held together this many
-        # steps later, and every rank's ack says where (as real launchers' acks do).
+        # > 0: the CHECKPOINT came after g passed its step; this rank held this many steps
+        # later (the ranks of g hold together, so a test sets the same on each, or not to
+        # break that agreement).
         self.held_past = 0
         self.answer_rendezvous = True
         # The step its next RENDEZVOUS ack says the new worker restored (None: the named one,
@@ -222,12 +223,14 @@ class FakeLauncher:
             held = d.checkpoint_step + self.held_past
             self.step = max(self.step, held)
             self.phase = pb.WORKER_PHASE_HOLDING
-            fields: dict[str, Any] = {"ok": True, "held_at": ts(self.clock.now())}
-            if self.held_past:
-                fields.update(checkpoint_step=held)
+            # Every rank's ack says where it held, as real launchers' acks do.
+            fields: dict[str, Any] = {
+                "ok": True,
+                "held_at": ts(self.clock.now()),
+                "checkpoint_step": held,
+            }
             if self.rank == 0:
                 fields.update(
-                    checkpoint_step=held,
                     checkpoint_digest=digest_of(self.job_id, held),
                     checkpoint_write_s=0.25,
                 )

@@ -77,6 +77,12 @@ Case = Callable[[], Result]
 
 
 def _any_ack(event: ResizeEvent) -> AckEvent:
+    if event == E.ACK_CHECKPOINT_PAST:
+        return _ack(
+            "m0", K.CHECKPOINT, directive_step=13, checkpoint_step=18, checkpoint_digest="x"
+        )
+    if event == E.ACK_CHECKPOINT_APART:
+        return _ack("m1", K.CHECKPOINT, directive_step=13, checkpoint_step=14)
     kind = {
         E.ACK_CHECKPOINT: K.CHECKPOINT,
         E.NACK_CHECKPOINT: K.CHECKPOINT,

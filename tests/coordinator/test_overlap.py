@@ -133,3 +133,64 @@ async def test_a_shrink_prepares_the_stayers_only_and_drains_the_leaver(overlap:
     assert K.KIND_PREPARE not in ls[2].kinds()
     assert ls[2].kinds().index(K.KIND_CHECKPOINT) < ls[2].kinds().index(K.KIND_DRAIN)
     assert [fl.rendezvous_prepared[-1] for fl in ls[:2]] == [True, True]
+
+
+def _acked(env: Env, member_id: str) -> bool:
+    r = env.coordinator.jobs[JOB].resizes[2]
+    return member_id in r.acked or r.phase.name != "CHECKPOINTING"
+
+
+@pytest.mark.parametrize("rank0_acks_first", [True, False])
+async def test_a_committing_checkpoint_that_came_late_moves_the_barrier_to_where_g_held(
+    overlap: Env, rank0_acks_first: bool
+) -> None:
+    """In a generation's first seconds no step rate is known: the barrier is set 2 steps
+    ahead and g may pass it before the CHECKPOINT arrives. Every rank then holds together at
+    a later step, where each launcher switches to its prepared worker: the barrier moves
+    there and g+1 restores it (it used to abort, which a switch at S only could not undo)."""
+    env = overlap
+    ls = await form(env, 2)
+    await env.heartbeat_all()
+    newcomer = await env.launcher(2)
+    for fl in ls:
+        fl.held_past = 5
+        fl.answer_checkpoint = False
+    w = ResizeWatch(env.stub, JOB, 2, 3)
+    await eventually(lambda: all(K.KIND_CHECKPOINT in fl.kinds() for fl in ls), what="sent")
+    ckpt = next(d for d in ls[0].received if d.kind == K.KIND_CHECKPOINT)
+    assert ckpt.HasField("rendezvous"), "the barrier commits"
+    for fl in ls if rank0_acks_first else ls[::-1]:
+        fl.answer_checkpoint = True
+        await fl.disconnect()
+        await fl.connect()
+        await eventually(lambda f=fl: _acked(env, f.member_id), what="acked")  # type: ignore[misc]
+    everyone = [*ls, newcomer]
+    await eventually(lambda: all(fl.generation == 2 for fl in everyone), what="generation 2")
+    await eventually(lambda: no_pending(env), what="acks")
+    await env.heartbeat_all(advance_s=2.0)
+    final = await w.final()
+
+    assert final.phase == P.RESIZE_PHASE_COMPLETED, final.message
+    held = ckpt.checkpoint_step + 5
+    assert final.checkpoint_step == held and final.lost_steps == 0
+    assert {fl.restore_step for fl in everyone} == {held}
+    assert all(fl.rendezvous_prepared[-1] is True for fl in everyone)
+
+
+async def test_a_committing_barrier_whose_ranks_held_apart_fails_and_re_forms(
+    overlap: Env,
+) -> None:
+    """Rank 0 held past S, rank 1 at S: the ranks' agreement on the stop step broke, and
+    each launcher may have switched at its own hold. The resize fails loudly and the job
+    re-forms from its newest good checkpoint (not a RESUME of g)."""
+    env = overlap
+    ls = await form(env, 2)
+    await env.heartbeat_all()
+    await env.launcher(2)
+    ls[0].held_past = 2
+    w = ResizeWatch(env.stub, JOB, 2, 3)
+    final = await w.final()
+
+    assert final.phase == P.RESIZE_PHASE_FAILED, final.message
+    assert "held at different steps" in final.message
+    assert all(K.KIND_RESUME not in fl.kinds() for fl in ls)

@@ -76,7 +76,14 @@ def checkpointing(event: ResizeEvent) -> Result:
                 held_at=99.0,
                 checkpoint_write_s=0.25,
             )
-            return h.on_ack(c, r, ack), [RecordHold(1, "m0", 99.0, "abc", 0.25)]
+            return h.on_ack(c, r, ack), [RecordHold(1, "m0", 99.0, "abc", 0.25, held_step=13)]
+        case E.ACK_CHECKPOINT_PAST:  # g passed 13 before the CHECKPOINT came: moved to 18
+            moved = RecordHold(1, "m0", NOW, "x", moved_to_step=18, held_step=18)
+            return h.on_ack(c, r, _any_ack(event)), [moved]
+        case E.ACK_CHECKPOINT_APART:  # nobody switched in a plain barrier: g resumes
+            _held(r, m0=13)
+            msg = "the ranks of generation 1 held at different steps (m0 at 13, m1 at 14)"
+            return h.on_ack(c, r, _any_ack(event)), [*_resumes("m0", "m1"), Abort(1, msg)]
         case E.NACK_CHECKPOINT:
             ack = _ack("m1", K.CHECKPOINT, ok=False, directive_step=13, message="disk full")
             msg = "member m1 could not checkpoint step 13: disk full"
@@ -102,6 +109,12 @@ def checkpointing(event: ResizeEvent) -> Result:
             return h.on_restart(c, r), [*_resumes("m0", "m1"), Abort(1, msg)]
     # RENDEZVOUS and DRAIN are not sent before the barrier ends.
     return h.on_ack(c, r, _any_ack(event)), []
+
+
+def _held(r: Resize, **steps: int) -> None:
+    """Participants that acked, at these steps, as the outbox records their holds."""
+    r.acked = (*r.acked, *steps)
+    r.held_steps.update(steps)
 
 
 def _preparing(s: JobState, **fields: Any) -> Resize:
@@ -176,22 +189,75 @@ def test_rank_0_without_the_checkpoint_aborts_the_barrier() -> None:
     assert got == [*_resumes("m0", "m1"), Abort(1, msg)]
 
 
-def test_a_plain_barrier_g_passed_moves_to_where_rank_0_held_with_its_checkpoint() -> None:
+def _sent(s: JobState, r: Resize, *, commit: bool) -> None:
+    """The barrier's CHECKPOINTs of step 13 to m0 and m1; ``commit``: each carrying its g+1
+    RENDEZVOUS (overlap mode)."""
+    for seq, (mid, rank) in enumerate((("m0", 0), ("m1", 1)), start=10):
+        info = RendezvousInfo(2, 3, rank, ENDPOINTS[0], ENDPOINTS, 13, prepared=True)
+        d = Directive(
+            "ns/j", f"d{seq}", mid, K.CHECKPOINT, 1, NOW, seq=seq, checkpoint_step=13,
+            rendezvous=info if commit else None,
+        )  # fmt: skip
+        s.directives[d.directive_id] = d
+    r.started_at = NOW - 5.0
+
+
+def _moved(r: Resize, step: int) -> None:
+    """What the outbox does with rank 0's RecordHold(moved_to_step=step)."""
+    r.checkpoint_step = step
+    _held(r, m0=step)
+
+
+@pytest.mark.parametrize("commit", [False, True], ids=["plain", "overlap"])
+def test_a_barrier_g_passed_moves_to_where_rank_0_held_with_its_checkpoint(commit: bool) -> None:
     s = job()
     r = _barrier(s)
+    _sent(s, r, commit=commit)
+    c = Context(s, OVERLAP if commit else TUNING, NOW)
     late = _ack("m0", K.CHECKPOINT, directive_step=13, checkpoint_step=18, held_at=99.0)
-    # Without the checkpoint of the step it held at, nothing to move to: aborted as before.
-    msg = "rank 0 (m0) acked without the checkpoint of step 13 (got step 18)"
-    assert PHASES[r.phase].on_ack(_ctx(s), r, late) == [*_resumes("m0", "m1"), Abort(1, msg)]
     late = dataclasses.replace(late, checkpoint_digest="abc", checkpoint_write_s=0.25)
-    got = PHASES[r.phase].on_ack(_ctx(s), r, late)
-    assert got == [RecordHold(1, "m0", 99.0, "abc", 0.25, moved_to_step=18)]
+    got = PHASES[r.phase].on_ack(c, r, late)
+    assert got == [RecordHold(1, "m0", 99.0, "abc", 0.25, moved_to_step=18, held_step=18)]
     # Moved: a rank that held at 18 acks the CHECKPOINT of 13; an older barrier's does not.
-    r.checkpoint_step = 18
+    _moved(r, 18)
+    assert s.barrier_step(r) == 13 and s.barrier_commits(r) is commit
     m1 = _ack("m1", K.CHECKPOINT, directive_step=13, checkpoint_step=18, held_at=99.0)
-    assert PHASES[r.phase].on_ack(_ctx(s), r, m1) == [RecordHold(1, "m1", 99.0)]
+    assert PHASES[r.phase].on_ack(c, r, m1) == [RecordHold(1, "m1", 99.0, held_step=18)]
     old = dataclasses.replace(m1, directive_step=7, checkpoint_step=7)
-    assert PHASES[r.phase].on_ack(_ctx(s), r, old) == []
+    assert PHASES[r.phase].on_ack(c, r, old) == []
+    # g+1 restores where g held, newcomers included (they take the stayers' newest state).
+    r.acked = ("m0", "m1")
+    opened = next(e for e in PHASES[r.phase].advance(c, r) if isinstance(e, OpenGeneration))
+    assert (opened.member_ids, opened.restore_step) == (("m0", "m1", "s0"), 18)
+
+
+@pytest.mark.parametrize("commit", [False, True], ids=["plain", "overlap"])
+def test_a_rank_that_held_apart_from_a_moved_barrier_ends_it(commit: bool) -> None:
+    """The barrier moved to 18, where rank 0 held; m1 says 17 (the ranks' agreement on the
+    stop step broke): no restore step is right for both."""
+    s = job()
+    r = _barrier(s)
+    _sent(s, r, commit=commit)
+    _moved(r, 18)
+    m1 = _ack("m1", K.CHECKPOINT, directive_step=13, checkpoint_step=17, held_at=99.0)
+    msg = "the ranks of generation 1 held at different steps (m0 at 18, m1 at 17)"
+    got = PHASES[r.phase].on_ack(Context(s, OVERLAP if commit else TUNING, NOW), r, m1)
+    # Overlap mode: each launcher may have switched at its own hold, so g cannot resume.
+    assert got == (
+        [Fail(1, msg), Recover(msg)] if commit else [*_resumes("m0", "m1"), Abort(1, msg)]
+    )
+
+
+def test_rank_0_past_s_after_a_rank_that_held_at_s_ends_the_barrier() -> None:
+    s = job()
+    r = _committing(s)
+    _held(r, m1=13)
+    late = _ack("m0", K.CHECKPOINT, directive_step=13, checkpoint_step=15, checkpoint_digest="x")
+    msg = "the ranks of generation 1 held at different steps (m0 at 15, m1 at 13)"
+    assert PHASES[r.phase].on_ack(Context(s, OVERLAP, NOW), r, late) == [
+        Fail(1, msg),
+        Recover(msg),
+    ]
 
 
 def _prepare(
@@ -281,14 +347,7 @@ def test_a_fallback_barrier_opens_g_plus_1_on_the_plain_path() -> None:
 def _committing(s: JobState, **fields: Any) -> Resize:
     """A barrier whose CHECKPOINTs carried g+1's prepared RENDEZVOUS (overlap mode)."""
     r = _barrier(s, **fields)
-    for seq, (mid, rank) in enumerate((("m0", 0), ("m1", 1)), start=10):
-        info = RendezvousInfo(2, 3, rank, ENDPOINTS[0], ENDPOINTS, 13, prepared=True)
-        d = Directive(
-            "ns/j", f"d{seq}", mid, K.CHECKPOINT, 1, NOW, seq=seq, checkpoint_step=13,
-            rendezvous=info,
-        )  # fmt: skip
-        s.directives[d.directive_id] = d
-    r.started_at = NOW - 5.0
+    _sent(s, r, commit=True)
     return r
 
 
@@ -309,7 +368,14 @@ def committing(event: ResizeEvent) -> Result:
             ]
         case E.ACK_CHECKPOINT:
             ack = _ack("m1", K.CHECKPOINT, directive_step=13, checkpoint_step=13, held_at=99.0)
-            return h.on_ack(c, r, ack), [RecordHold(1, "m1", 99.0)]
+            return h.on_ack(c, r, ack), [RecordHold(1, "m1", 99.0, held_step=13)]
+        case E.ACK_CHECKPOINT_PAST:  # every launcher switched at 18: the barrier moves there
+            moved = RecordHold(1, "m0", NOW, "x", moved_to_step=18, held_step=18)
+            return h.on_ack(c, r, _any_ack(event)), [moved]
+        case E.ACK_CHECKPOINT_APART:  # each may have switched at its own hold: re-formed
+            _held(r, m0=13)
+            msg = "the ranks of generation 1 held at different steps (m0 at 13, m1 at 14)"
+            return h.on_ack(c, r, _any_ack(event)), [Fail(1, msg), Recover(msg)]
         case E.NACK_CHECKPOINT:  # its worker is gone: lost, which re-forms g
             ack = _ack("m1", K.CHECKPOINT, ok=False, directive_step=13, message="no worker")
             msg = "member m1 could not checkpoint step 13: no worker"
@@ -339,20 +405,27 @@ def test_a_committing_barrier(event: ResizeEvent) -> None:
     assert got == want
 
 
-def test_a_committing_barrier_held_at_another_step_still_resumes_g() -> None:
-    # The CHECKPOINT came late: every rank held together at 14, so no launcher switched
-    # (each switches only at the CHECKPOINT's own step) and g can resume.
+@pytest.mark.parametrize("step", [13, 14])
+def test_a_committing_barrier_whose_rank_0_held_at_or_past_s_without_its_state_fails(
+    step: int,
+) -> None:
+    # The launchers switched at their hold (at S or past it): the job re-forms.
     s = job()
     r = _committing(s)
-    ack = _ack("m0", K.CHECKPOINT, directive_step=13, checkpoint_step=14, checkpoint_digest="x")
-    msg = "rank 0 (m0) acked without the checkpoint of step 13 (got step 14)"
+    ack = _ack("m0", K.CHECKPOINT, directive_step=13, checkpoint_step=step)
+    msg = f"rank 0 (m0) acked without the checkpoint of step 13 (got step {step})"
+    assert PHASES[r.phase].on_ack(Context(s, OVERLAP, NOW), r, ack) == [Fail(1, msg), Recover(msg)]
+
+
+def test_a_committing_barrier_held_before_s_still_resumes_g() -> None:
+    # A hold before S (asked for another reason): no launcher switched (each does so only
+    # from S on), so g can resume.
+    s = job()
+    r = _committing(s)
+    ack = _ack("m0", K.CHECKPOINT, directive_step=13, checkpoint_step=12, checkpoint_digest="x")
+    msg = "rank 0 (m0) acked without the checkpoint of step 13 (got step 12)"
     got = PHASES[r.phase].on_ack(Context(s, OVERLAP, NOW), r, ack)
     assert got == [*_resumes("m0", "m1"), Abort(1, msg)]
-    # Held at 13 without the state's digest: they switched, so the job re-forms.
-    ack = dataclasses.replace(ack, checkpoint_step=13, checkpoint_digest="")
-    msg = "rank 0 (m0) acked without the checkpoint of step 13 (got step 13)"
-    got = PHASES[r.phase].on_ack(Context(s, OVERLAP, NOW), r, ack)
-    assert got == [Fail(1, msg), Recover(msg)]
 
 
 def test_a_barrier_after_every_prepare_commits() -> None:

@@ -193,6 +193,47 @@ async def test_a_committing_checkpoint_switches_at_the_hold_without_the_rendezvo
     assert coord.ack_of(drain) is not None
 
 
+async def test_a_committing_checkpoint_that_came_late_switches_at_the_later_hold(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path
+) -> None:
+    """The CHECKPOINT of S came after g passed S (a generation's first seconds, its step
+    rate not known yet): the worker holds at the next step P > S, where every rank of g
+    holds, and the launcher switches there; the coordinator moves the barrier to P."""
+    coord, port = fake
+    launcher = make_launcher(port, tmp_path)
+    run = asyncio.create_task(launcher.run())
+    await eventually(lambda: coord.members, 10, what="registration")
+    (mid,) = coord.members
+    (rdv,) = coord.rendezvous([mid])
+    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack")
+    await eventually(lambda: launcher.workers.standby is not None, 10, what="a standby")
+    (prep,) = coord.rendezvous([mid], kind=pb.Directive.KIND_PREPARE, prepared=True)
+    await eventually(lambda: coord.ack_of(prep), 10, what="prepare ack")
+    standby = launcher.workers.standby
+    assert standby is not None and coord.ack_of(prep).ok  # type: ignore[union-attr]
+    await eventually(lambda: launcher.progress.step >= 3, 5, what="g past step 2")
+    late = launcher.progress.step - 1
+    info = pb.Rendezvous()
+    info.CopyFrom(prep.rendezvous)
+    info.restore_step = late
+    ckpt = coord.send(mid, kind=pb.Directive.KIND_CHECKPOINT, checkpoint_step=late, rendezvous=info)
+    await eventually(lambda: coord.ack_of(ckpt), 5, what="checkpoint ack")
+    held = coord.ack_of(ckpt).checkpoint_step  # type: ignore[union-attr]
+    assert held > late
+    await eventually(
+        lambda: launcher.workers.went_ahead_step() > held + 2, 5, what="g+1 trains from P"
+    )
+    assert launcher.state is State.HOLDING
+    (confirm,) = coord.rendezvous([mid], restore_step=held, prepared=True)
+    await eventually(lambda: coord.ack_of(confirm), 10, what="prepared rendezvous ack")
+    assert launcher.workers.worker is not None and launcher.workers.worker.pid == standby.pid
+    assert coord.ack_of(confirm).restored_step == held  # type: ignore[union-attr]
+
+    drain = coord.send(mid, kind=pb.Directive.KIND_DRAIN)
+    assert await asyncio.wait_for(run, 10) == 0
+    assert coord.ack_of(drain) is not None
+
+
 async def test_prepare_without_a_prewarmed_standby_is_nacked(
     fake: tuple[FakeCoordinator, int], tmp_path: Path
 ) -> None:

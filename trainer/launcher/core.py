@@ -567,11 +567,12 @@ class Launcher:
             # prepared next worker restores it while the acks travel.
             rdv = d.rendezvous
             self._start_prepared(rdv.generation if rdv else self.generation + 1, msg.step)
-            if rdv is not None and msg.step == d.checkpoint_step:
-                # The CHECKPOINT carried g+1's RENDEZVOUS: the barrier commits here, and the
-                # prepared worker trains from S+1 without waiting for the coordinator's round
-                # trip. Only at S: ranks that held elsewhere (a late CHECKPOINT) stay in g,
-                # which the coordinator then resumes.
+            if rdv is not None and msg.step >= d.checkpoint_step:
+                # The CHECKPOINT carried g+1's RENDEZVOUS: the barrier commits here and the
+                # prepared worker trains on without the coordinator's round trip. Past S too
+                # (it came after g passed S): every rank held at this one step, where the
+                # coordinator moves the barrier. A hold before S (asked for another reason)
+                # stays in g, which the coordinator then resumes.
                 went = self._go_prepared(rdv.generation)
                 if went:
                     self.workers.retire_current()

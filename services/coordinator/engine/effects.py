@@ -99,6 +99,8 @@ class RecordHold:
     checkpoint_write_s: float = 0.0
     # Rank 0 held (with g) at this later step than the barrier's: the barrier moves to it.
     moved_to_step: int = 0
+    # The step the participant held at, as its ack said (0: its launcher did not say).
+    held_step: int = 0
 
 
 @dataclass(frozen=True)

@@ -428,6 +428,8 @@ class Outbox(Endings):
         if e.checkpoint_digest:
             r.checkpoint_digest = e.checkpoint_digest
             r.checkpoint_write_s = e.checkpoint_write_s
+        if e.held_step:
+            r.held_steps[m.member_id] = e.held_step
         r.held_at_latest = max(r.held_at_latest, e.held_at)
         if m.member_id not in r.acked:
             r.acked = (*r.acked, m.member_id)

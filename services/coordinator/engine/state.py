@@ -114,17 +114,27 @@ class JobState:
         ]
         return rank_order(stayers, joining)
 
+    def _barrier_checkpoints(self, r: Resize) -> list[Directive]:
+        """The CHECKPOINTs of ``r``'s barrier (a resize has one barrier at most)."""
+        return [
+            d
+            for d in self.directives.values()
+            if d.kind == DirectiveKind.CHECKPOINT
+            and d.member_id in r.participants
+            and d.created_at >= r.started_at
+        ]
+
     def barrier_commits(self, r: Resize) -> bool:
         """The barrier of ``r`` is a commit point: its CHECKPOINTs carried g+1's prepared
         RENDEZVOUS (overlap mode), so a member may have switched to its prepared worker at
-        its hold, and g cannot be resumed once one held at the barrier's step."""
-        return any(
-            d.kind == DirectiveKind.CHECKPOINT
-            and d.rendezvous is not None
-            and d.member_id in r.participants
-            and d.created_at >= r.started_at
-            and d.checkpoint_step == r.checkpoint_step
-            for d in self.directives.values()
+        its hold, and g cannot be resumed once one held at (or past) the barrier's step."""
+        return any(d.rendezvous is not None for d in self._barrier_checkpoints(r))
+
+    def barrier_step(self, r: Resize) -> int:
+        """The step ``r``'s CHECKPOINTs named: ``r.checkpoint_step`` unless the barrier moved
+        to a later step where g held (a CHECKPOINT that came after g passed it)."""
+        return min(
+            (d.checkpoint_step for d in self._barrier_checkpoints(r)), default=r.checkpoint_step
         )
 
     def prepared_rendezvous(

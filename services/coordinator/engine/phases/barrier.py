@@ -206,9 +206,21 @@ class Preparing(PhaseHandler):
         return _abort(c, r, "the coordinator restarted before the barrier completed")
 
 
+def _held_apart(c: Context, r: Resize, ack: AckEvent) -> str:
+    """Why the participants of ``r`` did not all hold at one step, counting ``ack``; "" when
+    they did (as far as their acks said: a launcher that names no step is not counted)."""
+    steps = {m: st for m, st in r.held_steps.items() if m != ack.member_id and m in r.acked}
+    if ack.checkpoint_step:
+        steps[ack.member_id] = ack.checkpoint_step
+    if len(set(steps.values())) <= 1:
+        return ""
+    at = ", ".join(f"{m} at {st}" for m, st in sorted(steps.items()))
+    return f"the ranks of generation {c.state.job.generation} held at different steps ({at})"
+
+
 def _fail_commit(c: Context, r: Resize, message: str, lose: Sequence[str] = ()) -> list[Effect]:
-    """A committing barrier that cannot complete: members that held at S may have switched
-    to g+1's prepared workers, so g cannot resume. The resize FAILS and the job re-forms
+    """A committing barrier that cannot complete: members that held at S (or past it) may
+    have switched to g+1's prepared workers, so g cannot resume. The resize FAILS and the job re-forms
     from its newest good checkpoint, as after a failed RENDEZVOUS."""
     out: list[Effect] = [Fail(r.decision_id, message)]
     if lose:
@@ -223,8 +235,10 @@ class Checkpointing(PhaseHandler):
 
     In overlap mode the CHECKPOINTs carry g+1's prepared RENDEZVOUS and the barrier is a
     commit point (``JobState.barrier_commits``): a member switches to its prepared worker at
-    its own hold, so past it the resize completes or fails, as from RENDEZVOUS on; only a
-    barrier whose ranks held at another step (nobody switched) is still aborted to g."""
+    its own hold (at S, or later when the CHECKPOINT came after g passed S), so past it the
+    resize completes or fails, as from RENDEZVOUS on; only a barrier whose ranks held before
+    S (nobody switched) is still aborted to g. In both modes a barrier moves to the later
+    step where every rank of g held, and ranks that held at different steps end it."""
 
     phase = ResizePhase.CHECKPOINTING
 
@@ -252,57 +266,72 @@ class Checkpointing(PhaseHandler):
     def on_ack(self, c: Context, r: Resize, ack: AckEvent) -> list[Effect]:
         if ack.kind != DirectiveKind.CHECKPOINT or ack.member_id not in r.participants:
             return []
-        # This barrier's CHECKPOINT; or, once the barrier moved to where g held (below), a
-        # member that held at the moved step. An older barrier's ack is neither.
-        moved_here = ack.directive_step < ack.checkpoint_step == r.checkpoint_step
-        if ack.directive_step != r.checkpoint_step and not moved_here:
+        # This barrier's CHECKPOINT (it still names the step it was sent with when the
+        # barrier moved, below); an older barrier's ack is not.
+        if ack.directive_step != c.state.barrier_step(r):
             return []
+        commits = c.state.barrier_commits(r)
         if not ack.ok:
             why = (
                 f"member {ack.member_id} could not checkpoint step {r.checkpoint_step}: "
                 f"{ack.message or 'no reason given'}"
             )
-            if c.state.barrier_commits(r):
+            if commits:
                 return _fail_commit(c, r, why, lose=(ack.member_id,))
             return _abort(c, r, why)
+        split = _held_apart(c, r, ack)
+        if split:
+            # The ranks agree on their stop step at every step, so this cannot happen while
+            # that agreement holds; if it does, no restore step is right for all of them.
+            if commits:
+                return _fail_commit(c, r, split)
+            return _abort(c, r, split)
         held = ack.held_at if ack.held_at else c.now
+        step = ack.checkpoint_step
         if c.state.members[ack.member_id].rank != 0:
-            return [RecordHold(r.decision_id, ack.member_id, held)]
-        if ack.checkpoint_step != r.checkpoint_step or not ack.checkpoint_digest:
-            why = (
-                f"rank 0 ({ack.member_id}) acked without the checkpoint of step "
-                f"{r.checkpoint_step} (got step {ack.checkpoint_step})"
-            )
-            if ack.checkpoint_step == r.checkpoint_step and c.state.barrier_commits(r):
-                # Held at S: the launchers switched; only a re-formed generation is safe.
-                return _fail_commit(c, r, why)
-            if (
-                ack.checkpoint_step > r.checkpoint_step
-                and ack.checkpoint_digest
-                and not c.state.barrier_commits(r)
-            ):
-                # The CHECKPOINT reached g after it had passed S (a generation's first
-                # seconds, before its step rate is known): every rank held together at
-                # the same later step (they agree on the stop step at each step) and rank 0
-                # wrote it. A plain barrier moves there rather than abort a good checkpoint.
-                return [
-                    RecordHold(
-                        r.decision_id,
-                        ack.member_id,
-                        held,
-                        ack.checkpoint_digest,
-                        ack.checkpoint_write_s,
-                        moved_to_step=ack.checkpoint_step,
-                    )
-                ]
-            # Held at another step (the CHECKPOINT came late): every rank of g held there
-            # together and no launcher switched (each does so only at S), so g resumes.
-            return _abort(c, r, why)
-        return [
-            RecordHold(
-                r.decision_id, ack.member_id, held, ack.checkpoint_digest, ack.checkpoint_write_s
-            )
-        ]
+            return [RecordHold(r.decision_id, ack.member_id, held, held_step=step)]
+        if step == r.checkpoint_step and ack.checkpoint_digest:
+            return [
+                RecordHold(
+                    r.decision_id,
+                    ack.member_id,
+                    held,
+                    ack.checkpoint_digest,
+                    ack.checkpoint_write_s,
+                    held_step=step,
+                )
+            ]
+        if step > r.checkpoint_step and ack.checkpoint_digest:
+            # The CHECKPOINT reached g after it had passed S (a generation's first seconds,
+            # before its step rate is known): every rank held together at the same later
+            # step (they agree on the stop step at each step) and rank 0 wrote it. The
+            # barrier moves there rather than abort a good checkpoint. In overlap mode each
+            # launcher switched at that hold too (at S or later: trainer/launcher/core.py),
+            # its prepared worker restoring the pod's state of that step, and a newcomer's
+            # takes the newest state the stayers hold: g+1 restores that step, which its
+            # RENDEZVOUS (sent once every rank acked) names.
+            return [
+                RecordHold(
+                    r.decision_id,
+                    ack.member_id,
+                    held,
+                    ack.checkpoint_digest,
+                    ack.checkpoint_write_s,
+                    moved_to_step=step,
+                    held_step=step,
+                )
+            ]
+        why = (
+            f"rank 0 ({ack.member_id}) acked without the checkpoint of step "
+            f"{r.checkpoint_step} (got step {step})"
+        )
+        if commits and step >= r.checkpoint_step:
+            # Held at S or later: the launchers switched; only a re-formed generation is safe.
+            return _fail_commit(c, r, why)
+        # Held before S (a stop asked for another reason: no launcher switches before S), or,
+        # in a plain barrier (none switches), at a later step without its checkpoint: every
+        # rank of g held there together, so g resumes.
+        return _abort(c, r, why)
 
     def on_deadline(self, c: Context, r: Resize) -> list[Effect]:
         missing = [i for i in r.participants if i not in r.acked]

@@ -34,6 +34,11 @@ class ResizeEvent(Enum):
 
     ADVANCE = "advance"
     ACK_CHECKPOINT = "ack CHECKPOINT"
+    # Rank 0 held past the CHECKPOINT's step, with the checkpoint of where it held (the
+    # directive came after g passed the step).
+    ACK_CHECKPOINT_PAST = "ack CHECKPOINT held past its step"
+    # A rank held at another step than a rank that acked before it.
+    ACK_CHECKPOINT_APART = "ack CHECKPOINT held apart"
     NACK_CHECKPOINT = "nack CHECKPOINT"
     ACK_RENDEZVOUS = "ack RENDEZVOUS"
     ACK_DRAIN = "ack DRAIN"
