@@ -94,6 +94,11 @@ class LocalJob:
     launcher_args: Sequence[str] = ()
     # False: no volume shared by the pods; each pod's checkpoints go to its own directory.
     shared_checkpoints: bool = True
+    # True: the workers train only the steps the test grants (``--test-step-gate``,
+    # trainer/examples/step_gate.py), so an event the test issues lands mid-run however
+    # fast or loaded the machine; ``resize`` grants the steps up to its barrier itself.
+    step_gate: bool = False
+    granted: int = 0
     pods: list[Pod] = field(default_factory=list)
     coordinator: subprocess.Popen[str] | None = None
     port: int = 0
@@ -112,6 +117,43 @@ class LocalJob:
     @property
     def ckpt_dir(self) -> Path:
         return self.workdir / "ckpt"
+
+    @property
+    def gate_file(self) -> Path:
+        return self.workdir / "step-gate"
+
+    def grant(self, step: int) -> None:
+        """A gated job may train through ``step`` (never fewer steps than granted before)."""
+        if not self.step_gate or step <= self.granted:
+            return
+        self.granted = step
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        tmp = self.gate_file.with_suffix(".tmp")
+        tmp.write_text(str(step))
+        os.replace(tmp, self.gate_file)
+
+    def release(self) -> None:
+        """A gated job trains on to its end."""
+        self.grant(sys.maxsize)
+
+    def steps_budget(self) -> int:
+        """The run's ``--steps`` (0: not given)."""
+        args = list(self.train_args)
+        return int(args[args.index("--steps") + 1]) if "--steps" in args else 0
+
+    async def train_to(self, step: int, timeout_s: float, what: str) -> pb.JobStatus:
+        """Grant a gated job the steps through ``step`` and wait until it has trained them.
+        A gated job then waits at ``step`` (one past it, at a generation's first step) for
+        the test's next event; one found further on means the gate failed, and the event
+        would not land where the test says."""
+        budget = self.steps_budget()
+        if self.step_gate and budget and step >= budget:
+            raise AssertionError(f"step {step} is past the run's {budget}: no event after it")
+        self.grant(step)
+        st = await self.wait_status(_past(step), timeout_s, what)
+        if self.step_gate and st.step > self.granted + 1:
+            raise AssertionError(f"the gate granted step {self.granted}, the job is at {st.step}")
+        return st
 
     def start_coordinator(self, port: int = 0, timeout_s: float = 30.0) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -203,6 +245,7 @@ class LocalJob:
             str(self.log_dir),
             *self.train_args,
             *extra_train_args,
+            *(["--test-step-gate", str(self.gate_file)] if self.step_gate else []),
         ]
         out = open(state_dir / "launcher.log", "ab")  # noqa: SIM115
         proc = subprocess.Popen(
@@ -263,6 +306,9 @@ class LocalJob:
         updates: list[pb.ResizeProgress] = []
         async for p in self.stub.Resize(req, timeout=timeout_s):
             updates.append(p)
+            # The members train to the barrier's step and hold there (the session's own
+            # hold): the steps up to it are the resize's, not the test's to withhold.
+            self.grant(p.checkpoint_step)
             if on_progress is not None:
                 on_progress(p)
             if p.phase in FINAL_PHASES:
@@ -408,9 +454,11 @@ async def resize_along(
 ) -> Chain:
     """Start ``job``'s coordinator and pods, form its first generation at ``worlds[0]`` and
     resize it along the rest while it trains (``steps_between`` steps at each size), then
-    wait for every pod to finish. An ABORTED resize (a barrier missed: on a loaded machine a
-    worker can pass the checkpoint step before its directive comes) is tried again, as the
-    scaler's next decision would, up to ``tries`` times. The pods a shrink removed are gone
+    wait for every pod to finish. A job with ``step_gate`` waits for each resize after its
+    ``steps_between`` steps, so every resize lands mid-run; one without may finish first.
+    An ABORTED resize (a barrier missed: on a loaded machine a worker can pass the
+    checkpoint step before its directive comes) is tried again, as the scaler's next
+    decision would, up to ``tries`` times. The pods a shrink removed are gone
     (as deleted pods are); the next grow's new ones start as soon as the shrink ended, so
     that they are warm by then. Raises when a resize does not complete or a pod fails."""
     job.start_coordinator()
@@ -423,7 +471,7 @@ async def resize_along(
         for n, target in enumerate(worlds):
             if n:
                 what = f"{steps_between} more steps"
-                at = (await job.wait_status(_past(at + steps_between), 120, what)).step
+                at = (await job.train_to(at + steps_between, 120, what)).step
             await job.wait_standby(target - world, timeout_s=120)
             for _ in range(tries):
                 final = (await job.resize(target))[-1]
@@ -433,12 +481,14 @@ async def resize_along(
             if final.phase != pb.RESIZE_PHASE_COMPLETED:
                 raise RuntimeError(f"resize to {target}: {final}")
             out.completed.append(final)
-            world = target
+            # The new generation restored the barrier's step (a gated job waits a step on).
+            at, world = max(at, final.checkpoint_step), target
             ahead = worlds[n + 1] - world if n + 1 < len(worlds) else 0
             st = await job.status()
             standby = sum(m.state == pb.MEMBER_STATE_STANDBY for m in st.members) if st else 0
             for _ in range(ahead - standby):
                 job.add_pod(len(job.pods))
+        job.release()
         codes = await job.wait_pods_exit(300)
         if any(codes):
             raise RuntimeError(f"pods exited {codes}; see {job.workdir}")

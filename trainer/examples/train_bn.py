@@ -23,6 +23,7 @@ import numpy as np
 import paddle
 
 from trainer import CheckpointSettings, ElasticSession, SessionConfig
+from trainer.examples import step_gate
 
 CHANNELS, SIZE, CLASSES = 3, 8, 4
 
@@ -86,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--log-dir", default="")
     p.add_argument("--step-delay-s", type=float, default=0.0)
+    step_gate.add_argument(p)
     # Two mistakes the session stops at step 1 (tests and bench/parity.py show it does).
     p.add_argument(
         "--forget-sampler",
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         last = session.step(loss, indices=idx) is not None
         if args.step_delay_s and last:
             time.sleep(args.step_delay_s)
+        if last:
+            step_gate.wait_past(args.test_step_gate, session.step_done)
     session.finish()
     if args.log_dir and session.rank == 0:
         params = {k: v.numpy() for k, v in net.state_dict().items()}

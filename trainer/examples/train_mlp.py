@@ -16,6 +16,7 @@ import numpy as np
 import paddle
 
 from trainer import CheckpointSettings, ElasticSession, SessionConfig
+from trainer.examples import step_gate
 
 FEATURES = 32
 CLASSES = 4
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--log-dir", default="", help="sample-id and loss logs, final parameters")
     p.add_argument("--step-delay-s", type=float, default=0.0, help="stand-in for heavier compute")
+    step_gate.add_argument(p)
     return p.parse_args(argv)
 
 
@@ -96,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         session.step(loss)
         if args.step_delay_s and mb.last:
             time.sleep(args.step_delay_s)
+        if mb.last:
+            step_gate.wait_past(args.test_step_gate, session.step_done)
     session.finish()
     if args.log_dir and session.rank == 0:
         params = {k: v.numpy() for k, v in model.state_dict().items()}

@@ -22,6 +22,7 @@ import paddle
 from paddle.distributed import fleet
 
 from trainer import ElasticSession
+from trainer.examples import step_gate
 from trainer.examples.train_mlp import build_model, make_dataset, parse_args, session_config
 
 
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         session.step(loss)
         if args.step_delay_s and mb.last:
             time.sleep(args.step_delay_s)
+        if mb.last:
+            step_gate.wait_past(args.test_step_gate, session.step_done)
     session.finish()
     if args.log_dir and session.rank == 0:
         params = {k: v.numpy() for k, v in net.state_dict().items()}
