@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,7 +51,10 @@ class Pod:
             self.proc.wait(timeout=10)
 
     def worker_pids(self) -> list[int]:
-        """Pids of this pod's worker processes (grandchildren through the zygote)."""
+        """Pids of this pod's worker processes (grandchildren through the zygote): the one
+        that trains, and also the prewarmed standby and a replaced worker still exiting, in
+        the order they were forked, which says nothing about which one trains (see
+        :meth:`training_worker`)."""
         out: list[int] = []
         for child in _children(self.proc.pid):
             if b"trainer.zygote" in _cmdline(child):
@@ -58,6 +62,37 @@ class Pod:
             else:
                 out.append(child)
         return out
+
+    def training_worker(self, generation: int) -> int:
+        """The pid of the worker that trains in ``generation`` for this pod, as its launcher
+        logged it at the rendezvous, checked to be alive and still this pod's worker.
+        Raises when there is none: a test that means to kill a training worker must not
+        kill a standby, whose loss re-forms nothing. One worker a pod (the log line names
+        the first of several)."""
+        log = (self.state_dir / "launcher.log").read_text(errors="replace")
+        started = [int(m.group(1)) for m in _STARTED.finditer(log) if int(m.group(2)) == generation]
+        if not started:
+            raise AssertionError(f"{self.name}: no worker started in generation {generation}")
+        pid = started[-1]
+        if pid not in self.worker_pids() or _state(pid) in ("Z", "X", ""):
+            raise AssertionError(
+                f"{self.name}: the worker pid {pid} of generation {generation} is not running"
+            )
+        return pid
+
+
+# trainer/launcher/core.py's line when a generation's worker starts (a prewarmed standby
+# woken, or a fresh one forked).
+_STARTED = re.compile(r"(?:woke prewarmed|started) worker pid (\d+): generation (\d+) ")
+
+
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` (Z: a zombie), "" when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[0]
 
 
 def _children(pid: int) -> list[int]:

@@ -50,11 +50,14 @@ def _train(steps: int, workers: int, *extra: str) -> list[str]:
 
 @pytest.fixture
 async def job(tmp_path: Path) -> AsyncIterator[LocalJob]:
+    # Gated: the job trains the steps the test grants and waits for its next event there,
+    # so each event lands mid-run however fast or loaded the machine.
     j = LocalJob(
         tmp_path / "job",
         _train(STEPS, 2, "--step-delay-s", "0.08"),
         heartbeat_timeout_s=10.0,
         example=BN,
+        step_gate=True,
     )
     j.start_coordinator()
     yield j
@@ -62,10 +65,8 @@ async def job(tmp_path: Path) -> AsyncIterator[LocalJob]:
 
 
 async def _steps_on(job: LocalJob, n: int) -> pb.JobStatus:
-    at = (await job.wait_status(lambda s: s.step >= 1, 90, "training")).step
-    st = await job.wait_status(lambda s: s.step >= at + n, 90, f"{n} more steps")
-    assert st.step < STEPS - 30, "the run is too fast for the next event to land mid-run"
-    return st
+    """``n`` more steps; the job then waits there for the test's next event."""
+    return await job.train_to(job.granted + n, 90, f"{n} more steps")
 
 
 async def _resize(job: LocalJob, target: int) -> None:
@@ -89,10 +90,13 @@ async def test_augmented_loader_workers_follow_a_fixed_run_through_resizes_and_a
     # started now so that they are warm by then.
     for i in range(5, 8):
         job.add_pod(i)
-    # An unplanned loss: a worker of the generation SIGKILLed; the job re-forms from its
-    # newest checkpoint and redoes the steps after it, with the same augmentation.
+    # An unplanned loss: the worker that trains for trainer-1 SIGKILLed (not its prewarmed
+    # standby, whose loss re-forms nothing); the job re-forms from its newest checkpoint
+    # and redoes the steps after it, with the same augmentation.
     st = await _steps_on(job, 6)
-    victim = next(pid for pod in job.pods[1:3] for pid in pod.worker_pids())
+    victim = job.pods[1].training_worker(st.generation)
+    # Granted first, so that the kill lands while the generation trains.
+    job.grant(st.step + 3)
     os.kill(victim, signal.SIGKILL)
     await job.wait_status(
         lambda s: s.generation > st.generation and s.world_size == 3 and s.step > st.step,
@@ -102,6 +106,7 @@ async def test_augmented_loader_workers_follow_a_fixed_run_through_resizes_and_a
     await job.wait_standby(3, timeout_s=90)
     await _resize(job, 1)
     await _resize(job, 4)
+    job.release()
     assert await job.wait_pods_exit(180) == [0] * 8
 
     worlds = sorted({len(e["ranks"]) for e in samples_per_step(job.log_dir).values()})
