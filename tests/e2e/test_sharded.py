@@ -61,14 +61,15 @@ TRAIN = [
     ids=["sharded", "dp", "sharded-overlap"],
 )
 async def sharded_job(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[LocalJob]:
-    # A pause per step (the trajectory does not see it) keeps the run longer than two
-    # resizes take on a loaded machine.
+    # Gated: the job waits for each resize after the steps the test grants, so both land
+    # mid-run however fast or loaded the machine.
     example, mode = request.param
     job = LocalJob(
         tmp_path / "job",
         [*TRAIN, "--step-delay-s", "0.1"],
         heartbeat_timeout_s=10.0,
         resize_mode=mode,
+        step_gate=True,
     )
     job.example = example
     job.start_coordinator()
@@ -87,14 +88,13 @@ async def test_sharded_job_resized_2_3_2_matches_a_fixed_run(
     assert (await job.resize(2))[-1].phase == pb.RESIZE_PHASE_COMPLETED
     results = []
     for target in (3, 2):
-        st = await job.wait_status(lambda s: s.step >= 3, 60, "training")
-        st = await job.wait_status(lambda s, at=st.step: s.step >= at + 5, 60, "5 more steps")  # type: ignore[misc]
-        assert st.step < STEPS - 15, "the run is too fast for the resize to land mid-run"
+        await job.train_to(job.granted + 5, 60, "5 more steps")
         final = (await job.resize(target))[-1]
         assert final.phase == pb.RESIZE_PHASE_COMPLETED, final
         assert final.lost_steps == 0
         results.append(final)
         await job.wait_status(lambda s, t=target: s.world_size == t, 30, f"world {target}")  # type: ignore[misc]
+    job.release()
     assert await job.wait_pods_exit(120) == [0, 0, 0]
 
     steps_seen = sorted(s for ss in steps_by_generation(job.log_dir).values() for s in ss)
@@ -182,11 +182,13 @@ async def test_dp_beside_sharding_resized_4_3_2_4_matches_a_fixed_run(
     from the first replica's sharding group (a replica's own shards would leave out the
     other groups') is whole at every checkpoint. In overlap mode the prepared workers form
     fleet's subgroups (their own stores) while the old generation trains."""
+    # Gated: each resize waits for the job (resize_along), never the other way round.
     job = LocalJob(
         tmp_path / "job",
         [*TRAIN, CAP, "--step-delay-s", "0.1"],
         heartbeat_timeout_s=10.0,
         resize_mode=mode,
+        step_gate=True,
     )
     job.example = SHARDED
     chain = await resize_along(job, (4, 3, 2, 4))
