@@ -43,7 +43,14 @@ def _train(steps: int, *extra: str) -> list[str]:
 
 
 async def _job(tmp_path: Path, train: list[str]) -> LocalJob:
-    job = LocalJob(tmp_path / "job", [*train, "--step-delay-s", "0.08"], heartbeat_timeout_s=10.0)
+    # Gated: the job waits for each resize after the steps the test grants, so every
+    # resize lands mid-run however fast or loaded the machine.
+    job = LocalJob(
+        tmp_path / "job",
+        [*train, "--step-delay-s", "0.08"],
+        heartbeat_timeout_s=10.0,
+        step_gate=True,
+    )
     job.example = BN
     job.start_coordinator()
     return job
@@ -56,10 +63,8 @@ async def bn_job(tmp_path: Path) -> AsyncIterator[LocalJob]:
     await job.close()
 
 
-async def _resize(job: LocalJob, target: int, steps: int) -> pb.ResizeProgress:
-    st = await job.wait_status(lambda s: s.step >= 3, 60, "training")
-    st = await job.wait_status(lambda s, at=st.step: s.step >= at + 4, 60, "4 more steps")
-    assert st.step < steps - 15, "the run is too fast for the resize to land mid-run"
+async def _resize(job: LocalJob, target: int) -> pb.ResizeProgress:
+    await job.train_to(job.granted + 4, 60, "4 more steps")
     final = (await job.resize(target))[-1]
     assert final.phase == pb.RESIZE_PHASE_COMPLETED, final
     assert final.lost_steps == 0
@@ -79,7 +84,8 @@ async def test_batchnorm_with_a_dataloader_resized_2_3_1_2_matches_a_fixed_run(
     await job.wait_standby(4)
     assert (await job.resize(2))[-1].phase == pb.RESIZE_PHASE_COMPLETED
     for target in (3, 1, 2):
-        await _resize(job, target, steps)
+        await _resize(job, target)
+    job.release()
     assert await job.wait_pods_exit(120) == [0, 0, 0, 0]
 
     steps_seen = sorted(s for ss in steps_by_generation(job.log_dir).values() for s in ss)
@@ -99,9 +105,7 @@ async def test_batchnorm_with_a_dataloader_resized_2_3_1_2_matches_a_fixed_run(
 
 @pytest.fixture
 async def dp_job(tmp_path: Path) -> AsyncIterator[LocalJob]:
-    # A pause per step (the trajectory does not see it) keeps the 50 steps longer than a
-    # resize takes on a loaded machine; without it the job once ended mid-barrier.
-    job = await _job(tmp_path, _train(50, "--data-parallel", "--step-delay-s", "0.15"))
+    job = await _job(tmp_path, _train(50, "--data-parallel"))
     yield job
     await job.close()
 
@@ -114,7 +118,8 @@ async def test_a_data_parallel_script_resized_keeps_samples_once_and_the_traject
         job.add_pod(i)
     await job.wait_standby(3)
     assert (await job.resize(2))[-1].phase == pb.RESIZE_PHASE_COMPLETED
-    await _resize(job, 3, steps)
+    await _resize(job, 3)
+    job.release()
     assert await job.wait_pods_exit(120) == [0, 0, 0]
 
     check_exactly_once(job.log_dir, DATASET, steps, SPE)
