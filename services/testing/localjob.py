@@ -516,8 +516,11 @@ async def resize_along(
             if final.phase != pb.RESIZE_PHASE_COMPLETED:
                 raise RuntimeError(f"resize to {target}: {final}")
             out.completed.append(final)
-            # The new generation restored the barrier's step (a gated job waits a step on).
-            at, world = max(at, final.checkpoint_step), target
+            world = target
+            if job.step_gate:
+                # A gated job waits a step past the barrier's: its steps here count from it.
+                # (An ungated job keeps the pace the benches measured with.)
+                at = max(at, final.checkpoint_step)
             ahead = worlds[n + 1] - world if n + 1 < len(worlds) else 0
             st = await job.status()
             standby = sum(m.state == pb.MEMBER_STATE_STANDBY for m in st.members) if st else 0
