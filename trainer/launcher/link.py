@@ -38,7 +38,7 @@ import socket
 import time
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from tide.v1 import coordinator_pb2 as pb
@@ -46,7 +46,13 @@ from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 from tidebase import logs
 from tidebase.client import domain_error, open_channel
-from tidebase.errors import DeadlineExceeded, FailedPrecondition, NotFound, TideError
+from tidebase.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    NotFound,
+    TideError,
+    Unavailable,
+)
 from tidebase.retry import Backoff
 from tidebase.timeconv import ts_from_seconds
 from tidebase.tlsprobe import diagnose
@@ -87,6 +93,32 @@ _KINDS = {
     pb.Directive.KIND_STOP: DirectiveKind.STOP,
     pb.Directive.KIND_PREPARE: DirectiveKind.PREPARE,
 }
+
+
+_T = TypeVar("_T")
+
+
+class ChannelClosed(Unavailable):
+    """A call's channel was closed under it: renewed (:meth:`CoordinatorLink._renew_channel`)
+    while the call waited, and retired once its grace ran out."""
+
+
+async def _rpc(call: Awaitable[_T]) -> _T:
+    """``call`` awaited; :class:`ChannelClosed` if its channel is closed under it.
+
+    grpc.aio cancels the calls of a channel that closes, and the task awaiting one gets a
+    CancelledError although nobody cancelled that task. Re-raised as it is, it ended the loop
+    that made the call, silently: a Register in flight when its channel was retired ended the
+    directive stream's loop, the member never registered again, and a directive it had yet to
+    re-ack after a store outage went overdue (the member was lost). Only the task's own
+    cancellation (``cancelling()``) is a cancellation."""
+    try:
+        return await call
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        raise ChannelClosed("its channel was closed under the call (renewed)") from None
 
 
 def find_free_port(host: str) -> int:
@@ -183,18 +215,20 @@ class CoordinatorLink:
 
     async def _register(self) -> None:
         assert self._stub is not None
-        resp = await self._stub.Register(
-            pb.RegisterRequest(
-                job_id=self.s.job_id,
-                pod_name=self.s.pod_name,
-                pod_uid=self.s.pod_uid,
-                pod_index=self.s.pod_index,
-                host=self.s.host,
-                launcher_id=self.s.launcher_id,
-                last_generation=self._beat().generation,
-                free_port=find_free_port(self.s.host),
-            ),
-            timeout=self.s.rpc_timeout_s,
+        resp = await _rpc(
+            self._stub.Register(
+                pb.RegisterRequest(
+                    job_id=self.s.job_id,
+                    pod_name=self.s.pod_name,
+                    pod_uid=self.s.pod_uid,
+                    pod_index=self.s.pod_index,
+                    host=self.s.host,
+                    launcher_id=self.s.launcher_id,
+                    last_generation=self._beat().generation,
+                    free_port=find_free_port(self.s.host),
+                ),
+                timeout=self.s.rpc_timeout_s,
+            )
         )
         self.member_id = resp.member_id
         logs.bind_process(member=self.member_id)
@@ -259,6 +293,9 @@ class CoordinatorLink:
                     backoff.reset()
             except asyncio.CancelledError:
                 raise
+            except ChannelClosed as exc:
+                # The heartbeat renewed the channel while Register waited on the old one.
+                logger.warning("directive stream of member %s: %s", self.member_id, exc)
             except grpc.aio.AioRpcError as exc:
                 cause = await self._unrecoverable(exc, registered=opened_at is not None)
                 if cause and self._on_fatal is not None:
@@ -446,8 +483,8 @@ class CoordinatorLink:
             return
         beat = beat or self._beat()
         try:
-            resp = await self._stub.Heartbeat(
-                self._heartbeat_request(beat), timeout=self.s.rpc_timeout_s
+            resp = await _rpc(
+                self._stub.Heartbeat(self._heartbeat_request(beat), timeout=self.s.rpc_timeout_s)
             )
         except grpc.aio.AioRpcError as exc:
             raise domain_error(exc) from exc
@@ -558,7 +595,15 @@ class CoordinatorLink:
             restored_step=ack.restored_step,
         )
         try:
-            await self._stub.Ack(req, timeout=self.s.rpc_timeout_s)
+            await _rpc(self._stub.Ack(req, timeout=self.s.rpc_timeout_s))
+        except ChannelClosed as exc:
+            # A re-sent directive (the next stream) is acked again from the launcher's record.
+            logger.warning(
+                "ack of directive %s by member %s not sent: %s",
+                ack.directive_id,
+                self.member_id,
+                exc,
+            )
         except grpc.aio.AioRpcError as exc:
             logger.warning(
                 "ack of directive %s by member %s refused: %s %s",
