@@ -115,8 +115,8 @@ class WorkerSupervisor:
         self._standby_backoff = Backoff(settings.backoff_initial_s, settings.backoff_max_s)
         # The current worker's exit was asked for (stop, drain): not a failure.
         self._expected_exit = False
-        # The current worker while a new generation's start stops it before spawning its
-        # successor: its exit is no one's news (see _watch).
+        # The current worker when a new generation's start was asked for: its exit from then
+        # on is no one's news (see _watch).
         self._replaced: WorkerHandle | None = None
         # For the current worker until it has connected.
         self._queued: list[ToWorker] = []
@@ -348,13 +348,24 @@ class WorkerSupervisor:
 
     # -- a generation's worker ------------------------------------------------------------
 
-    async def start_generation(
+    def start_generation(
         self, env: Mapping[str, str], generation: int, rank: int, prepared: bool = False
-    ) -> tuple[WorkerHandle, bool]:
+    ) -> Coroutine[Any, Any, tuple[WorkerHandle, bool]]:
         """The worker of a new generation, and whether it is the woken standby. The old
         worker is asked to exit: alongside when the standby takes over (they share
         nothing), before the spawn otherwise. ``prepared``: the standby formed this
-        generation's group ahead and only needs its Start."""
+        generation's group ahead and only needs its Start.
+
+        The old worker is replaced at the call, not when the returned coroutine first runs:
+        the pod's workers start in tasks (WorkerGroup), a loop turn after the launcher core
+        began waiting for the new generation's Ready, and an exit of the old worker handled
+        in that turn (one that crashed as the RENDEZVOUS came) failed the new start."""
+        self._replaced = self.worker
+        return self._start_generation(env, generation, rank, prepared)
+
+    async def _start_generation(
+        self, env: Mapping[str, str], generation: int, rank: int, prepared: bool
+    ) -> tuple[WorkerHandle, bool]:
         old = self.worker
         if prepared and self.prepared_for(generation):
             self.start_prepared(generation, env)
@@ -389,7 +400,6 @@ class WorkerSupervisor:
             woke = True
         else:
             if old is not None:
-                self._replaced = old
                 await self.stop(old)
             self._expected_exit = False
             log_path = str(self._state_dir / f"worker-g{generation}-r{rank}.log")
