@@ -20,14 +20,18 @@ pytestmark = pytest.mark.component
 
 
 async def _start_and_crash(coord: FakeCoordinator, mid: str, member: FakeMember) -> None:
-    before = len(member.heartbeats)
     (rdv,) = coord.rendezvous([mid])
     await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack")
     assert coord.ack_of(rdv).ok  # type: ignore[union-attr]  # it restored, then died
+    # This generation's crash: a beat still FAILED from the last one's may land after the
+    # RENDEZVOUS, and the next RENDEZVOUS would then race this worker's exit.
     await eventually(
-        lambda: any(hb.phase == pb.WORKER_PHASE_FAILED for hb in member.heartbeats[before:]),
+        lambda: any(
+            hb.phase == pb.WORKER_PHASE_FAILED and hb.generation == rdv.generation
+            for hb in member.heartbeats
+        ),
         10,
-        what="FAILED heartbeat",
+        what=f"generation {rdv.generation}'s FAILED heartbeat",
     )
 
 
