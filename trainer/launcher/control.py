@@ -4,6 +4,13 @@ Every worker (the current one and the prewarmed one) connects at start and says
 :class:`~trainer.messages.Hello` with its pid; the server keeps one writer per pid. What
 the messages mean is the launcher core's business: this module only frames them
 (trainer/messages.py) and tells when a worker's connection has been read to its end.
+
+A worker may connect, say Hello and Ready and die before the launcher's loop has accepted
+its connection, and the zygote's report of its exit may be read first. The server
+therefore accepts connections itself and knows each one's process from the kernel
+(``SO_PEERCRED``) at accept, before any line is read: :meth:`ControlServer.drained` first
+takes every connection still queued (a dead worker's connect came before its exit), so
+"this worker never connected" and "its lines are not read yet" cannot be confused.
 """
 
 from __future__ import annotations
@@ -12,8 +19,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
+import struct
 import tempfile
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from trainer.messages import Hello, MessageError, ToLauncher, ToWorker, decode_to_launcher, encode
 
@@ -35,16 +45,27 @@ class ControlServer:
         self._dir = tempfile.mkdtemp(prefix="tide-ctl-")
         self.path = os.path.join(self._dir, "ctl.sock")
         self._conns: dict[int, asyncio.StreamWriter] = {}
-        # Set when a worker's connection is closed and every line it sent has been handled.
-        self._closed: dict[int, asyncio.Event] = {}
-        self._server: asyncio.AbstractServer | None = None
+        # By the pid that connected (the kernel's word, known at accept): an event per open
+        # connection, set when it is closed and every line it sent has been handled.
+        self._open: dict[int, list[asyncio.Event]] = {}
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(100)
+        listener.setblocking(False)
+        self._listener = listener
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(listener.fileno(), self._accept_queued)
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None and self._loop is not None:
+            self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
         with contextlib.suppress(OSError):
             os.unlink(self.path)
             os.rmdir(self._dir)
@@ -61,13 +82,53 @@ class ControlServer:
         return True
 
     async def drained(self, pid: int, timeout_s: float) -> None:
-        """Until every line worker ``pid`` sent has been handled (at most ``timeout_s``)."""
-        closed = self._closed.get(pid)
-        if closed is None:
+        """Until every line the exited worker ``pid`` sent has been handled (at most
+        ``timeout_s``: a child of the worker may still hold its end open)."""
+        # Its connection, if it made one, is accepted now or still queued: take the queue.
+        self._accept_queued()
+        ends = list(self._open.get(pid, ()))
+        if not ends:
             return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
-                await closed.wait()
+                for ended in ends:
+                    await ended.wait()
+
+    def _accept_queued(self) -> None:
+        """Accept every queued connection and note the pid that made it, at once."""
+        while self._listener is not None:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                # Out of descriptors: the rest stay queued until the loop's next accept.
+                logger.warning("control socket: cannot accept: %s", exc)
+                return
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            peer = struct.unpack("3i", creds)[0]
+            ended = asyncio.Event()
+            self._open.setdefault(peer, []).append(ended)
+            task = asyncio.create_task(self._serve_socket(conn, peer, ended), name="control-conn")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _serve_socket(self, conn: socket.socket, peer: int, ended: asyncio.Event) -> None:
+        try:
+            try:
+                reader, writer = await asyncio.open_unix_connection(sock=conn)
+            except OSError as exc:
+                logger.warning("worker pid %d: control connection failed: %s", peer, exc)
+                conn.close()
+                return
+            await self._serve(reader, writer)
+        finally:
+            ended.set()
+            ends = self._open.get(peer, [])
+            if ended in ends:
+                ends.remove(ended)
+            if not ends:
+                self._open.pop(peer, None)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         pid = -1
@@ -84,7 +145,6 @@ class ControlServer:
                         return
                     pid = msg.pid
                     self._conns[pid] = writer
-                    self._closed[pid] = asyncio.Event()
                     self._on_hello(pid)
                     continue
                 if pid >= 0:
@@ -98,7 +158,4 @@ class ControlServer:
         finally:
             if self._conns.get(pid) is writer:
                 del self._conns[pid]
-            closed = self._closed.pop(pid, None)
-            if closed is not None:
-                closed.set()
             writer.close()
