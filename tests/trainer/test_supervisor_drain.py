@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.poll import eventually
-from tests.trainer.test_supervisor_replace import started
+from tests.trainer.supervisor_rig import started
 from trainer.launcher import supervisor as sup
 from trainer.messages import Hello, Ready, encode
 
