@@ -6,8 +6,8 @@ import pytest
 from tide.v1 import coordinator_pb2 as pb
 
 from tidebase.lifecycle import InvalidTransition
-from trainer.launcher.link import directive_of
 from trainer.launcher.model import LIFECYCLE, DirectiveKind, State
+from trainer.launcher.wire import directive_of
 from trainer.messages import (
     CheckpointAt,
     CheckpointInfo,

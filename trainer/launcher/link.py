@@ -56,16 +56,9 @@ from tidebase.errors import (
 from tidebase.retry import Backoff
 from tidebase.timeconv import ts_from_seconds
 from tidebase.tlsprobe import diagnose
-from trainer.launcher.model import (
-    LEAVING,
-    Ack,
-    Beat,
-    Directive,
-    DirectiveKind,
-    RendezvousPlan,
-    State,
-)
+from trainer.launcher.model import LEAVING, Ack, Beat, Directive, State
 from trainer.launcher.settings import LauncherSettings
+from trainer.launcher.wire import PHASE, directive_of
 
 logger = logging.getLogger(__name__)
 
@@ -73,27 +66,6 @@ logger = logging.getLogger(__name__)
 EXIT_CREDENTIALS = 78
 #: Register refusals no retry cures: the identity the launcher presents.
 _REFUSED_IDENTITY = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
-
-_PHASE = {
-    State.STANDBY: pb.WORKER_PHASE_IDLE,
-    State.STARTING: pb.WORKER_PHASE_STARTING,
-    State.RUNNING: pb.WORKER_PHASE_RUNNING,
-    State.HOLDING: pb.WORKER_PHASE_HOLDING,
-    State.FAILED: pb.WORKER_PHASE_FAILED,
-    State.DRAINING: pb.WORKER_PHASE_HOLDING,
-    State.DONE: pb.WORKER_PHASE_IDLE,
-}
-
-_KINDS = {
-    pb.Directive.KIND_RENDEZVOUS: DirectiveKind.RENDEZVOUS,
-    pb.Directive.KIND_CHECKPOINT: DirectiveKind.CHECKPOINT,
-    pb.Directive.KIND_HOLD: DirectiveKind.HOLD,
-    pb.Directive.KIND_RESUME: DirectiveKind.RESUME,
-    pb.Directive.KIND_DRAIN: DirectiveKind.DRAIN,
-    pb.Directive.KIND_STOP: DirectiveKind.STOP,
-    pb.Directive.KIND_PREPARE: DirectiveKind.PREPARE,
-}
-
 
 _T = TypeVar("_T")
 
@@ -125,33 +97,6 @@ def find_free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def directive_of(d: pb.Directive) -> Directive:
-    kind = _KINDS.get(d.kind, DirectiveKind.UNKNOWN)
-    try:
-        name = pb.Directive.Kind.Name(d.kind)
-    except ValueError:
-        name = f"KIND_{d.kind}"
-    plan = None
-    # A CHECKPOINT carries one in overlap mode: g+1's prepared RENDEZVOUS (the barrier commits).
-    if kind in (DirectiveKind.RENDEZVOUS, DirectiveKind.PREPARE) or (
-        kind is DirectiveKind.CHECKPOINT and d.HasField("rendezvous")
-    ):
-        r = d.rendezvous
-        plan = RendezvousPlan(
-            rank=r.rank,
-            world_size=r.world_size,
-            master_endpoint=r.master_endpoint,
-            trainer_endpoints=tuple(r.trainer_endpoints),
-            restore_step=r.restore_step,
-            prepared=r.prepared,
-            generation=r.generation,
-            start_delay_s=r.start_delay_s,
-        )
-    return Directive(
-        d.directive_id, d.generation, kind, name, d.checkpoint_step, plan, leaving=d.leaving
-    )
 
 
 class CoordinatorLink:
@@ -447,7 +392,7 @@ class CoordinatorLink:
         return pb.HeartbeatRequest(
             member_id=self.member_id,
             generation=beat.generation,
-            phase=_PHASE[beat.state],
+            phase=PHASE[beat.state],
             step=p.step,
             samples_consumed=p.cursor,
             epoch=p.epoch,
