@@ -290,7 +290,15 @@ class Checkpointing(PhaseHandler):
         step = ack.checkpoint_step
         if c.state.members[ack.member_id].rank != 0:
             return [RecordHold(r.decision_id, ack.member_id, held, held_step=step)]
-        if step == r.checkpoint_step and ack.checkpoint_digest:
+        if step >= r.checkpoint_step and ack.checkpoint_digest:
+            # Past S: the CHECKPOINT reached g after it had passed S (a generation's first
+            # seconds, before its step rate is known). Every rank held together at the same
+            # later step (they agree on the stop step at each step) and rank 0 wrote it, so
+            # the barrier moves there rather than abort a good checkpoint. In overlap mode
+            # each launcher switched at that hold too (at S or later:
+            # trainer/launcher/core.py), its prepared worker restoring the pod's state of
+            # that step, and a newcomer's takes the newest state the stayers hold: g+1
+            # restores that step, which its RENDEZVOUS (sent once every rank acked) names.
             return [
                 RecordHold(
                     r.decision_id,
@@ -298,26 +306,7 @@ class Checkpointing(PhaseHandler):
                     held,
                     ack.checkpoint_digest,
                     ack.checkpoint_write_s,
-                    held_step=step,
-                )
-            ]
-        if step > r.checkpoint_step and ack.checkpoint_digest:
-            # The CHECKPOINT reached g after it had passed S (a generation's first seconds,
-            # before its step rate is known): every rank held together at the same later
-            # step (they agree on the stop step at each step) and rank 0 wrote it. The
-            # barrier moves there rather than abort a good checkpoint. In overlap mode each
-            # launcher switched at that hold too (at S or later: trainer/launcher/core.py),
-            # its prepared worker restoring the pod's state of that step, and a newcomer's
-            # takes the newest state the stayers hold: g+1 restores that step, which its
-            # RENDEZVOUS (sent once every rank acked) names.
-            return [
-                RecordHold(
-                    r.decision_id,
-                    ack.member_id,
-                    held,
-                    ack.checkpoint_digest,
-                    ack.checkpoint_write_s,
-                    moved_to_step=step,
+                    moved_to_step=step if step > r.checkpoint_step else 0,
                     held_step=step,
                 )
             ]
