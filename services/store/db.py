@@ -479,6 +479,12 @@ def _run_alembic(url: str, action: Callable[[Any], None], settings: DbSettings |
                     if not sqlite:
                         # Wait as long as the other migration takes, not lock_timeout.
                         conn.exec_driver_sql("SET LOCAL lock_timeout = 0")
+                        # Between its statements the migration runs Python (alembic loads
+                        # each revision's script): on a starved node that outlasted the
+                        # session's idle-in-transaction bound and the server ended the
+                        # upgrade. A migrator that dies still releases the lock with its
+                        # connection.
+                        conn.exec_driver_sql("SET LOCAL idle_in_transaction_session_timeout = 0")
                         conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK_KEY})")
                     action(alembic_config(conn))
                     if sqlite:

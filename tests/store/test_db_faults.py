@@ -250,6 +250,34 @@ def test_two_sqlite_processes_writing_never_see_database_is_locked(tmp_path: Pat
 
 
 @pytest.mark.postgres
+def test_a_migration_slower_than_the_idle_bound_is_not_ended_by_it(
+    pg_admin: sa.Engine, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A migration's Python between statements (alembic loading revisions) on a starved node:
+    the session's idle-in-transaction bound must not end the upgrade."""
+    from alembic import command
+
+    schema = f"store_mig_{random.getrandbits(48):012x}"
+    with pg_admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    url = with_search_path(pg_url, schema)
+    real = command.upgrade
+
+    def starved(cfg: Any, revision: str) -> None:
+        cfg.attributes["connection"].exec_driver_sql("SELECT 1")
+        threading.Event().wait(1.0)  # idle inside the migration's transaction, past the bound
+        real(cfg, revision)
+
+    monkeypatch.setattr(command, "upgrade", starved)
+    try:
+        db.upgrade(url, settings=db.DbSettings(idle_in_transaction_timeout_s=0.3))
+        assert db.current_revision(url) is not None
+    finally:
+        with pg_admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+
+
+@pytest.mark.postgres
 def test_postgres_session_timeouts_are_set(pg_factory: sessionmaker[Session]) -> None:
     url = pg_factory.kw["bind"].url.render_as_string(hide_password=False)
     engine = db.make_engine(
