@@ -115,10 +115,13 @@ def test_a_stalled_watch_is_given_up_by_its_read_timeout_and_established_again(
     kube.drop_watches()
     wait_for(lambda: services.stats.watches > watches, 10, what="a new, stalled watch")
     stalled_at = time.monotonic()
+    # Counted from here: the dropped watch's end, read on a loaded machine, may count too
+    # (CI at load 20+ saw an error at the very start of the stall).
+    errors = services.stats.errors
     kube.create(svc, _service("b"))  # the stalled watch never delivers it
     kube.hang_watches(False)  # the watches after the stalled one are healthy
 
-    wait_for(lambda: services.stats.errors >= 1, 30, what="the read timeout")
+    wait_for(lambda: services.stats.errors > errors, 30, what="the read timeout")
     detected_s = time.monotonic() - stalled_at
     wait_for(lambda: _matches(kube, services), 10, what="b in the cache after the re-list")
     print(f"T09 stalled watch: given up after {detected_s:.2f} s")
@@ -132,4 +135,4 @@ def test_a_stalled_watch_is_given_up_by_its_read_timeout_and_established_again(
     kube.create(svc, _service("c"))
     wait_for(lambda: _matches(kube, services), 10, what="c through the new watch")
     assert services.stats.lists == lists
-    assert services.stats.errors == 1, services.stats
+    assert services.stats.errors == errors + 1, services.stats
