@@ -274,6 +274,7 @@ async def test_a_scaler_not_listening_yet_is_unavailable_not_an_error(
     await eventually(lambda: len(sink.stream.state.disconnects) >= 3, what="3 tries")
     reasons = [d.reason for d in sink.stream.state.disconnects]
     assert all(reason.startswith("UNAVAILABLE") for reason in reasons), reasons
-    errors = [rec.getMessage() for rec in caplog.records if rec.levelname == "ERROR"]
+    # Formatted whole, so that a failure shows each record's traceback, not its first line.
+    errors = [caplog.handler.format(rec) for rec in caplog.records if rec.levelname == "ERROR"]
     assert errors == []
     await r.shutdown()
