@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import sqlalchemy as sa
 
 from tests.support import leaks
 from tests.support.pg import admin_engine
+
+if TYPE_CHECKING:
+    # Imported where used: it brings gRPC and the protos, which most tests never need.
+    from services.testing.refcache import ReferenceRuns
 
 # Services started by tests serve plaintext unless a test gives them TLS (tests/security and
 # local mode do): a process without TLS and without --insecure exits 2 (docs/security.md).
@@ -71,6 +76,19 @@ def pg_url() -> str:
         "TIDE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/tide_test"
     )
     return url
+
+
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRuns:
+    """Fixed-size reference runs shared by this session's tests (services/testing/refcache.py):
+    each distinct run once, whichever xdist worker needs it first. Under xdist every worker's
+    base temp is a directory of the controller's, so their parent is the session's own."""
+    from services.testing.refcache import ReferenceRuns
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    return ReferenceRuns(base / "reference-runs")
 
 
 @pytest.fixture(autouse=True)
