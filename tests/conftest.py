@@ -4,6 +4,8 @@ support code that tests import lives in tests/support, never in a conftest."""
 from __future__ import annotations
 
 import os
+import resource
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -88,7 +90,32 @@ def reference_runs(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRuns:
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent
-    return ReferenceRuns(base / "reference-runs")
+    # TIDE_SHARED_REFERENCE_RUNS=0: each test runs its own, as before the cache (to compare).
+    shared = os.environ.get("TIDE_SHARED_REFERENCE_RUNS", "1") != "0"
+    return ReferenceRuns(base / "reference-runs", shared=shared)
+
+
+def _cpu_s() -> tuple[float, float]:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[object]:
+    """With TIDE_TEST_CPU_LOG set, append each test's CPU seconds (this worker's own and
+    its reaped processes', set-up and teardown included) and wall seconds to that file: on a
+    shared, loaded machine wall time says little about what a test costs."""
+    path = os.environ.get("TIDE_TEST_CPU_LOG")
+    if not path:
+        return (yield)
+    (own0, kids0), wall0 = _cpu_s(), time.monotonic()
+    try:
+        return (yield)
+    finally:
+        (own1, kids1), wall = _cpu_s(), time.monotonic() - wall0
+        with open(path, "a") as out:
+            out.write(f"{item.nodeid}\t{own1 - own0:.2f}\t{kids1 - kids0:.2f}\t{wall:.2f}\n")
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import stat
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -59,8 +60,10 @@ def run_key(example: str, train_args: Sequence[str], world_size: int) -> str:
 class ReferenceRuns:
     """Reference runs cached under ``root`` (one directory for a whole pytest session)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, shared: bool = True) -> None:
         self.root = root
+        # Unshared, every call runs its own (the cost the cache saves, for a comparison).
+        self.shared = shared
 
     def __call__(
         self,
@@ -73,8 +76,11 @@ class ReferenceRuns:
         ``ckpt``), run now unless this session already ran it. Read it only: its files are
         read-only, and other tests read the same run."""
         key = run_key(example, train_args, world_size)
-        done = self.root / key
         self.root.mkdir(parents=True, exist_ok=True)
+        if not self.shared:
+            own = Path(tempfile.mkdtemp(prefix=f"{key}.own-", dir=self.root))
+            return reference_run(own, train_args, world_size, timeout_s, example)
+        done = self.root / key
         with open(self.root / f"{key}.lock", "w") as lock:
             # Blocks while another worker runs it: that wait replaces a run of our own.
             fcntl.flock(lock, fcntl.LOCK_EX)

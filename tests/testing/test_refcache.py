@@ -85,3 +85,11 @@ def test_processes_that_need_the_same_run_share_one(tmp_path: Path) -> None:
         p.join(60)
     assert [p.exitcode for p in procs] == [0, 0, 0]
     assert _runs(counter) == 1
+
+
+def test_unshared_every_call_runs_its_own(tmp_path: Path) -> None:
+    example, counter = _script(tmp_path)
+    runs = ReferenceRuns(tmp_path / "cache", shared=False)
+    args = ["--counter", str(counter)]
+    assert runs(args, world_size=1, example=example) != runs(args, world_size=1, example=example)
+    assert _runs(counter) == 2
