@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from tide.v1 import coordinator_pb2 as pb
 
-from services.testing.localjob import LocalJob, read_jsonl, reference_run
+from services.testing.localjob import LocalJob, read_jsonl
+from services.testing.refcache import ReferenceRuns
 from tests.e2e.checks import (
     check_exactly_once,
     final_losses,
@@ -52,7 +53,7 @@ async def job(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[L
 
 
 async def test_resizes_without_a_shared_volume_lose_nothing_and_read_no_disk(
-    job: LocalJob, tmp_path: Path
+    job: LocalJob, reference_runs: ReferenceRuns
 ) -> None:
     # Pod 2 starts now and waits STANDBY (warm) until the grow takes it.
     for i in range(3):
@@ -89,6 +90,7 @@ async def test_resizes_without_a_shared_volume_lose_nothing_and_read_no_disk(
     assert CheckpointStore(job.workdir / "trainer-2" / "ckpt").list_steps() == []
     assert STEPS in CheckpointStore(job.workdir / "trainer-0" / "ckpt").list_steps()
 
-    ref = reference_run(tmp_path / "ref", TRAIN, world_size=2)
+    # Both modes compare with the same fixed run: the session runs it once.
+    ref = reference_runs(TRAIN, world_size=2)
     assert max_rel_loss_diff(final_losses(job.log_dir), final_losses(ref)) < 1e-5
     assert max_rel_param_diff(job.log_dir / "final_params.npz", ref / "final_params.npz") < 1e-5

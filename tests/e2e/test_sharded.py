@@ -21,6 +21,7 @@ from services.testing.parity import (
     optimizer_state,
     worlds_by_generation,
 )
+from services.testing.refcache import ReferenceRuns
 from tests.e2e.checks import (
     check_exactly_once,
     final_losses,
@@ -79,7 +80,7 @@ async def sharded_job(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIt
 
 @pytest.mark.timeout(300)
 async def test_sharded_job_resized_2_3_2_matches_a_fixed_run(
-    sharded_job: LocalJob, tmp_path: Path
+    sharded_job: LocalJob, reference_runs: ReferenceRuns
 ) -> None:
     job = sharded_job
     for i in range(3):
@@ -104,12 +105,13 @@ async def test_sharded_job_resized_2_3_2_matches_a_fixed_run(
     check_exactly_once(job.log_dir, DATASET, STEPS, SPE)
     assert any(r.checkpoint_step % SPE for r in results), "no resize landed mid-epoch"
 
-    ref = reference_run(tmp_path / "ref", TRAIN, world_size=2, example=job.example)
+    # The sharded and sharded-overlap params compare with the same fixed run: run once.
+    ref = reference_runs(TRAIN, world_size=2, example=job.example)
     loss_diff = max_rel_loss_diff(final_losses(job.log_dir), final_losses(ref))
     param_diff = max_rel_param_diff(job.log_dir / "final_params.npz", ref / "final_params.npz")
     # Every moment and beta power of every parameter, whole in the final checkpoint.
     opt_diff = max_rel_array_diff(
-        optimizer_state(job.ckpt_dir), optimizer_state(tmp_path / "ref/ckpt")
+        optimizer_state(job.ckpt_dir), optimizer_state(ref.parent / "ckpt")
     )
     kind = "sharded" if job.example == SHARDED else "dp"
     print(
@@ -174,7 +176,7 @@ CAP = "--sharding-degree-max=2"
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("mode", ["plain", "overlap"])
 async def test_dp_beside_sharding_resized_4_3_2_4_matches_a_fixed_run(
-    tmp_path: Path, mode: str
+    tmp_path: Path, mode: str, reference_runs: ReferenceRuns
 ) -> None:
     """dp 2 x sharding 2 -> dp 3 x sharding 1 -> dp 1 x sharding 2 -> dp 2 x sharding 2, by
     the rule under sharding_degree_max 2, against a fixed run at the first layout. Each
@@ -203,11 +205,12 @@ async def test_dp_beside_sharding_resized_4_3_2_4_matches_a_fixed_run(
         assert logged[gen] == {r: degrees(world, 2) for r in range(world)}, (gen, logged)
     assert {degrees(w, 2) for w in worlds.values()} == {(2, 2), (3, 1), (1, 2)}
 
-    ref = reference_run(tmp_path / "ref", [*TRAIN, CAP], world_size=4, example=SHARDED)
+    # Both modes compare with the same fixed run: the session runs it once.
+    ref = reference_runs([*TRAIN, CAP], world_size=4, example=SHARDED)
     loss_diff = max_rel_loss_diff(final_losses(job.log_dir), final_losses(ref))
     param_diff = max_rel_param_diff(job.log_dir / "final_params.npz", ref / "final_params.npz")
     opt_diff = max_rel_array_diff(
-        optimizer_state(job.ckpt_dir), optimizer_state(tmp_path / "ref/ckpt")
+        optimizer_state(job.ckpt_dir), optimizer_state(ref.parent / "ckpt")
     )
     print(
         f"dp x sharding ({mode}) parity vs a fixed 4-rank run: loss {loss_diff:.2e}, "
