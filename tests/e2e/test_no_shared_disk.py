@@ -52,6 +52,9 @@ async def job(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[L
     await j.close()
 
 
+# Three pods, two resizes and a fixed run: under a minute alone here, past pytest's default
+# 120 s bound when the 2 cores are shared by 25 runnable processes (waiting for a core).
+@pytest.mark.timeout(300)
 async def test_resizes_without_a_shared_volume_lose_nothing_and_read_no_disk(
     job: LocalJob, reference_runs: ReferenceRuns
 ) -> None:
