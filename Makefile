@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test test-fast nightly frameworks lint proto proto-check chart-schema bench clean
+.PHONY: setup demo test test-fast nightly frameworks frameworks-venv lint proto proto-check chart-schema bench clean
 
 setup:
 	PYTHON=$(PYTHON) scripts/setup.sh
@@ -40,7 +40,10 @@ lint: setup
 TEST_WORKERS ?= 4
 TEST_ENV := TIDE_TEST_STRICT=1 TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test
 
-test: setup proto-check lint
+# The frameworks' venv is built beside the lint (pip's one core beside mypy's), not after
+# the serial tests; --output-sync keeps each one's output whole.
+test: setup proto-check
+	$(MAKE) -j2 --output-sync=target lint frameworks-venv
 	scripts/ensure_postgres.sh
 	scripts/ensure_prometheus.sh
 	$(TEST_ENV) $(PY) -m pytest -m "not nightly and not serial" -n $(TEST_WORKERS) --dist worksteal
@@ -57,9 +60,11 @@ nightly: setup
 # extra pins numpy <= 1.26.4 while constraints.txt holds numpy 2, and the datasets release
 # that fits its pyarrow < 21 (4.0) wants an older fsspec. .venv's pytest skips these tests;
 # `make test` ends with this target.
-frameworks:
+frameworks-venv:
 	PYTHON=$(PYTHON) VENV=.venv-frameworks EXTRAS=services,trainer,paddle-cpu,dev,demo,paddleformers \
 		UNPINNED='numpy|pyarrow|fsspec' scripts/setup.sh
+
+frameworks: frameworks-venv
 	TIDE_TEST_STRICT=1 .venv-frameworks/bin/python -m pytest -m paddleformers
 
 test-fast: setup
