@@ -312,7 +312,9 @@ class LocalJob:
             await asyncio.sleep(0.05)
         raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last}")
 
-    async def wait_standby(self, n: int, timeout_s: float = 60.0) -> pb.JobStatus:
+    async def wait_standby(self, n: int, timeout_s: float = 120.0) -> pb.JobStatus:
+        # 120 s: at the start of a `make test` session the four xdist workers each start 3-4
+        # pods at once (a Paddle import each) on 2 shared cores; 60 s ran out at load 25.
         return await self.wait_status(
             lambda s: sum(m.state == pb.MEMBER_STATE_STANDBY for m in s.members) >= n,
             timeout_s,
