@@ -23,14 +23,14 @@ proto-check: setup
 chart-schema: setup
 	$(PY) scripts/gen_chart_schema.py
 
-LINT_PATHS := services trainer tidebase bench scripts tests
+LINT_PATHS := tide bench scripts tests deploy/compat
 
 lint: setup
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
-	$(VENV)/bin/mypy services trainer tidebase bench scripts
+	$(VENV)/bin/mypy tide bench scripts
 	# The tree itself, not wherever the venv's editable install points.
-	PYTHONPATH=.:proto $(VENV)/bin/lint-imports
+	PYTHONPATH=. $(VENV)/bin/lint-imports
 
 # The tests run in TEST_WORKERS pytest-xdist processes: most of their time is spent
 # waiting on the processes and sockets they start, so more workers than cores pays. Then

@@ -53,13 +53,13 @@ def _status_kb(pid: int, key: str) -> int:
 
 def child(args: argparse.Namespace) -> None:
     """The agent under test (``--child``)."""
-    from services.agent.agent import Agent
-    from services.agent.attribution import PodResourcesClient
-    from services.agent.nvml import NvmlSource
-    from services.agent.settings import AgentSettings
-    from services.agent.sink import SingleStream
-    from services.common import logs
     from tests.agent.fake_nvml import eight_gpus
+    from tide.services.agent.agent import Agent
+    from tide.services.agent.attribution import PodResourcesClient
+    from tide.services.agent.nvml import NvmlSource
+    from tide.services.agent.settings import AgentSettings
+    from tide.services.agent.sink import SingleStream
+    from tide.services.common import logs
 
     logs.configure("WARNING")
     settings = AgentSettings(
@@ -99,8 +99,8 @@ def child(args: argparse.Namespace) -> None:
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     import grpc
 
-    from services.agent.podresources import api_pb2, api_pb2_grpc
     from tests.agent.telemetry_server import TelemetryRecorder, start_server
+    from tide.services.agent.podresources import api_pb2, api_pb2_grpc
 
     class Kubelet(api_pb2_grpc.PodResourcesListerServicer):
         async def List(self, request: Any, context: Any) -> Any:

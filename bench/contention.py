@@ -6,7 +6,7 @@ catalog T19; docs/reliability.md).
 
 ``--processes`` processes of ``--threads`` threads each write for ``--seconds``
 against one store (a SQLite file in WAL mode, or a fresh PostgreSQL schema),
-every write a unit of work (services.store.db.unit_of_work) of the scaler's
+every write a unit of work (tide.services.store.db.unit_of_work) of the scaler's
 repository, alternating:
 
 - a decision (``create_decision``) on one of two shared hot jobs: its fencing
@@ -60,9 +60,9 @@ def _now() -> datetime:
 def _writer(
     factory: Any, name: str, epochs: dict[str, int], until: float, out: dict[str, Any]
 ) -> None:
-    from services.scaler import store as repo
-    from services.store import db
-    from tidebase.errors import StoreUnavailable
+    from tide.base.errors import StoreUnavailable
+    from tide.services.scaler import store as repo
+    from tide.services.store import db
 
     job = f"c/{name}"
     # The heartbeat counter goes on from what the job holds once registered.
@@ -126,7 +126,7 @@ def _writer(
 def _process(
     url: str, proc: int, threads: int, seconds: float, epochs: dict[str, int], results: Any
 ) -> None:
-    from services.store import db
+    from tide.services.store import db
 
     engine = db.make_engine(url)
     factory = db.make_session_factory(engine)
@@ -152,8 +152,8 @@ def _pct(sorted_s: list[float], q: float) -> float:
 
 def own_hot_jobs(factory: Any) -> dict[str, int]:
     """The shared jobs, owned by this run: their epochs, for the writers' fencing."""
-    from services.scaler import store as repo
-    from services.store import db
+    from tide.services.scaler import store as repo
+    from tide.services.store import db
 
     epochs: dict[str, int] = {}
     for hot in HOT_JOBS:
@@ -168,7 +168,7 @@ def own_hot_jobs(factory: Any) -> dict[str, int]:
 
 def run_once(url: str, processes: int, threads: int, seconds: float) -> dict[str, Any]:
     """One contention run against a migrated, empty store at ``url``."""
-    from services.store import db
+    from tide.services.store import db
 
     engine = db.make_engine(url)
     factory = db.make_session_factory(engine)
@@ -200,9 +200,9 @@ def run_once(url: str, processes: int, threads: int, seconds: float) -> dict[str
 
 def tally(factory: Any, outs: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     """What the writers' answers (``outs``) and the store say together."""
-    from services.scaler import store as repo
-    from services.store import db
-    from services.store.models.scaler import Decision
+    from tide.services.scaler import store as repo
+    from tide.services.store import db
+    from tide.services.store.models.scaler import Decision
 
     acked = {d for o in outs for d in o["decisions"]}
     with db.session_scope(factory, write=False) as s:
@@ -237,7 +237,7 @@ def tally(factory: Any, outs: list[dict[str, Any]], seconds: float) -> dict[str,
 
 @contextlib.contextmanager
 def _store(kind: str, pg_url: str) -> Iterator[str]:
-    from services.store import db
+    from tide.services.store import db
 
     if kind == "sqlite":
         with tempfile.TemporaryDirectory() as tmp:

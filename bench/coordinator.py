@@ -25,21 +25,21 @@ from typing import Any
 
 import grpc
 import sqlalchemy as sa
-from tide.v1 import coordinator_pb2 as pb
-from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
-from services.common.clock import SystemClock
-from services.common.config import CommonSettings
-from services.common.server import ServiceSpec, start_server
-from services.coordinator.engine import Coordinator
-from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer
-from services.coordinator.settings import Tuning
-from services.coordinator.sql_store import SqlStore
-from services.coordinator.store import CoordinatorStore, MemoryStore
-from services.store import db
 from tests.coordinator.fakes import FakeLauncher, ResizeWatch
 from tests.support.pg import with_search_path
 from tests.support.poll import eventually
+from tide.services.common.clock import SystemClock
+from tide.services.common.config import CommonSettings
+from tide.services.common.server import ServiceSpec, start_server
+from tide.services.coordinator.engine import Coordinator
+from tide.services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from tide.services.coordinator.settings import Tuning
+from tide.services.coordinator.sql_store import SqlStore
+from tide.services.coordinator.store import CoordinatorStore, MemoryStore
+from tide.services.store import db
+from tide.v1 import coordinator_pb2 as pb
+from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 JOB = "bench/job"
 K = pb.Directive.Kind

@@ -35,19 +35,19 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+from tide.services.common.clock import SystemClock
+from tide.services.common.config import CommonSettings
+from tide.services.common.server import ServiceSpec, start_server
+from tide.services.coordinator.domain import DirectiveKind
+from tide.services.coordinator.engine import Coordinator
+from tide.services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from tide.services.coordinator.settings import Tuning
+from tide.services.coordinator.store import MemoryStore
+from tide.trainer.launcher import Launcher, LauncherSettings
+from tide.trainer.launcher.logs import LOG_GLOB
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
-
-from services.common.clock import SystemClock
-from services.common.config import CommonSettings
-from services.common.server import ServiceSpec, start_server
-from services.coordinator.domain import DirectiveKind
-from services.coordinator.engine import Coordinator
-from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer
-from services.coordinator.settings import Tuning
-from services.coordinator.store import MemoryStore
-from trainer.launcher import Launcher, LauncherSettings
-from trainer.launcher.logs import LOG_GLOB
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "trainer" / "fake_worker.py"
@@ -172,7 +172,7 @@ def _launcher(target: str, state_dir: Path, index: int) -> Launcher:
 
 @contextlib.contextmanager
 def worker_env() -> Iterator[None]:
-    """The fake worker segfaults at its first step and imports trainer.* from this tree;
+    """The fake worker segfaults at its first step and imports tide.trainer.* from this tree;
     the environment is as it was afterwards (bench/parity.py runs real jobs next)."""
     saved = {k: os.environ.get(k) for k in ("FAKE_SEGFAULT_AT_FIRST_STEP", "PYTHONPATH")}
     os.environ["FAKE_SEGFAULT_AT_FIRST_STEP"] = "1"

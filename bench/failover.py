@@ -3,10 +3,10 @@
 
     python -m bench.failover [--quick] [--pg-url URL] [--leader-election sql|kubernetes]
 
-Scaler: two replicas of ``python -m services.testing.scaler`` with
+Scaler: two replicas of ``python -m tide.services.testing.scaler`` with
 ``--leader-election sql`` (the default: a lease row in the store) or
 ``kubernetes`` (a coordination.k8s.io/v1 Lease on the API server emulator,
-services/testing/kube, run by this process) on one PostgreSQL schema, sharing the actuator's file
+tide/services/testing/kube, run by this process) on one PostgreSQL schema, sharing the actuator's file
 and the in-memory coordinator's state file (the cluster and the coordinator,
 which outlive any scaler). A driver asks for resizes of one job, 2 -> 3 -> 2 ...,
 through whichever replica is ready, and records every decision acknowledged.
@@ -66,15 +66,15 @@ from urllib.parse import quote
 import grpc
 import sqlalchemy as sa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tide.base.client import channel_target
+from tide.base.listening import parse_listening
+from tide.services.testing.actuators import read_changes
+from tide.services.testing.kube import KubeApiServer
+from tide.services.testing.replicas import replica_args
 from tide.v1 import coordinator_pb2 as cpb
 from tide.v1 import coordinator_pb2_grpc as cpb_grpc
 from tide.v1 import scaler_pb2, scaler_pb2_grpc
-
-from services.testing.actuators import read_changes
-from services.testing.kube import KubeApiServer
-from services.testing.replicas import replica_args
-from tidebase.client import channel_target
-from tidebase.listening import parse_listening
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = "ns/failover"
@@ -278,7 +278,7 @@ def _beats(stub: Any, member: str) -> bool:
 def coordinator_cold_failover(tmp: Path) -> dict[str, float]:
     """No standby: SIGKILL, a new process on the same store and port."""
     db_url = f"sqlite:///{tmp / 'cold.db'}"
-    args = ["-m", "services.coordinator", "--db", db_url, "--log-level", "ERROR", "--insecure"]
+    args = ["-m", "tide.services.coordinator", "--db", db_url, "--log-level", "ERROR", "--insecure"]
     first, target = _start([*args, "--listen", "127.0.0.1:0"])
     port = target.rpartition(":")[2]
     with grpc.insecure_channel(target) as ch:
@@ -306,13 +306,13 @@ def coordinator_cold_failover(tmp: Path) -> dict[str, float]:
 
 def coordinator_failover(tmp: Path) -> dict[str, Any]:
     """A leader and a started standby on one store (``--leader-election sql``); the
-    member dials both (tidebase.client.channel_target: the replica whose health is
+    member dials both (tide.base.client.channel_target: the replica whose health is
     SERVING gets the call). The leader is SIGSTOPped; ``coordinator_failover_s`` runs
     until the member's heartbeat is answered by the standby, with its old member id."""
     db_url = f"sqlite:///{tmp / 'standby.db'}"
     args = [
         "-m",
-        "services.coordinator",
+        "tide.services.coordinator",
         "--db",
         db_url,
         "--log-level",

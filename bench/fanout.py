@@ -5,7 +5,7 @@
 
 Four plain Paddle gloo processes on loopback (no Tide session): ranks 0 and 1 hold the
 state (stayers), 2 and 3 lack it (newcomers). Each round, in the same processes and in this
-order: ``world``: trainer/transfer.py's ``send_tensors`` without a fanout (a broadcast over
+order: ``world``: tide/trainer/transfer.py's ``send_tensors`` without a fanout (a broadcast over
 the whole group, stayer 1 dropping the bytes); ``one``: with a fanout of one sender (a group
 of rank 0 and the newcomers); ``two``: two senders, a share each. Each is timed from a
 barrier to a barrier after it (every rank done), the groups' formation included; every
@@ -23,13 +23,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.testing.localjob import ROOT, free_port, gloo_env
+from tide.services.testing.localjob import ROOT, free_port, gloo_env
 
 _RANK = """
 import json, os, sys, time
 import numpy as np, paddle.distributed as dist
-from trainer.gloo_groups import share_world_context
-from trainer.transfer import Fanout, send_tensors
+from tide.trainer.gloo_groups import share_world_context
+from tide.trainer.transfer import Fanout, send_tensors
 dist.init_parallel_env()
 share_world_context()
 rank = dist.get_rank()
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.Popen(
             [sys.executable, str(script), str(args.mb), str(args.rounds), str(work / "times")],
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}", **gloo_env(r, ports)},
+            env={**os.environ, "PYTHONPATH": f"{ROOT}", **gloo_env(r, ports)},
         )
         for r in range(4)
     ]

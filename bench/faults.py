@@ -34,14 +34,6 @@ import grpc
 # The services this bench starts listen on loopback only, without TLS (as the tests').
 os.environ.setdefault("TIDE_INSECURE", "1")
 
-from tide.v1 import scaler_pb2, scaler_pb2_grpc
-
-from services.common.clock import SystemClock
-from services.coordinator.sql_store import SqlStore
-from services.coordinator.store import CoordinatorStore, MemoryStore
-from services.store import db
-from services.testing.clock import FakeClock
-from services.testing.flaky_store import FlakyStore
 from tests.coordinator.fakes import FakeLauncher
 from tests.coordinator.support import JOB, close_env, make_env
 from tests.coordinator.test_store_faults import FAULTS, SCENARIOS
@@ -49,6 +41,13 @@ from tests.reliability.test_loop_lag import HealthSampler, _service
 from tests.reliability.test_store_outage import hot_agent
 from tests.support.pgserver import private_postgres
 from tests.support.poll import wait_for
+from tide.services.common.clock import SystemClock
+from tide.services.coordinator.sql_store import SqlStore
+from tide.services.coordinator.store import CoordinatorStore, MemoryStore
+from tide.services.store import db
+from tide.services.testing.clock import FakeClock
+from tide.services.testing.flaky_store import FlakyStore
+from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
 
 async def resizes(stores: list[str]) -> dict[str, Any]:
@@ -101,7 +100,7 @@ async def coordinator_health(outage_s: float) -> dict[str, float]:
     with private_postgres() as pg:
         coord = _service(
             "-m",
-            "services.coordinator",
+            "tide.services.coordinator",
             "--listen",
             "127.0.0.1:0",
             "--db",
@@ -148,7 +147,7 @@ def scaler_health(outage_s: float) -> dict[str, float]:
     with private_postgres() as pg:
         scaler = _service(
             "-m",
-            "services.testing.scaler",
+            "tide.services.testing.scaler",
             "--coordinator",
             "memory",
             "--actuator",

@@ -22,7 +22,7 @@ them, and no HPACK state is kept for them), trailers or RST_STREAM end a stream,
 GOAWAY or a closed socket ends a connection. The agent's protocol on top: seq
 increases by one per report; a stream that ended is reopened, on the next replica
 when its connection is gone, resending from the report after the highest ack (as
-services/agent/buffer.py resends what was not acked).
+tide/services/agent/buffer.py resends what was not acked).
 """
 
 from __future__ import annotations

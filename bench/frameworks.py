@@ -1,20 +1,20 @@
 """The trainers users already have (issue 28): PaddleFormers' Trainer, resized, against a
 fixed-size run of the same script; and the ``paddle.distributed.launch`` command line.
 
-- ``paddleformers_rel_diff``: trainer/integrations/examples/train_pf_tide.py (a tiny Llama,
+- ``paddleformers_rel_diff``: tide/trainer/integrations/examples/train_pf_tide.py (a tiny Llama,
   stock ``TrainingArguments``, one import line changed) under a coordinator and launchers
-  (services/testing/localjob.py: the scaler's part played by ``Resize`` calls), resized
+  (tide/services/testing/localjob.py: the scaler's part played by ``Resize`` calls), resized
   2 -> 3 -> 1 -> 2 workers on gloo while it trains, against one fixed 2-worker run of the
   same script in the same benchmark: the largest per-step loss and final-parameter
-  difference, relative (services/testing/parity.py). The live run is paced by
+  difference, relative (tide/services/testing/parity.py). The live run is paced by
   bench/frameworks_paced.py (0.1 s per micro-batch) so that each resize lands mid-run.
 - ``exactly_once``: 1 when that run used every sample once per epoch and no step twice.
 - ``lost_steps``: the coordinator's count of steps lost to unplanned member losses
   (``lost_steps_total``), plus any step of the budget the run never completed.
 - ``resizes``: world-size changes seen in the run's own sample logs.
 - ``user_lines_changed``: +/- lines of the diff between the stock script and the Tide one.
-- ``launch_args_supported``: ``paddle.distributed.launch`` arguments ``trainer.launch``
-  accepts (trainer/integrations/paddle_launch.py), out of ``launch_args_total``.
+- ``launch_args_supported``: ``paddle.distributed.launch`` arguments ``tide.trainer.launch``
+  accepts (tide/trainer/integrations/paddle_launch.py), out of ``launch_args_total``.
 
     .venv-frameworks/bin/python -m bench.frameworks --quick   # the venv make frameworks builds
 
@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.parity import CHAIN, rel_diff
-from services.testing.localjob import ROOT, LocalJob, reference_run, resize_along
-from services.testing.parity import check_exactly_once, final_losses, worlds_by_generation
-from trainer.integrations import paddle_launch
+from tide.services.testing.localjob import ROOT, LocalJob, reference_run, resize_along
+from tide.services.testing.parity import check_exactly_once, final_losses, worlds_by_generation
+from tide.trainer.integrations import paddle_launch
 
-EXAMPLES = ROOT / "trainer" / "integrations" / "examples"
+EXAMPLES = ROOT / "tide" / "trainer" / "integrations" / "examples"
 STOCK = EXAMPLES / "train_pf_stock.py"
 TIDE = EXAMPLES / "train_pf_tide.py"
 PACED = str(ROOT / "bench" / "frameworks_paced.py")

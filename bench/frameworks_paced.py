@@ -1,4 +1,4 @@
-"""trainer/integrations/examples/train_pf_tide.py paced for live resizes (bench/frameworks.py).
+"""tide/trainer/integrations/examples/train_pf_tide.py paced for live resizes (bench/frameworks.py).
 
 Each micro-batch first sleeps ``TIDE_BENCH_STEP_DELAY_S`` seconds, so that the benchmark's
 resizes land mid-run however fast the tiny model trains. A harness, not a user script: the
@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.integrations import paddleformers as pf
+from tide.trainer.integrations import paddleformers as pf
 
 SCRIPT = str(
-    Path(__file__).resolve().parent.parent / "trainer/integrations/examples/train_pf_tide.py"
+    Path(__file__).resolve().parent.parent / "tide/trainer/integrations/examples/train_pf_tide.py"
 )
 _DELAY_S = float(os.environ.get("TIDE_BENCH_STEP_DELAY_S", "0"))
 _loss = pf.Trainer.per_sample_loss

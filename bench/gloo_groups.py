@@ -1,5 +1,5 @@
 """How often a CPU job's extra gloo groups fail to form, as Paddle ships and with Tide's
-handling (trainer/gloo_groups.py; docs/sharded.md).
+handling (tide/trainer/gloo_groups.py; docs/sharded.md).
 
     python -m bench.gloo_groups                     # groups over the world, worlds 3 and 4
     python -m bench.gloo_groups --tries 6           # quicker
@@ -14,7 +14,7 @@ Each try starts ``world`` plain Paddle processes on loopback (no Tide session, n
   ([0, 1], [2, 3], [0, 2], [1, 3]) and one all-reduce on each of a rank's two.
 
 ``plain`` is Paddle as it ships; ``shared`` calls
-:func:`trainer.gloo_groups.share_world_context` after ``init_parallel_env`` (groups over the
+:func:`tide.trainer.gloo_groups.share_world_context` after ``init_parallel_env`` (groups over the
 world reuse its context; smaller ones form over a store of their own). A try fails when any
 rank exits non-zero or is still running after ``--timeout-s``. The last line is
 ``RESULT {json}``.
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.testing.localjob import free_port, gloo_env
+from tide.services.testing.localjob import free_port, gloo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ import paddle.distributed as dist
 from paddle.distributed import fleet
 dist.init_parallel_env()
 if sys.argv[1] == "shared":
-    from trainer.gloo_groups import share_world_context
+    from tide.trainer.gloo_groups import share_world_context
     share_world_context()
 """
 _CASES = {

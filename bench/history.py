@@ -85,7 +85,7 @@ def _percentile(xs: list[float], q: float) -> float:
 def _cli(*args: str) -> tuple[float, str]:
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "tide.services.cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -156,17 +156,16 @@ def scaler_api(url: str) -> Iterator[str]:
     from a thread with its own event loop; yields its address."""
     import threading
 
+    from tide.services.common.clock import SystemClock
+    from tide.services.common.config import CommonSettings
+    from tide.services.common.server import ServiceSpec, start_server
+    from tide.services.scaler.engine.core import ScalerCore
+    from tide.services.scaler.servicer import RULES, ScalerServicer
+    from tide.services.scaler.store import DecisionStore
+    from tide.services.store import db
+    from tide.services.testing.actuators import InMemoryActuator
+    from tide.services.testing.coordinator import InMemoryCoordinator
     from tide.v1 import scaler_pb2_grpc
-
-    from services.common.clock import SystemClock
-    from services.common.config import CommonSettings
-    from services.common.server import ServiceSpec, start_server
-    from services.scaler.engine.core import ScalerCore
-    from services.scaler.servicer import RULES, ScalerServicer
-    from services.scaler.store import DecisionStore
-    from services.store import db
-    from services.testing.actuators import InMemoryActuator
-    from services.testing.coordinator import InMemoryCoordinator
 
     loop = asyncio.new_event_loop()
     ready = threading.Event()
@@ -240,10 +239,10 @@ def measure_render() -> dict[str, float]:
     """The same rows drawn by rich (every table on a terminal, before) and plain."""
     from rich.console import Console
     from rich.table import Table
-    from tide.v1 import common_pb2, scaler_pb2
 
-    from services.cli import render
-    from services.cli.output import plain_table
+    from tide.services.cli import render
+    from tide.services.cli.output import plain_table
+    from tide.v1 import common_pb2, scaler_pb2
 
     decisions = [
         scaler_pb2.Decision(
@@ -275,9 +274,9 @@ def measure_render() -> dict[str, float]:
 def measure_queries(url: str) -> dict[str, float]:
     from sqlalchemy import select
 
-    from services.scaler import store as repo
-    from services.store import db
-    from services.store.models.scaler import Decision
+    from tide.services.scaler import store as repo
+    from tide.services.store import db
+    from tide.services.store.models.scaler import Decision
 
     engine = db.make_engine(url)
     factory = db.make_session_factory(engine)
@@ -329,13 +328,13 @@ def measure_queries(url: str) -> dict[str, float]:
 
 
 async def measure_scaler(url: str, decisions: int) -> dict[str, Any]:
-    from services.scaler import store as repo
-    from services.scaler.engine.core import ScalerCore
-    from services.scaler.store import DecisionState, DecisionStore
-    from services.store import db
-    from services.testing.actuators import InMemoryActuator
-    from services.testing.clock import FakeClock
-    from services.testing.coordinator import InMemoryCoordinator
+    from tide.services.scaler import store as repo
+    from tide.services.scaler.engine.core import ScalerCore
+    from tide.services.scaler.store import DecisionState, DecisionStore
+    from tide.services.store import db
+    from tide.services.testing.actuators import InMemoryActuator
+    from tide.services.testing.clock import FakeClock
+    from tide.services.testing.coordinator import InMemoryCoordinator
 
     out: dict[str, Any] = {}
     engine = db.make_engine(url)

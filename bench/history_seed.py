@@ -122,7 +122,7 @@ def _decisions(total: int) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
 
 def seed(url: str, total: int) -> float:
     """Migrate and fill the store; returns the seconds it took."""
-    from services.store import db
+    from tide.services.store import db
 
     t0 = time.perf_counter()
     db.upgrade(url)
@@ -168,7 +168,7 @@ def _seed_pg(engine: sa.Engine, total: int) -> None:
 
 def _seed_sqlite(engine: sa.Engine, total: int) -> None:
     def fmt(row: tuple[Any, ...]) -> tuple[Any, ...]:
-        # The store's SQLite format for times (services/store/db.py UTCDateTime).
+        # The store's SQLite format for times (tide/services/store/db.py UTCDateTime).
         return tuple(
             v.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
             if isinstance(v, datetime)

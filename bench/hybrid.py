@@ -1,8 +1,8 @@
 """Sharded fleet jobs resized while they train (issue 26), on this machine.
 
-A small transformer (embedding, 2 encoder blocks, a head; AdamW; trainer/examples/
+A small transformer (embedding, 2 encoder blocks, a head; AdamW; tide/trainer/examples/
 train_transformer.py ``--sharded``: fleet's sharding stage 1, the optimizer state sharded
-over every rank) under a coordinator and launchers (services/testing/localjob.py: the
+over every rank) under a coordinator and launchers (tide/services/testing/localjob.py: the
 scaler's part played by ``Resize`` calls), resized 2 -> 3 -> 1 -> 4 while it trains; in the
 same invocation, a fixed 2-rank run of the same script (no coordinator) and the same chain
 in plain data parallel (the same script without ``--sharded``).
@@ -53,8 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.parity import rel_diff
-from services.testing.localjob import ROOT, Chain, LocalJob, reference_run, resize_along
-from services.testing.parity import (
+from tide.services.testing.localjob import ROOT, Chain, LocalJob, reference_run, resize_along
+from tide.services.testing.parity import (
     check_exactly_once,
     final_losses,
     fleet_layouts,
@@ -63,7 +63,7 @@ from services.testing.parity import (
     worlds_by_generation,
 )
 
-EXAMPLE = str(ROOT / "trainer" / "examples" / "train_transformer.py")
+EXAMPLE = str(ROOT / "tide" / "trainer" / "examples" / "train_transformer.py")
 CHAIN = (2, 3, 1, 4)
 DPSH_CHAIN, DPSH_CAP = (4, 3, 2, 4), 2
 DATASET, BATCH = 256, 16
@@ -96,16 +96,16 @@ def stage2() -> dict[str, Any]:
         "stage2_reason": "Paddle runs sharding stage 2 on GPUs and XPUs only: on this CPU "
         f"group_sharded_parallel(level='os_g') fails with {found['api']!r}, "
         f"GroupShardedOptimizerStage2(device='cpu') with {found['direct']!r}; Tide refuses "
-        "it (trainer/sharding.py WHY_STAGE2)",
+        "it (tide/trainer/sharding.py WHY_STAGE2)",
         "stage2_probe": found,
     }
 
 
 def layouts(job: LocalJob, cap: int = 0) -> tuple[list[dict[str, int]], bool]:
     """Per generation, the degrees its workers logged, and whether every rank of every
-    generation logged the degrees trainer/sharding.py's rule gives its world size under
+    generation logged the degrees tide/trainer/sharding.py's rule gives its world size under
     ``cap`` (one rank alone trains unwrapped: nothing sharded, nothing logged)."""
-    from trainer.sharding import degrees as rule
+    from tide.trainer.sharding import degrees as rule
 
     logged = fleet_layouts(job.workdir.glob("trainer-*/*.log"))
     worlds = worlds_by_generation(job.log_dir)

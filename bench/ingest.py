@@ -9,7 +9,7 @@ spawned processes pinned to the other CPU:
 1. ceiling: a Telemetry server that only parses and counts (and acks like the
    scaler does), saturated;
 2. scaler: the real scaler (ingest, windows, policy, SQLite decisions) with the
-   in-memory coordinator and actuator of services.testing, saturated: reports/s and samples/s
+   in-memory coordinator and actuator of tide.services.testing, saturated: reports/s and samples/s
    accepted; ``ceiling_ratio`` is its reports/s over the ceiling's, and
    ``ceiling_ratio_per_cpu`` the same per second of each server's CPU time (steadier
    on a shared machine, where a server does not always get its core);
@@ -20,7 +20,7 @@ spawned processes pinned to the other CPU:
    decision over the sustain the policy was given (committed at - (flip +
    sustain_s), ``lag_over_sustain_p99_s``; negative when the oldest bucket
    already cleared the threshold with a few samples from before the flip).
-   Windows slide by slots of at most 0.5 s (services/scaler/windows.py); a
+   Windows slide by slots of at most 0.5 s (tide/services/scaler/windows.py); a
    window on a fixed bucket grid would add up to a bucket (uniform over one
    bucket, shown for comparison as ``aligned_grid_lag_p99_s``).
 
@@ -78,12 +78,12 @@ def server_main(mode: str, jobs: int, conn: Connection) -> None:
 async def _serve(mode: str, jobs: int, conn: Connection) -> None:
     import grpc
     from prometheus_client import CollectorRegistry
+
+    from tide.base.grpc_options import server_options
+    from tide.services.common.metrics import grpc_server_metrics
     from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
-    from services.common.metrics import grpc_server_metrics
-    from tidebase.grpc_options import server_options
-
-    # The scaler's server has the gRPC metrics interceptor (services/common/server.py);
+    # The scaler's server has the gRPC metrics interceptor (tide/services/common/server.py);
     # so does the benchmark's, so that its cost is in the figures. The ceiling has none.
     interceptors = [] if mode == "ceiling" else [grpc_server_metrics(CollectorRegistry())]
     server = grpc.aio.server(options=server_options(), interceptors=interceptors)
@@ -108,19 +108,19 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
 
         telemetry_pb2_grpc.add_TelemetryServicer_to_server(Bare(), server)
     else:
-        from services.common.clock import SystemClock
-        from services.scaler.engine.core import ScalerCore
-        from services.scaler.ingest import IngestSettings
-        from services.scaler.policy import PolicySettings
-        from services.scaler.servicer import TelemetryServicer
-        from services.scaler.store import DecisionStore
-        from services.scaler.tuning import tune_process
-        from services.store import db
-        from services.testing.actuators import InMemoryActuator
-        from services.testing.coordinator import InMemoryCoordinator, follow_actuator
+        from tide.services.common.clock import SystemClock
+        from tide.services.scaler.engine.core import ScalerCore
+        from tide.services.scaler.ingest import IngestSettings
+        from tide.services.scaler.policy import PolicySettings
+        from tide.services.scaler.servicer import TelemetryServicer
+        from tide.services.scaler.store import DecisionStore
+        from tide.services.scaler.tuning import tune_process
+        from tide.services.store import db
+        from tide.services.testing.actuators import InMemoryActuator
+        from tide.services.testing.coordinator import InMemoryCoordinator, follow_actuator
 
-        # As the scaler process does (services/scaler/app.py); the core is built here,
-        # not through python -m services.testing.scaler, to read its latencies in-process.
+        # As the scaler process does (tide/services/scaler/app.py); the core is built here,
+        # not through python -m tide.services.testing.scaler, to read its latencies in-process.
         tune_process()
         url = f"sqlite:///{tmp}/bench.db"
         db.upgrade(url)
@@ -224,7 +224,7 @@ async def _agents(
 ) -> None:
     import grpc
 
-    from tidebase.grpc_options import client_options
+    from tide.base.grpc_options import client_options
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=client_options()) as ch:
         method = ch.stream_stream(

@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import time
 
+from tide.base.timeconv import ts_from_seconds
+from tide.services.scaler.ingest import Ingest, IngestSettings, StreamState
+from tide.services.scaler.members import Member
+from tide.services.testing.clock import FakeClock
+from tide.services.testing.members import InMemoryMemberRegistry
 from tide.v1 import common_pb2, telemetry_pb2
-
-from services.scaler.ingest import Ingest, IngestSettings, StreamState
-from services.scaler.members import Member
-from services.testing.clock import FakeClock
-from services.testing.members import InMemoryMemberRegistry
-from tidebase.timeconv import ts_from_seconds
 
 T0 = 1_800_000_000.0
 GPUS = 8

@@ -3,7 +3,7 @@
 What it runs, all with mTLS:
 
 - ``launcher_without_ca_exit_s`` / ``launcher_without_ca_rc``: a real launcher
-  (``python -m trainer.launch``) dialling an mTLS coordinator without a CA exits, with
+  (``python -m tide.trainer.launch``) dialling an mTLS coordinator without a CA exits, with
   one line naming the cause; the seconds from its start to its exit, and its status.
 - ``cli_in_pod_rc``: the CLI with exactly the environment the chart renders for the
   scaler's container (``helm template`` of values-small.yaml: TIDE_SCALER,
@@ -20,9 +20,9 @@ What it runs, all with mTLS:
   synthetic node agents at one steady utilization) for ``--duration-s`` (180, the
   issue's 3 minutes) with two jobs of the example trainer applied by ``tide job apply``,
   each resized once by the scaler (``healthy/grow`` 2 -> 3, ``healthy/shrink`` 2 -> 1:
-  services/local/healthy.py), then stopped with SIGINT: the WARNING and ERROR lines of
+  tide/services/local/healthy.py), then stopped with SIGINT: the WARNING and ERROR lines of
   every service and launcher log and of `tide up`'s own stderr
-  (services/local/logscan.py), and the steps the coordinator recorded as lost that
+  (tide/services/local/logscan.py), and the steps the coordinator recorded as lost that
   the trainers' sample logs show no generation redid. The run itself must be sound
   (each job's resize COMPLETED, every sample consumed exactly once, `tide up` exit 0),
   or the bench exits with the reason; ``healthy_*`` keys say what it did.
@@ -30,7 +30,7 @@ What it runs, all with mTLS:
 - ``rendered_pods_started``: the chart's own Deployment and DaemonSet pods (``helm
   template`` of values-small.yaml applied with kubectl) started and Ready in their
   sandboxes on the emulated cluster with TLS, TokenReview and an HTTPS API server
-  (services/testing/kube/chartrun.py); ``example_resized``: 1 when the shipped example
+  (tide/services/testing/kube/chartrun.py); ``example_resized``: 1 when the shipped example
   PaddleJob was then resized 2 -> 3 -> 2 by ``tide scale`` run in the scaler's pod, else 0
   (``chart_error`` says why). Null where the sandboxes cannot run (not root, no unshare)
   or helm/kubectl are missing.
@@ -57,13 +57,13 @@ from typing import Any
 
 import yaml
 
-from services.common.pki import CertificateAuthority
-from services.local.healthy import HealthyRun, HealthySettings
-from services.local.healthy import result as healthy_result
-from services.testing.kube.chartrun import ChartRun
-from services.testing.kube.sandbox import Sandboxes
-from services.testing.stack import start_stack
-from tidebase.listening import parse_listening
+from tide.base.listening import parse_listening
+from tide.services.common.pki import CertificateAuthority
+from tide.services.local.healthy import HealthyRun, HealthySettings
+from tide.services.local.healthy import result as healthy_result
+from tide.services.testing.kube.chartrun import ChartRun
+from tide.services.testing.kube.sandbox import Sandboxes
+from tide.services.testing.stack import start_stack
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -79,7 +79,7 @@ async def launcher_without_ca(workdir: Path) -> tuple[float, int]:
     try:
         t0 = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
-            PY, "-m", "trainer.launch", f"--coordinator={stack.coordinator_target}",
+            PY, "-m", "tide.trainer.launch", f"--coordinator={stack.coordinator_target}",
             "--job=ml-research/resnet", "--pod=resnet-worker-0",
             f"--state-dir={workdir / 'launcher'}", "--", PY, "-c", "pass",
             env=_clean_env(), cwd=ROOT,
@@ -126,7 +126,7 @@ def scaler_pod_env(ca_file: str) -> dict[str, str] | None:
 
 def tide(args: list[str], env: dict[str, str]) -> tuple[int, str]:
     r = subprocess.run(
-        [PY, "-m", "services.cli", *args], env={**_clean_env(), **env}, cwd=ROOT,
+        [PY, "-m", "tide.services.cli", *args], env={**_clean_env(), **env}, cwd=ROOT,
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     return r.returncode, r.stderr.strip()
@@ -137,7 +137,7 @@ def cli_checks(workdir: Path) -> dict[str, Any]:
     server = ca.issue("tide-scaler-tls", hosts=SERVICE_NAMES, server=True)
     db = f"sqlite:///{workdir / 'scaler.db'}"
     proc = subprocess.Popen(
-        [PY, "-m", "services.testing.scaler", "--coordinator", "memory", "--actuator", "memory",
+        [PY, "-m", "tide.services.testing.scaler", "--coordinator", "memory", "--actuator", "memory",
          "--db", db, "--listen", "127.0.0.1:0", "--tls-cert-file", server.cert_file,
          "--tls-key-file", server.key_file, "--tls-client-ca-file", ca.ca_file,
          "--log-format", "json"],

@@ -1,14 +1,14 @@
 """The whole loop through the Kubernetes actuator, against the local actuator's loop in the
 same run (the baseline).
 
-Kubernetes: services/testing/kube/loop.py — the API server emulator, paddle-operator's
+Kubernetes: tide/services/testing/kube/loop.py — the API server emulator, paddle-operator's
 stand-in and a kubelet running each pod's launcher with real Paddle workers (the MLP of
-trainer/examples/train_mlp.py on gloo), the scaler (``--actuator kubernetes:KUBECONFIG``)
+tide/trainer/examples/train_mlp.py on gloo), the scaler (``--actuator kubernetes:KUBECONFIG``)
 and the coordinator as processes; load grows the PaddleJob 2 -> 4 and shrinks it 4 -> 2, with
 a 409 armed on the PaddleJob before the grow and every watch cut with its history compacted
 (so the re-watch gets 410).
 
-Baseline: `tide demo` (services/local/demo/) with the same policy windows, training and
+Baseline: `tide demo` (tide/services/local/demo/) with the same policy windows, training and
 load: the same grow and shrink through the local actuator (launchers as local processes).
 
     python -m bench.k8s --quick     # one loop each way (about 3 min here)
@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.local.demo import Demo, DemoSettings
-from services.testing.kube.loop import KubeLoop, LoopOutcome, LoopSettings
+from tide.services.local.demo import Demo, DemoSettings
+from tide.services.testing.kube.loop import KubeLoop, LoopOutcome, LoopSettings
 
 
 async def kube_once(workdir: Path) -> LoopOutcome:

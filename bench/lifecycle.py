@@ -30,10 +30,10 @@ WARM = 10
 
 
 async def run(url: str, n: int) -> dict[str, Any]:
-    from services.scaler import store as repo
-    from services.scaler.store import DecisionState, DecisionStore
-    from services.store import db
-    from services.testing.clock import FakeClock
+    from tide.services.scaler import store as repo
+    from tide.services.scaler.store import DecisionState, DecisionStore
+    from tide.services.store import db
+    from tide.services.testing.clock import FakeClock
 
     db.upgrade(url)
     engine = db.make_engine(url)

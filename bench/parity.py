@@ -9,8 +9,8 @@ fixed 2-worker run of the same script and arguments. A rel diff is the largest o
 per-step loss differences and of the final parameter (and buffer) differences, each relative
 to the fixed run's magnitude.
 
-- ``mlp_rel_diff``: trainer/examples/train_mlp.py.
-- ``batchnorm_rel_diff``: trainer/examples/train_bn.py (a BatchNorm CNN) with 4 virtual ranks;
+- ``mlp_rel_diff``: tide/trainer/examples/train_mlp.py.
+- ``batchnorm_rel_diff``: tide/trainer/examples/train_bn.py (a BatchNorm CNN) with 4 virtual ranks;
   ``batchnorm_plain_rel_diff``: the same without them (per-rank BatchNorm statistics), what
   Tide's exactness promise would be for BatchNorm models otherwise.
 - ``dataparallel_rel_diff``: the BatchNorm CNN wrapped in ``paddle.DataParallel`` on the
@@ -23,7 +23,7 @@ to the fixed run's magnitude.
   at 2 workers, same script and batch, median step time after warm-up.
 - ``augmentation_rel_diff``: the BatchNorm CNN with 4 virtual ranks, random flips and noise
   drawn from Paddle's RNG inside ``__getitem__`` and 2 DataLoader worker processes, on the
-  chain against a fixed run (the session seeds each sample's fetch, trainer/dataloader.py).
+  chain against a fixed run (the session seeds each sample's fetch, tide/trainer/dataloader.py).
 - ``loader_workers_deterministic``: 1 when two identical fixed runs of that script are
   bit-identical, with 2 loader workers and with ``num_workers=0`` (the loader's thread).
 - ``forgotten_sampler_detected``: 1 when the script with a plain ``DataLoader(shuffle=True)``
@@ -49,16 +49,16 @@ from pathlib import Path
 from typing import Any
 
 from bench import crashloop
-from services.testing.localjob import EXAMPLE, ROOT, loss_records, reference_run
-from services.testing.parity import (
+from tide.services.testing.localjob import EXAMPLE, ROOT, loss_records, reference_run
+from tide.services.testing.parity import (
     check_exactly_once,
     final_losses,
     max_rel_loss_diff,
     max_rel_param_diff,
 )
-from trainer.contract import FORGOTTEN_SAMPLER
+from tide.trainer.contract import FORGOTTEN_SAMPLER
 
-BN = str(ROOT / "trainer" / "examples" / "train_bn.py")
+BN = str(ROOT / "tide" / "trainer" / "examples" / "train_bn.py")
 CHAIN = (2, 3, 1, 2)
 
 

@@ -1,17 +1,17 @@
 """A node's termination notice, Tide's way against Paddle's way, on this machine.
 
-Both ways run the same job: the MLP of trainer/examples/train_mlp.py on gloo, 3 pods
+Both ways run the same job: the MLP of tide/trainer/examples/train_mlp.py on gloo, 3 pods
 (one launcher each), periodic checkpoints every 10 steps. Once it trains, the node of
 pod 1 (not the highest index) gets a spot interruption notice with ``--deadline-s``.
 
-Tide's way: the scaler (in this process: services.testing.preempt) sees the notice as an
+Tide's way: the scaler (in this process: tide.services.testing.preempt) sees the notice as an
 agent's report, decides NODE_TERMINATION naming pod 1, the coordinator drains exactly
 that member after a coordinated checkpoint, and the local actuator removes exactly that
 pod. ``notice_to_released_s`` is from the notice to pod 1's process being gone.
 
 Tide's way through the Kubernetes actuator (same run, keys prefixed ``kube_``): the
 same, but the pods are a paddle-operator PaddleJob's on the API server emulator, run
-by the stand-in kubelet (services.testing.preempt.kube_preempt_rig); the actuator
+by the stand-in kubelet (tide.services.testing.preempt.kube_preempt_rig); the actuator
 deletes pod 1 by uid and keeps the replicas, and the operator recreates it as a spare.
 
 Paddle's way (the baseline, same run): nothing reacts to the notice; at the deadline the
@@ -43,9 +43,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.scaler.store import DecisionState
-from services.testing.localjob import LocalJob, sample_records
-from services.testing.preempt import KUBE_NAME, KUBE_NS, kube_preempt_rig, notice, preempt_rig
+from tide.services.scaler.store import DecisionState
+from tide.services.testing.localjob import LocalJob, sample_records
+from tide.services.testing.preempt import KUBE_NAME, KUBE_NS, kube_preempt_rig, notice, preempt_rig
 
 JOB = "ns/bench"
 DATASET, BATCH = 600, 60

@@ -3,7 +3,7 @@ the leader (docs/reliability.md, Leader election).
 
     python -m bench.replicas [--quick] [--nodes 40] [--rate-hz 4] [--seconds 10]
 
-Two replicas of ``python -m services.testing.scaler`` (``--leader-election sql``,
+Two replicas of ``python -m tide.services.testing.scaler`` (``--leader-election sql``,
 one SQLite store, the in-memory coordinator), and jobs of two trainers of one GPU
 each. The same agents stream the same reports to both, as agents that fan out to
 every replica would: ``--nodes`` nodes of 8 GPUs (4 jobs a node), at
@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 from bench.failover import _serving, _start, _wait
-from services.testing.replicas import replica_args
-from tidebase.grpc_options import client_options
+from tide.base.grpc_options import client_options
+from tide.services.testing.replicas import replica_args
+from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 T = 5.0
 GPUS = 8

@@ -5,7 +5,7 @@ Tide's way, once per resize mode (the coordinator's ``resize_mode``): ``plain`` 
 generation's group inside the pause; ``overlap`` forms it in standby workers before the
 barrier, while the old generation trains (docs/resize-protocol.md, "Overlap mode"). Each: the
 real coordinator and one launcher per "pod" (each with a warm zygote), the MLP of
-trainer/examples/train_mlp.py on gloo; resizes 2 -> 4 and 4 -> 2 through ``Resize`` (the
+tide/trainer/examples/train_mlp.py on gloo; resizes 2 -> 4 and 4 -> 2 through ``Resize`` (the
 scaler's call). The pause is the time training stood still: the gap between rank 0's last step of the
 old generation and its first step of the new one (from the loss log's wall times), less one
 ordinary step of the new generation (the median interval between its later steps), since the
@@ -25,7 +25,7 @@ processes forked from a zygote; Paddle's import is not unavoidable, a warm paren
     python -m bench.rescale             # three of each, medians
 
 A planned resize reads nothing from disk: stayers restore from their pod's memory, newcomers
-from a peer over the new group (trainer/restore.py); ``disk_read_s`` (target 0) is the most any
+from a peer over the new group (tide/trainer/restore.py); ``disk_read_s`` (target 0) is the most any
 rank of a new generation read from the durable store.
 
 The last line is ``RESULT {json}`` with plain_pause_over_unavoidable and
@@ -52,9 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tide.v1 import coordinator_pb2 as pb
-
-from services.testing.localjob import (
+from tide.services.testing.localjob import (
     EXAMPLE,
     ROOT,
     LocalJob,
@@ -63,9 +61,10 @@ from services.testing.localjob import (
     loss_records,
     read_jsonl,
 )
-from services.testing.localjob import free_port as _free_port
-from trainer.checkpoint import CheckpointStore
-from trainer.spawner import ZygoteSpawner
+from tide.services.testing.localjob import free_port as _free_port
+from tide.trainer.checkpoint import CheckpointStore
+from tide.trainer.spawner import ZygoteSpawner
+from tide.v1 import coordinator_pb2 as pb
 
 CKPT_EVERY = 10
 TRAIN = [

@@ -21,9 +21,9 @@ Phases:
    (write → the ack that covers it, at the agent), tipping sample → committed
    decision p99, the replica's CPU and RSS, agents per core used;
 3. ``sharded``: ``--replicas`` replicas holding shard leases in PostgreSQL
-   (services/scaler/sharding.py: the scaler's own core, rounds and policy loop);
+   (tide/services/scaler/sharding.py: the scaler's own core, rounds and policy loop);
    every agent streams to any replica, and replicas fold samples of jobs they do
-   not own into partial aggregates (services/scaler/partials.py) that they ship to
+   not own into partial aggregates (tide/services/scaler/partials.py) that they ship to
    the owner once a second over tide.v1.ScalerPeers. Ack p99, decision p99 (the
    owner's, tipping sample → committed, on shipped samples as much as its own),
    CPU and RSS per replica. Half-way one replica is killed (SIGKILL): its agents
@@ -32,7 +32,7 @@ Phases:
    after it: a moved job is decided on its replayed window and timed from its
    tipping sample before the kill, so the failover is in its latency;
 4. ``windows_match``: the same reports replayed into one engine and across replica
-   engines shipping partials (services/testing/shards.py): 1 when the owners'
+   engines shipping partials (tide/services/testing/shards.py): 1 when the owners'
    windows, coverage and rollups equal the single engine's;
 5. ``decision_p99_ms_big_history``: decisions on a job with 20,000 past decisions in
    PostgreSQL (bench.history's seed and measurement).
@@ -89,25 +89,25 @@ def replica_main(mode: str, url: str, name: str, jobs: int, cpu: int, conn: Conn
 
 async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) -> None:
     import grpc
-    from tide.v1 import peers_pb2_grpc, telemetry_pb2_grpc
 
-    from services.common.clock import SystemClock
-    from services.scaler.engine.core import ScalerCore
-    from services.scaler.ingest import IngestSettings
-    from services.scaler.leases import ShardLeases, ShardSettings
-    from services.scaler.metrics import PARTIALS_DROPPED
-    from services.scaler.peers import GrpcPeerLink
-    from services.scaler.policy import PolicySettings
-    from services.scaler.servicer import ScalerPeersServicer, TelemetryServicer
-    from services.scaler.sharding import Sharding
-    from services.scaler.store import DecisionStore
-    from services.scaler.tuning import heap_freezer, tune_process
-    from services.store import db
-    from services.testing.actuators import InMemoryActuator
-    from services.testing.coordinator import InMemoryCoordinator, follow_actuator
-    from services.testing.members import InMemoryMemberRegistry
-    from tidebase.credentials import NO_CREDENTIALS
-    from tidebase.grpc_options import server_options
+    from tide.base.credentials import NO_CREDENTIALS
+    from tide.base.grpc_options import server_options
+    from tide.services.common.clock import SystemClock
+    from tide.services.scaler.engine.core import ScalerCore
+    from tide.services.scaler.ingest import IngestSettings
+    from tide.services.scaler.leases import ShardLeases, ShardSettings
+    from tide.services.scaler.metrics import PARTIALS_DROPPED
+    from tide.services.scaler.peers import GrpcPeerLink
+    from tide.services.scaler.policy import PolicySettings
+    from tide.services.scaler.servicer import ScalerPeersServicer, TelemetryServicer
+    from tide.services.scaler.sharding import Sharding
+    from tide.services.scaler.store import DecisionStore
+    from tide.services.scaler.tuning import heap_freezer, tune_process
+    from tide.services.store import db
+    from tide.services.testing.actuators import InMemoryActuator
+    from tide.services.testing.coordinator import InMemoryCoordinator, follow_actuator
+    from tide.services.testing.members import InMemoryMemberRegistry
+    from tide.v1 import peers_pb2_grpc, telemetry_pb2_grpc
 
     tune_process()  # as the scaler process does
     clock = SystemClock()
@@ -135,7 +135,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
         clock=clock,
         defaults=policy,
         ingest=settings,
-        heap=heap_freezer(),  # as services/scaler/app.py does
+        heap=heap_freezer(),  # as tide/services/scaler/app.py does
     )
     observe = core.metrics.observe_decision
 
@@ -224,7 +224,7 @@ async def _replica(mode: str, url: str, name: str, jobs: int, conn: Connection) 
 
 
 def _members(job: int) -> list[Any]:
-    from services.scaler.members import Member
+    from tide.services.scaler.members import Member
 
     # The pods of bench.ingest._base: two of 4 GPUs per node, NODES_PER_JOB nodes.
     return [Member(f"j{job}-trainer-{p}", f"uid-j{job}-{p}") for p in range(NODES_PER_JOB * 2)]
@@ -283,7 +283,7 @@ def run_phase(
     procs: int = 1,
     resizing_every: int = RESIZING_EVERY,
 ) -> dict[str, Any]:
-    from services.scaler.metrics import PARTIALS_DROPPED
+    from tide.services.scaler.metrics import PARTIALS_DROPPED
 
     ctx = mp.get_context("spawn")
     jobs = max(1, agents // NODES_PER_JOB)
@@ -431,7 +431,7 @@ def sweep(sizes: list[int], seconds: float, pg: str, resizing_every: int) -> int
     """One replica at each fleet size; RESULT holds, per size, what the capacity target
     is judged by (agents per core used, ack p99) and whether the fleet kept its 1 Hz."""
     from bench.history_seed import pg_schema
-    from services.store import db
+    from tide.services.store import db
 
     out: dict[str, Any] = {}
     for n in sizes:
@@ -482,11 +482,11 @@ def main(argv: list[str] | None = None) -> int:
     seconds = args.seconds or (30.0 if args.quick else 90.0)
     t_start = time.monotonic()
     from bench.history_seed import pg_schema
-    from services.store import db
+    from tide.services.store import db
 
     if args.sweep:
         return sweep([int(n) for n in args.sweep.split(",")], seconds, args.pg, args.resizing_every)
-    from services.testing.shards import compare_sharded
+    from tide.services.testing.shards import compare_sharded
 
     phases: dict[str, dict[str, Any]] = {}
     for label, mode, n, reps in (

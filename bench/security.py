@@ -1,10 +1,10 @@
 """The hostile suite for a while, and what authentication costs telemetry ingest.
 
 A scaler and a coordinator run in this process with the production servicers, rules,
-guard and validation (services.testing.stack), with mTLS from a fresh CA:
+guard and validation (tide.services.testing.stack), with mTLS from a fresh CA:
 
 1. forged: every forged or unauthenticated shape on every link
-   (services.testing.hostile.forged_calls), each must be refused and write nothing;
+   (tide.services.testing.hostile.forged_calls), each must be refused and write nothing;
 2. malformed: Hypothesis-drawn requests of edge values and garbage bytes to every
    method of every service, round after round, none may end UNKNOWN or INTERNAL;
 3. both servers still answer;
@@ -42,6 +42,7 @@ GPUS = 8
 async def _ingest_round(stack: Any, seconds: float, round_no: int) -> float:
     """Reports per second the scaler accepted from AGENTS streams in ``seconds``."""
     import grpc
+
     from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
     engine = stack.core.ingest
@@ -82,8 +83,8 @@ async def _drain(call: Any) -> None:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from services.testing import hostile
-    from services.testing.stack import start_stack
+    from tide.services.testing import hostile
+    from tide.services.testing.stack import start_stack
 
     phase_s = 12.0 if args.quick else 60.0
     with tempfile.TemporaryDirectory(prefix="tide-bench-security-") as tmp:

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.sim import scenario as sc
-from services.sim.report import Comparison, compare
+from tide.services.sim import scenario as sc
+from tide.services.sim.report import Comparison, compare
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "scenarios"

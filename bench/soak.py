@@ -4,7 +4,7 @@ T16, T17, T18; docs/reliability.md).
 
     python -m bench.soak [--quick] [--seconds 120] [--agents 200] [--churn 2000]
 
-A real scaler (``python -m services.testing.scaler``: the in-memory coordinator
+A real scaler (``python -m tide.services.testing.scaler``: the in-memory coordinator
 and actuator, SQLite) runs in its own process with a bound of streams. This
 process plays the fleet on one event loop:
 
@@ -41,10 +41,10 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tide.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
 
-from tidebase.grpc_options import client_options
-from tidebase.listening import parse_listening
+from tide.base.grpc_options import client_options
+from tide.base.listening import parse_listening
+from tide.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 GPUS = 8
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             [
                 sys.executable,
                 "-m",
-                "services.testing.scaler",
+                "tide.services.testing.scaler",
                 "--coordinator",
                 "memory",
                 "--actuator",

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.testing.localjob import free_port, gloo_env
+from tide.services.testing.localjob import free_port, gloo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WAYS = ("api", "direct", "patched")

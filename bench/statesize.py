@@ -1,7 +1,7 @@
 """The pause of a planned resize against the size of the state, against the bytes' own cost.
 
 For each state size per rank (1 MB, 100 MB, 1 GB by default; bench/statesize_train.py: the MLP
-of trainer/examples/train_mlp.py plus a persistable buffer of that size that every step
+of tide/trainer/examples/train_mlp.py plus a persistable buffer of that size that every step
 changes) and each resize mode (plain, overlap): a real coordinator and one launcher per pod
 resize the job 2 -> 4 and 4 -> 2 (bench/rescale.py's way: the pause is the gap between rank
 0's last old step and its first new one, less one ordinary step). In the same run:
@@ -22,7 +22,7 @@ logs; the loss trajectory against a fixed 2-rank run of the same MLP (``max_rel_
     python -m bench.statesize --sizes-mb 1,100,400 --modes plain
     python -m bench.statesize --quick --senders-max 2   # two stayers send a share each
 
-The newcomers' transfer follows the workers' TIDE_TRANSFER_* settings (trainer/transfer.py):
+The newcomers' transfer follows the workers' TIDE_TRANSFER_* settings (tide/trainer/transfer.py):
 ``--group-min-mb`` and ``--senders-max`` set them for the run, and the result names them.
 
 The last line is ``RESULT {json}``: ms_per_mb (the plain mode's pause, least-squares slope
@@ -52,10 +52,10 @@ from typing import Any
 import numpy as np
 
 from bench.rescale import Measure, paddle_way, tide_way
-from services.testing.localjob import ROOT, read_jsonl, reference_run, sample_records
-from services.testing.parity import final_losses
-from trainer.spawner import ZygoteSpawner
-from trainer.transfer import GROUP_MIN_MB_ENV, SENDERS_MAX_ENV, TransferSettings
+from tide.services.testing.localjob import ROOT, read_jsonl, reference_run, sample_records
+from tide.services.testing.parity import final_losses
+from tide.trainer.spawner import ZygoteSpawner
+from tide.trainer.transfer import GROUP_MIN_MB_ENV, SENDERS_MAX_ENV, TransferSettings
 
 SCRIPT = str(ROOT / "bench" / "statesize_train.py")
 MODES = ("plain", "overlap")
@@ -103,7 +103,7 @@ async def bare_broadcast(
 ) -> dict[float, float]:
     """Seconds for one gloo broadcast of each size from rank 0 to ``world`` ranks (from a
     barrier to a barrier after it: every rank has the bytes)."""
-    from services.testing.localjob import free_port, gloo_env
+    from tide.services.testing.localjob import free_port, gloo_env
 
     workdir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before any timing
     script = workdir / "bcast.py"
@@ -137,9 +137,9 @@ def stage_profile(state_mb: float, workdir: Path) -> dict[str, float]:
     import paddle
 
     from bench.statesize_train import Sized
-    from trainer import paddle_state
-    from trainer.checkpoint import CheckpointStore
-    from trainer.handover import ShmHandover, pod_handover_dir
+    from tide.trainer import paddle_state
+    from tide.trainer.checkpoint import CheckpointStore
+    from tide.trainer.handover import ShmHandover, pod_handover_dir
 
     paddle.seed(0)
     model = Sized(64, state_mb)

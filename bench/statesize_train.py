@@ -1,4 +1,4 @@
-"""The training script of bench/statesize.py: trainer/examples/train_mlp.py's MLP with
+"""The training script of bench/statesize.py: tide/trainer/examples/train_mlp.py's MLP with
 ``--state-mb`` MB of extra state per rank.
 
 The extra state is a persistable buffer (``ballast``, float32) that every step changes (one
@@ -22,8 +22,8 @@ import numpy as np
 import paddle
 import xxhash
 
-from trainer.examples.train_mlp import build_model, make_dataset, parse_args, session_config
-from trainer.session import ElasticSession
+from tide.trainer.examples.train_mlp import build_model, make_dataset, parse_args, session_config
+from tide.trainer.session import ElasticSession
 
 BLOCK = 4096
 

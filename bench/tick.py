@@ -64,16 +64,15 @@ T0 = 1_800_000_000.0
 
 
 async def run(agents: int, passes: int, db_dir: str) -> dict[str, Any]:
+    from tide.services.scaler.engine.core import ScalerCore
+    from tide.services.scaler.ingest import IngestSettings
+    from tide.services.scaler.policy import PolicySettings
+    from tide.services.scaler.store import DecisionStore
+    from tide.services.store import db
+    from tide.services.testing.actuators import InMemoryActuator
+    from tide.services.testing.clock import FakeClock
+    from tide.services.testing.coordinator import InMemoryCoordinator, follow_actuator
     from tide.v1 import telemetry_pb2
-
-    from services.scaler.engine.core import ScalerCore
-    from services.scaler.ingest import IngestSettings
-    from services.scaler.policy import PolicySettings
-    from services.scaler.store import DecisionStore
-    from services.store import db
-    from services.testing.actuators import InMemoryActuator
-    from services.testing.clock import FakeClock
-    from services.testing.coordinator import InMemoryCoordinator, follow_actuator
 
     url = f"sqlite:///{Path(db_dir) / 'tick.db'}"
     db.upgrade(url)
@@ -155,17 +154,16 @@ async def run_tipping(
     jobs: int, url: str, flip_after_s: float, wait_s: float, spread_s: float
 ) -> dict[str, Any]:
     """The ``tipping`` phase (module docstring): real clock, the core's own loop."""
+    from tide.services.common.clock import SystemClock
+    from tide.services.scaler import policy as pol
+    from tide.services.scaler.engine.core import ScalerCore
+    from tide.services.scaler.ingest import IngestSettings
+    from tide.services.scaler.store import DecisionStore
+    from tide.services.scaler.tuning import tune_process
+    from tide.services.store import db
+    from tide.services.testing.actuators import InMemoryActuator
+    from tide.services.testing.coordinator import InMemoryCoordinator, follow_actuator
     from tide.v1 import telemetry_pb2
-
-    from services.common.clock import SystemClock
-    from services.scaler import policy as pol
-    from services.scaler.engine.core import ScalerCore
-    from services.scaler.ingest import IngestSettings
-    from services.scaler.store import DecisionStore
-    from services.scaler.tuning import tune_process
-    from services.store import db
-    from services.testing.actuators import InMemoryActuator
-    from services.testing.coordinator import InMemoryCoordinator, follow_actuator
 
     tune_process()  # as the scaler process does
     db.upgrade(url)

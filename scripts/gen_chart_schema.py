@@ -17,10 +17,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from services.agent.settings import AgentSettings
-from services.common.config import setting_fields
-from services.coordinator.settings import CoordinatorSettings
-from services.scaler.settings import ScalerSettings
+from tide.services.agent.settings import AgentSettings
+from tide.services.common.config import setting_fields
+from tide.services.coordinator.settings import CoordinatorSettings
+from tide.services.scaler.settings import ScalerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "deploy" / "helm" / "tide" / "values.schema.json"

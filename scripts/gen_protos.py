@@ -1,8 +1,8 @@
 """Regenerate the Python code of the project's .proto files, in place.
 
-The only writer of generated gRPC code: the Tide API (proto/tide/v1, imported
+The only writer of generated gRPC code: the Tide API (tide/v1, imported
 as ``tide.v1``) and the agent's copy of the kubelet PodResources API
-(services/agent/podresources). `--check` regenerates into a temporary folder
+(tide/services/agent/podresources). `--check` regenerates into a temporary folder
 and exits 1 if anything differs from what is committed, so CI catches a
 .proto edited without regenerating.
 """
@@ -20,8 +20,8 @@ from grpc_tools import protoc
 ROOT = Path(__file__).resolve().parent.parent
 # (include root, package folder under it): imports come out as the package path.
 TARGETS = (
-    (ROOT / "proto", Path("tide") / "v1"),
-    (ROOT, Path("services") / "agent" / "podresources"),
+    (ROOT, Path("tide") / "v1"),
+    (ROOT, Path("tide") / "services" / "agent" / "podresources"),
 )
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 

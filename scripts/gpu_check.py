@@ -8,13 +8,13 @@ Needs a machine with an NVIDIA GPU, its driver, and ``paddlepaddle-gpu`` in plac
 It checks, in order, and stops at the first failure (each check's outcome is in the result):
 
 1. ``nvml``: real NVML readings through the agent's own source
-   (services.agent.nvml.NvmlSource): utilization, memory, power, temperature, health,
+   (tide.services.agent.nvml.NvmlSource): utilization, memory, power, temperature, health,
    and on GPUs with NVML GPM (Hopper and later) SM, occupancy, tensor and DRAM activity:
    every GPU that reports GPM support must carry all four, in 0..100, from its second
    sample on (``gpm_supported`` lists them; a GPU without GPM carries none).
-2. ``devices``: the launcher's view of the pod (trainer/devices.py): backend nccl, one
+2. ``devices``: the launcher's view of the pod (tide/trainer/devices.py): backend nccl, one
    worker per visible GPU.
-3. ``launcher_nccl``: the BatchNorm CNN (trainer/examples/train_bn.py) under the real
+3. ``launcher_nccl``: the BatchNorm CNN (tide/trainer/examples/train_bn.py) under the real
    coordinator and launcher with ``--backend nccl`` at world size 1: the worker is pinned
    (CUDA_VISIBLE_DEVICES, FLAGS_selected_gpus) and trains on gpu:0 to the end of its budget.
 4. ``restore_parity``: the same script run 0 -> N/2, restored from its checkpoint, then
@@ -26,7 +26,7 @@ It checks, in order, and stops at the first failure (each check's outcome is in 
    (Paddle's launcher, NCCL) with ``mp_degree`` 2 and as many data-parallel replicas as
    the GPUs hold whole (1 at 2-3 GPUs, 2 at 4 or more), a tensor-parallel MLP
    (``ColumnParallelLinear`` then ``RowParallelLinear``) trained a few AdamW steps. It checks
-   trainer/layout.py against fleet's own groups: every rank's (dp, mp) coordinates and the
+   tide/trainer/layout.py against fleet's own groups: every rank's (dp, mp) coordinates and the
    data-parallel groups; and, with 2 replicas, the premise of the resize transfer: the
    slice (parameters and Adam moments) each rank holds equals the slice of the rank
    ``plan_transfer`` names as its source in a resize 2 -> 4 (a newcomer at mp rank k gets
@@ -53,9 +53,9 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "proto")]
+sys.path[:0] = [str(ROOT)]
 
-BN = str(ROOT / "trainer" / "examples" / "train_bn.py")
+BN = str(ROOT / "tide" / "trainer" / "examples" / "train_bn.py")
 STEPS = 40
 TRAIN = [
     "--dataset-size", "512",
@@ -68,7 +68,7 @@ TRAIN = [
 
 
 def check_nvml() -> dict[str, Any]:
-    from services.agent.nvml import NvmlSource
+    from tide.services.agent.nvml import NvmlSource
 
     source = NvmlSource()
     count = source.open()
@@ -76,7 +76,7 @@ def check_nvml() -> dict[str, Any]:
         readings = []
         for _ in range(3):
             readings = source.sample()
-            # Longer than NVML's minimum GPM period (services/agent/gpm.py).
+            # Longer than NVML's minimum GPM period (tide/services/agent/gpm.py).
             time.sleep(0.5)
         supported = source.gpm.supported
     finally:
@@ -105,7 +105,7 @@ def check_nvml() -> dict[str, Any]:
 
 
 def check_devices() -> dict[str, Any]:
-    from trainer.devices import Backend, detect
+    from tide.trainer.devices import Backend, detect
 
     pod = detect()
     return {
@@ -117,9 +117,8 @@ def check_devices() -> dict[str, Any]:
 
 
 async def check_launcher(workdir: Path) -> dict[str, Any]:
+    from tide.services.testing.localjob import LocalJob, loss_records, read_jsonl
     from tide.v1 import coordinator_pb2 as pb
-
-    from services.testing.localjob import LocalJob, loss_records, read_jsonl
 
     job = LocalJob(
         workdir,
@@ -154,8 +153,8 @@ async def check_launcher(workdir: Path) -> dict[str, Any]:
 
 
 def check_restore(workdir: Path, extra: list[str]) -> dict[str, Any]:
-    from services.testing.localjob import reference_run
-    from services.testing.parity import final_losses, max_rel_loss_diff, max_rel_param_diff
+    from tide.services.testing.localjob import reference_run
+    from tide.services.testing.parity import final_losses, max_rel_loss_diff, max_rel_param_diff
 
     args = [*TRAIN, *extra]
     straight = reference_run(workdir / "straight", [*args, "--steps", str(STEPS)], 1, example=BN)
@@ -224,7 +223,7 @@ json.dump({
 def check_mp_layout(workdir: Path, dry_run: bool = False) -> dict[str, Any]:
     import subprocess
 
-    from trainer.layout import (
+    from tide.trainer.layout import (
         ModelParallel,
         coordinates,
         dp_groups,
@@ -246,11 +245,11 @@ def check_mp_layout(workdir: Path, dry_run: bool = False) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     program = workdir / "mp_rank.py"
     program.write_text(_MP_RANK)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}"}
     cmd = [str(program), str(mp), str(workdir)]
     if dry_run:
         # Paddle's launcher wants devices; on the CPU the ranks start the plain way (gloo).
-        from services.testing.localjob import free_port, gloo_env
+        from tide.services.testing.localjob import free_port, gloo_env
 
         ports = [free_port() for _ in range(n)]
         procs = [

@@ -19,7 +19,7 @@ repo=$(pwd -P)
 # current directory does not answer instead); a venv of this checkout's own that
 # another checkout reinstalled into points elsewhere, and `tide` may then be gone.
 serves_here() {
-    [ "$(cd / && "$repo/$VENV/bin/python" -c 'import tidebase; print(tidebase.__path__[0])' 2>/dev/null)" = "$repo/tidebase" ]
+    [ "$(cd / && "$repo/$VENV/bin/python" -c 'import tide.base; print(tide.base.__path__[0])' 2>/dev/null)" = "$repo/tide/base" ]
 }
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.installed" 2>/dev/null)" = "$want" ] \
     && { [ -L "$VENV" ] || serves_here; }; then

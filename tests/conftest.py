@@ -17,7 +17,7 @@ from tests.support.pg import admin_engine
 
 if TYPE_CHECKING:
     # Imported where used: it brings gRPC and the protos, which most tests never need.
-    from services.testing.refcache import ReferenceRuns
+    from tide.services.testing.refcache import ReferenceRuns
 
 # Services started by tests serve plaintext unless a test gives them TLS (tests/security and
 # local mode do): a process without TLS and without --insecure exits 2 (docs/security.md).
@@ -82,10 +82,10 @@ def pg_url() -> str:
 
 @pytest.fixture(scope="session")
 def reference_runs(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRuns:
-    """Fixed-size reference runs shared by this session's tests (services/testing/refcache.py):
+    """Fixed-size reference runs shared by this session's tests (tide/services/testing/refcache.py):
     each distinct run once, whichever xdist worker needs it first. Under xdist every worker's
     base temp is a directory of the controller's, so their parent is the session's own."""
-    from services.testing.refcache import ReferenceRuns
+    from tide.services.testing.refcache import ReferenceRuns
 
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -120,9 +120,9 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[object]:
 
 @pytest.fixture(autouse=True)
 def _process_log_ids(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test starts with no process-wide log ids: `tidebase.logs.bind_process` (the
+    """Each test starts with no process-wide log ids: `tide.base.logs.bind_process` (the
     launcher's parse_args binds the job) would otherwise leak into the next test's lines
     (test_launch then test_logs failed in that order)."""
-    from tidebase import logs
+    from tide.base import logs
 
     monkeypatch.setattr(logs, "_process", {})

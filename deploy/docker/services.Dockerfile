@@ -10,12 +10,13 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/tide
 WORKDIR /src
-# The parts of the package the control plane runs: the API, tidebase and the
-# services. The trainer, tests, docs and benchmarks stay out of the image.
+# The parts of the package the control plane runs: the API, tide.base and
+# tide.services. The trainer, tests, docs and benchmarks stay out of the image.
 COPY pyproject.toml README.md constraints.txt ./
-COPY proto/ proto/
-COPY tidebase/ tidebase/
-COPY services/ services/
+COPY tide/__init__.py tide/py.typed tide/
+COPY tide/v1/ tide/v1/
+COPY tide/base/ tide/base/
+COPY tide/services/ tide/services/
 RUN /opt/tide/bin/pip install -c constraints.txt ".[services]" \
     && /opt/tide/bin/python -m compileall -q /opt/tide/lib
 

@@ -30,14 +30,18 @@ RUN python -m venv /opt/tide \
     && /opt/tide/bin/pip install -c constraints.txt --index-url "${PADDLE_INDEX}" \
         --extra-index-url https://pypi.org/simple "paddlepaddle-gpu==${PADDLE_VERSION}"
 COPY pyproject.toml README.md ./
-COPY proto/ proto/
-COPY tidebase/ tidebase/
-COPY trainer/ trainer/
+COPY tide/__init__.py tide/py.typed tide/
+COPY tide/v1/ tide/v1/
+COPY tide/base/ tide/base/
+COPY tide/trainer/ tide/trainer/
 # The launcher and the training library: grpcio, protobuf, numpy, nvidia-ml-py
 # (the launcher counts its pod's GPUs) and fsspec (checkpoints in object
 # storage; add its backend, e.g. s3fs, in the training image), nothing of the
 # control plane.
-RUN /opt/tide/bin/pip install -c constraints.txt ".[trainer]" \
+# deploy/compat: the launcher's old module path, for one release, warning that
+# the launcher moved to tide.trainer.launch (docs/packaging.md).
+COPY deploy/compat/ deploy/compat/
+RUN /opt/tide/bin/pip install -c constraints.txt ".[trainer]" ./deploy/compat \
     && /opt/tide/bin/python -m compileall -q /opt/tide/lib
 
 # Run: the same Python, the venv copied whole (its pip included), owned by the
@@ -54,4 +58,4 @@ WORKDIR /app
 # The launcher reads POD_NAME, POD_IP and POD_NAMESPACE (Downward API),
 # TIDE_COORDINATOR and TIDE_JOB from its environment; everything after `--`
 # in the container's args is the training command it runs in each generation.
-ENTRYPOINT ["python", "-m", "trainer.launch"]
+ENTRYPOINT ["python", "-m", "tide.trainer.launch"]

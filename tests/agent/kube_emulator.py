@@ -1,4 +1,4 @@
-"""The agent's view of the shared API server emulator (services/testing/kube): one
+"""The agent's view of the shared API server emulator (tide/services/testing/kube): one
 Node, changed the way the node watch tests need (cordon, taints, deletion), with
 the emulator's resourceVersion, 410 and hung-watch faults."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.testing.kube import KubeApiServer
+from tide.services.testing.kube import KubeApiServer
 
 
 class NodeApi:

@@ -11,12 +11,12 @@ from typing import Any
 
 import grpc
 
-from services.agent.agent import Agent
-from services.agent.fanout import ScalerFanout
-from services.agent.settings import AgentSettings
-from services.agent.sink import SingleStream
-from services.agent.sources import Profile, Source, SyntheticSource
-from services.common.clock import SystemClock
+from tide.services.agent.agent import Agent
+from tide.services.agent.fanout import ScalerFanout
+from tide.services.agent.settings import AgentSettings
+from tide.services.agent.sink import SingleStream
+from tide.services.agent.sources import Profile, Source, SyntheticSource
+from tide.services.common.clock import SystemClock
 
 from .telemetry_server import TelemetryRecorder, start_server
 

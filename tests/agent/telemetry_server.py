@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 import grpc
-from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
-from tidebase import grpc_options
+from tide.base import grpc_options
+from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 
 @dataclass

@@ -11,13 +11,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from services.agent.__main__ import make_source
-from services.agent.dcgm import DcgmExporterSource
-from services.agent.errors import SourceError
-from services.agent.model import GpmActivity, HealthFlag, PodOwner, Sample
-from services.agent.report import build_report
-from services.agent.settings import AgentSettings
-from tidebase.errors import ConfigError
+from tide.base.errors import ConfigError
+from tide.services.agent.__main__ import make_source
+from tide.services.agent.dcgm import DcgmExporterSource
+from tide.services.agent.errors import SourceError
+from tide.services.agent.model import GpmActivity, HealthFlag, PodOwner, Sample
+from tide.services.agent.report import build_report
+from tide.services.agent.settings import AgentSettings
 
 pytestmark = pytest.mark.component
 

@@ -21,8 +21,8 @@ def agent(values: Path) -> tuple[Rendered, dict[str, Any]]:
 
 def agent_settings(rendered: Rendered, tmp_path: Path) -> Any:
     """The agent's settings from its rendered flags and settings file."""
-    from services.agent.settings import AgentSettings
-    from services.common.config import load_settings
+    from tide.services.agent.settings import AgentSettings
+    from tide.services.common.config import load_settings
 
     (container,) = rendered.pod("DaemonSet", "tide-agent")["containers"]
     config = tmp_path / "agent.yaml"

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from tide.v1 import telemetry_pb2
 
-from services.agent.fanout import resolve_addresses
 from tests.support.poll import eventually
+from tide.services.agent.fanout import resolve_addresses
+from tide.v1 import telemetry_pb2
 
 from .support import RunAgent, Running, Scaler, agent_settings, fanout, start_scaler
 

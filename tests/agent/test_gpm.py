@@ -8,10 +8,10 @@ import math
 import pynvml
 import pytest
 
-from services.agent.gpm import GPM_MIN_PERIOD_S
-from services.agent.model import GpmActivity, PodOwner, Sample
-from services.agent.nvml import NvmlSource
-from services.agent.report import build_report
+from tide.services.agent.gpm import GPM_MIN_PERIOD_S
+from tide.services.agent.model import GpmActivity, PodOwner, Sample
+from tide.services.agent.nvml import NvmlSource
+from tide.services.agent.report import build_report
 
 from .fake_nvml import FakeGpu, FakeNvml
 

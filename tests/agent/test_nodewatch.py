@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 from kubernetes import client as k8s
-from tide.v1 import telemetry_pb2
 
-from services.agent.model import NodeNotice, NoticeKind
-from services.agent.nodewatch import NodeView, NodeWatcher, notices_between
 from tests.support.poll import eventually, wait_for
-from tidebase.retry import Backoff
+from tide.base.retry import Backoff
+from tide.services.agent.model import NodeNotice, NoticeKind
+from tide.services.agent.nodewatch import NodeView, NodeWatcher, notices_between
+from tide.v1 import telemetry_pb2
 
 from .kube_emulator import NodeApi
 from .support import RunAgent, Scaler, agent_settings

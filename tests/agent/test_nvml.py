@@ -7,9 +7,9 @@ import logging
 import pynvml
 import pytest
 
-from services.agent.errors import SourceError
-from services.agent.model import HealthFlag
-from services.agent.nvml import NvmlSource
+from tide.services.agent.errors import SourceError
+from tide.services.agent.model import HealthFlag
+from tide.services.agent.nvml import NvmlSource
 
 from .fake_nvml import FakeGpu, FakeNvml, eight_gpus
 

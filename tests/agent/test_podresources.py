@@ -11,12 +11,12 @@ from typing import Any
 import grpc
 import pytest
 
-from services.agent.attribution import PodResourcesClient
-from services.agent.model import PodOwner
-from services.agent.nvml import NvmlSource
-from services.agent.podresources import api_pb2, api_pb2_grpc
 from tests.support.poll import eventually
-from tidebase.errors import Unavailable
+from tide.base.errors import Unavailable
+from tide.services.agent.attribution import PodResourcesClient
+from tide.services.agent.model import PodOwner
+from tide.services.agent.nvml import NvmlSource
+from tide.services.agent.podresources import api_pb2, api_pb2_grpc
 
 from .fake_nvml import FakeGpu, FakeNvml
 from .support import RunAgent, Scaler, agent_settings

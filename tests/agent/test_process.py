@@ -16,11 +16,11 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tide.v1 import telemetry_pb2
 
 from tests.support.poll import eventually
 from tests.support.procs import ROOT, free_port, start_service
-from tidebase.listening import parse_listening
+from tide.base.listening import parse_listening
+from tide.v1 import telemetry_pb2
 
 from .support import Scaler
 
@@ -33,7 +33,7 @@ def _agent_cmd(port: int, *extra: str) -> list[str]:
     return [
         PY,
         "-m",
-        "services.agent",
+        "tide.services.agent",
         f"--scaler=127.0.0.1:{port}",
         "--node-name=gpu-node-7",
         "--source=synthetic",
@@ -49,7 +49,11 @@ def _agent_cmd(port: int, *extra: str) -> list[str]:
 
 def test_help_lists_the_settings() -> None:
     out = subprocess.run(
-        [PY, "-m", "services.agent", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [PY, "-m", "tide.services.agent", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0
     for flag in ("--scaler", "--node-name", "--source", "--interval-s", "--buffer-reports"):
@@ -59,7 +63,7 @@ def test_help_lists_the_settings() -> None:
 
 def test_bad_setting_is_one_line_naming_it() -> None:
     out = subprocess.run(
-        [PY, "-m", "services.agent", "--interval-s=-1"],
+        [PY, "-m", "tide.services.agent", "--interval-s=-1"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -75,7 +79,14 @@ def test_bad_setting_is_one_line_naming_it() -> None:
 def test_nvml_init_failure_is_one_clear_error_line() -> None:
     """This machine has no NVIDIA driver: the real pynvml fails to load NVML."""
     out = subprocess.run(
-        [PY, "-m", "services.agent", "--source=nvml", "--no-watch-node", "--pod-resources-socket="],
+        [
+            PY,
+            "-m",
+            "tide.services.agent",
+            "--source=nvml",
+            "--no-watch-node",
+            "--pod-resources-socket=",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -227,7 +238,7 @@ def test_bench_prints_a_result_line() -> None:
 
 
 class RealScaler:
-    """The production scaler's Telemetry path (``python -m services.testing.scaler``, with the
+    """The production scaler's Telemetry path (``python -m tide.services.testing.scaler``, with the
     in-memory coordinator and actuator: no job moves here), killed with -9 and restarted."""
 
     def __init__(self, db: Path, port: int = 0) -> None:
@@ -240,7 +251,7 @@ class RealScaler:
         self.proc = await asyncio.create_subprocess_exec(
             PY,
             "-m",
-            "services.testing.scaler",
+            "tide.services.testing.scaler",
             "--coordinator=memory",
             "--actuator=memory",
             f"--listen=127.0.0.1:{self.port}",

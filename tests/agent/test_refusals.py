@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
-from tide.v1 import telemetry_pb2_grpc
 
-from services.common.clock import SystemClock
-from services.scaler.ingest import Ingest, IngestSettings, Rejection
-from services.scaler.servicer import TelemetryServicer
-from services.testing.members import InMemoryMemberRegistry
 from tests.support.poll import eventually
-from tidebase.grpc_options import server_options
+from tide.base.grpc_options import server_options
+from tide.services.common.clock import SystemClock
+from tide.services.scaler.ingest import Ingest, IngestSettings, Rejection
+from tide.services.scaler.servicer import TelemetryServicer
+from tide.services.testing.members import InMemoryMemberRegistry
+from tide.v1 import telemetry_pb2_grpc
 
 from .support import RunAgent, agent_settings
 
@@ -70,7 +70,7 @@ async def test_an_agent_off_by_years_logs_once_and_counts_every_refused_report(
     words: str,
 ) -> None:
     ingest, port = ingest_server
-    caplog.set_level(logging.WARNING, logger="services.agent")
+    caplog.set_level(logging.WARNING, logger="tide.services.agent")
     r = await run_agent(agent_settings(port), clock=SkewedClock(offset_s))
     registry = r.agent.metrics.registry
     # Ten and more refused reports, each acked: the buffer drains as if all were well.
@@ -81,7 +81,7 @@ async def test_an_agent_off_by_years_logs_once_and_counts_every_refused_report(
     warnings = [
         rec.getMessage()
         for rec in caplog.records
-        if rec.levelno == logging.WARNING and rec.name.startswith("services.agent")
+        if rec.levelno == logging.WARNING and rec.name.startswith("tide.services.agent")
     ]
     refusals = [m for m in warnings if "dropped" in m]
     assert len(refusals) == 1, warnings

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 
 import pytest
-from tide.v1 import telemetry_pb2
 
-from services.agent.model import GpuReading, NodeNotice, NoticeKind
-from services.agent.stream import StreamConfig
 from tests.support.poll import eventually
-from tidebase import grpc_options
+from tide.base import grpc_options
+from tide.services.agent.model import GpuReading, NodeNotice, NoticeKind
+from tide.services.agent.stream import StreamConfig
+from tide.v1 import telemetry_pb2
 
 from .proxy import StallingProxy
 from .support import RunAgent, Scaler, agent_settings, single_stream

@@ -9,25 +9,32 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tide.v1 import telemetry_pb2
 
-from services.agent.agent import AGENT_LIFECYCLE, Agent, AgentState
-from services.agent.attribution import owners_from_response
-from services.agent.buffer import ReportBuffer
-from services.agent.errors import SourceError
-from services.agent.metrics import AgentMetrics
-from services.agent.model import GpuReading, HealthFlag, NodeNotice, NoticeKind, PodOwner, Sample
-from services.agent.podresources import api_pb2
-from services.agent.refusals import RefusalLog, reason_label
-from services.agent.report import build_report
-from services.agent.settings import AgentSettings
-from services.agent.sources import Profile, ReplaySource, SyntheticSource
-from services.common.config import ProcessSettings, load_settings
-from services.common.logs import with_context
-from services.testing.clock import FakeClock
-from tidebase.errors import ConfigError
-from tidebase.lifecycle import InvalidTransition
-from tidebase.retry import Backoff
+from tide.base.errors import ConfigError
+from tide.base.lifecycle import InvalidTransition
+from tide.base.retry import Backoff
+from tide.services.agent.agent import AGENT_LIFECYCLE, Agent, AgentState
+from tide.services.agent.attribution import owners_from_response
+from tide.services.agent.buffer import ReportBuffer
+from tide.services.agent.errors import SourceError
+from tide.services.agent.metrics import AgentMetrics
+from tide.services.agent.model import (
+    GpuReading,
+    HealthFlag,
+    NodeNotice,
+    NoticeKind,
+    PodOwner,
+    Sample,
+)
+from tide.services.agent.podresources import api_pb2
+from tide.services.agent.refusals import RefusalLog, reason_label
+from tide.services.agent.report import build_report
+from tide.services.agent.settings import AgentSettings
+from tide.services.agent.sources import Profile, ReplaySource, SyntheticSource
+from tide.services.common.config import ProcessSettings, load_settings
+from tide.services.common.logs import with_context
+from tide.services.testing.clock import FakeClock
+from tide.v1 import telemetry_pb2
 
 pytestmark = pytest.mark.component
 
@@ -288,7 +295,7 @@ def test_refusals_are_counted_each_and_logged_once_per_cause_per_interval(
 ) -> None:
     metrics = AgentMetrics()
     log = RefusalLog(
-        with_context(logging.getLogger("services.agent.test"), node="n"), metrics, 60.0
+        with_context(logging.getLogger("tide.services.agent.test"), node="n"), metrics, 60.0
     )
     Refusal = telemetry_pb2.ReportRefusal
     ahead = Refusal(

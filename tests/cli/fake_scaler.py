@@ -1,6 +1,6 @@
 """An in-memory Scaler servicer with the API's semantics, served for real over gRPC.
 
-It stands in for `python -m services.scaler` in CLI and demo tests: jobs,
+It stands in for `python -m tide.services.scaler` in CLI and demo tests: jobs,
 decisions with their events and rollups, paging, filters, admin calls behind
 the common runtime's bearer-token check. It runs on its own event loop in a
 thread, so synchronous tests (the CLI calls asyncio.run itself) can use it.
@@ -16,12 +16,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
-from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
-from services.common.config import CommonSettings
-from services.common.rpc import rpc_errors
-from services.common.server import RunningServer, ServiceSpec, start_server
-from tidebase import errors
+from tide.base import errors
+from tide.services.common.config import CommonSettings
+from tide.services.common.rpc import rpc_errors
+from tide.services.common.server import RunningServer, ServiceSpec, start_server
+from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
 ADMIN = frozenset(
     {

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from services.scaler import store as repo
-from services.store import db
+from tide.services.scaler import store as repo
+from tide.services.store import db
 
 JOB = "ml/resnet"
 OTHER = "ml/bert"

@@ -8,8 +8,8 @@ import pytest
 from sqlalchemy import create_engine, inspect
 from typer.testing import CliRunner
 
-from services.cli.main import app
-from services.store import db
+from tide.services.cli.main import app
+from tide.services.store import db
 
 pytestmark = pytest.mark.integration
 

@@ -12,14 +12,14 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from tide.v1 import common_pb2
 from typer.testing import CliRunner
 
-from services.cli import read, source
-from services.cli.main import app
-from services.cli.render import CSV_COLUMNS
 from tests.cli.fake_scaler import FakeScaler, Served, serve_in_thread
 from tests.support.procs import ROOT, free_port
+from tide.services.cli import read, source
+from tide.services.cli.main import app
+from tide.services.cli.render import CSV_COLUMNS
+from tide.v1 import common_pb2
 
 pytestmark = pytest.mark.component
 
@@ -442,7 +442,7 @@ def test_chart_refusals(served: Served, tmp_path: Path, args: tuple[str, ...], c
 def test_entry_point_exit_codes_and_one_line(dead_target: str) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "services.cli", *args],
+            [sys.executable, "-m", "tide.services.cli", *args],
             cwd=ROOT,
             capture_output=True,
             text=True,

@@ -18,9 +18,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from services.cli.main import app
 from tests.support.poll import wait_for
 from tests.support.procs import ROOT, ServiceProcess, start_memory_scaler
+from tide.services.cli.main import app
 
 pytestmark = pytest.mark.integration
 
@@ -147,7 +147,7 @@ def test_output_formats_and_plain_tables(applied: ServiceProcess) -> None:
 
 def test_history_watch_prints_the_history_then_every_change(applied: ServiceProcess) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "history", "ml/applied", "-w", "-o", "json",
+        [sys.executable, "-m", "tide.services.cli", "history", "ml/applied", "-w", "-o", "json",
          "--scaler", applied.target],
         cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -198,7 +198,7 @@ def test_scale_wait_exits_130_within_a_second_of_ctrl_c(tmp_path: Path) -> None:
         mute.bind(("127.0.0.1", 0))
         mute.listen()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "scale", "ml/x", "--replicas", "2",
+            [sys.executable, "-m", "tide.services.cli", "scale", "ml/x", "--replicas", "2",
              "--reason", "r", "--wait", "--timeout-s", "60", "--token", TOKEN,
              "--scaler", f"127.0.0.1:{mute.getsockname()[1]}"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -236,7 +236,7 @@ def test_version_completion_and_compound_durations(tmp_path: Path) -> None:
     code, out, _ = tide("--version")
     assert code == 0 and out.startswith("tide ")
     r = subprocess.run(
-        [sys.executable, "-m", "services.cli", "--show-completion", "bash"],
+        [sys.executable, "-m", "tide.services.cli", "--show-completion", "bash"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from services.cli.main import app
 from tests.cli.seed import JOB, OTHER, T0, Seeded, seed
+from tide.services.cli.main import app
 
 pytestmark = pytest.mark.component
 
@@ -177,7 +177,7 @@ def test_history_from_the_store_reads_large_pages(
 ) -> None:
     """`--db` is not bound by the API's 1,000 a page: `--all` reads 10,000 decisions a
     transaction (100,000 are 10 reads; bench.history), unless told otherwise."""
-    from services.scaler.store import pages
+    from tide.services.scaler.store import pages
 
     seen: list[int] = []
     rows = pages.history_table_rows
@@ -186,7 +186,7 @@ def test_history_from_the_store_reads_large_pages(
         seen.append(page_size)
         return rows(*a, page_size=page_size, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr("services.scaler.store.history_table_rows", counted)
+    monkeypatch.setattr("tide.services.scaler.store.history_table_rows", counted)
     url, _ = store
     all_ = () if "--limit" in args else ("--all",)
     code, _, err = tide("history", JOB, "--db", url, "--since", "3650d", *all_, *args)

@@ -1,4 +1,4 @@
-"""Every `tide` command against the real scaler process (`python -m services.testing.scaler`:
+"""Every `tide` command against the real scaler process (`python -m tide.services.testing.scaler`:
 the production code with the in-memory actuator and coordinator), over its socket, with
 its admin token."""
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tide.v1 import scaler_pb2, scaler_pb2_grpc
 from typer.testing import CliRunner
 
-from services.cli.main import app
 from tests.support.poll import wait_for
 from tests.support.procs import ServiceProcess, start_memory_scaler
+from tide.services.cli.main import app
+from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The CLI against an mTLS scaler (services.testing.stack): a TLS cause is named as
+"""The CLI against an mTLS scaler (tide.services.testing.stack): a TLS cause is named as
 such, never as "unreachable", and --tls-server-name (or TIDE_TLS_SERVER_NAME) is the
 port-forward's answer to a certificate that names the Service, not 127.0.0.1."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.testing.stack import Stack, start_stack
 from tests.support.procs import ROOT
+from tide.services.testing.stack import Stack, start_stack
 
 pytestmark = pytest.mark.component
 
@@ -30,7 +30,7 @@ async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
 async def tide(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TIDE_")}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", *args,
+        sys.executable, "-m", "tide.services.cli", *args,
         cwd=ROOT, env={**clean, **(env or {})},
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

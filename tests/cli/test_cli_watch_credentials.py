@@ -17,10 +17,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
-from services.common.pki import CertificateAuthority
 from tests.support.procs import ROOT, ServiceProcess, start_memory_scaler
+from tide.services.common.pki import CertificateAuthority
+from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -90,7 +90,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 async def _tide(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", *args,
+        sys.executable, "-m", "tide.services.cli", *args,
         cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
 

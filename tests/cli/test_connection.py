@@ -1,4 +1,4 @@
-"""The connection options are one group, defined once (services/cli/connection.py), and
+"""The connection options are one group, defined once (tide/services/cli/connection.py), and
 every command that reaches the scaler has exactly it: same flags, env vars and defaults."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import typer
 
-from services.cli.connection import Connection, connection_options
-from services.cli.main import app
+from tide.services.cli.connection import Connection, connection_options
+from tide.services.cli.main import app
 
 pytestmark = pytest.mark.unit
 
@@ -17,7 +17,7 @@ READ = ("jobs", "history", "explain", "chart")
 ADMIN = ("scale", "pause", "resume")
 
 COMMON = {
-    # "": the context's (tide config), else 127.0.0.1:50051 (services/cli/contexts.py).
+    # "": the context's (tide config), else 127.0.0.1:50051 (tide/services/cli/contexts.py).
     "--scaler": ("TIDE_SCALER", ""),
     "--timeout-s": (None, 5.0),
     "--tls-ca-file": ("TIDE_TLS_CA_FILE", ""),

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from services.cli.connection import Connection, connection_options
-from services.cli.main import app
+from tide.services.cli.connection import Connection, connection_options
+from tide.services.cli.main import app
 
 pytestmark = pytest.mark.unit
 

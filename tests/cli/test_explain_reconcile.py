@@ -7,9 +7,9 @@ import io
 
 import pytest
 from rich.console import Console
-from tide.v1 import common_pb2, scaler_pb2
 
-from services.cli.render import print_explain
+from tide.services.cli.render import print_explain
+from tide.v1 import common_pb2, scaler_pb2
 
 pytestmark = pytest.mark.unit
 

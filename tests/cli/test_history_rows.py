@@ -13,13 +13,13 @@ from urllib.parse import quote
 import pytest
 import sqlalchemy as sa
 
-from services.cli import render
-from services.cli.output import PlainStream
-from services.scaler import store as repo
-from services.scaler.convert import decision_row_to_proto, decision_to_proto
-from services.store import db
 from tests.cli.seed import seed
 from tests.support.pg import schema_url
+from tide.services.cli import render
+from tide.services.cli.output import PlainStream
+from tide.services.scaler import store as repo
+from tide.services.scaler.convert import decision_row_to_proto, decision_to_proto
+from tide.services.store import db
 
 pytestmark = pytest.mark.component
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from tide.v1 import scaler_pb2
 
-from services.cli.render import job_doc, jobs_rows
+from tide.services.cli.render import job_doc, jobs_rows
+from tide.v1 import scaler_pb2
 
 pytestmark = pytest.mark.unit
 

@@ -250,8 +250,8 @@ def test_the_weekly_gpu_hours_read_the_week_by_index(store: tuple[Engine, Seeded
 
 
 def test_a_job_start_is_no_scaling_cost(store: tuple[Engine, Seeded]) -> None:
-    from services.scaler import store as repo
-    from services.store import db
+    from tide.services.scaler import store as repo
+    from tide.services.store import db
 
     engine, _ = store
     job, at = "ml/fresh", T0 + timedelta(hours=1)

@@ -21,16 +21,16 @@ DEFERRED = (
     "rich",
     "yaml",
     "prometheus_client",
-    "services.sim.replay",
-    "services.scaler.policy",
-    "services.store.db",
+    "tide.services.sim.replay",
+    "tide.services.scaler.policy",
+    "tide.services.store.db",
 )
 
 
 def test_loading_the_commands_imports_no_command_dependency() -> None:
     code = (
         "import json, sys\n"
-        "import services.cli.main\n"
+        "import tide.services.cli.main\n"
         f"print(json.dumps([m for m in {DEFERRED!r} if m in sys.modules]))\n"
     )
     out = subprocess.run(
@@ -43,14 +43,14 @@ def test_the_deferred_imports_are_there_when_a_command_runs() -> None:
     # The check above would pass for a module renamed away; this one fails then.
     code = (
         "import json, sys\n"
-        "import services.cli.main, services.cli.replaying, services.cli.source\n"
-        "import services.cli.source as s\n"
+        "import tide.services.cli.main, tide.services.cli.replaying, tide.services.cli.source\n"
+        "import tide.services.cli.source as s\n"
         "s.GrpcScaler('127.0.0.1:1')\n"
-        "from services.cli.app import console; console()\n"
+        "from tide.services.cli.app import console; console()\n"
         f"print(json.dumps([m for m in {DEFERRED!r} if m in sys.modules]))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     loaded = set(json.loads(out.stdout))
-    assert {"rich", "yaml", "services.sim.replay", "services.scaler.policy"} <= loaded
+    assert {"rich", "yaml", "tide.services.sim.replay", "tide.services.scaler.policy"} <= loaded

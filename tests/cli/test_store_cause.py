@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.cli.source import GrpcScaler
-from tidebase import errors
+from tide.base import errors
+from tide.services.cli.source import GrpcScaler
 
 pytestmark = pytest.mark.unit
 
@@ -41,7 +41,7 @@ async def test_the_cli_names_the_scalers_database() -> None:
 
 
 async def test_rpc_errors_sends_the_cause_with_the_status() -> None:
-    from services.common.rpc import rpc_errors
+    from tide.services.common.rpc import rpc_errors
 
     class Context:
         aborted: tuple[object, ...] = ()

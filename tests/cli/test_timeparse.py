@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from services.cli.timeparse import parse_duration_s, parse_time
-from tidebase.errors import InvalidArgument
+from tide.base.errors import InvalidArgument
+from tide.services.cli.timeparse import parse_duration_s, parse_time
 
 pytestmark = pytest.mark.unit
 

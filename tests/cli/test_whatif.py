@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from services.cli.main import app
-from services.store import db
-from services.testing.clock import FakeClock
 from tests.scaler.service_rig import T0, make_rig
 from tests.scaler.test_goodput import Load
 from tests.support.poll import eventually
+from tide.services.cli.main import app
+from tide.services.store import db
+from tide.services.testing.clock import FakeClock
 
 pytestmark = pytest.mark.component
 

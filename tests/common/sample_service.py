@@ -11,11 +11,10 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tide.services.common import logs
+from tide.services.common.config import CommonSettings, load_settings
+from tide.services.common.server import ServiceSpec, serve
 from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
-
-from services.common import logs
-from services.common.config import CommonSettings, load_settings
-from services.common.server import ServiceSpec, serve
 
 
 class EchoTelemetry(telemetry_pb2_grpc.TelemetryServicer):

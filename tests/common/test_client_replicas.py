@@ -1,4 +1,4 @@
-"""``open_channel`` over a list of replicas (tidebase.client.channel_target): calls go to
+"""``open_channel`` over a list of replicas (tide.base.client.channel_target): calls go to
 the replica whose gRPC health is SERVING, and follow it when another one becomes the
 leader, as launchers and the scaler dial coordinator replicas without a Service."""
 
@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from tide.v1 import coordinator_pb2 as pb
-from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 from tests.trainer.fake_coordinator import FakeCoordinator
-from tidebase.client import open_channel
+from tide.base.client import open_channel
+from tide.v1 import coordinator_pb2 as pb
+from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.component
 

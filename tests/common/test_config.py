@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import CommonSettings, load_settings, setting
-from tidebase.errors import ConfigError
+from tide.base.errors import ConfigError
+from tide.services.common.config import CommonSettings, load_settings, setting
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.common.gil import SwitchInterval
+from tide.services.common.gil import SwitchInterval
 
 pytestmark = pytest.mark.unit
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common import heap
-from services.common.heap import HeapFreezer
+from tide.services.common import heap
+from tide.services.common.heap import HeapFreezer
 
 pytestmark = pytest.mark.unit
 

@@ -10,13 +10,13 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
-from services.common.config import CommonSettings
-from services.common.rpc import rpc_errors
-from services.common.server import ServiceSpec, start_server
-from tidebase import errors
-from tidebase.client import domain_error, open_channel
+from tide.base import errors
+from tide.base.client import domain_error, open_channel
+from tide.services.common.config import CommonSettings
+from tide.services.common.rpc import rpc_errors
+from tide.services.common.server import ServiceSpec, start_server
+from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
 pytestmark = pytest.mark.component
 
@@ -116,7 +116,7 @@ async def test_stop_reports_not_serving_before_closing() -> None:
 async def test_a_call_logs_with_the_ids_of_its_request(
     server: int,
 ) -> None:
-    from services.common import logs
+    from tide.services.common import logs
 
     seen: list[dict[str, object]] = []
 
@@ -126,7 +126,7 @@ async def test_a_call_logs_with_the_ids_of_its_request(
 
     handler = Grab()
     handler.addFilter(logs.ContextFilter())
-    logging.getLogger("services.common.rpc").addHandler(handler)
+    logging.getLogger("tide.services.common.rpc").addHandler(handler)
     try:
         async with open_channel(f"127.0.0.1:{server}") as channel:
             stub = scaler_pb2_grpc.ScalerStub(channel)
@@ -136,7 +136,7 @@ async def test_a_call_logs_with_the_ids_of_its_request(
             with pytest.raises(grpc.aio.AioRpcError):
                 await stub.GetJob(scaler_pb2.GetJobRequest(), timeout=5)
     finally:
-        logging.getLogger("services.common.rpc").removeHandler(handler)
+        logging.getLogger("tide.services.common.rpc").removeHandler(handler)
     # Each call's "unhandled error" line carries its own request's job_id; the call
     # without one carries none (nothing leaked from the call before).
     assert [s["job_id"] for s in seen] == ["ns/one", "other", None]

@@ -42,14 +42,14 @@ def tree(tmp_path: Path) -> Path:
     """A copy of what lint-imports analyses: the packages, the generated API, the config."""
     copy = tmp_path / "tree"
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("services", "trainer", "tidebase", "proto"):
+    for name in ("tide",):
         shutil.copytree(ROOT / name, copy / name, ignore=skip)
     shutil.copy2(ROOT / "pyproject.toml", copy / "pyproject.toml")
     return copy
 
 
 def lint(tree: Path) -> tuple[int, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "proto")])}
+    env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(
         [str(LINT_IMPORTS), "--no-cache", "--no-logo"],
         cwd=tree,
@@ -79,17 +79,17 @@ def broken(report: str) -> set[str]:
 def test_the_copy_passes_and_an_agent_importing_the_scaler_breaks_the_layers(
     tree: Path,
 ) -> None:
-    probe = tree / "services" / "agent" / "layer_probe.py"
-    probe.write_text("from tidebase import errors  # allowed: tidebase is below\n")
+    probe = tree / "tide" / "services" / "agent" / "layer_probe.py"
+    probe.write_text("from tide.base import errors  # allowed: tide.base is below\n")
     code, clean = lint(tree)
     assert code == 0, clean
     assert not broken(clean), clean
 
-    probe.write_text("import services.scaler  # forbidden: the services are siblings\n")
+    probe.write_text("import tide.services.scaler  # forbidden: the services are siblings\n")
     code, report = lint(tree)
     assert code != 0
     assert broken(report) == {LAYERS}, report
-    assert "services.agent.layer_probe -> services.scaler" in report, report
+    assert "tide.services.agent.layer_probe -> tide.services.scaler" in report, report
     # The same files both times, the probe among them: the copy is what was analysed.
     assert analysed_files(clean) == analysed_files(report)
 
@@ -98,16 +98,16 @@ def test_the_copy_passes_and_an_agent_importing_the_scaler_breaks_the_layers(
     ("path", "source", "contract", "named"),
     [
         (
-            "services/scaler/layer_probe.py",
-            "import services.testing\n",
+            "tide/services/scaler/layer_probe.py",
+            "import tide.services.testing\n",
             NO_DOUBLES,
-            "services.scaler.layer_probe -> services.testing",
+            "tide.services.scaler.layer_probe -> tide.services.testing",
         ),
         (
-            "trainer/layer_probe.py",
+            "tide/trainer/layer_probe.py",
             "import sqlalchemy\n",
             TRAINER,
-            "trainer.layer_probe -> sqlalchemy",
+            "tide.trainer.layer_probe -> sqlalchemy",
         ),
     ],
     ids=["production-imports-testing", "trainer-imports-sqlalchemy"],

@@ -1,4 +1,4 @@
-"""The logging convention (tidebase.logs): ids bound to a scope become fields of every line."""
+"""The logging convention (tide.base.logs): ids bound to a scope become fields of every line."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tidebase import logs
+from tide.base import logs
 
 pytestmark = pytest.mark.unit
 

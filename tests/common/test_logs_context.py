@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tidebase import logs
+from tide.base import logs
 
 pytestmark = pytest.mark.unit
 

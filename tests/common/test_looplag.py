@@ -12,8 +12,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from services.common.looplag import LOG_STALL_S, LoopLag
-from tidebase.cpuwait import CpuWait
+from tide.base.cpuwait import CpuWait
+from tide.services.common.looplag import LOG_STALL_S, LoopLag
 
 pytestmark = pytest.mark.unit
 
@@ -23,7 +23,7 @@ def lag() -> LoopLag:
 
 
 def levels(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.levelname for r in caplog.records if r.name == "services.common.looplag"]
+    return [r.levelname for r in caplog.records if r.name == "tide.services.common.looplag"]
 
 
 def test_a_loop_blocked_by_its_code_warns(caplog: pytest.LogCaptureFixture) -> None:

@@ -8,14 +8,14 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
-from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
-from services.common.config import CommonSettings
-from services.common.metrics import register_build_info
-from services.common.rpc import rpc_errors
-from services.common.server import RunningServer, ServiceSpec, start_server
-from tidebase import errors
-from tidebase.client import open_channel
+from tide.base import errors
+from tide.base.client import open_channel
+from tide.services.common.config import CommonSettings
+from tide.services.common.metrics import register_build_info
+from tide.services.common.rpc import rpc_errors
+from tide.services.common.server import RunningServer, ServiceSpec, start_server
+from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
 pytestmark = pytest.mark.component
 

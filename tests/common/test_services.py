@@ -15,9 +15,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from tide.v1 import coordinator_pb2, coordinator_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 from tests.support.procs import ServiceProcess, free_port, memory_scaler_args, start_service
+from tide.v1 import coordinator_pb2, coordinator_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -65,14 +65,14 @@ SERVICES: dict[str, tuple[Callable[[Path], list[str]], set[str], Callable[[grpc.
         _telemetry_stream,
     ),
     "coordinator": (
-        lambda tmp: ["-m", "services.coordinator", "--db", f"sqlite:///{tmp}/c.db"],
+        lambda tmp: ["-m", "tide.services.coordinator", "--db", f"sqlite:///{tmp}/c.db"],
         {"tide.v1.Coordinator"},
         _watch_job_stream,
     ),
     "agent": (
         lambda tmp: [
             "-m",
-            "services.agent",
+            "tide.services.agent",
             "--source",
             "synthetic",
             "--no-watch-node",

@@ -1,4 +1,4 @@
-"""A grouped setting (services/common/config.py, ``setting_group``): a frozen
+"""A grouped setting (tide/services/common/config.py, ``setting_group``): a frozen
 dataclass held whole, each of its fields a flag, env variable and file key by its own
 name, validated by its class."""
 
@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import (
+from tide.base.errors import ConfigError
+from tide.services.common.config import (
     build_parser,
     load_settings,
     setting,
     setting_fields,
     setting_group,
 )
-from tidebase.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
 """The store probe tells a store that did not answer from a process that did not get a
-CPU to ask it (services/store/probe.py, STARVED_TIMEOUT_FACTOR)."""
+CPU to ask it (tide/services/store/probe.py, STARVED_TIMEOUT_FACTOR)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, event
 
-from services.store import db
-from services.store import probe as probe_mod
-from services.store.probe import StoreProbe
+from tide.services.store import db
+from tide.services.store import probe as probe_mod
+from tide.services.store.probe import StoreProbe
 
 pytestmark = pytest.mark.component
 

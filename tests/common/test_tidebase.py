@@ -1,4 +1,4 @@
-"""tidebase: the time conversions, the LISTENING line and lifecycle tables everyone shares."""
+"""tide.base: the time conversions, the LISTENING line and lifecycle tables everyone shares."""
 
 from __future__ import annotations
 
@@ -10,13 +10,12 @@ from typing import Any
 
 import grpc
 import pytest
-from tide.v1 import coordinator_pb2
 
-from tidebase.client import channel_target
-from tidebase.errors import ConfigError, grpc_status_of
-from tidebase.lifecycle import InvalidTransition, TransitionTable
-from tidebase.listening import Listening, listening_line, parse_listening
-from tidebase.timeconv import (
+from tide.base.client import channel_target
+from tide.base.errors import ConfigError, grpc_status_of
+from tide.base.lifecycle import InvalidTransition, TransitionTable
+from tide.base.listening import Listening, listening_line, parse_listening
+from tide.base.timeconv import (
     datetime_of,
     field_datetime,
     field_seconds,
@@ -24,6 +23,7 @@ from tidebase.timeconv import (
     ts_from_datetime,
     ts_from_seconds,
 )
+from tide.v1 import coordinator_pb2
 
 pytestmark = pytest.mark.unit
 
@@ -114,8 +114,8 @@ def test_a_calls_own_token_beats_the_token_file(tmp_path: Path) -> None:
     it (in the scaler's pod, whose TIDE_TOKEN_FILE is the pod's own token)."""
     from collections import namedtuple
 
-    from tidebase.client import _UnaryUnary
-    from tidebase.credentials import ClientCredentials
+    from tide.base.client import _UnaryUnary
+    from tide.base.credentials import ClientCredentials
 
     token_file = tmp_path / "token"
     token_file.write_text("pod-token\n")

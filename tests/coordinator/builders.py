@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.coordinator.domain import (
+from tide.services.coordinator.domain import (
     Generation,
     JobRecord,
     Member,
@@ -14,7 +14,7 @@ from services.coordinator.domain import (
     ResizePhase,
     WorkerPhase,
 )
-from services.coordinator.engine.state import JobState
+from tide.services.coordinator.engine.state import JobState
 
 
 def member(mid: str, index: int, state: MemberState, rank: int | None) -> Member:

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import sqlalchemy as sa
 
-from services.coordinator.store import MemoryStore
 from tests.coordinator.support import Env, close_env, make_env
 from tests.support.pg import schema_url
+from tide.services.coordinator.store import MemoryStore
 
 
 @pytest.fixture

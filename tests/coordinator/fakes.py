@@ -17,10 +17,10 @@ from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
+
+from tide.services.common.clock import Clock
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
-
-from services.common.clock import Clock
 
 TIMEOUT_S = 5.0
 K = pb.Directive.Kind
@@ -75,7 +75,7 @@ class FakeLauncher:
         self.received: list[pb.Directive] = []
         self.handled: dict[str, pb.Directive] = {}
         # The fields of each directive's last ack: a re-sent directive gets the same ack
-        # again, as the real launcher's (trainer/launcher/core.py, _handled).
+        # again, as the real launcher's (tide/trainer/launcher/core.py, _handled).
         self._ack_fields: dict[str, dict[str, Any]] = {}
         self.ack_errors: list[grpc.aio.AioRpcError] = []
         self.exited = False

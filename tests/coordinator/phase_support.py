@@ -12,12 +12,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from services.coordinator.domain import DirectiveKind, MemberState, Resize, ResizePhase
-from services.coordinator.engine.effects import Effect, Send, Supersede
-from services.coordinator.engine.phases import AckEvent, Context, ResizeEvent, rules
-from services.coordinator.engine.state import JobState
-from services.coordinator.settings import Tuning
 from tests.coordinator.builders import resize
+from tide.services.coordinator.domain import DirectiveKind, MemberState, Resize, ResizePhase
+from tide.services.coordinator.engine.effects import Effect, Send, Supersede
+from tide.services.coordinator.engine.phases import AckEvent, Context, ResizeEvent, rules
+from tide.services.coordinator.engine.state import JobState
+from tide.services.coordinator.settings import Tuning
 
 P, E, K = ResizePhase, ResizeEvent, DirectiveKind
 TUNING = Tuning(

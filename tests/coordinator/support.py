@@ -7,18 +7,18 @@ import asyncio
 from dataclasses import dataclass, field
 
 import grpc
-from tide.v1 import coordinator_pb2 as pb
-from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
-from services.common.config import CommonSettings
-from services.common.server import RunningServer, ServiceSpec, start_server
-from services.coordinator.engine import Coordinator
-from services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer
-from services.coordinator.settings import Tuning
-from services.coordinator.store import CoordinatorStore
-from services.testing.clock import FakeClock
 from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch
 from tests.support.poll import eventually
+from tide.services.common.config import CommonSettings
+from tide.services.common.server import RunningServer, ServiceSpec, start_server
+from tide.services.coordinator.engine import Coordinator
+from tide.services.coordinator.servicer import SERVICE_NAME, CoordinatorServicer
+from tide.services.coordinator.settings import Tuning
+from tide.services.coordinator.store import CoordinatorStore
+from tide.services.testing.clock import FakeClock
+from tide.v1 import coordinator_pb2 as pb
+from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 P = pb.ResizePhase
 

@@ -7,13 +7,13 @@ import contextlib
 
 import grpc
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
-from services.coordinator.store import MemoryStore, Unit
 from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch, ts
 from tests.coordinator.support import JOB, TUNING, Env, close_env, form, make_env, no_pending
 from tests.support.poll import eventually
-from tidebase.errors import Unavailable
+from tide.base.errors import Unavailable
+from tide.services.coordinator.store import MemoryStore, Unit
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.component
 

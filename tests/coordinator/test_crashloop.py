@@ -10,12 +10,12 @@ import time
 
 import grpc
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
-from services.coordinator.store import MemoryStore
 from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher
 from tests.coordinator.support import JOB, TUNING, Env, close_env, form, make_env, no_pending
 from tests.support.poll import eventually
+from tide.services.coordinator.store import MemoryStore
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.component
 

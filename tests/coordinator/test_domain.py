@@ -6,7 +6,9 @@ import dataclasses
 
 import pytest
 
-from services.coordinator.domain import (
+from tide.base.errors import ConfigError
+from tide.base.lifecycle import InvalidTransition
+from tide.services.coordinator.domain import (
     MEMBER_TRANSITIONS,
     RESIZE_TRANSITIONS,
     Breakdown,
@@ -23,9 +25,7 @@ from services.coordinator.domain import (
     transition_member,
     transition_resize,
 )
-from services.coordinator.settings import DEFAULT_DB, CoordinatorSettings, Tuning
-from tidebase.errors import ConfigError
-from tidebase.lifecycle import InvalidTransition
+from tide.services.coordinator.settings import DEFAULT_DB, CoordinatorSettings, Tuning
 
 pytestmark = pytest.mark.unit
 
@@ -152,7 +152,7 @@ def test_a_legacy_draining_row_loads_as_a_barrier_the_restart_rules_abort() -> N
     """A row an older coordinator stored in DRAINING must not strand its stayers at
     the barrier: it loads as CHECKPOINTING, whose restart rule aborts it (resuming
     the stayers; tests/coordinator/test_phases_barrier.py covers that rule)."""
-    from services.coordinator.sql_store import _phase
+    from tide.services.coordinator.sql_store import _phase
 
     assert _phase("DRAINING") is ResizePhase.CHECKPOINTING
     assert all(_phase(p.name) is p for p in ResizePhase)

@@ -7,9 +7,9 @@ gauges, whichever member reports it now."""
 from __future__ import annotations
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
 from tests.coordinator.support import JOB, Env, form
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.component
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
 from tests.coordinator.fakes import TIMEOUT_S, ResizeWatch
 from tests.coordinator.support import JOB, Env, form, no_pending
 from tests.support.poll import eventually
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.component
 

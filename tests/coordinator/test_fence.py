@@ -1,4 +1,4 @@
-"""The coordinator's writes fenced by its lease (services/store/leases.py ``check_fence``)
+"""The coordinator's writes fenced by its lease (tide/services/store/leases.py ``check_fence``)
 on both engines: once another replica took the lease, a unit of the old leader is
 refused whole (StaleLeader), the replica is told to stop, and the new leader's units
 land."""
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.coordinator.domain import JobRecord
-from services.coordinator.sql_store import SqlStore
-from services.coordinator.store import Unit
-from services.store import db
-from services.store.leases import Fence, StaleLeader, check_fence, try_lease
-from tidebase.errors import Conflict
+from tide.base.errors import Conflict
+from tide.services.coordinator.domain import JobRecord
+from tide.services.coordinator.sql_store import SqlStore
+from tide.services.coordinator.store import Unit
+from tide.services.store import db
+from tide.services.store.leases import Fence, StaleLeader, check_fence, try_lease
 
 pytestmark = pytest.mark.integration
 

@@ -8,12 +8,12 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
-from services.coordinator.store import MemoryStore
 from tests.coordinator.fakes import ResizeWatch
 from tests.coordinator.support import JOB, TUNING, Env, close_env, form, make_env, no_pending
 from tests.support.poll import eventually
+from tide.services.coordinator.store import MemoryStore
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.component
 

@@ -13,19 +13,19 @@ from collections.abc import Callable
 
 import pytest
 
-from services.coordinator.domain import ResizePhase
-from services.coordinator.engine.effects import Effect, Recover
-from services.coordinator.engine.membership import check_heartbeat
-from services.coordinator.engine.outbox import MAX_PHASE_CHANGES
-from services.coordinator.engine.phases import PHASES, ResizeEvent, longest_chain
-from services.coordinator.errors import StaleGeneration
-from services.coordinator.settings import Tuning
 from tests.coordinator.builders import generation, job, resize
 from tests.coordinator.phase_support import Case, E, P, Result, _any_ack, _ctx
 from tests.coordinator.test_phases_barrier import checkpointing, preparing
 from tests.coordinator.test_phases_rendezvous import rendezvous
 from tests.coordinator.test_phases_waiting import waiting
-from tidebase.errors import ConfigError
+from tide.base.errors import ConfigError
+from tide.services.coordinator.domain import ResizePhase
+from tide.services.coordinator.engine.effects import Effect, Recover
+from tide.services.coordinator.engine.membership import check_heartbeat
+from tide.services.coordinator.engine.outbox import MAX_PHASE_CHANGES
+from tide.services.coordinator.engine.phases import PHASES, ResizeEvent, longest_chain
+from tide.services.coordinator.errors import StaleGeneration
+from tide.services.coordinator.settings import Tuning
 
 pytestmark = pytest.mark.unit
 

@@ -8,28 +8,6 @@ from typing import Any
 
 import pytest
 
-from services.coordinator.domain import Directive, RendezvousInfo, Resize
-from services.coordinator.engine.effects import (
-    Abort,
-    BeginBarrier,
-    BeginPrepare,
-    Effect,
-    EnterRendezvous,
-    ExtendPhase,
-    Fail,
-    Lose,
-    OpenGeneration,
-    Prepare,
-    RecordHold,
-    RecordPrepared,
-    Recover,
-    SaveBarrierCheckpoint,
-    Send,
-    Supersede,
-)
-from services.coordinator.engine.phases import PHASES, Context, ResizeEvent
-from services.coordinator.engine.state import JobState
-from services.coordinator.settings import Tuning
 from tests.coordinator.builders import job, resize
 from tests.coordinator.phase_support import (
     CKPT,
@@ -50,6 +28,28 @@ from tests.coordinator.phase_support import (
     _lose,
     _resumes,
 )
+from tide.services.coordinator.domain import Directive, RendezvousInfo, Resize
+from tide.services.coordinator.engine.effects import (
+    Abort,
+    BeginBarrier,
+    BeginPrepare,
+    Effect,
+    EnterRendezvous,
+    ExtendPhase,
+    Fail,
+    Lose,
+    OpenGeneration,
+    Prepare,
+    RecordHold,
+    RecordPrepared,
+    Recover,
+    SaveBarrierCheckpoint,
+    Send,
+    Supersede,
+)
+from tide.services.coordinator.engine.phases import PHASES, Context, ResizeEvent
+from tide.services.coordinator.engine.state import JobState
+from tide.services.coordinator.settings import Tuning
 
 pytestmark = pytest.mark.unit
 

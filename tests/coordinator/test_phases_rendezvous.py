@@ -5,18 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.domain import Breakdown, Directive, MemberState, Resize
-from services.coordinator.engine.effects import (
-    AckedLeaver,
-    Complete,
-    DrainOut,
-    ExtendPhase,
-    Fail,
-    Lose,
-    Recover,
-)
-from services.coordinator.engine.phases import PHASES, ResizeEvent
-from services.coordinator.engine.state import JobState
 from tests.coordinator.builders import generation, job, resize
 from tests.coordinator.phase_support import (
     NOW,
@@ -30,6 +18,18 @@ from tests.coordinator.phase_support import (
     _finished,
     _lose,
 )
+from tide.services.coordinator.domain import Breakdown, Directive, MemberState, Resize
+from tide.services.coordinator.engine.effects import (
+    AckedLeaver,
+    Complete,
+    DrainOut,
+    ExtendPhase,
+    Fail,
+    Lose,
+    Recover,
+)
+from tide.services.coordinator.engine.phases import PHASES, ResizeEvent
+from tide.services.coordinator.engine.state import JobState
 
 pytestmark = pytest.mark.unit
 

@@ -5,18 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.engine.effects import (
-    Abort,
-    BeginBarrier,
-    Complete,
-    Drain,
-    EnterRendezvous,
-    OpenGeneration,
-    Recover,
-    SaveBarrierCheckpoint,
-    Send,
-)
-from services.coordinator.engine.phases import PHASES, ResizeEvent
 from tests.coordinator.builders import job, resize
 from tests.coordinator.phase_support import (
     E,
@@ -29,6 +17,18 @@ from tests.coordinator.phase_support import (
     _finished,
     _lose,
 )
+from tide.services.coordinator.engine.effects import (
+    Abort,
+    BeginBarrier,
+    Complete,
+    Drain,
+    EnterRendezvous,
+    OpenGeneration,
+    Recover,
+    SaveBarrierCheckpoint,
+    Send,
+)
+from tide.services.coordinator.engine.phases import PHASES, ResizeEvent
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The real `python -m services.coordinator` on SQLite, SIGKILLed mid-resize and
+"""The real `python -m tide.services.coordinator` on SQLite, SIGKILLed mid-resize and
 restarted: fake launchers reconnect and the job ends in one generation."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tide.v1 import coordinator_pb2 as pb
-from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
-from services.common.clock import SystemClock
 from tests.coordinator.fakes import TIMEOUT_S, FakeLauncher, ResizeWatch
 from tests.support.poll import eventually
 from tests.support.procs import ROOT, ServiceProcess, start_service
+from tide.services.common.clock import SystemClock
+from tide.v1 import coordinator_pb2 as pb
+from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,7 @@ def _start(db: Path, port: int = 0) -> ServiceProcess:
     return start_service(
         [
             "-m",
-            "services.coordinator",
+            "tide.services.coordinator",
             "--listen",
             f"127.0.0.1:{port}",
             "--db",
@@ -199,7 +199,7 @@ def test_a_second_coordinator_on_a_busy_port_stops_before_touching_the_store(
             [
                 sys.executable,
                 "-m",
-                "services.coordinator",
+                "tide.services.coordinator",
                 "--listen",
                 f"127.0.0.1:{port}",
                 "--db",

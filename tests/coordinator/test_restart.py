@@ -13,18 +13,18 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
-from services.coordinator.domain import JobRecord
-from services.coordinator.settings import CoordinatorSettings
-from services.coordinator.sql_store import SqlStore
-from services.coordinator.store import CoordinatorStore, MemoryStore, Unit
-from services.store import db
-from services.testing.clock import FakeClock
 from tests.coordinator.fakes import ResizeWatch, ts
 from tests.coordinator.support import JOB, TUNING, Env, close_env, make_env
 from tests.support.poll import eventually
-from tidebase.errors import Conflict
+from tide.base.errors import Conflict
+from tide.services.coordinator.domain import JobRecord
+from tide.services.coordinator.settings import CoordinatorSettings
+from tide.services.coordinator.sql_store import SqlStore
+from tide.services.coordinator.store import CoordinatorStore, MemoryStore, Unit
+from tide.services.store import db
+from tide.services.testing.clock import FakeClock
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.integration
 

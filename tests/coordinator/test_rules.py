@@ -7,26 +7,26 @@ import logging
 
 import pytest
 
-from services.coordinator.domain import (
+from tests.coordinator.builders import generation, job, resize
+from tide.base.errors import Unavailable
+from tide.services.coordinator.domain import (
     Checkpoint,
     DirectiveKind,
     MemberState,
     ResizePhase,
     WorkerPhase,
 )
-from services.coordinator.engine import Coordinator
-from services.coordinator.engine import effects as fx
-from services.coordinator.engine.membership import heartbeat
-from services.coordinator.engine.messages import HeartbeatInput, RegisterInput
-from services.coordinator.engine.outbox import Outbox
-from services.coordinator.engine.recovery import late_progress, overdue, plan_recovery
-from services.coordinator.engine.state import JobState
-from services.coordinator.metrics import CoordinatorMetrics
-from services.coordinator.settings import Tuning
-from services.coordinator.store import MemoryStore, Unit
-from services.testing.clock import FakeClock
-from tests.coordinator.builders import generation, job, resize
-from tidebase.errors import Unavailable
+from tide.services.coordinator.engine import Coordinator
+from tide.services.coordinator.engine import effects as fx
+from tide.services.coordinator.engine.membership import heartbeat
+from tide.services.coordinator.engine.messages import HeartbeatInput, RegisterInput
+from tide.services.coordinator.engine.outbox import Outbox
+from tide.services.coordinator.engine.recovery import late_progress, overdue, plan_recovery
+from tide.services.coordinator.engine.state import JobState
+from tide.services.coordinator.metrics import CoordinatorMetrics
+from tide.services.coordinator.settings import Tuning
+from tide.services.coordinator.store import MemoryStore, Unit
+from tide.services.testing.clock import FakeClock
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Two `python -m services.coordinator --leader-election sql` replicas on one store
+"""Two `python -m tide.services.coordinator --leader-election sql` replicas on one store
 (SQLite and PostgreSQL): the standby is not ready and answers UNAVAILABLE; the leader
 is SIGSTOPped and the standby leads within lease + renew + 1 s, loading the job from
 SQL; a member keeps its member id through the takeover (its heartbeat is answered by
@@ -19,13 +19,13 @@ import grpc
 import pytest
 import sqlalchemy as sa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tide.v1 import coordinator_pb2 as pb
-from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 from tests.support.pg import schema_url
 from tests.support.poll import wait_for
 from tests.support.procs import ServiceProcess, start_service
-from tidebase.client import channel_target
+from tide.base.client import channel_target
+from tide.v1 import coordinator_pb2 as pb
+from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ def _replica(db_url: str, owner: str) -> ServiceProcess:
     return start_service(
         [
             "-m",
-            "services.coordinator",
+            "tide.services.coordinator",
             "--db",
             db_url,
             "--listen",

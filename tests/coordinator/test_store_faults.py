@@ -1,7 +1,7 @@
 """Issue 30, item 1: a resize survives its store.
 
 Each phase of a resize (PREPARING in the overlap mode) × {a commit that fails once, the store down for longer than the
-retry budget} × {memory, SQLite, PostgreSQL}: the store fails (services/testing/
+retry budget} × {memory, SQLite, PostgreSQL}: the store fails (tide/services/testing/
 flaky_store.py, as SqlStore fails once its retries are spent) at the commit that moves
 the resize on, and the resize carries on from its stored state once the store answers:
 it COMPLETES, and no reason names a restart that never happened.
@@ -16,16 +16,16 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
-from services.coordinator.sql_store import SqlStore
-from services.coordinator.store import CoordinatorStore, JobSnapshot, MemoryStore, Unit
-from services.store import db
-from services.testing.clock import FakeClock
-from services.testing.flaky_store import FlakyStore
 from tests.coordinator.fakes import FakeLauncher, ResizeWatch
 from tests.coordinator.support import JOB, TUNING, Env, close_env, make_env
 from tests.support.poll import eventually
+from tide.services.coordinator.sql_store import SqlStore
+from tide.services.coordinator.store import CoordinatorStore, JobSnapshot, MemoryStore, Unit
+from tide.services.store import db
+from tide.services.testing.clock import FakeClock
+from tide.services.testing.flaky_store import FlakyStore
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.integration
 

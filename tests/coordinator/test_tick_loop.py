@@ -9,11 +9,11 @@ import contextlib
 import logging
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
 from tests.coordinator.fakes import ResizeWatch
 from tests.coordinator.support import JOB, TUNING, Env, form
 from tests.support.poll import eventually
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.component
 
@@ -127,7 +127,7 @@ async def test_a_stall_spent_waiting_for_a_cpu_is_told_at_info(
 ) -> None:
     """A loaded machine is not a fault of the coordinator: a healthy run logs no WARNING."""
     await form(env, 2)
-    with caplog.at_level(logging.INFO, logger="services.coordinator"):
+    with caplog.at_level(logging.INFO, logger="tide.services.coordinator"):
         env.coordinator.tick(5.0, cpu_wait_s)
     stalls = [r for r in caplog.records if "stalled" in r.getMessage()]
     assert [r.levelno for r in stalls] == [level]

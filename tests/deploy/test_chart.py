@@ -190,7 +190,7 @@ def _load(
     adjust: Callable[[list[str]], list[str]] = list,
 ) -> Any:
     """The service's settings from the rendered flags, settings file and environment."""
-    from services.common.config import load_settings
+    from tide.services.common.config import load_settings
 
     container = _container(rendered, kind, name)
     config = _settings_file(rendered, container, tmp_path)
@@ -218,9 +218,9 @@ def _mounted(args: list[str], container: dict[str, Any], tmp_path: Path) -> list
 def test_the_services_accept_their_rendered_flags_settings_and_environment(
     values: Path, tmp_path: Path
 ) -> None:
-    from services.agent.settings import AgentSettings
-    from services.coordinator.settings import CoordinatorSettings
-    from services.scaler.settings import ScalerSettings
+    from tide.services.agent.settings import AgentSettings
+    from tide.services.coordinator.settings import CoordinatorSettings
+    from tide.services.scaler.settings import ScalerSettings
 
     rendered = render(values)
     scaler = _load(ScalerSettings, rendered, "Deployment", "tide-scaler", tmp_path)
@@ -368,7 +368,7 @@ def test_postgresql_comes_from_the_secret_and_is_migrated_by_a_hook(tmp_path: Pa
     # The Job's command is the CLI's, and it honours the Job's TIDE_DB.
     from typer.testing import CliRunner
 
-    from services.cli.main import app
+    from tide.services.cli.main import app
 
     (c,) = job["spec"]["template"]["spec"]["containers"]
     assert c["command"][0] == "tide"
@@ -427,7 +427,7 @@ def test_the_service_monitor_scrapes_every_metrics_port() -> None:
 
 
 def test_several_scaler_replicas_elect_a_leader_on_the_release_lease(tmp_path: Path) -> None:
-    from services.scaler.settings import ScalerSettings
+    from tide.services.scaler.settings import ScalerSettings
 
     rendered = render(PRODUCTION, sets={"scaler.replicas": "2"})
     assert kube_schema_errors(rendered.objects, "1.35") == []
@@ -455,7 +455,7 @@ def test_several_scaler_replicas_elect_a_leader_on_the_release_lease(tmp_path: P
 
 
 def test_with_several_scaler_replicas_agents_stream_to_every_one(tmp_path: Path) -> None:
-    from services.agent.settings import AgentSettings
+    from tide.services.agent.settings import AgentSettings
 
     rendered = render(PRODUCTION, sets={"scaler.replicas": "2"})
     peers = rendered.one("Service", "tide-scaler-peers")
@@ -480,8 +480,8 @@ def test_with_several_scaler_replicas_agents_stream_to_every_one(tmp_path: Path)
 
 
 def test_sharded_scaler_replicas_hold_shards_instead_of_electing(tmp_path: Path) -> None:
-    from services.agent.settings import AgentSettings
-    from services.scaler.settings import ScalerSettings
+    from tide.services.agent.settings import AgentSettings
+    from tide.services.scaler.settings import ScalerSettings
 
     rendered = render(PRODUCTION, sets={"scaler.replicas": "3", "scaler.shards": "8"})
     assert kube_schema_errors(rendered.objects, "1.35") == []
@@ -510,7 +510,7 @@ def test_several_scaler_replicas_need_a_shared_store() -> None:
 
 
 def test_several_coordinator_replicas_stand_by_on_the_release_lease_row(tmp_path: Path) -> None:
-    from services.coordinator.settings import CoordinatorSettings
+    from tide.services.coordinator.settings import CoordinatorSettings
 
     rendered = render(PRODUCTION, sets={"coordinator.replicas": "2"})
     assert kube_schema_errors(rendered.objects, "1.35") == []

@@ -3,7 +3,7 @@ applied with the real kubectl to the API server emulator (HTTPS, bearer tokens
 required, TokenReview served), cert-manager's stand-in issuing the Certificates, and
 the stand-in kubelet running every Deployment and DaemonSet pod in its sandbox with
 its rendered command, env, Secrets, ConfigMaps and projected tokens at their mount
-paths (services/testing/kube/chartrun.py). Every link is TLS: the services refuse to
+paths (tide/services/testing/kube/chartrun.py). Every link is TLS: the services refuse to
 start on a missing certificate, and become Ready only when serving. Then the shipped
 example PaddleJob (deploy/examples/) is applied as is, its launchers join over TLS with
 their projected tokens, and `tide scale` run in the scaler's pod resizes it 2 -> 3 -> 2,
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from services.testing.kube.chartrun import ChartRun
-from services.testing.kube.sandbox import Sandboxes
 from tests.support.kubetools import kubetools
+from tide.services.testing.kube.chartrun import ChartRun
+from tide.services.testing.kube.sandbox import Sandboxes
 
 # In `make test`. Its first CI run failed because the clone was under /tmp: the chart's
 # /tmp emptyDir hid the checkout and the venv in the coordinator's and scaler's
-# sandboxes, so their `python` was the system's, could not import `services`, and the
+# sandboxes, so their `python` was the system's, could not import `tide.services`, and the
 # pods never became Ready. The sandboxes now bind the checkout, the venv and its
 # interpreter over the volumes (sandbox.py), wherever they live.
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]

@@ -13,12 +13,18 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.scaler.kube.paddlejob import KUBEFLOW, PADDLE_OPERATOR, Kind, overrides_from, view
-from services.scaler.policy import PolicySettings
-from services.testing.kube.kubelet import container_env
 from tests.support.chart import KUBE_VERSIONS
 from tests.support.procs import ROOT
-from trainer.podenv import pod_identity
+from tide.services.scaler.kube.paddlejob import (
+    KUBEFLOW,
+    PADDLE_OPERATOR,
+    Kind,
+    overrides_from,
+    view,
+)
+from tide.services.scaler.policy import PolicySettings
+from tide.services.testing.kube.kubelet import container_env
+from tide.trainer.podenv import pod_identity
 
 pytestmark = pytest.mark.component
 

@@ -78,11 +78,17 @@ def ignored(path: str) -> bool:
     ]
     parts = Path(path).parts
     prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-    return any(
-        fnmatch.fnmatch(prefix, pattern) or fnmatch.fnmatch(prefix, pattern.removeprefix("**/"))
-        for pattern in patterns
-        for prefix in prefixes
-    )
+    # As Docker reads it: the last pattern that matches decides, `!` re-includes.
+    kept_out = False
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        bare = pattern.removeprefix("!")
+        if any(
+            fnmatch.fnmatch(prefix, bare) or fnmatch.fnmatch(prefix, bare.removeprefix("**/"))
+            for prefix in prefixes
+        ):
+            kept_out = not negated
+    return kept_out
 
 
 def wheel_of(sources: list[str], tmp_path: Path) -> zipfile.ZipFile:
@@ -137,17 +143,22 @@ def top_levels(whl: zipfile.ZipFile) -> set[str]:
 
 
 def test_the_wheel_ships_neither_the_benchmarks_nor_the_test_doubles(tmp_path: Path) -> None:
-    """Built from a context that has bench/ and services/testing/ (as `pip wheel .` from
+    """Built from a context that has bench/ and tide/services/testing/ (as `pip wheel .` from
     a checkout does): neither is installed into a user's image; what the services
     and the trainer run is (pyproject's packages.find)."""
     whl = wheel_of(
-        ["pyproject.toml", "README.md", "proto", "tidebase", "services", "trainer", "bench"],
+        ["pyproject.toml", "README.md", "tide", "bench"],
         tmp_path,
     )
     names = whl.namelist()
-    assert top_levels(whl) == {"services", "tide", "tidebase", "trainer"}
-    assert not [n for n in names if n.startswith(("bench/", "services/testing/", "tests/"))]
-    for module in ("services.scaler", "services.coordinator", "services.cli", "trainer.launch"):
+    assert top_levels(whl) == {"tide"}
+    assert not [n for n in names if n.startswith(("bench/", "tide/services/testing/", "tests/"))]
+    for module in (
+        "tide.services.scaler",
+        "tide.services.coordinator",
+        "tide.services.cli",
+        "tide.trainer.launch",
+    ):
         assert has_module(whl, module), module
 
 
@@ -164,7 +175,7 @@ def test_what_each_image_copies_exists_and_is_in_the_context(name: str) -> None:
     for src in sources:
         assert (ROOT / src).exists(), src
         assert not ignored(src), f"{src} is excluded by .dockerignore"
-    assert ignored(".venv/bin/python") and ignored("services/__pycache__/x.pyc")
+    assert ignored(".venv/bin/python") and ignored("tide/services/__pycache__/x.pyc")
 
 
 def test_the_services_image_runs_what_the_chart_runs(tmp_path: Path) -> None:
@@ -190,16 +201,16 @@ def test_the_services_image_runs_what_the_chart_runs(tmp_path: Path) -> None:
             modules.append(f"{command[2]}.__main__")
         else:
             assert command[0] == "tide"
-            assert "tide = services.cli.main:main" in metadata(whl, "entry_points.txt")
-            modules.append("services.cli.main")
+            assert "tide = tide.services.cli.main:main" in metadata(whl, "entry_points.txt")
+            modules.append("tide.services.cli.main")
     # They import without what the image leaves out.
-    absent = ("trainer", "numpy", "paddle", "matplotlib")
+    absent = ("tide.trainer", "numpy", "paddle", "matplotlib")
     code = f"import sys, importlib; sys.modules.update(dict.fromkeys({absent!r}))\n"
     code += "".join(f"importlib.import_module({m!r})\n" for m in sorted(modules))
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
     # The store's migrations travel as package data.
-    assert "services/store/migrations/script.py.mako" in whl.namelist()
-    assert any(n.startswith("services/store/migrations/versions/0001") for n in whl.namelist())
+    assert "tide/services/store/migrations/script.py.mako" in whl.namelist()
+    assert any(n.startswith("tide/services/store/migrations/versions/0001") for n in whl.namelist())
     # The user the chart runs its pods as.
     (user,) = [s.args for s in steps if s.keyword == "USER"]
     assert user == "65532:65532"
@@ -248,15 +259,16 @@ def test_the_trainer_image_is_paddle_with_the_launcher(tmp_path: Path) -> None:
     assert "PATH=/opt/tide/bin:$PATH" in " ".join(s.args for s in runtime if s.keyword == "ENV")
 
     (entrypoint,) = [json.loads(s.args) for s in steps if s.keyword == "ENTRYPOINT"]
-    assert entrypoint == ["python", "-m", "trainer.launch"]
+    assert entrypoint == ["python", "-m", "tide.trainer.launch"]
     whl = wheel_of(copy_sources(steps), tmp_path)
     # The trainer and the base it stands on, nothing of the control plane.
-    assert top_levels(whl) == {"tide", "tidebase", "trainer"}
+    assert top_levels(whl) == {"tide"}
+    assert not [n for n in whl.namelist() if n.startswith("tide/services/")]
     assert installed_extras(steps) == ["trainer"]
     assert "trainer" in extras(whl)
     assert has_module(whl, entrypoint[2])
     # The launcher's own command line: `--` and the training command after it.
-    from trainer.launch import parse_args
+    from tide.trainer.launch import parse_args
 
     with pytest.raises(SystemExit) as done:
         parse_args(["--help"])

@@ -17,14 +17,14 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 from tests.scaler.support import report
 from tests.support.chart import PRODUCTION, render
 from tests.support.poll import eventually
 from tests.support.procs import ROOT, ServiceProcess, start_memory_scaler, start_service
 from tests.support.prom import binary, running_prometheus
-from tidebase.client import open_channel
+from tide.base.client import open_channel
+from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -165,7 +165,7 @@ async def test_prometheus_scrapes_the_services_and_the_dashboard_queries_return_
         coordinator = start_service(
             [
                 "-m",
-                "services.coordinator",
+                "tide.services.coordinator",
                 "--listen",
                 "127.0.0.1:0",
                 "--metrics-listen",
@@ -198,7 +198,7 @@ async def test_prometheus_scrapes_the_services_and_the_dashboard_queries_return_
         agent = start_service(
             [
                 "-m",
-                "services.agent",
+                "tide.services.agent",
                 "--scaler",
                 scaler.target,
                 "--node-name",

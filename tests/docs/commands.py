@@ -180,7 +180,7 @@ def _inline_commands(rel: str, para: list[tuple[int, str]]) -> list[Command]:
             continue
         span = " ".join(m.group(1).split()).replace("\\|", "|")
         words = span.split()
-        # `tide` names the program, `tide = services.cli.main:main` is an entry point.
+        # `tide` names the program, `tide = tide.services.cli.main:main` is an entry point.
         if len(words) < 2 or words[1] == "=" or not _starts_command(span):
             continue
         out.append(Command(rel, start, span, inline=True))

@@ -14,7 +14,7 @@ imports behind in the test process.
   outermost call parses for real, then raises instead of returning, so the
   program stops at the point where its arguments were accepted; a parse error
   is reported instead of exiting. A service (settings from
-  services/common/config.py) goes further, as far as a real start does before it
+  tide/services/common/config.py) goes further, as far as a real start does before it
   configures its logs: its values converted, its settings and its security
   checked, so a line that would exit 2 ("no TLS: ...") fails here too.
 
@@ -45,8 +45,8 @@ import typer
 from typer import _click as click  # typer vendors the part of click it uses
 from typer.core import TyperGroup
 
-from services.common import config as settings_config
-from services.common import logs as service_logs
+from tide.services.common import config as settings_config
+from tide.services.common import logs as service_logs
 
 # A placeholder gets a value of the type its position needs.
 VALUES = {
@@ -207,7 +207,7 @@ def _argparse_options(parser: argparse.ArgumentParser, words: list[str]) -> str:
 def _root() -> click.Command:
     import typer.main
 
-    from services.cli.main import app
+    from tide.services.cli.main import app
 
     return typer.main.get_command(app)
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
 from tests.support.procs import ROOT, ServiceProcess, start_memory_scaler
+from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
 API_MD = ROOT / "docs" / "api.md"
 

@@ -65,8 +65,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
 # and a scratch HOME; the commands of a group in order, the groups side by side.
 RUN = (
     ("tide --version",),
-    ("python -m services.cli --version",),
-    ("python -m services.scaler --help",),
+    ("python -m tide.services.cli --version",),
+    ("python -m tide.services.scaler --help",),
     ("tide simulate scenarios/busy_idle.yaml --set tide.policy.signal=sm_active",),
     (  # docs/cli.md's contexts, as a new user types them
         "tide config set-context prod --scaler 127.0.0.1:50051 --tls-ca-file tide-ca.crt"
@@ -79,9 +79,9 @@ RUN_WORDS = frozenset(w for group in RUN for w in group)
 
 # (file, command as written) -> why it is not checked.
 ALLOWED: dict[tuple[str, str], str] = {
-    ("README.md", "python -m services.<name>"): "names the three services, each checked below",
+    ("README.md", "python -m tide.services.<name>"): "names the three services, each checked below",
     ("docs/migrate.md", "python train.py"): "the user's own training script",
-    ("docs/sharded.md", "python -m trainer.launch ... -- python train.py ..."): (
+    ("docs/sharded.md", "python -m tide.trainer.launch ... -- python train.py ..."): (
         "the shape of a launcher line around the user's script"
     ),
 }
@@ -89,10 +89,7 @@ ALLOWED: dict[tuple[str, str], str] = {
 # Broken commands in docs owned by another change this session: (file, command) -> fix.
 PENDING: dict[tuple[str, str], str] = {}
 
-REPO_DIRS = frozenset(
-    {"bench", "deploy", "docs", "proto", "scenarios", "scripts", "services", "tests"}
-    | {"tidebase", "trainer"}
-)
+REPO_DIRS = frozenset({"bench", "deploy", "docs", "scenarios", "scripts", "tests", "tide"})
 EXTERNAL = frozenset(
     {"kubectl", "helm", "docker", "psql", "sqlite3", "grpcurl", "promtool", "git", "jq"}
     | {"openssl", "base64", "curl", "alembic", "pip", "bash", "sh"}
@@ -185,7 +182,10 @@ class Checker:
             return "shell", ""
         if prog in ("tide", ".venv/bin/tide"):
             return self._parse(o, s, "tide", "tide", args), ""
-        if prog in ("python", "python3", ".venv/bin/python") and args[:2] == ["-m", "services.cli"]:
+        if prog in ("python", "python3", ".venv/bin/python") and args[:2] == [
+            "-m",
+            "tide.services.cli",
+        ]:
             return self._parse(o, s, "tide", "tide", args[2:]), ""
         if prog in ("python", "python3", ".venv/bin/python"):
             return self._python(o, s, args)
@@ -288,7 +288,7 @@ class Checker:
             problem, ran = results[str(request["id"])]
             bare = not request["words"] and problem.startswith("exits 2 at start")
             if o.cmd.inline and (problem.startswith("incomplete:") or bare):
-                # `tide scale --wait` or `python -m services.scaler` in prose names a
+                # `tide scale --wait` or `python -m tide.services.scaler` in prose names a
                 # command (and an option), not a line to run as it is.
                 o.how, problem = "reference", ""
             elif ran:
@@ -343,10 +343,10 @@ WRONG = {
     "tide config": "incomplete: a group of commands",
     "tide history JOB --since yesterday": "against an empty store it exits 2",
     "python -m bench.k8s --quick --insecure": "unrecognized arguments: --insecure",
-    "python -m trainer.launch --backend auto|mpi": "not a choice: mpi",
+    "python -m tide.trainer.launch --backend auto|mpi": "not a choice: mpi",
     "python -m bench.nosuch --quick": "no module bench.nosuch",
-    "python -m services.coordinator --listen 127.0.0.1:0": "exits 2 at start: coordinator: no TLS",
-    "python -m services.agent --insecure --interval-s soon": "interval_s",
+    "python -m tide.services.coordinator --listen 127.0.0.1:0": "exits 2 at start: coordinator: no TLS",
+    "python -m tide.services.agent --insecure --interval-s soon": "interval_s",
     "python scripts/nosuch.py": "no such file",
     "make no-such-target": "no such make target",
     "pytest tests/nosuch.py -m notamarker": "no such marker: notamarker",
@@ -360,7 +360,7 @@ RIGHT = (
     "tide history ml/resnet --since 24h --state ABORTED,FAILED --db URL",
     "TIDE_INSECURE=1 python -m bench.k8s --quick --workdir /tmp/x",
     "tide scale NS/NAME --replicas N --reason x",
-    "python -m trainer.launch --backend auto|nccl|gloo --workers-per-pod N",
+    "python -m tide.trainer.launch --backend auto|nccl|gloo --workers-per-pod N",
     "tide jobs -o json | jq -r .jobs | xargs -I{} tide pause {} --reason freeze",
     "kubectl -n tide-system exec deploy/tide-scaler -- tide jobs",
 )

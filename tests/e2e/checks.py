@@ -1,6 +1,6 @@
 """Assertions on the logs of the example scripts: exactly-once samples, parity."""
 
-from services.testing.parity import (
+from tide.services.testing.parity import (
     check_exactly_once,
     final_losses,
     max_rel_loss_diff,

@@ -11,9 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
-from services.testing.localjob import ROOT, LocalJob, loss_records, reference_run
 from tests.e2e.checks import (
     check_exactly_once,
     final_losses,
@@ -22,10 +20,12 @@ from tests.e2e.checks import (
     samples_per_step,
     steps_by_generation,
 )
+from tide.services.testing.localjob import ROOT, LocalJob, loss_records, reference_run
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 
-BN = str(ROOT / "trainer" / "examples" / "train_bn.py")
+BN = str(ROOT / "tide" / "trainer" / "examples" / "train_bn.py")
 DATASET, BATCH = 100, 20
 SPE = DATASET // BATCH
 STEPS = 150

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
-from services.testing.localjob import LocalJob
+from tide.services.testing.localjob import LocalJob
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 

@@ -11,10 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
-from services.testing.localjob import LocalJob, loss_records, read_jsonl
-from services.testing.refcache import ReferenceRuns
 from tests.e2e.checks import (
     check_exactly_once,
     final_losses,
@@ -23,6 +20,9 @@ from tests.e2e.checks import (
     samples_per_step,
     steps_by_generation,
 )
+from tide.services.testing.localjob import LocalJob, loss_records, read_jsonl
+from tide.services.testing.refcache import ReferenceRuns
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 

@@ -1,6 +1,6 @@
 """The trainers users already have, end to end (issue 28): PaddleFormers' Trainer through a
 grow and a shrink under a coordinator, against a fixed run; a stock-launch-style command
-line (``python -m trainer.launch --master ... --nnodes ... train.py``) training a job."""
+line (``python -m tide.trainer.launch --master ... --nnodes ... train.py``) training a job."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
 from bench.frameworks import DATASET, GLOBAL_BATCH, TIDE, live
 from bench.parity import rel_diff
-from services.testing.localjob import ROOT, LocalJob, reference_run
 from tests.e2e.checks import check_exactly_once, final_losses
+from tide.services.testing.localjob import ROOT, LocalJob, reference_run
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 STEPS = 30
@@ -44,8 +44,8 @@ def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
 async def test_a_paddle_launch_command_line_trains_a_job(tmp_path: Path) -> None:
     job = LocalJob(tmp_path / "job", [])
     job.start_coordinator()
-    script = ROOT / "trainer" / "integrations" / "examples" / "train_dp_tide.py"
-    cmd = [sys.executable, "-m", "trainer.launch", "--master", f"127.0.0.1:{job.port}"]
+    script = ROOT / "tide" / "trainer" / "integrations" / "examples" / "train_dp_tide.py"
+    cmd = [sys.executable, "-m", "tide.trainer.launch", "--master", f"127.0.0.1:{job.port}"]
     cmd += ["--nnodes", "1:2", "--nproc_per_node", "1", "--job_id", job.job_id]
     cmd += ["--log_dir", str(tmp_path / "logs"), "--elastic_level", "1", str(script)]
     cmd += ["--epochs", "1", "--ckpt-dir", str(tmp_path / "ckpt")]

@@ -1,4 +1,4 @@
-"""The whole loop through the Kubernetes actuator (services/testing/kube/loop.py): the
+"""The whole loop through the Kubernetes actuator (tide/services/testing/kube/loop.py): the
 scaler and coordinator as processes, a PaddleJob on the API server emulator whose
 pods the stand-in kubelet runs as real launchers with Paddle workers, load that
 drives a grow and a shrink, a 409 and a 410 injected on the way."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.testing.kube.loop import KubeLoop, LoopSettings
+from tide.services.testing.kube.loop import KubeLoop, LoopSettings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 

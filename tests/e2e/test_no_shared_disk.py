@@ -8,10 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
-from services.testing.localjob import LocalJob, read_jsonl
-from services.testing.refcache import ReferenceRuns
 from tests.e2e.checks import (
     check_exactly_once,
     final_losses,
@@ -19,7 +16,10 @@ from tests.e2e.checks import (
     max_rel_param_diff,
     steps_by_generation,
 )
-from trainer.checkpoint import CheckpointStore
+from tide.services.testing.localjob import LocalJob, read_jsonl
+from tide.services.testing.refcache import ReferenceRuns
+from tide.trainer.checkpoint import CheckpointStore
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 

@@ -6,9 +6,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
-from services.testing.localjob import LocalJob, read_jsonl, reference_run, sample_records
 from tests.e2e.checks import (
     check_exactly_once,
     final_losses,
@@ -16,6 +14,8 @@ from tests.e2e.checks import (
     max_rel_param_diff,
     steps_by_generation,
 )
+from tide.services.testing.localjob import LocalJob, read_jsonl, reference_run, sample_records
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 

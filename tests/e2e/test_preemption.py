@@ -1,7 +1,7 @@
 """Preemption end to end with real Paddle workers on gloo: a node's termination notice, seen
 by the scaler, becomes a coordinated leave of exactly the pod on it (docs/preemption.md).
 
-The scaler runs in this process (services.testing.preempt: ScalerCore, a SQLite store, the
+The scaler runs in this process (tide.services.testing.preempt: ScalerCore, a SQLite store, the
 real coordinator's gRPC client and the local actuator starting real launchers); the notice
 arrives as an agent's node report would, through the ingest engine."""
 
@@ -17,10 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from services.scaler.policy import Reason
-from services.scaler.store import DecisionState
-from services.testing.kube.operators import POD
-from services.testing.preempt import (
+from tests.e2e.checks import check_exactly_once, steps_by_generation
+from tests.support.poll import eventually
+from tide.services.scaler.policy import Reason
+from tide.services.scaler.store import DecisionState
+from tide.services.testing.kube.operators import POD
+from tide.services.testing.preempt import (
     KUBE_NAME,
     KUBE_NS,
     KubePreemptRig,
@@ -29,8 +31,6 @@ from services.testing.preempt import (
     notice,
     preempt_rig,
 )
-from tests.e2e.checks import check_exactly_once, steps_by_generation
-from tests.support.poll import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 

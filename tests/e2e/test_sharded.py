@@ -1,4 +1,4 @@
-"""End to end: a Paddle fleet job with AdamW's state sharded (stage 1, trainer/sharding.py)
+"""End to end: a Paddle fleet job with AdamW's state sharded (stage 1, tide/trainer/sharding.py)
 resized 2 -> 3 -> 2 under the coordinator and launchers, against a fixed 2-rank run; data
 parallel beside sharding (``sharding_degree_max`` 2) resized 4 -> 3 -> 2 -> 4; and a layout
 Tide refuses, failing before its first step."""
@@ -12,16 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
-from services.testing.localjob import ROOT, LocalJob, gloo_env, reference_run, resize_along
-from services.testing.parity import (
-    fleet_layouts,
-    max_rel_array_diff,
-    optimizer_state,
-    worlds_by_generation,
-)
-from services.testing.refcache import ReferenceRuns
 from tests.e2e.checks import (
     check_exactly_once,
     final_losses,
@@ -30,12 +21,21 @@ from tests.e2e.checks import (
     samples_per_step,
     steps_by_generation,
 )
-from trainer.sharding import degrees
+from tide.services.testing.localjob import ROOT, LocalJob, gloo_env, reference_run, resize_along
+from tide.services.testing.parity import (
+    fleet_layouts,
+    max_rel_array_diff,
+    optimizer_state,
+    worlds_by_generation,
+)
+from tide.services.testing.refcache import ReferenceRuns
+from tide.trainer.sharding import degrees
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 
-SHARDED = str(ROOT / "trainer" / "examples" / "train_sharded.py")
-MLP = str(ROOT / "trainer" / "examples" / "train_mlp.py")
+SHARDED = str(ROOT / "tide" / "trainer" / "examples" / "train_sharded.py")
+MLP = str(ROOT / "tide" / "trainer" / "examples" / "train_mlp.py")
 DATASET, BATCH = 400, 32
 SPE = -(-DATASET // BATCH)  # 13 steps an epoch, the last one a 16-sample tail
 STEPS = 80
@@ -134,7 +134,7 @@ def test_a_layout_tide_cannot_resize_fails_before_its_first_step(
 ) -> None:
     # One rank: the refusal comes from Tide's strategy, before fleet.init (which itself
     # refuses tensor parallelism on a CPU, with a message about devices).
-    env = {**gloo_env(0, [0]), "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}
+    env = {**gloo_env(0, [0]), "PYTHONPATH": f"{ROOT}"}
     done = subprocess.run(
         [sys.executable, SHARDED, "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", "3", flag],
         cwd=ROOT,
@@ -180,7 +180,7 @@ async def test_dp_beside_sharding_resized_4_3_2_4_matches_a_fixed_run(
 ) -> None:
     """dp 2 x sharding 2 -> dp 3 x sharding 1 -> dp 1 x sharding 2 -> dp 2 x sharding 2, by
     the rule under sharding_degree_max 2, against a fixed run at the first layout. Each
-    generation's ranks log the degrees they run (trainer/session.py), and the state gathered
+    generation's ranks log the degrees they run (tide/trainer/session.py), and the state gathered
     from the first replica's sharding group (a replica's own shards would leave out the
     other groups') is whole at every checkpoint. In overlap mode the prepared workers form
     fleet's subgroups (their own stores) while the old generation trains."""

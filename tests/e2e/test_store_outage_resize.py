@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
-from services.testing.localjob import LocalJob
 from tests.e2e.checks import steps_by_generation
+from tide.services.testing.localjob import LocalJob
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 

@@ -21,12 +21,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from tide.v1 import common_pb2
 
-from services.local.demo import Demo, DemoSettings
-from services.scaler.actuators.local import JobSpec
-from services.testing.parity import sharding_degrees
 from tests.support.procs import ROOT
+from tide.services.local.demo import Demo, DemoSettings
+from tide.services.scaler.actuators.local import JobSpec
+from tide.services.testing.parity import sharding_degrees
+from tide.v1 import common_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 
@@ -40,7 +40,7 @@ WINDOWS = ("--sustain-s", str(SUSTAIN_S), "--cooldown-s", str(COOLDOWN_S))
 def test_a_fleet_sharded_job_is_grown_and_shrunk_by_the_scaler(tmp_path: Path) -> None:
     state = tmp_path / "tide"
     cmd = [
-        sys.executable, "-m", "services.cli", "demo", "--workload", "sharded",
+        sys.executable, "-m", "tide.services.cli", "demo", "--workload", "sharded",
         "--state-dir", str(state), "--plain", "--log-format", "json",
         *WINDOWS,
     ]  # fmt: skip

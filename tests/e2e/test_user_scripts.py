@@ -1,4 +1,4 @@
-"""End to end with a stock-shaped script (trainer/examples/train_bn.py): a BatchNorm CNN fed
+"""End to end with a stock-shaped script (tide/trainer/examples/train_bn.py): a BatchNorm CNN fed
 by ``paddle.io.DataLoader`` with worker processes, exact across resizes through virtual
 ranks; and the same script under ``paddle.DataParallel``."""
 
@@ -8,9 +8,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
-from services.testing.localjob import ROOT, LocalJob, reference_run
 from tests.e2e.checks import (
     check_exactly_once,
     final_losses,
@@ -19,10 +17,12 @@ from tests.e2e.checks import (
     samples_per_step,
     steps_by_generation,
 )
+from tide.services.testing.localjob import ROOT, LocalJob, reference_run
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 
-BN = str(ROOT / "trainer" / "examples" / "train_bn.py")
+BN = str(ROOT / "tide" / "trainer" / "examples" / "train_bn.py")
 DATASET, BATCH = 120, 16
 SPE = -(-DATASET // BATCH)  # 8 steps an epoch, the last one a 8-sample tail
 

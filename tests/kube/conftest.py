@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
-from services.testing.kube import KubeApiServer
-from services.testing.kube.crds import install_paddlejob_crds
+from tide.services.testing.kube import KubeApiServer
+from tide.services.testing.kube.crds import install_paddlejob_crds
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import pytest
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
-from services.testing.kube import KubeApiServer
+from tide.services.testing.kube import KubeApiServer
 
 pytestmark = pytest.mark.component
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from services.testing.kube import KubeApiServer
 from tests.support.kubetools import kubetools
+from tide.services.testing.kube import KubeApiServer
 
 pytestmark = pytest.mark.component
 

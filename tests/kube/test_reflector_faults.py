@@ -1,4 +1,4 @@
-"""Reliability catalog T09 for the scaler's Reflector (services/scaler/kube/client.py),
+"""Reliability catalog T09 for the scaler's Reflector (tide/services/scaler/kube/client.py),
 the list-then-watch cache under its capacity view, discovery and the actuator,
 against the API server emulator over HTTP:
 
@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from services.scaler.kube.client import Reflector
-from services.testing.kube import KubeApiServer
 from tests.support.poll import wait_for
-from tidebase.retry import Backoff
+from tide.base.retry import Backoff
+from tide.services.scaler.kube.client import Reflector
+from tide.services.testing.kube import KubeApiServer
 
 pytestmark = pytest.mark.component
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from services.testing.kube import KubeApiServer
-from services.testing.kube.crds import KUBEFLOW, PADDLE_OPERATOR
-from services.testing.kube.kubelet import KubeletStandIn
-from services.testing.kube.operators import POD, job_pods, start_operators
 from tests.support.poll import wait_for
+from tide.services.testing.kube import KubeApiServer
+from tide.services.testing.kube.crds import KUBEFLOW, PADDLE_OPERATOR
+from tide.services.testing.kube.kubelet import KubeletStandIn
+from tide.services.testing.kube.operators import POD, job_pods, start_operators
 
 pytestmark = pytest.mark.integration  # real processes
 

@@ -1,4 +1,4 @@
-"""Stands in for `python -m trainer.launch` in actuator tests.
+"""Stands in for `python -m tide.trainer.launch` in actuator tests.
 
 It records its start and its SIGTERM (with a monotonic timestamp) in
 $FAKE_LAUNCHER_LOG, keeps a "worker" child in its process group, and exits on

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from services.local.logscan import warnings_in
 from tests.support.procs import ROOT
+from tide.services.local.logscan import warnings_in
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.paddle]
 
 
 def tide(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "tide.services.cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -111,7 +111,7 @@ def assert_job_lines_carry_their_ids(logs: Path, job_id: str) -> None:
             lines += 1
             msg = doc["msg"]
             decision = re.search(r"\b(?:decision|resize) (\d+)", msg)
-            about_job = job_id in msg or decision or doc["logger"].startswith("trainer.")
+            about_job = job_id in msg or decision or doc["logger"].startswith("tide.trainer.")
             if about_job and doc.get("job_id") != job_id:
                 missing.append(f"{f.name}: no job_id: {raw}")
             if decision and doc.get("decision_id") is None:
@@ -147,7 +147,7 @@ def _cmdline(p: Path) -> str:
 def test_ctrl_c_stops_the_demo_cleanly_and_still_audits(tmp_path: Path) -> None:
     state = tmp_path / "tide"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "demo", "--state-dir", str(state), "--plain"],
+        [sys.executable, "-m", "tide.services.cli", "demo", "--state-dir", str(state), "--plain"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

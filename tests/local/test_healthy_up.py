@@ -3,7 +3,7 @@ synthetic load, over mTLS, then Ctrl-C; no service or launcher logs a WARNING or
 ERROR, teardown included, and no step is recorded as lost that was not.
 
 The short variant of ``python -m bench.install``'s 3-minute run: it stops as soon as both
-resizes completed (services/local/healthy.py)."""
+resizes completed (tide/services/local/healthy.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.local.healthy import GROW, SHRINK, HealthyRun, HealthySettings
+from tide.services.local.healthy import GROW, SHRINK, HealthyRun, HealthySettings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.paddle]
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.agent.attribution import PodResourcesClient
-from services.local.kubelet import serve_pod_resources
+from tide.services.agent.attribution import PodResourcesClient
+from tide.services.local.kubelet import serve_pod_resources
 
 pytestmark = pytest.mark.component
 

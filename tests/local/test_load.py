@@ -9,13 +9,13 @@ from typing import Any
 
 import grpc
 import pytest
-from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
-from services.common.config import CommonSettings
-from services.common.server import ServiceSpec, start_server
-from services.local.load import LoadSettings, SyntheticNode
 from tests.support.poll import eventually
-from tidebase.errors import ConfigError
+from tide.base.errors import ConfigError
+from tide.services.common.config import CommonSettings
+from tide.services.common.server import ServiceSpec, start_server
+from tide.services.local.load import LoadSettings, SyntheticNode
+from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 pytestmark = pytest.mark.component
 

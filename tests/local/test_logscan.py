@@ -1,4 +1,4 @@
-"""What the healthy-run checks count as noise in a local run's logs (services/local/logscan.py)."""
+"""What the healthy-run checks count as noise in a local run's logs (tide/services/local/logscan.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.local.logscan import warnings_in
-from tidebase.logs import JsonFormatter, TextFormatter
+from tide.base.logs import JsonFormatter, TextFormatter
+from tide.services.local.logscan import warnings_in
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from services.local.samples import audit
-from tidebase.errors import InvalidArgument
-from trainer.sampler import ResumableSampler, SamplerConfig
+from tide.base.errors import InvalidArgument
+from tide.services.local.samples import audit
+from tide.trainer.sampler import ResumableSampler, SamplerConfig
 
 pytestmark = pytest.mark.unit
 

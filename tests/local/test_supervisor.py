@@ -10,9 +10,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.local.supervisor import ChildSpec, ChildState, Supervisor
 from tests.support.procs import ROOT
-from tidebase.errors import ConfigError, Unavailable
+from tide.base.errors import ConfigError, Unavailable
+from tide.services.local.supervisor import ChildSpec, ChildState, Supervisor
 
 pytestmark = pytest.mark.component
 

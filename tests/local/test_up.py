@@ -37,7 +37,7 @@ def tide(
     *args: str, timeout_s: float = 60, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "tide.services.cli", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -73,7 +73,7 @@ def test_up_serves_until_ctrl_c_then_stops_everything(tmp_path: Path) -> None:
         "1",
     ]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "tide.services.cli", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

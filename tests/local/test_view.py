@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from tide.v1 import common_pb2, scaler_pb2
 
-from services.local.demo import (
+from tide.base.errors import ConfigError, FailedPrecondition
+from tide.services.local.demo import (
     DemoSettings,
     Outcome,
     Phase,
@@ -17,9 +17,9 @@ from services.local.demo import (
     next_phase,
     summary_lines,
 )
-from services.local.samples import SampleAudit
-from services.local.view import DecisionView, PlainLines, Snapshot, render
-from tidebase.errors import ConfigError, FailedPrecondition
+from tide.services.local.samples import SampleAudit
+from tide.services.local.view import DecisionView, PlainLines, Snapshot, render
+from tide.v1 import common_pb2, scaler_pb2
 
 pytestmark = pytest.mark.unit
 
@@ -146,7 +146,7 @@ def test_demo_settings_validation(kw: dict[str, object], field: str) -> None:
 def test_tide_demo_refuses_an_unknown_workload_in_one_line(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from services.cli.main import app
+    from tide.services.cli.main import app
 
     r = CliRunner().invoke(app, ["demo", "--workload", "pipeline", "--state-dir", str(tmp_path)])
     assert r.exit_code == 2

@@ -13,12 +13,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.common.clock import SystemClock
-from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
-from services.scaler.engine.core import ScalerCore
-from services.scaler.store import DecisionStore
-from services.store import db
-from services.testing.coordinator import InMemoryCoordinator
 from tests.reliability.partition_common import (
     API_JOB_NAME,
     API_REQUEST_TIMEOUT_S,
@@ -28,7 +22,13 @@ from tests.reliability.partition_common import (
 from tests.scaler.kube_world import PADDLE_OPERATOR, cluster, paddle_operator_job
 from tests.support.netns import CLIENT_ADDR, NetnsPair
 from tests.support.procs import ROOT
-from tidebase.errors import Unavailable
+from tide.base.errors import Unavailable
+from tide.services.common.clock import SystemClock
+from tide.services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
+from tide.services.scaler.engine.core import ScalerCore
+from tide.services.scaler.store import DecisionStore
+from tide.services.store import db
+from tide.services.testing.coordinator import InMemoryCoordinator
 
 
 async def apiserver_peer(workdir: str) -> None:

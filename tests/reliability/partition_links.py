@@ -14,16 +14,7 @@ import time
 from pathlib import Path
 
 import grpc
-from tide.v1 import (
-    common_pb2,
-    coordinator_pb2,
-    coordinator_pb2_grpc,
-    scaler_pb2,
-    scaler_pb2_grpc,
-)
-from tide.v1.coordinator_pb2 import Directive
 
-from services.testing.actuators import read_changes
 from tests.coordinator.fakes import ResizeWatch
 from tests.coordinator.test_process import HEARTBEAT_S, LiveLauncher
 from tests.coordinator.test_process import JOB as PEER_JOB
@@ -43,6 +34,15 @@ from tests.reliability.partition_common import (
 from tests.support.netns import CLIENT_ADDR, SERVER_ADDR, NetnsPair
 from tests.support.poll import wait_for
 from tests.support.procs import ROOT, ServiceProcess, start_memory_scaler, start_service
+from tide.services.testing.actuators import read_changes
+from tide.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    scaler_pb2,
+    scaler_pb2_grpc,
+)
+from tide.v1.coordinator_pb2 import Directive
 
 K = Directive
 
@@ -67,7 +67,7 @@ def agent_scaler(pair: NetnsPair, db_url: str) -> dict[str, object]:
             *pair.exec_in("client"),
             sys.executable,
             "-m",
-            "services.agent",
+            "tide.services.agent",
             f"--scaler={SERVER_ADDR}:{scaler.port}",
             "--node-name=part-node",
             "--source=synthetic",
@@ -146,7 +146,7 @@ async def coordinator_peer(db_path: str, launchers: int) -> None:
     coordinator = start_service(
         [
             "-m",
-            "services.coordinator",
+            "tide.services.coordinator",
             "--listen",
             "0.0.0.0:0",
             "--db",
@@ -198,7 +198,7 @@ def scaler_coordinator(pair: NetnsPair, db_url: str) -> dict[str, object]:
     scaler = start_service(
         [
             "-m",
-            "services.testing.scaler",
+            "tide.services.testing.scaler",
             "--coordinator",
             f"{CLIENT_ADDR}:{int(line.split()[1])}",
             "--actuator",
@@ -348,7 +348,7 @@ def launcher_coordinator(pair: NetnsPair, db_url: str) -> dict[str, object]:
     coordinator = start_service(
         [
             "-m",
-            "services.coordinator",
+            "tide.services.coordinator",
             "--listen",
             "0.0.0.0:0",
             "--db",

@@ -15,9 +15,9 @@ import pytest
 import sqlalchemy as sa
 
 from bench import contention
-from services.store import db
-from services.store.models.scaler import Decision, DecisionEvent
 from tests.support.pg import admin_engine
+from tide.services.store import db
+from tide.services.store.models.scaler import Decision, DecisionEvent
 
 pytestmark = [pytest.mark.integration]
 

@@ -3,7 +3,7 @@
 A call without one waits forever on a peer that accepted the connection and
 then stalled (a paused process, a half-open partition): the caller's task hangs
 and whatever it holds with it. Streams are the exception by design: they live
-for hours and rely on keepalive to notice a dead peer (tidebase/grpc_options.py).
+for hours and rely on keepalive to notice a dead peer (tide/base/grpc_options.py).
 
 The check reads the source: a call of a unary method of a Tide or gRPC health
 service through something named like a stub must pass ``timeout=``. Adding one
@@ -17,15 +17,15 @@ from pathlib import Path
 
 import pytest
 from grpc_health.v1 import health_pb2
-from tide.v1 import coordinator_pb2, scaler_pb2, telemetry_pb2
 
-from services.agent.podresources import api_pb2
+from tide.services.agent.podresources import api_pb2
+from tide.v1 import coordinator_pb2, scaler_pb2, telemetry_pb2
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Production code; tests and benches may leave a deadline to pytest's timeout.
-CHECKED = ("services", "trainer", "tidebase")
+CHECKED = ("tide",)
 
 
 def _unary_methods() -> set[str]:

@@ -22,14 +22,14 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
-from services.common.readiness import LIVENESS
-from services.store.probe import MIN_FREE_BYTES, StoreDown, check_writable
 from tests.support.faults import fill, remount, small_tmpfs
 from tests.support.poll import wait_for
 from tests.support.procs import start_memory_scaler
-from trainer.checkpoint import CheckpointStore
+from tide.services.common.readiness import LIVENESS
+from tide.services.store.probe import MIN_FREE_BYTES, StoreDown, check_writable
+from tide.trainer.checkpoint import CheckpointStore
+from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
 pytestmark = [pytest.mark.integration]
 

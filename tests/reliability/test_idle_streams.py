@@ -10,9 +10,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 from tests.support.procs import start_memory_scaler
+from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 pytestmark = pytest.mark.integration
 

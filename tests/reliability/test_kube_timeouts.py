@@ -14,7 +14,7 @@ the client's ``*Api`` classes) or when it passes one of the client's own
 keywords (``_preload_content``, ``_request_timeout``): that is how a list
 function handed around by reference (the Reflector's ``list_fn``) is called.
 A watch is a call with ``watch=True`` or ``watch.Watch().stream(...)``. The
-operators' stand-ins in services/testing are test doubles, and exempt.
+operators' stand-ins in tide/services/testing are test doubles, and exempt.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from kubernetes import client
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKED = ("services", "trainer", "tidebase", "tide")
+CHECKED = ("tide",)
 #: Test doubles: the API server emulator and the operators' stand-ins.
-EXEMPT = ("services/testing/",)
+EXEMPT = ("tide/services/testing/",)
 CLIENT_KEYWORDS = {"_preload_content", "_request_timeout"}
 
 

@@ -13,13 +13,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
-from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
-from services.common.config import CommonSettings
-from services.common.server import RunningServer, ServiceSpec, start_server
 from tests.common.sample_service import EchoTelemetry
 from tests.support.poll import eventually
-from tidebase.grpc_options import MAX_MESSAGE_BYTES
+from tide.base.grpc_options import MAX_MESSAGE_BYTES
+from tide.services.common.config import CommonSettings
+from tide.services.common.server import RunningServer, ServiceSpec, start_server
+from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 pytestmark = pytest.mark.component
 

@@ -18,15 +18,15 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
-from services.common.clock import SystemClock
-from services.common.readiness import LIVENESS
 from tests.coordinator.fakes import FakeLauncher
 from tests.reliability.test_store_outage import hot_agent, metric
 from tests.support.pgserver import PrivatePostgres, private_postgres
 from tests.support.poll import wait_for
 from tests.support.procs import ServiceProcess, start_service
+from tide.services.common.clock import SystemClock
+from tide.services.common.readiness import LIVENESS
+from tide.v1 import scaler_pb2, scaler_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow, pytest.mark.serial]
 
@@ -98,7 +98,7 @@ def _service(*args: str) -> ServiceProcess:
 async def test_coordinator_answers_health_through_a_store_outage(pg: PrivatePostgres) -> None:
     coord = _service(
         "-m",
-        "services.coordinator",
+        "tide.services.coordinator",
         "--listen",
         "127.0.0.1:0",
         "--metrics-listen",
@@ -151,7 +151,7 @@ async def test_coordinator_answers_health_through_a_store_outage(pg: PrivatePost
 def test_scaler_answers_health_through_a_store_outage(pg: PrivatePostgres) -> None:
     scaler = _service(
         "-m",
-        "services.testing.scaler",
+        "tide.services.testing.scaler",
         "--coordinator",
         "memory",
         "--actuator",

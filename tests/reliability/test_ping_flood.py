@@ -1,5 +1,5 @@
 """Reliability catalog T23, ping floods: a client that pings a Tide server far more
-often than tidebase/grpc_options.py permits (one ping per half the clients'
+often than tide/base/grpc_options.py permits (one ping per half the clients'
 keepalive time, 10 s, without data) is sent GOAWAY(too_many_pings) after two
 strikes and its connection closed; every other caller goes on unaffected.
 
@@ -21,12 +21,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
-from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
-from services.common.config import CommonSettings
-from services.common.server import RunningServer, ServiceSpec, start_server
 from tests.common.sample_service import EchoTelemetry
-from tidebase.grpc_options import client_options
+from tide.base.grpc_options import client_options
+from tide.services.common.config import CommonSettings
+from tide.services.common.server import RunningServer, ServiceSpec, start_server
+from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 pytestmark = pytest.mark.component
 

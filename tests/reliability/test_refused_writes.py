@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from services.scaler.store.decision_store import DecisionStore
-from services.store import db
-from services.testing.clock import FakeClock
-from tidebase.errors import StoreUnavailable
+from tide.base.errors import StoreUnavailable
+from tide.services.scaler.store.decision_store import DecisionStore
+from tide.services.store import db
+from tide.services.testing.clock import FakeClock
 
 pytestmark = pytest.mark.component
 

@@ -24,14 +24,14 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
-from services.common.clock import SystemClock
-from services.common.readiness import LIVENESS
 from tests.coordinator.fakes import FakeLauncher
 from tests.support.pgserver import PrivatePostgres, private_postgres
 from tests.support.poll import eventually, wait_for
 from tests.support.procs import ROOT, ServiceProcess, start_service
+from tide.services.common.clock import SystemClock
+from tide.services.common.readiness import LIVENESS
+from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
 
@@ -83,7 +83,7 @@ def test_scaler_rides_out_a_postgres_outage(pg: PrivatePostgres) -> None:
     scaler = start_service(
         [
             "-m",
-            "services.testing.scaler",
+            "tide.services.testing.scaler",
             "--coordinator",
             "memory",
             "--actuator",
@@ -184,7 +184,7 @@ async def test_coordinator_keeps_its_members_through_a_postgres_outage(
     coord = start_service(
         [
             "-m",
-            "services.coordinator",
+            "tide.services.coordinator",
             "--listen",
             "127.0.0.1:0",
             "--db",

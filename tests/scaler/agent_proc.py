@@ -8,9 +8,9 @@ import sys
 import time
 
 import grpc
-from tide.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
 
-from tidebase.grpc_options import client_options
+from tide.base.grpc_options import client_options
+from tide.v1 import common_pb2, telemetry_pb2, telemetry_pb2_grpc
 
 
 async def main(target: str, node: str, util: float, interval_s: float, pods: list[str]) -> None:

@@ -8,16 +8,16 @@ from pathlib import Path
 import grpc
 import pytest
 import sqlalchemy as sa
-from tide.v1 import telemetry_pb2_grpc
 
-from services.common.clock import SystemClock
-from services.scaler.ingest import Ingest, IngestSettings
-from services.scaler.servicer import TelemetryServicer
-from services.testing.members import InMemoryMemberRegistry
 from tests.scaler import service_rig
 from tests.scaler.support import TelemetryServer
 from tests.support.pg import schema_url
-from tidebase.grpc_options import server_options
+from tide.base.grpc_options import server_options
+from tide.services.common.clock import SystemClock
+from tide.services.scaler.ingest import Ingest, IngestSettings
+from tide.services.scaler.servicer import TelemetryServicer
+from tide.services.testing.members import InMemoryMemberRegistry
+from tide.v1 import telemetry_pb2_grpc
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ async def telemetry_server(registry: InMemoryMemberRegistry) -> AsyncIterator[Te
 )
 def scaler_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A migrated, empty database on each engine (PostgreSQL: a schema of its own)."""
-    from services.store import db
+    from tide.services.store import db
 
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'scaler.db'}"

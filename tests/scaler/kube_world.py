@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.testing.kube import KubeApiServer
-from services.testing.kube.crds import KUBEFLOW, PADDLE_OPERATOR, install_paddlejob_crds
-from services.testing.kube.kubelet import KubeletStandIn
-from services.testing.kube.operators import job_pods, start_operators
+from tide.services.testing.kube import KubeApiServer
+from tide.services.testing.kube.crds import KUBEFLOW, PADDLE_OPERATOR, install_paddlejob_crds
+from tide.services.testing.kube.kubelet import KubeletStandIn
+from tide.services.testing.kube.operators import job_pods, start_operators
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 

@@ -9,15 +9,15 @@ from typing import Any
 
 import pytest
 
-from services.scaler.engine.core import ScalerCore
-from services.scaler.ingest import IngestSettings
-from services.scaler.store import DecisionState, DecisionStore
-from services.store import db
-from services.testing.actuators import InMemoryActuator
-from services.testing.clock import FakeClock
-from services.testing.coordinator import InMemoryCoordinator, follow_actuator
 from tests.scaler.support import report
 from tests.support.poll import eventually
+from tide.services.scaler.engine.core import ScalerCore
+from tide.services.scaler.ingest import IngestSettings
+from tide.services.scaler.store import DecisionState, DecisionStore
+from tide.services.store import db
+from tide.services.testing.actuators import InMemoryActuator
+from tide.services.testing.clock import FakeClock
+from tide.services.testing.coordinator import InMemoryCoordinator, follow_actuator
 
 T0 = 1_800_000_000.0
 FAST = {"bucket_s": 10.0, "sustain_s": 30.0, "cooldown_s": 60.0, "scale_down_stabilization_s": 0.0}

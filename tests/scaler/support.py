@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 
 import grpc
-from tide.v1 import common_pb2, telemetry_pb2
 
-from services.scaler.ingest import Ingest
-from tidebase.timeconv import ts_from_seconds
+from tide.base.timeconv import ts_from_seconds
+from tide.services.scaler.ingest import Ingest
+from tide.v1 import common_pb2, telemetry_pb2
 
 
 def report(

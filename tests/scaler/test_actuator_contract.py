@@ -1,8 +1,8 @@
-"""One contract for services.scaler.actuators.Actuator, run over the in-memory and
-file doubles (services.testing.actuators) and the real local actuator (launcher
-processes; tests/local/fake_launcher.py stands in for trainer.launch) and the
+"""One contract for tide.services.scaler.actuators.Actuator, run over the in-memory and
+file doubles (tide.services.testing.actuators) and the real local actuator (launcher
+processes; tests/local/fake_launcher.py stands in for tide.trainer.launch) and the
 Kubernetes actuator on PaddleJobs (the API server emulator, both operators and a
-kubelet of services.testing.kube, running a sleeping process per pod)."""
+kubelet of tide.services.testing.kube, running a sleeping process per pod)."""
 
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ from typing import Protocol
 
 import pytest
 
-from services.scaler.actuators import Actuator, PodRemover, acting_while, remove_pods
-from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
-from services.scaler.actuators.local import JobSpec, LocalActuator, LocalActuatorSettings
-from services.scaler.errors import StaleEpoch
-from services.testing.actuators import FileActuator, InMemoryActuator, read_changes
-from services.testing.kube import KubeApiServer
-from services.testing.kube.crds import PADDLE_OPERATOR, install_paddlejob_crds
-from services.testing.kube.kubelet import KubeletStandIn
-from services.testing.kube.operators import job_pods, start_operators
 from tests.support.procs import ROOT
-from tidebase.errors import InvalidArgument
+from tide.base.errors import InvalidArgument
+from tide.services.scaler.actuators import Actuator, PodRemover, acting_while, remove_pods
+from tide.services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
+from tide.services.scaler.actuators.local import JobSpec, LocalActuator, LocalActuatorSettings
+from tide.services.scaler.errors import StaleEpoch
+from tide.services.testing.actuators import FileActuator, InMemoryActuator, read_changes
+from tide.services.testing.kube import KubeApiServer
+from tide.services.testing.kube.crds import PADDLE_OPERATOR, install_paddlejob_crds
+from tide.services.testing.kube.kubelet import KubeletStandIn
+from tide.services.testing.kube.operators import job_pods, start_operators
 
 pytestmark = pytest.mark.component
 

@@ -10,14 +10,6 @@ from typing import Any
 
 import pytest
 
-from services.scaler.actuators import acting_while
-from services.scaler.actuators.kubernetes import (
-    OWNER_EPOCH,
-    KubernetesActuator,
-    KubernetesActuatorSettings,
-)
-from services.scaler.errors import StaleEpoch
-from services.testing.kube.operators import job_pods
 from tests.scaler.kube_world import (
     KUBEFLOW,
     PADDLE_OPERATOR,
@@ -27,7 +19,15 @@ from tests.scaler.kube_world import (
     paddle_operator_job,
 )
 from tests.support.poll import eventually
-from tidebase.errors import FailedPrecondition, NotFound
+from tide.base.errors import FailedPrecondition, NotFound
+from tide.services.scaler.actuators import acting_while
+from tide.services.scaler.actuators.kubernetes import (
+    OWNER_EPOCH,
+    KubernetesActuator,
+    KubernetesActuatorSettings,
+)
+from tide.services.scaler.errors import StaleEpoch
+from tide.services.testing.kube.operators import job_pods
 
 pytestmark = pytest.mark.integration  # pods are real processes
 

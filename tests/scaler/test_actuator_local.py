@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from services.scaler.actuators.local import (
+from tests.support.poll import wait_for
+from tests.support.procs import ROOT, gone
+from tide.base.errors import ConfigError, InvalidArgument, NotFound
+from tide.services.scaler.actuators.local import (
     JobSpec,
     LocalActuator,
     LocalActuatorSettings,
     is_running,
 )
-from tests.support.poll import wait_for
-from tests.support.procs import ROOT, gone
-from tidebase.errors import ConfigError, InvalidArgument, NotFound
 
 pytestmark = pytest.mark.component
 
@@ -266,7 +266,7 @@ async def test_refusals(make: Factory, tmp_path: Path) -> None:
 
 
 async def test_up_nodes_share_the_pods_of_every_job_in_order(make: Factory, log: Path) -> None:
-    from services.local.up import _slice_of_pods
+    from tide.services.local.up import _slice_of_pods
 
     a = make()
     a.write_spec(JOB, JobSpec(command=("train",)))

@@ -12,23 +12,23 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf import json_format
-from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2_grpc
 
-from services.common.clock import SystemClock
-from services.common.config import CommonSettings
-from services.common.server import RunningServer, ServiceSpec, start_server
-from services.scaler.engine.core import ScalerCore
-from services.scaler.ingest import IngestSettings
-from services.scaler.policy import PolicySettings, Reason
-from services.scaler.servicer import RULES, ScalerServicer, TelemetryServicer
-from services.scaler.store import DecisionStore
-from services.store import db
-from services.testing.actuators import InMemoryActuator
-from services.testing.coordinator import InMemoryCoordinator, follow_actuator
 from tests.support.poll import eventually
 from tests.support.procs import ROOT
-from tidebase.grpc_options import client_options
-from tidebase.timeconv import datetime_of, ts_from_datetime
+from tide.base.grpc_options import client_options
+from tide.base.timeconv import datetime_of, ts_from_datetime
+from tide.services.common.clock import SystemClock
+from tide.services.common.config import CommonSettings
+from tide.services.common.server import RunningServer, ServiceSpec, start_server
+from tide.services.scaler.engine.core import ScalerCore
+from tide.services.scaler.ingest import IngestSettings
+from tide.services.scaler.policy import PolicySettings, Reason
+from tide.services.scaler.servicer import RULES, ScalerServicer, TelemetryServicer
+from tide.services.scaler.store import DecisionStore
+from tide.services.store import db
+from tide.services.testing.actuators import InMemoryActuator
+from tide.services.testing.coordinator import InMemoryCoordinator, follow_actuator
+from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc, telemetry_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -281,7 +281,7 @@ async def test_list_utilization_over_a_range(live: Live) -> None:
 
     from google.protobuf.timestamp_pb2 import Timestamp
 
-    from services.scaler.store import RollupRecord
+    from tide.services.scaler.store import RollupRecord
 
     stub = live.stub
     await stub.UpsertJob(scaler_pb2.UpsertJobRequest(job_id="ns/a"), timeout=T)

@@ -11,17 +11,17 @@ from contextlib import asynccontextmanager
 
 import grpc
 import pytest
-from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 from bench.fleet import Fleet
 from bench.ingest import _base
-from services.common.clock import SystemClock
-from services.scaler.ingest import Ingest, IngestSettings
-from services.scaler.members import Member
-from services.scaler.servicer import TelemetryServicer
-from services.testing.members import InMemoryMemberRegistry
 from tests.support.poll import eventually
-from tidebase.grpc_options import server_options
+from tide.base.grpc_options import server_options
+from tide.services.common.clock import SystemClock
+from tide.services.scaler.ingest import Ingest, IngestSettings
+from tide.services.scaler.members import Member
+from tide.services.scaler.servicer import TelemetryServicer
+from tide.services.testing.members import InMemoryMemberRegistry
+from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 pytestmark = [pytest.mark.component]
 

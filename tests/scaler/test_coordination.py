@@ -10,19 +10,19 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
+
+from tests.support.poll import eventually
+from tide.base.client import open_channel
+from tide.base.errors import NotFound
+from tide.base.grpc_options import client_options, server_options
+from tide.services.common.clock import SystemClock
+from tide.services.scaler.coordination import GrpcCoordinatorClient, Phase, ResizeSpec
+from tide.services.scaler.ingest import Ingest, IngestSettings, Rejection
+from tide.services.scaler.members import CoordinatorMemberRegistry
+from tide.services.scaler.metrics import IngestCollector
+from tide.services.testing.members import InMemoryMemberRegistry
 from tide.v1 import coordinator_pb2 as cpb
 from tide.v1 import coordinator_pb2_grpc
-
-from services.common.clock import SystemClock
-from services.scaler.coordination import GrpcCoordinatorClient, Phase, ResizeSpec
-from services.scaler.ingest import Ingest, IngestSettings, Rejection
-from services.scaler.members import CoordinatorMemberRegistry
-from services.scaler.metrics import IngestCollector
-from services.testing.members import InMemoryMemberRegistry
-from tests.support.poll import eventually
-from tidebase.client import open_channel
-from tidebase.errors import NotFound
-from tidebase.grpc_options import client_options, server_options
 
 pytestmark = pytest.mark.component
 

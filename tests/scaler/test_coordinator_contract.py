@@ -1,5 +1,5 @@
-"""One contract for services.scaler.coordination.CoordinatorClient, run over the
-in-memory coordinator (services.testing.coordinator) and over GrpcCoordinatorClient
+"""One contract for tide.services.scaler.coordination.CoordinatorClient, run over the
+in-memory coordinator (tide.services.testing.coordinator) and over GrpcCoordinatorClient
 talking over a real socket to the real coordinator, in-process, whose launchers
 are tests.coordinator.fakes.FakeLauncher. What the scaler relies on is asserted
 once here, so the double cannot drift from the real protocol."""
@@ -14,8 +14,12 @@ from typing import Protocol
 import grpc
 import pytest
 
-from services.coordinator.store import MemoryStore
-from services.scaler.coordination import (
+from tests.coordinator.support import JOB, Env, close_env, form, make_env
+from tests.support.poll import eventually
+from tide.base.client import open_channel
+from tide.base.errors import NotFound
+from tide.services.coordinator.store import MemoryStore
+from tide.services.scaler.coordination import (
     CoordinatorClient,
     GrpcCoordinatorClient,
     JobStatusView,
@@ -23,12 +27,8 @@ from services.scaler.coordination import (
     Progress,
     ResizeSpec,
 )
-from services.scaler.members import Member
-from services.testing.coordinator import InMemoryCoordinator
-from tests.coordinator.support import JOB, Env, close_env, form, make_env
-from tests.support.poll import eventually
-from tidebase.client import open_channel
-from tidebase.errors import NotFound
+from tide.services.scaler.members import Member
+from tide.services.testing.coordinator import InMemoryCoordinator
 
 pytestmark = pytest.mark.component
 

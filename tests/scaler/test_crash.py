@@ -6,7 +6,7 @@ One scaler process per round: it recovers the previous round's decision
 (recovery runs unarmed), then takes a new manual decision that dies at the
 round's fault point. The actuator (a file) and the in-memory coordinator's
 state file outlive the processes, like a cluster and a coordinator would; the
-test entry point (``python -m services.testing.scaler``) injects them.
+test entry point (``python -m tide.services.testing.scaler``) injects them.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
-from services.scaler import store as repo
-from services.store import db
-from services.testing.actuators import read_changes
 from tests.support.poll import wait_for
 from tests.support.procs import ServiceProcess, start_service
+from tide.services.scaler import store as repo
+from tide.services.store import db
+from tide.services.testing.actuators import read_changes
+from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def scaler(url: str, tmp: Path, fault: str) -> ServiceProcess:
     return start_service(
         [
             "-m",
-            "services.testing.scaler",
+            "tide.services.testing.scaler",
             "--coordinator",
             "memory",
             "--listen",

@@ -1,4 +1,4 @@
-"""The scaler engine's rooms on their own (services/scaler/engine/): the job book, the
+"""The scaler engine's rooms on their own (tide/services/scaler/engine/): the job book, the
 ownership interface, the wakeups and the event feed. The pipeline, the driver, custody,
 losses and the loop are covered through ScalerCore (test_service.py, test_sharding.py)."""
 
@@ -11,16 +11,16 @@ from typing import Any, cast
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.scaler import policy as pol
-from services.scaler.engine.feed import DecisionFeed
-from services.scaler.engine.jobs import JobBook
-from services.scaler.engine.ownership import Ownership
-from services.scaler.engine.wakeups import Wakeups
-from services.scaler.errors import NotLeader, NotOwner
-from services.scaler.leases import LeaderElector, ShardLeases
-from services.scaler.metrics import ScalerMetrics
-from services.scaler.store import DecisionRecord, DecisionState, JobRecord
-from services.testing.clock import FakeClock
+from tide.services.scaler import policy as pol
+from tide.services.scaler.engine.feed import DecisionFeed
+from tide.services.scaler.engine.jobs import JobBook
+from tide.services.scaler.engine.ownership import Ownership
+from tide.services.scaler.engine.wakeups import Wakeups
+from tide.services.scaler.errors import NotLeader, NotOwner
+from tide.services.scaler.leases import LeaderElector, ShardLeases
+from tide.services.scaler.metrics import ScalerMetrics
+from tide.services.scaler.store import DecisionRecord, DecisionState, JobRecord
+from tide.services.testing.clock import FakeClock
 
 pytestmark = pytest.mark.unit
 

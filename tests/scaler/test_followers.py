@@ -13,13 +13,13 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2_grpc
 
-from services.testing.replicas import replica_args
 from tests.scaler.support import report
 from tests.support.poll import eventually_rpc
 from tests.support.procs import ServiceProcess, start_service
-from tidebase.grpc_options import client_options
+from tide.base.grpc_options import client_options
+from tide.services.testing.replicas import replica_args
+from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

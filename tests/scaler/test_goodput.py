@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.scaler.policy import Reason
-from services.scaler.store import DecisionState
-from services.testing.clock import FakeClock
 from tests.scaler.service_rig import T0, Rig, make_rig
 from tests.scaler.support import report
 from tests.support.poll import eventually
+from tide.services.scaler.policy import Reason
+from tide.services.scaler.store import DecisionState
+from tide.services.testing.clock import FakeClock
 
 pytestmark = pytest.mark.component
 

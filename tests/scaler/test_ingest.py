@@ -5,15 +5,15 @@ from __future__ import annotations
 import math
 
 import pytest
-from tide.v1 import telemetry_pb2
 
-from services.scaler.ingest import Ingest, IngestSettings, InvalidStream, Rejection
-from services.scaler.members import Member
-from services.scaler.partials import NodeNotice
-from services.testing.clock import FakeClock
-from services.testing.members import InMemoryMemberRegistry
 from tests.scaler.support import report
-from tidebase.timeconv import ts_from_seconds
+from tide.base.timeconv import ts_from_seconds
+from tide.services.scaler.ingest import Ingest, IngestSettings, InvalidStream, Rejection
+from tide.services.scaler.members import Member
+from tide.services.scaler.partials import NodeNotice
+from tide.services.testing.clock import FakeClock
+from tide.services.testing.members import InMemoryMemberRegistry
+from tide.v1 import telemetry_pb2
 
 pytestmark = pytest.mark.component
 
@@ -189,7 +189,7 @@ def test_a_new_slot_notifies_once_per_slot(clock: FakeClock) -> None:
 
 
 def test_buckets_slide_with_the_slots(clock: FakeClock) -> None:
-    from services.scaler.windows import JobWindow
+    from tide.services.scaler.windows import JobWindow
 
     w = JobWindow(bucket_s=2.0, buckets=3)  # slots of 0.5 s, 4 per bucket
     means = {}
@@ -207,7 +207,7 @@ def test_buckets_slide_with_the_slots(clock: FakeClock) -> None:
 
 
 def test_late_samples_land_and_too_late_ones_are_refused() -> None:
-    from services.scaler.windows import JobWindow
+    from tide.services.scaler.windows import JobWindow
 
     w = JobWindow(bucket_s=1.0, buckets=2)  # slots of 0.5 s; the ring holds 7
     assert w.add(10, 50.0, 1)
@@ -250,7 +250,7 @@ def test_rollups_per_minute(engine: Ingest, clock: FakeClock) -> None:
 
 
 def test_staggered_slot_grids_open_at_different_instants(clock: FakeClock) -> None:
-    from services.scaler.windows import stagger_offset
+    from tide.services.scaler.windows import stagger_offset
 
     offsets = {stagger_offset(f"ns/j{i}", 0.5) for i in range(20)}
     assert len(offsets) > 15 and all(0 <= o < 0.5 for o in offsets)

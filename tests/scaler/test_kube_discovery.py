@@ -13,13 +13,6 @@ from typing import Any
 
 import pytest
 
-from services.common.clock import SystemClock
-from services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
-from services.scaler.engine.core import ScalerCore
-from services.scaler.kube.link import KubeLink
-from services.scaler.store import DecisionState, DecisionStore
-from services.store import db
-from services.testing.coordinator import InMemoryCoordinator
 from tests.scaler.kube_world import (
     KUBEFLOW,
     PADDLE_OPERATOR,
@@ -29,6 +22,13 @@ from tests.scaler.kube_world import (
     paddle_operator_job,
 )
 from tests.support.poll import eventually
+from tide.services.common.clock import SystemClock
+from tide.services.scaler.actuators.kubernetes import KubernetesActuator, KubernetesActuatorSettings
+from tide.services.scaler.engine.core import ScalerCore
+from tide.services.scaler.kube.link import KubeLink
+from tide.services.scaler.store import DecisionState, DecisionStore
+from tide.services.store import db
+from tide.services.testing.coordinator import InMemoryCoordinator
 
 pytestmark = pytest.mark.integration  # pods are real processes
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from services.scaler.kube.capacity import free_gpus, node_gpus
-from services.scaler.kube.paddlejob import (
+from tide.services.scaler.kube.capacity import free_gpus, node_gpus
+from tide.services.scaler.kube.paddlejob import (
     KUBEFLOW,
     PADDLE_OPERATOR,
     check_bounds,
@@ -18,7 +18,7 @@ from services.scaler.kube.paddlejob import (
     pod_index,
     view,
 )
-from services.scaler.policy import PolicySettings
+from tide.services.scaler.policy import PolicySettings
 
 pytestmark = pytest.mark.unit
 
@@ -180,8 +180,8 @@ def test_free_gpus_count_schedulable_ready_nodes_and_live_bound_pods() -> None:
 def test_each_decision_state_has_its_hpa_style_event() -> None:
     from datetime import UTC, datetime
 
-    from services.scaler.kube.events import decision_event
-    from services.scaler.store import DecisionRecord, DecisionState
+    from tide.services.scaler.kube.events import decision_event
+    from tide.services.scaler.store import DecisionRecord, DecisionState
 
     fields = {f: None for f in DecisionRecord.__dataclass_fields__}
     base = {

@@ -1,5 +1,5 @@
 """The scaler copies its CA into each namespace holding an opted-in PaddleJob
-(services/scaler/kube/trust.py): created, rewritten when the CA changes, never written
+(tide/services/scaler/kube/trust.py): created, rewritten when the CA changes, never written
 over a ConfigMap that is not Tide's. Against the API-server emulator."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from services.scaler.kube.discovery import Discovery
-from services.scaler.kube.events import EventRecorder
-from services.scaler.kube.trust import KEY, TrustBundle
-from services.scaler.policy import PolicySettings
-from services.testing.kube import KubeApiServer
-from services.testing.kube.crds import install_paddlejob_crds
 from tests.scaler.kube_world import PADDLE_OPERATOR, paddle_operator_job
 from tests.support.poll import eventually
-from tidebase.errors import TideError
+from tide.base.errors import TideError
+from tide.services.scaler.kube.discovery import Discovery
+from tide.services.scaler.kube.events import EventRecorder
+from tide.services.scaler.kube.trust import KEY, TrustBundle
+from tide.services.scaler.policy import PolicySettings
+from tide.services.testing.kube import KubeApiServer
+from tide.services.testing.kube.crds import install_paddlejob_crds
 
 pytestmark = pytest.mark.component
 

@@ -1,6 +1,6 @@
-"""The contract of a leader lease backend (services.scaler.leases.LeaseBackend), run
+"""The contract of a leader lease backend (tide.services.scaler.leases.LeaseBackend), run
 against both real ones: the lease row in SQL (DecisionStore) and the Kubernetes
-Lease (services/scaler/kube/lease.py) on the API server emulator, through the
+Lease (tide/services/scaler/kube/lease.py) on the API server emulator, through the
 official client. Then what is particular to the Lease: the fields it writes and
 its 409s."""
 
@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from services.scaler.kube.client import raw
-from services.scaler.kube.lease import KubernetesLease
-from services.scaler.leases import LeaderElector, LeaseBackend, LeaseRecord, LeaseSettings
-from services.scaler.store import DecisionStore
-from services.store import db
-from services.testing.clock import FakeClock
-from services.testing.kube import KubeApiServer
-from tidebase.errors import InvalidArgument
+from tide.base.errors import InvalidArgument
+from tide.services.scaler.kube.client import raw
+from tide.services.scaler.kube.lease import KubernetesLease
+from tide.services.scaler.leases import LeaderElector, LeaseBackend, LeaseRecord, LeaseSettings
+from tide.services.scaler.store import DecisionStore
+from tide.services.store import db
+from tide.services.testing.clock import FakeClock
+from tide.services.testing.kube import KubeApiServer
 
 pytestmark = pytest.mark.integration
 

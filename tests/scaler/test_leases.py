@@ -1,4 +1,4 @@
-"""The leader lease in SQL (services/scaler/leases.py) on both engines, at the
+"""The leader lease in SQL (tide/services/scaler/leases.py) on both engines, at the
 level of its transactions (the contract every backend keeps, and the elector over
 it, are in test_lease_contract.py)."""
 
@@ -9,10 +9,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.scaler.leases import LeaseSettings
-from services.store import db
-from services.store.leases import LeaseRecord, read_lease, release_lease, try_lease
-from tidebase.errors import ConfigError, InvalidArgument
+from tide.base.errors import ConfigError, InvalidArgument
+from tide.services.scaler.leases import LeaseSettings
+from tide.services.store import db
+from tide.services.store.leases import LeaseRecord, read_lease, release_lease, try_lease
 
 pytestmark = pytest.mark.integration
 

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.scaler.members import CoordinatorMemberRegistry
 from tests.support.poll import eventually
-from tidebase.errors import NotFound, Unavailable
+from tide.base.errors import NotFound, Unavailable
+from tide.services.scaler.members import CoordinatorMemberRegistry
 
 pytestmark = pytest.mark.unit
 
@@ -28,7 +28,7 @@ async def test_an_unknown_job_is_watched_again_quietly(
         yield []  # an async generator, as the real watch
 
     reg = CoordinatorMemberRegistry(watch)  # type: ignore[arg-type]
-    with caplog.at_level(logging.DEBUG, logger="services.scaler.members"):
+    with caplog.at_level(logging.DEBUG, logger="tide.services.scaler.members"):
         reg.track("ns/new")
         await eventually(lambda: len(calls) >= 2, 5, what="a second watch")
         await reg.close()

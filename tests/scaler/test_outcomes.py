@@ -13,25 +13,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tide.v1 import coordinator_pb2 as cpb
 
-from services.scaler import store as repo
-from services.scaler.actuators import owner_epoch
-from services.scaler.coordination import Phase, Progress, ResizeSpec
-from services.scaler.engine.core import ScalerCore
-from services.scaler.ingest import Ingest, IngestSettings
-from services.scaler.members import Member
-from services.scaler.rollup_writer import RETENTION_EVERY_S, RollupWriter
-from services.scaler.store import DecisionState, DecisionStore, RollupRecord
-from services.scaler.windows import Rollups
-from services.store import db
-from services.testing.actuators import InMemoryActuator, ReplicaChange
-from services.testing.clock import FakeClock
-from services.testing.coordinator import NOTHING_MOVED, InMemoryCoordinator, follow_actuator
-from services.testing.members import InMemoryMemberRegistry
 from tests.scaler.support import report
 from tests.support.procs import ROOT
-from tidebase.errors import ConfigError, Unavailable
+from tide.base.errors import ConfigError, Unavailable
+from tide.services.scaler import store as repo
+from tide.services.scaler.actuators import owner_epoch
+from tide.services.scaler.coordination import Phase, Progress, ResizeSpec
+from tide.services.scaler.engine.core import ScalerCore
+from tide.services.scaler.ingest import Ingest, IngestSettings
+from tide.services.scaler.members import Member
+from tide.services.scaler.rollup_writer import RETENTION_EVERY_S, RollupWriter
+from tide.services.scaler.store import DecisionState, DecisionStore, RollupRecord
+from tide.services.scaler.windows import Rollups
+from tide.services.store import db
+from tide.services.testing.actuators import InMemoryActuator, ReplicaChange
+from tide.services.testing.clock import FakeClock
+from tide.services.testing.coordinator import NOTHING_MOVED, InMemoryCoordinator, follow_actuator
+from tide.services.testing.members import InMemoryMemberRegistry
+from tide.v1 import coordinator_pb2 as cpb
 
 pytestmark = pytest.mark.component
 
@@ -342,7 +342,7 @@ def test_the_production_scaler_needs_a_real_coordinator_and_actuator(
     args: list[str], says: str
 ) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "services.scaler", *args],
+        [sys.executable, "-m", "tide.services.scaler", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -354,7 +354,7 @@ def test_the_production_scaler_needs_a_real_coordinator_and_actuator(
 
 
 def test_the_test_entry_point_accepts_the_doubles_and_nothing_else(tmp_path: Path) -> None:
-    from services.testing.scaler import TestScalerSettings
+    from tide.services.testing.scaler import TestScalerSettings
 
     assert TestScalerSettings(coordinator="memory", actuator="memory").coordinator == "memory"
     TestScalerSettings(coordinator="memory", actuator=f"file:{tmp_path / 'log'}")

@@ -1,4 +1,4 @@
-"""Sharded ingest (services/scaler/partials.py): the same stream of reports, split across
+"""Sharded ingest (tide/services/scaler/partials.py): the same stream of reports, split across
 replicas that ship partial aggregates to the job's owner, gives the owner the windows,
 coverage and rollups that one replica given every report holds."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.testing.shards import compare_sharded
+from tide.services.testing.shards import compare_sharded
 
 pytestmark = pytest.mark.component
 
@@ -19,11 +19,10 @@ def test_sharded_windows_match_a_single_replica(
 
 
 def test_partials_survive_the_wire() -> None:
-    """What ShipPartials carries is what take_partials gave (services/scaler/peers.py)."""
+    """What ShipPartials carries is what take_partials gave (tide/services/scaler/peers.py)."""
+    from tide.services.scaler.partials import JobPartial
+    from tide.services.scaler.peers import partial_from_proto, partial_to_proto
     from tide.v1 import peers_pb2
-
-    from services.scaler.partials import JobPartial
-    from services.scaler.peers import partial_from_proto, partial_to_proto
 
     p = JobPartial(
         "ns/a",

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.scaler.policy import (
+from tide.base.errors import ConfigError, FailedPrecondition, InvalidArgument
+from tide.services.scaler.policy import (
     Decision,
     History,
     JobState,
@@ -19,7 +20,6 @@ from services.scaler.policy import (
     manual,
     proportional,
 )
-from tidebase.errors import ConfigError, FailedPrecondition, InvalidArgument
 
 pytestmark = pytest.mark.unit
 

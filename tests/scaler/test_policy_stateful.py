@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from services.scaler.policy import History, JobState, PolicySettings, WindowView, decide
+from tide.services.scaler.policy import History, JobState, PolicySettings, WindowView, decide
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
-from services.scaler import policy as pol
+from tide.services.scaler import policy as pol
 
 pytestmark = pytest.mark.unit
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from services.scaler.goodput import (
+from tide.services.scaler.goodput import (
     Claim,
     PoolRule,
     allocate,
     efficiency,
     next_replica_efficiency,
 )
-from services.scaler.policy import Decision, JobState, Reason
-from services.scaler.pool import arbitrate
+from tide.services.scaler.policy import Decision, JobState, Reason
+from tide.services.scaler.pool import arbitrate
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scaler.preemption import (
+from tide.services.scaler.preemption import (
     DEFAULT_CHECKPOINT_S,
     MIN_BARRIER_S,
     PlanReason,

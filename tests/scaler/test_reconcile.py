@@ -1,4 +1,4 @@
-"""Reconcile, don't assume (services/scaler/reconcile.py): the pure comparison, then the
+"""Reconcile, don't assume (tide/services/scaler/reconcile.py): the pure comparison, then the
 scaler core with the in-memory coordinator and actuator, where drift is made by hand."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
-from services.scaler.reconcile import Observed, compare
-from services.scaler.store import DecisionState
-from services.testing.actuators import ReplicaChange, read_changes, record_change
-from services.testing.clock import FakeClock
 from tests.scaler.service_rig import FAST, T0, Rig, final, make_rig
 from tests.support.poll import eventually, wait_for
 from tests.support.procs import start_service
+from tide.services.scaler.reconcile import Observed, compare
+from tide.services.scaler.store import DecisionState
+from tide.services.testing.actuators import ReplicaChange, read_changes, record_change
+from tide.services.testing.clock import FakeClock
+from tide.v1 import common_pb2, scaler_pb2, scaler_pb2_grpc
 
 JOB = "ns/a"
 
@@ -135,7 +135,7 @@ def test_the_scaler_process_corrects_a_hand_edit_and_exports_it(tmp_path: Path) 
     scaler = start_service(
         [
             "-m",
-            "services.testing.scaler",
+            "tide.services.testing.scaler",
             "--coordinator",
             "memory",
             "--actuator",

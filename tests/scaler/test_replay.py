@@ -1,4 +1,4 @@
-"""A job's shard moves mid-window (services/scaler/partials.py ``Shipped``): every replica
+"""A job's shard moves mid-window (tide/services/scaler/partials.py ``Shipped``): every replica
 replays the window slots it shipped to the old owner to the new one, and the new owner
 adds the slots it shipped itself, so its window is the one a single replica given every
 report holds, less only the samples the killed old owner's own agents had sent it. An
@@ -14,13 +14,13 @@ import random
 
 import pytest
 
-from services.scaler.ingest import Ingest, IngestSettings
-from services.scaler.members import Member
-from services.scaler.partials import JobPartial, Shipped
-from services.scaler.windows import slots_per_bucket
-from services.testing.clock import FakeClock
-from services.testing.members import InMemoryMemberRegistry
-from services.testing.shards import T0, _report
+from tide.services.scaler.ingest import Ingest, IngestSettings
+from tide.services.scaler.members import Member
+from tide.services.scaler.partials import JobPartial, Shipped
+from tide.services.scaler.windows import slots_per_bucket
+from tide.services.testing.clock import FakeClock
+from tide.services.testing.members import InMemoryMemberRegistry
+from tide.services.testing.shards import T0, _report
 
 pytestmark = pytest.mark.component
 

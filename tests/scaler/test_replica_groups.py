@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scaler.policy import (
+from tide.base.errors import ConfigError, InvalidArgument
+from tide.services.scaler.policy import (
     History,
     JobState,
     PolicySettings,
@@ -19,7 +20,6 @@ from services.scaler.policy import (
     decide,
     manual,
 )
-from tidebase.errors import ConfigError, InvalidArgument
 
 pytestmark = pytest.mark.unit
 

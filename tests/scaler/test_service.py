@@ -6,19 +6,19 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tide.v1 import telemetry_pb2
 
-from services.scaler.convert import inputs_to_proto
-from services.scaler.coordination import Phase
-from services.scaler.policy import Reason
-from services.scaler.store import DecisionState, DecisionStore, StaleEpoch
-from services.store import db
-from services.testing.actuators import InMemoryActuator, ReplicaChange
-from services.testing.clock import FakeClock
 from tests.scaler.service_rig import FAST, T0, Rig, feed, final, make_rig
 from tests.scaler.support import report
 from tests.support.poll import eventually
-from tidebase.errors import InvalidArgument, StoreUnavailable, Unavailable
+from tide.base.errors import InvalidArgument, StoreUnavailable, Unavailable
+from tide.services.scaler.convert import inputs_to_proto
+from tide.services.scaler.coordination import Phase
+from tide.services.scaler.policy import Reason
+from tide.services.scaler.store import DecisionState, DecisionStore, StaleEpoch
+from tide.services.store import db
+from tide.services.testing.actuators import InMemoryActuator, ReplicaChange
+from tide.services.testing.clock import FakeClock
+from tide.v1 import telemetry_pb2
 
 pytestmark = pytest.mark.component
 
@@ -545,8 +545,8 @@ async def test_metrics_follow_the_decisions_of_a_job(rig: Rig) -> None:
 async def test_actuator_errors_are_counted_by_operation() -> None:
     from prometheus_client import CollectorRegistry
 
-    from services.scaler.actuators.counted import CountedActuator
-    from services.scaler.metrics import ScalerMetrics
+    from tide.services.scaler.actuators.counted import CountedActuator
+    from tide.services.scaler.metrics import ScalerMetrics
 
     class Broken(InMemoryActuator):
         async def set_replicas(self, job_id: str, replicas: int, *, decision_id: int) -> None:

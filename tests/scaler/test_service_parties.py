@@ -8,15 +8,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.scaler.coordination import Progress, ResizeSpec
-from services.scaler.engine.core import ScalerCore
-from services.scaler.store import DecisionState, DecisionStore
-from services.store import db
-from services.testing.actuators import InMemoryActuator, ReplicaChange
-from services.testing.clock import FakeClock
-from services.testing.coordinator import InMemoryCoordinator, follow_actuator
 from tests.scaler.service_rig import FAST, T0, Rig, final
-from tidebase.errors import Unavailable
+from tide.base.errors import Unavailable
+from tide.services.scaler.coordination import Progress, ResizeSpec
+from tide.services.scaler.engine.core import ScalerCore
+from tide.services.scaler.store import DecisionState, DecisionStore
+from tide.services.store import db
+from tide.services.testing.actuators import InMemoryActuator, ReplicaChange
+from tide.services.testing.clock import FakeClock
+from tide.services.testing.coordinator import InMemoryCoordinator, follow_actuator
 
 pytestmark = pytest.mark.component
 

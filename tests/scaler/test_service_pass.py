@@ -10,22 +10,22 @@ from typing import Any
 
 import pytest
 
-from services.scaler import policy as pol
-from services.scaler.leases import ShardSettings
-from services.scaler.policy import PolicySettings, Reason
-from services.scaler.store import DecisionState
-from services.testing.clock import FakeClock
 from tests.scaler.service_rig import FAST, PODS, REAL, REAL_ENV, T0, Rig, feed, final
 from tests.scaler.support import report
 from tests.support.poll import eventually
+from tide.services.scaler import policy as pol
+from tide.services.scaler.leases import ShardSettings
+from tide.services.scaler.policy import PolicySettings, Reason
+from tide.services.scaler.store import DecisionState
+from tide.services.testing.clock import FakeClock
 
 pytestmark = pytest.mark.component
 
 
 def test_scaler_settings_validate_and_feed_the_policy() -> None:
-    from services.common.config import load_settings
-    from services.scaler.settings import ScalerSettings
-    from tidebase.errors import ConfigError
+    from tide.base.errors import ConfigError
+    from tide.services.common.config import load_settings
+    from tide.services.scaler.settings import ScalerSettings
 
     s = load_settings(
         ScalerSettings, ["--sustain-s=60", "--bucket-s=10", "--max-replicas=16"], env=REAL_ENV
@@ -73,10 +73,10 @@ def test_scaler_settings_validate_and_feed_the_policy() -> None:
 
 
 def test_scaler_settings_db_and_local_actuator(tmp_path: Path) -> None:
-    from services.common.config import load_settings
-    from services.scaler.actuators import make_actuator
-    from services.scaler.settings import DEFAULT_DB, ScalerSettings
-    from tidebase.errors import ConfigError
+    from tide.base.errors import ConfigError
+    from tide.services.common.config import load_settings
+    from tide.services.scaler.actuators import make_actuator
+    from tide.services.scaler.settings import DEFAULT_DB, ScalerSettings
 
     assert ScalerSettings(**REAL).db == DEFAULT_DB == "sqlite:///.tide/tide.db"
     url = f"sqlite:///{tmp_path}/a.db"
@@ -95,7 +95,7 @@ def test_scaler_settings_db_and_local_actuator(tmp_path: Path) -> None:
     a = make_actuator(
         s.actuator, coordinator=s.coordinator, total_gpus=s.total_gpus, clock=FakeClock(T0)
     )
-    from services.scaler.actuators.local import LocalActuator
+    from tide.services.scaler.actuators.local import LocalActuator
 
     assert isinstance(a, LocalActuator)
     assert (a.settings.state_dir, a.settings.total_gpus) == (tmp_path, 3)
@@ -187,7 +187,7 @@ async def test_the_pass_writes_its_decisions_in_one_batch_or_each_alone(
 async def test_the_pass_over_many_jobs_is_spread_over_the_interval(rig: Rig) -> None:
     """Over YIELD_EVERY_JOBS jobs, ``run`` evaluates them in slices spread over the
     interval: every job once a round, no job twice, and never the whole fleet at once."""
-    from services.scaler.tuning import YIELD_EVERY_JOBS
+    from tide.services.scaler.tuning import YIELD_EVERY_JOBS
 
     core, clock = rig.core, rig.clock
     for i in range(3 * YIELD_EVERY_JOBS):  # with ns/a: three slices

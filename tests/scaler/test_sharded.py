@@ -19,15 +19,15 @@ import grpc
 import pytest
 import sqlalchemy as sa
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
-from services.scaler.leases import SHARD_LEASE_PREFIX, assign, shard_of
-from services.testing.replicas import replica_args
 from tests.scaler.support import report
 from tests.support.pg import schema_url
 from tests.support.poll import eventually_rpc
 from tests.support.procs import ServiceProcess, start_service
-from tidebase.grpc_options import client_options
+from tide.base.grpc_options import client_options
+from tide.services.scaler.leases import SHARD_LEASE_PREFIX, assign, shard_of
+from tide.services.testing.replicas import replica_args
+from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 
@@ -41,7 +41,7 @@ T = 5.0
 
 @pytest.fixture
 def db_url(pg_admin: sa.Engine, pg_url: str) -> Iterator[str]:
-    from services.store import db
+    from tide.services.store import db
 
     with schema_url(pg_admin, pg_url, "sharded") as url:
         db.upgrade(url)
@@ -372,7 +372,7 @@ async def test_a_notice_reported_to_a_non_owner_makes_the_owner_plan_the_preempt
 
 
 def _save_often(path: str, job: str, n: int) -> None:
-    from services.testing.coordinator import InMemoryCoordinator
+    from tide.services.testing.coordinator import InMemoryCoordinator
 
     c = InMemoryCoordinator(path=Path(path))
     for i in range(n):
@@ -386,7 +386,7 @@ def test_replicas_sharing_the_coordinator_file_lose_no_write(tmp_path: Path) -> 
     nor put back another's job as they last read it."""
     import multiprocessing as mp
 
-    from services.testing.coordinator import InMemoryCoordinator
+    from tide.services.testing.coordinator import InMemoryCoordinator
 
     path = tmp_path / "coordinator.json"
     ctx = mp.get_context("spawn")

@@ -1,4 +1,4 @@
-"""Sharded cores in one process (services/scaler/sharding.py), on one store with a fake
+"""Sharded cores in one process (tide/services/scaler/sharding.py), on one store with a fake
 clock: the owner of a job acts on it and the others forward its samples and refuse its
 writes naming the owner; a shard given up is stopped before it is released (its
 decision in flight cancelled) and its new owner resumes it under a higher epoch;
@@ -11,22 +11,28 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
-from tide.v1 import telemetry_pb2
 
-from services.scaler.engine.core import ScalerCore
-from services.scaler.errors import NotOwner
-from services.scaler.ingest import IngestSettings
-from services.scaler.leases import SHARD_LEASE_PREFIX, ShardLeases, ShardSettings, assign, shard_of
-from services.scaler.partials import NodeNotice
-from services.scaler.policy import Reason
-from services.scaler.sharding import Sharding
-from services.scaler.store import DecisionState, DecisionStore
-from services.store import db
-from services.testing.actuators import InMemoryActuator
-from services.testing.clock import FakeClock
-from services.testing.coordinator import InMemoryCoordinator, follow_actuator
-from services.testing.shards import InProcessPeers
 from tests.scaler.support import report
+from tide.services.scaler.engine.core import ScalerCore
+from tide.services.scaler.errors import NotOwner
+from tide.services.scaler.ingest import IngestSettings
+from tide.services.scaler.leases import (
+    SHARD_LEASE_PREFIX,
+    ShardLeases,
+    ShardSettings,
+    assign,
+    shard_of,
+)
+from tide.services.scaler.partials import NodeNotice
+from tide.services.scaler.policy import Reason
+from tide.services.scaler.sharding import Sharding
+from tide.services.scaler.store import DecisionState, DecisionStore
+from tide.services.store import db
+from tide.services.testing.actuators import InMemoryActuator
+from tide.services.testing.clock import FakeClock
+from tide.services.testing.coordinator import InMemoryCoordinator, follow_actuator
+from tide.services.testing.shards import InProcessPeers
+from tide.v1 import telemetry_pb2
 
 pytestmark = pytest.mark.component
 
@@ -347,7 +353,7 @@ async def test_an_uncordon_is_shipped_to_the_owner_at_once_and_drops_its_copy(
 
 def test_a_withdrawal_travels_apart_from_the_notices() -> None:
     """A replica that predates ``withdrawn`` must not read an uncordon as a cordon."""
-    from services.scaler.peers import notice_from_proto, ship_request
+    from tide.services.scaler.peers import notice_from_proto, ship_request
 
     kinds = telemetry_pb2.NodeEvent
     cordon = NodeNotice("ns/a", "n1", kinds.KIND_CORDONED, None, frozenset({"p"}))

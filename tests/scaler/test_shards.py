@@ -1,4 +1,4 @@
-"""Shard leases (services/scaler/leases.py): the assignment, and replicas on one store
+"""Shard leases (tide/services/scaler/leases.py): the assignment, and replicas on one store
 with a fake clock: every shard held by at most one replica at every moment, and
 rebalanced when a replica joins, leaves cleanly or dies."""
 
@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.scaler.leases import ShardLeases, ShardSettings, assign, shard_of
-from services.scaler.store import DecisionStore
-from services.store import db
-from services.testing.clock import FakeClock
-from tidebase.errors import ConfigError
+from tide.base.errors import ConfigError
+from tide.services.scaler.leases import ShardLeases, ShardSettings, assign, shard_of
+from tide.services.scaler.store import DecisionStore
+from tide.services.store import db
+from tide.services.testing.clock import FakeClock
 
 SETTINGS = ShardSettings(shards=12, duration_s=3.0, renew_s=1.0)
 

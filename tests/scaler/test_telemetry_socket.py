@@ -7,15 +7,15 @@ import time
 
 import grpc
 import pytest
-from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
-from services.common.clock import SystemClock
-from services.scaler.ingest import Ingest, IngestSettings, Rejection
-from services.scaler.members import Member
-from services.scaler.servicer import TelemetryServicer
-from services.testing.members import InMemoryMemberRegistry
 from tests.scaler.support import TelemetryServer, report
-from tidebase.grpc_options import client_options, server_options
+from tide.base.grpc_options import client_options, server_options
+from tide.services.common.clock import SystemClock
+from tide.services.scaler.ingest import Ingest, IngestSettings, Rejection
+from tide.services.scaler.members import Member
+from tide.services.scaler.servicer import TelemetryServicer
+from tide.services.testing.members import InMemoryMemberRegistry
+from tide.v1 import telemetry_pb2, telemetry_pb2_grpc
 
 pytestmark = pytest.mark.component
 

@@ -15,22 +15,22 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from services.common import tracing
-from services.coordinator.store import MemoryStore
-from services.scaler.coordination import GrpcCoordinatorClient
-from services.scaler.engine.core import ScalerCore
-from services.scaler.ingest import IngestSettings
-from services.scaler.policy import PolicySettings
-from services.scaler.store import DecisionState, DecisionStore
-from services.store import db
-from services.testing.actuators import InMemoryActuator
-from services.testing.clock import FakeClock
-from services.testing.coordinator import InMemoryCoordinator, follow_actuator
 from tests.coordinator.support import JOB, close_env, make_env
 from tests.scaler.support import report
 from tests.scaler.test_coordinator_contract import RealWorld
 from tests.support.poll import eventually
-from tidebase.client import open_channel
+from tide.base.client import open_channel
+from tide.services.common import tracing
+from tide.services.coordinator.store import MemoryStore
+from tide.services.scaler.coordination import GrpcCoordinatorClient
+from tide.services.scaler.engine.core import ScalerCore
+from tide.services.scaler.ingest import IngestSettings
+from tide.services.scaler.policy import PolicySettings
+from tide.services.scaler.store import DecisionState, DecisionStore
+from tide.services.store import db
+from tide.services.testing.actuators import InMemoryActuator
+from tide.services.testing.clock import FakeClock
+from tide.services.testing.coordinator import InMemoryCoordinator, follow_actuator
 
 pytestmark = pytest.mark.component
 

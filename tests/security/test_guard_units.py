@@ -7,9 +7,10 @@ import math
 import os
 
 import pytest
-from tide.v1 import coordinator_pb2, scaler_pb2, telemetry_pb2
 
-from services.common.guard import (
+from tide.base.credentials import ClientCredentials
+from tide.base.errors import ConfigError, InvalidArgument, PermissionDenied
+from tide.services.common.guard import (
     ANONYMOUS,
     Identity,
     Kind,
@@ -22,9 +23,8 @@ from services.common.guard import (
     identity_from_spiffe,
     requested_by,
 )
-from services.common.validate import validate_message
-from tidebase.credentials import ClientCredentials
-from tidebase.errors import ConfigError, InvalidArgument, PermissionDenied
+from tide.services.common.validate import validate_message
+from tide.v1 import coordinator_pb2, scaler_pb2, telemetry_pb2
 
 pytestmark = pytest.mark.unit
 

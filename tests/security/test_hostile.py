@@ -1,4 +1,4 @@
-"""The hostile client (services.testing.hostile) against a real scaler and coordinator:
+"""The hostile client (tide.services.testing.hostile) against a real scaler and coordinator:
 edge values and garbage bytes on every method, every forged shape on every link."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.testing import hostile
-from services.testing.stack import Stack, start_stack
+from tide.services.testing import hostile
+from tide.services.testing.stack import Stack, start_stack
 
 pytestmark = pytest.mark.component
 

@@ -1,4 +1,4 @@
-"""Every link of a scaler and a coordinator run with mTLS (services.testing.stack): each
+"""Every link of a scaler and a coordinator run with mTLS (tide.services.testing.stack): each
 identity may do what it is for, and each forged or unauthenticated shape is refused."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from tide.base.errors import NotFound
+from tide.base.timeconv import ts_from_seconds
+from tide.services.common.pki import CertificateAuthority
+from tide.services.scaler.ingest import Rejection
+from tide.services.testing.stack import Stack, start_stack
 from tide.v1 import coordinator_pb2 as cpb
 from tide.v1 import coordinator_pb2_grpc as cpb_grpc
 from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
-
-from services.common.pki import CertificateAuthority
-from services.scaler.ingest import Rejection
-from services.testing.stack import Stack, start_stack
-from tidebase.errors import NotFound
-from tidebase.timeconv import ts_from_seconds
 
 pytestmark = pytest.mark.component
 

@@ -1,4 +1,4 @@
-"""Sharded replicas' link (tide.v1.ScalerPeers, services/scaler/peers.py) under mTLS: a
+"""Sharded replicas' link (tide.v1.ScalerPeers, tide/services/scaler/peers.py) under mTLS: a
 scaler identity ships partials, dialling the replica by address and checking the name
 its certificate carries (the Service's); any other identity is refused."""
 
@@ -10,23 +10,23 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
-from tide.v1 import peers_pb2_grpc
 
-from services.common.config import CommonSettings
-from services.common.pki import CertificateAuthority, Issued
-from services.common.server import ServiceSpec, start_server
-from services.common.validate import validate_request
-from services.scaler.engine.core import ScalerCore
-from services.scaler.partials import JobPartial
-from services.scaler.peers import GrpcPeerLink
-from services.scaler.servicer import RULES, ScalerPeersServicer
-from services.scaler.store import DecisionStore
-from services.store import db
-from services.testing.actuators import InMemoryActuator
-from services.testing.clock import FakeClock
-from services.testing.coordinator import InMemoryCoordinator
-from tidebase.credentials import ClientCredentials
-from tidebase.errors import PermissionDenied, TideError
+from tide.base.credentials import ClientCredentials
+from tide.base.errors import PermissionDenied, TideError
+from tide.services.common.config import CommonSettings
+from tide.services.common.pki import CertificateAuthority, Issued
+from tide.services.common.server import ServiceSpec, start_server
+from tide.services.common.validate import validate_request
+from tide.services.scaler.engine.core import ScalerCore
+from tide.services.scaler.partials import JobPartial
+from tide.services.scaler.peers import GrpcPeerLink
+from tide.services.scaler.servicer import RULES, ScalerPeersServicer
+from tide.services.scaler.store import DecisionStore
+from tide.services.store import db
+from tide.services.testing.actuators import InMemoryActuator
+from tide.services.testing.clock import FakeClock
+from tide.services.testing.coordinator import InMemoryCoordinator
+from tide.v1 import peers_pb2_grpc
 
 pytestmark = pytest.mark.component
 

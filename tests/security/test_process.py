@@ -15,9 +15,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.pki import CertificateAuthority
 from tests.support.procs import ROOT, start_service
-from tidebase.client import open_channel
+from tide.base.client import open_channel
+from tide.services.common.pki import CertificateAuthority
 
 pytestmark = pytest.mark.integration
 
@@ -38,9 +38,9 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 @pytest.mark.parametrize(
     "args",
     [
-        ("services.coordinator", "--db", "sqlite://"),
-        ("services.scaler", "--coordinator", "127.0.0.1:1", "--actuator", "local:/tmp/x"),
-        ("services.agent", "--source", "synthetic", "--no-watch-node"),
+        ("tide.services.coordinator", "--db", "sqlite://"),
+        ("tide.services.scaler", "--coordinator", "127.0.0.1:1", "--actuator", "local:/tmp/x"),
+        ("tide.services.agent", "--source", "synthetic", "--no-watch-node"),
     ],
     ids=["coordinator", "scaler", "agent"],
 )
@@ -53,7 +53,7 @@ def test_no_tls_and_no_insecure_exits_2_saying_why(args: tuple[str, ...]) -> Non
 
 def test_no_token_in_help() -> None:
     env = {**SECURE_ENV, "TIDE_ADMIN_TOKEN": "s3cret-admin-token", "TIDE_TOKEN_FILE": "/x"}
-    for service in ("services.coordinator", "services.scaler", "services.agent"):
+    for service in ("tide.services.coordinator", "tide.services.scaler", "tide.services.agent"):
         r = _run(service, "--help", env=env)
         assert r.returncode == 0 and "s3cret-admin-token" not in r.stdout + r.stderr
 
@@ -73,7 +73,7 @@ def test_health_is_plaintext_on_its_port_and_nothing_else_answers_without_creden
     svc = start_service(
         [
             "-m",
-            "services.coordinator",
+            "tide.services.coordinator",
             "--listen",
             "127.0.0.1:0",
             "--db",

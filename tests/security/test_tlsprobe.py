@@ -1,4 +1,4 @@
-"""tidebase.tlsprobe: each credential mistake named in one line, and a server that is
+"""tide.base.tlsprobe: each credential mistake named in one line, and a server that is
 merely down or fine named as nothing (so the caller keeps retrying)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from services.common.pki import CertificateAuthority
-from services.testing.stack import Stack, start_stack
-from tidebase.credentials import NO_CREDENTIALS, ClientCredentials
-from tidebase.tlsprobe import diagnose
+from tide.base.credentials import NO_CREDENTIALS, ClientCredentials
+from tide.base.tlsprobe import diagnose
+from tide.services.common.pki import CertificateAuthority
+from tide.services.testing.stack import Stack, start_stack
 
 pytestmark = pytest.mark.component
 

@@ -1,5 +1,5 @@
 """The ServiceAccount-token path: bound tokens checked through TokenReview (a fake API
-with real semantics, services.testing.tokenreview), cached for their lifetime."""
+with real semantics, tide.services.testing.tokenreview), cached for their lifetime."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from tide.base.client import open_channel
+from tide.base.credentials import ClientCredentials
+from tide.base.timeconv import ts_from_seconds
+from tide.services.common.tokenreview import CachedReviewer, token_expiry_s
+from tide.services.testing.stack import Stack, start_stack
+from tide.services.testing.tokenreview import FakeTokenApi
 from tide.v1 import coordinator_pb2 as cpb
 from tide.v1 import coordinator_pb2_grpc as cpb_grpc
 from tide.v1 import scaler_pb2, scaler_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
-
-from services.common.tokenreview import CachedReviewer, token_expiry_s
-from services.testing.stack import Stack, start_stack
-from services.testing.tokenreview import FakeTokenApi
-from tidebase.client import open_channel
-from tidebase.credentials import ClientCredentials
-from tidebase.timeconv import ts_from_seconds
 
 pytestmark = pytest.mark.component
 

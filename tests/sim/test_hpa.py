@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.sim.hpa import HpaState, normalize, recommend
-from services.sim.scenario import Hpa
+from tide.services.sim.hpa import HpaState, normalize, recommend
+from tide.services.sim.scenario import Hpa
 
 pytestmark = pytest.mark.unit
 

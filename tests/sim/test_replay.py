@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.scaler.policy import PolicySettings
-from services.sim.replay import JobHistory, Recorded, Second, real_replicas, replay
+from tide.services.scaler.policy import PolicySettings
+from tide.services.sim.replay import JobHistory, Recorded, Second, real_replicas, replay
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from services.sim import model
-from services.sim import scenario as sc
-from tidebase.errors import ConfigError
+from tide.base.errors import ConfigError
+from tide.services.sim import model
+from tide.services.sim import scenario as sc
 
 pytestmark = pytest.mark.unit
 

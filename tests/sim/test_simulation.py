@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from services.sim import scenario as sc
-from services.sim.report import compare, simulate
+from tide.services.sim import scenario as sc
+from tide.services.sim.report import compare, simulate
 
 pytestmark = pytest.mark.unit
 

@@ -14,8 +14,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.store import db
 from tests.support.pg import schema_url
+from tide.services.store import db
 
 
 @pytest.fixture(

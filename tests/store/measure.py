@@ -20,9 +20,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.scaler import store as repo
-from services.scaler.store import DecisionState as S
-from services.store import db
+from tide.services.scaler import store as repo
+from tide.services.scaler.store import DecisionState as S
+from tide.services.store import db
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
 

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.store import db
+from tide.services.store import db
 
 
 def sqlite_factory(tmp_path: Path, busy_timeout_s: float = 5.0) -> sessionmaker[Session]:

@@ -1,4 +1,4 @@
-"""services.store.db: engine settings, write transactions, and units of work that survive faults."""
+"""tide.services.store.db: engine settings, write transactions, and units of work that survive faults."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import sqlalchemy as sa
 from prometheus_client import REGISTRY
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.scaler import store as repo
-from services.store import db
-from services.store.models.scaler import Job
 from tests.store.support import no_sleep, sqlite_factory
 from tests.support.procs import free_port
-from tidebase.errors import ConfigError, Conflict, StoreUnavailable, Unavailable
+from tide.base.errors import ConfigError, Conflict, StoreUnavailable, Unavailable
+from tide.services.scaler import store as repo
+from tide.services.store import db
+from tide.services.store.models.scaler import Job
 
 pytestmark = pytest.mark.integration
 
@@ -386,8 +386,8 @@ def test_unit_of_work_never_retries_a_fencing_conflict(factory: sessionmaker[Ses
 def test_a_unit_of_work_runs_with_the_short_switch_interval(
     lite: sessionmaker[Session],
 ) -> None:
-    # services/common/gil.py: a worker thread running SQL gets the GIL back quickly.
-    from services.common.gil import SWITCH
+    # tide/services/common/gil.py: a worker thread running SQL gets the GIL back quickly.
+    from tide.services.common.gil import SWITCH
 
     seen: list[int] = []
     db.unit_of_work(lite, lambda _s: seen.append(SWITCH.busy), write=False)

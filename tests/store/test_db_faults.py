@@ -1,4 +1,4 @@
-"""services.store.db under real faults: killed PostgreSQL connections, serialization
+"""tide.services.store.db under real faults: killed PostgreSQL connections, serialization
 failures, lock waits, takeovers racing writes, and two SQLite processes."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.scaler import store as repo
-from services.store import db
 from tests.store.support import no_sleep, sqlite_factory
 from tests.support.pg import with_search_path
 from tests.support.poll import wait_for
-from tidebase.errors import Unavailable
+from tide.base.errors import Unavailable
+from tide.services.scaler import store as repo
+from tide.services.store import db
 
 pytestmark = pytest.mark.integration
 

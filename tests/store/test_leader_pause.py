@@ -7,9 +7,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from services.store.leader import LeaderElector, LeaseSettings
-from services.store.leases import LeaseRecord
-from services.testing.clock import FakeClock
+from tide.services.store.leader import LeaderElector, LeaseSettings
+from tide.services.store.leases import LeaseRecord
+from tide.services.testing.clock import FakeClock
 
 pytestmark = pytest.mark.unit
 

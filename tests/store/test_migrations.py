@@ -11,10 +11,10 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 # The models of every service register on Base.metadata when imported.
-import services.store.models.coordinator
-import services.store.models.scaler  # noqa: F401
-from services.store import db
-from tidebase.errors import InvalidArgument, Unavailable
+import tide.services.store.models.coordinator
+import tide.services.store.models.scaler  # noqa: F401
+from tide.base.errors import InvalidArgument, Unavailable
+from tide.services.store import db
 
 pytestmark = pytest.mark.integration
 

@@ -10,13 +10,13 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.scaler import store as repo
-from services.scaler.store import DecisionState as S
-from services.store.db import is_retryable, session_scope
-from services.store.models.scaler import Decision, DecisionEvent, Job
 from tests.store.support import tx
-from tidebase.errors import Conflict, InvalidArgument, NotFound, TideError
-from tidebase.lifecycle import InvalidTransition
+from tide.base.errors import Conflict, InvalidArgument, NotFound, TideError
+from tide.base.lifecycle import InvalidTransition
+from tide.services.scaler import store as repo
+from tide.services.scaler.store import DecisionState as S
+from tide.services.store.db import is_retryable, session_scope
+from tide.services.store.models.scaler import Decision, DecisionEvent, Job
 
 pytestmark = pytest.mark.integration
 
@@ -354,7 +354,7 @@ def test_one_active_decision_per_job(factory: Factory) -> None:
 
 
 def test_a_batch_of_decisions_refuses_per_job_and_writes_the_rest(factory: Factory) -> None:
-    from services.scaler.store.decisions import create_decisions
+    from tide.services.scaler.store.decisions import create_decisions
 
     for j in ("ml/a", "ml/b", "ml/c"):
         make_job(factory, j)
@@ -406,7 +406,7 @@ def test_a_batch_of_decisions_fences_all_its_jobs_in_one_statement(factory: Fact
     """The round trips of a batch do not grow with its jobs: one fencing UPDATE of
     the jobs and one read of the open decisions (bench.tick's
     1,000-job burst wrote batches of 800 with one UPDATE each before)."""
-    from services.scaler.store.decisions import create_decisions
+    from tide.services.scaler.store.decisions import create_decisions
 
     jobs = [f"ml/j{i}" for i in range(12)]
     for j in jobs:

@@ -10,9 +10,9 @@ from typing import TypeVar
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from services.scaler import store as repo
 from tests.store.support import tx
-from tidebase.errors import InvalidArgument
+from tide.base.errors import InvalidArgument
+from tide.services.scaler import store as repo
 
 pytestmark = pytest.mark.integration
 

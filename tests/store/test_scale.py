@@ -12,11 +12,11 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from services.scaler import store as repo
-from services.scaler.store import DecisionState as S
-from services.store.models.scaler import OPEN_PREDICATE, OPEN_STATES
 from tests.store.test_repo import JOB, T0, Factory, decide, make_job, move, own, tx
-from tidebase.errors import InvalidArgument
+from tide.base.errors import InvalidArgument
+from tide.services.scaler import store as repo
+from tide.services.scaler.store import DecisionState as S
+from tide.services.store.models.scaler import OPEN_PREDICATE, OPEN_STATES
 
 pytestmark = pytest.mark.integration
 
@@ -132,8 +132,8 @@ def test_last_completed_decisions_of_many_jobs(factory: Factory, engine: sa.Engi
 def test_retention_deletes_old_final_decisions_with_their_events_in_batches(
     factory: Factory,
 ) -> None:
-    from services.store.models.scaler import Decision, DecisionEvent
     from tests.store.test_repo import count
+    from tide.services.store.models.scaler import Decision, DecisionEvent
 
     make_job(factory)
     epoch = own(factory)

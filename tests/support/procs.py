@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from tidebase.listening import parse_listening
+from tide.base.listening import parse_listening
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -106,10 +106,10 @@ def free_port() -> int:
 
 def memory_scaler_args(db_url: str, *extra: str) -> list[str]:
     """The arguments of the production scaler with the in-memory coordinator and actuator
-    (``python -m services.testing.scaler``): decisions run their whole lifecycle at once."""
+    (``python -m tide.services.testing.scaler``): decisions run their whole lifecycle at once."""
     return [
         "-m",
-        "services.testing.scaler",
+        "tide.services.testing.scaler",
         "--coordinator",
         "memory",
         "--actuator",

@@ -1,4 +1,4 @@
-"""The session's shared reference runs (services/testing/refcache.py), with a stand-in
+"""The session's shared reference runs (tide/services/testing/refcache.py), with a stand-in
 example script: one run per distinct (script, arguments, world size), across processes,
 read-only, and a failed run never kept."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.testing.refcache import ReferenceRuns
+from tide.services.testing.refcache import ReferenceRuns
 
 pytestmark = pytest.mark.integration
 

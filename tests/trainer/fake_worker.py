@@ -1,4 +1,4 @@
-"""A stand-in worker without Paddle: speaks the launcher channel like trainer.session does."""
+"""A stand-in worker without Paddle: speaks the launcher channel like tide.trainer.session does."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import signal
 import sys
 import time
 
-from trainer.channel import SocketChannel
-from trainer.messages import (
+from tide.trainer.channel import SocketChannel
+from tide.trainer.messages import (
     CheckpointAt,
     CheckpointInfo,
     CheckpointWritten,
@@ -42,7 +42,7 @@ def main() -> int:
     ch = SocketChannel(os.environ["TIDE_CONTROL_SOCKET"])
     ch.send(Hello(pid=os.getpid()))
     if os.environ.get("TIDE_PREWARM") == "1":
-        # Forked ahead of time: wait to be told the generation, as trainer.session does.
+        # Forked ahead of time: wait to be told the generation, as tide.trainer.session does.
         while True:
             msg = ch.wait(0.1)
             if ch.closed or isinstance(msg, Exit):
@@ -63,7 +63,7 @@ def main() -> int:
     step = int(os.environ.get("TIDE_RESTORE_STEP", "0") or 0)
     # A newer checkpoint found on disk than the one the rendezvous named.
     step = max(step, int(os.environ.get("FAKE_RESTORE_AT_LEAST", "0")))
-    # Like trainer.session: a periodic checkpoint every N steps, "done" after the budget.
+    # Like tide.trainer.session: a periodic checkpoint every N steps, "done" after the budget.
     ckpt_every = int(os.environ.get("FAKE_CKPT_EVERY", "0"))
     max_steps = int(os.environ.get("FAKE_MAX_STEPS", "0"))
     ch.send(Ready(restored_step=step, group_init_s=0.01, restore_s=0.02))

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainer.launch import Launcher, LauncherSettings
+from tide.trainer.launch import Launcher, LauncherSettings
 
 WORKER = str(Path(__file__).with_name("fake_worker.py"))
 

@@ -1,4 +1,4 @@
-"""An in-memory :class:`trainer.channel.WorkerChannel` for session tests.
+"""An in-memory :class:`tide.trainer.channel.WorkerChannel` for session tests.
 
 ``inbox`` feeds the worker what a launcher would send; ``outbox`` collects what it sent.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import queue
 
-from trainer.messages import ToLauncher, ToWorker
+from tide.trainer.messages import ToLauncher, ToWorker
 
 
 class QueueChannel:

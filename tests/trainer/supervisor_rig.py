@@ -10,10 +10,10 @@ import signal
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from trainer.launcher.settings import LauncherSettings
-from trainer.launcher.supervisor import WorkerSupervisor
-from trainer.messages import ToLauncher
-from trainer.spawner import WorkerHandle
+from tide.trainer.launcher.settings import LauncherSettings
+from tide.trainer.launcher.supervisor import WorkerSupervisor
+from tide.trainer.messages import ToLauncher
+from tide.trainer.spawner import WorkerHandle
 
 
 class Worker:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tidebase.errors import ConfigError
-from trainer.checkpoint import (
+from tide.base.errors import ConfigError
+from tide.trainer.checkpoint import (
     FAULT_ENV,
     FAULT_POINTS,
     LOCK,
@@ -127,7 +127,7 @@ def test_damage_is_detected_and_load_falls_back(
 
 _WRITER = """
 import sys
-from trainer.checkpoint import CheckpointStore
+from tide.trainer.checkpoint import CheckpointStore
 store = CheckpointStore(sys.argv[1], keep=2)
 step = int(sys.argv[2])
 store.write(step, {"model.pdparams": bytes([step]) * 1000, "opt.pdopt": b"adam-%d" % step}, {"n": step})

@@ -1,4 +1,4 @@
-"""The session's contract in one process (trainer/contract.py, trainer/dataloader.py): the
+"""The session's contract in one process (tide/trainer/contract.py, tide/trainer/dataloader.py): the
 calls' order, the loss's reduction, the batch delivered against the plan, and the data
 path's random streams."""
 
@@ -11,16 +11,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from services.testing.localjob import read_jsonl
-from trainer.channel import NullChannel
-from trainer.contract import (
+from tide.services.testing.localjob import read_jsonl
+from tide.trainer.channel import NullChannel
+from tide.trainer.contract import (
     FORGOTTEN_SAMPLER,
     BatchMismatch,
     Deliveries,
     LossContractError,
     UsageError,
 )
-from trainer.session import DistEnv, ElasticSession, SessionConfig
+from tide.trainer.session import DistEnv, ElasticSession, SessionConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.paddle]
 
@@ -43,7 +43,7 @@ def _session(tmp_path: Path, steps: int = 3, env: DistEnv | None = None, **kw: A
 def _model() -> tuple[Any, Any]:
     import paddle
 
-    from trainer.examples.train_bn import build_model
+    from tide.trainer.examples.train_bn import build_model
 
     paddle.seed(1)
     model = build_model(4)
@@ -51,7 +51,7 @@ def _model() -> tuple[Any, Any]:
 
 
 def _ready(tmp_path: Path, steps: int = 3, **kw: Any) -> tuple[Any, Any, Any]:
-    from trainer.examples.train_bn import SyntheticImages
+    from tide.trainer.examples.train_bn import SyntheticImages
 
     session = _session(tmp_path, steps, **kw)
     model, opt = _model()
@@ -235,7 +235,7 @@ def test_the_sample_log_records_the_batches_the_loader_delivered(tmp_path: Path)
 
 
 def test_a_batch_out_of_turn_is_refused() -> None:
-    from trainer.sampler import ResumableSampler, SamplerConfig, micro_batches
+    from tide.trainer.sampler import ResumableSampler, SamplerConfig, micro_batches
 
     sampler = ResumableSampler(SamplerConfig(DATASET, BATCH, 0))
     first, second = micro_batches(sampler.plan(1, 0, 1), 0, 1, virtual_ranks=2)
@@ -252,7 +252,7 @@ def test_a_batch_out_of_turn_is_refused() -> None:
 def test_a_samples_augmentation_depends_on_its_epoch_and_id_only() -> None:
     import paddle
 
-    from trainer.dataloader import PlannedBatch
+    from tide.trainer.dataloader import PlannedBatch
 
     def draws(batch: PlannedBatch) -> dict[int, float]:
         return {
@@ -272,7 +272,7 @@ def test_a_fetch_in_the_loader_thread_waits_its_turn_and_leaves_the_loops_rng_al
 
     import paddle
 
-    from trainer.dataloader import PlannedBatch
+    from tide.trainer.dataloader import PlannedBatch
 
     d = Deliveries()
     run = d.start()

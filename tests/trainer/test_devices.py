@@ -1,12 +1,12 @@
-"""Backend choice, workers per pod, rank layout and device pinning (trainer/devices.py)."""
+"""Backend choice, workers per pod, rank layout and device pinning (tide/trainer/devices.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tidebase.errors import ConfigError
-from trainer import devices
-from trainer.devices import (
+from tide.base.errors import ConfigError
+from tide.trainer import devices
+from tide.trainer.devices import (
     Backend,
     PodDevices,
     WorkerPlace,
@@ -15,7 +15,7 @@ from trainer.devices import (
     memory_shortfall,
     worker_env,
 )
-from trainer.distenv import DistEnv
+from tide.trainer.distenv import DistEnv
 
 pytestmark = pytest.mark.unit
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.testing.localjob import ROOT, reference_run
-from services.testing.parity import final_losses, max_rel_loss_diff
+from tide.services.testing.localjob import ROOT, reference_run
+from tide.services.testing.parity import final_losses, max_rel_loss_diff
 
 pytestmark = [pytest.mark.integration, pytest.mark.paddle, pytest.mark.slow]
 
-TRANSFORMER = str(ROOT / "trainer" / "examples" / "train_transformer.py")
+TRANSFORMER = str(ROOT / "tide" / "trainer" / "examples" / "train_transformer.py")
 
 
 def test_transformer_with_dropout_and_virtual_ranks_does_not_depend_on_the_world(

@@ -1,4 +1,4 @@
-"""trainer/gloo_groups.py: which groups share the world's gloo context and which form their
+"""tide/trainer/gloo_groups.py: which groups share the world's gloo context and which form their
 own (over a store of their own). In process, over a recorded ``_new_process_group_impl``; the 3-rank jobs of
 tests/e2e/test_sharded.py run it for real."""
 
@@ -12,8 +12,8 @@ import pytest
 from paddle.base import core
 from paddle.distributed import collective
 
-from trainer import distenv
-from trainer.gloo_groups import share_world_context
+from tide.trainer import distenv
+from tide.trainer.gloo_groups import share_world_context
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""trainer/gloo_groups.py ``_nodelay``: Nagle's algorithm off on this process's connections to
+"""tide/trainer/gloo_groups.py ``_nodelay``: Nagle's algorithm off on this process's connections to
 a store's port, and on those only (the figures: docs/sharded.md)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from trainer import gloo_groups
+from tide.trainer import gloo_groups
 
 pytestmark = pytest.mark.unit
 
@@ -64,7 +64,7 @@ def test_without_proc_it_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 _DEFAULT_STORE = """
 import os, socket, sys, time
 from paddle.base import core
-from trainer.gloo_groups import fast_default_store
+from tide.trainer.gloo_groups import fast_default_store
 fast_default_store(os.environ["PADDLE_MASTER"])
 # init_parallel_env's own call gets the same store, and its requests are not delayed.
 store = core.create_or_get_global_tcp_store()

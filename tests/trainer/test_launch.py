@@ -8,14 +8,14 @@ import signal
 from pathlib import Path
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
 from tests.support.poll import eventually
 from tests.trainer.fake_coordinator import FakeCoordinator
 from tests.trainer.launch_rig import make_launcher
-from tidebase.errors import ConfigError
-from trainer.launch import State, parse_args
-from trainer.spawner import ZygoteSpawner
+from tide.base.errors import ConfigError
+from tide.trainer.launch import State, parse_args
+from tide.trainer.spawner import ZygoteSpawner
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.component
 

@@ -1,6 +1,6 @@
 """A launcher whose credentials cannot work exits, non-zero, with one line naming the
 cause (issue 32); one whose coordinator is merely down keeps retrying. Real launcher
-processes against the in-process mTLS stack (services.testing.stack)."""
+processes against the in-process mTLS stack (tide.services.testing.stack)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from services.common.pki import CertificateAuthority
-from services.testing.stack import Stack, start_stack
-from trainer.launcher.link import EXIT_CREDENTIALS
+from tide.services.common.pki import CertificateAuthority
+from tide.services.testing.stack import Stack, start_stack
+from tide.trainer.launcher.link import EXIT_CREDENTIALS
 
 pytestmark = pytest.mark.component
 
@@ -39,7 +39,7 @@ async def launch(target: str, tmp_path: Path, *flags: str) -> asyncio.subprocess
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "trainer.launch",
+        "tide.trainer.launch",
         f"--coordinator={target}",
         "--job=ml/resnet",
         "--pod=resnet-worker-0",

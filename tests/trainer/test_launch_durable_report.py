@@ -1,7 +1,7 @@
 """The durable checkpoint's lag on its way from the worker to the coordinator (issue 25,
 item 4): rank 0's CheckpointWritten carries the seconds from the snapshot to the commit,
 the launcher keeps the newest one with the time it heard of it, and its heartbeats carry
-both (trainer/launcher/core.py, link.py)."""
+both (tide/trainer/launcher/core.py, link.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.launch_rig import make_launcher
-from trainer.launcher.link import CoordinatorLink
-from trainer.launcher.model import Beat, DurableCheckpoint, State, WorkerProgress
-from trainer.messages import CheckpointWritten, decode_to_launcher, encode
+from tide.trainer.launcher.link import CoordinatorLink
+from tide.trainer.launcher.model import Beat, DurableCheckpoint, State, WorkerProgress
+from tide.trainer.messages import CheckpointWritten, decode_to_launcher, encode
 
 pytestmark = pytest.mark.unit
 

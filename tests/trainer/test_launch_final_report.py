@@ -1,5 +1,5 @@
 """The launcher's report that its workers finished is kept until the coordinator has
-recorded it (trainer/launcher/link.py, ``final_heartbeat``): through a store outage that
+recorded it (tide/trainer/launcher/link.py, ``final_heartbeat``): through a store outage that
 outlasts the heartbeat timeout it is retried, and a launcher that gives up after
 ``final_report_timeout_s`` says so in one line. Against the fake coordinator over a real
 socket, with a Paddle-free worker."""
@@ -14,11 +14,11 @@ from typing import Any
 
 import grpc
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
 from tests.support.poll import eventually
 from tests.trainer.fake_coordinator import FakeCoordinator, start_fake
 from tests.trainer.launch_rig import make_launcher
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.component
 
@@ -76,7 +76,7 @@ async def test_a_launcher_that_gives_up_says_so_once_naming_the_setting(
 ) -> None:
     monkeypatch.setenv("FAKE_MAX_STEPS", "12")
     coord = StoreDownOnTheEnd(outage_s=3600.0)
-    caplog.set_level(logging.INFO, logger="trainer.launcher.link")
+    caplog.set_level(logging.INFO, logger="tide.trainer.launcher.link")
     started = time.monotonic()
     code, mid = await _finish(coord, tmp_path, final_report_timeout_s=1.0)
     assert code == 0 and mid not in coord.finished
@@ -91,7 +91,7 @@ async def test_a_launcher_stopped_while_it_reports_says_so(
 ) -> None:
     monkeypatch.setenv("FAKE_MAX_STEPS", "12")
     coord = StoreDownOnTheEnd(outage_s=3600.0)
-    caplog.set_level(logging.INFO, logger="trainer.launcher.link")
+    caplog.set_level(logging.INFO, logger="tide.trainer.launcher.link")
     server, port = await start_fake(coord)
     try:
         launcher = make_launcher(port, tmp_path)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from services.testing.kube import KubeApiServer
-from services.testing.kube.crds import PADDLE_OPERATOR, install_paddlejob_crds
-from services.testing.kube.kubelet import KubeletStandIn
-from services.testing.kube.operators import POD, start_operators
 from tests.support.poll import wait_for
 from tests.support.procs import ROOT
+from tide.services.testing.kube import KubeApiServer
+from tide.services.testing.kube.crds import PADDLE_OPERATOR, install_paddlejob_crds
+from tide.services.testing.kube.kubelet import KubeletStandIn
+from tide.services.testing.kube.operators import POD, start_operators
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ def test_sigterm_from_the_pod_deletion_exits_0(tmp_path: Path) -> None:
             api,
             "n1",
             tmp_path / "kubelet",
-            images={"tide-trainer": [sys.executable, "-m", "trainer.launch"]},
+            images={"tide-trainer": [sys.executable, "-m", "tide.trainer.launch"]},
             cwd=ROOT,
         ).start()
         try:

@@ -1,6 +1,6 @@
 """The launcher's link to the coordinator: it finds a restarted or silent coordinator
 again as the same member, registers again when it is unknown, and treats refused
-heartbeats as the protocol says (trainer/launcher/link.py). Against the fake coordinator
+heartbeats as the protocol says (tide/trainer/launcher/link.py). Against the fake coordinator
 over a real socket, with a Paddle-free worker."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 from tests.support.poll import eventually
 from tests.trainer.fake_coordinator import FakeCoordinator, start_fake
 from tests.trainer.launch_rig import make_launcher
-from trainer.launch import Launcher, State
+from tide.trainer.launch import Launcher, State
+from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.component
 

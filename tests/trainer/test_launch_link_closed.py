@@ -1,4 +1,4 @@
-"""A call whose channel the launcher closes under it (trainer/launcher/link.py ``_rpc``).
+"""A call whose channel the launcher closes under it (tide/trainer/launcher/link.py ``_rpc``).
 
 The heartbeat renews the channel when the coordinator stops answering (a store outage holds
 every call) and closes the old one after a grace. grpc.aio cancels the calls still waiting
@@ -12,11 +12,11 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
 from tests.support.poll import eventually
 from tests.trainer.fake_coordinator import FakeCoordinator, start_fake
 from tests.trainer.launch_rig import make_launcher
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.component
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.launcher.logs import exit_cause, rotate, tail, worker_exit
+from tide.trainer.launcher.logs import exit_cause, rotate, tail, worker_exit
 
 pytestmark = pytest.mark.unit
 

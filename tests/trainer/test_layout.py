@@ -1,4 +1,4 @@
-"""trainer/layout.py: the coordinates, groups and resize transfer of a tensor/pipeline-
+"""tide/trainer/layout.py: the coordinates, groups and resize transfer of a tensor/pipeline-
 parallel job along its data-parallel dimension (pure; the GPU run is scripts/gpu_check.py)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tidebase.errors import ConfigError
-from trainer.layout import (
+from tide.base.errors import ConfigError
+from tide.trainer.layout import (
     ModelParallel,
     check_world,
     coordinates,

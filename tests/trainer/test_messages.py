@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
-from tidebase.lifecycle import InvalidTransition
-from trainer.launcher.model import LIFECYCLE, DirectiveKind, State
-from trainer.launcher.wire import directive_of
-from trainer.messages import (
+from tide.base.lifecycle import InvalidTransition
+from tide.trainer.launcher.model import LIFECYCLE, DirectiveKind, State
+from tide.trainer.launcher.wire import directive_of
+from tide.trainer.messages import (
     CheckpointAt,
     CheckpointInfo,
     CheckpointWritten,
@@ -30,6 +29,7 @@ from trainer.messages import (
     decode_to_worker,
     encode,
 )
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.unit
 

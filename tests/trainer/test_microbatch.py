@@ -1,4 +1,4 @@
-"""Micro-batches: accumulation chunks, virtual ranks and padding (trainer/sampler.py)."""
+"""Micro-batches: accumulation chunks, virtual ranks and padding (tide/trainer/sampler.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer.sampler import (
+from tide.trainer.sampler import (
     MicroBatch,
     ResumableSampler,
     SamplerConfig,

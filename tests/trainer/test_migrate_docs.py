@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from bench.frameworks import script_diff
-from trainer.integrations import paddle_launch as pl
+from tide.trainer.integrations import paddle_launch as pl
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "migrate.md"
-EXAMPLES = ROOT / "trainer" / "integrations" / "examples"
+EXAMPLES = ROOT / "tide" / "trainer" / "integrations" / "examples"
 DIFF = re.compile(r"<!-- diff: (\S+) (\S+) -->\n```diff\n(.*?)```\n", re.S)
 TABLE = re.compile(r"(<!-- launch-table -->\n)(.*?)(<!-- /launch-table -->\n)", re.S)
 LAUNCH = re.compile(r"<!-- launch -->\n```diff\n-(.*?)\n\+(.*?)\n```", re.S)
@@ -28,7 +28,7 @@ LAUNCH = re.compile(r"<!-- launch -->\n```diff\n-(.*?)\n\+(.*?)\n```", re.S)
 def table() -> str:
     rows = [f"| `{k}` | {v} |" for k, v in pl.ACCEPTED.items()]
     rows += [f"| `{k}` | refused: {v} |" for k, v in pl.REFUSED.items()]
-    head = "| `paddle.distributed.launch` | under `trainer.launch` |\n| --- | --- |\n"
+    head = "| `paddle.distributed.launch` | under `tide.trainer.launch` |\n| --- | --- |\n"
     return head + "\n".join(rows) + "\n"
 
 
@@ -54,7 +54,7 @@ def test_the_guides_launch_command_is_paddles_with_the_module_swapped() -> None:
     assert m is not None
     paddle_cmd, tide_cmd = shlex.split(m[1]), shlex.split(m[2])
     assert paddle_cmd[:3] == ["python", "-m", "paddle.distributed.launch"]
-    assert tide_cmd == ["python", "-m", "trainer.launch", *paddle_cmd[3:]]
+    assert tide_cmd == ["python", "-m", "tide.trainer.launch", *paddle_cmd[3:]]
     t = pl.translate(tide_cmd[3:], {})
     assert (t.min_replicas, t.max_replicas) == (2, 4)
 

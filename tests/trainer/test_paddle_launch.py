@@ -1,4 +1,4 @@
-"""`python -m trainer.launch` with `paddle.distributed.launch`'s arguments."""
+"""`python -m tide.trainer.launch` with `paddle.distributed.launch`'s arguments."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tidebase.errors import ConfigError
-from trainer import launch
-from trainer.integrations import paddle_launch as pl
+from tide.base.errors import ConfigError
+from tide.trainer import launch
+from tide.trainer.integrations import paddle_launch as pl
 
 pytestmark = pytest.mark.unit
 

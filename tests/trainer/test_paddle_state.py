@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from trainer import paddle_state, rawstate
+from tide.trainer import paddle_state, rawstate
 
 paddle = pytest.importorskip("paddle")
 

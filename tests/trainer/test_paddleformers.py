@@ -15,13 +15,13 @@ pytest.importorskip("paddleformers")
 import numpy as np
 import paddle
 
-from trainer.contract import UsageError
-from trainer.integrations import paddleformers as pf
+from tide.trainer.contract import UsageError
+from tide.trainer.integrations import paddleformers as pf
 
 pytestmark = [pytest.mark.integration, pytest.mark.paddle, pytest.mark.paddleformers]
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ROOT / "trainer" / "integrations" / "examples"
+EXAMPLES = ROOT / "tide" / "trainer" / "integrations" / "examples"
 
 
 class Stream(paddle.io.IterableDataset[dict[str, np.ndarray]]):

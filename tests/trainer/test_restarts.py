@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
-from tide.v1 import coordinator_pb2 as pb
 
 from tests.support.poll import eventually
 from tests.trainer.fake_coordinator import FakeCoordinator, FakeMember
 from tests.trainer.launch_rig import make_launcher
-from trainer.launcher.logs import LOG_GLOB
+from tide.trainer.launcher.logs import LOG_GLOB
+from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.component
 

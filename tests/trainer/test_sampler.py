@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidebase.errors import ConfigError
-from trainer.sampler import ResumableSampler, SamplerConfig, rank_slice
+from tide.base.errors import ConfigError
+from tide.trainer.sampler import ResumableSampler, SamplerConfig, rank_slice
 
 pytestmark = pytest.mark.unit
 

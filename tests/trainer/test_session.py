@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.trainer.queue_channel import QueueChannel
-from tidebase.errors import ConfigError
-from trainer.checkpoint import CheckpointNotFound, CheckpointSettings, CheckpointStore
-from trainer.messages import (
+from tide.base.errors import ConfigError
+from tide.trainer.checkpoint import CheckpointNotFound, CheckpointSettings, CheckpointStore
+from tide.trainer.messages import (
     CheckpointAt,
     Exit,
     Held,
@@ -22,7 +22,7 @@ from trainer.messages import (
     ToLauncher,
     ToWorker,
 )
-from trainer.session import DistEnv, ElasticSession, SessionConfig, SessionExit
+from tide.trainer.session import DistEnv, ElasticSession, SessionConfig, SessionExit
 
 pytestmark = [pytest.mark.integration, pytest.mark.paddle]
 
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.paddle]
 def _train(session: ElasticSession, seed: int = 0, warm_optimizer: bool = False) -> list[float]:
     import paddle
 
-    from trainer.examples.train_mlp import build_model, make_dataset
+    from tide.trainer.examples.train_mlp import build_model, make_dataset
 
     x, y = make_dataset(session.config.dataset_size, seed)
     paddle.seed(seed)

@@ -1,4 +1,4 @@
-"""trainer/sharding.py: the strategy of a generation, what is refused before the first step,
+"""tide/trainer/sharding.py: the strategy of a generation, what is refused before the first step,
 and how the stepper and the state files see a fleet job (the resize itself:
 tests/e2e/test_sharded.py)."""
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from trainer import paddle_state, sharding
-from trainer.stepper import _sharded
+from tide.trainer import paddle_state, sharding
+from tide.trainer.stepper import _sharded
 
 paddle = pytest.importorskip("paddle")
 
@@ -66,8 +66,8 @@ def test_the_rule_divides_the_world_and_stays_under_the_cap() -> None:
 
 
 def test_a_negative_cap_is_refused_naming_it(tmp_path: Any) -> None:
-    from tidebase.errors import ConfigError
-    from trainer import SessionConfig
+    from tide.base.errors import ConfigError
+    from tide.trainer import SessionConfig
 
     with pytest.raises(ConfigError, match="sharding_degree_max"):
         SessionConfig(8, 4, 0, 1, str(tmp_path), sharding_degree_max=-1)
@@ -165,11 +165,11 @@ def test_checkpoints_keep_the_wrapped_layers_keys() -> None:
 
 def test_a_prepared_worker_gets_the_sharded_strategy(tmp_path: Any) -> None:
     """Overlap mode: a worker formed ahead gets its generation's strategy like any other
-    (it used to be refused while fleet's extra gloo groups failed to form; trainer/
+    (it used to be refused while fleet's extra gloo groups failed to form; tide/trainer/
     gloo_groups.py)."""
     from tests.trainer.queue_channel import QueueChannel
-    from trainer import ElasticSession, SessionConfig
-    from trainer.distenv import DistEnv
+    from tide.trainer import ElasticSession, SessionConfig
+    from tide.trainer.distenv import DistEnv
 
     config = SessionConfig(
         dataset_size=8, global_batch=4, seed=0, max_steps=1, checkpoint_dir=str(tmp_path)
@@ -180,7 +180,7 @@ def test_a_prepared_worker_gets_the_sharded_strategy(tmp_path: Any) -> None:
 
 
 def test_the_layout_lines_parse_old_and_new(tmp_path: Any) -> None:
-    from services.testing.parity import fleet_layouts, sharding_degrees
+    from tide.services.testing.parity import fleet_layouts, sharding_degrees
 
     (tmp_path / "a.log").write_text(
         "x rank 0 of generation 2: optimizer state sharded over 3 ranks (stage 1)\n"

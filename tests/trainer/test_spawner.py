@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.poll import eventually
 from tests.support.procs import gone
-from trainer.spawner import SubprocessSpawner, ZygoteSpawner
+from tide.trainer.spawner import SubprocessSpawner, ZygoteSpawner
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""bench/stage2_probe.py: the premise of stage 2's refusal (trainer/sharding.py WHY_STAGE2),
+"""bench/stage2_probe.py: the premise of stage 2's refusal (tide/trainer/sharding.py WHY_STAGE2),
 checked against the Paddle installed: no way of asking for sharding stage 2 trains on the CPU.
 When a Paddle release does, this fails, and stage 2's resharding can be built and tested here
 (docs/sharded.md "Stage 2")."""

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from tests.support.poll import wait_for
-from trainer.checkpoint import CheckpointStore, WrittenCheckpoint
-from trainer.handover import ShmHandover, StateHandover, pod_handover_dir
-from trainer.persist import DurableWriter, Snapshot
-from trainer.restore import locate
-from trainer.transfer import Holding, RestorePlan, Where, pack, plan_restore, unpack
+from tide.trainer.checkpoint import CheckpointStore, WrittenCheckpoint
+from tide.trainer.handover import ShmHandover, StateHandover, pod_handover_dir
+from tide.trainer.persist import DurableWriter, Snapshot
+from tide.trainer.restore import locate
+from tide.trainer.transfer import Holding, RestorePlan, Where, pack, plan_restore, unpack
 
 pytestmark = pytest.mark.unit
 
@@ -69,7 +69,7 @@ class MemoryHandover:
         return self._held[0] if self._held else None
 
     def take(self) -> Any:
-        from trainer.checkpoint import LoadedCheckpoint
+        from tide.trainer.checkpoint import LoadedCheckpoint
 
         if self._held is None:
             return None
@@ -163,7 +163,7 @@ def test_a_failed_durable_write_is_reported_not_raised(tmp_path: Path) -> None:
 
 @pytest.fixture(params=["dir", "object"])
 def durable(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    from trainer.objstore import make_store
+    from tide.trainer.objstore import make_store
 
     if request.param == "dir":
         return make_store(str(tmp_path / "ckpt"), keep=2)
@@ -172,7 +172,7 @@ def durable(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
 
 def test_durable_store_contract(durable: Any) -> None:
     """A directory and an object store commit, verify, prune and clean up alike."""
-    from trainer.checkpoint import CheckpointNotFound
+    from tide.trainer.checkpoint import CheckpointNotFound
 
     with pytest.raises(CheckpointNotFound):
         durable.load_latest()
@@ -186,7 +186,7 @@ def test_durable_store_contract(durable: Any) -> None:
 
 
 def test_an_object_store_checkpoint_is_visible_only_with_a_manifest_that_verifies() -> None:
-    from trainer.objstore import ObjectStore
+    from tide.trainer.objstore import ObjectStore
 
     store = ObjectStore("memory://tide-test/torn", keep=3)
     store.write(1, {"m": b"good"}, {})
@@ -204,7 +204,7 @@ def test_an_object_store_checkpoint_is_visible_only_with_a_manifest_that_verifie
 def test_a_raw_durable_checkpoint_is_restored_as_arrays_not_one_file(tmp_path: Path) -> None:
     import numpy as np
 
-    from trainer.rawstate import TENSORS, StateFiles
+    from tide.trainer.rawstate import TENSORS, StateFiles
 
     store = CheckpointStore(tmp_path / "ckpt")
     arrays = {"model/w": np.arange(12, dtype=np.float32).reshape(3, 4), "opt/m": np.ones(5)}
@@ -224,7 +224,7 @@ def test_a_raw_durable_checkpoint_is_restored_as_arrays_not_one_file(tmp_path: P
 def _raw(step: int, size: int) -> Any:
     import numpy as np
 
-    from trainer.rawstate import StateFiles
+    from tide.trainer.rawstate import StateFiles
 
     return StateFiles({"rng.pickle": b"%d" % step}, {"w": np.full(size, step, np.uint8)})
 
@@ -232,7 +232,7 @@ def _raw(step: int, size: int) -> Any:
 def test_a_put_writes_over_the_reserve_a_fresh_pod_filled(tmp_path: Path) -> None:
     import numpy as np
 
-    from trainer.handover import RESERVE
+    from tide.trainer.handover import RESERVE
 
     shm = ShmHandover(tmp_path / "shm")
     assert shm.reserve(5000)

@@ -1,5 +1,5 @@
 """The step contract in one process: mean losses weighted, accumulation, AMP's protocol,
-virtual ranks' state, and what a checkpoint carries (trainer/stepper.py)."""
+virtual ranks' state, and what a checkpoint carries (tide/trainer/stepper.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from trainer.channel import NullChannel
-from trainer.session import DistEnv, ElasticSession, SessionConfig
+from tide.trainer.channel import NullChannel
+from tide.trainer.session import DistEnv, ElasticSession, SessionConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.paddle]
 
@@ -30,7 +30,7 @@ def _session(tmp_path: Path, steps: int, **kw: Any) -> ElasticSession:
 def _bn_run(session: ElasticSession, scaler: Any = None) -> tuple[list[float], Any]:
     import paddle
 
-    from trainer.examples.train_bn import SyntheticImages, build_model
+    from tide.trainer.examples.train_bn import SyntheticImages, build_model
 
     ds = SyntheticImages(60, 2)
     paddle.seed(2)
@@ -56,7 +56,7 @@ def test_accumulated_micro_batches_give_the_whole_batch_step(tmp_path: Path) -> 
     # The MLP has no BatchNorm: chunks of the batch sum to the batch's gradient.
     import paddle
 
-    from trainer.examples.train_mlp import build_model, make_dataset
+    from tide.trainer.examples.train_mlp import build_model, make_dataset
 
     def run(acc: int) -> list[float]:
         s = _session(tmp_path / str(acc), 6, accumulation_steps=acc)

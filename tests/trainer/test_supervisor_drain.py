@@ -1,7 +1,7 @@
 """A worker's end is judged only after what it said was read: a worker that reported its
 restore and then died is a crash after its start, never "did not start", even when its
 exit is heard before the launcher's loop has accepted its connection
-(trainer/launcher/supervisor.py ``_watch``, trainer/launcher/control.py ``drained``)."""
+(tide/trainer/launcher/supervisor.py ``_watch``, tide/trainer/launcher/control.py ``drained``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 from tests.support.poll import eventually
 from tests.trainer.supervisor_rig import started
-from trainer.launcher import supervisor as sup
-from trainer.messages import Hello, Ready, encode
+from tide.trainer.launcher import supervisor as sup
+from tide.trainer.messages import Hello, Ready, encode
 
 pytestmark = pytest.mark.component
 

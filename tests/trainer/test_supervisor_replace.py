@@ -1,6 +1,6 @@
 """A worker is replaced when the next generation's start is asked for, not a loop turn
 later: an old worker that crashes as the RENDEZVOUS comes must not fail its successor's
-start (trainer/launcher/supervisor.py ``start_generation``, ``_watch``)."""
+start (tide/trainer/launcher/supervisor.py ``start_generation``, ``_watch``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The state's way to newcomers over a real gloo group (trainer/transfer.py, restore.py):
+"""The state's way to newcomers over a real gloo group (tide/trainer/transfer.py, restore.py):
 stayers keep their own, the newcomer receives chunked and checked tensors, and a damaged
 chunk makes the newcomer read the durable store while the stayers keep what they took."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.testing.localjob import ROOT, free_port, gloo_env
+from tide.services.testing.localjob import ROOT, free_port, gloo_env
 
 pytest.importorskip("paddle")
 
@@ -30,7 +30,7 @@ def test_newcomers_get_checked_chunks_and_a_damaged_one_falls_back_to_disk(
     for rank in range(world):
         env = {
             **os.environ,
-            "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}",
+            "PYTHONPATH": f"{ROOT}",
             **gloo_env(rank, ports),
         }
         log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115

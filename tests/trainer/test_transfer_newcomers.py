@@ -1,4 +1,4 @@
-"""A planned resize's state goes to the newcomers alone (trainer/transfer.py's Fanout): the
+"""A planned resize's state goes to the newcomers alone (tide/trainer/transfer.py's Fanout): the
 stayers' sockets receive nothing of it (the kernel's byte count), the newcomers get every
 chunk intact from one or two senders, the small files from the source; below the size
 threshold the old broadcast over the whole group still reaches every stayer (which the same
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from services.testing.localjob import ROOT, free_port, gloo_env
+from tide.services.testing.localjob import ROOT, free_port, gloo_env
 
 pytest.importorskip("paddle")
 
@@ -33,7 +33,7 @@ def test_stayers_receive_nothing_and_newcomers_get_the_sources_state(tmp_path: P
     ports = [free_port() for _ in range(world)]
     procs = []
     for rank in range(world):
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}", **gloo_env(rank, ports)}
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}", **gloo_env(rank, ports)}
         log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115
         procs.append(
             subprocess.Popen(

@@ -1,6 +1,6 @@
 """A worker that does not exit within the grace is SIGKILLed; the line says why: a
 worker that got no CPU (lowered to nice 19 on a busy machine) is the machine's state
-(INFO), one that ran and ignored its exit is a WARNING (trainer/launcher/supervisor.py)."""
+(INFO), one that ran and ignored its exit is a WARNING (tide/trainer/launcher/supervisor.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from trainer.launcher import supervisor as sup
-from trainer.launcher.settings import LauncherSettings
-from trainer.launcher.supervisor import WorkerSupervisor
+from tide.trainer.launcher import supervisor as sup
+from tide.trainer.launcher.settings import LauncherSettings
+from tide.trainer.launcher.supervisor import WorkerSupervisor
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,6 @@
 """One rank of tests/trainer/test_transfer_newcomers.py: ranks 0 and 1 are stayers (a
 handover in their own "pod's" memory), ranks 2 and 3 newcomers. Each phase restores one step
-through trainer/restore.py with other transfer settings, and counts the bytes this process's
+through tide/trainer/restore.py with other transfer settings, and counts the bytes this process's
 TCP sockets received meanwhile (the kernel's count, ``ss``), so that what a stayer received
 is measured, not what the code says it received."""
 
@@ -19,12 +19,12 @@ import numpy as np
 import paddle.distributed as dist
 import xxhash
 
-from trainer.checkpoint import CheckpointStore
-from trainer.gloo_groups import share_world_context
-from trainer.handover import ShmHandover
-from trainer.rawstate import StateFiles
-from trainer.restore import locate
-from trainer.transfer import FAULT_ENV, TransferSettings
+from tide.trainer.checkpoint import CheckpointStore
+from tide.trainer.gloo_groups import share_world_context
+from tide.trainer.handover import ShmHandover
+from tide.trainer.rawstate import StateFiles
+from tide.trainer.restore import locate
+from tide.trainer.transfer import FAULT_ENV, TransferSettings
 
 STATE_MB = 8
 # (phase, step, settings): chunks of 1 MB, so that every sender has several.

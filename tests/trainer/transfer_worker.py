@@ -1,5 +1,5 @@
 """One rank of tests/trainer/test_transfer.py: ranks 0 and 1 are stayers (a handover in their
-own "pod's" memory), rank 2 a newcomer; they restore three times through trainer/restore.py:
+own "pod's" memory), rank 2 a newcomer; they restore three times through tide/trainer/restore.py:
 from the durable store alone (a crash), from the stayers' memory, and from their memory with
 the newcomer flipping a received byte (TIDE_TRANSFER_FAULT)."""
 
@@ -15,12 +15,12 @@ import numpy as np
 import paddle.distributed as dist
 import xxhash
 
-from trainer import rawstate
-from trainer.checkpoint import CheckpointStore
-from trainer.handover import ShmHandover
-from trainer.rawstate import StateFiles
-from trainer.restore import locate
-from trainer.transfer import FAULT_ENV, TransferSettings
+from tide.trainer import rawstate
+from tide.trainer.checkpoint import CheckpointStore
+from tide.trainer.handover import ShmHandover
+from tide.trainer.rawstate import StateFiles
+from tide.trainer.restore import locate
+from tide.trainer.transfer import FAULT_ENV, TransferSettings
 
 
 def state(step: int) -> StateFiles:

@@ -84,7 +84,7 @@ spec:
         - name: {{ $c }}
           image: {{ include "tide.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
-          command: ["python", "-m", "services.{{ $c }}"]
+          command: ["python", "-m", "tide.services.{{ $c }}"]
           args:
             - --config=/etc/tide/{{ $c }}.yaml
             - --listen=0.0.0.0:{{ $v.grpcPort }}

@@ -160,7 +160,7 @@ readinessProbe:
   failureThreshold: 2
 livenessProbe:
   # Not the readiness service: a scaler whose database is down is not ready, but
-  # restarting it would not bring the database back (services/common/readiness.py).
+  # restarting it would not bring the database back (tide/services/common/readiness.py).
   grpc:
     port: {{ .port }}
     service: liveness

@@ -1,2 +1,0 @@
-"""The scaler's engine: the rooms ScalerCore (services/scaler/engine/core.py) wires. None
-imports gRPC or SQLAlchemy (pyproject's import-linter contract)."""

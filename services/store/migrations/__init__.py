@@ -1,1 +1,0 @@
-"""Alembic migrations of the Tide schema; run them through services.store.db.upgrade."""

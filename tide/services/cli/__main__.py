@@ -1,0 +1,3 @@
+from tide.services.cli.main import main
+
+main()

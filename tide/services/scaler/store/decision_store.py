@@ -1,0 +1,434 @@
+"""The scaler's unit-of-work layer over the repository functions: one transaction per
+call, run in a worker thread so the event loop (and with it ingestion) never
+waits on SQL, and the fencing epoch of every job this scaler owns."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from tide.base.errors import InvalidArgument
+from tide.services.common.clock import Clock
+from tide.services.scaler.errors import DecisionInProgress, JobNotFound, StaleEpoch
+from tide.services.scaler.store import decisions, jobs, pages, rollups
+from tide.services.scaler.store.records import (
+    DecisionDetailRecord,
+    DecisionPage,
+    DecisionRecord,
+    DecisionState,
+    JobRecord,
+    RollupRecord,
+)
+from tide.services.store import db, leases
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class DecisionStore:
+    def __init__(self, engine: Engine, owner_id: str, clock: Clock) -> None:
+        self.engine = engine
+        self.factory = db.make_session_factory(engine)
+        self.owner_id = owner_id
+        self.clock = clock
+        self.epochs: dict[str, int] = {}
+        local = engine.dialect.name == "sqlite"
+        self._write_lock = threading.Lock() if local else None
+        # On SQLite the write a decision's latency waits on (its creation) runs on
+        # the loop thread: a local file cannot hang on a network, it takes a few
+        # milliseconds, and in a worker thread it gets the GIL only every other
+        # slice while ingestion keeps the loop busy (bench/ingest: p50 23 ms
+        # threaded, 6 ms inline). The lifecycle's later writes, every read and
+        # all of PostgreSQL stay in threads: inline, they would stall ingestion.
+        self.inline_creates = local
+        # Where a create goes when the write lock is busy (``_run_inline``); one
+        # thread, made when first needed.
+        self._creates_pool: ThreadPoolExecutor | None = None
+
+    @property
+    def _creates(self) -> ThreadPoolExecutor:
+        if self._creates_pool is None:
+            self._creates_pool = ThreadPoolExecutor(1, thread_name_prefix="decision-create")
+        return self._creates_pool
+
+    def close(self) -> None:
+        """Let the creates' thread go: its pool outlives every store otherwise, and the
+        interpreter waits for it at exit. A create still running finishes first."""
+        if self._creates_pool is not None:
+            self._creates_pool.shutdown(wait=False)
+            self._creates_pool = None
+
+    def now(self) -> datetime:
+        return db.utc_from_epoch(self.clock.now())
+
+    async def _run(self, fn: Callable[[Session], T], *, write: bool = True, what: str = "") -> T:
+        return await asyncio.to_thread(self._unit, fn, write, what or "scaler store")
+
+    async def _run_inline(self, fn: Callable[[Session], T], *, what: str = "") -> T:
+        lock = self._write_lock
+        loop = asyncio.get_running_loop()
+        if not self.inline_creates or lock is None:
+            # PostgreSQL: a thread of the creates' own. In the default executor a
+            # create queued behind the lifecycle writes of every decision in flight:
+            # bench.tick's 1,000-job burst had its last batch (631 creates) wait
+            # seconds behind 2,900 transitions (docs/scaler.md, "Tipping").
+            return await loop.run_in_executor(
+                self._creates, self._unit, fn, True, what or "scaler store"
+            )
+        # Inline only when the write lock is free: a lifecycle write in a thread may
+        # hold it, and waiting for it here would stop the loop (ingestion, acks, every
+        # other evaluation) behind that thread and behind every writer queued before
+        # us. bench.tick's tipping phase, 1,000 decisions at once, spent 9 s of its
+        # loop in this wait. Taken, it is ours for the transaction; busy, the write
+        # waits in a thread like the others.
+        if not lock.acquire(blocking=False):
+            # Its own thread: the default executor's queue holds the lifecycle's
+            # writes of every decision in flight, hundreds when many jobs resize.
+            return await loop.run_in_executor(
+                self._creates, self._unit, fn, True, what or "scaler store"
+            )
+        try:
+            return db.unit_of_work(self.factory, fn, write=True, what=what or "scaler store")
+        finally:
+            lock.release()
+
+    def _unit(self, fn: Callable[[Session], T], write: bool, what: str) -> T:
+        if write and self._write_lock is not None:
+            # SQLite has one writer; two of our threads racing for it would
+            # meet SQLite's busy handler, which sleeps 1, 2, 5, 10... ms between
+            # tries. Queueing them here hands the lock over at once instead.
+            with self._write_lock:
+                return db.unit_of_work(self.factory, fn, write=write, what=what)
+        return db.unit_of_work(self.factory, fn, write=write, what=what)
+
+    async def warm_up(self) -> None:
+        """Run a decision's whole life once in a transaction that is rolled back.
+
+        SQLAlchemy compiles each statement the first time it runs: tens of
+        milliseconds here, spent under the write lock in the middle of the first
+        real decisions otherwise (bench/ingest saw its first decisions take
+        120-190 ms). Nothing of it is committed."""
+        await asyncio.to_thread(self._warm_up)
+
+    def _warm_up(self) -> None:
+        job_id = "tide-warmup/job"
+        now = self.now()
+        # Their INFO lines would describe rows that never exist.
+        quiet = [logging.getLogger(m.__name__) for m in (jobs, decisions)]
+        was = [q.disabled for q in quiet]
+        for q in quiet:
+            q.disabled = True
+        session = self.factory()
+        try:
+            jobs.upsert_job(session, job_id, min_replicas=1, max_replicas=2, now=now)
+            epoch = jobs.acquire_job_ownership(session, job_id, self.owner_id, now=now)
+            d = decisions.create_decision(
+                session,
+                job_id=job_id,
+                from_replicas=1,
+                to_replicas=2,
+                reason="MANUAL",
+                trigger="MANUAL",
+                message="warm-up",
+                inputs={"window": {"bucket_means_pct": [1.0]}},
+                epoch=epoch,
+                now=now,
+            )
+            for state in (DecisionState.PREPARING, DecisionState.ACTUATING):
+                decisions.transition_decision(session, d.id, state, detail="", epoch=epoch, now=now)
+            decisions.transition_decision(
+                session,
+                d.id,
+                DecisionState.COMPLETED,
+                detail="",
+                epoch=epoch,
+                now=now,
+                pause_s=0.0,
+                generation=1,
+                to_replicas=2,
+                lost_steps=0,
+            )
+            pages.list_decisions(session, job_id=job_id, page_size=1)
+        except Exception:
+            logger.debug("store warm-up failed; the first decisions compile instead", exc_info=True)
+        finally:
+            session.rollback()
+            session.close()
+            for q, w in zip(quiet, was, strict=True):
+                q.disabled = w
+
+    # -- leader lease ----------------------------------------------------------------
+
+    async def try_lease(self, name: str, address: str, *, duration_s: float) -> leases.LeaseRecord:
+        now = self.now()
+        return await self._run(
+            lambda s: leases.try_lease(
+                s, name, self.owner_id, address, duration_s=duration_s, now=now
+            ),
+            what=f"lease {name}",
+        )
+
+    async def release_lease(self, name: str) -> bool:
+        now = self.now()
+        return await self._run(
+            lambda s: leases.release_lease(s, name, self.owner_id, now=now),
+            what=f"release lease {name}",
+        )
+
+    async def live_leases(self, prefix: str) -> list[leases.LeaseRecord]:
+        now = self.now()
+        return await self._run(
+            lambda s: leases.live_leases(s, prefix, now=now),
+            write=False,
+            what=f"leases {prefix}*",
+        )
+
+    # -- jobs ----------------------------------------------------------------------
+
+    async def acquire(self, job_id: str) -> int:
+        now = self.now()
+        epoch = await self._run(
+            lambda s: jobs.acquire_job_ownership(s, job_id, self.owner_id, now=now),
+            what=f"acquire job {job_id}",
+        )
+        self.epochs[job_id] = epoch
+        return epoch
+
+    async def acquire_many(self, job_ids: Sequence[str]) -> dict[str, int]:
+        """Take ``job_ids`` in one transaction; returns the epochs of those found."""
+        now = self.now()
+        epochs = await self._run(
+            lambda s: jobs.acquire_jobs_ownership(s, job_ids, self.owner_id, now=now),
+            what=f"acquire {len(job_ids)} job(s)",
+        )
+        self.epochs.update(epochs)
+        return epochs
+
+    async def list_jobs(self) -> list[JobRecord]:
+        return await self._run(jobs.list_jobs, write=False)
+
+    async def get_job(self, job_id: str) -> JobRecord:
+        return await self._run(lambda s: jobs.get_job(s, job_id), write=False)
+
+    async def upsert_job(self, job_id: str, **kwargs: Any) -> JobRecord:
+        now = self.now()
+        return await self._run(
+            lambda s: jobs.upsert_job(s, job_id, now=now, **kwargs), what=f"upsert job {job_id}"
+        )
+
+    async def create_started_job(
+        self,
+        job_id: str,
+        *,
+        min_replicas: int,
+        max_replicas: int,
+        initial_replicas: int,
+        gpus_per_replica: int | None,
+        policy_overrides: Mapping[str, Any],
+        message: str,
+        inputs: Mapping[str, Any],
+    ) -> tuple[JobRecord, DecisionRecord] | None:
+        """Create a new job at 0 replicas, owned by this scaler, with its PENDING
+        JOB_STARTED decision 0 -> ``initial_replicas``; None (nothing written) when
+        the job exists. One transaction: a crash leaves either nothing or a job whose
+        start the restarted scaler resumes, never a job that nobody starts."""
+        now = self.now()
+
+        def fn(s: Session) -> tuple[JobRecord, int, DecisionRecord] | None:
+            try:
+                jobs.get_job(s, job_id)
+                return None
+            except JobNotFound:
+                pass
+            jobs.upsert_job(
+                s,
+                job_id,
+                min_replicas=min_replicas,
+                max_replicas=max_replicas,
+                now=now,
+                initial_replicas=initial_replicas,
+                gpus_per_replica=gpus_per_replica,
+                policy_overrides=policy_overrides,
+            )
+            # Nothing runs yet: the decision's completion sets the replicas it reached.
+            jobs.set_job_observed(s, job_id, now=now, current_replicas=0)
+            epoch = jobs.acquire_job_ownership(s, job_id, self.owner_id, now=now)
+            d = decisions.create_decision(
+                s,
+                job_id=job_id,
+                from_replicas=0,
+                to_replicas=initial_replicas,
+                reason="JOB_STARTED",
+                trigger="MANUAL",
+                message=message,
+                inputs=inputs,
+                epoch=epoch,
+                now=now,
+            )
+            return jobs.get_job(s, job_id), epoch, d
+
+        out = await self._run(fn, what=f"start job {job_id}")
+        if out is None:
+            return None
+        job, epoch, d = out
+        self.epochs[job_id] = epoch
+        return job, d
+
+    async def set_paused(self, job_id: str, paused: bool, reason: str) -> JobRecord:
+        now = self.now()
+        job = await self._run(
+            lambda s: jobs.set_paused(s, job_id, paused=paused, reason=reason, now=now)
+        )
+        # After the commit: a write the store refused logs nothing it did not do.
+        logger.info(
+            "job %s autoscaling paused=%s (%s)", job_id, paused, reason, extra={"job_id": job_id}
+        )
+        return job
+
+    # -- decisions -----------------------------------------------------------------
+
+    async def create(
+        self,
+        *,
+        job_id: str,
+        from_replicas: int,
+        to_replicas: int,
+        reason: str,
+        trigger: str,
+        message: str,
+        inputs: Mapping[str, Any],
+        requested_by: str = "",
+    ) -> DecisionRecord:
+        epoch = self.epochs[job_id]
+        now = self.now()
+        return await self._run_inline(
+            lambda s: decisions.create_decision(
+                s,
+                job_id=job_id,
+                from_replicas=from_replicas,
+                to_replicas=to_replicas,
+                reason=reason,
+                trigger=trigger,
+                message=message,
+                inputs=inputs,
+                epoch=epoch,
+                now=now,
+                requested_by=requested_by,
+            ),
+            what=f"create decision of job {job_id}",
+        )
+
+    async def create_many(
+        self, items: Sequence[Mapping[str, Any]]
+    ) -> list[DecisionRecord | DecisionInProgress | StaleEpoch]:
+        """Several PENDING decisions (each ``items`` entry :meth:`create`'s keywords) in
+        one transaction of a few statements (``decisions.create_decisions``): one commit,
+        and on SQLite one turn at the write lock, for a batch of jobs that tipped
+        together instead of one each (bench.tick's tipping phase). A job refused (a
+        decision in flight, a stale epoch) gets its error in its place and the others
+        are written; any other error fails the whole batch."""
+        now = self.now()
+        epochs = {item["job_id"]: self.epochs[item["job_id"]] for item in items}
+        return await self._run_inline(
+            lambda s: decisions.create_decisions(s, items, epochs=epochs, now=now),
+            what=f"create {len(items)} decisions",
+        )
+
+    async def transition(
+        self,
+        d: DecisionRecord,
+        state: DecisionState,
+        detail: str,
+        *,
+        check_state: bool = True,
+        **kwargs: Any,
+    ) -> DecisionRecord:
+        """Move ``d`` to ``state``; with ``check_state`` the row must still be in
+        ``d.state`` (DecisionChanged otherwise). Recording a failure from wherever
+        the decision got to passes False."""
+        epoch = self.epochs[d.job_id]
+        now = self.now()
+        expected = d.state if check_state else None
+        return await self._run(
+            lambda s: decisions.transition_decision(
+                s, d.id, state, detail=detail, epoch=epoch, now=now, expected=expected, **kwargs
+            ),
+            what=f"decision {d.id} -> {state}",
+        )
+
+    async def non_final(self) -> list[DecisionRecord]:
+        return await self._run(decisions.non_final_decisions, write=False)
+
+    async def get_decision(self, decision_id: int) -> DecisionDetailRecord:
+        return await self._run(lambda s: decisions.get_decision(s, decision_id), write=False)
+
+    async def list_decisions(self, **kwargs: Any) -> DecisionPage:
+        return await self._run(lambda s: pages.list_decisions(s, **kwargs), write=False)
+
+    async def decision_page(
+        self, convert: Callable[[Any], T], *, page_size: int, **kwargs: Any
+    ) -> tuple[list[T], str]:
+        """:meth:`list_decisions`' page (its filters, bound, order and tokens) as
+        ``convert`` of each row of ``pages.history_table_rows`` (wide: every field of
+        the API's Decision), converted in the store's thread with no record between:
+        the API's ListDecisions, which `tide history --all` calls a hundred times for
+        100,000 decisions (docs/cli.md)."""
+        if not (1 <= page_size <= pages.MAX_PAGE_SIZE):
+            raise InvalidArgument(f"page_size must be in 1..{pages.MAX_PAGE_SIZE}, got {page_size}")
+
+        def q(s: Session) -> tuple[list[T], str]:
+            rows, token = pages.history_table_rows(s, page_size=page_size, wide=True, **kwargs)
+            return [convert(r) for r in rows], token
+
+        return await self._run(q, write=False)
+
+    async def last_completed(self, job_id: str) -> DecisionRecord | None:
+        page = await self.list_decisions(
+            job_id=job_id, states=(DecisionState.COMPLETED,), page_size=1
+        )
+        return page.decisions[0] if page.decisions else None
+
+    async def last_completed_many(self, job_ids: Sequence[str]) -> dict[str, DecisionRecord]:
+        return await self._run(
+            lambda s: decisions.last_completed_decisions(s, job_ids), write=False
+        )
+
+    # -- rollups -------------------------------------------------------------------
+
+    async def write_rollups(self, rows: Sequence[RollupRecord]) -> int:
+        return await self._run(lambda s: rollups.write_rollups(s, rows), what="write rollups")
+
+    async def rollups_between(self, job_id: str, t0: datetime, t1: datetime) -> list[RollupRecord]:
+        return await self._run(lambda s: rollups.rollups_between(s, job_id, t0, t1), write=False)
+
+    async def delete_rollups_before(self, before: datetime, *, limit: int | None = None) -> int:
+        return await self._run(
+            lambda s: rollups.delete_rollups_before(s, before, limit=limit),
+            what="rollup retention",
+        )
+
+    async def delete_decisions_before(self, before: datetime, *, limit: int) -> int:
+        return await self._run(
+            lambda s: decisions.delete_decisions_before(s, before, limit=limit),
+            what="decision retention",
+        )
+
+    async def seconds_between(
+        self, job_id: str, t0: datetime, t1: datetime
+    ) -> dict[datetime, tuple[tuple[float, ...], tuple[int, ...]]]:
+        return await self._run(lambda s: rollups.seconds_between(s, job_id, t0, t1), write=False)
+
+    async def delete_seconds_before(self, before: datetime, *, limit: int | None = None) -> int:
+        return await self._run(
+            lambda s: rollups.delete_seconds_before(s, before, limit=limit),
+            what="per-second retention",
+        )

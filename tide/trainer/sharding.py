@@ -1,0 +1,347 @@
+"""Paddle fleet's sharded optimizer (stage 1) under Tide: the layout of each generation, what
+is refused, and the optimizer state gathered whole at every checkpoint (docs/sharded.md).
+
+**Layout.** A sharded job states it once, by calling :func:`fleet_strategy` (through
+``session.fleet_strategy()``) for the strategy it passes to ``fleet.init``. Each generation of
+W ranks runs ``dp_degree`` x ``sharding_degree`` = W by :func:`degrees`: the sharding degree is
+the largest divisor of W not above ``SessionConfig.sharding_degree_max`` (0, the default: W
+itself, the optimizer sharded over the whole world), the data-parallel degree the rest
+(``mp_degree`` = ``pp_degree`` = ``sep_degree`` = 1). A resize changes the degrees, so each new
+rank owns other parameters' moments.
+
+**Exact across a resize.** fleet's ``DygraphShardingOptimizer`` gives each parameter one
+owner (its own rule: parameters by size, largest first, each to the rank holding the fewest
+elements so far) and keeps that parameter's optimizer slots (Adam's moments and beta powers,
+AMP's master weight) on the owner alone. Tide's checkpoints (the durable one and the pod's
+handover alike) hold the whole optimizer state instead: at a checkpoint step the ranks of one
+sharding group (the first data-parallel replica's: every replica holds the same shards) send
+their shards to every rank of the world (:func:`gather`, over tide/trainer/transfer.py's
+``send_tensors``, one source rank after another), so any rank's state is a whole one. At a
+restore, fleet's own ``set_state_dict`` keeps the slots of the parameters the rank owns under
+the *new* degree, so the next step runs as if the job had started at that size. The price: a
+transient whole copy of the optimizer state on every rank at each checkpoint, and the gather's
+time in the resize's pause (docs/sharded.md has the figures).
+
+**Refused** (:class:`UnsupportedLayout`, at ``fleet_strategy`` or ``attach``, before step 1):
+tensor, pipeline or sequence parallelism (``mp_degree``/``pp_degree``/``sep_degree`` > 1: their
+groups are fixed by the model, and fleet needs a GPU for them), degrees other than
+:func:`degrees` gives (a ``dp_degree`` of the script's own: the cap is the setting
+``sharding_degree_max``), sharding stage 2 (Paddle runs it on GPUs only: :data:`WHY_STAGE2`),
+stage 3 and the ``split_param`` optimizer (their slots are flat slices, not per parameter),
+fleet's ``tensor_fusion``/``comm_overlap`` (fused buffers), and a time-based checkpoint
+cadence (``every_s``: the gather needs every rank at the same step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tide.base.errors import ConfigError
+from tide.trainer import paddle_state
+from tide.trainer.transfer import TransferSettings, send_tensors
+
+# An AMP master weight travels under its parameter's name and this suffix (so that it is
+# renamed by position like the parameter's other slots).
+_MASTER = "_tide_master"
+# The optimizer state entries that are not per-parameter tensors (equal on every rank).
+_SHARED_ENTRIES = ("LR_Scheduler",)
+
+
+# Why stage 2 is refused: it could not be built or tested here (docs/sharded.md "Stage 2").
+WHY_STAGE2 = (
+    "Paddle 3.3 runs sharding stage 2 on GPUs and XPUs only (on the CPU "
+    "group_sharded_parallel and GroupShardedOptimizerStage2 assert a device, and its storage "
+    "moves every parameter to one: python -m bench.stage2_probe), so its resharding could "
+    "not be built and checked on a CPU; on a GPU it would take the stage-1 gather with "
+    "GroupShardedOptimizerStage2.param2rank as the owners (parameters in order, each to the "
+    "rank holding the fewest elements), a check that its gradient storages are empty at the "
+    "checkpoint step, and the restored slots kept for the new owners only"
+)
+_WHY_STAGE3 = "its parameters and their slots are flat slices across ranks"
+_WHY_SPLIT = (
+    "fleet's sharding V2 (DygraphShardingOptimizerV2) keeps parameters and their slots as "
+    "flat slices across ranks"
+)
+
+
+class UnsupportedLayout(ConfigError):
+    """A fleet layout or feature Tide cannot keep exact across a resize; the message names it."""
+
+
+def _refuse(what: str, why: str) -> UnsupportedLayout:
+    return UnsupportedLayout(
+        f"{what} is not supported under Tide: {why}. Tide resizes fleet jobs along the "
+        "data-parallel world only (sharding stage 1, dp_degree x sharding_degree = world "
+        "size by SessionConfig.sharding_degree_max); see docs/sharded.md"
+    )
+
+
+def degrees(world_size: int, sharding_degree_max: int = 0) -> tuple[int, int]:
+    """``(dp_degree, sharding_degree)`` of a generation of ``world_size`` ranks: the sharding
+    degree is the largest divisor of the world size not above ``sharding_degree_max`` (0: no
+    cap, the whole world), the data-parallel degree the rest. The largest such divisor keeps
+    the least optimizer state per rank the cap allows; a divisor, because fleet's groups
+    tile the world."""
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    if sharding_degree_max < 0:
+        raise ConfigError(f"sharding_degree_max must be >= 0, got {sharding_degree_max}")
+    cap = world_size if sharding_degree_max == 0 else min(sharding_degree_max, world_size)
+    sharding = max(d for d in range(1, cap + 1) if world_size % d == 0)
+    return world_size // sharding, sharding
+
+
+def _get(configs: Any, name: str) -> int:
+    return int(configs.get(name, 1) if isinstance(configs, dict) else getattr(configs, name))
+
+
+def _check_degrees(
+    configs: Any, world_size: int | None, sharding_degree_max: int = 0
+) -> tuple[int, int]:
+    """Refuses model-parallel degrees, and degrees other than the rule's for ``world_size``
+    (None: the script's own strategy, whose dp_degree is refused: the rule sets it).
+    Returns the (dp, sharding) degrees checked (the rule's)."""
+    gpu = (
+        "; fleet forms them on GPUs only, and Tide's path for them (elastic along data "
+        "parallel, whole model-parallel replicas: tide/trainer/layout.py, the scaler's "
+        "replica_multiple) is checked by scripts/gpu_check.py mp_layout, not yet wired into "
+        "the session"
+    )
+    for name, why in (
+        ("mp_degree", "tensor-parallel groups are fixed by the model" + gpu),
+        ("pp_degree", "pipeline stages are fixed by the model" + gpu),
+        ("sep_degree", "sequence-parallel groups are fixed by the model" + gpu),
+    ):
+        value = _get(configs, name)
+        if value > 1:
+            raise _refuse(f"{name}={value}", why)
+    if world_size is None:
+        dp = _get(configs, "dp_degree")
+        if dp > 1:
+            raise _refuse(
+                f"dp_degree={dp} in the script's strategy",
+                "Tide sets the data-parallel and sharding degrees of each generation; cap "
+                "the sharding degree with SessionConfig.sharding_degree_max instead",
+            )
+        return 1, 1
+    want = degrees(world_size, sharding_degree_max)
+    got = (_get(configs, "dp_degree"), _get(configs, "sharding_degree"))
+    if got != want:
+        raise _refuse(
+            f"dp_degree={got[0]} x sharding_degree={got[1]} in a world of {world_size}",
+            f"the degrees of this generation are dp_degree={want[0]} x "
+            f"sharding_degree={want[1]} (sharding_degree_max={sharding_degree_max}; take "
+            "the strategy from session.fleet_strategy())",
+        )
+    return want
+
+
+def _check_sharding_configs(strategy: Any) -> None:
+    cfg = strategy.hybrid_configs["sharding_configs"]
+    for name, why in (
+        ("split_param", _WHY_SPLIT),
+        ("tensor_fusion", "fused buffers hold the slots, not the parameters"),
+        ("comm_overlap", "fused buffers hold the gradients"),
+    ):
+        if bool(getattr(cfg, name, False)):
+            raise _refuse(f"sharding_configs.{name}=True", why)
+
+
+def fleet_strategy(world_size: int, strategy: Any = None, sharding_degree_max: int = 0) -> Any:
+    """The ``fleet.DistributedStrategy`` of a generation of ``world_size`` ranks: the
+    script's own (or a new one) with the degrees of :func:`degrees`. Raises
+    :class:`UnsupportedLayout` for a degree or sharding option Tide cannot resize."""
+    from paddle.distributed import fleet
+
+    strategy = strategy if strategy is not None else fleet.DistributedStrategy()
+    mine = strategy.hybrid_configs
+    _check_degrees(
+        {k: mine[k] for k in ("mp_degree", "pp_degree", "sep_degree", "dp_degree")}, None
+    )
+    _check_sharding_configs(strategy)
+    dp, sharding = degrees(world_size, sharding_degree_max)
+    strategy.hybrid_configs = {
+        "dp_degree": dp,
+        "mp_degree": 1,
+        "pp_degree": 1,
+        "sep_degree": 1,
+        "sharding_degree": sharding,
+    }
+    return strategy
+
+
+def _unwrap(optimizer: Any) -> list[Any]:
+    """``optimizer`` and the optimizers it wraps (fleet's wrappers keep ``_inner_opt``)."""
+    chain = [optimizer]
+    while (inner := getattr(chain[-1], "_inner_opt", None)) is not None and len(chain) < 8:
+        chain.append(inner)
+    return chain
+
+
+@dataclass(frozen=True)
+class Attached:
+    """What a generation of a fleet job runs: its degrees, and for a sharded optimizer (a
+    sharding degree above 1) what gathers its state."""
+
+    dp_degree: int
+    sharding_degree: int
+    sharded: Sharded | None
+
+
+def check_attached(
+    model: Any, optimizer: Any, world_size: int, sharding_degree_max: int = 0
+) -> Attached | None:
+    """What Tide resizes about the attached model and optimizer: an :class:`Attached` for a
+    fleet job (its ``sharded`` set for fleet's stage 1), None for a plain (or
+    ``paddle.DataParallel``) job; raises :class:`UnsupportedLayout` for what it cannot
+    resize."""
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import (
+        dygraph_sharding_optimizer as dso,
+    )
+    from paddle.distributed.fleet.meta_optimizers.dygraph_optimizer import (
+        hybrid_parallel_optimizer as hpo,
+    )
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_optimizer_stage2 import (
+        GroupShardedOptimizerStage2,
+    )
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_stage2 import (
+        GroupShardedStage2,
+    )
+    from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_stage3 import (
+        GroupShardedStage3,
+    )
+
+    if isinstance(model, GroupShardedStage3):
+        raise _refuse("sharding stage 3 (GroupShardedStage3)", _WHY_STAGE3)
+    if isinstance(model, GroupShardedStage2):
+        raise _refuse("sharding stage 2 (GroupShardedStage2)", WHY_STAGE2)
+    chain = _unwrap(optimizer) if optimizer is not None else []
+    for opt in chain:
+        if isinstance(opt, GroupShardedOptimizerStage2):
+            raise _refuse("sharding stage 2 (GroupShardedOptimizerStage2)", WHY_STAGE2)
+        if isinstance(opt, dso.DygraphShardingOptimizerV2):
+            raise _refuse("sharding_configs.split_param=True", _WHY_SPLIT)
+    sharding_opt = next((o for o in chain if isinstance(o, dso.DygraphShardingOptimizer)), None)
+    if not any(isinstance(o, hpo.HybridParallelOptimizer) for o in chain):
+        return (
+            None
+            if sharding_opt is None
+            else Attached(1, world_size, Sharded(sharding_opt, world_size))
+        )
+    from paddle.distributed import fleet
+
+    hcg = fleet.get_hybrid_communicate_group()
+    dp, degree = _check_degrees(
+        {
+            "mp_degree": hcg.get_model_parallel_world_size(),
+            "pp_degree": hcg.get_pipe_parallel_world_size(),
+            "sep_degree": hcg.get_sep_parallel_world_size(),
+            "dp_degree": hcg.get_data_parallel_world_size(),
+            "sharding_degree": hcg.get_sharding_parallel_world_size(),
+        },
+        world_size,
+        sharding_degree_max,
+    )
+    _check_sharding_configs(fleet.fleet._user_defined_strategy)
+    if sharding_opt is None or degree == 1:
+        # Plain data parallel under fleet's wrapper: every rank's state is whole.
+        return Attached(dp, degree, None)
+    # The first data-parallel replica's sharding group, by sharding rank: the ranks whose
+    # shards make up the whole state (every replica holds the same ones).
+    sources = sorted(hcg.topology().get_axis_list("data", 0))
+    return Attached(dp, degree, Sharded(sharding_opt, sources))
+
+
+@dataclass
+class Gathered:
+    """The whole optimizer state, by parameter name as ``optimizer.state_dict()`` has it:
+    what a checkpoint of a sharded job saves in place of this rank's shard."""
+
+    state: dict[str, Any]
+    step: int
+    seconds: float
+    nbytes: int
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.state)
+
+
+class Sharded:
+    """A job whose optimizer is fleet's ``DygraphShardingOptimizer`` (stage 1)."""
+
+    def __init__(self, sharding_optimizer: Any, sources: list[int] | int) -> None:
+        """``sources``: the global ranks of one sharding group (an int: ranks 0..n-1)."""
+        self.optimizer = sharding_optimizer
+        self.sources = list(range(sources)) if isinstance(sources, int) else list(sources)
+        self.degree = len(self.sources)
+
+    def owners(self) -> dict[str, int]:
+        """Each parameter's owning sharding rank, by name (fleet's own assignment)."""
+        return dict(self.optimizer._param2rank)
+
+    def gather(
+        self,
+        model: Any,
+        optimizer: Any,
+        step: int,
+        rank: int,
+        settings: TransferSettings | None = None,
+    ) -> Gathered:
+        """One sharding group's shards of the optimizer state on every rank: one
+        ``send_tensors`` per source rank, each over the whole world. A collective: every rank
+        calls it at the same step."""
+        import paddle
+
+        started = time.monotonic()
+        chunk = (settings or TransferSettings.from_env()).chunk_bytes
+        own = optimizer.state_dict()
+        mine = _arrays(model, own)
+        merged: dict[str, Any] = {}
+        nbytes = 0
+        for source in self.sources:
+            moved = send_tensors(mine if rank == source else None, source, rank, chunk)
+            if not moved.intact:
+                raise ConnectionError(
+                    f"rank {rank}: the optimizer shard of rank {source} arrived damaged"
+                )
+            for key, array in moved.arrays.items():
+                merged.setdefault(key, array)
+                nbytes += int(array.nbytes)
+        state: dict[str, Any] = {k: v for k, v in own.items() if k in _SHARED_ENTRIES}
+        masters: dict[str, Any] = {}
+        by_name = paddle_state.positional(model, merged, to_positions=False)
+        for key, array in by_name.items():
+            tensor = paddle.to_tensor(np.asarray(array))
+            if key.endswith(_MASTER):
+                masters[key[: -len(_MASTER)]] = tensor
+            else:
+                state[key] = tensor
+        if masters:
+            state["master_weights"] = masters
+        return Gathered(state, step, time.monotonic() - started, nbytes)
+
+
+def _arrays(model: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """This rank's shard as arrays by positional name (names are per-process counters)."""
+    flat: dict[str, Any] = {}
+    for key, value in state.items():
+        if key in _SHARED_ENTRIES:
+            continue
+        if key == "master_weights":
+            flat.update({k + _MASTER: v for k, v in value.items()})
+        else:
+            flat[key] = value
+    out: dict[str, Any] = {}
+    for key, value in paddle_state.positional(model, flat, to_positions=True).items():
+        array = paddle_state.raw_array(value)
+        if array is None:
+            raise _refuse(
+                f"optimizer slot {key} of dtype {getattr(value, 'dtype', type(value))}",
+                "only tensors of plain dtypes (not bfloat16) are gathered",
+            )
+        out[key] = np.ascontiguousarray(array)
+    return out
