@@ -34,8 +34,8 @@ if [ -n "$UNPINNED" ]; then
     trap 'rm -f "$constraints"' EXIT
     grep -v -E "^($UNPINNED)==" constraints.txt > "$constraints"
 fi
-# --no-compile: pip byte-compiles every module it installs (Paddle's thousands among
-# them), most of which no test imports; Python compiles what is imported, once, on
-# first use. It halved an install's CPU time (docs/reliability.md, "The suite").
-"$VENV/bin/python" -m pip install -q --no-compile -c "$constraints" -e ".[$EXTRAS]"
+# Not --no-compile: where PYTHONDONTWRITEBYTECODE is set (this project's machines and
+# CI) nothing would write the bytecode later, and every process of the suite compiled
+# Paddle's modules from source at each start (docs/reliability.md, "The suite").
+"$VENV/bin/python" -m pip install -q -c "$constraints" -e ".[$EXTRAS]"
 echo "$want" > "$VENV/.installed"
