@@ -28,7 +28,9 @@ failover_s / (lease + renew + 1 s), which must stay at most 1.
 Coordinator, hot: a leader and a started standby (``--leader-election sql``, a
 2 s lease renewed every 0.5 s) on one SQLite store, and a member that dials
 both (IP:PORT,IP:PORT: each call goes to the replica whose health is SERVING).
-The leader is SIGSTOPped; ``coordinator_failover_s`` runs until the member's
+The leader is SIGSTOPped between its writes (a SQLite writer paused inside one keeps
+the file's lock, and no standby could lead: docs/coordinator.md, Standby replicas);
+``coordinator_failover_s`` runs until the member's
 heartbeat, with the member id it registered under, is answered by the standby
 (which loaded the job from SQL on election). ``coordinator_takeover_s`` runs
 from the SIGSTOP until the standby's health is SERVING, and
@@ -71,7 +73,7 @@ from tide.base.client import channel_target
 from tide.base.listening import parse_listening
 from tide.services.testing.actuators import read_changes
 from tide.services.testing.kube import KubeApiServer
-from tide.services.testing.replicas import replica_args
+from tide.services.testing.replicas import pause_outside_a_write, replica_args
 from tide.v1 import coordinator_pb2 as cpb
 from tide.v1 import coordinator_pb2_grpc as cpb_grpc
 from tide.v1 import scaler_pb2, scaler_pb2_grpc
@@ -267,10 +269,13 @@ def scaler_failover(url: str, tmp: Path, engine: sa.Engine, lease: list[str]) ->
     }
 
 
-def _beats(stub: Any, member: str) -> bool:
+def _beats(stub: Any, member: str, seen: list[str] | None = None) -> bool:
+    """Whether the member's heartbeat is answered; ``seen`` keeps the last refusal."""
     try:
         stub.Heartbeat(cpb.HeartbeatRequest(member_id=member), timeout=1.0)
-    except grpc.RpcError:
+    except grpc.RpcError as exc:
+        if seen is not None:
+            seen[:] = [f"{exc.code().name}: {exc.details()}"]
         return False
     return True
 
@@ -310,13 +315,15 @@ def coordinator_failover(tmp: Path) -> dict[str, Any]:
     SERVING gets the call). The leader is SIGSTOPped; ``coordinator_failover_s`` runs
     until the member's heartbeat is answered by the standby, with its old member id."""
     db_url = f"sqlite:///{tmp / 'standby.db'}"
+    logs = tmp / "coordinator-logs"
+    logs.mkdir(exist_ok=True)
     args = [
         "-m",
         "tide.services.coordinator",
         "--db",
         db_url,
         "--log-level",
-        "ERROR",
+        "INFO",
         "--insecure",
         "--listen",
         "127.0.0.1:0",
@@ -327,23 +334,32 @@ def coordinator_failover(tmp: Path) -> dict[str, Any]:
         "--lease-renew-s",
         str(COORD_RENEW_S),
     ]
-    a, a_target = _start([*args, "--owner-id", "a"])
-    _wait(lambda: _serving(a_target), 30, "coordinator a leads")
-    b, b_target = _start([*args, "--owner-id", "b"])
+    a, a_target = _start([*args, "--owner-id", "a"], logs / "a.log")
+    _wait(lambda: _serving(a_target), 30, "coordinator a leads", logs)
+    b, b_target = _start([*args, "--owner-id", "b"], logs / "b.log")
     try:
         target, options = channel_target(f"{a_target},{b_target}")
         with grpc.insecure_channel(target, options=list(options.items())) as ch:
             stub = cpb_grpc.CoordinatorStub(ch)
-            member = _wait_value(lambda: _try_register(stub), 30, "the member registered")
+            member = _wait_value(lambda: _try_register(stub), 30, "the member registered", logs)
             leads: list[float] = []
             watcher = threading.Thread(
                 target=lambda: leads.append(_wait(lambda: _serving(b_target), 30, "b leads")),
                 daemon=True,
             )
-            a.send_signal(signal.SIGSTOP)
+            # On SQLite, between the leader's writes: a pause inside one holds the file's
+            # write lock, and no standby can lead until it runs (docs/coordinator.md).
+            pause_outside_a_write(a, db_url)
             stopped = time.monotonic()
             watcher.start()
-            _wait(lambda: _beats(stub, member), 30, "the member's heartbeat on the standby")
+            refused: list[str] = []
+            try:
+                _wait(lambda: _beats(stub, member, refused), 30, "the member's heartbeat", logs)
+            except SystemExit as exc:
+                raise SystemExit(
+                    f"{exc} [on the standby; its health SERVING: {_serving(b_target)}; "
+                    f"the last refusal: {refused}]"
+                ) from None
             done = time.monotonic()
             watcher.join(timeout=30)
         a.send_signal(signal.SIGCONT)
@@ -383,7 +399,7 @@ def _try_register(stub: Any) -> str:
         return ""
 
 
-def _wait_value(get: Any, timeout_s: float, what: str) -> Any:
+def _wait_value(get: Any, timeout_s: float, what: str, logs: Path | None = None) -> Any:
     box: list[Any] = []
 
     def got() -> bool:
@@ -392,7 +408,7 @@ def _wait_value(get: Any, timeout_s: float, what: str) -> Any:
             box.append(value)
         return bool(value)
 
-    _wait(got, timeout_s, what)
+    _wait(got, timeout_s, what, logs)
     return box[0]
 
 

@@ -8,7 +8,6 @@ a Register waiting for it, exits with status 3 and that Register lands nowhere."
 from __future__ import annotations
 
 import signal
-import sqlite3
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from tests.support.pg import schema_url
 from tests.support.poll import wait_for
 from tests.support.procs import ServiceProcess, start_service
 from tide.base.client import channel_target
+from tide.services.testing.replicas import pause_outside_a_write
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -100,35 +100,6 @@ def _members(db_url: str) -> list[tuple[str, str]]:
         engine.dispose()
 
 
-def _pause_outside_a_write(replica: ServiceProcess, db_url: str) -> None:
-    """SIGSTOP the replica; on SQLite, at a moment it holds no write lock.
-
-    A SQLite writer paused inside its transaction keeps the file's write lock
-    until it runs again, so no standby can take the lease meanwhile (nothing
-    ends a paused process's lock, unlike PostgreSQL's
-    idle_in_transaction_session_timeout; docs/coordinator.md, Standby
-    replicas). That pause is one SQLite cannot survive; this test pauses the
-    leader between its writes, and the PostgreSQL case pauses it anywhere.
-    """
-    if not db_url.startswith("sqlite:///"):
-        replica.proc.send_signal(signal.SIGSTOP)
-        return
-    path = db_url.removeprefix("sqlite:///")
-    for _ in range(50):
-        replica.proc.send_signal(signal.SIGSTOP)
-        probe = sqlite3.connect(path, timeout=0.2, isolation_level=None)
-        try:
-            probe.execute("BEGIN IMMEDIATE")
-            probe.execute("ROLLBACK")
-            return
-        except sqlite3.OperationalError:
-            replica.proc.send_signal(signal.SIGCONT)  # paused mid-write: let it finish
-            time.sleep(0.05)
-        finally:
-            probe.close()
-    raise AssertionError("the leader held the SQLite write lock at 50 pauses in a row")
-
-
 @pytest.mark.serial  # a takeover-time bound: measured alone (Makefile)
 def test_standby_takes_over_from_a_paused_leader_and_the_old_leader_writes_nothing(
     db_url: str,
@@ -156,7 +127,7 @@ def test_standby_takes_over_from_a_paused_leader_and_the_old_leader_writes_nothi
             member = _register(stub, "p-0")
             stub.Heartbeat(pb.HeartbeatRequest(member_id=member), timeout=T)
 
-            _pause_outside_a_write(a, db_url)
+            pause_outside_a_write(a.proc, db_url)
             stopped = time.monotonic()
             wait_for(lambda: _serving(b.target), timeout_s=30, what="replica b leads")
             took_over = time.monotonic() - stopped

@@ -1,11 +1,16 @@
-"""The command line of one scaler replica among several (``python -m
-tide.services.testing.scaler``), for the benchmarks and tests that run replicas side by
-side: the in-memory coordinator with its state in a file under ``tmp`` (the
-coordinator outlives any replica), one store, an owner id, a port of its own.
+"""Replicas side by side, for the benchmarks and tests that run them: the command line
+of one scaler replica among several (``python -m tide.services.testing.scaler``: the
+in-memory coordinator with its state in a file under ``tmp``, as the coordinator
+outlives any replica; one store, an owner id, a port of its own), and the pause of a
+leader that its store can survive.
 """
 
 from __future__ import annotations
 
+import signal
+import sqlite3
+import subprocess
+import time
 from pathlib import Path
 
 
@@ -35,3 +40,32 @@ def replica_args(
         "--log-level",
         "WARNING",
     ]
+
+
+def pause_outside_a_write(proc: subprocess.Popen[str], db_url: str) -> None:
+    """SIGSTOP ``proc``, a replica on store ``db_url``; on SQLite, at a moment it holds
+    no write lock.
+
+    A SQLite writer paused inside its transaction keeps the file's write lock until it
+    runs again, so no standby can take the lease meanwhile: nothing ends a paused
+    process's lock, unlike PostgreSQL's idle_in_transaction_session_timeout
+    (docs/coordinator.md, Standby replicas). That pause is one SQLite cannot survive,
+    so on SQLite the leader is paused between its writes; on PostgreSQL, anywhere.
+    """
+    if not db_url.startswith("sqlite:///"):
+        proc.send_signal(signal.SIGSTOP)
+        return
+    path = db_url.removeprefix("sqlite:///")
+    for _ in range(50):
+        proc.send_signal(signal.SIGSTOP)
+        probe = sqlite3.connect(path, timeout=0.2, isolation_level=None)
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:
+            proc.send_signal(signal.SIGCONT)  # paused mid-write: let it finish
+            time.sleep(0.05)
+        finally:
+            probe.close()
+    raise AssertionError("the leader held the SQLite write lock at 50 pauses in a row")
