@@ -151,6 +151,56 @@ async def test_restart_after_rendezvous_carries_the_resize_to_completion(senv: E
     assert st.last_checkpoint_step == final.checkpoint_step > 0
 
 
+async def test_restart_in_a_committing_barrier_confirms_the_prepared_group(
+    store: CoordinatorStore,
+) -> None:
+    """Overlap mode, the coordinator killed once the CHECKPOINTs went out: they carried g+1's
+    RENDEZVOUS, so the members switch to g+1's prepared workers at their hold, which train on
+    while it is away (here to the budget's end). The restarted coordinator carries the
+    barrier on; its RENDEZVOUS confirms that same group (the PREPAREs' endpoints, prepared),
+    never a fresh one beside it, and a g+1 that finished before it was heard of completes
+    the resize (tests/e2e/test_elastic.py::test_coordinator_killed_mid_resize_...)."""
+    env = await make_env(store, dataclasses.replace(TUNING, resize_mode="overlap"))
+    try:
+        await _form(env, 2)
+        await env.heartbeat_all()
+        ls = list(env.launchers)
+        await env.launcher(2)
+        for fl in ls:
+            fl.answer_checkpoint = False
+        ResizeWatch(env.stub, JOB, 2, 3, deadline_s=60.0)
+        await eventually(lambda: all(K.KIND_CHECKPOINT in fl.kinds() for fl in ls), what="sent")
+        assert all(d.HasField("rendezvous") for fl in ls for d in fl.received[-1:])
+        prepared = {
+            fl.member_id: next(d for d in fl.received if d.kind == K.KIND_PREPARE).rendezvous
+            for fl in env.launchers
+        }
+
+        await env.restart()
+        for fl in ls:
+            fl.answer_checkpoint = True
+        await _reconnect_all(env)
+        await eventually(lambda: all(fl.generation == 2 for fl in env.launchers), what="g2")
+        await eventually(lambda: not _pending(env), what="acks")
+        for fl in env.launchers:
+            rdv = fl.received[-1].rendezvous
+            assert rdv.prepared and rdv.rank == prepared[fl.member_id].rank
+            assert rdv.master_endpoint == prepared[fl.member_id].master_endpoint
+            assert rdv.trainer_endpoints == prepared[fl.member_id].trainer_endpoints
+        # Each member's first word in g+1 is its end: the budget's last step, done.
+        env.clock.advance(1.0)
+        for fl in env.launchers:
+            fl.phase, fl.step, fl.first_step_at = pb.WORKER_PHASE_IDLE, 200, env.clock.now()
+            await fl.heartbeat(steps=0)
+        final = await ResizeWatch(env.stub, JOB, 2, 3).final()
+        assert final.phase == P.RESIZE_PHASE_COMPLETED, final.message
+        assert (final.generation, final.lost_steps) == (2, 0)
+        st = await env.status()
+        assert st.finished and (st.generation, st.step) == (2, 200)
+    finally:
+        await close_env(env)
+
+
 async def test_restart_while_leavers_drain_and_stayers_form_carries_the_shrink_on(
     senv: Env,
 ) -> None:

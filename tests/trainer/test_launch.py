@@ -234,6 +234,59 @@ async def test_a_committing_checkpoint_that_came_late_switches_at_the_later_hold
     assert coord.ack_of(drain) is not None
 
 
+async def test_a_switched_worker_that_ended_before_the_rendezvous_stays_the_members_worker(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator went away once the barrier committed (killed, then restarted): the
+    prepared worker trains g+1 on to the end of the budget and exits 0 before the confirming
+    RENDEZVOUS, while the launcher registers again. It is still this member's worker of g+1:
+    the RENDEZVOUS takes it as it ended, with what it said (its restore, its steps, its end),
+    and the member reports g+1 finished. A fresh worker in its place would join a group whose
+    other ranks are gone (tests/e2e/test_elastic.py::
+    test_coordinator_killed_mid_resize_ends_in_one_generation[overlap], FAILED in CI)."""
+    coord, port = fake
+    monkeypatch.setenv("FAKE_MAX_STEPS", "150")
+    launcher = make_launcher(port, tmp_path)
+    run = asyncio.create_task(launcher.run())
+    await eventually(lambda: coord.members, 10, what="registration")
+    (mid,) = coord.members
+    member = coord.members[mid]
+    (rdv,) = coord.rendezvous([mid])
+    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack")
+    await eventually(lambda: launcher.workers.standby is not None, 10, what="a standby")
+    (prep,) = coord.rendezvous([mid], kind=pb.Directive.KIND_PREPARE, prepared=True)
+    await eventually(lambda: coord.ack_of(prep), 10, what="prepare ack")
+    prepared = launcher.workers.standby
+    assert prepared is not None and coord.ack_of(prep).ok  # type: ignore[union-attr]
+    target = launcher.progress.step + 3
+    assert target < 100, "g trained too far before its barrier"
+    info = pb.Rendezvous()
+    info.CopyFrom(prep.rendezvous)
+    info.restore_step = target
+    ckpt = coord.send(
+        mid, kind=pb.Directive.KIND_CHECKPOINT, checkpoint_step=target, rendezvous=info
+    )
+    await eventually(lambda: coord.ack_of(ckpt), 5, what="checkpoint ack")
+    # The restarted coordinator does not know the member's stream: it registers again.
+    coord.forgotten.add(mid)
+    await eventually(lambda: member.registrations >= 2, 10, what="re-registration")
+    await eventually(lambda: prepared.returncode is not None, 15, what="g+1 at its budget's end")
+    assert prepared.returncode == 0
+    assert launcher.state is State.HOLDING and launcher.generation == 1
+
+    (confirm,) = coord.rendezvous([mid], restore_step=target, prepared=True)
+    assert await asyncio.wait_for(run, 15) == 0
+    ack = coord.ack_of(confirm)
+    assert ack is not None and ack.ok and ack.restored_step == target, ack
+    last = member.heartbeats[-1]
+    assert (last.phase, last.generation, last.step) == (pb.WORKER_PHASE_IDLE, 2, 150)
+    assert last.first_step_at.seconds > 0
+    assert not [hb for hb in member.heartbeats if hb.phase == pb.WORKER_PHASE_FAILED]
+    # No other worker ran in g+1.
+    worker = launcher.workers.members[0].worker
+    assert worker is not None and worker.pid == prepared.pid
+
+
 async def test_prepare_without_a_prewarmed_standby_is_nacked(
     fake: tuple[FakeCoordinator, int], tmp_path: Path
 ) -> None:

@@ -39,10 +39,7 @@ from tide.trainer.devices import (
     local_env,
     memory_shortfall,
 )
-from tide.trainer.distenv import (
-    RESTART_STARTED_AT_ENV,
-    RESTORE_STEP_ENV,
-)
+from tide.trainer.distenv import RESTART_STARTED_AT_ENV, RESTORE_STEP_ENV
 from tide.trainer.handover import HANDOVER_DIR_ENV, pod_handover_dir
 from tide.trainer.launcher.envs import rendezvous_envs
 from tide.trainer.launcher.group import WorkerGroup
@@ -489,6 +486,9 @@ class Launcher:
                 self.progress.step,
             )
             self._set_state(State.DONE)
+            if self._rendezvous_task is not None and not self._rendezvous_task.done():
+                # It finished before its RENDEZVOUS came (overlap mode): that ack goes first.
+                await asyncio.wait([self._rendezvous_task])
             # Phase IDLE in the current generation with the final step: the coordinator
             # marks the member finished instead of waiting for its silence to look like a loss.
             await self.link.final_heartbeat()

@@ -217,7 +217,7 @@ class WorkerSupervisor:
         waits in init_process_group for a RENDEZVOUS, so a restart costs no start-up."""
         if not self.s.prewarm or self._closing or not self._may_prewarm():
             return
-        if self.standby is not None and self.standby.returncode is None:
+        if self.standby is not None and (self.standby.returncode is None or self._ended_ahead()):
             return
         self._standby_seq += 1
         env = self.base_env()
@@ -240,6 +240,22 @@ class WorkerSupervisor:
                 fut.set_exception(Unavailable(f"the standby worker exited with {code}"))
         if self.standby is not standby or self._closing:
             return
+        if self._ended_ahead():
+            # It went at the barrier's commit and trained g+1 on until it ended (the budget
+            # done, or a failure) before the RENDEZVOUS came: the coordinator was away. Still
+            # this member's worker of that generation, with its words: the RENDEZVOUS makes
+            # it the current worker and its end is reported then. A fresh worker in its place
+            # would join a group whose other ranks are gone.
+            logger.warning(
+                "member %s (job %s): prepared worker pid %d of generation %d exited with %d"
+                " before its RENDEZVOUS; kept as this member's worker of it",
+                self.member_id,
+                self.s.job_id,
+                standby.pid,
+                self._prepared[0] if self._prepared else 0,
+                code,
+            )
+            return
         self.standby = None
         self._forget_prepared()
         delay = self._standby_backoff.next_delay_s()
@@ -261,13 +277,24 @@ class WorkerSupervisor:
     # -- overlap mode: a generation prepared ahead --------------------------------------
 
     def prepared_for(self, generation: int) -> bool:
-        """The standby holds the group of ``generation`` and is alive."""
+        """The standby holds the group of ``generation`` and is alive, or it went at the
+        barrier's commit and has ended since (:meth:`_ended_ahead`)."""
+        s = self.standby
+        if s is None or self._prepared != (generation, s.pid):
+            return False
+        if s.returncode is not None:
+            return self._ended_ahead()
+        return self.control.connected(s.pid)
+
+    def _ended_ahead(self) -> bool:
+        """The prepared standby went (trained g+1 before its RENDEZVOUS) and has exited."""
         s = self.standby
         return (
             s is not None
-            and s.returncode is None
-            and self._prepared == (generation, s.pid)
-            and self.control.connected(s.pid)
+            and s.returncode is not None
+            and self._prepared_went
+            and self._prepared is not None
+            and self._prepared[1] == s.pid
         )
 
     def discard_prepared(self) -> None:
@@ -382,9 +409,12 @@ class WorkerSupervisor:
             if not went:
                 self.send(Go(env=dict(env)))
             worker = self.worker
-            self._spawn_task(self._watch(worker), "watch-worker")
             for msg in said:
                 await self._on_current_message(msg)
+            # Watched only once what it said is told: one that ended before this RENDEZVOUS
+            # (it went at the barrier, the coordinator was away) is judged by all of it (its
+            # restore, its steps, "done"), like any worker's exit.
+            self._spawn_task(self._watch(worker), "watch-worker")
             return worker, True
         self.discard_prepared()
         if self.standby_ready():
