@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from tide.base.errors import InvalidArgument
 from tide.services.common.clock import Clock
 from tide.services.scaler.errors import DecisionInProgress, JobNotFound, StaleEpoch
-from tide.services.scaler.store import decisions, jobs, pages, rollups
+from tide.services.scaler.store import decisions, jobs, pages, rollups, transitions
 from tide.services.scaler.store.records import (
     DecisionDetailRecord,
     DecisionPage,
@@ -32,6 +32,9 @@ from tide.services.store import db, leases
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# A queued transition: its move, its decision's job, its caller's answer.
+_Queued = tuple["transitions.Move", str, "asyncio.Future[DecisionRecord]"]
 
 
 class DecisionStore:
@@ -53,6 +56,10 @@ class DecisionStore:
         # Where a create goes when the write lock is busy (``_run_inline``); one
         # thread, made when first needed.
         self._creates_pool: ThreadPoolExecutor | None = None
+        # Group commit of the lifecycle's transitions (``transition``): the queue and
+        # its writer, a task while the queue has moves.
+        self._moves: list[_Queued] = []
+        self._mover: asyncio.Task[None] | None = None
 
     @property
     def _creates(self) -> ThreadPoolExecutor:
@@ -354,15 +361,113 @@ class DecisionStore:
     ) -> DecisionRecord:
         """Move ``d`` to ``state``; with ``check_state`` the row must still be in
         ``d.state`` (DecisionChanged otherwise). Recording a failure from wherever
-        the decision got to passes False."""
-        epoch = self.epochs[d.job_id]
-        now = self.now()
-        expected = d.state if check_state else None
+        the decision got to passes False.
+
+        Group commit: the call joins the queue of transitions and one writer writes
+        each turn's queue in one transaction (``transitions.transition_decisions``),
+        whatever queued while the previous turn was being written; no delay, so a lone
+        transition is written at once, alone. Each caller gets its own record or its
+        own error, exactly as if written alone."""
+        move = transitions.Move(
+            d.id,
+            state,
+            detail,
+            self.epochs[d.job_id],
+            self.now(),
+            d.state if check_state else None,
+            **kwargs,
+        )
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[DecisionRecord] = loop.create_future()
+        writer = self._mover
+        if writer is None or writer.done() or writer.get_loop() is not loop:
+            # A queue left by a loop that is gone (tests run one loop each) has no one
+            # to answer: its futures belong to that loop.
+            self._moves = [q for q in self._moves if q[2].get_loop() is loop]
+            self._mover = loop.create_task(self._write_moves(), name="decision-transitions")
+        self._moves.append((move, d.job_id, done))
+        return await done
+
+    async def _write_moves(self) -> None:
+        """The transitions' writer: a turn takes the whole queue, but never two moves
+        of one job (of one decision above all: they must apply in the order called;
+        two ends of one job would both write its row): a second waits for the next
+        turn, in its place in the queue."""
+        try:
+            while self._moves:
+                batch: list[tuple[transitions.Move, asyncio.Future[DecisionRecord]]] = []
+                rest: list[_Queued] = []
+                jobs_in: set[str] = set()
+                for q in self._moves:
+                    if q[1] in jobs_in or len(batch) >= transitions.MAX_BATCH:
+                        rest.append(q)
+                    else:
+                        jobs_in.add(q[1])
+                        batch.append((q[0], q[2]))
+                self._moves = rest
+                try:
+                    await self._write_turn(batch)
+                finally:
+                    for _, f in batch:  # an answer for every caller, come what may
+                        if not f.done():
+                            f.cancel()
+        finally:
+            if self._mover is asyncio.current_task():
+                self._mover = None
+
+    async def _write_turn(
+        self, batch: Sequence[tuple[transitions.Move, asyncio.Future[DecisionRecord]]]
+    ) -> None:
+        moves = [m for m, _ in batch]
+        results: Sequence[DecisionRecord | BaseException]
+        if len(moves) == 1:
+            # Alone: the single path, as cheap as before group commit.
+            results = await asyncio.gather(self._move_alone(moves[0]), return_exceptions=True)
+        else:
+            try:
+                results = await self._run(
+                    lambda s: transitions.transition_decisions(s, moves),
+                    what=f"{len(moves)} decision transitions",
+                )
+            except Exception as exc:
+                # The batch failed as a whole (the store, after unit_of_work's retries;
+                # a job not found): each is written alone, so an item that would have
+                # succeeded alone does, and each caller gets the single path's answer.
+                logger.warning(
+                    "a batch of %d decision transitions failed, writing each: %s",
+                    len(moves),
+                    exc,
+                )
+                results = await asyncio.gather(
+                    *(self._move_alone(m) for m in moves), return_exceptions=True
+                )
+        for (_, f), r in zip(batch, results, strict=True):
+            if f.done():  # its caller was cancelled; the write stands, as it would alone
+                continue
+            if isinstance(r, asyncio.CancelledError):
+                f.cancel()
+            elif isinstance(r, BaseException):
+                f.set_exception(r)
+            else:
+                f.set_result(r)
+
+    async def _move_alone(self, m: transitions.Move) -> DecisionRecord:
         return await self._run(
             lambda s: decisions.transition_decision(
-                s, d.id, state, detail=detail, epoch=epoch, now=now, expected=expected, **kwargs
+                s,
+                m.decision_id,
+                m.state,
+                detail=m.detail,
+                epoch=m.epoch,
+                now=m.now,
+                expected=m.expected,
+                error=m.error,
+                pause_s=m.pause_s,
+                lost_steps=m.lost_steps,
+                generation=m.generation,
+                to_replicas=m.to_replicas,
             ),
-            what=f"decision {d.id} -> {state}",
+            what=f"decision {m.decision_id} -> {m.state}",
         )
 
     async def non_final(self) -> list[DecisionRecord]:

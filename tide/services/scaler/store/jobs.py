@@ -287,12 +287,31 @@ def check_epochs(session: Session, epochs: Mapping[str, int]) -> dict[str, Stale
             .returning(table.c.job_id)
         ).scalars()
     )
+    missed = [(job_id, epoch) for job_id, epoch in pairs if job_id not in matched]
+    if not missed:
+        return {}
+    # The refused jobs' owners in one read, not one each: a batch of transitions
+    # after a takeover is refused whole.
+    owners = {
+        str(r.job_id): (int(r.owner_epoch), str(r.owner_id))
+        for r in session.execute(
+            select(table.c.job_id, table.c.owner_epoch, table.c.owner_id).where(
+                table.c.job_id.in_([job_id for job_id, _ in missed])
+            )
+        )
+    }
     refused: dict[str, StaleEpoch] = {}
-    for job_id, epoch in pairs:
-        if job_id in matched:
+    for job_id, epoch in missed:
+        owner = owners.get(job_id)
+        if owner is None or owner[0] == epoch:
+            # Not found (JobNotFound), or moved back between the statements: the
+            # single check decides, in check_epoch's words.
+            try:
+                check_epoch(session, job_id, epoch)
+            except StaleEpoch as exc:
+                refused[job_id] = exc
             continue
-        try:
-            check_epoch(session, job_id, epoch)  # the error's words (or JobNotFound)
-        except StaleEpoch as exc:
-            refused[job_id] = exc
+        refused[job_id] = StaleEpoch(
+            f"job {job_id}: epoch {epoch} is stale, owned by {owner[1]!r} at epoch {owner[0]}"
+        )
     return refused

@@ -1,0 +1,211 @@
+"""``DecisionStore.transition``'s group commit on both engines: concurrent transitions are
+written together, each caller gets its own record or error, a batch that fails whole is
+written move by move, and one decision's transitions apply in the order called."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from tide.services.scaler.store import DecisionRecord, DecisionState, DecisionStore, transitions
+from tide.services.scaler.store import DecisionState as S
+from tide.services.store import db
+from tide.services.testing.clock import FakeClock
+
+from .service_rig import T0
+
+pytestmark = pytest.mark.component
+
+
+@pytest.fixture
+async def store(scaler_db_url: str) -> AsyncIterator[DecisionStore]:
+    s = DecisionStore(db.make_engine(scaler_db_url), "scaler-a", FakeClock(T0))
+    try:
+        yield s
+    finally:
+        s.close()
+        s.engine.dispose()
+
+
+@pytest.fixture
+def turns(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The decision ids of every batch the writer writes (a lone move takes the single path)."""
+    seen: list[list[int]] = []
+    real = transitions.transition_decisions
+
+    def spy(session: Any, moves: Any) -> Any:
+        seen.append([m.decision_id for m in moves])
+        return real(session, moves)
+
+    monkeypatch.setattr(transitions, "transition_decisions", spy)
+    return seen
+
+
+async def _decisions(store: DecisionStore, n: int, prefix: str = "ns/j") -> list[DecisionRecord]:
+    jobs = [f"{prefix}{k}" for k in range(n)]
+    for j in jobs:
+        await store.upsert_job(j, min_replicas=1, max_replicas=8)
+    await store.acquire_many(jobs)
+    out = await store.create_many(
+        [
+            {
+                "job_id": j,
+                "from_replicas": 2,
+                "to_replicas": 4,
+                "reason": "SUSTAINED_HIGH_UTILIZATION",
+                "trigger": "POLICY",
+                "message": "m",
+                "inputs": {},
+            }
+            for j in jobs
+        ]
+    )
+    assert all(isinstance(d, DecisionRecord) for d in out)
+    return [d for d in out if isinstance(d, DecisionRecord)]
+
+
+async def _outcomes(calls: list[Any]) -> list[Any]:
+    return list(await asyncio.gather(*calls, return_exceptions=True))
+
+
+async def _take_over(store: DecisionStore, job_id: str) -> None:
+    other = DecisionStore(store.engine, "scaler-b", store.clock)
+    await other.acquire(job_id)
+
+
+async def test_concurrent_transitions_are_one_batch_and_each_gets_its_own(
+    store: DecisionStore, turns: list[list[int]]
+) -> None:
+    ds = await _decisions(store, 6)
+    await _take_over(store, ds[4].job_id)  # its epoch here is stale now
+    changed = dataclasses.replace(ds[3], state=S.PREPARING)  # not the row's state
+    out = await _outcomes(
+        [
+            store.transition(ds[0], S.PREPARING, "plan"),
+            store.transition(ds[1], S.PREPARING, "plan"),
+            store.transition(ds[2], S.ABORTED, "gone", check_state=False, error="e"),
+            store.transition(changed, S.ACTUATING, "act"),
+            store.transition(ds[4], S.PREPARING, "plan"),
+            store.transition(ds[5], S.COMPLETED, "skip"),
+        ]
+    )
+    assert turns == [[d.id for d in ds]]
+    assert [type(r).__name__ for r in out] == [
+        "DecisionRecord",
+        "DecisionRecord",
+        "DecisionRecord",
+        "DecisionChanged",
+        "StaleEpoch",
+        "InvalidTransition",
+    ]
+    assert str(out[3]) == (
+        f"decision {ds[3].id} of job {ds[3].job_id}: expected PREPARING, found PENDING"
+    )
+    assert "epoch 1 is stale, owned by 'scaler-b' at epoch 2" in str(out[4])
+    assert (out[2].state, out[2].error, out[2].version) == (S.ABORTED, "e", 2)
+    for d, r in zip(ds[:3], out[:3], strict=True):
+        got = await store.get_decision(d.id)
+        assert got.decision == r
+        assert [e.state for e in got.events] == [S.PENDING, r.state]
+    for d in ds[3:]:
+        got = await store.get_decision(d.id)
+        assert (got.decision.state, len(got.events)) == (S.PENDING, 1)
+    assert (await store.get_job(ds[2].job_id)).last_resize_ended_at is not None
+
+
+async def test_a_lone_transition_takes_the_single_path(
+    store: DecisionStore, turns: list[list[int]]
+) -> None:
+    (d,) = await _decisions(store, 1)
+    moved = await store.transition(d, S.PREPARING, "plan")
+    assert moved.state is S.PREPARING and turns == []
+
+
+async def test_a_batch_that_fails_whole_is_written_move_by_move(
+    store: DecisionStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store fault after the batch's writes (the connection lost before the commit):
+    its transaction rolls back, each move is written alone and gets what it would have,
+    the refused ones their errors, and no event is lost or written twice."""
+    ds = await _decisions(store, 5)
+    await _take_over(store, ds[1].job_id)
+    real = transitions.transition_decisions
+    failed: list[int] = []
+
+    def broken(session: Any, moves: Any) -> Any:
+        real(session, moves)
+        failed.append(len(moves))
+        raise sa.exc.OperationalError("COMMIT", {}, Exception("server closed the connection"))
+
+    monkeypatch.setattr(transitions, "transition_decisions", broken)
+    out = await _outcomes(
+        [
+            store.transition(ds[0], S.PREPARING, "plan"),
+            store.transition(ds[1], S.PREPARING, "plan"),
+            store.transition(dataclasses.replace(ds[2], state=S.ACTUATING), S.COMPLETED, "x"),
+            store.transition(ds[3], S.PREPARING, "plan"),
+            store.transition(ds[4], S.FAILED, "boom", check_state=False, error="boom"),
+        ]
+    )
+    assert failed and failed[0] == 5
+    assert [type(r).__name__ for r in out] == [
+        "DecisionRecord",
+        "StaleEpoch",
+        "DecisionChanged",
+        "DecisionRecord",
+        "DecisionRecord",
+    ]
+    for d, want in zip(ds, [S.PREPARING, S.PENDING, S.PENDING, S.PREPARING, S.FAILED], strict=True):
+        got = await store.get_decision(d.id)
+        assert got.decision.state is want
+        assert [e.state for e in got.events] == (
+            [S.PENDING] if want is S.PENDING else [S.PENDING, want]
+        )
+
+
+async def test_one_decisions_transitions_apply_in_the_order_called(
+    store: DecisionStore, turns: list[list[int]]
+) -> None:
+    """Two moves of one decision queued together (the driver never does, the writer
+    guards it): the second waits for the next turn, after the first is written."""
+    a, b = await _decisions(store, 2)
+    prepared = dataclasses.replace(a, state=S.PREPARING)
+    acting = dataclasses.replace(a, state=S.ACTUATING)
+    out = await _outcomes(
+        [
+            store.transition(a, S.PREPARING, "plan"),
+            store.transition(prepared, S.ACTUATING, "act"),
+            store.transition(b, S.PREPARING, "plan"),
+            store.transition(acting, S.COMPLETED, "done", generation=1),
+        ]
+    )
+    assert all(isinstance(r, DecisionRecord) for r in out), out
+    assert turns == [[a.id, b.id]]  # then a's second and third moves, each alone
+    got = await store.get_decision(a.id)
+    assert [e.state for e in got.events] == [S.PENDING, S.PREPARING, S.ACTUATING, S.COMPLETED]
+    assert [e.detail for e in got.events][1:] == ["plan", "act", "done"]
+
+
+async def test_many_concurrent_lifecycles_lose_nothing(store: DecisionStore) -> None:
+    """A burst of decisions driven to their end at once, as the controller does: every
+    transition written once, in order, whatever batches the writer formed."""
+    ds = await _decisions(store, 40, prefix="ns/burst")
+
+    async def life(d: DecisionRecord) -> DecisionRecord:
+        for state in (S.PREPARING, S.ACTUATING):
+            d = await store.transition(d, state, state.value)
+        return await store.transition(d, S.COMPLETED, "done", generation=2, to_replicas=4)
+
+    ends = await asyncio.gather(*(life(d) for d in ds))
+    assert all(e.state is S.COMPLETED and e.version == 4 for e in ends)
+    page = await store.list_decisions(states=(DecisionState.COMPLETED,), page_size=100)
+    assert len(page.decisions) == 40
+    for d in ds[:5]:
+        got = await store.get_decision(d.id)
+        assert [e.state for e in got.events] == [S.PENDING, S.PREPARING, S.ACTUATING, S.COMPLETED]
+    assert {(await store.get_job(d.job_id)).current_replicas for d in ds} == {4}
