@@ -28,6 +28,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from tide.base.errors import grpc_status_of
+from tide.services.common.guard import REFUSAL_DRAIN_S, drain
 from tide.services.scaler.ingest import (
     Ingest,
     InvalidStream,
@@ -248,6 +249,11 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
         except (InvalidStream, StreamConflict) as exc:
             node = stream.node.name if stream.node is not None else "?"
             logger.warning("node %s: telemetry stream refused: %s", node, exc, extra={"node": node})
+            # Out of the reaper's and the flusher's sight (no ack goes out), then read what
+            # the agent still sends: a refusal that lands on one of its writes reaches it
+            # as INTERNAL, not this code (guard.drain).
+            self._streams.pop(st, None)
+            await drain(context, REFUSAL_DRAIN_S)
             await context.abort(grpc_status_of(exc), str(exc))
         except asyncio.CancelledError:
             if not st.reaped:
@@ -260,7 +266,7 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
                 f"no report for {idle_s:g} s (stream_idle_timeout_s): stream closed; reconnect",
             )
         finally:
-            del self._streams[st]
+            self._streams.pop(st, None)
             held.discard(st)
             if st.flight is not None and not st.flight.done():
                 # The stream is over: an ack still in flight has nowhere to go.

@@ -400,15 +400,54 @@ async def run_forged(stack: Stack, directory: Path) -> Tally:
     return tally
 
 
+async def run_refused_streams(stack: Stack, directory: Path, *, tries: int, messages: int) -> Tally:
+    """Each forged shape that reaches the guard on the telemetry stream, ``tries`` times,
+    its client writing ``messages`` reports back to back before it half-closes. Each
+    must end with its refusal's own code: the guard reads a refused stream to its
+    half-close before refusing (``guard.drain``), so no write is in flight to turn the
+    status into grpcio's INTERNAL "Internal error from Core" (grpc/grpc#36066)."""
+    from tide.base.client import open_channel
+
+    expected = {
+        "unknown token": grpc.StatusCode.UNAUTHENTICATED,
+        "no Tide identity": grpc.StatusCode.PERMISSION_DENIED,
+        "agent for another node": grpc.StatusCode.PERMISSION_DENIED,
+        "user streams telemetry": grpc.StatusCode.PERMISSION_DENIED,
+        "launcher streams telemetry": grpc.StatusCode.PERMISSION_DENIED,
+    }
+    shapes = [f for f in forged_calls(stack, directory, "") if f.method.endswith("/Stream")]
+    before = _written(stack)
+    tally = Tally()
+    for f in shapes:
+        want = expected.get(f.name)
+        if want is None:
+            continue  # refused in the TLS handshake: no stream to race
+        method = _method(f.method)
+        creds = stack.credentials(f.issued)
+        async with open_channel(stack.scaler_target, credentials=creds, own_subchannels=True) as ch:
+            for _ in range(tries):
+                code = await _call_with_token(ch, method, f.method, f.request, f.token, messages)
+                tally.add(code, f"{f.name} ({f.method})", code is not want)
+    if _written(stack) != before:
+        tally.bad += 1
+        tally.examples.append("state changed")
+    return tally
+
+
 async def _call_with_token(
-    channel: grpc.aio.Channel, method: MethodDescriptor, path: str, request: Any, token: str
+    channel: grpc.aio.Channel,
+    method: MethodDescriptor,
+    path: str,
+    request: Any,
+    token: str,
+    copies: int = 1,
 ) -> grpc.StatusCode:
-    md = (("authorization", f"Bearer {token}"),)
+    md = (("authorization", f"Bearer {token}"),) if token else ()
     ser = lambda m: m.SerializeToString()  # noqa: E731
     try:
         if method.client_streaming:
             stream: Any = channel.stream_stream(path, request_serializer=ser)
-            call: Any = stream(iter([request]), metadata=md)
+            call: Any = stream(iter([request] * copies), metadata=md)
             async for _ in call:
                 pass
         elif method.server_streaming:
@@ -465,5 +504,6 @@ __all__: Sequence[str] = (
     "message_strategy",
     "run_forged",
     "run_malformed",
+    "run_refused_streams",
     "servers_alive",
 )
