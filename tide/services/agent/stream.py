@@ -105,6 +105,21 @@ class _AckTimeout(Exception):
     pass
 
 
+#: What grpcio's asyncio client reports, in place of the call's status, when the call
+#: ended while one of its writes was in flight (grpc/grpc#36066).
+LOST_STATUS_DETAILS = "Internal error from Core"
+_STATUS_LOST = (
+    "the stream ended while a report was being written, and grpc lost its status"
+    " (the scaler's refusal or a dead transport: grpc/grpc#36066)"
+)
+
+
+def status_lost(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether ``exc`` is grpcio's INTERNAL for a stream that ended under a write: not
+    the scaler's error, just a stream that ended, so it is retried like UNAVAILABLE."""
+    return exc.code() == grpc.StatusCode.INTERNAL and exc.details() == LOST_STATUS_DETAILS
+
+
 class TelemetryStream:
     def __init__(
         self,
@@ -144,7 +159,8 @@ class TelemetryStream:
                 self.state.disconnects.append(
                     Disconnect(reason, self._clock.monotonic(), connected_s)
                 )
-                # snake_case label: closed_by_scaler, unavailable, ack_timeout, error, ...
+                # snake_case label: closed_by_scaler, unavailable, status_lost, ack_timeout,
+                # error, ...
                 label = reason.split(":", 1)[0].strip().lower().replace(" ", "_")
                 self.metrics.disconnects.labels(label).inc()
                 delay = self._backoff.next_delay_s()
@@ -192,6 +208,8 @@ class TelemetryStream:
         if exc is None:
             return "closed by scaler"
         if isinstance(exc, grpc.aio.AioRpcError):
+            if status_lost(exc):
+                return f"STATUS_LOST: {_STATUS_LOST}"
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 self._log.error(
                     "the scaler rejected a report: %s",
