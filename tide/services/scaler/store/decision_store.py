@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# The transitions' writer hands the loop back every this many answers of a turn.
+WAKE_EVERY = 32
+
 # A queued transition: its move, its decision's job, its caller's answer.
 _Queued = tuple["transitions.Move", str, "asyncio.Future[DecisionRecord]"]
 
@@ -441,7 +444,12 @@ class DecisionStore:
                 results = await asyncio.gather(
                     *(self._move_alone(m) for m in moves), return_exceptions=True
                 )
-        for (_, f), r in zip(batch, results, strict=True):
+        for n, ((_, f), r) in enumerate(zip(batch, results, strict=True), 1):
+            if n % WAKE_EVERY == 0:
+                # Each answer wakes its decision's task, whose next step (the actuator,
+                # the coordinator, its next transition) runs on the loop: a turn of
+                # hundreds woken at once would hold the loop, and the acks, meanwhile.
+                await asyncio.sleep(0)
             if f.done():  # its caller was cancelled; the write stands, as it would alone
                 continue
             if isinstance(r, asyncio.CancelledError):
