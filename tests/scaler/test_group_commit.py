@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from tide.services.scaler.store import DecisionRecord, DecisionState, DecisionStore, transitions
 from tide.services.scaler.store import DecisionState as S
 from tide.services.store import db
+from tide.services.store.failures import StaleWrite
 from tide.services.testing.clock import FakeClock
 
 from .service_rig import T0
@@ -126,11 +127,11 @@ async def test_a_lone_transition_takes_the_single_path(
     assert moved.state is S.PREPARING and turns == []
 
 
-async def test_a_batch_that_fails_whole_is_written_move_by_move(
+async def test_a_batch_refused_whole_is_written_move_by_move(
     store: DecisionStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A store fault after the batch's writes (the connection lost before the commit):
-    its transaction rolls back, each move is written alone and gets what it would have,
+    """A batch refused as a whole after its writes (rows that kept changing): its
+    transaction rolls back, each move is written alone and gets what it would have,
     the refused ones their errors, and no event is lost or written twice."""
     ds = await _decisions(store, 5)
     await _take_over(store, ds[1].job_id)
@@ -140,7 +141,7 @@ async def test_a_batch_that_fails_whole_is_written_move_by_move(
     def broken(session: Any, moves: Any) -> Any:
         real(session, moves)
         failed.append(len(moves))
-        raise sa.exc.OperationalError("COMMIT", {}, Exception("server closed the connection"))
+        raise StaleWrite("transition 5 decision(s): their state kept changing")
 
     monkeypatch.setattr(transitions, "transition_decisions", broken)
     out = await _outcomes(
@@ -166,6 +167,66 @@ async def test_a_batch_that_fails_whole_is_written_move_by_move(
         assert [e.state for e in got.events] == (
             [S.PENDING] if want is S.PENDING else [S.PENDING, want]
         )
+
+
+async def test_a_store_failure_of_a_batch_reaches_every_caller_and_nothing_is_written_again(
+    store: DecisionStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store failure past the retries (the connection lost at the commit) may hide a
+    commit that landed: written again, each move would read DecisionChanged, which the
+    controller records as FAILED. Every caller gets StoreUnavailable, the single path's
+    answer, and reads its row back; here the commit did not land and nothing moved."""
+    ds = await _decisions(store, 3)
+    real = transitions.transition_decisions
+    alone: list[int] = []
+    real_alone = store._move_alone
+
+    def broken(session: Any, moves: Any) -> Any:
+        real(session, moves)
+        raise sa.exc.OperationalError("COMMIT", {}, Exception("server closed the connection"))
+
+    async def spy_alone(m: transitions.Move) -> DecisionRecord:
+        alone.append(m.decision_id)
+        return await real_alone(m)
+
+    monkeypatch.setattr(transitions, "transition_decisions", broken)
+    monkeypatch.setattr(store, "_move_alone", spy_alone)
+    out = await _outcomes([store.transition(d, S.PREPARING, "plan") for d in ds])
+    assert [type(r).__name__ for r in out] == ["StoreUnavailable"] * 3, out
+    assert alone == []
+    for d in ds:
+        got = await store.get_decision(d.id)
+        assert got.decision.state is S.PENDING
+        assert [e.state for e in got.events] == [S.PENDING]
+
+
+async def test_a_caller_cancelled_before_its_turn_is_not_written_and_none_waits_for_ever(
+    store: DecisionStore,
+) -> None:
+    """Cancelled before its turn, a move is dropped (as a call cancelled in the executor's
+    queue never ran); the writer cancelled, every caller still queued is cancelled."""
+    ds = await _decisions(store, 3)
+    first = asyncio.ensure_future(store.transition(ds[0], S.PREPARING, "plan"))
+    dropped = asyncio.ensure_future(store.transition(ds[1], S.PREPARING, "plan"))
+    await asyncio.sleep(0)  # both queued; the writer has not taken its turn
+    dropped.cancel()
+    assert (await first).state is S.PREPARING
+    with pytest.raises(asyncio.CancelledError):
+        await dropped
+    assert (await store.get_decision(ds[1].id)).decision.state is S.PENDING
+
+    # Two moves of one job: the second waits for the next turn, and the writer is cancelled.
+    moved = asyncio.ensure_future(store.transition(ds[2], S.PREPARING, "plan"))
+    waiting = asyncio.ensure_future(
+        store.transition(dataclasses.replace(ds[2], state=S.PREPARING), S.ACTUATING, "go")
+    )
+    await asyncio.sleep(0)
+    writer = store._mover
+    assert writer is not None
+    writer.cancel()
+    await asyncio.gather(moved, waiting, return_exceptions=True)
+    assert waiting.cancelled()
+    assert store._moves == []
 
 
 async def test_one_decisions_transitions_apply_in_the_order_called(

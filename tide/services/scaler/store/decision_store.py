@@ -5,6 +5,7 @@ waits on SQL, and the fencing epoch of every job this scaler owns."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ from tide.services.scaler.store.records import (
     RollupRecord,
 )
 from tide.services.store import db, leases
+from tide.services.store.failures import StaleWrite
 
 logger = logging.getLogger(__name__)
 
@@ -387,7 +389,12 @@ class DecisionStore:
             # A queue left by a loop that is gone (tests run one loop each) has no one
             # to answer: its futures belong to that loop.
             self._moves = [q for q in self._moves if q[2].get_loop() is loop]
-            self._mover = loop.create_task(self._write_moves(), name="decision-transitions")
+            # A context of its own: the first caller's (its job and decision bound for
+            # the logs) would name that decision in every turn's records.
+            self._mover = loop.create_task(
+                self._write_moves(), name="decision-transitions", context=contextvars.Context()
+            )
+            self._mover.add_done_callback(self._writer_ended)
         self._moves.append((move, d.job_id, done))
         return await done
 
@@ -402,6 +409,10 @@ class DecisionStore:
                 rest: list[_Queued] = []
                 jobs_in: set[str] = set()
                 for q in self._moves:
+                    if q[2].done():
+                        # Its caller was cancelled before its turn: not written, as a
+                        # call cancelled while queued for the executor never ran.
+                        continue
                     if q[1] in jobs_in or len(batch) >= transitions.MAX_BATCH:
                         rest.append(q)
                     else:
@@ -418,6 +429,17 @@ class DecisionStore:
             if self._mover is asyncio.current_task():
                 self._mover = None
 
+    def _writer_ended(self, writer: asyncio.Task[None]) -> None:
+        """A writer cancelled (even before it ran: then none of its code does) leaves
+        callers queued that no later turn answers: none may wait for ever."""
+        if self._mover is not None and self._mover is not writer:
+            return  # a new writer already serves the queue
+        self._mover = None
+        for _, _, f in self._moves:
+            if not f.done():
+                f.cancel()
+        self._moves = []
+
     async def _write_turn(
         self, batch: Sequence[tuple[transitions.Move, asyncio.Future[DecisionRecord]]]
     ) -> None:
@@ -432,10 +454,14 @@ class DecisionStore:
                     lambda s: transitions.transition_decisions(s, moves),
                     what=f"{len(moves)} decision transitions",
                 )
-            except Exception as exc:
-                # The batch failed as a whole (the store, after unit_of_work's retries;
-                # a job not found): each is written alone, so an item that would have
+            except (JobNotFound, StaleWrite, InvalidArgument) as exc:
+                # Refused as a whole before anything committed (a job gone, rows that
+                # kept changing): each is written alone, so a move that would have
                 # succeeded alone does, and each caller gets the single path's answer.
+                # A store failure is not among them: its commit may have landed (the
+                # reply lost) and a move written again would read DecisionChanged.
+                # Every caller gets it, the single path's answer to a store that
+                # failed past its retries, and reads its row back as it would.
                 logger.warning(
                     "a batch of %d decision transitions failed, writing each: %s",
                     len(moves),
@@ -444,6 +470,8 @@ class DecisionStore:
                 results = await asyncio.gather(
                     *(self._move_alone(m) for m in moves), return_exceptions=True
                 )
+            except Exception as exc:
+                results = [exc] * len(moves)
         for n, ((_, f), r) in enumerate(zip(batch, results, strict=True), 1):
             if n % WAKE_EVERY == 0:
                 # Each answer wakes its decision's task, whose next step (the actuator,
