@@ -223,7 +223,7 @@ async def test_a_conflicting_stream_reads_already_exists_while_it_still_writes(
 ) -> None:
     # Refused before its 8 reports were read, such a stream read INTERNAL "Internal error
     # from Core" 984 times in 1,000 (grpc/grpc#36066); the servicer now reads to the
-    # half-close first (guard.drain), so the code is ALREADY_EXISTS every time.
+    # half-close first (refused_streams.drain), so the code is ALREADY_EXISTS every time.
     assert stack.ca is not None
     async with stack.channel(stack.scaler_target, stack.ca.agent("node-a")) as ch:
         stub = telemetry_pb2_grpc.TelemetryStub(ch)

@@ -29,7 +29,6 @@ Identities (docs/security.md), all SPIFFE IDs in the trust domain ``tide``:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 import enum
@@ -52,6 +51,7 @@ from tide.base.errors import (
     Unauthenticated,
     Unavailable,
 )
+from tide.services.common import refused_streams
 from tide.services.common.rpc import rewrap
 
 logger = logging.getLogger(__name__)
@@ -298,30 +298,6 @@ class GuardSettings:
 
 _MIN_ROLE_WITH_ADMIN_TOKEN = Role.VIEWER
 
-#: The longest a refused request stream is read (and dropped) before its refusal.
-REFUSAL_DRAIN_S = 1.0
-
-
-async def drain(context: Any, limit_s: float) -> None:
-    """Read and drop what a refused request stream still sends, until the client
-    half-closes, for at most ``limit_s``; the caller then ends the call.
-
-    grpcio's asyncio client loses the status of a call that ends while one of its
-    writes is in flight: the failed write replaces the server's status with INTERNAL
-    "Internal error from Core" (grpc/grpc#36066; up to 1 in 100 of the hostile suite's
-    forged streams, 4 to 8 in 10 when the client writes 8 reports). A call ended after the
-    client's half-close has no write in flight, so that client always reads the
-    refusal's code. One that keeps writing is refused after ``limit_s`` all the same,
-    and may still read INTERNAL (docs/security.md). Nothing read here reaches a
-    servicer: ``context.read()``, not the guard's iterator, which would check it.
-    """
-    # TimeoutError at the limit, or the client gone: either way, refuse now.
-    # CancelledError is not an Exception: a cancelled handler stays cancelled.
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(limit_s):
-            while await context.read() is not grpc.aio.EOF:
-                pass
-
 
 class Guard(grpc.aio.ServerInterceptor):
     """Wraps every handler of the server: parse, authenticate, authorize, validate."""
@@ -446,7 +422,7 @@ class Guard(grpc.aio.ServerInterceptor):
         self.refused.labels(code.name.lower()).inc()
         self._log(f"refused:{method}:{code.name}", "refused %s: %s: %s", method, code.name, exc)
         if stream:
-            await drain(context, REFUSAL_DRAIN_S)
+            await refused_streams.drain(context)
         await context.abort(code, str(exc))
 
     async def _check(self, context: Any, method: str, rule: Rule, who: Identity, req: Any) -> None:

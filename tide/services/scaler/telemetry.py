@@ -28,7 +28,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from tide.base.errors import grpc_status_of
-from tide.services.common.guard import REFUSAL_DRAIN_S, drain
+from tide.services.common import refused_streams
 from tide.services.scaler.ingest import (
     Ingest,
     InvalidStream,
@@ -251,9 +251,9 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServicer):
             logger.warning("node %s: telemetry stream refused: %s", node, exc, extra={"node": node})
             # Out of the reaper's and the flusher's sight (no ack goes out), then read what
             # the agent still sends: a refusal that lands on one of its writes reaches it
-            # as INTERNAL, not this code (guard.drain).
+            # as INTERNAL, not this code (refused_streams.drain).
             self._streams.pop(st, None)
-            await drain(context, REFUSAL_DRAIN_S)
+            await refused_streams.drain(context)
             await context.abort(grpc_status_of(exc), str(exc))
         except asyncio.CancelledError:
             if not st.reaped:

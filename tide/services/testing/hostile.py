@@ -404,7 +404,7 @@ async def run_refused_streams(stack: Stack, directory: Path, *, tries: int, mess
     """Each forged shape that reaches the guard on the telemetry stream, ``tries`` times,
     its client writing ``messages`` reports back to back before it half-closes. Each
     must end with its refusal's own code: the guard reads a refused stream to its
-    half-close before refusing (``guard.drain``), so no write is in flight to turn the
+    half-close before refusing (``refused_streams.drain``), so no write is in flight to turn the
     status into grpcio's INTERNAL "Internal error from Core" (grpc/grpc#36066)."""
     from tide.base.client import open_channel
 
