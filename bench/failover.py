@@ -91,9 +91,13 @@ COORD_RENEW_S = 0.5
 
 def _start(args: list[str], log: Path | None = None) -> tuple[subprocess.Popen[str], str]:
     err = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True
-    )
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True
+        )
+    finally:
+        if not isinstance(err, int):
+            err.close()  # the child holds its own copy
     assert proc.stdout is not None
     while True:
         line = proc.stdout.readline()

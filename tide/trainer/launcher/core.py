@@ -478,6 +478,9 @@ class Launcher:
             self._ready.set_exception(RuntimeError(f"worker exited with {code}"))
         if expected:
             return
+        if self.workers.adopted_ended(worker) and self._rendezvous_task is not None:
+            # It ended before the RENDEZVOUS that made it current: that ack goes first.
+            await asyncio.wait([self._rendezvous_task])
         if self._worker_done and code == 0:
             logger.info(
                 "member %s (job %s): training finished at step %d; launcher exits",
@@ -486,9 +489,6 @@ class Launcher:
                 self.progress.step,
             )
             self._set_state(State.DONE)
-            if self._rendezvous_task is not None and not self._rendezvous_task.done():
-                # It finished before its RENDEZVOUS came (overlap mode): that ack goes first.
-                await asyncio.wait([self._rendezvous_task])
             # Phase IDLE in the current generation with the final step: the coordinator
             # marks the member finished instead of waiting for its silence to look like a loss.
             await self.link.final_heartbeat()

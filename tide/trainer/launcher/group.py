@@ -228,6 +228,10 @@ class WorkerGroup:
         for m in self.members:
             m.retire_current()
 
+    def adopted_ended(self, worker: WorkerHandle) -> bool:
+        """``worker`` was made current by a RENDEZVOUS after it had ended (overlap mode)."""
+        return any(m.adopted_ended is worker for m in self.members)
+
     def went_ahead_step(self) -> int:
         return max(m.went_ahead_step() for m in self.members)
 

@@ -134,6 +134,9 @@ class WorkerSupervisor:
         self._prepared_started = False
         self._prepared_went = False
         self._prepared_said: list[ToLauncher] = []
+        # The current worker, when the RENDEZVOUS made it current after it had ended: it
+        # went at the barrier and the coordinator was away (its exit waits for that ack).
+        self.adopted_ended: WorkerHandle | None = None
         # Each worker's log file, by pid (the live ones' and the last few dead ones').
         self._logs: dict[int, str] = {}
 
@@ -394,10 +397,13 @@ class WorkerSupervisor:
         self, env: Mapping[str, str], generation: int, rank: int, prepared: bool
     ) -> tuple[WorkerHandle, bool]:
         old = self.worker
+        self.adopted_ended = None
         if prepared and self.prepared_for(generation):
             self.start_prepared(generation, env)
             standby = self.standby
             assert standby is not None
+            if standby.returncode is not None:
+                self.adopted_ended = standby
             said, went = self._prepared_said, self._prepared_went
             self.standby = None
             self._forget_prepared()
