@@ -38,7 +38,10 @@ SHARDED = str(ROOT / "tide" / "trainer" / "examples" / "train_sharded.py")
 MLP = str(ROOT / "tide" / "trainer" / "examples" / "train_mlp.py")
 DATASET, BATCH = 400, 32
 SPE = -(-DATASET // BATCH)  # 13 steps an epoch, the last one a 16-sample tail
-STEPS = 80
+# The resized jobs are gated, so their last resize lands by step ~15 whatever the budget:
+# 40 steps leave two epochs and more after it, and are the length of the restarted tests'
+# fixed runs, which are therefore the resized tests' shared ones (reference_runs).
+STEPS = 40
 TRAIN = [
     "--dataset-size", str(DATASET),
     "--global-batch", str(BATCH),
@@ -150,20 +153,22 @@ def test_a_layout_tide_cannot_resize_fails_before_its_first_step(
 
 
 def test_a_sharded_job_restarted_from_disk_at_other_degrees_matches_a_fixed_run(
-    tmp_path: Path,
+    tmp_path: Path, reference_runs: ReferenceRuns
 ) -> None:
     """The durable checkpoint is whole: restarts at 3, then 2 ranks (no coordinator, no
     handover; every rank reads the store) follow the fixed run's trajectory, moments too.
     A checkpoint holding rank 0's shard alone would restart the other slots at zero."""
     base = [a for a in TRAIN if a not in ("--steps", str(STEPS))]
-    for world, steps in ((2, 20), (3, 30), (2, 40)):
+    # 20, 30 then 40 steps: the last restart ends where the fixed run does.
+    for world, steps in ((2, STEPS // 2), (3, STEPS * 3 // 4), (2, STEPS)):
         logs = reference_run(
             tmp_path / "restarted", [*base, "--steps", str(steps)], world, example=SHARDED
         )
-    fixed = reference_run(tmp_path / "fixed", [*base, "--steps", "40"], 2, example=SHARDED)
+    # The fixed run the resized sharded tests compare with: the session runs it once.
+    fixed = reference_runs(TRAIN, world_size=2, example=SHARDED)
     param_diff = max_rel_param_diff(logs / "final_params.npz", fixed / "final_params.npz")
     opt_diff = max_rel_array_diff(
-        optimizer_state(tmp_path / "restarted/ckpt"), optimizer_state(tmp_path / "fixed/ckpt")
+        optimizer_state(tmp_path / "restarted/ckpt"), optimizer_state(fixed.parent / "ckpt")
     )
     print(f"restarted 2 -> 3 -> 2 from disk: params {param_diff:.2e}, optimizer {opt_diff:.2e}")
     assert param_diff <= 1e-5
@@ -223,20 +228,21 @@ async def test_dp_beside_sharding_resized_4_3_2_4_matches_a_fixed_run(
 
 
 def test_dp_beside_sharding_restarted_from_disk_at_other_layouts_matches_a_fixed_run(
-    tmp_path: Path,
+    tmp_path: Path, reference_runs: ReferenceRuns
 ) -> None:
     """Restarts at 4 (dp 2 x sharding 2), 3 (dp 3), 2 (sharding 2) ranks from the durable
     checkpoint, against a fixed 4-rank run: the gathered state is whole whichever layout
     wrote it and whichever reads it."""
     base = [a for a in TRAIN if a not in ("--steps", str(STEPS))] + [CAP]
-    for world, steps in ((4, 20), (3, 30), (2, 40)):
+    for world, steps in ((4, STEPS // 2), (3, STEPS * 3 // 4), (2, STEPS)):
         logs = reference_run(
             tmp_path / "restarted", [*base, "--steps", str(steps)], world, example=SHARDED
         )
-    fixed = reference_run(tmp_path / "fixed", [*base, "--steps", "40"], 4, example=SHARDED)
+    # The fixed 4-rank run the resized dp x sharding tests compare with (shared).
+    fixed = reference_runs([*TRAIN, CAP], world_size=4, example=SHARDED)
     param_diff = max_rel_param_diff(logs / "final_params.npz", fixed / "final_params.npz")
     opt_diff = max_rel_array_diff(
-        optimizer_state(tmp_path / "restarted/ckpt"), optimizer_state(tmp_path / "fixed/ckpt")
+        optimizer_state(tmp_path / "restarted/ckpt"), optimizer_state(fixed.parent / "ckpt")
     )
     print(
         f"dp x sharding restarted 4 -> 3 -> 2 from disk: params {param_diff:.2e}, "
