@@ -15,7 +15,7 @@ from tests.store.support import tx
 from tide.base.errors import InvalidArgument
 from tide.services.scaler import store as repo
 from tide.services.scaler.store import DecisionState as S
-from tide.services.scaler.store.transitions import Move, transition_decisions
+from tide.services.scaler.store.transitions import Move, transition_alone, transition_decisions
 from tide.services.store.db import session_scope
 from tide.services.store.models.scaler import Decision, DecisionEvent, Job
 
@@ -56,23 +56,6 @@ def _decide(factory: Factory, job_id: str, epoch: int, *path: S) -> repo.Decisio
             ),
         )
     return d
-
-
-def _alone(s: Session, m: Move) -> repo.DecisionRecord:
-    return repo.transition_decision(
-        s,
-        m.decision_id,
-        m.state,
-        detail=m.detail,
-        epoch=m.epoch,
-        now=m.now,
-        expected=m.expected,
-        error=m.error,
-        pause_s=m.pause_s,
-        lost_steps=m.lost_steps,
-        generation=m.generation,
-        to_replicas=m.to_replicas,
-    )
 
 
 def _snapshot(s: Session) -> tuple[list[Any], list[Any], list[Any]]:
@@ -145,7 +128,7 @@ def test_a_batch_gives_each_move_what_it_gets_alone(factory: Factory) -> None:
     alone: list[repo.DecisionRecord | Exception] = []
     for m in moves:
         try:
-            alone.append(tx(factory, lambda s, m=m: _alone(s, m)))
+            alone.append(tx(factory, lambda s, m=m: transition_alone(s, m)))
         except Exception as exc:
             alone.append(exc)
     with session_scope(factory, write=False) as s:

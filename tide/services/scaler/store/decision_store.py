@@ -489,20 +489,7 @@ class DecisionStore:
 
     async def _move_alone(self, m: transitions.Move) -> DecisionRecord:
         return await self._run(
-            lambda s: decisions.transition_decision(
-                s,
-                m.decision_id,
-                m.state,
-                detail=m.detail,
-                epoch=m.epoch,
-                now=m.now,
-                expected=m.expected,
-                error=m.error,
-                pause_s=m.pause_s,
-                lost_steps=m.lost_steps,
-                generation=m.generation,
-                to_replicas=m.to_replicas,
-            ),
+            lambda s: transitions.transition_alone(s, m),
             what=f"decision {m.decision_id} -> {m.state}",
         )
 

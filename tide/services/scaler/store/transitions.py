@@ -39,7 +39,11 @@ from sqlalchemy.orm import Session
 
 from tide.base.errors import InvalidArgument
 from tide.services.scaler.errors import DecisionChanged, DecisionNotFound
-from tide.services.scaler.store.decisions import EVENTS, _check_transition_args
+from tide.services.scaler.store.decisions import (
+    EVENTS,
+    _check_transition_args,
+    transition_decision,
+)
 from tide.services.scaler.store.jobs import check_epochs
 from tide.services.scaler.store.records import (
     DECISION_LIFECYCLE,
@@ -73,6 +77,24 @@ class Move:
     lost_steps: int | None = None
     generation: int | None = None
     to_replicas: int | None = None
+
+
+def transition_alone(session: Session, m: Move) -> DecisionRecord:
+    """``m`` written alone, by the single path (``decisions.transition_decision``)."""
+    return transition_decision(
+        session,
+        m.decision_id,
+        m.state,
+        detail=m.detail,
+        epoch=m.epoch,
+        now=m.now,
+        expected=m.expected,
+        error=m.error,
+        pause_s=m.pause_s,
+        lost_steps=m.lost_steps,
+        generation=m.generation,
+        to_replicas=m.to_replicas,
+    )
 
 
 def transition_decisions(
