@@ -7,6 +7,7 @@ import asyncio
 import datetime
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -52,6 +53,24 @@ async def _stream(channel: grpc.aio.Channel, *reports: telemetry_pb2.NodeReport)
     stub = telemetry_pb2_grpc.TelemetryStub(channel)
     call = stub.Stream(iter(reports), timeout=T)
     return [ack.acked_seq async for ack in call]
+
+
+async def _live_stream(
+    channel: grpc.aio.Channel, node: str
+) -> tuple[Any, asyncio.Queue[telemetry_pb2.NodeReport | None]]:
+    """A telemetry stream of ``node`` whose first report is acked and that stays open: the
+    call, and the queue that feeds it (None half-closes it)."""
+    stub = telemetry_pb2_grpc.TelemetryStub(channel)
+    first: asyncio.Queue[telemetry_pb2.NodeReport | None] = asyncio.Queue()
+
+    async def feed() -> AsyncIterator[telemetry_pb2.NodeReport]:
+        while (r := await first.get()) is not None:
+            yield r
+
+    live: Any = stub.Stream(feed(), timeout=T)
+    await first.put(_report(node))
+    assert (await live.read()).acked_seq == 1
+    return live, first
 
 
 async def test_an_agent_reports_for_its_own_node_only(stack: Stack) -> None:
@@ -195,16 +214,7 @@ async def test_a_second_live_stream_for_a_node_is_a_conflict_never_a_merge(
     try:
         agent = s.ca.agent("node-a") if s.ca is not None else None
         async with s.channel(s.scaler_target, agent) as ch:
-            stub = telemetry_pb2_grpc.TelemetryStub(ch)
-            first: asyncio.Queue[telemetry_pb2.NodeReport | None] = asyncio.Queue()
-
-            async def feed() -> AsyncIterator[telemetry_pb2.NodeReport]:
-                while (r := await first.get()) is not None:
-                    yield r
-
-            live = stub.Stream(feed(), timeout=T)
-            await first.put(_report("node-a"))
-            assert (await live.read()).acked_seq == 1
+            live, first = await _live_stream(ch, "node-a")
             second = _report("node-a")
             second.boot_id = "b2"
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -226,16 +236,7 @@ async def test_a_conflicting_stream_reads_already_exists_while_it_still_writes(
     # half-close first (refused_streams.drain), so the code is ALREADY_EXISTS every time.
     assert stack.ca is not None
     async with stack.channel(stack.scaler_target, stack.ca.agent("node-a")) as ch:
-        stub = telemetry_pb2_grpc.TelemetryStub(ch)
-        first: asyncio.Queue[telemetry_pb2.NodeReport | None] = asyncio.Queue()
-
-        async def feed() -> AsyncIterator[telemetry_pb2.NodeReport]:
-            while (r := await first.get()) is not None:
-                yield r
-
-        live = stub.Stream(feed(), timeout=T)
-        await first.put(_report("node-a"))
-        assert (await live.read()).acked_seq == 1
+        live, first = await _live_stream(ch, "node-a")
         second = _report("node-a")
         second.boot_id = "b2"
         codes = []

@@ -13,8 +13,8 @@ from tests.support.poll import eventually
 from tests.trainer.fake_coordinator import FakeCoordinator
 from tests.trainer.launch_rig import make_launcher
 from tide.base.errors import ConfigError
-from tide.trainer.launch import State, parse_args
-from tide.trainer.spawner import ZygoteSpawner
+from tide.trainer.launch import Launcher, State, parse_args
+from tide.trainer.spawner import WorkerHandle, ZygoteSpawner
 from tide.v1 import coordinator_pb2 as pb
 
 pytestmark = pytest.mark.component
@@ -193,13 +193,11 @@ async def test_a_committing_checkpoint_switches_at_the_hold_without_the_rendezvo
     assert coord.ack_of(drain) is not None
 
 
-async def test_a_committing_checkpoint_that_came_late_switches_at_the_later_hold(
-    fake: tuple[FakeCoordinator, int], tmp_path: Path
-) -> None:
-    """The CHECKPOINT of S came after g passed S (a generation's first seconds, its step
-    rate not known yet): the worker holds at the next step P > S, where every rank of g
-    holds, and the launcher switches there; the coordinator moves the barrier to P."""
-    coord, port = fake
+async def _prepared_for_generation_2(
+    coord: FakeCoordinator, port: int, tmp_path: Path
+) -> tuple[Launcher, asyncio.Task[int], str, pb.Directive, WorkerHandle]:
+    """A running launcher of one member in generation 1, whose standby acked the PREPARE
+    of generation 2: the launcher, its run, the member, the PREPARE and that standby."""
     launcher = make_launcher(port, tmp_path)
     run = asyncio.create_task(launcher.run())
     await eventually(lambda: coord.members, 10, what="registration")
@@ -211,6 +209,17 @@ async def test_a_committing_checkpoint_that_came_late_switches_at_the_later_hold
     await eventually(lambda: coord.ack_of(prep), 10, what="prepare ack")
     standby = launcher.workers.standby
     assert standby is not None and coord.ack_of(prep).ok  # type: ignore[union-attr]
+    return launcher, run, mid, prep, standby
+
+
+async def test_a_committing_checkpoint_that_came_late_switches_at_the_later_hold(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path
+) -> None:
+    """The CHECKPOINT of S came after g passed S (a generation's first seconds, its step
+    rate not known yet): the worker holds at the next step P > S, where every rank of g
+    holds, and the launcher switches there; the coordinator moves the barrier to P."""
+    coord, port = fake
+    launcher, run, mid, prep, standby = await _prepared_for_generation_2(coord, port, tmp_path)
     await eventually(lambda: launcher.progress.step >= 3, 5, what="g past step 2")
     late = launcher.progress.step - 1
     info = pb.Rendezvous()
@@ -246,18 +255,8 @@ async def test_a_switched_worker_that_ended_before_the_rendezvous_stays_the_memb
     test_coordinator_killed_mid_resize_ends_in_one_generation[overlap], FAILED in CI)."""
     coord, port = fake
     monkeypatch.setenv("FAKE_MAX_STEPS", "150")
-    launcher = make_launcher(port, tmp_path)
-    run = asyncio.create_task(launcher.run())
-    await eventually(lambda: coord.members, 10, what="registration")
-    (mid,) = coord.members
+    launcher, run, mid, prep, prepared = await _prepared_for_generation_2(coord, port, tmp_path)
     member = coord.members[mid]
-    (rdv,) = coord.rendezvous([mid])
-    await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack")
-    await eventually(lambda: launcher.workers.standby is not None, 10, what="a standby")
-    (prep,) = coord.rendezvous([mid], kind=pb.Directive.KIND_PREPARE, prepared=True)
-    await eventually(lambda: coord.ack_of(prep), 10, what="prepare ack")
-    prepared = launcher.workers.standby
-    assert prepared is not None and coord.ack_of(prep).ok  # type: ignore[union-attr]
     target = launcher.progress.step + 3
     assert target < 100, "g trained too far before its barrier"
     info = pb.Rendezvous()
