@@ -285,7 +285,7 @@ def transition_decision(
                 f" found {old_state}"
             )
         DECISION_LIFECYCLE.check(old_state, new_state, what=f"{decision_id} of job {job_id}")
-        _check_transition_args(pause_s, lost_steps, generation, to_replicas)
+        check_transition_args(pause_s, lost_steps, generation, to_replicas)
         values: dict[str, Any] = {
             "state": new_state.value,
             "updated_at": now,
@@ -337,7 +337,7 @@ def transition_decision(
     return decision_record(row)
 
 
-def _check_transition_args(
+def check_transition_args(
     pause_s: float | None, lost_steps: int | None, generation: int | None, to_replicas: int | None
 ) -> None:
     if pause_s is not None and (not math.isfinite(pause_s) or pause_s < 0):

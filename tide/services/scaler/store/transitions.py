@@ -41,7 +41,7 @@ from tide.base.errors import InvalidArgument
 from tide.services.scaler.errors import DecisionChanged, DecisionNotFound
 from tide.services.scaler.store.decisions import (
     EVENTS,
-    _check_transition_args,
+    check_transition_args,
     transition_decision,
 )
 from tide.services.scaler.store.jobs import check_epochs
@@ -172,7 +172,7 @@ def transition_decisions(
                 DECISION_LIFECYCLE.check(
                     was, DecisionState(m.state), what=f"{m.decision_id} of job {job_id}"
                 )
-                _check_transition_args(m.pause_s, m.lost_steps, m.generation, m.to_replicas)
+                check_transition_args(m.pause_s, m.lost_steps, m.generation, m.to_replicas)
             except Exception as exc:  # the single path's refusals, before any write
                 out[i] = exc
                 continue
