@@ -13,15 +13,17 @@ parameters and optimizer state of pipeline stage ``s``, sequence rank ``e`` and 
 ``k``. Every replica holds the same slices (data parallel keeps them equal), so a new rank at
 ``(s, e, k)`` is sent its slice by a staying rank at the same ``(s, e, k)``, whatever its
 data-parallel index; a stayer at the same coordinates keeps its own. :func:`plan_transfer`
-says who sends what to whom; the transfer itself is tide/trainer/transfer.py's ``send_tensors``
-(one broadcast per source), and the session's wiring of it runs on GPUs only (fleet forms
-tensor and pipeline groups on GPUs: scripts/gpu_check.py).
+says who sends what to whom; :func:`plan_slices` makes it from what each rank of a new
+generation holds, and tide/trainer/slices.py moves the state with tide/trainer/transfer.py's
+``send_state`` (one chunked broadcast per source). :class:`RankLayout` is what the session
+reads of one rank: its replica (the sampler's data-parallel rank), its gradient group, the
+groups to form, and its slice's durable store.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tide.base.errors import ConfigError
 
@@ -178,3 +180,132 @@ def stayers_by_replica(old_world: int, new_world: int, model: ModelParallel) -> 
     ``min(old, new)`` replicas."""
     kept = min(check_world(old_world, model), check_world(new_world, model))
     return {r: r for r in range(kept * model.group_size)}
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank's place in a generation of ``world_size`` ranks: what the session of a
+    model-parallel job reads (its data plan, its gradient group, its durable store)."""
+
+    model: ModelParallel
+    world_size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        check_world(self.world_size, self.model)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside a world of {self.world_size}")
+
+    @property
+    def coord(self) -> Coord:
+        return coordinates(self.world_size, self.model)[self.rank]
+
+    @property
+    def dp_degree(self) -> int:
+        """Replicas: the data-parallel degree the sampler splits the global batch by."""
+        return self.world_size // self.model.group_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's replica: every rank of one replica gets the same samples."""
+        return self.coord.dp
+
+    @property
+    def dp_ranks(self) -> list[int]:
+        """The ranks holding this rank's slice, one per replica: its gradient group."""
+        return next(r for r in dp_groups(self.world_size, self.model) if self.rank in r)
+
+    @property
+    def replica_ranks(self) -> list[int]:
+        """The ranks of this rank's replica (its whole model-parallel group)."""
+        g = self.model.group_size
+        first = self.dp_rank * g
+        return list(range(first, first + g))
+
+    @property
+    def tensor_ranks(self) -> list[int]:
+        """The ranks of this rank's replica and pipeline stage and sequence rank: its tensor
+        (``mp``) group, in tensor-rank order."""
+        c = self.coord
+        return [
+            rank_of(Coord(c.dp, c.pp, c.sep, k), self.model) for k in range(self.model.mp_degree)
+        ]
+
+    @property
+    def logs_samples(self) -> bool:
+        """One rank per replica logs the replica's sample ids (its slice (0, 0, 0)): all of
+        a replica's ranks train on the same ones."""
+        return self.coord.slice == (0, 0, 0)
+
+    @property
+    def writes_durable(self) -> bool:
+        """The first replica's ranks write the durable checkpoints, each its own slice."""
+        return self.dp_rank == 0
+
+    @property
+    def slice_name(self) -> str:
+        """The durable store's subdirectory of this rank's slice (the same in every
+        generation and world: a slice is a place in the model)."""
+        return slice_name(self.coord.slice)
+
+
+def slice_name(s: tuple[int, int, int]) -> str:
+    return f"slice-pp{s[0]}-sep{s[1]}-mp{s[2]}"
+
+
+def all_groups(world_size: int, model: ModelParallel) -> list[list[int]]:
+    """Every data-parallel group, then every tensor group, of more than one rank: the
+    subgroups a model-parallel job forms, listed the same on every rank (Paddle numbers
+    groups in the order each process forms them)."""
+    tensor: list[list[int]] = []
+    for rank in range(world_size):
+        ranks = RankLayout(model, world_size, rank).tensor_ranks
+        if ranks[0] == rank:
+            tensor.append(ranks)
+    return [g for g in (*dp_groups(world_size, model), *tensor) if len(g) > 1]
+
+
+@dataclass(frozen=True)
+class SliceHolding:
+    """What one rank of a new generation holds in its pod's memory, read from the state's
+    layout file: the step (0: none) and the rank and world it held it as."""
+
+    step: int
+    old_rank: int = -1
+    old_world: int = 0
+
+
+@dataclass(frozen=True)
+class SlicePlan:
+    """A model-parallel job's restore from memory: the step, the transfer (by *new*
+    ranks: a source sends to its receivers), or ``step`` 0 when memory cannot serve every
+    slice (the durable stores must)."""
+
+    step: int
+    keeps: tuple[int, ...] = ()
+    sends: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+def plan_slices(holdings: list[SliceHolding], model: ModelParallel) -> SlicePlan:
+    """From every new rank's holding (by new rank): the newest step held in memory, if its
+    holders (all of one old world) hold every slice the new world needs; who keeps its own
+    and which holder sends to which newcomer (:func:`plan_transfer`)."""
+    new_world = len(holdings)
+    newest = max((h.step for h in holdings), default=0)
+    if newest == 0:
+        return SlicePlan(0)
+    held = [(r, h) for r, h in enumerate(holdings) if h.step == newest and h.old_world > 0]
+    worlds = {h.old_world for _, h in held}
+    if len(worlds) != 1:
+        return SlicePlan(0)
+    old_world = worlds.pop()
+    stayers = {r: h.old_rank for r, h in held}
+    try:
+        plan = plan_transfer(old_world, new_world, model, stayers)
+    except (ConfigError, ValueError):
+        return SlicePlan(0)
+    by_old = {old: new for new, old in stayers.items()}
+    sends: dict[int, tuple[int, ...]] = {}
+    for source, receivers in sorted(plan.sources().items()):
+        sends[by_old[source]] = tuple(receivers)
+    return SlicePlan(newest, tuple(sorted(plan.keeps)), sends)

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tide.base.errors import ConfigError
-from tide.trainer import paddle_state, sharding
+from tide.trainer import paddle_state, sharding, slices
 from tide.trainer.channel import NullChannel, SocketChannel, WorkerChannel
 from tide.trainer.checkpoint import CheckpointNotFound, CheckpointSettings
 from tide.trainer.contract import UsageError
@@ -51,6 +51,7 @@ from tide.trainer.distenv import (
     RESTORE_STEP_ENV,
     DistEnv,
 )
+from tide.trainer.layout import ModelParallel
 from tide.trainer.messages import Done, Go, Hello, Ready, Start
 from tide.trainer.restore import locate
 from tide.trainer.sampler import SamplerConfig
@@ -103,6 +104,11 @@ class SessionConfig:
     # world): each generation shards over the largest divisor of its world size not above it
     # and replicates data-parallel over the rest (tide/trainer/sharding.py degrees; docs/sharded.md).
     sharding_degree_max: int = 0
+    # A model-parallel job's degrees (tide/trainer/layout.py): each replica a whole tensor
+    # group of mp_degree ranks, the job elastic along the replicas only (docs/sharded.md
+    # "Layouts"). State them here for tensor parallelism by hand (fleet refuses mp on a CPU);
+    # a fleet script may state them in its strategy instead (session.fleet_strategy()).
+    model_parallel: ModelParallel = field(default_factory=ModelParallel)
 
     def __post_init__(self) -> None:
         if self.max_steps < 0:
@@ -118,6 +124,32 @@ class SessionConfig:
         if self.sharding_degree_max < 0:
             raise ConfigError(
                 f"sharding_degree_max must be >= 0 (0: no cap), got {self.sharding_degree_max}"
+            )
+        mp = self.model_parallel
+        for name, value, why in (
+            (
+                "pp_degree",
+                mp.pp_degree,
+                "session.step(loss) needs the step's loss on every rank, a pipeline has it "
+                "on its last stage only",
+            ),
+            ("sep_degree", mp.sep_degree, "its session path is not built nor checked"),
+        ):
+            if value > 1:
+                raise ConfigError(
+                    f"model_parallel.{name}={value} is not supported under Tide: {why} "
+                    "(tensor parallelism, mp_degree, is; docs/sharded.md)"
+                )
+        if mp.group_size > 1 and self.sharding_degree_max > 1:
+            raise ConfigError(
+                f"sharding_degree_max={self.sharding_degree_max} with model_parallel."
+                f"mp_degree={mp.mp_degree}: the optimizer state of a tensor-parallel job is "
+                "not sharded under Tide (set it to 0 or 1)"
+            )
+        if mp.group_size > 1 and self.virtual_ranks:
+            raise ConfigError(
+                f"virtual_ranks={self.virtual_ranks} with model_parallel.mp_degree="
+                f"{mp.mp_degree}: virtual ranks beside tensor parallelism are not built"
             )
         SamplerConfig(self.dataset_size, self.global_batch, self.seed)
 
@@ -154,8 +186,19 @@ class ElasticSession(SessionStartup, SessionLoop):
         second."""
         self.lifecycle.attach()
         fleet_job = sharding.check_attached(
-            model, optimizer, self.world_size, self.config.sharding_degree_max
+            model,
+            optimizer,
+            self.world_size,
+            self.config.sharding_degree_max,
+            self._model_parallel,
         )
+        if fleet_job is not None and self._model_parallel.group_size > 1:
+            # fleet formed the groups of this layout: the session sums over its own.
+            from paddle.distributed import fleet
+
+            hcg = fleet.get_hybrid_communicate_group()
+            self._dp_group = hcg.get_data_parallel_group() if fleet_job.dp_degree > 1 else None
+            self._tensor_group = hcg.get_model_parallel_group()
         self._sharded = fleet_job.sharded if fleet_job is not None else None
         if self._sharded is not None and self.config.checkpoint.every_s > 0:
             raise sharding.UnsupportedLayout(
@@ -198,7 +241,14 @@ class ElasticSession(SessionStartup, SessionLoop):
                 "session.fleet_strategy() before session.init_process_group(): the sharding "
                 "degree is the generation's world size, known once the group forms"
             )
-        return sharding.fleet_strategy(self.world_size, strategy, self.config.sharding_degree_max)
+        model = sharding.resolve_model_parallel(strategy, self.config.model_parallel)
+        sharding.check_replicas(self.world_size, model)
+        if model != self._model_parallel:
+            # A tensor-parallel degree of the script's strategy: the job's layout from now on.
+            self._use_model_parallel(model, form_groups=False)
+        return sharding.fleet_strategy(
+            self.world_size, strategy, self.config.sharding_degree_max, model
+        )
 
     def batch_sampler(self) -> Any:
         """A ``paddle.io.BatchSampler`` of this rank's micro-batches from the restored step
@@ -230,19 +280,31 @@ class ElasticSession(SessionStartup, SessionLoop):
             # takes it from a peer as soon as those stayers join the broadcast.
             self._take_env(self._wait_for(Start, "start").env)
         started = time.monotonic()
-        if self.rank == 0:
-            # Rank 0 is the only durable writer, and a new generation starts here: what a
+        writer = self.writes_durable
+        if writer:
+            # Rank 0 is the only durable writer (of a model-parallel job, the first replica's
+            # ranks, each of its slice's store), and a new generation starts here: what a
             # crashed writer left is garbage now (a writer still running keeps its directory).
             self.store.cleanup_tmp()
-        located = locate(
-            self.handover,
-            self.store,
-            self.rank,
-            self.world_size,
-            # Not rank 0's: it makes what it received durable seconds later, while its
-            # tensors train on; received into fresh arrays, that state stays the step's.
-            into=None if self.rank == 0 else self._live_arrays,
-        )
+        if self._model_parallel.group_size > 1:
+            # Each rank its own slice, from its memory, a stayer at its coordinates or its
+            # slice's store (tide/trainer/slices.py).
+            located = slices.locate_slice(
+                self.layout,
+                self.handover,
+                self.store,
+                into=None if writer else self._live_arrays,
+            )
+        else:
+            located = locate(
+                self.handover,
+                self.store,
+                self.rank,
+                self.world_size,
+                # Not rank 0's: it makes what it received durable seconds later, while its
+                # tensors train on; received into fresh arrays, that state stays the step's.
+                into=None if writer else self._live_arrays,
+            )
         named = self.env.restore_step
         if named is not None and located.step < named:
             logger.warning(
@@ -273,7 +335,7 @@ class ElasticSession(SessionStartup, SessionLoop):
         )
         t.restore_s = t.handover_s + t.disk_read_s + t.transfer_s + time.monotonic() - load_started
         self.restored_step = self.step_done
-        if self.rank == 0 and located.step and located.source != "disk":
+        if writer and located.step and located.source != "disk":
             # Not now, nor at the first step: the old generation's writer is usually still
             # finishing this very step, and a second write beside the first steps (and
             # waiting on the writers' lock) slowed them down by 0.2 s at a loaded machine.
@@ -325,7 +387,7 @@ class ElasticSession(SessionStartup, SessionLoop):
             self._stepper.use_virtual_rank_0()
         if self.step_done > 0:
             self._gather_shards(self.step_done)
-        if self.rank == 0 and self.step_done > 0:
+        if self.writes_durable and self.step_done > 0:
             self._write_checkpoint(self.step_done, periodic=True, wait=True)
         self.persist.wait()
         self._report_written()

@@ -23,10 +23,11 @@ from tide.trainer.session_control import SessionControl
 class SessionLoop(SessionControl):
     def micro_batches(self, step: int) -> list[MicroBatch]:
         """This rank's micro-batches of global step ``step``."""
+        # By replica: every rank of a model-parallel replica trains on the same samples.
         return micro_batches(
-            self.sampler.plan(step, self.rank, self.world_size),
-            self.rank,
-            self.world_size,
+            self.sampler.plan(step, self.dp_rank, self.dp_degree),
+            self.dp_rank,
+            self.dp_degree,
             self.config.virtual_ranks,
             self.config.accumulation_steps,
         )
@@ -143,7 +144,8 @@ class SessionLoop(SessionControl):
             self.env.generation,
             self.rank,
             self.world_size,
-            ids,
+            # One rank per model-parallel replica logs the replica's ids (the others the step).
+            ids if self.layout.logs_samples else [],
             self._global_loss,
         )
         self._report_progress()
@@ -154,7 +156,7 @@ class SessionLoop(SessionControl):
         if due and self._sharded is not None:
             # Every rank: a step-based cadence (attach refuses a timed one) is due on all.
             self._gather_shards(plan.step)
-        if self.rank == 0 and due:
+        if self.writes_durable and due:
             self._write_checkpoint(plan.step, periodic=True)
         self._report_written()
         self._reserve_handover()

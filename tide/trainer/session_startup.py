@@ -15,7 +15,10 @@ from typing import TypeVar
 
 from tide.trainer.distenv import PREWARM_ENV, DistEnv, wait_for_port
 from tide.trainer.gloo_groups import fast_default_store, share_world_context
+from tide.trainer.layout import ModelParallel, RankLayout, all_groups
 from tide.trainer.messages import Go, Prepared, Rendezvous, Start
+from tide.trainer.objstore import make_store
+from tide.trainer.persist import DurableWriter
 from tide.trainer.session_control import SessionControl
 
 logger = logging.getLogger(__name__)
@@ -97,6 +100,8 @@ class SessionStartup(SessionControl):
             dist.init_parallel_env()
             # Touches gloo groups only (the CPU's); NCCL's form as Paddle forms them.
             share_world_context()
+        if self.config.model_parallel.group_size > 1:
+            self._use_model_parallel(self.config.model_parallel, form_groups=True)
         self.timings.group_init_s = time.monotonic() - started
         logger.info(
             "rank %d/%d of generation %d: group ready in %.3fs",
@@ -112,6 +117,40 @@ class SessionStartup(SessionControl):
                 Prepared(generation=self.env.generation, group_init_s=self.timings.prepare_s)
             )
             self._warm_optimizer()
+
+    def _use_model_parallel(self, model: ModelParallel, form_groups: bool) -> None:
+        """This generation runs ``model``'s layout (tide/trainer/layout.py): its world must be
+        whole replicas (a ConfigError naming the degrees otherwise), its durable checkpoints
+        go to its slice's own store, and with ``form_groups`` (tensor parallelism by hand; a
+        fleet job's groups are fleet's) every rank forms the data-parallel and tensor groups
+        in the same order, keeping its own."""
+        layout = RankLayout(model, self.world_size, self.rank)
+        self._model_parallel = model
+        root = self.config.checkpoint_dir.rstrip("/")
+        self.store = make_store(f"{root}/{layout.slice_name}", keep=self.config.checkpoint.keep)
+        self.persist = DurableWriter(self.store)
+        if form_groups and self.world_size > 1:
+            import paddle.distributed as dist
+
+            for ranks in all_groups(self.world_size, model):
+                group = dist.new_group(ranks)
+                if ranks == layout.dp_ranks:
+                    self._dp_group = group
+                elif ranks == layout.tensor_ranks:
+                    self._tensor_group = group
+        c = layout.coord
+        # The operator's line, and the e2e tests' (tide/services/testing/parity.py parses it).
+        logger.info(
+            "rank %d of generation %d: model-parallel slice (pp %d, sep %d, mp %d) of replica "
+            "%d of %d data-parallel replicas",
+            self.rank,
+            self.env.generation,
+            c.pp,
+            c.sep,
+            c.mp,
+            c.dp,
+            layout.dp_degree,
+        )
 
     def _warm_optimizer(self) -> None:
         """A prepared worker: one optimizer step ahead, on zero gradients, its parameters

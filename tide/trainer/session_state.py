@@ -15,11 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tide.trainer import slices
 from tide.trainer.channel import WorkerChannel
 from tide.trainer.checkpoint import PeriodicSchedule, WrittenCheckpoint
 from tide.trainer.contract import Deliveries, Lifecycle
 from tide.trainer.distenv import DistEnv
 from tide.trainer.handover import ShmHandover, StateHandover
+from tide.trainer.layout import ModelParallel, RankLayout
 from tide.trainer.objstore import make_store
 from tide.trainer.persist import DurableStore, DurableWriter
 from tide.trainer.sampler import MicroBatch, ResumableSampler, SamplerConfig
@@ -118,6 +120,13 @@ class SessionState:
         # optimizer state gathered for the checkpoint of one step (its ``step``).
         self._sharded: Sharded | None = None
         self._gathered: Gathered | None = None
+        # A model-parallel job (tide/trainer/layout.py): its degrees, set once the session
+        # knows them (from SessionConfig.model_parallel at the group, or from the script's
+        # fleet strategy), and its data-parallel (gradient) and tensor groups of this
+        # generation (None: a group of one rank, or fleet's own).
+        self._model_parallel = ModelParallel()
+        self._dp_group: Any = None
+        self._tensor_group: Any = None
 
     @property
     def rank(self) -> int:
@@ -126,6 +135,42 @@ class SessionState:
     @property
     def world_size(self) -> int:
         return self.env.world_size
+
+    @property
+    def layout(self) -> RankLayout:
+        """This rank's place in the generation: for a plain job every rank is a replica of
+        its own (its data-parallel rank is its rank)."""
+        return RankLayout(self._model_parallel, self.world_size, self.rank)
+
+    @property
+    def dp_group(self) -> Any:
+        """A model-parallel job's data-parallel group of this rank: the ranks holding its
+        slice, one per replica (None: one replica, or a plain job's world)."""
+        return self._dp_group
+
+    @property
+    def tensor_group(self) -> Any:
+        """A model-parallel job's tensor group of this rank: its replica's ranks of its
+        pipeline stage, by tensor rank (a script's tensor parallelism by hand reduces its
+        partial sums over it)."""
+        return self._tensor_group
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's replica: the sampler's rank (every rank of a replica gets the same
+        samples)."""
+        return self.rank // self._model_parallel.group_size
+
+    @property
+    def dp_degree(self) -> int:
+        """Replicas in this generation: the sampler's world size."""
+        return self.world_size // self._model_parallel.group_size
+
+    @property
+    def writes_durable(self) -> bool:
+        """This rank writes durable checkpoints: rank 0, or in a model-parallel job the
+        first replica's ranks, each its own slice's store."""
+        return self.dp_rank == 0 if self._model_parallel.group_size > 1 else self.rank == 0
 
     @property
     def stepper(self) -> Stepper:
@@ -139,5 +184,10 @@ class SessionState:
                 self.world_size,
                 self.config.virtual_ranks,
                 self.config.seed,
+                dp_degree=self.dp_degree,
+                dp_group=self._dp_group,
+                layout_files=(
+                    slices.layout_file(self.layout) if self._model_parallel.group_size > 1 else {}
+                ),
             )
         return self._stepper

@@ -22,9 +22,13 @@ the *new* degree, so the next step runs as if the job had started at that size. 
 transient whole copy of the optimizer state on every rank at each checkpoint, and the gather's
 time in the resize's pause (docs/sharded.md has the figures).
 
+**Tensor parallelism** (``mp_degree`` > 1, from the strategy or ``SessionConfig.model_parallel``)
+is elastic along the replicas only: ``dp_degree`` = W / ``mp_degree``, no sharding
+(:func:`layout_degrees`; the session's side is tide/trainer/layout.py and slices.py).
+
 **Refused** (:class:`UnsupportedLayout`, at ``fleet_strategy`` or ``attach``, before step 1):
-tensor, pipeline or sequence parallelism (``mp_degree``/``pp_degree``/``sep_degree`` > 1: their
-groups are fixed by the model, and fleet needs a GPU for them), degrees other than
+pipeline or sequence parallelism (``pp_degree``/``sep_degree`` > 1: fleet's pipeline runs its
+own schedule, :data:`_WHY_PP`), sharding beside tensor parallelism, degrees other than
 :func:`degrees` gives (a ``dp_degree`` of the script's own: the cap is the setting
 ``sharding_degree_max``), sharding stage 2 (Paddle runs it on GPUs only: :data:`WHY_STAGE2`),
 stage 3 and the ``split_param`` optimizer (their slots are flat slices, not per parameter),
@@ -42,6 +46,7 @@ import numpy as np
 
 from tide.base.errors import ConfigError
 from tide.trainer import paddle_state
+from tide.trainer.layout import ModelParallel, check_world
 from tide.trainer.transfer import TransferSettings, send_tensors
 
 # An AMP master weight travels under its parameter's name and this suffix (so that it is
@@ -76,7 +81,8 @@ def _refuse(what: str, why: str) -> UnsupportedLayout:
     return UnsupportedLayout(
         f"{what} is not supported under Tide: {why}. Tide resizes fleet jobs along the "
         "data-parallel world only (sharding stage 1, dp_degree x sharding_degree = world "
-        "size by SessionConfig.sharding_degree_max); see docs/sharded.md"
+        "size by SessionConfig.sharding_degree_max; or whole tensor-parallel replicas, "
+        "dp_degree = world size / mp_degree); see docs/sharded.md"
     )
 
 
@@ -99,26 +105,90 @@ def _get(configs: Any, name: str) -> int:
     return int(configs.get(name, 1) if isinstance(configs, dict) else getattr(configs, name))
 
 
-def _check_degrees(
-    configs: Any, world_size: int | None, sharding_degree_max: int = 0
-) -> tuple[int, int]:
-    """Refuses model-parallel degrees, and degrees other than the rule's for ``world_size``
-    (None: the script's own strategy, whose dp_degree is refused: the rule sets it).
-    Returns the (dp, sharding) degrees checked (the rule's)."""
-    gpu = (
-        "; fleet forms them on GPUs only, and Tide's path for them (elastic along data "
-        "parallel, whole model-parallel replicas: tide/trainer/layout.py, the scaler's "
-        "replica_multiple) is checked by scripts/gpu_check.py mp_layout, not yet wired into "
-        "the session"
-    )
-    for name, why in (
-        ("mp_degree", "tensor-parallel groups are fixed by the model" + gpu),
-        ("pp_degree", "pipeline stages are fixed by the model" + gpu),
-        ("sep_degree", "sequence-parallel groups are fixed by the model" + gpu),
-    ):
+# Why the layouts beside tensor parallelism are refused (docs/sharded.md "What is refused").
+_WHY_PP = (
+    "fleet's PipelineParallel runs forward, backward and the optimizer inside its own "
+    "train_batch schedule, where session.step(loss) can neither weigh the loss nor sum the "
+    "gradients (and the loss exists on the last stage only); tide/trainer/layout.py plans "
+    "pipeline slices, but no session path runs them"
+)
+_WHY_SEP = (
+    "sequence parallelism is planned by tide/trainer/layout.py but its session path is not "
+    "built nor checked"
+)
+_WHY_MP_SHARDING = (
+    "the optimizer state of a tensor-parallel job is not sharded under Tide (its gather "
+    "and the slice transfer are not combined): set sharding_degree_max to 1, or leave it 0"
+)
+
+
+def model_parallel_of(configs: Any) -> ModelParallel:
+    """The model-parallel degrees a strategy's ``hybrid_configs`` state; refuses pipeline
+    and sequence parallelism."""
+    for name, why in (("pp_degree", _WHY_PP), ("sep_degree", _WHY_SEP)):
         value = _get(configs, name)
         if value > 1:
             raise _refuse(f"{name}={value}", why)
+    return ModelParallel(mp_degree=_get(configs, "mp_degree"))
+
+
+def resolve_model_parallel(strategy: Any, configured: ModelParallel) -> ModelParallel:
+    """The job's model-parallel degrees: ``SessionConfig.model_parallel`` where it states
+    them, else the script's strategy's; both stated and different is refused."""
+    if strategy is None:
+        return configured
+    mine = strategy.hybrid_configs
+    stated = model_parallel_of({k: mine[k] for k in ("mp_degree", "pp_degree", "sep_degree")})
+    if configured.group_size > 1 and stated.group_size > 1 and stated != configured:
+        raise _refuse(
+            f"mp_degree={stated.mp_degree} in the strategy",
+            f"SessionConfig.model_parallel states mp_degree={configured.mp_degree}",
+        )
+    return configured if configured.group_size > 1 else stated
+
+
+def check_replicas(world_size: int, model: ModelParallel) -> None:
+    """Refuses a world that is not whole tensor-parallel replicas, naming the degree."""
+    try:
+        check_world(world_size, model)
+    except ConfigError as exc:
+        raise _refuse(f"mp_degree={model.mp_degree} in a world of {world_size}", str(exc)) from exc
+
+
+def layout_degrees(
+    world_size: int, sharding_degree_max: int, model: ModelParallel
+) -> tuple[int, int]:
+    """``(dp_degree, sharding_degree)`` of a generation: :func:`degrees`, or with tensor
+    parallelism the replicas and no sharding (a ConfigError for a world that is not whole
+    replicas, a refusal for a sharding cap above 1)."""
+    if model.group_size == 1:
+        return degrees(world_size, sharding_degree_max)
+    if sharding_degree_max > 1:
+        raise _refuse(
+            f"sharding_degree_max={sharding_degree_max} with mp_degree={model.mp_degree}",
+            _WHY_MP_SHARDING,
+        )
+    return check_world(world_size, model), 1
+
+
+def _check_degrees(
+    configs: Any,
+    world_size: int | None,
+    sharding_degree_max: int = 0,
+    model: ModelParallel | None = None,
+) -> tuple[int, int]:
+    """Refuses pipeline and sequence parallelism, a tensor-parallel degree other than the
+    job's ``model``, and degrees other than the rule's for ``world_size`` (None: the
+    script's own strategy, whose dp_degree is refused: the rule sets it). Returns the (dp,
+    sharding) degrees checked (the rule's)."""
+    model = model or ModelParallel()
+    stated = model_parallel_of(configs)
+    if stated.mp_degree != model.mp_degree:
+        raise _refuse(
+            f"mp_degree={stated.mp_degree}",
+            f"this job's tensor-parallel degree is {model.mp_degree} "
+            "(SessionConfig.model_parallel, or the strategy given to session.fleet_strategy())",
+        )
     if world_size is None:
         dp = _get(configs, "dp_degree")
         if dp > 1:
@@ -128,7 +198,7 @@ def _check_degrees(
                 "the sharding degree with SessionConfig.sharding_degree_max instead",
             )
         return 1, 1
-    want = degrees(world_size, sharding_degree_max)
+    want = layout_degrees(world_size, sharding_degree_max, model)
     got = (_get(configs, "dp_degree"), _get(configs, "sharding_degree"))
     if got != want:
         raise _refuse(
@@ -151,22 +221,34 @@ def _check_sharding_configs(strategy: Any) -> None:
             raise _refuse(f"sharding_configs.{name}=True", why)
 
 
-def fleet_strategy(world_size: int, strategy: Any = None, sharding_degree_max: int = 0) -> Any:
+def fleet_strategy(
+    world_size: int,
+    strategy: Any = None,
+    sharding_degree_max: int = 0,
+    model: ModelParallel | None = None,
+) -> Any:
     """The ``fleet.DistributedStrategy`` of a generation of ``world_size`` ranks: the
-    script's own (or a new one) with the degrees of :func:`degrees`. Raises
-    :class:`UnsupportedLayout` for a degree or sharding option Tide cannot resize."""
+    script's own (or a new one) with the degrees of :func:`layout_degrees` (``model``: the
+    job's tensor-parallel degree, its replicas elastic). Raises :class:`UnsupportedLayout`
+    for a degree or sharding option Tide cannot resize."""
     from paddle.distributed import fleet
 
+    model = model or ModelParallel()
     strategy = strategy if strategy is not None else fleet.DistributedStrategy()
-    mine = strategy.hybrid_configs
+    mine = dict(strategy.hybrid_configs)
+    if model.group_size > 1 and _get(mine, "mp_degree") == 1:
+        # The degree stated in SessionConfig.model_parallel alone: the strategy gets it.
+        mine["mp_degree"] = model.mp_degree
     _check_degrees(
-        {k: mine[k] for k in ("mp_degree", "pp_degree", "sep_degree", "dp_degree")}, None
+        {k: mine[k] for k in ("mp_degree", "pp_degree", "sep_degree", "dp_degree")},
+        None,
+        model=model,
     )
     _check_sharding_configs(strategy)
-    dp, sharding = degrees(world_size, sharding_degree_max)
+    dp, sharding = layout_degrees(world_size, sharding_degree_max, model)
     strategy.hybrid_configs = {
         "dp_degree": dp,
-        "mp_degree": 1,
+        "mp_degree": model.mp_degree,
         "pp_degree": 1,
         "sep_degree": 1,
         "sharding_degree": sharding,
@@ -193,7 +275,11 @@ class Attached:
 
 
 def check_attached(
-    model: Any, optimizer: Any, world_size: int, sharding_degree_max: int = 0
+    model: Any,
+    optimizer: Any,
+    world_size: int,
+    sharding_degree_max: int = 0,
+    model_parallel: ModelParallel | None = None,
 ) -> Attached | None:
     """What Tide resizes about the attached model and optimizer: an :class:`Attached` for a
     fleet job (its ``sharded`` set for fleet's stage 1), None for a plain (or
@@ -245,6 +331,7 @@ def check_attached(
         },
         world_size,
         sharding_degree_max,
+        model_parallel,
     )
     _check_sharding_configs(fleet.fleet._user_defined_strategy)
     if sharding_opt is None or degree == 1:

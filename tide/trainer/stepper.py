@@ -16,7 +16,13 @@ whatever the world size; any other reduction is refused:
   reducer's all-reduces exactly once per step, however many micro-batches it runs;
 - with fleet's sharded optimizer (tide/trainer/sharding.py), whose ``step()`` reduces each
   gradient to its owner as an *average* (scaled by 1/W, then summed), the weight is
-  multiplied by ``W`` too, and the session's sum carries the loss alone.
+  multiplied by ``W`` too, and the session's sum carries the loss alone;
+- in a model-parallel job (tide/trainer/layout.py: each replica a whole tensor/pipeline
+  group), the sums run over this rank's data-parallel group (the ranks holding its slice,
+  one per replica), ``W`` being the number of replicas: with a plain model (tensor
+  parallelism by hand) the session's sum, with fleet's ``TensorParallel`` and
+  ``HybridParallelOptimizer`` (whose ``step()`` averages over that group) the weight times
+  the replicas.
 
 **Virtual ranks** (a fixed logical data-parallel degree ``V``, EasyScale's approach): the
 global batch is cut into ``V`` micro-batches whatever the world size, and each keeps its
@@ -64,6 +70,20 @@ def _sharded(optimizer: Any) -> bool:
     return False
 
 
+def _hybrid(model: Any, optimizer: Any) -> bool:
+    """A fleet tensor-parallel job: the model is fleet's ``TensorParallel`` and the optimizer
+    fleet's ``HybridParallelOptimizer``, whose ``step()`` averages the gradients over the
+    data-parallel group."""
+    if type(model).__name__ != "TensorParallel":
+        return False
+    seen = 0
+    while optimizer is not None and seen < 8:
+        if type(optimizer).__name__ == "HybridParallelOptimizer":
+            return True
+        optimizer, seen = getattr(optimizer, "_inner_opt", None), seen + 1
+    return False
+
+
 class Stepper:
     def __init__(
         self,
@@ -74,6 +94,9 @@ class Stepper:
         world_size: int,
         virtual_ranks: int,
         seed: int,
+        dp_degree: int = 0,
+        dp_group: Any = None,
+        layout_files: Mapping[str, bytes] | None = None,
     ) -> None:
         import paddle
 
@@ -82,12 +105,20 @@ class Stepper:
         self.lr = lr_scheduler
         self.scaler = scaler
         self.world_size = world_size
+        # Who the gradients are summed over: the replicas (a model-parallel job's
+        # data-parallel group, ``dp_group``; None: the world), dp_degree of them.
+        self.dp_degree = dp_degree or world_size
+        self.dp_group = dp_group
+        # A model-parallel job's layout file (tide/trainer/slices.py), in every state.
+        self.layout_files = dict(layout_files or {})
         self.virtual_ranks = virtual_ranks
         self.seed = seed
         self.data_parallel = isinstance(model, paddle.DataParallel)
         # Who sums the gradients: the session (a plain model), or the framework, as an
         # average over the ranks (DataParallel's reducer, the sharded optimizer's step).
-        self.framework_averages = self.data_parallel or _sharded(optimizer)
+        self.framework_averages = (
+            self.data_parallel or _sharded(optimizer) or _hybrid(model, optimizer)
+        )
         # The model's state that is not trained: buffers, and the parameters that take no
         # gradient (Paddle's BatchNorm keeps its running mean and variance as those).
         self._buffers = [
@@ -169,8 +200,9 @@ class Stepper:
         """Backward of ``mb``'s weighted term (:meth:`weighted`)."""
         if not mb.padding:
             self._loss_sum += float(term)
-        # DataParallel's reducer averages over the ranks: the term times W makes it a sum.
-        weighted = term * self.world_size if self.framework_averages else term
+        # DataParallel's reducer averages over the replicas: the term times their number
+        # makes it a sum.
+        weighted = term * self.dp_degree if self.framework_averages else term
         if self.scaler is not None:
             weighted = self.scaler.scale(weighted)
         weighted.backward()
@@ -200,10 +232,10 @@ class Stepper:
         params = [] if self.framework_averages else self._grads()
         flat = paddle.concat([*(p.grad.reshape([-1]) for p in params), extra])
         started = time.monotonic()
-        if self.world_size > 1:
+        if self.dp_degree > 1:
             import paddle.distributed as dist
 
-            dist.all_reduce(flat)
+            dist.all_reduce(flat, group=self.dp_group)
         self.last_reduce_s = time.monotonic() - started
         offset = 0
         for p in params:
@@ -257,10 +289,10 @@ class Stepper:
 
     def state_files(self) -> dict[str, bytes]:
         if self.virtual is None:
-            return {}
+            return dict(self.layout_files)
         buf = io.BytesIO()
         np.save(buf, self.virtual, allow_pickle=False)
-        return {VIRTUAL: buf.getvalue()}
+        return {VIRTUAL: buf.getvalue(), **self.layout_files}
 
     def load(self, files: Mapping[str, bytes]) -> None:
         if self.virtual is not None and VIRTUAL in files:

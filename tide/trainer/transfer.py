@@ -195,6 +195,19 @@ def all_holdings(mine: Holding, world_size: int) -> list[Holding]:
     return [Holding(int(t[0]), Where(int(t[1]))) for t in (g.numpy() for g in gathered)]
 
 
+def gather_ints(values: Sequence[int], world_size: int) -> list[list[int]]:
+    """Every rank's ``values`` (the same length on every rank), by rank, over the world
+    group."""
+    if world_size == 1:
+        return [list(values)]
+    import paddle
+    import paddle.distributed as dist
+
+    gathered: list[paddle.Tensor] = []
+    dist.all_gather(gathered, paddle.to_tensor(list(values), dtype="int64"))
+    return [[int(v) for v in g.numpy()] for g in gathered]
+
+
 def agree(flag: int, op: str = "max") -> int:
     """The max (or min) of ``flag`` over the world group."""
     import paddle
