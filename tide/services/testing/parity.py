@@ -119,3 +119,37 @@ def sharding_degrees(worker_logs: Iterable[Path]) -> dict[int, dict[int, int]]:
         gen: {rank: sharding for rank, (_, sharding) in ranks.items()}
         for gen, ranks in fleet_layouts(worker_logs).items()
     }
+
+
+# What tide/trainer/session_startup.py logs for each rank of a model-parallel job.
+_SLICE_LINE = re.compile(
+    r"rank (\d+) of generation (\d+): model-parallel slice \(pp (\d+), sep (\d+), mp (\d+)\) "
+    r"of replica (\d+) of (\d+) data-parallel replicas"
+)
+
+
+def model_parallel_layouts(worker_logs: Iterable[Path]) -> dict[int, dict[int, tuple[int, int]]]:
+    """Generation -> rank -> (its replica, its tensor rank), as each rank's worker logged
+    them."""
+    seen: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)
+    for log in worker_logs:
+        for m in _SLICE_LINE.finditer(log.read_text(errors="replace")):
+            rank, gen, _, _, mp, dp, _ = map(int, m.groups())
+            seen[gen][rank] = (dp, mp)
+    return dict(seen)
+
+
+def max_rel_slice_diff(a: Path, b: Path) -> float:
+    """The largest relative difference of any array (parameter slice or optimizer slot) of
+    the ``final-slice-*.npz`` files a model-parallel run saved in ``a`` from ``b``'s; both
+    runs must have saved the same slices with the same arrays."""
+    names = sorted(p.name for p in a.glob("final-slice-*.npz"))
+    assert names, f"no final-slice-*.npz in {a}"
+    assert names == sorted(p.name for p in b.glob("final-slice-*.npz")), "other slices"
+    worst = 0.0
+    for name in names:
+        x, y = np.load(a / name), np.load(b / name)
+        worst = max(
+            worst, max_rel_array_diff({k: x[k] for k in x.files}, {k: y[k] for k in y.files})
+        )
+    return worst

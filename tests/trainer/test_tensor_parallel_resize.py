@@ -1,0 +1,113 @@
+"""End to end on the CPU: a tensor-parallel job (tide/trainer/examples/train_tensor_parallel.py,
+mp_degree 2 by hand over gloo) resized by whole replicas, 2 -> 4 -> 2 ranks (1 -> 2 -> 1
+replicas), under the coordinator and launchers, against a fixed 2-rank run: every parameter
+slice and optimizer slot, every sample once per epoch, no step lost. The newcomers of the grow
+take their slices from the stayers at the same tensor rank (tide/trainer/slices.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tide.services.testing.localjob import ROOT, LocalJob, reference_run
+from tide.services.testing.parity import (
+    check_exactly_once,
+    final_losses,
+    max_rel_loss_diff,
+    max_rel_slice_diff,
+    model_parallel_layouts,
+    steps_by_generation,
+    worlds_by_generation,
+)
+from tide.v1 import coordinator_pb2 as pb
+
+pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
+
+EXAMPLE = str(ROOT / "tide" / "trainer" / "examples" / "train_tensor_parallel.py")
+DATASET, BATCH = 96, 16
+SPE = DATASET // BATCH
+STEPS = 14
+TRAIN = [
+    "--dataset-size", str(DATASET),
+    "--global-batch", str(BATCH),
+    "--seed", "5",
+    "--steps", str(STEPS),
+    "--hidden", "16",
+    "--ckpt-every-steps", "4",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fixed 2-rank (1 replica) run both tests compare with: run once."""
+    return reference_run(tmp_path_factory.mktemp("fixed"), TRAIN, 2, example=EXAMPLE)
+
+
+@pytest.mark.timeout(300)
+async def test_a_tensor_parallel_job_resized_by_replicas_matches_a_fixed_run(
+    tmp_path: Path, fixed: Path
+) -> None:
+    job = LocalJob(tmp_path / "job", TRAIN, heartbeat_timeout_s=10.0, step_gate=True)
+    job.example = EXAMPLE
+    job.start_coordinator()
+    try:
+        for i in range(4):
+            job.add_pod(i)
+        await job.wait_standby(4)
+        assert (await job.resize(2))[-1].phase == pb.RESIZE_PHASE_COMPLETED
+        results = []
+        for target in (4, 2):
+            await job.train_to(job.granted + 3, 60, "3 more steps")
+            final = (await job.resize(target))[-1]
+            assert final.phase == pb.RESIZE_PHASE_COMPLETED, final
+            assert final.lost_steps == 0
+            results.append(final)
+        job.release()
+        assert await job.wait_pods_exit(120) == [0, 0, 0, 0]
+    finally:
+        await job.close()
+
+    _check_resized(job, tmp_path, results, fixed)
+
+
+def _check_resized(
+    job: LocalJob, tmp_path: Path, results: list[pb.ResizeProgress], fixed: Path
+) -> None:
+    steps_seen = sorted(s for ss in steps_by_generation(job.log_dir).values() for s in ss)
+    assert steps_seen == list(range(1, STEPS + 1)), "a step was lost or repeated"
+    assert sorted(set(worlds_by_generation(job.log_dir).values())) == [2, 4]
+    check_exactly_once(job.log_dir, DATASET, STEPS, SPE)
+    assert any(r.checkpoint_step % SPE for r in results), [r.checkpoint_step for r in results]
+    logs = list(tmp_path.glob("job/trainer-*/worker-*.log"))
+    layouts = model_parallel_layouts(logs)
+    # Each generation's ranks: replica rank // 2, tensor rank rank % 2.
+    for ranks in layouts.values():
+        assert ranks == {r: (r // 2, r % 2) for r in range(len(ranks))}, layouts
+    assert sorted(len(r) for r in layouts.values())[-1] == 4
+    text = "".join(log.read_text(errors="replace") for log in logs)
+    # The grow's two newcomers took their slices from the stayers, not from disk.
+    assert text.count(" from peer in ") >= 2, "no newcomer received its slice from a stayer"
+
+    loss_diff = max_rel_loss_diff(final_losses(job.log_dir), final_losses(fixed))
+    slice_diff = max_rel_slice_diff(job.log_dir, fixed)
+    print(f"tensor parallel 2 -> 4 -> 2 vs fixed 2: loss {loss_diff:.2e}, slices {slice_diff:.2e}")
+    assert loss_diff <= 1e-5
+    assert slice_diff <= 1e-5
+
+
+def test_a_tensor_parallel_job_restarted_from_disk_at_other_replicas_matches_a_fixed_run(
+    tmp_path: Path, fixed: Path
+) -> None:
+    """No coordinator, no memory: 2 replicas to step 8, then 1 replica on to the end, each
+    rank reading its own slice's durable store (a checkpoint per slice)."""
+    base = [a for a in TRAIN if a not in ("--steps", str(STEPS))]
+    for world, steps in ((4, 8), (2, STEPS)):
+        logs = reference_run(
+            tmp_path / "restarted", [*base, "--steps", str(steps)], world, example=EXAMPLE
+        )
+    stores = sorted(p.name for p in (tmp_path / "restarted" / "ckpt").iterdir())
+    assert stores == ["slice-pp0-sep0-mp0", "slice-pp0-sep0-mp1"]
+    diff = max_rel_slice_diff(logs, fixed)
+    print(f"tensor parallel restarted 4 -> 2 from disk vs fixed 2: slices {diff:.2e}")
+    assert diff <= 1e-5
