@@ -10,8 +10,9 @@ resize the job 2 -> 4 and 4 -> 2 (bench/rescale.py's way: the pause is the gap b
   fresh job at the new size that imports Paddle, joins and loads the checkpoint from disk;
 - a bare gloo broadcast of the same bytes to 4 ranks (what moving the state costs at best);
 - a profile of the state's path by stage in one process (snapshot into the handover, take,
-  load into the model, the durable write, the next put over the taken handover's pages), with
-  the bytes each stage copies.
+  load into the model, the durable write, a spare filled while the state taken is mapped and a
+  put into it, the next put over the taken handover's pages), with the bytes each stage
+  copies.
 
 Fidelity: every new generation's rank checks after its first step that the buffer is exactly
 what the steps made of it (``restore.jsonl``); exactly-once samples and lost steps from the
@@ -137,9 +138,9 @@ def stage_profile(state_mb: float, workdir: Path) -> dict[str, float]:
     import paddle
 
     from bench.statesize_train import Sized
-    from tide.trainer import paddle_state
+    from tide.trainer import paddle_state, rawstate
     from tide.trainer.checkpoint import CheckpointStore
-    from tide.trainer.handover import ShmHandover, pod_handover_dir
+    from tide.trainer.handover import RESERVE, ShmHandover, pod_handover_dir
 
     paddle.seed(0)
     model = Sized(64, state_mb)
@@ -155,8 +156,10 @@ def stage_profile(state_mb: float, workdir: Path) -> dict[str, float]:
         t = time.monotonic()
         handover.put(1, files, {})
         out["shm_put_s"] = time.monotonic() - t
+        # The pod's next worker (rank 0: it maps the state it took until its durable write).
+        nxt = ShmHandover(handover.root)
         t = time.monotonic()
-        taken = handover.take()
+        taken = nxt.take()
         assert taken is not None
         out["shm_take_s"] = time.monotonic() - t
         t = time.monotonic()
@@ -165,13 +168,24 @@ def stage_profile(state_mb: float, workdir: Path) -> dict[str, float]:
         t = time.monotonic()
         CheckpointStore(workdir / f"profile-{state_mb}", keep=1).write(1, taken.files, {})
         out["durable_write_s"] = time.monotonic() - t
+        # After its first step, with the state taken still mapped: a spare (none before
+        # this change), filled beside training; the hold's put goes into it.
+        arrays = getattr(files, "arrays", {})
+        t = time.monotonic()
+        if nxt.reserve(rawstate.layout(rawstate.specs(arrays))[2]):
+            while not (nxt.root / RESERVE).exists():
+                time.sleep(0.01)
+        out["spare_fill_s"] = time.monotonic() - t
+        t = time.monotonic()
+        nxt.put(2, files, {})
+        out["shm_put_spare_s"] = time.monotonic() - t
         del taken
         gc.collect()
         # The next hold's put: over the pages of the handover taken (nothing maps it now).
         t = time.monotonic()
-        handover.put(2, files, {})
+        nxt.put(3, files, {})
         out["shm_put_again_s"] = time.monotonic() - t
-        del files
+        del files, arrays
     finally:
         shutil.rmtree(handover.root, ignore_errors=True)
         del model, opt

@@ -207,7 +207,10 @@ def test_a_raw_durable_checkpoint_is_restored_as_arrays_not_one_file(tmp_path: P
     from tide.trainer.rawstate import TENSORS, StateFiles
 
     store = CheckpointStore(tmp_path / "ckpt")
-    arrays = {"model/w": np.arange(12, dtype=np.float32).reshape(3, 4), "opt/m": np.ones(5)}
+    arrays: dict[str, Any] = {
+        "model/w": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "opt/m": np.ones(5),
+    }
     store.write(4, StateFiles({"rng.pickle": b"r"}, arrays), {})
     got = locate(None, store, rank=0, world_size=1)
     # state.tensors decoded into its arrays (views of the bytes read): a transfer sends them
@@ -263,10 +266,12 @@ def test_a_put_writes_over_the_taken_handover_once_nothing_maps_it(tmp_path: Pat
     taken = after.take()
     assert taken is not None
     held = getattr(taken.files, "arrays", {})["w"]
-    # Its views still in use (rank 0's durable write of it): the put writes new pages.
+    # Its views still in use (rank 0's durable write of it): the put writes new pages, and
+    # step 1's become the spare (tests/trainer/test_handover_pages.py).
     after.put(2, _raw(2, 4000), {})
     second = tmp_path / "shm" / "step-00000002" / "state.tensors"
     assert second.stat().st_ino != inode
+    assert (tmp_path / "shm" / "reserve.tensors").stat().st_ino == inode
     assert np.array_equal(held, [1] * 4000), "a view of the taken state was written over"
     del taken, held
     gc.collect()

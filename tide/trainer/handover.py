@@ -18,18 +18,26 @@ it guards against is a torn write (the rename, the sizes), not bit flips, which 
 memory's ECC's business. A peer transfer checks every chunk it moves (tide/trainer/transfer.py).
 The launcher names the directory (``TIDE_HANDOVER_DIR``) and removes it when it exits.
 
-The one copy at the hold is a copy into pages that already exist: a put writes over the
-previous handover's ``state.tensors`` (the one this pod's worker took, obsolete once a newer
-step is handed over; never one whose mapping this process still uses, as rank 0's durable write
-of it does) or over a reserve that a pod with nothing handed over yet fills beforehand
-(:meth:`ShmHandover.reserve`, after its worker's first step, on a thread beside training). On this
-VM a write(2) into fresh tmpfs pages cost 0.4-1.5 s per GB (the guest and the host back each
-page on first touch), into existing ones 0.3-0.4 s. So a pod holds one state's size in
-``/dev/shm`` from its first worker's first step on, as a stayer's pod already did after a take.
+The one copy at the hold is a copy into pages that already exist. A put writes over a
+``state.tensors`` of this pod that no process maps: the newest handed-over one, else the spare
+(``reserve.tensors``). Every mapping of a handed-over file holds a shared ``flock`` on it for as
+long as it lives, and a put takes a file only under an exclusive one, so the pages of a state
+some process still reads (rank 0's durable write streams the state it took from its mapping for
+seconds after its restore, and a leaving worker's for a moment more) are never written over. A
+handed-over file still mapped at the put becomes the spare, for the put after next; where no
+file would be free at the next put, the pod's first worker fills a spare after its first step,
+on a thread beside training (:meth:`ShmHandover.reserve`: a fresh pod; rank 0's pod while its
+durable write maps the state it took), and a put that comes first writes over as much of it as
+was filled. On this VM a write(2) into fresh tmpfs pages cost 0.4-1.5 s per GB on a quiet
+machine and 3 s at load (the guest and the host back each page on first touch), into existing
+ones 0.3-0.4 s. So a pod holds one state's size in ``/dev/shm`` from its first worker's first
+step on, and two where the state it took is mapped beyond the restore (rank 0's pod): at most
+the handover and one spare, besides files deleted while still mapped.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -91,11 +99,9 @@ class ShmHandover:
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
         self._lock = threading.Lock()
-        # Set by a put: a reserve being filled is no longer wanted.
+        # Set by a put: a spare being filled is no longer wanted (the put takes what is there).
         self._cancel = threading.Event()
         self._filling: threading.Thread | None = None
-        # The step this process took last and its mapping (alive while a view of it is).
-        self._taken: tuple[int, weakref.ref[mmap.mmap]] | None = None
 
     def put(
         self, step: int, files: Mapping[str, bytes], meta: Mapping[str, Any]
@@ -105,6 +111,7 @@ class ShmHandover:
         tmp = self.root / f"{step_dir_name(step)}.tmp-{secrets.token_hex(4)}"
         tmp.mkdir()
         sizes: dict[str, int] = {}
+        reused = False
         try:
             for name, data in files.items():
                 (tmp / name).write_bytes(data)
@@ -124,48 +131,58 @@ class ShmHandover:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for old in list_step_dirs(self.root)[:-1]:
-            shutil.rmtree(self.root / step_dir_name(old), ignore_errors=True)
-        (self.root / RESERVE).unlink(missing_ok=True)
+        self._drop_older_than(step)
         written = WrittenCheckpoint(
             step, final, hashlib.sha256(body).hexdigest(), time.monotonic() - started
         )
         logger.info(
-            "handover of step %d (%d bytes) written in %.3fs",
+            "handover of step %d (%d bytes) written in %.3fs (%s pages)",
             step,
             sum(sizes.values()),
             written.write_s,
+            "existing" if reused else "fresh",
         )
         return written
 
     def _claim_pages(self, dest: Path) -> bool:
         """Moves existing pages to ``dest`` for the put to write over: the newest handed-over
-        ``state.tensors`` that no view in this process maps, else the reserve. False: none."""
+        ``state.tensors`` that no process maps, else the spare (as far as it was filled).
+        False: none is free."""
         with self._lock:
             self._cancel.set()
-            in_use = self._taken[0] if self._taken and self._taken[1]() is not None else None
-            olds = [
-                self.root / step_dir_name(s) / rawstate.TENSORS
-                for s in reversed(list_step_dirs(self.root))
-                if s != in_use
-            ]
-            for path in [*olds, self.root / RESERVE]:
-                try:
-                    os.replace(path, dest)
-                except FileNotFoundError:
-                    continue
-                return True
+            filling = self._filling
+        if filling is not None:
+            # At most one chunk's write away: what it filled is renamed to the spare.
+            filling.join()
+        with self._lock:
+            for path in tensor_files(self.root):
+                if _claim(path, dest):
+                    return True
         return False
 
+    def _drop_older_than(self, step: int) -> None:
+        """Removes the handed-over steps before ``step``; a ``state.tensors`` of one that a
+        process still maps becomes the spare if there is none (its pages serve the put after
+        next), and the spare stays: the pod keeps at most two state-sized files."""
+        spare = self.root / RESERVE
+        for old in list_step_dirs(self.root):
+            if old >= step:
+                continue
+            directory = self.root / step_dir_name(old)
+            tensors = directory / rawstate.TENSORS
+            if tensors.exists() and not spare.exists() and not _free(tensors):
+                os.replace(tensors, spare)
+            shutil.rmtree(directory, ignore_errors=True)
+
     def reserve(self, nbytes: int) -> bool:
-        """Fills ``nbytes`` of this pod's shared memory, on a thread, for the next
-        put to write over (see the module docstring): only where nothing handed over will
-        serve (a pod whose worker took a handover puts over that one's pages). The put
-        that comes first cancels it."""
+        """Fills ``nbytes`` of this pod's shared memory as the spare, on a thread, for the
+        next put to write over (see the module docstring): only where no file the next put
+        could write over is there (a fresh pod; a pod whose handover this process still maps,
+        as rank 0's durable write does). A put cancels it and takes what it filled."""
         with self._lock:
             if nbytes <= 0 or self._filling is not None or self._cancel.is_set():
                 return False
-            if list_step_dirs(self.root) or (self.root / RESERVE).exists():
+            if any(_free(path) for path in tensor_files(self.root)):
                 return False
             self.root.mkdir(parents=True, exist_ok=True)
             self._filling = threading.Thread(
@@ -187,16 +204,17 @@ class ShmHandover:
                 while left > 0 and not self._cancel.is_set():
                     left -= f.write(zeros[: min(left, len(zeros))])
             with self._lock:
-                if not self._cancel.is_set():
-                    os.replace(tmp, self.root / RESERVE)
-                    logger.info(
-                        "handover reserve of %d bytes filled in %.3fs",
-                        nbytes,
-                        time.monotonic() - started,
-                    )
-                    return
+                # Cancelled half-way too: the put that cancelled it writes over what is there.
+                os.replace(tmp, self.root / RESERVE)
+            logger.info(
+                "handover spare: %d of %d bytes filled in %.3fs",
+                nbytes - left,
+                nbytes,
+                time.monotonic() - started,
+            )
+            return
         except OSError:
-            logger.warning("handover reserve of %d bytes failed", nbytes, exc_info=True)
+            logger.warning("handover spare of %d bytes failed", nbytes, exc_info=True)
         tmp.unlink(missing_ok=True)
 
     def latest_step(self) -> int | None:
@@ -217,11 +235,7 @@ class ShmHandover:
                 if path.stat().st_size != size:
                     raise ValueError(f"{name} has {path.stat().st_size} bytes, not {size}")
                 if name == rawstate.TENSORS:
-                    mapped = _map(path, size)
-                    owner = getattr(mapped.base, "obj", None)  # the memoryview's mmap
-                    if isinstance(owner, mmap.mmap):
-                        self._taken = (step, weakref.ref(owner))
-                    files.arrays = rawstate.decode(mapped)
+                    files.arrays = rawstate.decode(_map(path, size))
                 else:
                     files[name] = path.read_bytes()
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -250,12 +264,50 @@ def _map(path: Path, size: int) -> Any:
     the first read of a fresh mapping cost up to 3 ms per MB here). Shared and writable, but
     written by nobody: gloo's broadcast writes into its root's buffer (the same bytes, onto
     themselves; a read-only mapping is a SIGSEGV), and a private writable mapping would be
-    copied whole by MAP_POPULATE. The mapping lives as long as a view of it."""
+    copied whole by MAP_POPULATE. The mapping lives as long as a view of it, and holds a
+    shared ``flock`` on the file as long as it lives: no put writes over it (:func:`_claim`)."""
     if size == 0:
         return np.zeros(0, np.uint8)
-    with open(path, "r+b") as f:
+    f = open(path, "r+b")  # noqa: SIM115 - closed with the mapping
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH)
         mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE)
+    except BaseException:
+        f.close()
+        raise
+    weakref.finalize(mapped, f.close)
     return np.frombuffer(mapped, np.uint8)
+
+
+def tensor_files(root: Path) -> list[Path]:
+    """The pod's state-sized files, in the order a put prefers to write over them: each
+    handed-over step's ``state.tensors``, newest first, then the spare."""
+    steps = [root / step_dir_name(s) / rawstate.TENSORS for s in reversed(list_step_dirs(root))]
+    return [p for p in [*steps, root / RESERVE] if p.exists()]
+
+
+def _free(path: Path) -> bool:
+    """True if no process maps ``path`` (no shared ``flock`` on it: :func:`_map`)."""
+    return _claim(path, None)
+
+
+def _claim(path: Path, dest: Path | None) -> bool:
+    """Renames ``path`` to ``dest`` if no process maps it, under an exclusive ``flock`` so
+    that none can start to in between; ``dest`` None: only whether it could."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if dest is not None:
+            os.replace(path, dest)
+        return True
+    finally:
+        os.close(fd)
 
 
 def pod_handover_dir(job_id: str, pod_name: str, launcher_id: str) -> Path:

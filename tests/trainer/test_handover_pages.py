@@ -1,0 +1,141 @@
+"""Which pages a handover put writes over (tide/trainer/handover.py): never a file some
+process maps, a spare where the handed-over file is still mapped, at most two state-sized files
+per pod, and a put that comes before its spare is filled."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.support.poll import wait_for
+from tide.trainer.handover import RESERVE, ShmHandover, tensor_files
+from tide.trainer.rawstate import StateFiles
+
+pytestmark = pytest.mark.unit
+
+
+def _raw(step: int, size: int) -> StateFiles:
+    return StateFiles({"rng.pickle": b"%d" % step}, {"w": np.full(size, step, np.uint8)})
+
+
+def _tensors(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}" / "state.tensors"
+
+
+def _arrays(taken: Any) -> dict[str, Any]:
+    return dict(getattr(taken.files, "arrays", {}))
+
+
+def test_rank_0s_durable_write_keeps_its_pages_and_the_put_goes_into_a_spare(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "shm"
+    ShmHandover(root).put(1, _raw(1, 4000), {})
+    first = _tensors(root, 1).stat().st_ino
+    worker = ShmHandover(root)  # the pod's next worker: rank 0, its durable write maps step 1
+    taken = worker.take()
+    assert taken is not None
+    held = _arrays(taken)["w"]
+    # Nothing the next put could write over: a spare is filled beside training.
+    assert worker.reserve(4096)
+    wait_for((root / RESERVE).exists, timeout_s=10)
+    spare = (root / RESERVE).stat().st_ino
+    worker.put(2, _raw(2, 4000), {})
+    # The put wrote over the spare; step 1's pages, still mapped, became the next spare.
+    assert _tensors(root, 2).stat().st_ino == spare
+    assert (root / RESERVE).stat().st_ino == first
+    assert np.array_equal(held, [1] * 4000), "a mapped state was written over"
+    # The next worker maps step 2; the spare is free again (its mapper is done).
+    del taken, held
+    gc.collect()
+    nxt = ShmHandover(root)
+    again = nxt.take()
+    assert again is not None
+    assert not nxt.reserve(4096), "a free spare is there: nothing to fill"
+    second = _tensors(root, 2).stat().st_ino
+    nxt.put(3, _raw(3, 4100), {})
+    # Step 2 is mapped by this worker: the put went into the spare, step 2 is the spare now.
+    assert _tensors(root, 3).stat().st_ino == first
+    assert (root / RESERVE).stat().st_ino == second
+    assert len(tensor_files(root)) == 2
+    assert np.array_equal(_arrays(again)["w"], [2] * 4000)
+    got = ShmHandover(root).take()
+    assert got is not None and np.array_equal(_arrays(got)["w"], [3] * 4100)
+
+
+def test_a_file_another_process_maps_is_never_written_over(tmp_path: Path) -> None:
+    root = tmp_path / "shm"
+    ShmHandover(root).put(1, _raw(1, 5000), {})
+    first = _tensors(root, 1).stat().st_ino
+    # Another process of the pod (a leaving worker finishing its durable write) maps step 1.
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tide.trainer.handover import ShmHandover\n"
+            f"t = ShmHandover({str(root)!r}).take()\n"
+            "assert t is not None; print('mapped', flush=True); sys.stdin.read()\n"
+            "w = t.files.arrays['w']; print(int(w.min()), int(w.max()), flush=True)",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "mapped"
+        ShmHandover(root).put(2, _raw(2, 5000), {})
+        assert _tensors(root, 2).stat().st_ino != first
+        assert (root / RESERVE).stat().st_ino == first
+        # Still mapped there: the next put must not take the spare either.
+        ShmHandover(root).put(3, _raw(3, 5000), {})
+        assert (root / RESERVE).stat().st_ino == first
+        holder.stdin.close()
+        assert holder.stdout.readline().split() == ["1", "1"]
+        assert holder.wait(30) == 0
+    finally:
+        holder.kill()
+    # Once that process is gone, nothing maps any file: the put writes over step 3's (the
+    # newest), the spare stays for the put after it.
+    third = _tensors(root, 3).stat().st_ino
+    ShmHandover(root).put(4, _raw(4, 5000), {})
+    assert _tensors(root, 4).stat().st_ino == third
+    assert (root / RESERVE).stat().st_ino == first
+    assert len(tensor_files(root)) == 2
+
+
+def test_a_pod_never_holds_more_than_the_handover_and_one_spare(tmp_path: Path) -> None:
+    root = tmp_path / "shm"
+    maps = []
+    for step in range(1, 7):
+        worker = ShmHandover(root)
+        taken = worker.take()
+        if taken is not None:
+            maps.append(taken)  # every state taken stays mapped
+        worker.put(step, _raw(step, 3000 + step), {})
+        assert len(tensor_files(root)) <= 2
+        got = ShmHandover(root).take()
+        assert got is not None and np.array_equal(_arrays(got)["w"], [step] * (3000 + step))
+    for i, taken in enumerate(maps, start=1):
+        assert np.array_equal(_arrays(taken)["w"], [i] * (3000 + i))
+
+
+def test_a_put_that_stops_a_fill_leaves_one_file_and_the_state_whole(tmp_path: Path) -> None:
+    root = tmp_path / "shm"
+    shm = ShmHandover(root)
+    assert shm.reserve(256 * 2**20)
+    # At once, the spare most likely half-filled: the put stops the fill and writes over what
+    # it filled (the rest is fresh pages); no half-filled file stays behind.
+    shm.put(1, _raw(1, 5000), {})
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["step-00000001"], names
+    assert _tensors(root, 1).stat().st_size < 8192
+    got = ShmHandover(root).take()
+    assert got is not None and np.array_equal(_arrays(got)["w"], [1] * 5000)
