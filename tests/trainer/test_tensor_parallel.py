@@ -1,0 +1,141 @@
+"""A tensor-parallel job's layout as the session reads it (tide/trainer/layout.py RankLayout,
+all_groups, plan_slices), its state's layout file (tide/trainer/slices.py), and what is refused
+(SessionConfig, tide/trainer/sharding.py). The training itself: test_tensor_parallel_resize.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tide.base.errors import ConfigError
+from tide.trainer import sharding
+from tide.trainer.layout import (
+    ModelParallel,
+    RankLayout,
+    SliceHolding,
+    all_groups,
+    plan_slices,
+)
+from tide.trainer.session import SessionConfig
+from tide.trainer.slices import layout_file, read_layout
+
+pytestmark = [pytest.mark.unit, pytest.mark.paddle]
+
+MP2 = ModelParallel(mp_degree=2)
+
+
+def test_a_rank_knows_its_replica_groups_and_store() -> None:
+    three = RankLayout(MP2, 4, 3)
+    assert (three.dp_rank, three.dp_degree, three.coord.mp) == (1, 2, 1)
+    assert three.dp_ranks == [1, 3]
+    assert three.tensor_ranks == three.replica_ranks == [2, 3]
+    assert not three.writes_durable and not three.logs_samples
+    one = RankLayout(MP2, 4, 1)
+    assert one.writes_durable and not one.logs_samples
+    assert one.slice_name == three.slice_name == "slice-pp0-sep0-mp1"
+    assert RankLayout(MP2, 4, 2).logs_samples
+    with pytest.raises(ConfigError, match="replica_multiple to 2"):
+        RankLayout(MP2, 3, 0)
+
+
+def test_every_rank_lists_the_same_groups_dp_first_without_singletons() -> None:
+    assert all_groups(4, MP2) == [[0, 2], [1, 3], [0, 1], [2, 3]]
+    # One replica: no data-parallel group of more than one rank.
+    assert all_groups(2, MP2) == [[0, 1]]
+    groups = all_groups(8, ModelParallel(mp_degree=4))
+    for rank in range(8):
+        me = RankLayout(ModelParallel(mp_degree=4), 8, rank)
+        assert me.dp_ranks in groups and me.tensor_ranks in groups
+
+
+def test_a_grow_keeps_the_stayers_and_sends_each_newcomer_its_tensor_rank() -> None:
+    held = [SliceHolding(5, 0, 2), SliceHolding(5, 1, 2), SliceHolding(0), SliceHolding(0)]
+    plan = plan_slices(held, MP2)
+    assert (plan.step, plan.keeps, dict(plan.sends)) == (5, (0, 1), {0: (2,), 1: (3,)})
+
+
+def test_stayers_renumbered_onto_other_slices_swap_them() -> None:
+    # New rank 0 (tensor rank 0) held old rank 3 (tensor rank 1), new rank 1 old rank 2.
+    plan = plan_slices([SliceHolding(9, 3, 4), SliceHolding(9, 2, 4)], MP2)
+    assert (plan.step, plan.keeps, dict(plan.sends)) == (9, (), {1: (0,), 0: (1,)})
+
+
+@pytest.mark.parametrize(
+    "held",
+    [
+        # Both stayers held tensor rank 0: nobody holds tensor rank 1 in memory.
+        [SliceHolding(9, 2, 4), SliceHolding(9, 0, 4)],
+        # Holders of the newest step from two old worlds: not one generation's state.
+        [SliceHolding(9, 0, 2), SliceHolding(9, 1, 4)],
+        # Nothing in memory (a crash).
+        [SliceHolding(0), SliceHolding(0)],
+    ],
+    ids=["a-slice-missing", "two-old-worlds", "none"],
+)
+def test_memory_that_cannot_serve_every_slice_leaves_it_to_the_stores(
+    held: list[SliceHolding],
+) -> None:
+    assert plan_slices(held, MP2).step == 0
+
+
+def test_a_state_says_whose_slice_it_is_and_another_layout_is_refused() -> None:
+    files = layout_file(RankLayout(MP2, 4, 3))
+    back = read_layout(files, RankLayout(MP2, 2, 0))
+    assert back is not None and (back.rank, back.world_size, back.coord.mp) == (3, 4, 1)
+    assert read_layout({}, RankLayout(MP2, 2, 0)) is None
+    with pytest.raises(ConfigError, match="another layout"):
+        read_layout(files, RankLayout(ModelParallel(mp_degree=4), 4, 0))
+
+
+def _config(**kw: Any) -> SessionConfig:
+    return SessionConfig(
+        dataset_size=64, global_batch=8, seed=0, max_steps=1, checkpoint_dir="c", **kw
+    )
+
+
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        ({"model_parallel": ModelParallel(pp_degree=2)}, "model_parallel.pp_degree=2"),
+        ({"model_parallel": ModelParallel(sep_degree=2)}, "model_parallel.sep_degree=2"),
+        ({"model_parallel": MP2, "sharding_degree_max": 2}, "sharding_degree_max=2"),
+        ({"model_parallel": MP2, "virtual_ranks": 4}, "virtual_ranks=4"),
+    ],
+)
+def test_what_the_session_cannot_run_beside_tensor_parallelism_is_refused(
+    kw: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=named):
+        _config(**kw)
+    assert _config(model_parallel=MP2).model_parallel.group_size == 2
+
+
+def test_the_fleet_strategy_of_a_tensor_parallel_job_has_its_replicas_and_no_sharding() -> None:
+    from paddle.distributed import fleet
+
+    api: Any = fleet
+    strategy = api.DistributedStrategy()
+    strategy.hybrid_configs = {"mp_degree": 2}
+    model = sharding.resolve_model_parallel(strategy, ModelParallel())
+    assert model == MP2
+    configs = sharding.fleet_strategy(6, strategy, 0, model).hybrid_configs
+    assert (configs["dp_degree"], configs["mp_degree"], configs["sharding_degree"]) == (3, 2, 1)
+    with pytest.raises(sharding.UnsupportedLayout, match="mp_degree=2 in a world of 3"):
+        sharding.check_replicas(3, model)
+    fresh = api.DistributedStrategy()
+    fresh.hybrid_configs = {"mp_degree": 2}
+    with pytest.raises(sharding.UnsupportedLayout, match="sharding_degree_max=2"):
+        sharding.fleet_strategy(4, fresh, 2, model)
+    with pytest.raises(sharding.UnsupportedLayout, match=r"SessionConfig\.model_parallel"):
+        sharding.resolve_model_parallel(fresh, ModelParallel(mp_degree=4))
+
+
+def test_fleet_pipeline_parallelism_is_refused_naming_its_schedule() -> None:
+    from paddle.distributed import fleet
+
+    api: Any = fleet
+    strategy = api.DistributedStrategy()
+    strategy.hybrid_configs = {"pp_degree": 2}
+    with pytest.raises(sharding.UnsupportedLayout, match=r"pp_degree=2.*train_batch"):
+        sharding.resolve_model_parallel(strategy, ModelParallel())
