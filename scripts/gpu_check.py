@@ -33,6 +33,13 @@ It checks, in order, and stops at the first failure (each check's outcome is in 
    the stayer's at mp rank k). Not run yet: no machine with 2 GPUs has been lent to this
    work (issue 26); ``--mp-dry-run`` runs the same program on the CPU with mp 1 (gloo),
    which checks the plumbing only.
+7. ``mp_elastic`` (2 GPUs or more; the restart part 4): the session's path for such a job
+   (tide/trainer/examples/train_tensor_parallel.py ``--tensor-parallel=fleet``, mp_degree 2
+   from the strategy): a fixed 1-replica run; 2 replicas to half the budget, then 1 replica on
+   from the per-slice durable stores, within 1e-5 of it on every parameter slice and
+   optimizer slot; and fleet's run within 1e-4 of the same model by hand on the CPU. Not run
+   yet either (no GPU lent); ``--mp-dry-run`` runs it by hand over gloo on the CPU (the
+   layout, the per-slice stores and the parity; not fleet's layers).
 
 The last line is ``RESULT {json}``; the exit code is 0 when every check passed.
 """
@@ -293,6 +300,88 @@ def check_mp_layout(workdir: Path, dry_run: bool = False) -> dict[str, Any]:
     return outcome
 
 
+TP = str(ROOT / "tide" / "trainer" / "examples" / "train_tensor_parallel.py")
+TP_STEPS = 12
+TP_TRAIN = [
+    "--dataset-size", "96",
+    "--global-batch", "16",
+    "--seed", "5",
+    "--hidden", "16",
+    "--ckpt-every-steps", "3",
+]  # fmt: skip
+
+
+def _run_tp(workdir: Path, world: int, steps: int, mode: str, gpus: bool) -> Path:
+    """train_tensor_parallel.py at mp 2 on ``world`` ranks for ``steps`` (its checkpoints in
+    ``workdir``/ckpt, one store per slice, so a second call restarts from them): through
+    Paddle's launcher on GPUs, else the plain way on the CPU (gloo)."""
+    from tide.services.testing.localjob import reference_run
+
+    args = [*TP_TRAIN, "--steps", str(steps), f"--tensor-parallel={mode}"]
+    if not gpus:
+        # paddlepaddle-gpu puts tensors on the GPU by default: gloo needs them on the CPU.
+        os.environ["CUDA_VISIBLE_DEVICES"], saved = "", os.environ.get("CUDA_VISIBLE_DEVICES")
+        try:
+            return reference_run(workdir, args, world, timeout_s=300, example=TP)
+        finally:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES")
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
+         str(workdir / f"launch-w{world}-s{steps}"), "--gpus", ",".join(map(str, range(world))),
+         TP, "--ckpt-dir", str(workdir / "ckpt"), "--log-dir", str(workdir / "logs"), *args],
+        env={**os.environ, "PYTHONPATH": f"{ROOT}"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"mp 2 run at world {world} failed: {done.stderr[-2000:]}")
+    return workdir / "logs"
+
+
+def check_mp_elastic(workdir: Path, dry_run: bool = False) -> dict[str, Any]:
+    """The session's path for a tensor-parallel job (mp_degree 2, elastic by replicas):
+    through fleet on GPUs (``--tensor-parallel=fleet``: fleet's ColumnParallelLinear and
+    RowParallelLinear, the degree from the strategy), by hand over gloo in the dry run.
+    A fixed 1-replica run; with 4 GPUs (or in the dry run) 2 replicas to half the budget
+    then 1 replica on from the per-slice durable stores, which must match it within 1e-5 on
+    every parameter slice and optimizer slot; on GPUs also fleet's run against the same
+    model by hand on the CPU (``fleet_vs_hand_rel_diff``, within 1e-4: other devices add in
+    another order). The resize in memory under the launchers is the CPU test's
+    (tests/trainer/test_tensor_parallel_resize.py)."""
+    from tide.services.testing.parity import max_rel_slice_diff
+
+    gpus = 0
+    if not dry_run:
+        import paddle
+
+        gpus = paddle.device.cuda.device_count()
+        if gpus < 2:
+            return {"ok": True, "skipped": f"needs 2 GPUs, this machine has {gpus}"}
+    mode = "hand" if dry_run else "fleet"
+    on_gpus = not dry_run
+    fixed = _run_tp(workdir / "fixed", 2, TP_STEPS, mode, on_gpus)
+    outcome: dict[str, Any] = {"mode": mode, "gpus": gpus}
+    ok = True
+    if dry_run or gpus >= 4:
+        _run_tp(workdir / "restarted", 4, TP_STEPS // 2, mode, on_gpus)
+        restarted = _run_tp(workdir / "restarted", 2, TP_STEPS, mode, on_gpus)
+        diff = max_rel_slice_diff(restarted, fixed)
+        outcome["restart_4_2_rel_diff"] = diff
+        ok = ok and diff <= 1e-5
+    else:
+        outcome["restart_4_2"] = f"needs 4 GPUs, this machine has {gpus}"
+    if on_gpus:
+        hand = _run_tp(workdir / "hand", 2, TP_STEPS, "hand", False)
+        diff = max_rel_slice_diff(fixed, hand)
+        outcome["fleet_vs_hand_rel_diff"] = diff
+        ok = ok and diff <= 1e-4
+    outcome["ok"] = ok
+    return outcome
+
+
 def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
@@ -314,8 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     if args.mp_dry_run:
         outcome = check_mp_layout(workdir / "mp_layout", dry_run=True)
-        print("RESULT " + json.dumps({"mp_layout": outcome, "ok": outcome["ok"]}))
-        return 0 if outcome["ok"] else 1
+        elastic = check_mp_elastic(workdir / "mp_elastic", dry_run=True)
+        ok = outcome["ok"] and elastic["ok"]
+        print("RESULT " + json.dumps({"mp_layout": outcome, "mp_elastic": elastic, "ok": ok}))
+        return 0 if ok else 1
     checks = [
         ("nvml", check_nvml),
         ("devices", check_devices),
@@ -323,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         ("restore_parity", lambda: check_restore(workdir / "restore", [])),
         ("amp", lambda: check_restore(workdir / "amp", ["--amp"])),
         ("mp_layout", lambda: check_mp_layout(workdir / "mp_layout")),
+        ("mp_elastic", lambda: check_mp_elastic(workdir / "mp_elastic")),
     ]
     for name, check in checks:
         t0 = time.monotonic()

@@ -129,6 +129,21 @@ def build_fleet(part: dict[str, np.ndarray], hidden: int) -> paddle.nn.Layer:
     return FleetTensorParallel()
 
 
+def final_state(net: paddle.nn.Layer, optimizer: Any) -> dict[str, np.ndarray]:
+    """This rank's slice: parameters and optimizer slots by the model's structured names, the
+    same by hand and through fleet (the hand model's second bias is saved as ``fc2.bias``,
+    fleet's place for it), so that runs of both modes compare."""
+    canonical = {"bias2": "fc2.bias"}
+    names = {p.name: canonical.get(k, k) for k, p in net.named_parameters()}
+    state = {f"param.{names[p.name]}": p.numpy() for p in net.parameters()}
+    inner = getattr(optimizer, "_inner_opt", optimizer)
+    for key, value in inner.state_dict().items():
+        owner = max((n for n in names if key.startswith(n + "_")), key=len, default=None)
+        if owner is not None and hasattr(value, "numpy"):
+            state[f"opt.{names[owner]}{key[len(owner) :]}"] = value.numpy()
+    return state
+
+
 def _flag(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:
     values = [a.removeprefix(f"--{name}=") for a in argv if a.startswith(f"--{name}=")]
     return (values[-1] if values else default), [a for a in argv if not a.startswith(f"--{name}=")]
@@ -182,13 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             step_gate.wait_past(args.test_step_gate, session.step_done)
     session.finish()
     if args.log_dir and session.layout.writes_durable:
-        state = {f"param.{k}": v.numpy() for k, v in net.state_dict().items()}
-        inner = getattr(optimizer, "_inner_opt", optimizer)
-        for k, v in inner.state_dict().items():
-            if hasattr(v, "numpy"):
-                state[f"opt.{k}"] = v.numpy()
         out = Path(args.log_dir) / f"final-{session.layout.slice_name}.npz"
-        np.savez(out, **state)  # type: ignore[arg-type]
+        np.savez(out, **final_state(net, optimizer))  # type: ignore[arg-type]
     return 0
 
 
