@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import cast
 
-from tide.base.timeconv import field_seconds, seconds_of
+from tide.base.timeconv import field_seconds
 from tide.services.common.clock import Clock
 from tide.services.scaler.ingest_peers import PeerExchange
 from tide.services.scaler.ingest_state import (
@@ -186,7 +186,8 @@ class Ingest(PeerExchange):
         gpus = r.gpus
         n = len(gpus)
         cap = r.gpu_capacity
-        limit = self.settings.max_gpus_per_node
+        settings = self.settings
+        limit = settings.max_gpus_per_node
         if cap > limit:
             raise self._reject_stream(
                 Rejection.TOO_MANY_GPUS,
@@ -250,21 +251,23 @@ class Ingest(PeerExchange):
                     pending.discard(acked)
         else:
             node.pending.add(seq)
-            if len(node.pending) > self.settings.reorder_limit:
+            if len(node.pending) > settings.reorder_limit:
                 # The agent no longer has what is missing; stop waiting for it.
                 acked = max(node.pending)
                 node.pending.clear()
         node.acked = acked
 
-        t = seconds_of(r.sampled_at)
+        # tide.base.timeconv.seconds_of, inline (a call per report).
+        ts = r.sampled_at
+        t = ts.seconds + ts.nanos / 1e9
         now = self.clock.now()
         if t <= 0.0:
             self._drop(Rejection.TIMESTAMP_MISSING, stream, seq, 0.0)
             return boot, acked
-        if t > now + self.settings.max_clock_skew_s:
+        if t > now + settings.max_clock_skew_s:
             self._drop(Rejection.TIMESTAMP_IN_FUTURE, stream, seq, t - now)
             return boot, acked
-        if t < now - self.settings.max_report_age_s:
+        if t < now - settings.max_report_age_s:
             self._drop(Rejection.TIMESTAMP_TOO_OLD, stream, seq, t - now)
             return boot, acked
         if t < node.last_sampled_s:
@@ -305,11 +308,13 @@ class Ingest(PeerExchange):
         by_uid = self.registry.by_uid
         by_name = self.registry.by_name
         rejected = self.rejected
-        acc: dict[str | None, list[float]] = {}
+        # Runs of one job before the current one, only when a report's GPUs hold more
+        # than one job: a node's GPUs mostly hold one, and then the report builds no
+        # dict, list or tuple (each a tracked object the collector has to walk).
+        acc: dict[str | None, list[float]] | None = None
         cur: object = _NO_JOB
         tot = cnt = lo = hi = ngc = sms = tes = 0.0
         seen_mask = 0
-        accepted = 0
         for g in gpus:
             u = g.utilization_pct
             if not (0.0 <= u <= 100.0):
@@ -322,7 +327,8 @@ class Ingest(PeerExchange):
                 continue
             p = g.power_w
             c = g.temperature_c
-            if p - p != 0.0 or c - c != 0.0:
+            # NaN or inf in either gives NaN: one comparison for both.
+            if (p - p) + (c - c) != 0.0:
                 rejected[Rejection.NON_FINITE] += 1
                 continue
             i = g.index
@@ -349,10 +355,12 @@ class Ingest(PeerExchange):
             util_arr[i] = u
             seen_arr[i] = t
             job_arr[i] = job
-            # Folded into the running sums of the job of the samples before it (a node's
-            # GPUs mostly hold one job): local floats, not a list in a dict per sample.
+            # Folded into the running sums of the job of the samples before it: local
+            # floats, not a list in a dict per sample.
             if job is not cur:
                 if cur is not _NO_JOB:
+                    if acc is None:
+                        acc = {}
                     _fold(acc, cur, (tot, cnt, lo, hi, ngc, sms, tes))
                 cur = job
                 tot = cnt = ngc = sms = tes = 0.0
@@ -374,40 +382,60 @@ class Ingest(PeerExchange):
                     ngc += 1.0
                     sms += sm
                     tes += te
-            accepted += 1
-        if cur is not _NO_JOB:
-            _fold(acc, cur, (tot, cnt, lo, hi, ngc, sms, tes))
-        self.samples_accepted += accepted
-        if not acc:
+        if cur is _NO_JOB:
             return
-        job_nodes = self.job_nodes
-        forward = self.forward
+        if acc is None:
+            # Every accepted sample of the report is one job's (the common case).
+            self.samples_accepted += int(cnt)
+            self._apply(node, cast("str | None", cur), t, tot, cnt, lo, hi, ngc, sms, tes)
+            return
+        _fold(acc, cur, (tot, cnt, lo, hi, ngc, sms, tes))
+        self.samples_accepted += int(sum(a[1] for a in acc.values()))
         for job, (total, count, lo, hi, gc, sm, te) in acc.items():
-            if job is None:
-                self.samples_unattributed += int(count)
-                continue
-            held = job_nodes.get(job)
-            if held is None:
-                job_nodes[job] = {node.name: node}
-            elif node.name not in held:
-                held[node.name] = node
-            w = self.windows.get(job)
-            if w is None:
-                bucket_s, buckets = self._shape(job)
-                w = self.windows[job] = self._new_window(job, bucket_s, buckets)
-            slot = int((t - w.offset_s) // w.slot_s)
-            if forward is not None and forward(job):
-                self.partials.add(
-                    job, (w.bucket_s, w.buckets), slot, t, total, int(count), lo, hi, gc, sm, te
-                )
-                continue
-            w.add(slot, total, int(count), int(gc), sm, te)
-            self.rollups.add(job, t, total, int(count), lo, hi)
-            last = self._last_slot.get(job)
-            if last is None or slot > last:
-                self._last_slot[job] = slot
-                if last is not None and self.on_slot is not None:
-                    self.on_slot(job, t)
+            self._apply(node, job, t, total, count, lo, hi, gc, sm, te)
+
+    def _apply(
+        self,
+        node: NodeState,
+        job: str | None,
+        t: float,
+        total: float,
+        count: float,
+        lo: float,
+        hi: float,
+        gc: float,
+        sm: float,
+        te: float,
+    ) -> None:
+        """Add a report's samples of one job (sum, count, min, max, GPM count, SM and
+        tensor sums) to its window and rollups, or to its partials when it is owned
+        elsewhere."""
+        if job is None:
+            self.samples_unattributed += int(count)
+            return
+        held = self.job_nodes.get(job)
+        if held is None:
+            self.job_nodes[job] = {node.name: node}
+        elif node.name not in held:
+            held[node.name] = node
+        w = self.windows.get(job)
+        if w is None:
+            bucket_s, buckets = self._shape(job)
+            w = self.windows[job] = self._new_window(job, bucket_s, buckets)
+        slot = int((t - w.offset_s) // w.slot_s)
+        forward = self.forward
+        if forward is not None and forward(job):
+            self.partials.add(
+                job, (w.bucket_s, w.buckets), slot, t, total, int(count), lo, hi, gc, sm, te
+            )
+            return
+        w.add(slot, total, int(count), int(gc), sm, te)
+        self.rollups.add(job, t, total, int(count), lo, hi)
+        last = self._last_slot.get(job)
+        if last is None or slot > last:
+            self._last_slot[job] = slot
+            if last is not None and self.on_slot is not None:
+                self.on_slot(job, t)
 
     def _events(self, node: NodeState, events: Iterable[telemetry_pb2.NodeEvent]) -> None:
         for ev in events:
