@@ -145,7 +145,7 @@ class SessionLoop(SessionControl):
             self.rank,
             self.world_size,
             # One rank per model-parallel replica logs the replica's ids (the others the step).
-            ids if self.layout.logs_samples else [],
+            ids if self._model_parallel.group_size == 1 or self.layout.logs_samples else [],
             self._global_loss,
         )
         self._report_progress()
