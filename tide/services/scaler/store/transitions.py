@@ -5,9 +5,10 @@ When a thousand jobs tip together their decisions move together too: three
 transitions each, one transaction each, were the burst's bound on PostgreSQL
 (thousands of round trips; docs/scaler.md, "Group commit of transitions").
 ``DecisionStore.transition`` queues concurrent calls and writes each turn's queue
-here: one read of the rows, one fencing UPDATE of all their jobs, one UPDATE of all
-the rows (each guarded by the state it was read in, RETURNING it), one INSERT of all
-the events and one UPDATE of the jobs that reach an end.
+here: one read of the rows, one fencing UPDATE of all their jobs, one UPDATE of the
+rows (compiled once and executed for each, guarded by the state it was read in), one
+read of the rows written, one INSERT of all the events and one UPDATE of the jobs that
+reach an end (compiled once too).
 """
 
 from __future__ import annotations
@@ -16,25 +17,19 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 from sqlalchemy import (
-    BigInteger,
     Boolean,
     ColumnElement,
-    Float,
-    Integer,
-    String,
-    Text,
+    bindparam,
     case,
-    cast,
-    column,
     func,
     insert,
     select,
     update,
-    values,
 )
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session
 
 from tide.base.errors import InvalidArgument
@@ -52,7 +47,6 @@ from tide.services.scaler.store.records import (
     DecisionState,
 )
 from tide.services.scaler.store.rows import DECISIONS, JOBS, aware, decision_record
-from tide.services.store.db import UTCDateTime
 from tide.services.store.failures import StaleWrite
 
 logger = logging.getLogger(__name__)
@@ -109,8 +103,10 @@ def transition_decisions(
     At most one move per job (hence per decision): two of one decision would have to
     apply in order, two final ones of one job would both update its row, and a job
     fenced at two epochs is ambiguous. Such a batch raises InvalidArgument, as does a
-    job not found, and a row that kept changing raises StaleWrite: the whole batch
-    fails and the caller writes each move alone."""
+    job not found: the whole batch fails and the caller writes each move alone. A row
+    moved by another writer between the first read and the write raises StaleWrite, and
+    the unit of work runs the batch again from its first read (past its attempts, the
+    caller writes each move alone)."""
     n = len(moves)
     if n > MAX_BATCH:
         raise InvalidArgument(f"at most {MAX_BATCH} transitions a batch, got {n}")
@@ -156,43 +152,30 @@ def transition_decisions(
             out[i] = refused
         else:
             pending.append(i)
-    old = {moves[i].decision_id: seen[moves[i].decision_id][1] for i in pending}
     written: dict[int, Any] = {}
-    for _ in range(2):
-        ready: list[int] = []
-        for i in pending:
-            m = moves[i]
-            job_id, was = seen[m.decision_id][0], old[m.decision_id]
-            try:
-                if m.expected is not None and DecisionState(m.expected) is not was:
-                    raise DecisionChanged(
-                        f"decision {m.decision_id} of job {job_id}:"
-                        f" expected {DecisionState(m.expected)}, found {was}"
-                    )
-                DECISION_LIFECYCLE.check(
-                    was, DecisionState(m.state), what=f"{m.decision_id} of job {job_id}"
+    ready: list[int] = []
+    for i in pending:
+        m = moves[i]
+        job_id, was = seen[m.decision_id]
+        try:
+            if m.expected is not None and DecisionState(m.expected) is not was:
+                raise DecisionChanged(
+                    f"decision {m.decision_id} of job {job_id}:"
+                    f" expected {DecisionState(m.expected)}, found {was}"
                 )
-                check_transition_args(m.pause_s, m.lost_steps, m.generation, m.to_replicas)
-            except Exception as exc:  # the single path's refusals, before any write
-                out[i] = exc
-                continue
-            ready.append(i)
-        for row in _update_rows(session, [(moves[i], old[moves[i].decision_id]) for i in ready]):
-            written[int(row.id)] = row
-        pending = [i for i in ready if moves[i].decision_id not in written]
-        if not pending:
-            break
-        # Another writer moved these between the read and the lock: once more, as they are now.
-        old.update(
-            (int(r.id), DecisionState(r.state))
-            for r in session.execute(
-                select(table.c.id, table.c.state).where(
-                    table.c.id.in_([moves[i].decision_id for i in pending])
-                )
+            DECISION_LIFECYCLE.check(
+                was, DecisionState(m.state), what=f"{m.decision_id} of job {job_id}"
             )
-        )
-    else:
-        raise StaleWrite(f"transition {len(pending)} decision(s): their state kept changing")
+            check_transition_args(m.pause_s, m.lost_steps, m.generation, m.to_replicas)
+        except Exception as exc:  # the single path's refusals, before any write
+            out[i] = exc
+            continue
+        ready.append(i)
+    if ready:
+        for row in _update_rows(
+            session, [(moves[i], seen[moves[i].decision_id][1]) for i in ready]
+        ):
+            written[int(row.id)] = row
     done = [i for i in range(n) if moves[i].decision_id in written and out[i] is None]
     if done:
         session.execute(
@@ -217,7 +200,7 @@ def transition_decisions(
             "decision %d of job %s: %s -> %s (%s)",
             m.decision_id,
             seen[m.decision_id][0],
-            old[m.decision_id],
+            seen[m.decision_id][1],
             DecisionState(m.state),
             m.detail,
             extra={"job_id": seen[m.decision_id][0], "decision_id": m.decision_id},
@@ -227,118 +210,115 @@ def transition_decisions(
     return [r for r in out if r is not None]
 
 
+def _kept(name: str) -> ColumnElement[Any]:
+    """The decision's column ``name`` set to its move's value, or kept where that is None
+    (the single path leaves a None keyword out)."""
+    c = DECISIONS.c[name]
+    return func.coalesce(bindparam(f"m_{name}", type_=c.type), c)
+
+
+# One statement for every move of a batch, executed many times (executemany: psycopg
+# sends them in one pipeline, sqlite3 loops in C). Built and compiled once: a VALUES list
+# of the moves was compiled anew for every batch, about half of a batch's CPU (10,000
+# bound values coerced and named). Each row is guarded by the state it was read in.
+_UPDATE_ROW: Final = (
+    update(DECISIONS)
+    .where(
+        DECISIONS.c.id == bindparam("m_id", type_=DECISIONS.c.id.type),
+        DECISIONS.c.state == bindparam("m_old", type_=DECISIONS.c.state.type),
+    )
+    .values(
+        state=bindparam("m_new", type_=DECISIONS.c.state.type),
+        updated_at=bindparam("m_now", type_=DECISIONS.c.updated_at.type),
+        # The ORM's version counter (Decision.version_id_col), kept as it would.
+        version=DECISIONS.c.version + 1,
+        error=_kept("error"),
+        pause_s=_kept("pause_s"),
+        lost_steps=_kept("lost_steps"),
+        generation=_kept("generation"),
+        to_replicas=_kept("to_replicas"),
+        ended_at=_kept("ended_at"),
+    )
+)
+
+_READ_ROWS: Final = select(DECISIONS).where(DECISIONS.c.id.in_(bindparam("ids", expanding=True)))
+
+
 def _update_rows(session: Session, items: Sequence[tuple[Move, DecisionState]]) -> list[Any]:
-    """One UPDATE of every row from a VALUES list (a CTE: SQLite has no column list on
-    a VALUES in FROM), each guarded by the state it was read in; RETURNING the rows
-    that matched. A column whose value is NULL in the list keeps its value, as the
-    single path leaves out a None keyword."""
-    if not items:
-        return []
-    table = DECISIONS
-    v = (
-        values(
-            column("id", BigInteger),
-            column("old", String),
-            column("new", String),
-            column("now", UTCDateTime),
-            column("error", Text),
-            column("pause_s", Float),
-            column("lost_steps", BigInteger),
-            column("generation", BigInteger),
-            column("to_replicas", Integer),
-            column("ended_at", UTCDateTime),
-            name="v",
+    """Every move's row updated (one statement, executed for each move), each guarded by
+    the state it was read in, then the rows read back in one SELECT (an executemany
+    returns no rows on SQLite).
+
+    A row that no longer holds the state read fails the whole batch with StaleWrite: the
+    unit of work runs it again from its first read, as the single path reads the row
+    again. On PostgreSQL only a writer between the first read and the fencing UPDATE's
+    lock can have moved it; on SQLite the first read already holds the write lock."""
+    params = [
+        {
+            "m_id": m.decision_id,
+            "m_old": was.value,
+            "m_new": DecisionState(m.state).value,
+            "m_now": m.now,
+            "m_error": m.error,
+            "m_pause_s": m.pause_s,
+            "m_lost_steps": m.lost_steps,
+            "m_generation": m.generation,
+            "m_to_replicas": m.to_replicas,
+            "m_ended_at": m.now if DecisionState(m.state) in FINAL_STATES else None,
+        }
+        for m, was in items
+    ]
+    result = session.connection().execute(_UPDATE_ROW, params)
+    assert isinstance(result, CursorResult)
+    if result.rowcount != len(items):
+        raise StaleWrite(
+            f"transition {len(items) - result.rowcount} of {len(items)} decision(s):"
+            " changed between their read and the write"
         )
-        .data(
-            [
-                (
-                    m.decision_id,
-                    was.value,
-                    DecisionState(m.state).value,
-                    m.now,
-                    m.error,
-                    m.pause_s,
-                    m.lost_steps,
-                    m.generation,
-                    m.to_replicas,
-                    m.now if DecisionState(m.state) in FINAL_STATES else None,
-                )
-                for m, was in items
-            ]
-        )
-        .cte("v")
+    return list(session.execute(_READ_ROWS, {"ids": [m.decision_id for m, _ in items]}).all())
+
+
+# The jobs whose decision reached an end: decisions._update_job_on_end for each, one
+# statement executed many times (one row per job: a batch has one move per job).
+_UPDATE_JOB_ON_END: Final = (
+    update(JOBS)
+    .where(JOBS.c.job_id == bindparam("e_job_id", type_=JOBS.c.job_id.type))
+    .values(
+        last_resize_ended_at=bindparam("e_now", type_=JOBS.c.last_resize_ended_at.type),
+        updated_at=bindparam("e_now", type_=JOBS.c.updated_at.type),
+        version=JOBS.c.version + 1,
+        current_replicas=case(
+            (
+                bindparam("e_completed", type_=Boolean),
+                bindparam("e_to_replicas", type_=JOBS.c.current_replicas.type),
+            ),
+            else_=JOBS.c.current_replicas,
+        ),
+        # A generation only moves forward, whoever reported it first.
+        generation=case(
+            (
+                bindparam("e_completed", type_=Boolean)
+                & (JOBS.c.generation < bindparam("e_generation", type_=JOBS.c.generation.type)),
+                bindparam("e_generation", type_=JOBS.c.generation.type),
+            ),
+            else_=JOBS.c.generation,
+        ),
     )
-
-    typed = session.get_bind().dialect.name == "postgresql"
-
-    def kept(name: str, type_: Any) -> ColumnElement[Any]:
-        # PostgreSQL types a VALUES column that is NULL in every row as text: the CAST
-        # says what it holds. Not on SQLite, where CAST(... AS DATETIME) would make a
-        # number of the text it stores.
-        value = cast(v.c[name], type_) if typed else v.c[name]
-        return func.coalesce(value, table.c[name])
-
-    stmt = (
-        update(table)
-        .add_cte(v)
-        .where(table.c.id == v.c.id, table.c.state == v.c.old)
-        .values(
-            state=v.c.new,
-            updated_at=v.c.now,
-            # The ORM's version counter (Decision.version_id_col), kept as it would.
-            version=table.c.version + 1,
-            error=kept("error", Text),
-            pause_s=kept("pause_s", Float),
-            lost_steps=kept("lost_steps", BigInteger),
-            generation=kept("generation", BigInteger),
-            to_replicas=kept("to_replicas", Integer),
-            ended_at=kept("ended_at", UTCDateTime),
-        )
-        .returning(*table.c)
-    )
-    return list(session.execute(stmt).all())
+)
 
 
 def _update_jobs_on_end(session: Session, ended: Sequence[tuple[Any, Move]]) -> None:
-    """``decisions._update_job_on_end`` for every job whose decision reached an end, in
-    one UPDATE from a VALUES list (one row per job: the batch has one move per job)."""
-    table = JOBS
-    v = (
-        values(
-            column("job_id", String),
-            column("now", UTCDateTime),
-            column("completed", Boolean),
-            column("to_replicas", Integer),
-            column("generation", BigInteger),
-            name="e",
-        )
-        .data(
-            [
-                (
-                    row.job_id,
-                    m.now,
-                    DecisionState(m.state) is DecisionState.COMPLETED,
-                    row.to_replicas,
-                    row.generation,
-                )
-                for row, m in ended
-            ]
-        )
-        .cte("e")
-    )
-    session.execute(
-        update(table)
-        .add_cte(v)
-        .where(table.c.job_id == v.c.job_id)
-        .values(
-            last_resize_ended_at=v.c.now,
-            updated_at=v.c.now,
-            version=table.c.version + 1,
-            current_replicas=case((v.c.completed, v.c.to_replicas), else_=table.c.current_replicas),
-            # A generation only moves forward, whoever reported it first.
-            generation=case(
-                (v.c.completed & (table.c.generation < v.c.generation), v.c.generation),
-                else_=table.c.generation,
-            ),
-        )
+    """``decisions._update_job_on_end`` for every job whose decision reached an end."""
+    session.connection().execute(
+        _UPDATE_JOB_ON_END,
+        [
+            {
+                "e_job_id": row.job_id,
+                "e_now": m.now,
+                "e_completed": DecisionState(m.state) is DecisionState.COMPLETED,
+                "e_to_replicas": row.to_replicas,
+                "e_generation": row.generation,
+            }
+            for row, m in ended
+        ],
     )
