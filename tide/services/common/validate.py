@@ -17,6 +17,7 @@ What a field means (a job's bounds, a report's age) is the domain's to check.
 
 from __future__ import annotations
 
+import keyword
 import math
 import re
 from collections.abc import Callable
@@ -162,6 +163,14 @@ def _plan(desc: Descriptor) -> _Plan:
 
 def validate_message(msg: Any, prefix: str = "") -> None:
     """InvalidArgument naming the first bad field of ``msg`` (and its sub-messages)."""
+    # The compiled check first: it builds no path and no list of fields, and says
+    # True only where the walk would find nothing; the walk names what is wrong.
+    if _compiled(msg.DESCRIPTOR)(msg):
+        return
+    _walk(msg, prefix)
+
+
+def _walk(msg: Any, prefix: str = "") -> None:
     plan = _plan(msg.DESCRIPTOR)
     for field, value in msg.ListFields():
         name, repeated, is_msg, check = plan[field.number]
@@ -173,17 +182,161 @@ def validate_message(msg: Any, prefix: str = "") -> None:
                 for k in value:
                     v = value[k]
                     if is_msg:
-                        validate_message(v, f"{path}[{k!r}].")
+                        _walk(v, f"{path}[{k!r}].")
                 continue
             for i, item in enumerate(value):
                 if is_msg:
-                    validate_message(item, f"{path}[{i}].")
+                    _walk(item, f"{path}[{i}].")
                 elif check is not None:
                     check(f"{path}[{i}]", item)
         elif is_msg:
-            validate_message(value, path + ".")
+            _walk(value, path + ".")
         elif check is not None:
             check(path, value)
+
+
+#: Per message type, its compiled check (:func:`_compile`).
+_COMPILED: dict[str, Callable[[Any], bool]] = {}
+#: Per id form, values that passed it: a node's name and boot id come with every report,
+#: and a set look-up costs less than the regular expression. Emptied when full.
+_PASSED_IDS_MAX = 4096
+
+
+def _compiled(desc: Descriptor) -> Callable[[Any], bool]:
+    check = _COMPILED.get(desc.full_name)
+    if check is None:
+        check = _COMPILED[desc.full_name] = _compile(desc)
+    return check
+
+
+def _id_passes(passed: set[str], form: re.Pattern[str], v: str) -> bool:
+    if len(v) > MAX_ID_CHARS or not form.fullmatch(v):
+        return False
+    if len(passed) >= _PASSED_IDS_MAX:
+        passed.clear()
+    passed.add(v)
+    return True
+
+
+def _condition(field: FieldDescriptor, x: str, env: dict[str, Any]) -> str | None:
+    """A Python expression, true when the value ``x`` of ``field`` keeps the rules of
+    :func:`_scalar_check` (None: the field has no rule)."""
+    if field.type in _FLOATS:
+        return f"{x} - {x} == 0.0" + ("" if field.full_name in SIGNED else f" and {x} >= 0.0")
+    if field.type in _SIGNED_INTS:
+        return None if field.full_name in SIGNED else f"{x} >= 0"
+    k = len(env)
+    if field.type == FieldDescriptor.TYPE_ENUM:
+        assert field.enum_type is not None
+        env[f"E{k}"] = frozenset(field.enum_type.values_by_number)
+        return f"{x} in E{k}"
+    if field.type == FieldDescriptor.TYPE_STRING:
+        form = ID_FORMS.get(field.name)
+        if form is None:
+            return f"len({x}) <= {MAX_STRING_CHARS}"
+        env[f"P{k}"], env[f"F{k}"] = set(), form
+        return f"({x} in P{k} or _id_passes(P{k}, F{k}, {x}))"
+    if field.type == FieldDescriptor.TYPE_BYTES:
+        return f"len({x}) <= {MAX_STRING_CHARS}"
+    return None
+
+
+_TS_OK = (
+    f"{MIN_TIMESTAMP_S} <= {{x}}.seconds <= {MAX_TIMESTAMP_S} and 0 <= {{x}}.nanos < 1000000000"
+)
+
+
+def _emit(
+    desc: Descriptor, m: str, env: dict[str, Any], out: list[str], pad: str, depth: int
+) -> None:
+    """Append the lines that check the message in variable ``m`` (see :func:`_compile`).
+    A sub-message's fields are checked inline; a type nested deeper than a few levels
+    (a recursive one) is checked by its own compiled function."""
+    n = depth + 1
+    for f in desc.fields:
+        name = f.name
+        if name.isidentifier() and not keyword.iskeyword(name):
+            read = f"{m}.{name}"
+        else:
+            read = f"getattr({m}, {name!r})"
+        sub = f.message_type if f.type == FieldDescriptor.TYPE_MESSAGE else None
+        if f.is_repeated:
+            if sub is not None and sub.GetOptions().map_entry:
+                out.append(f"{pad}if len({read}): return False")
+                continue
+            v, x = f"v{n}", f"x{n}"
+            out.append(f"{pad}{v} = {read}")
+            out.append(f"{pad}if len({v}) > {MAX_LIST_ITEMS}: return False")
+            if sub is not None and sub.full_name == _TS:
+                out.append(f"{pad}for {x} in {v}:")
+                out.append(f"{pad}    if not ({_TS_OK.format(x=x)}): return False")
+            elif sub is not None and depth < _INLINE_DEPTH:
+                out.append(f"{pad}for {x} in {v}:")
+                out.append(f"{pad}    pass")
+                _emit(sub, x, env, out, pad + "    ", n)
+            elif sub is not None:
+                k = len(env)
+                env[f"D{k}"] = sub
+                out.append(f"{pad}s{n} = _compiled(D{k})")
+                out.append(f"{pad}for {x} in {v}:")
+                out.append(f"{pad}    if not s{n}({x}): return False")
+            else:
+                cond = _condition(f, x, env)
+                if cond is not None:
+                    out.append(f"{pad}for {x} in {v}:")
+                    out.append(f"{pad}    if not ({cond}): return False")
+            continue
+        if sub is not None:
+            # An unset message reads as its empty default, which passes (an unset
+            # Timestamp reads 0, within the range).
+            x = f"m{n}"
+            out.append(f"{pad}{x} = {read}")
+            if sub.full_name == _TS:
+                out.append(f"{pad}if not ({_TS_OK.format(x=x)}): return False")
+            elif depth < _INLINE_DEPTH:
+                _emit(sub, x, env, out, pad, n)
+            else:
+                k = len(env)
+                env[f"D{k}"] = sub
+                out.append(f"{pad}if not _compiled(D{k})({x}): return False")
+            continue
+        cond = _condition(f, "x", env)
+        if cond is None:
+            continue
+        if not f.has_presence:
+            # Unset reads the default, which ListFields leaves out: only a value that
+            # is not the default (truthy) is checked.
+            out.append(f"{pad}x = {read}")
+            out.append(f"{pad}if x and not ({cond}): return False")
+        elif eval(cond, dict(env), {"x": f.default_value}):
+            out.append(f"{pad}x = {read}")
+            out.append(f"{pad}if not ({cond}) and {m}.HasField({name!r}): return False")
+        else:
+            # An unset field reads a default that breaks the rule (GpuSample's GPM
+            # fields read NaN): presence first.
+            out.append(f"{pad}if {m}.HasField({name!r}):")
+            out.append(f"{pad}    x = {read}")
+            out.append(f"{pad}    if not ({cond}): return False")
+
+
+#: How deep sub-messages are checked inline (NodeReport, its GpuSample, their PodRef).
+_INLINE_DEPTH = 3
+
+
+def _compile(desc: Descriptor) -> Callable[[Any], bool]:
+    """A function of one message of ``desc``'s type: True when no field it has set
+    breaks a rule (``_walk`` would find nothing), False when one may (``_walk`` then
+    names it). Generated as Python source, a read or two per field, as dataclasses
+    generates ``__init__``: the walk's list of fields and its path per field cost
+    every report of the agents several times what the ingest does (docs/scaler.md
+    "Ingest ceiling again")."""
+    env: dict[str, Any] = {"_compiled": _compiled, "_id_passes": _id_passes}
+    body: list[str] = []
+    _emit(desc, "m", env, body, "    ", 0)
+    source = "def check(m):\n" + "".join(f"{line}\n" for line in body) + "    return True\n"
+    exec(compile(source, f"<validate {desc.full_name}>", "exec"), env)
+    check: Callable[[Any], bool] = env["check"]
+    return check
 
 
 def validate_request(request: Any, method: str = "") -> None:

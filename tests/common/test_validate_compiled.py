@@ -1,0 +1,169 @@
+"""The validator's compiled check against its walk: on every tide.v1 message type, with
+fields set to values that keep and that break each rule, validate_message refuses
+exactly what the walk refuses, naming the same field (the compiled check may only say
+"nothing wrong" where the walk finds nothing)."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+
+from tide.base.errors import InvalidArgument
+from tide.services.common import validate
+from tide.services.common.validate import _compiled, _walk, validate_message
+from tide.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    peers_pb2,
+    scaler_pb2,
+    telemetry_pb2,
+)
+
+pytestmark = pytest.mark.unit
+
+_MODULES = (common_pb2, coordinator_pb2, peers_pb2, scaler_pb2, telemetry_pb2)
+
+_FLOATS = (0.0, -0.0, 1.5, 100.0, -1.0, math.nan, math.inf, -math.inf)
+_INTS = (0, 1, 7, -1, -(2**31))
+_STRINGS = ("", "a", "node-1", "ns/job", "a b", "x" * 254, "y" * 4097, "ok.name_1", "-bad")
+_TIMESTAMPS = ((0, 0), (1_800_000_000, 5), (-62135596801, 0), (253402300800, 0), (5, -1))
+
+
+def _types() -> list[Descriptor]:
+    out: list[Descriptor] = []
+
+    def add(d: Descriptor) -> None:
+        if d.GetOptions().map_entry:
+            return
+        out.append(d)
+        for n in d.nested_types:
+            add(n)
+
+    for mod in _MODULES:
+        for d in mod.DESCRIPTOR.message_types_by_name.values():
+            add(d)
+    return out
+
+
+def _scalar(f: FieldDescriptor, rng: random.Random) -> Any:
+    t = f.type
+    if t in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
+        return rng.choice(_FLOATS)
+    if t == FieldDescriptor.TYPE_BOOL:
+        return rng.random() < 0.5
+    if t == FieldDescriptor.TYPE_STRING:
+        return rng.choice(_STRINGS)
+    if t == FieldDescriptor.TYPE_BYTES:
+        return rng.choice((b"", b"x", b"z" * 4097))
+    if t == FieldDescriptor.TYPE_ENUM:
+        assert f.enum_type is not None
+        return rng.choice([*f.enum_type.values_by_number, 99])
+    if t in (
+        FieldDescriptor.TYPE_UINT32,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_FIXED32,
+        FieldDescriptor.TYPE_FIXED64,
+    ):
+        return rng.choice((0, 1, 9))
+    return rng.choice(_INTS)
+
+
+def _fill(msg: Any, rng: random.Random, bad: float, depth: int = 0) -> None:
+    """Set a random subset of msg's fields; ``bad`` is how often a value may break a
+    rule (else it is drawn from the values that keep them)."""
+    for f in msg.DESCRIPTOR.fields:
+        if rng.random() < 0.4:
+            continue
+        sub = f.message_type if f.type == FieldDescriptor.TYPE_MESSAGE else None
+        if sub is not None and sub.GetOptions().map_entry:
+            continue
+        if sub is not None and sub.full_name == "google.protobuf.Timestamp":
+            items = [getattr(msg, f.name).add() for _ in range(2)] if f.is_repeated else None
+            for ts in items or [getattr(msg, f.name)]:
+                s, n = rng.choice(_TIMESTAMPS if rng.random() < bad else _TIMESTAMPS[:2])
+                ts.seconds, ts.nanos = s, n
+            continue
+        if sub is not None:
+            if depth > 3:
+                continue
+            if f.is_repeated:
+                for _ in range(rng.randint(0, 3)):
+                    _fill(getattr(msg, f.name).add(), rng, bad, depth + 1)
+            else:
+                _fill(getattr(msg, f.name), rng, bad, depth + 1)
+                getattr(msg, f.name).SetInParent()
+            continue
+        values = [_scalar(f, rng) for _ in range(rng.randint(0, 3) if f.is_repeated else 1)]
+        if rng.random() >= bad:
+            values = [v for v in values if _keeps(f, v)]
+        if f.is_repeated:
+            getattr(msg, f.name).extend(values)
+        elif values:
+            setattr(msg, f.name, values[0])
+
+
+def _keeps(f: FieldDescriptor, v: Any) -> bool:
+    try:
+        check = validate._scalar_check(f)
+        if check is not None:
+            check(f.name, v)
+    except InvalidArgument:
+        return False
+    return True
+
+
+def _outcome(fn: Any, msg: Any) -> str | None:
+    try:
+        fn(msg)
+    except InvalidArgument as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("desc", _types(), ids=lambda d: d.full_name)
+def test_the_compiled_check_refuses_what_the_walk_refuses(desc: Descriptor) -> None:
+    cls = _class_of(desc)
+    rng = random.Random(desc.full_name)
+    for round_ in range(150):
+        msg = cls()
+        _fill(msg, rng, bad=0.0 if round_ % 3 == 0 else 0.15)
+        walked = _outcome(_walk, msg)
+        if _compiled(desc)(msg):
+            assert walked is None, (msg, walked)
+        assert _outcome(validate_message, msg) == walked
+        if round_ % 3 == 0:
+            # Every value keeps its rule: the compiled check alone says so.
+            assert walked is None
+            assert _compiled(desc)(msg), msg
+
+
+def _class_of(desc: Descriptor) -> Any:
+    names = desc.full_name.removeprefix("tide.v1.").split(".")
+    for mod in _MODULES:
+        if mod.DESCRIPTOR.package == "tide.v1" and hasattr(mod, names[0]):
+            obj: Any = mod
+            for n in names:
+                obj = getattr(obj, n)
+            if obj.DESCRIPTOR is desc:
+                return obj
+    raise AssertionError(desc.full_name)
+
+
+def test_a_report_of_the_agents_passes_the_compiled_check_alone() -> None:
+    r = telemetry_pb2.NodeReport(node_name="gpu-node-1", boot_id="b-1", seq=3, gpu_capacity=8)
+    r.sampled_at.GetCurrentTime()
+    for i in range(8):
+        g = r.gpus.add(index=i, uuid=f"GPU-{i}", utilization_pct=55.0, temperature_c=-5.0)
+        g.pod.namespace, g.pod.name, g.pod.uid = "ml", f"bert-{i // 4}", f"uid-{i // 4}"
+        if i % 2:
+            g.sm_active_pct = 0.0
+    assert _compiled(r.DESCRIPTOR)(r)
+    # A GPM field set to NaN is refused; unset, it reads NaN and is not.
+    r.gpus[3].tensor_active_pct = math.nan
+    assert not _compiled(r.DESCRIPTOR)(r)
+    with pytest.raises(InvalidArgument, match=r"^gpus\[3\]\.tensor_active_pct: must be finite"):
+        validate_message(r)
