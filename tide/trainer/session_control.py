@@ -131,11 +131,15 @@ class SessionControl(SessionCheckpoints):
             if self.rank == 0:
                 assert handed is not None
                 info = CheckpointInfo(step=step, digest=handed.digest, write_s=handed.write_s)
-        elif checkpoint and self.rank == 0:
+        elif checkpoint and self.writes_durable:
+            # Rank 0, or of a model-parallel job each slice's writer (the first replica's
+            # ranks): a slice left at an older step would make a restore from the stores
+            # go back to the newest step every slice has.
             self._write_checkpoint(step, periodic=False, wait=True)
             written = self._last_written
             assert written is not None and written.step == step, "the checkpoint was not written"
-            info = CheckpointInfo(step=step, digest=written.digest, write_s=written.write_s)
+            if self.rank == 0:
+                info = CheckpointInfo(step=step, digest=written.digest, write_s=written.write_s)
         self._log.timing(
             "held",
             self.env.generation,
