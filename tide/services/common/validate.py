@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from tide.base.errors import InvalidArgument
 
@@ -165,7 +166,10 @@ def validate_message(msg: Any, prefix: str = "") -> None:
     """InvalidArgument naming the first bad field of ``msg`` (and its sub-messages)."""
     # The compiled check first: it builds no path and no list of fields, and says
     # True only where the walk would find nothing; the walk names what is wrong.
-    if _compiled(msg.DESCRIPTOR)(msg):
+    check = _BY_TYPE.get(type(msg))
+    if check is None:
+        check = _BY_TYPE[type(msg)] = _compiled(msg.DESCRIPTOR)
+    if check(msg):
         return
     _walk(msg, prefix)
 
@@ -195,8 +199,10 @@ def _walk(msg: Any, prefix: str = "") -> None:
             check(path, value)
 
 
-#: Per message type, its compiled check (:func:`_compile`).
+#: Per message type, its compiled check (:func:`_compile`), by full name and by class.
 _COMPILED: dict[str, Callable[[Any], bool]] = {}
+_BY_TYPE: dict[type, Callable[[Any], bool]] = {}
+_HAS_FIELD = Timestamp.HasField
 #: Per id form, values that passed it: a node's name and boot id come with every report,
 #: and a set look-up costs less than the regular expression. Emptied when full.
 _PASSED_IDS_MAX = 4096
@@ -222,7 +228,10 @@ def _condition(field: FieldDescriptor, x: str, env: dict[str, Any]) -> str | Non
     """A Python expression, true when the value ``x`` of ``field`` keeps the rules of
     :func:`_scalar_check` (None: the field has no rule)."""
     if field.type in _FLOATS:
-        return f"{x} - {x} == 0.0" + ("" if field.full_name in SIGNED else f" and {x} >= 0.0")
+        # NaN fails every comparison.
+        if field.full_name in SIGNED:
+            return f"-_INF < {x} < _INF"
+        return f"0.0 <= {x} < _INF"
     if field.type in _SIGNED_INTS:
         return None if field.full_name in SIGNED else f"{x} >= 0"
     k = len(env)
@@ -303,18 +312,19 @@ def _emit(
         cond = _condition(f, "x", env)
         if cond is None:
             continue
+        default_passes = eval(cond, dict(env), {"x": f.default_value})
         if not f.has_presence:
-            # Unset reads the default, which ListFields leaves out: only a value that
-            # is not the default (truthy) is checked.
+            # Unset reads the default, which ListFields leaves out: a default that
+            # breaks the rule ("" for an id) is not checked.
             out.append(f"{pad}x = {read}")
-            out.append(f"{pad}if x and not ({cond}): return False")
-        elif eval(cond, dict(env), {"x": f.default_value}):
+            out.append(f"{pad}if {'' if default_passes else 'x and '}not ({cond}): return False")
+        elif default_passes:
             out.append(f"{pad}x = {read}")
-            out.append(f"{pad}if not ({cond}) and {m}.HasField({name!r}): return False")
+            out.append(f"{pad}if not ({cond}) and _has({m}, {name!r}): return False")
         else:
             # An unset field reads a default that breaks the rule (GpuSample's GPM
             # fields read NaN): presence first.
-            out.append(f"{pad}if {m}.HasField({name!r}):")
+            out.append(f"{pad}if _has({m}, {name!r}):")
             out.append(f"{pad}    x = {read}")
             out.append(f"{pad}    if not ({cond}): return False")
 
@@ -330,7 +340,14 @@ def _compile(desc: Descriptor) -> Callable[[Any], bool]:
     generates ``__init__``: the walk's list of fields and its path per field cost
     every report of the agents several times what the ingest does (docs/scaler.md
     "Ingest ceiling again")."""
-    env: dict[str, Any] = {"_compiled": _compiled, "_id_passes": _id_passes}
+    env: dict[str, Any] = {
+        "_compiled": _compiled,
+        "_id_passes": _id_passes,
+        "_INF": math.inf,
+        # Unbound (every message's HasField is the one method of upb's Message): no
+        # bound method built per call.
+        "_has": _HAS_FIELD,
+    }
     body: list[str] = []
     _emit(desc, "m", env, body, "    ", 0)
     source = "def check(m):\n" + "".join(f"{line}\n" for line in body) + "    return True\n"
