@@ -13,6 +13,11 @@ spawned processes pinned to the other CPU:
    accepted; ``ceiling_ratio`` is its reports/s over the ceiling's, and
    ``ceiling_ratio_per_cpu`` the same per second of each server's CPU time (steadier
    on a shared machine, where a server does not always get its core);
+2b. guarded: the same behind the interceptors tide/services/common/server.py puts in
+   front of every servicer (the concurrency limit and the guard, which parses each
+   message, checks the caller's node and validates every field of every report), as
+   a scaler run ``--insecure`` has them: ``ceiling_ratio_guarded``. An agent's mTLS
+   identity adds its node check per report (about a microsecond), not measured here;
 3. paced: the real scaler at the target rate (5,000 reports/s), where the
    agents flip utilization between 95 % and 10 % every PERIOD_S so that jobs
    keep crossing the thresholds: the time from the tipping sample (its
@@ -85,7 +90,25 @@ async def _serve(mode: str, jobs: int, conn: Connection) -> None:
 
     # The scaler's server has the gRPC metrics interceptor (tide/services/common/server.py);
     # so does the benchmark's, so that its cost is in the figures. The ceiling has none.
-    interceptors = [] if mode == "ceiling" else [grpc_server_metrics(CollectorRegistry())]
+    registry = CollectorRegistry()
+    interceptors: list[Any] = [] if mode == "ceiling" else [grpc_server_metrics(registry)]
+    if mode == "guarded":
+        from tide.services.common.config import CommonSettings
+        from tide.services.common.guard import Guard, GuardSettings
+        from tide.services.common.shedding import ConcurrencyLimit
+        from tide.services.common.validate import validate_request
+        from tide.services.scaler.servicer import RULES
+
+        # As tide/services/common/server.py orders them, for a server run --insecure.
+        defaults = CommonSettings()
+        interceptors += [
+            ConcurrencyLimit(
+                defaults.max_inflight_unary_calls, defaults.max_inflight_streams, registry
+            ),
+            Guard(
+                GuardSettings(insecure=True), RULES, validate=validate_request, registry=registry
+            ),
+        ]
     server = grpc.aio.server(options=server_options(), interceptors=interceptors)
     core: Any = None
     counters: dict[str, float] = {"reports": 0, "samples": 0}
@@ -364,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     ceiling = run_phase("ceiling", args.streams, seconds, 0.0, args.procs)
     scaler = run_phase("scaler", args.streams, seconds, 0.0, args.procs)
+    guarded = run_phase("guarded", args.streams, seconds, 0.0, args.procs)
     # Long enough for a few flips after the windows first fill (PERIOD_S apart).
     paced = run_phase("scaler", args.streams, seconds + 14.0, TARGET_REPORTS_S, args.procs)
     # In this process, after the phases (their servers are gone): the GPM fields' cost.
@@ -392,6 +416,10 @@ def main(argv: list[str] | None = None) -> int:
         "ceiling_ratio_per_cpu": round(
             _per_cpu(scaler) / max(1e-9, _per_cpu(ceiling)),
             3,
+        ),
+        "guarded_reports_per_s": round(guarded["reports_per_s"]),
+        "ceiling_ratio_guarded": round(
+            guarded["reports_per_s"] / max(1.0, ceiling["reports_per_s"]), 3
         ),
         "decision_p50_ms": round(pct(lat_ms, 0.5), 2),
         "decision_p99_ms": round(pct(lat_ms, 0.99), 2),
@@ -424,6 +452,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{scaler['server_cpu']:.2f}",
         ),
         (
+            "scaler, guarded",
+            f"{guarded['reports_per_s']:,.0f}",
+            f"{guarded['samples_per_s']:,.0f}",
+            f"{guarded['server_cpu']:.2f}",
+        ),
+        (
             f"scaler, paced {TARGET_REPORTS_S}/s",
             f"{paced['reports_per_s']:,.0f}",
             f"{paced['samples_per_s']:,.0f}",
@@ -435,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r[0]:<26}{r[1]:>12}{r[2]:>12}{r[3]:>12}")
     print(
         f"ceiling ratio {result['ceiling_ratio']} (per second of server CPU "
-        f"{result['ceiling_ratio_per_cpu']})"
+        f"{result['ceiling_ratio_per_cpu']}); behind the guard {result['ceiling_ratio_guarded']}"
     )
     print(
         f"decisions: {paced['decisions']}, tipping sample -> committed decision "
