@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -100,6 +101,10 @@ class Controller:
         #: Decisions a preemption supersedes, with why: one that has not reached the
         #: coordinator yet (a grow still starting its pods) ends ABORTED before Resize.
         self.superseded: dict[int, str] = {}
+        #: The backoffs' jitter, one source for every decision: a Random of each
+        #: backoff's own is seeded from the OS, three times a decision on the loop,
+        #: for delays that are rarely drawn (docs/scaler.md, "Group commit").
+        self._jitter = random.Random()
 
     def start(
         self,
@@ -251,7 +256,7 @@ class Controller:
 
     async def _read_back(self, d: DecisionRecord) -> DecisionRecord:
         """``d`` as the store holds it, once the store answers again."""
-        backoff = Backoff(self.retry_s, self.retry_max_s)
+        backoff = Backoff(self.retry_s, self.retry_max_s, self._jitter)
         while True:
             if self.wait_store is not None:
                 await self.wait_store()
@@ -415,7 +420,7 @@ class Controller:
         ends the decision. Each call is idempotent (a count, read before it is
         patched), so one whose answer was lost is not applied twice."""
         give_up = self.clock.monotonic() + deadline_s * 3 + 30.0
-        backoff = Backoff(self.retry_s, self.retry_max_s)
+        backoff = Backoff(self.retry_s, self.retry_max_s, self._jitter)
         while True:
             self._check_lead(d)
             try:
@@ -459,7 +464,7 @@ class Controller:
             world_multiple=_world_multiple(d),
         )
         give_up = self.clock.monotonic() + deadline_s * 3 + 30.0
-        backoff = Backoff(self.retry_s, self.retry_max_s)
+        backoff = Backoff(self.retry_s, self.retry_max_s, self._jitter)
         last_err: Exception | None = None
         while self.clock.monotonic() < give_up:
             if d.id in self.superseded:
