@@ -4,12 +4,16 @@ all_groups, plan_slices), its state's layout file (tide/trainer/slices.py), and 
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from tests.trainer.queue_channel import QueueChannel
 from tide.base.errors import ConfigError
 from tide.trainer import sharding
+from tide.trainer.checkpoint import CheckpointSettings, CheckpointStore
 from tide.trainer.layout import (
     ModelParallel,
     RankLayout,
@@ -17,7 +21,7 @@ from tide.trainer.layout import (
     all_groups,
     plan_slices,
 )
-from tide.trainer.session import SessionConfig
+from tide.trainer.session import DistEnv, ElasticSession, SessionConfig
 from tide.trainer.slices import layout_file, read_layout
 
 pytestmark = [pytest.mark.unit, pytest.mark.paddle]
@@ -101,6 +105,10 @@ def _config(**kw: Any) -> SessionConfig:
         ({"model_parallel": ModelParallel(sep_degree=2)}, "model_parallel.sep_degree=2"),
         ({"model_parallel": MP2, "sharding_degree_max": 2}, "sharding_degree_max=2"),
         ({"model_parallel": MP2, "virtual_ranks": 4}, "virtual_ranks=4"),
+        (
+            {"model_parallel": MP2, "checkpoint": CheckpointSettings(every_s=30.0)},
+            "every_s=30.0",
+        ),
     ],
 )
 def test_what_the_session_cannot_run_beside_tensor_parallelism_is_refused(
@@ -129,6 +137,11 @@ def test_the_fleet_strategy_of_a_tensor_parallel_job_has_its_replicas_and_no_sha
         sharding.fleet_strategy(4, fresh, 2, model)
     with pytest.raises(sharding.UnsupportedLayout, match=r"SessionConfig\.model_parallel"):
         sharding.resolve_model_parallel(fresh, ModelParallel(mp_degree=4))
+    # The strategy's own sharding degree is refused, not set to 1.
+    sharded = api.DistributedStrategy()
+    sharded.hybrid_configs = {"mp_degree": 2, "sharding_degree": 2}
+    with pytest.raises(sharding.UnsupportedLayout, match="sharding_degree=2 in the strategy"):
+        sharding.fleet_strategy(4, sharded, 0, model)
 
 
 def test_fleet_pipeline_parallelism_is_refused_naming_its_schedule() -> None:
@@ -139,3 +152,83 @@ def test_fleet_pipeline_parallelism_is_refused_naming_its_schedule() -> None:
     strategy.hybrid_configs = {"pp_degree": 2}
     with pytest.raises(sharding.UnsupportedLayout, match=r"pp_degree=2.*train_batch"):
         sharding.resolve_model_parallel(strategy, ModelParallel())
+
+
+def _session(tmp_path: Path, world: int = 2, **kw: Any) -> ElasticSession:
+    config = SessionConfig(
+        dataset_size=64,
+        global_batch=8,
+        seed=0,
+        max_steps=1,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        **kw,
+    )
+    return ElasticSession(
+        config,
+        DistEnv(rank=0, world_size=world, master="127.0.0.1:1" if world > 1 else ""),
+        QueueChannel(),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        ({"virtual_ranks": 4}, "virtual_ranks=4"),
+        ({"sharding_degree_max": 2}, "sharding_degree_max=2"),
+        ({"checkpoint": CheckpointSettings(every_s=30.0)}, "every_s=30.0"),
+    ],
+)
+def test_a_strategy_s_mp_degree_is_checked_as_the_config_s(
+    tmp_path: Path, kw: dict[str, Any], named: str
+) -> None:
+    """An mp_degree from the script's strategy reaches the session where the config's does
+    (fleet_strategy -> _use_model_parallel): the same refusals."""
+    session = _session(tmp_path, **kw)
+    with pytest.raises(sharding.UnsupportedLayout, match=named):
+        session._use_model_parallel(MP2, form_groups=False)
+
+
+def test_data_parallel_beside_tensor_parallelism_must_reduce_over_the_slice_s_replicas(
+    tmp_path: Path,
+) -> None:
+    import paddle
+
+    session = _session(tmp_path)
+    session._use_model_parallel(MP2, form_groups=False)
+    net = paddle.nn.Linear(2, 2)
+    wrapped = paddle.DataParallel(net)
+    optimizer = paddle.optimizer.SGD(parameters=net.parameters())
+    with pytest.raises(sharding.UnsupportedLayout, match=r"over the whole world.*ranks \[0\]"):
+        session.attach(wrapped, optimizer)
+    # Over this rank's data-parallel group (one replica: rank 0 alone) it is accepted.
+    grouped: Any = wrapped
+    grouped.group = SimpleNamespace(ranks=[0])
+    sharding.check_data_parallel_group(grouped, RankLayout(MP2, 2, 0))
+    grouped.group = SimpleNamespace(ranks=[0, 1])
+    with pytest.raises(sharding.UnsupportedLayout, match=r"ranks \[0, 1\]"):
+        sharding.check_data_parallel_group(grouped, RankLayout(MP2, 2, 0))
+
+
+def test_a_checkpoint_dir_of_the_other_kind_of_job_is_refused(tmp_path: Path) -> None:
+    """A plain job's checkpoints in the root, a model-parallel job's in slice-* stores: each
+    would start from scratch on the other's without a word."""
+    state = {"meta.json": b"{}"}
+    CheckpointStore(tmp_path / "plain" / "ckpt").write(3, state, {"step": 3})
+    mp_job = _session(tmp_path / "plain")
+    mp_job._use_model_parallel(MP2, form_groups=False)
+    with pytest.raises(ConfigError, match=r"checkpoint_dir=.*without model parallelism"):
+        mp_job._check_store_layout()
+    CheckpointStore(tmp_path / "mp" / "ckpt" / "slice-pp0-sep0-mp0").write(3, state, {"step": 3})
+    import paddle
+
+    plain_job = _session(tmp_path / "mp", world=1)
+    plain_job.init_process_group()
+    net = paddle.nn.Linear(2, 2)
+    plain_job.attach(net, paddle.optimizer.SGD(parameters=net.parameters()))
+    with pytest.raises(ConfigError, match=r"checkpoint_dir=.*model-parallel job"):
+        plain_job.restore()
+    # Each on its own kind: nothing refused.
+    _session(tmp_path / "plain", world=1)._check_store_layout()
+    ok = _session(tmp_path / "mp")
+    ok._use_model_parallel(MP2, form_groups=False)
+    ok._check_store_layout()

@@ -75,11 +75,12 @@ __all__ = [
 ]
 
 
-# How long after a restore from memory or a peer rank 0 looks whether the durable store has
-# that step, seconds. The old generation's rank 0 is usually still writing it (its write
-# yields to the new worker) and is stopped after EXIT_PERSIST_WAIT_S (session_control.py) and the launcher's exit
-# grace (1 s by default): a check at the first step found it missing nearly every time in
-# overlap mode, and wrote it a second time beside the new generation's first steps.
+# How long after a restore from memory or a peer a durable writer (rank 0, or each slice's of
+# a model-parallel job) looks whether its store has that step, seconds. The old generation's
+# writer is usually still writing it (its write yields to the new worker) and is stopped after
+# EXIT_PERSIST_WAIT_S (session_control.py) and the launcher's exit grace (1 s by default): a
+# check at the first step found it missing nearly every time in overlap mode, and wrote it a
+# second time beside the new generation's first steps.
 RESTORED_PERSIST_AFTER_S = 2.0
 
 
@@ -140,17 +141,11 @@ class SessionConfig:
                     f"model_parallel.{name}={value} is not supported under Tide: {why} "
                     "(tensor parallelism, mp_degree, is; docs/sharded.md)"
                 )
-        if mp.group_size > 1 and self.sharding_degree_max > 1:
-            raise ConfigError(
-                f"sharding_degree_max={self.sharding_degree_max} with model_parallel."
-                f"mp_degree={mp.mp_degree}: the optimizer state of a tensor-parallel job is "
-                "not sharded under Tide (set it to 0 or 1)"
-            )
-        if mp.group_size > 1 and self.virtual_ranks:
-            raise ConfigError(
-                f"virtual_ranks={self.virtual_ranks} with model_parallel.mp_degree="
-                f"{mp.mp_degree}: virtual ranks beside tensor parallelism are not built"
-            )
+        # Here too, so that a config states nothing the session cannot run; a strategy's
+        # mp_degree is checked where the session takes it (session_startup.py).
+        sharding.check_beside_model_parallel(
+            mp, self.virtual_ranks, self.sharding_degree_max, self.checkpoint.every_s
+        )
         SamplerConfig(self.dataset_size, self.global_batch, self.seed)
 
 
@@ -192,6 +187,7 @@ class ElasticSession(SessionStartup, SessionLoop):
             self.config.sharding_degree_max,
             self._model_parallel,
         )
+        sharding.check_data_parallel_group(model, self.layout)
         if fleet_job is not None and self._model_parallel.group_size > 1:
             # fleet formed the groups of this layout: the session sums over its own.
             from paddle.distributed import fleet
@@ -241,13 +237,13 @@ class ElasticSession(SessionStartup, SessionLoop):
                 "session.fleet_strategy() before session.init_process_group(): the sharding "
                 "degree is the generation's world size, known once the group forms"
             )
-        model = sharding.resolve_model_parallel(strategy, self.config.model_parallel)
-        sharding.check_replicas(self.world_size, model)
-        if model != self._model_parallel:
+        model_parallel = sharding.resolve_model_parallel(strategy, self.config.model_parallel)
+        sharding.check_replicas(self.world_size, model_parallel)
+        if model_parallel != self._model_parallel:
             # A tensor-parallel degree of the script's strategy: the job's layout from now on.
-            self._use_model_parallel(model, form_groups=False)
+            self._use_model_parallel(model_parallel, form_groups=False)
         return sharding.fleet_strategy(
-            self.world_size, strategy, self.config.sharding_degree_max, model
+            self.world_size, strategy, self.config.sharding_degree_max, model_parallel
         )
 
     def batch_sampler(self) -> Any:
@@ -281,6 +277,7 @@ class ElasticSession(SessionStartup, SessionLoop):
             self._take_env(self._wait_for(Start, "start").env)
         started = time.monotonic()
         writer = self.writes_durable
+        self._check_store_layout()
         if writer:
             # Rank 0 is the only durable writer (of a model-parallel job, the first replica's
             # ranks, each of its slice's store), and a new generation starts here: what a
@@ -294,6 +291,7 @@ class ElasticSession(SessionStartup, SessionLoop):
                 self.handover,
                 self.store,
                 into=None if writer else self._live_arrays,
+                slice_stores=self._slice_store,
             )
         else:
             located = locate(
@@ -301,8 +299,9 @@ class ElasticSession(SessionStartup, SessionLoop):
                 self.store,
                 self.rank,
                 self.world_size,
-                # Not rank 0's: it makes what it received durable seconds later, while its
-                # tensors train on; received into fresh arrays, that state stays the step's.
+                # Not the durable writer's (rank 0): it makes what it received durable
+                # seconds later, while its tensors train on; in fresh arrays, that state
+                # stays the step's.
                 into=None if writer else self._live_arrays,
             )
         named = self.env.restore_step

@@ -121,13 +121,20 @@ class SessionControl(SessionCheckpoints):
         if checkpoint and self.handover is not None:
             # Each pod's first worker hands the state to the pod's next worker, in memory,
             # as the tensors' bytes (not pickled: the pause's critical path). The next
-            # generation's rank 0 makes it durable after the pause (restore()), so nothing
-            # of the durable write competes with the barrier (tide/trainer/persist.py).
+            # generation's durable writers (rank 0, or each slice's) make it durable after
+            # the pause (restore()), so nothing of the durable write competes with the
+            # barrier (tide/trainer/persist.py).
             handed: WrittenCheckpoint | None = None
             # A leaving pod has no next worker to read it; rank 0 still reports the state.
             if self.env.local_rank == 0 and (self.rank == 0 or not leaving):
                 files = self._state_files(raw=True)
                 handed = self.handover.put(step, files, self._meta(step, False))
+            elif self._model_parallel.group_size > 1 and self.writes_durable:
+                # A slice's writer whose state no handover holds (a pod's handover holds its
+                # first worker's alone): once this process exits, its slice of this step
+                # would be nowhere, and the next generation could not resume the step
+                # (tide/trainer/slices.py's fallback reads it here). Slower, in the pause.
+                self._write_checkpoint(step, periodic=False, wait=True)
             if self.rank == 0:
                 assert handed is not None
                 info = CheckpointInfo(step=step, digest=handed.digest, write_s=handed.write_s)
@@ -159,9 +166,9 @@ class SessionControl(SessionCheckpoints):
             self.env.generation,
             self.step_done,
         )
-        # A durable write under way gets a moment; the next generation's rank 0 writes the
-        # state it restored if this one is cut short (and so does this one, if it restored
-        # from memory and has not checked yet).
+        # A durable write under way gets a moment; the next generation's durable writers
+        # write the state they restored if this one is cut short (and so does this one, if
+        # it restored from memory and has not checked yet).
         self.deliveries.close()
         self._persist_pending_restore()
         self.persist.wait(EXIT_PERSIST_WAIT_S)

@@ -13,12 +13,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from tide.base.errors import ConfigError
+from tide.trainer import sharding
 from tide.trainer.distenv import PREWARM_ENV, DistEnv, wait_for_port
 from tide.trainer.gloo_groups import fast_default_store, share_world_context
-from tide.trainer.layout import ModelParallel, RankLayout, all_groups
+from tide.trainer.layout import ModelParallel, RankLayout, all_groups, slice_name
 from tide.trainer.messages import Go, Prepared, Rendezvous, Start
 from tide.trainer.objstore import make_store
-from tide.trainer.persist import DurableWriter
+from tide.trainer.persist import DurableStore, DurableWriter
 from tide.trainer.session_control import SessionControl
 
 logger = logging.getLogger(__name__)
@@ -118,21 +120,27 @@ class SessionStartup(SessionControl):
             )
             self._warm_optimizer()
 
-    def _use_model_parallel(self, model: ModelParallel, form_groups: bool) -> None:
-        """This generation runs ``model``'s layout (tide/trainer/layout.py): its world must be
-        whole replicas (a ConfigError naming the degrees otherwise), its durable checkpoints
-        go to its slice's own store, and with ``form_groups`` (tensor parallelism by hand; a
-        fleet job's groups are fleet's) every rank forms the data-parallel and tensor groups
-        in the same order, keeping its own."""
-        layout = RankLayout(model, self.world_size, self.rank)
-        self._model_parallel = model
-        root = self.config.checkpoint_dir.rstrip("/")
-        self.store = make_store(f"{root}/{layout.slice_name}", keep=self.config.checkpoint.keep)
+    def _use_model_parallel(self, model_parallel: ModelParallel, form_groups: bool) -> None:
+        """This generation runs ``model_parallel``'s layout (tide/trainer/layout.py): its world
+        must be whole replicas (a ConfigError naming the degrees otherwise), what the session
+        cannot run beside it is refused (SessionConfig's degrees and a strategy's alike pass
+        here), its durable checkpoints go to its slice's own store, and with ``form_groups``
+        (tensor parallelism by hand; a fleet job's groups are fleet's) every rank forms the
+        data-parallel and tensor groups in the same order, keeping its own."""
+        cfg = self.config
+        sharding.check_beside_model_parallel(
+            model_parallel, cfg.virtual_ranks, cfg.sharding_degree_max, cfg.checkpoint.every_s
+        )
+        layout = RankLayout(model_parallel, self.world_size, self.rank)
+        self._model_parallel = model_parallel
+        self.store = self._slice_store(layout.coord.slice)
+        # Nothing is written before the layout is known; a write under way would finish first.
+        self.persist.wait()
         self.persist = DurableWriter(self.store)
         if form_groups and self.world_size > 1:
             import paddle.distributed as dist
 
-            for ranks in all_groups(self.world_size, model):
+            for ranks in all_groups(self.world_size, model_parallel):
                 group = dist.new_group(ranks)
                 if ranks == layout.dp_ranks:
                     self._dp_group = group
@@ -151,6 +159,34 @@ class SessionStartup(SessionControl):
             c.dp,
             layout.dp_degree,
         )
+
+    def _slice_store(self, part: tuple[int, int, int]) -> DurableStore:
+        """The durable store of one model-parallel slice (tide/trainer/slices.py writes
+        another slice's there when only this rank holds it)."""
+        root = self.config.checkpoint_dir.rstrip("/")
+        return make_store(f"{root}/{slice_name(part)}", keep=self.config.checkpoint.keep)
+
+    def _check_store_layout(self) -> None:
+        """A checkpoint_dir holds one kind of job's checkpoints: a plain job's in its root, a
+        model-parallel job's in slice-* stores. The other kind's would be ignored, and the
+        job would start from scratch without a word: refused, naming the settings."""
+        cfg = self.config
+        if self._model_parallel.group_size > 1:
+            plain = make_store(cfg.checkpoint_dir, keep=cfg.checkpoint.keep).list_steps()
+            if plain:
+                raise ConfigError(
+                    f"checkpoint_dir={cfg.checkpoint_dir!r} holds a job's checkpoints without "
+                    f"model parallelism (steps {plain}), this job's mp_degree is "
+                    f"{self._model_parallel.mp_degree}: its slices' stores are slice-* "
+                    "subdirectories; give it another checkpoint_dir"
+                )
+        elif self._slice_store((0, 0, 0)).list_steps():
+            raise ConfigError(
+                f"checkpoint_dir={cfg.checkpoint_dir!r} holds a model-parallel job's "
+                f"checkpoints ({slice_name((0, 0, 0))}/ and its other slices), this job has "
+                "none (SessionConfig.model_parallel, or the strategy's mp_degree): give it "
+                "another checkpoint_dir"
+            )
 
     def _warm_optimizer(self) -> None:
         """A prepared worker: one optimizer step ahead, on zero gradients, its parameters

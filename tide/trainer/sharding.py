@@ -39,6 +39,7 @@ cadence (``every_s``: the gather needs every rank at the same step).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,7 @@ import numpy as np
 
 from tide.base.errors import ConfigError
 from tide.trainer import paddle_state
-from tide.trainer.layout import ModelParallel, check_world
+from tide.trainer.layout import ModelParallel, RankLayout, check_world
 from tide.trainer.transfer import TransferSettings, send_tensors
 
 # An AMP master weight travels under its parameter's name and this suffix (so that it is
@@ -118,7 +119,8 @@ _WHY_SEP = (
 )
 _WHY_MP_SHARDING = (
     "the optimizer state of a tensor-parallel job is not sharded under Tide (its gather "
-    "and the slice transfer are not combined): set sharding_degree_max to 1, or leave it 0"
+    "and the slice transfer are not combined): leave the strategy's sharding_degree at 1 "
+    "and SessionConfig.sharding_degree_max at 0 or 1"
 )
 
 
@@ -147,46 +149,75 @@ def resolve_model_parallel(strategy: Any, configured: ModelParallel) -> ModelPar
     return configured if configured.group_size > 1 else stated
 
 
-def check_replicas(world_size: int, model: ModelParallel) -> None:
+def check_replicas(world_size: int, model_parallel: ModelParallel) -> None:
     """Refuses a world that is not whole tensor-parallel replicas, naming the degree."""
     try:
-        check_world(world_size, model)
+        check_world(world_size, model_parallel)
     except ConfigError as exc:
-        raise _refuse(f"mp_degree={model.mp_degree} in a world of {world_size}", str(exc)) from exc
+        raise _refuse(
+            f"mp_degree={model_parallel.mp_degree} in a world of {world_size}", str(exc)
+        ) from exc
+
+
+def check_beside_model_parallel(
+    model_parallel: ModelParallel,
+    virtual_ranks: int,
+    sharding_degree_max: int,
+    checkpoint_every_s: float,
+) -> None:
+    """Refuses what the session cannot run beside tensor parallelism, naming the setting:
+    ``SessionConfig`` and a strategy's ``mp_degree`` alike (session_startup.py's
+    ``_use_model_parallel``, which both pass through)."""
+    if model_parallel.group_size == 1:
+        return
+    mp = f"mp_degree={model_parallel.mp_degree}"
+    if sharding_degree_max > 1:
+        raise _refuse(f"sharding_degree_max={sharding_degree_max} with {mp}", _WHY_MP_SHARDING)
+    if virtual_ranks:
+        raise _refuse(
+            f"virtual_ranks={virtual_ranks} with {mp}",
+            "virtual ranks beside tensor parallelism are not built",
+        )
+    if checkpoint_every_s > 0:
+        raise _refuse(
+            f"checkpoint every_s={checkpoint_every_s} with {mp}",
+            "each slice's writer would find a timed cadence due at its own steps, its store "
+            "holding steps the other slices' lack; use every_steps",
+        )
 
 
 def layout_degrees(
-    world_size: int, sharding_degree_max: int, model: ModelParallel
+    world_size: int, sharding_degree_max: int, model_parallel: ModelParallel
 ) -> tuple[int, int]:
     """``(dp_degree, sharding_degree)`` of a generation: :func:`degrees`, or with tensor
     parallelism the replicas and no sharding (a ConfigError for a world that is not whole
     replicas, a refusal for a sharding cap above 1)."""
-    if model.group_size == 1:
+    if model_parallel.group_size == 1:
         return degrees(world_size, sharding_degree_max)
     if sharding_degree_max > 1:
         raise _refuse(
-            f"sharding_degree_max={sharding_degree_max} with mp_degree={model.mp_degree}",
+            f"sharding_degree_max={sharding_degree_max} with mp_degree={model_parallel.mp_degree}",
             _WHY_MP_SHARDING,
         )
-    return check_world(world_size, model), 1
+    return check_world(world_size, model_parallel), 1
 
 
 def _check_degrees(
     configs: Any,
     world_size: int | None,
     sharding_degree_max: int = 0,
-    model: ModelParallel | None = None,
+    model_parallel: ModelParallel | None = None,
 ) -> tuple[int, int]:
     """Refuses pipeline and sequence parallelism, a tensor-parallel degree other than the
-    job's ``model``, and degrees other than the rule's for ``world_size`` (None: the
+    job's ``model_parallel``, and degrees other than the rule's for ``world_size`` (None: the
     script's own strategy, whose dp_degree is refused: the rule sets it). Returns the (dp,
     sharding) degrees checked (the rule's)."""
-    model = model or ModelParallel()
+    model_parallel = model_parallel or ModelParallel()
     stated = model_parallel_of(configs)
-    if stated.mp_degree != model.mp_degree:
+    if stated.mp_degree != model_parallel.mp_degree:
         raise _refuse(
             f"mp_degree={stated.mp_degree}",
-            f"this job's tensor-parallel degree is {model.mp_degree} "
+            f"this job's tensor-parallel degree is {model_parallel.mp_degree} "
             "(SessionConfig.model_parallel, or the strategy given to session.fleet_strategy())",
         )
     if world_size is None:
@@ -198,7 +229,7 @@ def _check_degrees(
                 "the sharding degree with SessionConfig.sharding_degree_max instead",
             )
         return 1, 1
-    want = layout_degrees(world_size, sharding_degree_max, model)
+    want = layout_degrees(world_size, sharding_degree_max, model_parallel)
     got = (_get(configs, "dp_degree"), _get(configs, "sharding_degree"))
     if got != want:
         raise _refuse(
@@ -225,30 +256,37 @@ def fleet_strategy(
     world_size: int,
     strategy: Any = None,
     sharding_degree_max: int = 0,
-    model: ModelParallel | None = None,
+    model_parallel: ModelParallel | None = None,
 ) -> Any:
     """The ``fleet.DistributedStrategy`` of a generation of ``world_size`` ranks: the
-    script's own (or a new one) with the degrees of :func:`layout_degrees` (``model``: the
-    job's tensor-parallel degree, its replicas elastic). Raises :class:`UnsupportedLayout`
-    for a degree or sharding option Tide cannot resize."""
+    script's own (or a new one) with the degrees of :func:`layout_degrees`
+    (``model_parallel``: the job's tensor-parallel degree, its replicas elastic). Raises
+    :class:`UnsupportedLayout` for a degree or sharding option Tide cannot resize."""
     from paddle.distributed import fleet
 
-    model = model or ModelParallel()
+    model_parallel = model_parallel or ModelParallel()
     strategy = strategy if strategy is not None else fleet.DistributedStrategy()
     mine = dict(strategy.hybrid_configs)
-    if model.group_size > 1 and _get(mine, "mp_degree") == 1:
+    if model_parallel.group_size > 1 and _get(mine, "mp_degree") == 1:
         # The degree stated in SessionConfig.model_parallel alone: the strategy gets it.
-        mine["mp_degree"] = model.mp_degree
+        mine["mp_degree"] = model_parallel.mp_degree
     _check_degrees(
         {k: mine[k] for k in ("mp_degree", "pp_degree", "sep_degree", "dp_degree")},
         None,
-        model=model,
+        model_parallel=model_parallel,
     )
+    if model_parallel.group_size > 1 and _get(mine, "sharding_degree") > 1:
+        # Not set to 1 silently: the script asked for a sharded optimizer.
+        raise _refuse(
+            f"sharding_degree={_get(mine, 'sharding_degree')} in the strategy with "
+            f"mp_degree={model_parallel.mp_degree}",
+            _WHY_MP_SHARDING,
+        )
     _check_sharding_configs(strategy)
-    dp, sharding = layout_degrees(world_size, sharding_degree_max, model)
+    dp, sharding = layout_degrees(world_size, sharding_degree_max, model_parallel)
     strategy.hybrid_configs = {
         "dp_degree": dp,
-        "mp_degree": model.mp_degree,
+        "mp_degree": model_parallel.mp_degree,
         "pp_degree": 1,
         "sep_degree": 1,
         "sharding_degree": sharding,
@@ -256,12 +294,15 @@ def fleet_strategy(
     return strategy
 
 
-def _unwrap(optimizer: Any) -> list[Any]:
-    """``optimizer`` and the optimizers it wraps (fleet's wrappers keep ``_inner_opt``)."""
-    chain = [optimizer]
-    while (inner := getattr(chain[-1], "_inner_opt", None)) is not None and len(chain) < 8:
-        chain.append(inner)
-    return chain
+def optimizer_chain(optimizer: Any) -> Iterator[Any]:
+    """``optimizer`` and the optimizers it wraps (fleet's wrappers keep ``_inner_opt``), at
+    most 8 deep, outermost first. Lazily: a caller that stops at the one it looks for never
+    asks that one for ``_inner_opt`` (fleet's sharding optimizer forwards a missing
+    attribute to its own ``_inner_opt``, endlessly when it has none)."""
+    seen = 0
+    while optimizer is not None and seen < 8:
+        yield optimizer
+        optimizer, seen = getattr(optimizer, "_inner_opt", None), seen + 1
 
 
 @dataclass(frozen=True)
@@ -305,7 +346,7 @@ def check_attached(
         raise _refuse("sharding stage 3 (GroupShardedStage3)", _WHY_STAGE3)
     if isinstance(model, GroupShardedStage2):
         raise _refuse("sharding stage 2 (GroupShardedStage2)", WHY_STAGE2)
-    chain = _unwrap(optimizer) if optimizer is not None else []
+    chain = list(optimizer_chain(optimizer)) if optimizer is not None else []
     for opt in chain:
         if isinstance(opt, GroupShardedOptimizerStage2):
             raise _refuse("sharding stage 2 (GroupShardedOptimizerStage2)", WHY_STAGE2)
@@ -341,6 +382,27 @@ def check_attached(
     # shards make up the whole state (every replica holds the same ones).
     sources = sorted(hcg.topology().get_axis_list("data", 0))
     return Attached(dp, degree, Sharded(sharding_opt, sources))
+
+
+def check_data_parallel_group(model: Any, layout: RankLayout) -> None:
+    """A tensor-parallel job's ``paddle.DataParallel`` must reduce over the ranks holding
+    this rank's slice (``layout.dp_ranks``): over the whole world (no ``group``) its
+    reducer would average the tensor ranks' gradients of different slices together, with
+    no error when the slices have equal shapes."""
+    import paddle
+
+    if layout.model.group_size == 1 or not isinstance(model, paddle.DataParallel):
+        return
+    group = getattr(model, "group", None)
+    ranks = list(getattr(group, "ranks", None) or []) if group is not None else None
+    if ranks != layout.dp_ranks:
+        over = "the whole world" if group is None else f"ranks {ranks}"
+        raise _refuse(
+            f"paddle.DataParallel over {over} with mp_degree={layout.model.mp_degree}",
+            f"its reducer averages each gradient over that group, while rank {layout.rank}'s "
+            f"slice is held by ranks {layout.dp_ranks}: pass group=session.dp_group, or "
+            "attach the plain model (session.step sums over that group)",
+        )
 
 
 @dataclass
