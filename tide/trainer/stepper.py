@@ -50,6 +50,7 @@ import numpy as np
 
 from tide.trainer.contract import weighted_loss
 from tide.trainer.sampler import MicroBatch, derive_seed
+from tide.trainer.sharding import optimizer_chain
 
 VIRTUAL = "virtual.npy"
 
@@ -62,26 +63,16 @@ def micro_seed(seed: int, step: int, virtual_rank: int, index: int) -> int:
 
 def _sharded(optimizer: Any) -> bool:
     """``optimizer`` is (or wraps) fleet's ``DygraphShardingOptimizer``."""
-    seen = 0
-    while optimizer is not None and seen < 8:
-        if type(optimizer).__name__ == "DygraphShardingOptimizer":
-            return True
-        optimizer, seen = getattr(optimizer, "_inner_opt", None), seen + 1
-    return False
+    return any(type(o).__name__ == "DygraphShardingOptimizer" for o in optimizer_chain(optimizer))
 
 
 def _hybrid(model: Any, optimizer: Any) -> bool:
     """A fleet tensor-parallel job: the model is fleet's ``TensorParallel`` and the optimizer
     fleet's ``HybridParallelOptimizer``, whose ``step()`` averages the gradients over the
     data-parallel group."""
-    if type(model).__name__ != "TensorParallel":
-        return False
-    seen = 0
-    while optimizer is not None and seen < 8:
-        if type(optimizer).__name__ == "HybridParallelOptimizer":
-            return True
-        optimizer, seen = getattr(optimizer, "_inner_opt", None), seen + 1
-    return False
+    return type(model).__name__ == "TensorParallel" and any(
+        type(o).__name__ == "HybridParallelOptimizer" for o in optimizer_chain(optimizer)
+    )
 
 
 class Stepper:

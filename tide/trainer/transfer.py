@@ -185,14 +185,8 @@ def plan_restore(holdings: Sequence[Holding]) -> RestorePlan:
 
 def all_holdings(mine: Holding, world_size: int) -> list[Holding]:
     """Every rank's holding, gathered over the current group."""
-    if world_size == 1:
-        return [mine]
-    import paddle
-    import paddle.distributed as dist
-
-    gathered: list[paddle.Tensor] = []
-    dist.all_gather(gathered, paddle.to_tensor([mine.step, int(mine.where)], dtype="int64"))
-    return [Holding(int(t[0]), Where(int(t[1]))) for t in (g.numpy() for g in gathered)]
+    rows = gather_ints([mine.step, int(mine.where)], world_size)
+    return [Holding(step, Where(where)) for step, where in rows]
 
 
 def gather_ints(values: Sequence[int], world_size: int) -> list[list[int]]:
