@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from tide.services.scaler.store import DecisionRecord, DecisionState, DecisionStore, transitions
 from tide.services.scaler.store import DecisionState as S
+from tide.services.scaler.store.rows import JOBS
 from tide.services.store import db
 from tide.services.store.failures import StaleWrite
 from tide.services.testing.clock import FakeClock
@@ -270,3 +271,32 @@ async def test_many_concurrent_lifecycles_lose_nothing(store: DecisionStore) -> 
         got = await store.get_decision(d.id)
         assert [e.state for e in got.events] == [S.PENDING, S.PREPARING, S.ACTUATING, S.COMPLETED]
     assert {(await store.get_job(d.job_id)).current_replicas for d in ds} == {4}
+
+
+async def test_a_job_row_another_transaction_holds_holds_its_move_only(
+    store: DecisionStore, turns: list[list[int]]
+) -> None:
+    """PostgreSQL: a stuck transaction holds one job's row. The turn does not wait for
+    it (up to lock_timeout_s, at each of the unit of work's attempts): the other moves
+    are written and answered while it is held, and that job's move is written alone,
+    by the single path, once the row is let go."""
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("on SQLite a turn's BEGIN IMMEDIATE holds the whole database")
+    ds = await _decisions(store, 3)
+    jobs = JOBS
+    with store.engine.connect() as stuck:
+        stuck.execute(
+            sa.select(jobs.c.job_id).where(jobs.c.job_id == ds[1].job_id).with_for_update()
+        )
+        calls = [asyncio.ensure_future(store.transition(d, S.PREPARING, "plan")) for d in ds]
+        # Well below lock_timeout_s (10 s): a turn that waited for the lock answers none.
+        others = await asyncio.wait_for(asyncio.gather(calls[0], calls[2]), timeout=8.0)
+        assert [r.state for r in others] == [S.PREPARING, S.PREPARING]
+        assert not calls[1].done()
+        stuck.rollback()
+    held = await asyncio.wait_for(calls[1], timeout=30.0)
+    assert held.state is S.PREPARING
+    assert turns == [[d.id for d in ds]]  # one batch; the held move went alone
+    for d in ds:
+        got = await store.get_decision(d.id)
+        assert [e.state for e in got.events] == [S.PENDING, S.PREPARING]

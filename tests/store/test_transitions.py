@@ -16,7 +16,12 @@ from tide.base.errors import InvalidArgument
 from tide.services.scaler import store as repo
 from tide.services.scaler.store import DecisionState as S
 from tide.services.scaler.store.rows import DECISIONS
-from tide.services.scaler.store.transitions import Move, transition_alone, transition_decisions
+from tide.services.scaler.store.transitions import (
+    Move,
+    NotBatched,
+    transition_alone,
+    transition_decisions,
+)
 from tide.services.store.db import session_scope, unit_of_work
 from tide.services.store.models.scaler import Decision, DecisionEvent, Job
 
@@ -265,3 +270,26 @@ def test_a_row_moved_between_the_read_and_the_write_runs_the_batch_again(
             )
         ).all()
     assert sorted(e.decision_id for e in events) == sorted(made[j].id for j in ("ml/a", "ml/c"))
+
+
+def test_a_move_whose_job_row_another_transaction_holds_is_left_to_write_alone(
+    factory: Factory,
+) -> None:
+    """PostgreSQL: a job's row held by another transaction is skipped, not waited for:
+    its move gets NotBatched and nothing is written for it; the others are written."""
+    engine = factory.kw["bind"]
+    if engine.dialect.name != "postgresql":
+        pytest.skip("on SQLite a batch's BEGIN IMMEDIATE holds the whole database")
+    epochs = {j: _job(factory, j) for j in ("ml/a", "ml/b")}
+    made = {j: _decide(factory, j, epochs[j]) for j in epochs}
+    moves = [
+        Move(made[j].id, S.PREPARING, "plan", epochs[j], T1, expected=S.PENDING) for j in epochs
+    ]
+    with engine.connect() as stuck:
+        stuck.execute(sa.select(Job.job_id).where(Job.job_id == "ml/b").with_for_update())
+        out = tx(factory, lambda s: transition_decisions(s, moves))
+        stuck.rollback()
+    assert isinstance(out[0], repo.DecisionRecord) and out[0].state is S.PREPARING
+    assert isinstance(out[1], NotBatched)
+    with session_scope(factory, write=False) as s:
+        assert repo.get_decision(s, made["ml/b"].id).decision.state is S.PENDING

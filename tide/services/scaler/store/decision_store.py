@@ -42,6 +42,17 @@ WAKE_EVERY = 32
 _Queued = tuple["transitions.Move", str, "asyncio.Future[DecisionRecord]"]
 
 
+def _answer(f: asyncio.Future[DecisionRecord], r: DecisionRecord | BaseException) -> None:
+    if f.done():  # its caller was cancelled; the write stands, as it would alone
+        return
+    if isinstance(r, asyncio.CancelledError):
+        f.cancel()
+    elif isinstance(r, BaseException):
+        f.set_exception(r)
+    else:
+        f.set_result(r)
+
+
 class DecisionStore:
     def __init__(self, engine: Engine, owner_id: str, clock: Clock) -> None:
         self.engine = engine
@@ -65,6 +76,10 @@ class DecisionStore:
         # its writer, a task while the queue has moves.
         self._moves: list[_Queued] = []
         self._mover: asyncio.Task[None] | None = None
+        # Jobs with a move a batch left out (transitions.NotBatched) being written alone,
+        # and the tasks writing them (one only the loop holds may be collected).
+        self._alone_jobs: set[str] = set()
+        self._alone_tasks: set[asyncio.Task[None]] = set()
 
     @property
     def _creates(self) -> ThreadPoolExecutor:
@@ -373,30 +388,28 @@ class DecisionStore:
         whatever queued while the previous turn was being written; no delay, so a lone
         transition is written at once, alone. Each caller gets its own record or its
         own error, exactly as if written alone."""
-        move = transitions.Move(
-            d.id,
-            state,
-            detail,
-            self.epochs[d.job_id],
-            self.now(),
-            d.state if check_state else None,
-            **kwargs,
-        )
+        epoch, expected = self.epochs[d.job_id], d.state if check_state else None
+        move = transitions.Move(d.id, state, detail, epoch, self.now(), expected, **kwargs)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[DecisionRecord] = loop.create_future()
-        writer = self._mover
-        if writer is None or writer.done() or writer.get_loop() is not loop:
-            # A queue left by a loop that is gone (tests run one loop each) has no one
-            # to answer: its futures belong to that loop.
-            self._moves = [q for q in self._moves if q[2].get_loop() is loop]
-            # A context of its own: the first caller's (its job and decision bound for
-            # the logs) would name that decision in every turn's records.
-            self._mover = loop.create_task(
-                self._write_moves(), name="decision-transitions", context=contextvars.Context()
-            )
-            self._mover.add_done_callback(self._writer_ended)
         self._moves.append((move, d.job_id, done))
+        self._start_writer(loop)
         return await done
+
+    def _start_writer(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A writer for the queue, unless one serves it."""
+        writer = self._mover
+        if writer is not None and not writer.done() and writer.get_loop() is loop:
+            return
+        # A queue left by a loop that is gone (tests run one loop each) has no one
+        # to answer: its futures belong to that loop.
+        self._moves = [q for q in self._moves if q[2].get_loop() is loop]
+        # A context of its own: the first caller's (its job and decision bound for
+        # the logs) would name that decision in every turn's records.
+        self._mover = loop.create_task(
+            self._write_moves(), name="decision-transitions", context=contextvars.Context()
+        )
+        self._mover.add_done_callback(self._writer_ended)
 
     async def _write_moves(self) -> None:
         """The transitions' writer: a turn takes the whole queue, but never two moves
@@ -405,9 +418,10 @@ class DecisionStore:
         turn, in its place in the queue."""
         try:
             while self._moves:
-                batch: list[tuple[transitions.Move, asyncio.Future[DecisionRecord]]] = []
+                batch: list[_Queued] = []
                 rest: list[_Queued] = []
-                jobs_in: set[str] = set()
+                # A job with a move being written alone is in this turn already.
+                jobs_in: set[str] = set(self._alone_jobs)
                 for q in self._moves:
                     if q[2].done():
                         # Its caller was cancelled before its turn: not written, as a
@@ -417,14 +431,16 @@ class DecisionStore:
                         rest.append(q)
                     else:
                         jobs_in.add(q[1])
-                        batch.append((q[0], q[2]))
+                        batch.append(q)
                 self._moves = rest
+                if not batch:
+                    break  # all wait for moves written alone; those start the next writer
                 try:
                     await self._write_turn(batch)
                 finally:
-                    for _, f in batch:  # an answer for every caller, come what may
-                        if not f.done():
-                            f.cancel()
+                    for _, job_id, f in batch:  # an answer for every caller, come what may
+                        if not f.done() and job_id not in self._alone_jobs:
+                            f.cancel()  # (one written alone is answered by its task)
         finally:
             if self._mover is asyncio.current_task():
                 self._mover = None
@@ -435,15 +451,15 @@ class DecisionStore:
         if self._mover is not None and self._mover is not writer:
             return  # a new writer already serves the queue
         self._mover = None
+        if not writer.cancelled() and writer.exception() is None:
+            return  # all written, or the rest waits for moves written alone (_write_alone)
         for _, _, f in self._moves:
             if not f.done():
                 f.cancel()
         self._moves = []
 
-    async def _write_turn(
-        self, batch: Sequence[tuple[transitions.Move, asyncio.Future[DecisionRecord]]]
-    ) -> None:
-        moves = [m for m, _ in batch]
+    async def _write_turn(self, batch: Sequence[_Queued]) -> None:
+        moves = [m for m, _, _ in batch]
         results: Sequence[DecisionRecord | BaseException]
         if len(moves) == 1:
             # Alone: the single path, as cheap as before group commit.
@@ -472,20 +488,42 @@ class DecisionStore:
                 )
             except Exception as exc:
                 results = [exc] * len(moves)
-        for n, ((_, f), r) in enumerate(zip(batch, results, strict=True), 1):
+        for n, ((m, job_id, f), r) in enumerate(zip(batch, results, strict=True), 1):
             if n % WAKE_EVERY == 0:
                 # Each answer wakes its decision's task, whose next step (the actuator,
                 # the coordinator, its next transition) runs on the loop: a turn of
                 # hundreds woken at once would hold the loop, and the acks, meanwhile.
                 await asyncio.sleep(0)
-            if f.done():  # its caller was cancelled; the write stands, as it would alone
+            if isinstance(r, transitions.NotBatched):
+                # Its job's row is held by another transaction: written alone, beside
+                # the next turns, so that only this move waits for that lock.
+                self._write_alone(m, job_id, f)
                 continue
-            if isinstance(r, asyncio.CancelledError):
-                f.cancel()
-            elif isinstance(r, BaseException):
-                f.set_exception(r)
-            else:
-                f.set_result(r)
+            _answer(f, r)
+
+    def _write_alone(
+        self, m: transitions.Move, job_id: str, f: asyncio.Future[DecisionRecord]
+    ) -> None:
+        """``m`` written by the single path in a task of its own, ``f`` answered from it;
+        its job's next moves wait in the queue until then."""
+        self._alone_jobs.add(job_id)
+
+        async def write() -> None:
+            try:
+                (r,) = await asyncio.gather(self._move_alone(m), return_exceptions=True)
+                _answer(f, r)
+            finally:
+                if not f.done():
+                    f.cancel()
+                self._alone_jobs.discard(job_id)
+                if self._moves:
+                    self._start_writer(asyncio.get_running_loop())
+
+        task = asyncio.get_running_loop().create_task(
+            write(), name=f"decision-transition-{m.decision_id}", context=contextvars.Context()
+        )
+        self._alone_tasks.add(task)
+        task.add_done_callback(self._alone_tasks.discard)
 
     async def _move_alone(self, m: transitions.Move) -> DecisionRecord:
         return await self._run(

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, tuple_, update
+from sqlalchemy import ColumnElement, select, tuple_, update
 from sqlalchemy.orm import Session
 
 from tide.base.errors import InvalidArgument
@@ -275,23 +275,61 @@ def check_epochs(session: Session, epochs: Mapping[str, int]) -> dict[str, Stale
     jobs: a batch of 800 creates spent most of its second in one UPDATE each on
     PostgreSQL); returns each refused job's error. Locks the jobs' rows as
     :func:`check_epoch` does; a job not found raises JobNotFound."""
+    refused, unsure = _check_epochs(session, epochs, skip_locked=False)
+    for job_id in unsure:
+        # Not found (JobNotFound), or moved back between the statements: the single
+        # check decides, in check_epoch's words.
+        try:
+            check_epoch(session, job_id, epochs[job_id])
+        except StaleEpoch as exc:
+            refused[job_id] = exc
+    return refused
+
+
+def check_epochs_unless_locked(
+    session: Session, epochs: Mapping[str, int]
+) -> tuple[dict[str, StaleEpoch], set[str]]:
+    """:func:`check_epochs` that waits for no job row another transaction holds: returns
+    the refused jobs' errors and the jobs it did not check, those locked by another
+    transaction on PostgreSQL or not found (a job the single check must decide). A
+    batch of transitions writes those alone: one stuck transaction holding one job's
+    row would otherwise hold every decision of the batch, up to ``lock_timeout_s``
+    and again at each of the unit of work's attempts. On SQLite the transaction's
+    BEGIN IMMEDIATE already holds the whole database."""
+    refused, unsure = _check_epochs(session, epochs, skip_locked=True)
+    return refused, set(unsure)
+
+
+def _check_epochs(
+    session: Session, epochs: Mapping[str, int], *, skip_locked: bool
+) -> tuple[dict[str, StaleEpoch], list[str]]:
+    """The refused jobs' errors, and the jobs (in order) not matched at their epoch whose owner
+    read holds that epoch still (or that are not found): locked (with ``skip_locked``),
+    moved back, or missing."""
     if not epochs:
-        return {}
+        return {}, []
     table = JOBS
     pairs = sorted(epochs.items())
+    fenced: ColumnElement[bool] = tuple_(table.c.job_id, table.c.owner_epoch).in_(pairs)
+    if skip_locked:
+        # The rows locked here are the ones the UPDATE then writes (ours already);
+        # SKIP LOCKED never waits. SQLite renders no FOR UPDATE.
+        fenced = table.c.job_id.in_(
+            select(table.c.job_id).where(fenced).with_for_update(skip_locked=True)
+        )
     matched = set(
         session.execute(
             update(table)
-            .where(tuple_(table.c.job_id, table.c.owner_epoch).in_(pairs))
+            .where(fenced)
             .values(owner_epoch=table.c.owner_epoch)
             .returning(table.c.job_id)
         ).scalars()
     )
     missed = [(job_id, epoch) for job_id, epoch in pairs if job_id not in matched]
     if not missed:
-        return {}
+        return {}, []
     # The refused jobs' owners in one read, not one each: a batch of transitions
-    # after a takeover is refused whole.
+    # after a takeover is refused whole. A plain read waits for no lock.
     owners = {
         str(r.job_id): (int(r.owner_epoch), str(r.owner_id))
         for r in session.execute(
@@ -301,17 +339,13 @@ def check_epochs(session: Session, epochs: Mapping[str, int]) -> dict[str, Stale
         )
     }
     refused: dict[str, StaleEpoch] = {}
+    unsure: list[str] = []
     for job_id, epoch in missed:
         owner = owners.get(job_id)
         if owner is None or owner[0] == epoch:
-            # Not found (JobNotFound), or moved back between the statements: the
-            # single check decides, in check_epoch's words.
-            try:
-                check_epoch(session, job_id, epoch)
-            except StaleEpoch as exc:
-                refused[job_id] = exc
+            unsure.append(job_id)
             continue
         refused[job_id] = StaleEpoch(
             f"job {job_id}: epoch {epoch} is stale, owned by {owner[1]!r} at epoch {owner[0]}"
         )
-    return refused
+    return refused, unsure

@@ -39,7 +39,7 @@ from tide.services.scaler.store.decisions import (
     check_transition_args,
     transition_decision,
 )
-from tide.services.scaler.store.jobs import check_epochs
+from tide.services.scaler.store.jobs import check_epochs_unless_locked
 from tide.services.scaler.store.records import (
     DECISION_LIFECYCLE,
     FINAL_STATES,
@@ -54,6 +54,12 @@ logger = logging.getLogger(__name__)
 # Bound parameters per statement: SQLite allows 32,766, PostgreSQL 65,535; a move
 # binds 11 in the rows' UPDATE. The store's writer takes at most this many a turn.
 MAX_BATCH = 1000
+
+
+class NotBatched(Exception):
+    """In a batch's answers: this move was not written, as its job's row was held by
+    another transaction (or the job is not found); the caller writes it alone, and it
+    gets the single path's answer from that."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +106,14 @@ def transition_decisions(
     InvalidTransition, InvalidArgument), nothing written for it. The checks run in
     the single path's order, so an item with several faults gets the same one.
 
+    A move whose job's row another transaction holds (or whose job is not found) gets
+    :class:`NotBatched`, nothing written for it: the caller writes it alone, so that one
+    stuck transaction holds that move only, not the batch.
+
     At most one move per job (hence per decision): two of one decision would have to
     apply in order, two final ones of one job would both update its row, and a job
-    fenced at two epochs is ambiguous. Such a batch raises InvalidArgument, as does a
-    job not found: the whole batch fails and the caller writes each move alone. A row
+    fenced at two epochs is ambiguous. Such a batch raises InvalidArgument: the whole
+    batch fails and the caller writes each move alone. A row
     moved by another writer between the first read and the write raises StaleWrite, and
     the unit of work runs the batch again from its first read (past its attempts, the
     caller writes each move alone)."""
@@ -143,13 +153,17 @@ def transition_decisions(
         found.append(i)
     # One UPDATE for every job (check_epochs): it locks the jobs' rows on PostgreSQL,
     # as check_epoch does for one, so the states read above hold unless a writer came
-    # between the read and the lock; the guarded UPDATE below sees that.
-    stale = check_epochs(session, epochs)
+    # between the read and the lock; the guarded UPDATE below sees that. A job whose row
+    # another transaction holds is skipped, not waited for: its move is written alone.
+    stale, unsure = check_epochs_unless_locked(session, epochs)
     pending: list[int] = []
     for i in found:
-        refused = stale.get(seen[moves[i].decision_id][0])
+        job_id = seen[moves[i].decision_id][0]
+        refused = stale.get(job_id)
         if refused is not None:
             out[i] = refused
+        elif job_id in unsure:
+            out[i] = NotBatched(f"job {job_id}: its row is held by another transaction")
         else:
             pending.append(i)
     written: dict[int, Any] = {}
