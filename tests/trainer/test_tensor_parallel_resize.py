@@ -6,11 +6,12 @@ take their slices from the stayers at the same tensor rank (tide/trainer/slices.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from tide.services.testing.localjob import ROOT, LocalJob, reference_run
+from tide.services.testing.localjob import ROOT, LocalJob, read_jsonl, reference_run
 from tide.services.testing.parity import (
     check_exactly_once,
     final_losses,
@@ -108,6 +109,14 @@ def test_a_tensor_parallel_job_restarted_from_disk_at_other_replicas_matches_a_f
         )
     stores = sorted(p.name for p in (tmp_path / "restarted" / "ckpt").iterdir())
     assert stores == ["slice-pp0-sep0-mp0", "slice-pp0-sep0-mp1"]
+    # The trajectory does not depend on the world size, so a second run from scratch would
+    # match the fixed run too: each of its ranks must say it resumed step 8 from its store.
+    for rank in range(2):
+        text = (tmp_path / "restarted" / f"ref-rank{rank}.log").read_text(errors="replace")
+        restored = re.findall(r"restored step (\d+) from (\w+)", text)
+        assert restored == [("0", "scratch"), ("8", "disk")], (rank, restored)
+        records = read_jsonl(logs / f"samples-rank{rank}-g0.jsonl")
+        assert [r["step"] for r in records if r["world"] == 2] == list(range(9, STEPS + 1))
     diff = max_rel_slice_diff(logs, fixed)
     print(f"tensor parallel restarted 4 -> 2 from disk vs fixed 2: slices {diff:.2e}")
     assert diff <= 1e-5

@@ -279,9 +279,9 @@ class ElasticSession(SessionStartup, SessionLoop):
         writer = self.writes_durable
         self._check_store_layout()
         if writer:
-            # Rank 0 is the only durable writer (of a model-parallel job, the first replica's
-            # ranks, each of its slice's store), and a new generation starts here: what a
-            # crashed writer left is garbage now (a writer still running keeps its directory).
+            # The durable writers (rank 0; of a model-parallel job the first replica's ranks,
+            # each its slice's store), and a new generation starts here: what a crashed
+            # writer left is garbage now (a writer still running keeps its directory).
             self.store.cleanup_tmp()
         if self._model_parallel.group_size > 1:
             # Each rank its own slice, from its memory, a stayer at its coordinates or its

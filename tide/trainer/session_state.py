@@ -110,8 +110,9 @@ class SessionState:
         self._warm_grads_left = False
         # The pod leaves after the coordinated checkpoint it was told of (no handover then).
         self._leaving = False
-        # Rank 0: a state restored from memory or a peer, made durable at the first step
-        # boundary after RESTORED_PERSIST_AFTER_S (session.py; monotonic time, the third item).
+        # A durable writer (rank 0, or each slice's): a state restored from memory or a
+        # peer, made durable at the first step boundary after RESTORED_PERSIST_AFTER_S
+        # (session.py; monotonic time, the third item).
         self._restored_unpersisted: tuple[int, Mapping[str, bytes], float] | None = None
         # The handover's memory readied for this worker's put (once, after its first step).
         self._handover_reserved = False
