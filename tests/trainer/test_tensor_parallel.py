@@ -14,6 +14,7 @@ from tests.trainer.queue_channel import QueueChannel
 from tide.base.errors import ConfigError
 from tide.trainer import sharding
 from tide.trainer.checkpoint import CheckpointSettings, CheckpointStore
+from tide.trainer.handover import ShmHandover
 from tide.trainer.layout import (
     ModelParallel,
     RankLayout,
@@ -232,3 +233,38 @@ def test_a_checkpoint_dir_of_the_other_kind_of_job_is_refused(tmp_path: Path) ->
     ok = _session(tmp_path / "mp")
     ok._use_model_parallel(MP2, form_groups=False)
     ok._check_store_layout()
+
+
+@pytest.mark.parametrize(("rank", "local_rank", "durable"), [(1, 1, True), (0, 0, False)])
+def test_a_slice_writer_whose_pod_hands_over_another_worker_s_state_writes_it_at_the_hold(
+    tmp_path: Path, rank: int, local_rank: int, durable: bool
+) -> None:
+    """A pod's handover holds its first worker's state alone: a later worker that writes its
+    slice's store (the first replica's) makes its slice of the held step durable, else it
+    would be nowhere once the worker exits (slices.py's fallback reads it there)."""
+    import paddle
+
+    config = SessionConfig(
+        dataset_size=64,
+        global_batch=8,
+        seed=0,
+        max_steps=1,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
+    env = DistEnv(
+        rank=rank,
+        world_size=2,
+        master="127.0.0.1:1",
+        local_rank=local_rank,
+        local_size=2,
+        handover_dir=str(tmp_path / "pod0"),
+    )
+    session = ElasticSession(config, env, QueueChannel())
+    session._use_model_parallel(MP2, form_groups=False)
+    net = paddle.nn.Linear(2, 2)
+    session.attach(net, paddle.optimizer.SGD(parameters=net.parameters()))
+    session._send_held(3, 0.0, checkpoint=True, ids=[])
+    store = CheckpointStore(tmp_path / "ckpt" / f"slice-pp0-sep0-mp{rank}")
+    assert store.list_steps() == ([3] if durable else [])
+    handed = ShmHandover(tmp_path / "pod0").latest_step()
+    assert handed == (None if durable else 3)
