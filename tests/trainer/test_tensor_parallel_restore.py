@@ -222,3 +222,24 @@ def test_an_unreadable_layout_in_one_store_fails_every_rank_without_a_hang(
 def test_a_fresh_job_starts_from_scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     got = _located(_Job(tmp_path).restore(2, monkeypatch=monkeypatch))
     assert [(g.step, g.source) for g in got] == [(0, ""), (0, "")]
+
+
+def test_the_thread_world_gathers_by_rank_and_shows_a_rank_left_waiting() -> None:
+    """The double the tests above stand on: what each rank gets, and a hang made visible."""
+    world = ThreadWorld(3, timeout_s=1.0)
+
+    def body(rank: int) -> tuple[list[list[int]], int, int]:
+        return world.gather_ints([rank, 10 * rank], 3), world.agree(rank), world.agree(rank, "min")
+
+    assert world.run(body) == [([[0, 0], [1, 10], [2, 20]], 2, 0)] * 3
+
+    left = ThreadWorld(3, timeout_s=1.0)
+
+    def leaves(rank: int) -> int:
+        if rank == 1:
+            raise ValueError("rank 1 fails before the collective")
+        return left.agree(0)
+
+    results = left.run(leaves)
+    assert isinstance(results[1], ValueError)
+    assert all(isinstance(results[r], threading.BrokenBarrierError) for r in (0, 2)), results
