@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 
 from tests.support.poll import wait_for
-from tide.trainer.handover import RESERVE, ShmHandover, tensor_files
+from tide.base.errors import ConfigError
+from tide.trainer.handover import (
+    RESERVE,
+    SPARE_ENV,
+    HandoverSettings,
+    ShmHandover,
+    tensor_files,
+)
 from tide.trainer.rawstate import StateFiles
 
 pytestmark = pytest.mark.unit
@@ -139,3 +146,21 @@ def test_a_put_that_stops_a_fill_leaves_one_file_and_the_state_whole(tmp_path: P
     assert _tensors(root, 1).stat().st_size < 8192
     got = ShmHandover(root).take()
     assert got is not None and np.array_equal(_arrays(got)["w"], [1] * 5000)
+
+
+def test_without_the_spare_a_mapped_file_is_freed_and_a_bad_setting_is_refused(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "shm"
+    off = HandoverSettings(spare=False)
+    ShmHandover(root, off).put(1, _raw(1, 4000), {})
+    worker = ShmHandover(root, off)
+    taken = worker.take()
+    assert taken is not None
+    assert not worker.reserve(4096), "no spare while the taken state is mapped"
+    worker.put(2, _raw(2, 4000), {})
+    assert not (root / RESERVE).exists() and len(tensor_files(root)) == 1
+    assert np.array_equal(_arrays(taken)["w"], [1] * 4000)
+    assert HandoverSettings.from_env({SPARE_ENV: "1"}).spare
+    with pytest.raises(ConfigError, match=SPARE_ENV):
+        HandoverSettings.from_env({SPARE_ENV: "yes"})

@@ -32,7 +32,10 @@ was filled. On this VM a write(2) into fresh tmpfs pages cost 0.4-1.5 s per GB o
 machine and 3 s at load (the guest and the host back each page on first touch), into existing
 ones 0.3-0.4 s. So a pod holds one state's size in ``/dev/shm`` from its first worker's first
 step on, and two where the state it took is mapped beyond the restore (rank 0's pod): at most
-the handover and one spare, besides files deleted while still mapped.
+the handover and one spare, besides files deleted while still mapped. ``TIDE_HANDOVER_SPARE=0``
+(:class:`HandoverSettings`) keeps a pod to one file, for a pod whose ``/dev/shm`` counts in a
+memory limit sized for one state: a hold while the state taken is mapped then puts into fresh
+pages, as before the spare.
 """
 
 from __future__ import annotations
@@ -50,11 +53,13 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from tide.base.errors import ConfigError
 from tide.trainer import rawstate
 from tide.trainer.checkpoint import (
     MANIFEST,
@@ -67,6 +72,9 @@ from tide.trainer.checkpoint import (
 logger = logging.getLogger(__name__)
 
 HANDOVER_DIR_ENV = "TIDE_HANDOVER_DIR"
+# "0": no spare beyond a fresh pod's (a pod whose /dev/shm counts in a memory limit sized for one
+# state): a hold while the state taken is mapped puts into fresh pages instead.
+SPARE_ENV = "TIDE_HANDOVER_SPARE"
 SHM = Path("/dev/shm")
 # Pages filled ahead of the next put (ShmHandover.reserve).
 RESERVE = "reserve.tensors"
@@ -95,9 +103,26 @@ class StateHandover(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class HandoverSettings:
+    """``spare``: a pod may hold a second state-sized file beside the handover (see the
+    module docstring); off, only a fresh pod fills one, and a file still mapped at a put is
+    deleted (its pages freed once unmapped), as before the spare."""
+
+    spare: bool = True
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> HandoverSettings:
+        raw = (os.environ if env is None else env).get(SPARE_ENV, "")
+        if raw not in ("", "0", "1"):
+            raise ConfigError(f"{SPARE_ENV}={raw!r}: 0 or 1")
+        return cls(spare=raw != "0")
+
+
 class ShmHandover:
-    def __init__(self, root: Path | str) -> None:
+    def __init__(self, root: Path | str, settings: HandoverSettings | None = None) -> None:
         self.root = Path(root)
+        self.settings = settings or HandoverSettings.from_env()
         self._lock = threading.Lock()
         # Set by a put: a spare being filled is no longer wanted (the put takes what is there).
         self._cancel = threading.Event()
@@ -170,7 +195,8 @@ class ShmHandover:
                 continue
             directory = self.root / step_dir_name(old)
             tensors = directory / rawstate.TENSORS
-            if tensors.exists() and not spare.exists() and not _free(tensors):
+            keep = self.settings.spare and tensors.exists() and not spare.exists()
+            if keep and not _free(tensors):
                 os.replace(tensors, spare)
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -182,7 +208,8 @@ class ShmHandover:
         with self._lock:
             if nbytes <= 0 or self._filling is not None or self._cancel.is_set():
                 return False
-            if any(_free(path) for path in tensor_files(self.root)):
+            files = tensor_files(self.root)
+            if any(_free(path) for path in files) or (files and not self.settings.spare):
                 return False
             self.root.mkdir(parents=True, exist_ok=True)
             self._filling = threading.Thread(
