@@ -14,10 +14,10 @@ spawned processes pinned to the other CPU:
    ``ceiling_ratio_per_cpu`` the same per second of each server's CPU time (steadier
    on a shared machine, where a server does not always get its core);
 2b. guarded: the same behind the interceptors tide/services/common/server.py puts in
-   front of every servicer (the concurrency limit and the guard, which parses each
-   message, checks the caller's node and validates every field of every report), as
-   a scaler run ``--insecure`` has them: ``ceiling_ratio_guarded``. An agent's mTLS
-   identity adds its node check per report (about a microsecond), not measured here;
+   front of every servicer (the concurrency limit, and the guard, which parses each
+   message and validates every field of every report), as a scaler run
+   ``--insecure`` has them: ``ceiling_ratio_guarded``. An agent with an mTLS
+   identity also has its node checked on each report; that is not measured here;
 3. paced: the real scaler at the target rate (5,000 reports/s), where the
    agents flip utilization between 95 % and 10 % every PERIOD_S so that jobs
    keep crossing the thresholds: the time from the tipping sample (its
