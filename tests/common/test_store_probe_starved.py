@@ -17,20 +17,37 @@ from tide.services.store.probe import StoreProbe
 
 pytestmark = pytest.mark.component
 
-TIMEOUT_S = 0.2
-#: SELECT 1 answers after this long: past the timeout, inside three times it.
-SLOW_S = 0.5
+TIMEOUT_S = 0.5
+#: SELECT 1 answers after this long: past the timeout, well inside three times it (1.5 s),
+#: so that a ping thread late to wake on a loaded machine still answers inside it.
+SLOW_S = 0.8
+#: A store that answers after the longest a starved probe waits (3 x TIMEOUT_S), with room
+#: for the probe itself to run late: a thread's real run-queue time on a loaded machine
+#: lengthens the timeout by up to that much.
+NEVER_IN_TIME_S = 2.5
 
 
-@pytest.fixture
-def slow_engine(tmp_path: Path) -> Iterator[Engine]:
-    engine = db.make_engine(f"sqlite:///{tmp_path / 'tide.db'}")
+def _slow_engine(path: Path, seconds: float) -> Engine:
+    engine = db.make_engine(f"sqlite:///{path / 'tide.db'}")
 
     @event.listens_for(engine, "before_cursor_execute")
     def slow(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
         if statement == "SELECT 1":  # the probe's ping (not the BEGIN before it)
-            time.sleep(SLOW_S)
+            time.sleep(seconds)
 
+    return engine
+
+
+@pytest.fixture
+def slow_engine(tmp_path: Path) -> Iterator[Engine]:
+    engine = _slow_engine(tmp_path, SLOW_S)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def dead_engine(tmp_path: Path) -> Iterator[Engine]:
+    engine = _slow_engine(tmp_path, NEVER_IN_TIME_S)
     yield engine
     engine.dispose()
 
@@ -48,22 +65,23 @@ async def test_a_probe_thread_that_waited_for_a_cpu_gets_that_time_back(
 
 
 async def test_a_probe_that_slept_past_its_timeout_finds_the_store_down(
-    slow_engine: Engine,
+    dead_engine: Engine,
 ) -> None:
-    # The real run-queue time: the ping's thread slept (as on a partitioned socket).
-    probe = StoreProbe(slow_engine, timeout_s=TIMEOUT_S)
+    # The real run-queue time: the ping's thread slept (as on a partitioned socket). On a
+    # loaded machine it also waited for a CPU, which lengthens the timeout up to 3 x.
+    probe = StoreProbe(dead_engine, timeout_s=TIMEOUT_S)
     t0 = time.monotonic()
     assert not await probe.probe_once()
-    assert time.monotonic() - t0 < SLOW_S
+    assert time.monotonic() - t0 < NEVER_IN_TIME_S
     assert not probe.ok
 
 
 async def test_starvation_lengthens_a_timeout_three_times_at_most(
-    slow_engine: Engine, monkeypatch: pytest.MonkeyPatch
+    dead_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     waited = iter([0.0])
     monkeypatch.setattr(probe_mod, "thread_cpu_wait_s", lambda tid: next(waited, 10.0))
-    probe = StoreProbe(slow_engine, timeout_s=0.1)  # 0.3 s at most, the store answers at 0.5
+    probe = StoreProbe(dead_engine, timeout_s=TIMEOUT_S)  # 1.5 s at most, not 10.5
     t0 = time.monotonic()
     assert not await probe.probe_once()
-    assert 0.3 <= time.monotonic() - t0 < SLOW_S
+    assert 3 * TIMEOUT_S <= time.monotonic() - t0 < NEVER_IN_TIME_S
