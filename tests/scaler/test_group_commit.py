@@ -274,7 +274,7 @@ async def test_many_concurrent_lifecycles_lose_nothing(store: DecisionStore) -> 
 
 
 async def test_a_job_row_another_transaction_holds_holds_its_move_only(
-    store: DecisionStore, turns: list[list[int]]
+    store: DecisionStore, turns: list[list[int]], scaler_db_url: str
 ) -> None:
     """PostgreSQL: a stuck transaction holds one job's row. The turn does not wait for
     it (up to lock_timeout_s, at each of the unit of work's attempts): the other moves
@@ -284,7 +284,9 @@ async def test_a_job_row_another_transaction_holds_holds_its_move_only(
         pytest.skip("on SQLite a turn's BEGIN IMMEDIATE holds the whole database")
     ds = await _decisions(store, 3)
     jobs = JOBS
-    with store.engine.connect() as stuck:
+    # Stuck for as long as the test says: no idle-in-transaction timeout ends it.
+    other = db.make_engine(scaler_db_url, db.DbSettings(idle_in_transaction_timeout_s=0))
+    with other.connect() as stuck:
         stuck.execute(
             sa.select(jobs.c.job_id).where(jobs.c.job_id == ds[1].job_id).with_for_update()
         )
@@ -294,6 +296,7 @@ async def test_a_job_row_another_transaction_holds_holds_its_move_only(
         assert [r.state for r in others] == [S.PREPARING, S.PREPARING]
         assert not calls[1].done()
         stuck.rollback()
+    other.dispose()
     held = await asyncio.wait_for(calls[1], timeout=30.0)
     assert held.state is S.PREPARING
     assert turns == [[d.id for d in ds]]  # one batch; the held move went alone

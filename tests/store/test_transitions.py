@@ -22,7 +22,7 @@ from tide.services.scaler.store.transitions import (
     transition_alone,
     transition_decisions,
 )
-from tide.services.store.db import session_scope, unit_of_work
+from tide.services.store.db import DbSettings, make_engine, session_scope, unit_of_work
 from tide.services.store.models.scaler import Decision, DecisionEvent, Job
 
 pytestmark = pytest.mark.integration
@@ -285,10 +285,16 @@ def test_a_move_whose_job_row_another_transaction_holds_is_left_to_write_alone(
     moves = [
         Move(made[j].id, S.PREPARING, "plan", epochs[j], T1, expected=S.PENDING) for j in epochs
     ]
-    with engine.connect() as stuck:
+    # Stuck for as long as the test says: no idle-in-transaction timeout ends it.
+    other = make_engine(
+        engine.url.render_as_string(hide_password=False),
+        DbSettings(idle_in_transaction_timeout_s=0),
+    )
+    with other.connect() as stuck:
         stuck.execute(sa.select(Job.job_id).where(Job.job_id == "ml/b").with_for_update())
         out = tx(factory, lambda s: transition_decisions(s, moves))
         stuck.rollback()
+    other.dispose()
     assert isinstance(out[0], repo.DecisionRecord) and out[0].state is S.PREPARING
     assert isinstance(out[1], NotBatched)
     with session_scope(factory, write=False) as s:
