@@ -15,6 +15,7 @@ import pytest
 
 from tests.support.poll import wait_for
 from tide.base.errors import ConfigError
+from tide.trainer import handover
 from tide.trainer.handover import (
     RESERVE,
     SPARE_ENV,
@@ -134,13 +135,27 @@ def test_a_pod_never_holds_more_than_the_handover_and_one_spare(tmp_path: Path) 
         assert np.array_equal(_arrays(taken)["w"], [i] * (3000 + i))
 
 
-def test_a_put_that_stops_a_fill_leaves_one_file_and_the_state_whole(tmp_path: Path) -> None:
+def test_a_put_that_stops_a_fill_leaves_one_file_and_the_state_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = tmp_path / "shm"
     shm = ShmHandover(root)
+    filling: list[Path] = []
+    real_open = open
+
+    def spy_open(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if ".tmp-" in str(path) and RESERVE in str(path):
+            filling.append(Path(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", spy_open)
     assert shm.reserve(256 * 2**20)
-    # At once, the spare most likely half-filled: the put stops the fill and writes over what
-    # it filled (the rest is fresh pages); no half-filled file stays behind.
+    wait_for(lambda: filling and filling[0].exists(), timeout_s=10)
+    fill = filling[0].stat().st_ino
+    # The spare half-filled: the put stops the fill and writes over what it filled (the rest
+    # is fresh pages); no half-filled file stays behind.
     shm.put(1, _raw(1, 5000), {})
+    assert _tensors(root, 1).stat().st_ino == fill, "the put did not write over the fill"
     names = sorted(p.name for p in root.iterdir())
     assert names == ["step-00000001"], names
     assert _tensors(root, 1).stat().st_size < 8192
@@ -164,3 +179,48 @@ def test_without_the_spare_a_mapped_file_is_freed_and_a_bad_setting_is_refused(
     assert HandoverSettings.from_env({SPARE_ENV: "1"}).spare
     with pytest.raises(ConfigError, match=SPARE_ENV):
         HandoverSettings.from_env({SPARE_ENV: "yes"})
+
+
+def test_a_take_whose_file_a_put_claimed_before_its_lock_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The take opened step 1's file; another process's put claims it (renames it away and
+    # writes step 2 over it) before the take's shared lock lands. Mapped, it would read as
+    # step 1 with step 2's tensors; the take must see the file was replaced.
+    root = tmp_path / "shm"
+    ShmHandover(root).put(1, _raw(1, 4000), {})
+    real = handover.fcntl.flock
+    fired: list[int] = []
+
+    def flock(fd: int, op: int) -> None:
+        if op == handover.fcntl.LOCK_SH and not fired:
+            fired.append(1)
+            ShmHandover(root).put(2, _raw(2, 4000), {})
+        real(fd, op)
+
+    monkeypatch.setattr(handover.fcntl, "flock", flock)
+    taken = ShmHandover(root).take()
+    monkeypatch.setattr(handover.fcntl, "flock", real)
+    assert fired
+    assert taken is None or (taken.step == 2 and np.array_equal(_arrays(taken)["w"], [2] * 4000)), (
+        "a take mixed one step's files with another's tensors"
+    )
+    again = ShmHandover(root).take()
+    assert again is not None and again.step == 2
+    assert np.array_equal(_arrays(again)["w"], [2] * 4000)
+
+
+def test_no_spare_is_filled_where_it_would_not_fit_in_the_pods_memory_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text(f"{2 * 2**30}\n")
+    (cgroup / "memory.current").write_text(f"{int(1.8 * 2**30)}\n")
+    monkeypatch.setattr(handover, "_CGROUP", cgroup)
+    shm = ShmHandover(tmp_path / "shm")
+    # 200 MB left under the limit: a 64 MB spare would leave less than the margin.
+    assert not shm.reserve(64 * 2**20)
+    (cgroup / "memory.max").write_text("max\n")
+    assert shm.reserve(4096)
+    wait_for((tmp_path / "shm" / RESERVE).exists, timeout_s=10)

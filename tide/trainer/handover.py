@@ -79,6 +79,9 @@ SHM = Path("/dev/shm")
 # Pages filled ahead of the next put (ShmHandover.reserve).
 RESERVE = "reserve.tensors"
 _FILL_CHUNK_BYTES = 8 * 2**20
+# What a spare's fill leaves free in /dev/shm and in the pod's memory limit.
+_ROOM_SPARE_BYTES = 512 * 2**20
+_CGROUP = Path("/sys/fs/cgroup")
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -212,6 +215,12 @@ class ShmHandover:
             if any(_free(path) for path in files) or (files and not self.settings.spare):
                 return False
             self.root.mkdir(parents=True, exist_ok=True)
+            if not _room_for(self.root, nbytes):
+                # A full /dev/shm fails other users of it (a DataLoader's shared memory,
+                # NCCL's segments) with SIGBUS, and a memory-backed one counted in the pod's
+                # limit is an OOM kill: the spare is a speed-up, never worth either.
+                logger.info("handover spare of %d bytes skipped: too little room", nbytes)
+                return False
             self._filling = threading.Thread(
                 target=self._fill, args=(nbytes,), name="handover-reserve", daemon=True
             )
@@ -298,6 +307,11 @@ def _map(path: Path, size: int) -> Any:
     f = open(path, "r+b")  # noqa: SIM115 - closed with the mapping
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+        # A put may have claimed the file between the open and the lock (it renames it away
+        # and writes over it): the lock then holds pages of another step, or half-written
+        # ones. Under the lock, the path must still name this file, at the manifest's size.
+        if not _same_file(f.fileno(), path) or os.fstat(f.fileno()).st_size != size:
+            raise ValueError(f"{path.name} was replaced while it was opened")
         mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE)
     except BaseException:
         f.close()
@@ -330,11 +344,40 @@ def _claim(path: Path, dest: Path | None) -> bool:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
+        # The lock is on the file opened; another claim may have renamed it away since, and
+        # what the path names now may be mapped: only the file locked is renamed.
+        if not _same_file(fd, path):
+            return False
         if dest is not None:
             os.replace(path, dest)
         return True
     finally:
         os.close(fd)
+
+
+def _room_for(root: Path, nbytes: int) -> bool:
+    """True if ``nbytes`` more fit in the file system at ``root`` and in the cgroup's memory
+    limit (cgroup v2; a tmpfs's pages count in it), with ``_ROOM_SPARE_BYTES`` left over."""
+    need = nbytes + _ROOM_SPARE_BYTES
+    st = os.statvfs(root)
+    if st.f_bavail * st.f_frsize < need:
+        return False
+    try:
+        limit = (_CGROUP / "memory.max").read_text().strip()
+        used = int((_CGROUP / "memory.current").read_text())
+    except (OSError, ValueError):
+        return True  # no cgroup v2 memory controller to ask
+    return limit == "max" or int(limit) - used >= need
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """True if ``path`` still names the file open at ``fd``."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
 
 
 def pod_handover_dir(job_id: str, pod_name: str, launcher_id: str) -> Path:
