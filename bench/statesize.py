@@ -133,6 +133,10 @@ async def bare_broadcast(
     return {mb: max(float(r[str(mb)]) for r in per_rank) for mb in sizes_mb}
 
 
+# The longest a spare's fill may take in the stage profile (1 GB took 0.5-13 s here).
+SPARE_FILL_MAX_S = 120.0
+
+
 def stage_profile(state_mb: float, workdir: Path) -> dict[str, float]:
     """The state's path in one process, by stage, seconds (the bytes each copies: docs)."""
     import paddle
@@ -173,7 +177,11 @@ def stage_profile(state_mb: float, workdir: Path) -> dict[str, float]:
         arrays = getattr(files, "arrays", {})
         t = time.monotonic()
         if nxt.reserve(rawstate.layout(rawstate.specs(arrays))[2]):
+            # A fill that fails (no room) logs it and leaves no spare: give up, loudly.
+            deadline = time.monotonic() + SPARE_FILL_MAX_S
             while not (nxt.root / RESERVE).exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the spare's fill did not end in {SPARE_FILL_MAX_S} s")
                 time.sleep(0.01)
         out["spare_fill_s"] = time.monotonic() - t
         t = time.monotonic()
