@@ -193,7 +193,7 @@ def test_a_take_whose_file_a_put_claimed_before_its_lock_is_refused(
     fired: list[int] = []
 
     def flock(fd: int, op: int) -> None:
-        if op == handover.fcntl.LOCK_SH and not fired:
+        if op & handover.fcntl.LOCK_SH and not fired:
             fired.append(1)
             ShmHandover(root).put(2, _raw(2, 4000), {})
         real(fd, op)
@@ -224,3 +224,22 @@ def test_no_spare_is_filled_where_it_would_not_fit_in_the_pods_memory_limit(
     (cgroup / "memory.max").write_text("max\n")
     assert shm.reserve(4096)
     wait_for((tmp_path / "shm" / RESERVE).exists, timeout_s=10)
+
+
+def test_a_take_that_stays_locked_out_reads_as_damaged_not_hung(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A process forked during a put's claim keeps its exclusive lock until it exits.
+    import fcntl
+    import os
+
+    root = tmp_path / "shm"
+    ShmHandover(root).put(1, _raw(1, 4000), {})
+    fd = os.open(_tensors(root, 1), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        monkeypatch.setattr(handover, "_LOCK_WAIT_S", 0.2)
+        assert ShmHandover(root).take() is None
+    finally:
+        os.close(fd)
+    assert ShmHandover(root).take() is not None

@@ -82,6 +82,8 @@ _FILL_CHUNK_BYTES = 8 * 2**20
 # What a spare's fill leaves free in /dev/shm and in the pod's memory limit.
 _ROOM_SPARE_BYTES = 512 * 2**20
 _CGROUP = Path("/sys/fs/cgroup")
+# The longest a take waits for a put's claim to end (a rename: microseconds).
+_LOCK_WAIT_S = 2.0
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -306,7 +308,7 @@ def _map(path: Path, size: int) -> Any:
         return np.zeros(0, np.uint8)
     f = open(path, "r+b")  # noqa: SIM115 - closed with the mapping
     try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+        _lock_shared(f.fileno(), path)
         # A put may have claimed the file between the open and the lock (it renames it away
         # and writes over it): the lock then holds pages of another step, or half-written
         # ones. Under the lock, the path must still name this file, at the manifest's size.
@@ -353,6 +355,23 @@ def _claim(path: Path, dest: Path | None) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def _lock_shared(fd: int, path: Path) -> None:
+    """A shared ``flock`` on ``fd``, waited for at most ``_LOCK_WAIT_S``. A put's claim holds
+    the exclusive one for a rename only, but a process forked during it (a DataLoader worker)
+    keeps it until it exits: then the state is read from disk instead, the restore not hung."""
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise ValueError(
+                    f"{path.name} stayed locked by a put for {_LOCK_WAIT_S} s"
+                ) from None
+            time.sleep(0.005)
 
 
 def _room_for(root: Path, nbytes: int) -> bool:
