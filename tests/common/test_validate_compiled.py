@@ -6,7 +6,11 @@ exactly what the walk refuses, naming the same field (the compiled check may onl
 from __future__ import annotations
 
 import math
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -167,3 +171,42 @@ def test_a_report_of_the_agents_passes_the_compiled_check_alone() -> None:
     assert not _compiled(r.DESCRIPTOR)(r)
     with pytest.raises(InvalidArgument, match=r"^gpus\[3\]\.tensor_active_pct: must be finite"):
         validate_message(r)
+
+
+_PURE_PYTHON_REPORT = """
+import math
+from google.protobuf.internal import api_implementation
+from tide.base.errors import InvalidArgument
+from tide.services.common.validate import validate_message
+from tide.v1 import telemetry_pb2
+
+assert api_implementation.Type() == "python", api_implementation.Type()
+r = telemetry_pb2.NodeReport(node_name="n1", boot_id="b", seq=1, gpu_capacity=2)
+r.gpus.add(index=0, utilization_pct=5.0, sm_active_pct=40.0)
+r.gpus.add(index=1, utilization_pct=5.0)
+validate_message(r)
+r.gpus[1].tensor_active_pct = math.nan
+try:
+    validate_message(r)
+except InvalidArgument as exc:
+    print("refused:", exc)
+"""
+
+
+def test_the_compiled_check_runs_under_the_pure_python_protobuf() -> None:
+    # PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python (a common workaround in ML images)
+    # gives each message class its own HasField: one called unbound on another type
+    # raised ValueError, INTERNAL for every agent report. The backend is chosen at
+    # import, hence a fresh interpreter.
+    env = {**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PURE_PYTHON_REPORT],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("refused: gpus[1].tensor_active_pct: must be finite"), done.stdout

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.internal import api_implementation
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from tide.base.errors import InvalidArgument
@@ -202,7 +203,12 @@ def _walk(msg: Any, prefix: str = "") -> None:
 #: Per message type, its compiled check (:func:`_compile`), by full name and by class.
 _COMPILED: dict[str, Callable[[Any], bool]] = {}
 _BY_TYPE: dict[type, Callable[[Any], bool]] = {}
-_HAS_FIELD = Timestamp.HasField
+# Unbound under upb, where every message's HasField is the one method of its Message: no
+# bound method built per call. The pure-Python backend (PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION
+# =python) gives each class its own HasField, so Timestamp's would refuse every other type.
+_HAS_FIELD: Callable[[Any, str], bool] = (
+    Timestamp.HasField if api_implementation.Type() == "upb" else lambda m, name: m.HasField(name)
+)
 #: Per id form, values that passed it: a node's name and boot id come with every report,
 #: and a set look-up costs less than the regular expression. Emptied when full.
 _PASSED_IDS_MAX = 4096
@@ -344,8 +350,6 @@ def _compile(desc: Descriptor) -> Callable[[Any], bool]:
         "_compiled": _compiled,
         "_id_passes": _id_passes,
         "_INF": math.inf,
-        # Unbound (every message's HasField is the one method of upb's Message): no
-        # bound method built per call.
         "_has": _HAS_FIELD,
     }
     body: list[str] = []
