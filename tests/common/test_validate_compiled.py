@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from tide.base.errors import InvalidArgument
@@ -210,3 +211,40 @@ def test_the_compiled_check_runs_under_the_pure_python_protobuf() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("refused: gpus[1].tensor_active_pct: must be finite"), done.stdout
+
+
+def _dynamic_class(name: str, fields: list[tuple[str, int, int, str]]) -> Any:
+    """A message class ``rv.<name>`` built in a pool of its own: fields are (name,
+    number, type, type_name), singular."""
+    fdp = descriptor_pb2.FileDescriptorProto(name=f"{name}.proto", package="rv", syntax="proto3")
+    m = fdp.message_type.add(name=name)
+    for fname, number, ftype, type_name in fields:
+        f = m.field.add(name=fname, number=number, type=ftype, label=1)
+        if type_name:
+            f.type_name = type_name
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"rv.{name}"))
+
+
+def test_a_recursive_type_is_checked_as_deep_as_it_is_set() -> None:
+    # Below the inline depth an unset sub-message was checked too: a type holding
+    # itself recursed until RecursionError.
+    node_cls = _dynamic_class(
+        "Node",
+        [
+            ("child", 1, FieldDescriptor.TYPE_MESSAGE, ".rv.Node"),
+            ("pod_name", 2, FieldDescriptor.TYPE_STRING, ""),
+        ],
+    )
+    root = node_cls(pod_name="ok")
+    validate_message(root)
+    leaf = root
+    for _ in range(8):
+        leaf = leaf.child
+        leaf.pod_name = "ok"
+    assert _compiled(root.DESCRIPTOR)(root)
+    leaf.pod_name = "bad name"
+    assert not _compiled(root.DESCRIPTOR)(root)
+    with pytest.raises(InvalidArgument, match=r"^" + r"child\." * 8 + r"pod_name: not a valid"):
+        validate_message(root)

@@ -305,15 +305,20 @@ def _emit(
             # An unset message reads as its empty default, which passes (an unset
             # Timestamp reads 0, within the range).
             x = f"m{n}"
-            out.append(f"{pad}{x} = {read}")
             if sub.full_name == _TS:
+                out.append(f"{pad}{x} = {read}")
                 out.append(f"{pad}if not ({_TS_OK.format(x=x)}): return False")
             elif depth < _INLINE_DEPTH:
+                out.append(f"{pad}{x} = {read}")
                 _emit(sub, x, env, out, pad, n)
             else:
+                # Only a set one: a recursive type (Node { Node child }) would check
+                # the unset default's default's... without end (a message field always
+                # has presence).
                 k = len(env)
                 env[f"D{k}"] = sub
-                out.append(f"{pad}if not _compiled(D{k})({x}): return False")
+                out.append(f"{pad}if _has({m}, {name!r}) and not _compiled(D{k})({read}):")
+                out.append(f"{pad}    return False")
             continue
         cond = _condition(f, "x", env)
         if cond is None:
