@@ -248,3 +248,15 @@ def test_a_recursive_type_is_checked_as_deep_as_it_is_set() -> None:
     assert not _compiled(root.DESCRIPTOR)(root)
     with pytest.raises(InvalidArgument, match=r"^" + r"child\." * 8 + r"pod_name: not a valid"):
         validate_message(root)
+
+
+def test_two_types_of_one_name_each_get_their_own_check() -> None:
+    # Checks kept by full name let a second type of that name (another pool) with
+    # more fields pass on the first type's check, its extra fields unchecked.
+    pod = ("pod_name", 1, FieldDescriptor.TYPE_STRING, "")
+    narrow = _dynamic_class("Msg", [pod])
+    wide = _dynamic_class("Msg", [pod, ("node_name", 2, FieldDescriptor.TYPE_STRING, "")])
+    assert narrow.DESCRIPTOR.full_name == wide.DESCRIPTOR.full_name
+    validate_message(narrow(pod_name="ok"))
+    with pytest.raises(InvalidArgument, match=r"^node_name: not a valid node_name"):
+        validate_message(wide(pod_name="ok", node_name="bad name/../x"))

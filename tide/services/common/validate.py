@@ -141,11 +141,12 @@ def _scalar_check(field: FieldDescriptor) -> Check | None:
 
 # Per message type: (field number → (name, repeated, message?, scalar check)).
 _Plan = dict[int, tuple[str, bool, bool, Check | None]]
-_PLANS: dict[str, _Plan] = {}
+# By descriptor, not full name: two pools may each hold a type of one name with other fields.
+_PLANS: dict[Descriptor, _Plan] = {}
 
 
 def _plan(desc: Descriptor) -> _Plan:
-    plan = _PLANS.get(desc.full_name)
+    plan = _PLANS.get(desc)
     if plan is None:
         plan = {}
         for f in desc.fields:
@@ -159,7 +160,7 @@ def _plan(desc: Descriptor) -> _Plan:
             else:
                 check = _scalar_check(f)
             plan[f.number] = (f.name, repeated, is_msg, check)
-        _PLANS[desc.full_name] = plan
+        _PLANS[desc] = plan
     return plan
 
 
@@ -200,8 +201,9 @@ def _walk(msg: Any, prefix: str = "") -> None:
             check(path, value)
 
 
-#: Per message type, its compiled check (:func:`_compile`), by full name and by class.
-_COMPILED: dict[str, Callable[[Any], bool]] = {}
+#: Per message type, its compiled check (:func:`_compile`), by descriptor and by class: not
+#: by full name, which a second type of that name with more fields (another pool) shares.
+_COMPILED: dict[Descriptor, Callable[[Any], bool]] = {}
 _BY_TYPE: dict[type, Callable[[Any], bool]] = {}
 # Unbound under upb, where every message's HasField is the one method of its Message: no
 # bound method built per call. The pure-Python backend (PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION
@@ -215,9 +217,9 @@ _PASSED_IDS_MAX = 4096
 
 
 def _compiled(desc: Descriptor) -> Callable[[Any], bool]:
-    check = _COMPILED.get(desc.full_name)
+    check = _COMPILED.get(desc)
     if check is None:
-        check = _COMPILED[desc.full_name] = _compile(desc)
+        check = _COMPILED[desc] = _compile(desc)
     return check
 
 
