@@ -27,6 +27,7 @@ from tide.services.scaler.ingest_state import (
     StreamConflict,
     StreamState,
     WindowShape,
+    fold,
 )
 from tide.services.scaler.members import MemberRegistry
 from tide.services.scaler.partials import NodeNotice, Partials
@@ -52,26 +53,6 @@ _EVENT = telemetry_pb2.NodeEvent
 
 
 _NO_JOB = object()  # no sample folded yet (None is the unattributed samples' job)
-
-
-def _fold(acc: dict[str | None, list[float]], job: object, run: tuple[float, ...]) -> None:
-    """Add one run of a job's samples (sum, count, min, max, GPM count, SM and tensor
-    sums) to its sums of the report."""
-    key = cast("str | None", job)
-    a = acc.get(key)
-    if a is None:
-        acc[key] = list(run)
-        return
-    tot, cnt, lo, hi, ngc, sms, tes = run
-    a[0] += tot
-    a[1] += cnt
-    if lo < a[2]:
-        a[2] = lo
-    if hi > a[3]:
-        a[3] = hi
-    a[4] += ngc
-    a[5] += sms
-    a[6] += tes
 
 
 class Ingest(PeerExchange):
@@ -361,7 +342,7 @@ class Ingest(PeerExchange):
                 if cur is not _NO_JOB:
                     if acc is None:
                         acc = {}
-                    _fold(acc, cur, (tot, cnt, lo, hi, ngc, sms, tes))
+                    fold(acc, cur, (tot, cnt, lo, hi, ngc, sms, tes))
                 cur = job
                 tot = cnt = ngc = sms = tes = 0.0
                 lo = hi = u
@@ -389,53 +370,10 @@ class Ingest(PeerExchange):
             self.samples_accepted += int(cnt)
             self._apply(node, cast("str | None", cur), t, tot, cnt, lo, hi, ngc, sms, tes)
             return
-        _fold(acc, cur, (tot, cnt, lo, hi, ngc, sms, tes))
+        fold(acc, cur, (tot, cnt, lo, hi, ngc, sms, tes))
         self.samples_accepted += int(sum(a[1] for a in acc.values()))
         for job, (total, count, lo, hi, gc, sm, te) in acc.items():
             self._apply(node, job, t, total, count, lo, hi, gc, sm, te)
-
-    def _apply(
-        self,
-        node: NodeState,
-        job: str | None,
-        t: float,
-        total: float,
-        count: float,
-        lo: float,
-        hi: float,
-        gc: float,
-        sm: float,
-        te: float,
-    ) -> None:
-        """Add a report's samples of one job (sum, count, min, max, GPM count, SM and
-        tensor sums) to its window and rollups, or to its partials when it is owned
-        elsewhere."""
-        if job is None:
-            self.samples_unattributed += int(count)
-            return
-        held = self.job_nodes.get(job)
-        if held is None:
-            self.job_nodes[job] = {node.name: node}
-        elif node.name not in held:
-            held[node.name] = node
-        w = self.windows.get(job)
-        if w is None:
-            bucket_s, buckets = self._shape(job)
-            w = self.windows[job] = self._new_window(job, bucket_s, buckets)
-        slot = int((t - w.offset_s) // w.slot_s)
-        forward = self.forward
-        if forward is not None and forward(job):
-            self.partials.add(
-                job, (w.bucket_s, w.buckets), slot, t, total, int(count), lo, hi, gc, sm, te
-            )
-            return
-        w.add(slot, total, int(count), int(gc), sm, te)
-        self.rollups.add(job, t, total, int(count), lo, hi)
-        last = self._last_slot.get(job)
-        if last is None or slot > last:
-            self._last_slot[job] = slot
-            if last is not None and self.on_slot is not None:
-                self.on_slot(job, t)
 
     def _events(self, node: NodeState, events: Iterable[telemetry_pb2.NodeEvent]) -> None:
         for ev in events:

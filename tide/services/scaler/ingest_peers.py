@@ -1,6 +1,7 @@
-"""The ingest's side of sharding: what a replica ships of the jobs owned elsewhere
-(partial aggregates of their windows, the notices of their nodes) and what it merges
-of the jobs it owns, as if the samples had come to it. A part of :class:`Ingest`
+"""The ingest's side of sharding: where a report's samples of a job go (its window here,
+or partial aggregates for the replica that owns it), what a replica ships of the jobs
+owned elsewhere (those partials, the notices of their nodes) and what it merges of the
+jobs it owns, as if the samples had come to it. A part of :class:`Ingest`
 (tide/services/scaler/ingest.py), over its state."""
 
 from __future__ import annotations
@@ -39,9 +40,59 @@ class PeerExchange:
     on_forward_notice: Callable[[], None] | None
     remote_notices: dict[str, dict[str, tuple[NodeNotice, float]]]
     withdrawn: dict[str, tuple[float, dict[str, frozenset[str]]]]
+    samples_unattributed: int
 
     def _new_window(self, job_id: str, bucket_s: float, buckets: int) -> JobWindow:
         raise NotImplementedError
+
+    def _apply(
+        self,
+        node: NodeState,
+        job: str | None,
+        t: float,
+        total: float,
+        count: float,
+        lo: float,
+        hi: float,
+        gc: float,
+        sm: float,
+        te: float,
+    ) -> None:
+        """Add a report's samples of one job (sum, count, min, max, GPM count, SM and
+        tensor sums) to its window and rollups, or to its partials when it is owned
+        elsewhere."""
+        if job is None:
+            self.samples_unattributed += int(count)
+            return
+        held = self.job_nodes.get(job)
+        if held is None:
+            self.job_nodes[job] = {node.name: node}
+        elif node.name not in held:
+            held[node.name] = node
+        w = self.windows.get(job)
+        if w is None:
+            bucket_s, buckets = self._shape(job)
+            w = self.windows[job] = self._new_window(job, bucket_s, buckets)
+        slot = int((t - w.offset_s) // w.slot_s)
+        forward = self.forward
+        if forward is not None and forward(job):
+            self.partials.add(
+                job, (w.bucket_s, w.buckets), slot, t, total, int(count), lo, hi, gc, sm, te
+            )
+            return
+        w.add(slot, total, int(count), int(gc), sm, te)
+        self.rollups.add(job, t, total, int(count), lo, hi)
+        self._note_slot(job, slot, t)
+
+    def _note_slot(self, job: str, slot: int, t: float) -> None:
+        """``slot`` of the job's window took samples (at ``t``): the first past the last
+        one seen opens a new slot, the window slid, and the policy may see its condition
+        hold now (``on_slot``)."""
+        last = self._last_slot.get(job)
+        if last is None or slot > last:
+            self._last_slot[job] = slot
+            if last is not None and self.on_slot is not None:
+                self.on_slot(job, t)
 
     def own_partial(self, job_id: str) -> JobPartial | None:
         """The job's window less what other replicas shipped into it: the samples of this
@@ -103,11 +154,7 @@ class PeerExchange:
                     total, count, gc, sm, te = widened(p.slots[slot])
                     if w.add(slot, total, int(count), int(gc), sm, te) and merged is not None:
                         merged.add(slot, total, int(count), int(gc), sm, te)
-                    last = self._last_slot.get(job)
-                    if last is None or slot > last:
-                        self._last_slot[job] = slot
-                        if last is not None and self.on_slot is not None:
-                            self.on_slot(job, w.offset_s + slot * w.slot_s)
+                    self._note_slot(job, slot, w.offset_s + slot * w.slot_s)
             for sec, (total, count, lo, hi) in p.seconds.items():
                 self.rollups.add(job, float(sec), total, int(count), lo, hi)
 

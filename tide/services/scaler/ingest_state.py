@@ -1,6 +1,6 @@
-"""What ingestion keeps per node and per stream, its settings, and why it refuses a
-stream or a report (:class:`Rejection`). tide/services/scaler/ingest.py is the hot path
-over them."""
+"""What ingestion keeps per node and per stream, its settings, why it refuses a stream
+or a report (:class:`Rejection`), and how a report's samples sum per job (:func:`fold`).
+tide/services/scaler/ingest.py is the hot path over them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from tide.base.errors import AlreadyExists, ConfigError, InvalidArgument
 from tide.services.scaler.windows import NodeGpus
@@ -177,3 +178,23 @@ class StreamState:
 
 
 WindowShape = Callable[[str], tuple[float, int]]
+
+
+def fold(acc: dict[str | None, list[float]], job: object, run: tuple[float, ...]) -> None:
+    """Add one run of a job's samples (sum, count, min, max, GPM count, SM and tensor
+    sums) to its sums of the report."""
+    key = cast("str | None", job)
+    a = acc.get(key)
+    if a is None:
+        acc[key] = list(run)
+        return
+    tot, cnt, lo, hi, ngc, sms, tes = run
+    a[0] += tot
+    a[1] += cnt
+    if lo < a[2]:
+        a[2] = lo
+    if hi > a[3]:
+        a[3] = hi
+    a[4] += ngc
+    a[5] += sms
+    a[6] += tes
