@@ -243,3 +243,24 @@ def test_a_take_that_stays_locked_out_reads_as_damaged_not_hung(
     finally:
         os.close(fd)
     assert ShmHandover(root).take() is not None
+
+
+def test_a_launcher_removes_the_handover_dirs_of_launchers_that_died_not_of_live_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A container restarted in its pod keeps /dev/shm: the launcher before it, SIGKILLed,
+    # left its directory, a state's size; one beside it still lives.
+    monkeypatch.setattr(handover, "SHM", tmp_path)
+    live = handover.own_pod_handover_dir("ns/job", "pod-0", "aaaaaaaa")
+    ShmHandover(live).put(1, _raw(1, 4000), {})
+    dead = handover.pod_handover_dir("ns/job", "pod-0", "bbbbbbbb")
+    ShmHandover(dead).put(1, _raw(1, 4000), {})
+    (dead / "launcher.lock").touch()  # its owner's lock went with its process
+    older = handover.pod_handover_dir("ns/job", "pod-0", "cccccccc")
+    older.mkdir()  # an older release's: no owner file, left alone
+    mine = handover.own_pod_handover_dir("ns/job", "pod-0", "dddddddd")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, older.name, mine.name])
+    assert ShmHandover(live).take() is not None
+    handover.release_pod_handover_dir(mine)
+    handover.release_pod_handover_dir(live)
+    assert not mine.exists() and not live.exists()

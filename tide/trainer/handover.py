@@ -82,6 +82,10 @@ _FILL_CHUNK_BYTES = 8 * 2**20
 # What a spare's fill leaves free in /dev/shm and in the pod's memory limit.
 _ROOM_SPARE_BYTES = 512 * 2**20
 _CGROUP = Path("/sys/fs/cgroup")
+# A launcher's handover directories, and the file whose lock says its launcher lives.
+_DIR_PREFIX = "tide-handover-"
+_OWNER = "launcher.lock"
+_OWNED_FDS: dict[Path, int] = {}
 # The longest a take waits for a put's claim to end (a rename: microseconds).
 _LOCK_WAIT_S = 2.0
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -403,4 +407,54 @@ def pod_handover_dir(job_id: str, pod_name: str, launcher_id: str) -> Path:
     """Where a launcher's workers hand state over: shared memory when the pod has it."""
     base = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
     safe_job = job_id.replace("/", "_")
-    return base / f"tide-handover-{safe_job}-{pod_name}-{launcher_id[:8]}"
+    return base / f"{_DIR_PREFIX}{safe_job}-{pod_name}-{launcher_id[:8]}"
+
+
+def own_pod_handover_dir(job_id: str, pod_name: str, launcher_id: str) -> Path:
+    """:func:`pod_handover_dir`, created with this process's exclusive ``flock`` on its owner
+    file for as long as the process lives; first, the directories of launchers that died
+    without removing theirs (SIGKILL, OOM) are removed: a container restarted in its pod keeps
+    ``/dev/shm``, and each would keep a state's size there until the pod ends."""
+    path = pod_handover_dir(job_id, pod_name, launcher_id)
+    for other in path.parent.glob(f"{_DIR_PREFIX}*"):
+        if other != path:
+            _remove_if_orphan(other)
+    # Created under another name and renamed once locked: a launcher starting beside this
+    # one never sees it without its owner's lock.
+    tmp = path.parent / f".{path.name}.tmp-{secrets.token_hex(4)}"
+    tmp.mkdir(parents=True)
+    fd = os.open(tmp / _OWNER, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _OWNED_FDS[path] = fd  # held until release_pod_handover_dir, or the process's end
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
+def release_pod_handover_dir(path: Path) -> None:
+    """Removes a launcher's handover directory (what was handed over goes with the launcher:
+    the pod's memory is the pod's) and lets go of its owner's lock."""
+    shutil.rmtree(path, ignore_errors=True)
+    fd = _OWNED_FDS.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _remove_if_orphan(directory: Path) -> None:
+    """Removes a launcher's handover directory if no process holds its owner's lock (one
+    with no owner file is of an older release: left alone)."""
+    try:
+        fd = os.open(directory / _OWNER, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return
+    try:
+        shutil.rmtree(directory, ignore_errors=True)
+        logger.info("removed the handover directory %s of a launcher that died", directory)
+    finally:
+        os.close(fd)

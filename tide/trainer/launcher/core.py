@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import shutil
 import tempfile
 import time
 from collections.abc import Coroutine
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tide.base.errors import Unavailable
+from tide.trainer import handover
 from tide.trainer.devices import (
     Backend,
     WorkerPlace,
@@ -40,7 +40,7 @@ from tide.trainer.devices import (
     memory_shortfall,
 )
 from tide.trainer.distenv import RESTART_STARTED_AT_ENV, RESTORE_STEP_ENV
-from tide.trainer.handover import HANDOVER_DIR_ENV, pod_handover_dir
+from tide.trainer.handover import HANDOVER_DIR_ENV
 from tide.trainer.launcher.envs import rendezvous_envs
 from tide.trainer.launcher.group import WorkerGroup
 from tide.trainer.launcher.link import CoordinatorLink
@@ -92,7 +92,7 @@ class Launcher:
         # How the worker that failed ended (exit cause, log tail), until the next starts.
         self.worker_exit: WorkerExit | None = None
         self._state_dir = Path(settings.state_dir or tempfile.mkdtemp(prefix="tide-launcher-"))
-        self._handover_dir = pod_handover_dir(
+        self._handover_dir = handover.own_pod_handover_dir(
             settings.job_id, settings.pod_name or "pod", settings.launcher_id
         )
         self.link = CoordinatorLink(settings, self._beat, on_fatal=self.stop)
@@ -199,8 +199,7 @@ class Launcher:
             self._ready.cancel()  # the workers are stopped below: that start is over
         await self.link.close()
         await self.workers.close()
-        # The pod's memory is the pod's: what was handed over goes with this launcher.
-        shutil.rmtree(self._handover_dir, ignore_errors=True)
+        handover.release_pod_handover_dir(self._handover_dir)
 
     def stop(self, code: int = 0) -> None:
         self.exit_code = code
