@@ -136,7 +136,8 @@ class Subject(NamedTuple):
     pod: str = ""
 
 
-#: The kinds of caller :func:`check_subject` binds; the others' subject is not read.
+#: The kinds of caller :func:`check_subject` binds, its gate and the guard's: the others'
+#: subject is not read.
 BOUND_KINDS = frozenset({Kind.AGENT, Kind.LAUNCHER})
 
 
@@ -145,7 +146,10 @@ SubjectOf = Callable[[Any], Subject]
 
 def check_subject(who: Identity, subject: Subject) -> None:
     """PermissionDenied unless ``who`` may act for ``subject``: an agent only for its
-    node, a launcher only for its pod of its job. Others are bound by their role."""
+    node, a launcher only for its pod of its job. Others (not :data:`BOUND_KINDS`) are
+    bound by their role."""
+    if who.kind not in BOUND_KINDS:
+        return
     if who.kind is Kind.AGENT and subject.node and subject.node != who.node:
         raise PermissionDenied(f"{who} speaks for node {who.node!r}, not {subject.node!r}")
     if who.kind is Kind.LAUNCHER:
@@ -438,7 +442,7 @@ class Guard(grpc.aio.ServerInterceptor):
                 grpc.StatusCode.INVALID_ARGUMENT, f"request could not be parsed: {req.error}"
             )
         try:
-            if rule.subject is not None:
+            if rule.subject is not None and who.kind in BOUND_KINDS:
                 check_subject(who, rule.subject(req))
             if self._validate is not None:
                 self._validate(req, method)
