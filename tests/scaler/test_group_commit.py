@@ -303,3 +303,99 @@ async def test_a_job_row_another_transaction_holds_holds_its_move_only(
     for d in ds:
         got = await store.get_decision(d.id)
         assert [e.state for e in got.events] == [S.PENDING, S.PREPARING]
+
+
+async def test_a_lone_move_on_a_held_job_row_holds_no_other_jobs_moves(
+    store: DecisionStore, turns: list[list[int]], scaler_db_url: str
+) -> None:
+    """PostgreSQL: a turn of one move takes the single path, whose check_epoch waits for
+    the job's row. Written beside the next turns, it holds none of them: the moves of
+    other jobs queued after it are answered while a stuck transaction holds its row
+    (the reviewer's repro: before, they waited up to lock_timeout_s at each attempt)."""
+    if store.engine.dialect.name != "postgresql":
+        pytest.skip("on SQLite a write's BEGIN IMMEDIATE holds the whole database")
+    ds = await _decisions(store, 3)
+    # Stuck for as long as the test says: no idle-in-transaction timeout ends it.
+    other = db.make_engine(scaler_db_url, db.DbSettings(idle_in_transaction_timeout_s=0))
+    with other.connect() as stuck:
+        stuck.execute(
+            sa.select(JOBS.c.job_id).where(JOBS.c.job_id == ds[0].job_id).with_for_update()
+        )
+        pid = stuck.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+        lone = asyncio.ensure_future(store.transition(ds[0], S.PREPARING, "plan"))
+        with other.connect() as look:  # until its single path waits for the row
+            blocked = sa.text(
+                "SELECT count(*) FROM pg_stat_activity WHERE :p = ANY(pg_blocking_pids(pid))"
+            )
+            while not look.execute(blocked, {"p": pid}).scalar_one():
+                look.rollback()
+                await asyncio.sleep(0.01)
+        assert not lone.done()
+        later = [store.transition(d, S.PREPARING, "plan") for d in ds[1:]]
+        # Well below lock_timeout_s (10 s): behind the lone move they would answer none.
+        others = await asyncio.wait_for(asyncio.gather(*later), timeout=8.0)
+        assert [r.state for r in others] == [S.PREPARING, S.PREPARING]
+        assert not lone.done()
+        stuck.rollback()
+    other.dispose()
+    held = await asyncio.wait_for(lone, timeout=30.0)
+    assert held.state is S.PREPARING
+    assert turns == [[ds[1].id, ds[2].id]]  # the lone move took the single path
+    for d in ds:
+        got = await store.get_decision(d.id)
+        assert [e.state for e in got.events] == [S.PENDING, S.PREPARING]
+
+
+async def test_a_jobs_move_queued_while_its_last_is_written_alone_applies_after_it(
+    store: DecisionStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A move written alone runs beside the next turns; its job's next move waits in the
+    queue until it is written, then is applied after it, while other jobs' moves go on."""
+    a, b = await _decisions(store, 2)
+    entered, gate = asyncio.Event(), asyncio.Event()
+    real_alone = store._move_alone
+
+    async def held(m: transitions.Move) -> DecisionRecord:
+        if m.decision_id == a.id and m.state is S.PREPARING:
+            entered.set()
+            await gate.wait()  # a's first move stays in flight until the test lets it go
+        return await real_alone(m)
+
+    monkeypatch.setattr(store, "_move_alone", held)
+    first = asyncio.ensure_future(store.transition(a, S.PREPARING, "plan"))
+    await asyncio.wait_for(entered.wait(), timeout=10.0)
+    assert a.job_id in store._alone
+    second = asyncio.ensure_future(
+        store.transition(dataclasses.replace(a, state=S.PREPARING), S.ACTUATING, "act")
+    )
+    assert (await asyncio.wait_for(store.transition(b, S.PREPARING, "plan"), 10.0)).version == 2
+    assert not first.done() and not second.done()
+    assert (await store.get_decision(a.id)).decision.state is S.PENDING
+    gate.set()
+    moved = await asyncio.wait_for(asyncio.gather(first, second), timeout=10.0)
+    assert [r.state for r in moved] == [S.PREPARING, S.ACTUATING]
+    got = await store.get_decision(a.id)
+    assert [e.state for e in got.events] == [S.PENDING, S.PREPARING, S.ACTUATING]
+    assert store._alone == {}
+
+
+async def test_a_move_written_alone_in_a_loop_that_is_gone_holds_none_of_its_job(
+    store: DecisionStore,
+) -> None:
+    """A move written alone in a loop that is gone (tests run a loop each) is never
+    answered there: the next loop's writer must not keep that job's moves waiting."""
+    (d,) = await _decisions(store, 1)
+
+    def gone_loops_task() -> asyncio.Task[None]:
+        loop = asyncio.new_event_loop()
+        try:
+            task = loop.create_task(asyncio.sleep(0))
+            loop.run_until_complete(task)
+            return task
+        finally:
+            loop.close()
+
+    store._alone[d.job_id] = await asyncio.to_thread(gone_loops_task)
+    moved = await asyncio.wait_for(store.transition(d, S.PREPARING, "plan"), timeout=10.0)
+    assert moved.state is S.PREPARING
+    assert store._alone == {}

@@ -76,10 +76,9 @@ class DecisionStore:
         # its writer, a task while the queue has moves.
         self._moves: list[_Queued] = []
         self._mover: asyncio.Task[None] | None = None
-        # Jobs with a move a batch left out (transitions.NotBatched) being written alone,
-        # and the tasks writing them (one only the loop holds may be collected).
-        self._alone_jobs: set[str] = set()
-        self._alone_tasks: set[asyncio.Task[None]] = set()
+        # Each job with a move being written alone (``_write_alone``) and the task writing
+        # it, held here: a task only the loop holds may be collected.
+        self._alone: dict[str, asyncio.Task[None]] = {}
 
     @property
     def _creates(self) -> ThreadPoolExecutor:
@@ -404,6 +403,7 @@ class DecisionStore:
         # A queue left by a loop that is gone (tests run one loop each) has no one
         # to answer: its futures belong to that loop.
         self._moves = [q for q in self._moves if q[2].get_loop() is loop]
+        self._alone = {j: t for j, t in self._alone.items() if t.get_loop() is loop}
         # A context of its own: the first caller's (its job and decision bound for
         # the logs) would name that decision in every turn's records.
         self._mover = loop.create_task(
@@ -421,7 +421,7 @@ class DecisionStore:
                 batch: list[_Queued] = []
                 rest: list[_Queued] = []
                 # A job with a move being written alone is in this turn already.
-                jobs_in: set[str] = set(self._alone_jobs)
+                jobs_in: set[str] = set(self._alone)
                 for q in self._moves:
                     if q[2].done():
                         # Its caller was cancelled before its turn: not written, as a
@@ -439,7 +439,7 @@ class DecisionStore:
                     await self._write_turn(batch)
                 finally:
                     for _, job_id, f in batch:  # an answer for every caller, come what may
-                        if not f.done() and job_id not in self._alone_jobs:
+                        if not f.done() and job_id not in self._alone:
                             f.cancel()  # (one written alone is answered by its task)
         finally:
             if self._mover is asyncio.current_task():
@@ -459,35 +459,35 @@ class DecisionStore:
         self._moves = []
 
     async def _write_turn(self, batch: Sequence[_Queued]) -> None:
+        if len(batch) == 1:
+            # Alone: the single path, as cheap as before group commit, beside the next
+            # turns: its check_epoch waits for a job row another transaction holds (up
+            # to lock_timeout_s a try), and no other job's move may wait with it.
+            self._write_alone(*batch[0])
+            return
         moves = [m for m, _, _ in batch]
         results: Sequence[DecisionRecord | BaseException]
-        if len(moves) == 1:
-            # Alone: the single path, as cheap as before group commit.
-            results = await asyncio.gather(self._move_alone(moves[0]), return_exceptions=True)
-        else:
-            try:
-                results = await self._run(
-                    lambda s: transitions.transition_decisions(s, moves),
-                    what=f"{len(moves)} decision transitions",
-                )
-            except (JobNotFound, StaleWrite, InvalidArgument) as exc:
-                # Refused as a whole before anything committed (a job gone, rows that
-                # kept changing): each is written alone, so a move that would have
-                # succeeded alone does, and each caller gets the single path's answer.
-                # A store failure is not among them: its commit may have landed (the
-                # reply lost) and a move written again would read DecisionChanged.
-                # Every caller gets it, the single path's answer to a store that
-                # failed past its retries, and reads its row back as it would.
-                logger.warning(
-                    "a batch of %d decision transitions failed, writing each: %s",
-                    len(moves),
-                    exc,
-                )
-                results = await asyncio.gather(
-                    *(self._move_alone(m) for m in moves), return_exceptions=True
-                )
-            except Exception as exc:
-                results = [exc] * len(moves)
+        try:
+            results = await self._run(
+                lambda s: transitions.transition_decisions(s, moves),
+                what=f"{len(moves)} decision transitions",
+            )
+        except (StaleWrite, InvalidArgument) as exc:
+            # Refused as a whole before anything committed (rows that kept changing;
+            # InvalidArgument is defensive, the writer forms no batch it refuses): each
+            # is written alone, so a move that would have succeeded alone does, and each
+            # caller gets the single path's answer. A store failure is not among them:
+            # its commit may have landed (the reply lost) and a move written again would
+            # read DecisionChanged. Every caller gets it, the single path's answer to a
+            # store that failed past its retries, and reads its row back as it would.
+            logger.warning(
+                "a batch of %d decision transitions failed, writing each: %s", len(moves), exc
+            )
+            for q in batch:  # each beside the next turns: one may wait on a held row
+                self._write_alone(*q)
+            return
+        except Exception as exc:
+            results = [exc] * len(moves)
         for n, ((m, job_id, f), r) in enumerate(zip(batch, results, strict=True), 1):
             if n % WAKE_EVERY == 0:
                 # Each answer wakes its decision's task, whose next step (the actuator,
@@ -506,7 +506,6 @@ class DecisionStore:
     ) -> None:
         """``m`` written by the single path in a task of its own, ``f`` answered from it;
         its job's next moves wait in the queue until then."""
-        self._alone_jobs.add(job_id)
 
         async def write() -> None:
             try:
@@ -515,15 +514,13 @@ class DecisionStore:
             finally:
                 if not f.done():
                     f.cancel()
-                self._alone_jobs.discard(job_id)
+                self._alone.pop(job_id, None)
                 if self._moves:
                     self._start_writer(asyncio.get_running_loop())
 
-        task = asyncio.get_running_loop().create_task(
+        self._alone[job_id] = asyncio.get_running_loop().create_task(
             write(), name=f"decision-transition-{m.decision_id}", context=contextvars.Context()
         )
-        self._alone_tasks.add(task)
-        task.add_done_callback(self._alone_tasks.discard)
 
     async def _move_alone(self, m: transitions.Move) -> DecisionRecord:
         return await self._run(
