@@ -51,8 +51,11 @@ from tide.services.store.failures import StaleWrite
 
 logger = logging.getLogger(__name__)
 
-# Bound parameters per statement: SQLite allows 32,766, PostgreSQL 65,535; a move
-# binds 11 in the rows' UPDATE. The store's writer takes at most this many a turn.
+# The store's writer takes at most this many moves a turn. A turn of n binds n values in
+# the first read's and the read back's `id IN` lists and 2n in the fencing UPDATE's
+# `(job_id, owner_epoch) IN`: these bound it, against SQLite's 32,766 and PostgreSQL's
+# 65,535 bound parameters a statement. The rest are executemany: run a move at a time,
+# or (SQLite's INSERT) paged by SQLAlchemy under the limit.
 MAX_BATCH = 1000
 
 
