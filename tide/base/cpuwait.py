@@ -51,9 +51,20 @@ def thread_cpu_wait_s(native_id: int) -> float:
 
 
 def process_cpu_wait_s(pid: int) -> float:
-    """The run-queue time of process ``pid``'s main thread."""
+    """The run-queue time of process ``pid``'s threads, summed. Not the main thread's alone:
+    what a process waits on may be another of its threads (a reader that has not read the
+    message yet, a thread holding the GIL), and the waiting thread then sleeps, which is no
+    run-queue time of its own. A thread that ended between two reads drops out of the sum;
+    a caller takes the difference as a lower bound."""
     try:
-        with open(f"/proc/{pid}/schedstat", "rb") as f:
-            return _run_queue_s(f.read())
-    except (OSError, ValueError, IndexError):
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
         return 0.0
+    total = 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                total += _run_queue_s(f.read())
+        except (OSError, ValueError, IndexError):
+            continue
+    return total

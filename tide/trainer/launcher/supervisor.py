@@ -483,7 +483,8 @@ class WorkerSupervisor:
             # A worker lowered to nice 19 on a machine with more runnable work than cores
             # may get no CPU to exit within the grace: the machine's state, not a worker
             # that ignored its exit (on 2 shared cores at load 15-25, a WARNING in about
-            # one healthy run in three; issue 32).
+            # one healthy run in three; issue 32). Every thread's wait counts: the main thread
+            # sleeps while the channel's reader, starved, has not read the exit yet.
             starved_s = process_cpu_wait_s(worker.pid) - cpu_wait_s
             logger.log(
                 logging.INFO if starved_s >= self.s.exit_grace_s / 2 else logging.WARNING,
