@@ -235,13 +235,23 @@ def test_a_checkpoint_dir_of_the_other_kind_of_job_is_refused(tmp_path: Path) ->
     ok._check_store_layout()
 
 
-@pytest.mark.parametrize(("rank", "local_rank", "durable"), [(1, 1, True), (0, 0, False)])
-def test_a_slice_writer_whose_pod_hands_over_another_worker_s_state_writes_it_at_the_hold(
-    tmp_path: Path, rank: int, local_rank: int, durable: bool
+@pytest.mark.parametrize(
+    ("rank", "local_rank", "leaving", "handover", "durable"),
+    [(1, 1, False, "worker-1", False), (0, 0, False, "", False), (1, 1, True, None, True)],
+)
+def test_each_worker_of_a_pod_hands_its_slice_over_and_a_leaving_slice_writer_writes_it(
+    tmp_path: Path,
+    rank: int,
+    local_rank: int,
+    leaving: bool,
+    handover: str | None,
+    durable: bool,
 ) -> None:
-    """A pod's handover holds its first worker's state alone: a later worker that writes its
-    slice's store (the first replica's) makes its slice of the held step durable, else it
-    would be nowhere once the worker exits (slices.py's fallback reads it there)."""
+    """Each worker of a model-parallel pod holds a slice of its own: each puts it in a
+    handover of its own for the worker at its place in the pod's next generation (the first
+    in the pod's directory). A leaving slice writer has no next worker: it makes its slice
+    of the held step durable, else it could be nowhere once the worker exits (slices.py's
+    fallback reads it there)."""
     import paddle
 
     config = SessionConfig(
@@ -263,8 +273,9 @@ def test_a_slice_writer_whose_pod_hands_over_another_worker_s_state_writes_it_at
     session._use_model_parallel(MP2, form_groups=False)
     net = paddle.nn.Linear(2, 2)
     session.attach(net, paddle.optimizer.SGD(parameters=net.parameters()))
-    session._send_held(3, 0.0, checkpoint=True, ids=[])
+    session._send_held(3, 0.0, checkpoint=True, ids=[], leaving=leaving)
     store = CheckpointStore(tmp_path / "ckpt" / f"slice-pp0-sep0-mp{rank}")
     assert store.list_steps() == ([3] if durable else [])
-    handed = ShmHandover(tmp_path / "pod0").latest_step()
-    assert handed == (None if durable else 3)
+    for place in ("", "worker-1"):
+        handed = ShmHandover(tmp_path / "pod0" / place).latest_step()
+        assert handed == (3 if place == handover else None), place

@@ -1,8 +1,9 @@
 """End to end on the CPU: a tensor-parallel job (tide/trainer/examples/train_tensor_parallel.py,
-mp_degree 2 by hand over gloo) resized by whole replicas, 2 -> 4 -> 2 ranks (1 -> 2 -> 1
-replicas), under the coordinator and launchers, against a fixed 2-rank run: every parameter
-slice and optimizer slot, every sample once per epoch, no step lost. The newcomers of the grow
-take their slices from the stayers at the same tensor rank (tide/trainer/slices.py)."""
+mp_degree 2 by hand over gloo) resized by whole replicas, 2 -> 4 -> 2 ranks (1 -> 2 -> 1 pods
+of two workers, each pod a replica), under the coordinator and launchers, against a fixed
+2-rank run: every parameter slice and optimizer slot, every sample once per epoch, no step
+lost. The newcomers of the grow take their slices from the stayers at the same tensor rank
+(tide/trainer/slices.py); each stayer takes its own from its pod's memory."""
 
 from __future__ import annotations
 
@@ -49,23 +50,31 @@ def fixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def test_a_tensor_parallel_job_resized_by_replicas_matches_a_fixed_run(
     tmp_path: Path, fixed: Path
 ) -> None:
-    job = LocalJob(tmp_path / "job", TRAIN, heartbeat_timeout_s=10.0, step_gate=True)
+    # Pods of two workers, each pod one replica (as a node of GPUs runs a tensor-parallel
+    # group): the grow and the shrink move whole pods.
+    job = LocalJob(
+        tmp_path / "job",
+        TRAIN,
+        heartbeat_timeout_s=10.0,
+        step_gate=True,
+        launcher_args=["--workers-per-pod", "2"],
+    )
     job.example = EXAMPLE
     job.start_coordinator()
     try:
-        for i in range(4):
+        for i in range(2):
             job.add_pod(i)
-        await job.wait_standby(4)
-        assert (await job.resize(2))[-1].phase == pb.RESIZE_PHASE_COMPLETED
+        await job.wait_standby(2)
+        assert (await job.resize(1))[-1].phase == pb.RESIZE_PHASE_COMPLETED
         results = []
-        for target in (4, 2):
+        for target in (2, 1):
             await job.train_to(job.granted + 3, 60, "3 more steps")
             final = (await job.resize(target))[-1]
             assert final.phase == pb.RESIZE_PHASE_COMPLETED, final
             assert final.lost_steps == 0
             results.append(final)
         job.release()
-        assert await job.wait_pods_exit(120) == [0, 0, 0, 0]
+        assert await job.wait_pods_exit(120) == [0, 0]
     finally:
         await job.close()
 
@@ -80,15 +89,19 @@ def _check_resized(
     assert sorted(set(worlds_by_generation(job.log_dir).values())) == [2, 4]
     check_exactly_once(job.log_dir, DATASET, STEPS, SPE)
     assert any(r.checkpoint_step % SPE for r in results), [r.checkpoint_step for r in results]
-    logs = list(tmp_path.glob("job/trainer-*/worker-*.log"))
+    logs = list(tmp_path.glob("job/trainer-*/local*/worker-*.log"))
     layouts = model_parallel_layouts(logs)
     # Each generation's ranks: replica rank // 2, tensor rank rank % 2.
     for ranks in layouts.values():
         assert ranks == {r: (r // 2, r % 2) for r in range(len(ranks))}, layouts
     assert sorted(len(r) for r in layouts.values())[-1] == 4
     text = "".join(log.read_text(errors="replace") for log in logs)
-    # The grow's two newcomers took their slices from the stayers, not from disk.
+    # The grow's two newcomers took their slices from the stayers, not from disk; the staying
+    # pod's two workers, at the grow and at the shrink, each took its own slice from the
+    # pod's memory (a handover per worker), none from disk.
     assert text.count(" from peer in ") >= 2, "no newcomer received its slice from a stayer"
+    assert text.count(" from memory in ") >= 4, "a stayer's slice did not come from memory"
+    assert " from disk in " not in text, "a slice of a planned resize came from disk"
 
     loss_diff = max_rel_loss_diff(final_losses(job.log_dir), final_losses(fixed))
     slice_diff = max_rel_slice_diff(job.log_dir, fixed)

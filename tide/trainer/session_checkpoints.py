@@ -124,8 +124,10 @@ class SessionCheckpoints(SessionState):
     def _reserve_handover(self) -> None:
         """Once, after this worker's first step (its optimizer's accumulators exist): the pod's
         handover readies memory of the state's size for the put at a hold, off the pause
-        (tide/trainer/handover.py). Only the pod's first worker puts."""
-        if self._handover_reserved or self.handover is None or self.env.local_rank != 0:
+        (tide/trainer/handover.py). Only the pod's first worker puts (of a model-parallel
+        job every worker, each its slice)."""
+        later_worker = self.env.local_rank != 0 and self._model_parallel.group_size == 1
+        if self._handover_reserved or self.handover is None or later_worker:
             return
         self._handover_reserved = True
         arrays = paddle_state.live_arrays(self._model, self._optimizer)

@@ -125,15 +125,17 @@ class SessionControl(SessionCheckpoints):
             # the pause (restore()), so nothing of the durable write competes with the
             # barrier (tide/trainer/persist.py).
             handed: WrittenCheckpoint | None = None
-            # A leaving pod has no next worker to read it; rank 0 still reports the state.
-            if self.env.local_rank == 0 and (self.rank == 0 or not leaving):
+            # The pod's first worker (of a model-parallel job every worker, each its slice,
+            # in a handover of its own). A leaving pod has no next worker to read it; rank 0
+            # still reports the state.
+            hands_over = self.env.local_rank == 0 or self._model_parallel.group_size > 1
+            if hands_over and (self.rank == 0 or not leaving):
                 files = self._state_files(raw=True)
                 handed = self.handover.put(step, files, self._meta(step, False))
             elif self._model_parallel.group_size > 1 and self.writes_durable:
-                # A slice's writer whose state no handover holds (a pod's handover holds its
-                # first worker's alone): once this process exits, its slice of this step
-                # would be nowhere, and the next generation could not resume the step
-                # (tide/trainer/slices.py's fallback reads it here). Slower, in the pause.
+                # A leaving slice writer: once this process exits, its slice of this step
+                # might be nowhere (when no stayer holds it), and the next generation could
+                # not resume the step (tide/trainer/slices.py's fallback reads it here).
                 self._write_checkpoint(step, periodic=False, wait=True)
             if self.rank == 0:
                 assert handed is not None

@@ -11,12 +11,14 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TypeVar
 
 from tide.base.errors import ConfigError
 from tide.trainer import sharding
 from tide.trainer.distenv import PREWARM_ENV, DistEnv, wait_for_port
 from tide.trainer.gloo_groups import fast_default_store, share_world_context
+from tide.trainer.handover import ShmHandover
 from tide.trainer.layout import ModelParallel, RankLayout, all_groups, slice_name
 from tide.trainer.messages import Go, Prepared, Rendezvous, Start
 from tide.trainer.objstore import make_store
@@ -137,6 +139,12 @@ class SessionStartup(SessionControl):
         # Nothing is written before the layout is known; a write under way would finish first.
         self.persist.wait()
         self.persist = DurableWriter(self.store)
+        if self.env.handover_dir and self.env.local_rank > 0:
+            # Each worker of a pod holds a slice of its own: each hands it to the worker at
+            # its place in the pod's next generation (the first keeps the pod's directory).
+            self.handover = ShmHandover(
+                Path(self.env.handover_dir) / f"worker-{self.env.local_rank}"
+            )
         if form_groups and self.world_size > 1:
             import paddle.distributed as dist
 

@@ -13,10 +13,9 @@ group, one source after another in the same order on every rank (a rank not rece
 that source drops the bytes).
 
 When memory holds the newest step but cannot bring it to every rank (a slice none of its
-holders stayed with, several workers of a pod sharing one handover, a damaged transfer), the
-fallback is restore.py's: for each slice whose store lacks that step, the lowest rank holding
-it in memory writes it there, and every rank without it intact reads its own slice's store at
-that step. A slice neither memory nor its store holds at that step fails the restore loudly,
+holders stayed with, a damaged transfer), the fallback is restore.py's: for each slice whose
+store lacks that step, the lowest rank holding it in memory writes it there, and every rank
+without it intact reads its own slice's store at that step. A slice neither memory nor its store holds at that step fails the restore loudly,
 on every rank: never a restart from scratch or from an older step.
 
 After a crash (memory holds nothing newer), every rank reads its slice's store at the newest
@@ -281,8 +280,7 @@ def _fall_back(
     if lost:
         raise CheckpointNotFound(
             f"rank {rank}: step {step} was in memory but neither memory nor the durable store "
-            f"holds it for {', '.join(lost)} (a pod's handover holds its first worker's slice "
-            "only; the others are made durable at the hold): the job cannot resume it"
+            f"holds it for {', '.join(lost)}: the job cannot resume it"
         )
     error: Exception | None = None
     for s, writer in sorted(writers.items()):
