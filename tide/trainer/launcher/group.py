@@ -4,7 +4,11 @@ the launcher core as one worker.
 The coordinator's member is the pod; the pod's workers are ranks
 ``pod_rank * size .. pod_rank * size + size - 1`` of the generation (tide/trainer/devices.py).
 Local worker 0 speaks for the pod: its progress (with the samples/s of all local workers
-summed), its holds, its checkpoints and its end of training are what the core hears. The
+summed), its holds, its checkpoints and its end of training are what the core hears. Its hold
+is passed on once every local worker has held at that step: each hands its own state over (a
+model-parallel job's workers, each its slice) or writes it before it says Held, and what the
+pod's Held sets going (the next generation's start, a drain's exit) would cut a later worker's
+short. The
 others are supervised for their lives only: one that dies unasked fails the pod, as the
 loss of any rank breaks the generation's group. Every control message goes to every local
 worker (a HOLD or CHECKPOINT to one would do, as the ranks agree on the stop step among
@@ -27,7 +31,7 @@ from pathlib import Path
 
 from tide.trainer.launcher.settings import LauncherSettings
 from tide.trainer.launcher.supervisor import WorkerSupervisor
-from tide.trainer.messages import Progress, Ready, ToLauncher, ToWorker
+from tide.trainer.messages import Held, Progress, Ready, ToLauncher, ToWorker
 from tide.trainer.spawner import Spawner, WorkerHandle
 
 
@@ -88,6 +92,10 @@ class WorkerGroup:
         ]
         self._ready: dict[int, Ready] = {}
         self._rates: dict[int, float] = {}
+        # Each local worker's latest held step, and the leader's holds not passed on yet
+        # (steps only grow within a generation).
+        self._held_steps: dict[int, int] = {}
+        self._lead_holds: list[Held] = []
 
     @property
     def leader(self) -> WorkerSupervisor:
@@ -132,6 +140,11 @@ class WorkerGroup:
                             restore_s=max(r.restore_s for r in self._ready.values()),
                         )
                     )
+            elif isinstance(msg, Held):
+                self._held_steps[i] = max(msg.step, self._held_steps.get(i, 0))
+                if i == 0:
+                    self._lead_holds.append(msg)
+                await self._pass_on_holds()
             elif isinstance(msg, Progress):
                 self._rates[i] = msg.samples_per_s
                 if i == 0:
@@ -141,6 +154,12 @@ class WorkerGroup:
                 await self._on_message(msg)
 
         return handler
+
+    async def _pass_on_holds(self) -> None:
+        while self._lead_holds and all(
+            self._held_steps.get(j, 0) >= self._lead_holds[0].step for j in range(self.size)
+        ):
+            await self._on_message(self._lead_holds.pop(0))
 
     async def start(self) -> float:
         for d in self._dirs:
@@ -179,6 +198,9 @@ class WorkerGroup:
         used only if every local worker's did (the group needs all of its ranks)."""
         self._ready.clear()
         self._rates.clear()
+        # A generation restored from an older checkpoint holds at steps below the last one's.
+        self._held_steps.clear()
+        self._lead_holds.clear()
         prepared = prepared and all(m.prepared_for(generation) for m in self.members)
         started = await asyncio.gather(
             *(
