@@ -221,8 +221,11 @@ def test_no_spare_is_filled_where_it_would_not_fit_in_the_pods_memory_limit(
     shm = ShmHandover(tmp_path / "shm")
     # 200 MB left under the limit: a 64 MB spare would leave less than the margin.
     assert not shm.reserve(64 * 2**20)
-    (cgroup / "memory.max").write_text("max\n")
-    assert shm.reserve(4096)
+    # 700 MB left: a 4 KiB spare fits, but not where room for a model-parallel pod's four
+    # workers' 100 MB slices is asked.
+    (cgroup / "memory.current").write_text(f"{2 * 2**30 - 700 * 2**20}\n")
+    assert not shm.reserve(4096, room_bytes=4 * 100 * 2**20)
+    assert shm.reserve(4096, room_bytes=4096)
     wait_for((tmp_path / "shm" / RESERVE).exists, timeout_s=10)
 
 

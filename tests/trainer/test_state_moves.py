@@ -76,7 +76,7 @@ class MemoryHandover:
         step, files, digest = self._held
         return LoadedCheckpoint(step, Path("memory"), digest, files, {})
 
-    def reserve(self, nbytes: int) -> bool:
+    def reserve(self, nbytes: int, room_bytes: int = 0) -> bool:
         return False
 
 

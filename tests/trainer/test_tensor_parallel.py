@@ -22,6 +22,7 @@ from tide.trainer.layout import (
     all_groups,
     plan_slices,
 )
+from tide.trainer.messages import Held
 from tide.trainer.session import DistEnv, ElasticSession, SessionConfig
 from tide.trainer.slices import layout_file, read_layout
 
@@ -237,7 +238,13 @@ def test_a_checkpoint_dir_of_the_other_kind_of_job_is_refused(tmp_path: Path) ->
 
 @pytest.mark.parametrize(
     ("rank", "local_rank", "leaving", "handover", "durable"),
-    [(1, 1, False, "worker-1", False), (0, 0, False, "", False), (1, 1, True, None, True)],
+    [
+        (1, 1, False, "worker-1", False),
+        (0, 0, False, "", False),
+        (1, 1, True, None, True),
+        # Rank 0 leaving too (a named pod): its slice to the store, its held step reported.
+        (0, 0, True, None, True),
+    ],
 )
 def test_each_worker_of_a_pod_hands_its_slice_over_and_a_leaving_slice_writer_writes_it(
     tmp_path: Path,
@@ -269,13 +276,64 @@ def test_each_worker_of_a_pod_hands_its_slice_over_and_a_leaving_slice_writer_wr
         local_size=2,
         handover_dir=str(tmp_path / "pod0"),
     )
-    session = ElasticSession(config, env, QueueChannel())
+    channel = QueueChannel()
+    session = ElasticSession(config, env, channel)
     session._use_model_parallel(MP2, form_groups=False)
     net = paddle.nn.Linear(2, 2)
     session.attach(net, paddle.optimizer.SGD(parameters=net.parameters()))
     session._send_held(3, 0.0, checkpoint=True, ids=[], leaving=leaving)
+    (held,) = _helds(channel)
+    assert held.step == 3
+    assert (held.checkpoint is not None) == (rank == 0)
     store = CheckpointStore(tmp_path / "ckpt" / f"slice-pp0-sep0-mp{rank}")
     assert store.list_steps() == ([3] if durable else [])
     for place in ("", "worker-1"):
         handed = ShmHandover(tmp_path / "pod0" / place).latest_step()
         assert handed == (3 if place == handover else None), place
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_handover_that_fails_sends_the_slice_to_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, rank: int
+) -> None:
+    """Shared memory full at the hold: a slice writer writes its slice durably instead and
+    the hold goes on (rank 0 reports it), loudly; never a worker dead in the pause."""
+    import errno
+
+    import paddle
+
+    config = SessionConfig(
+        dataset_size=64, global_batch=8, seed=0, max_steps=1, checkpoint_dir=str(tmp_path / "c")
+    )
+    env = DistEnv(
+        rank=rank,
+        world_size=2,
+        master="127.0.0.1:1",
+        local_rank=rank,
+        local_size=2,
+        handover_dir=str(tmp_path / "pod0"),
+    )
+    channel = QueueChannel()
+    session = ElasticSession(config, env, channel)
+    session._use_model_parallel(MP2, form_groups=False)
+    net = paddle.nn.Linear(2, 2)
+    session.attach(net, paddle.optimizer.SGD(parameters=net.parameters()))
+
+    def full(*_: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    assert session.handover is not None
+    monkeypatch.setattr(session.handover, "put", full)
+    session._send_held(3, 0.0, checkpoint=True, ids=[])
+    (held,) = _helds(channel)
+    assert held.step == 3
+    assert (held.checkpoint is not None) == (rank == 0)
+    assert CheckpointStore(tmp_path / "c" / f"slice-pp0-sep0-mp{rank}").list_steps() == [3]
+    assert "handover of step 3 failed" in caplog.text and "writing it durably" in caplog.text
+
+
+def _helds(channel: QueueChannel) -> list[Held]:
+    sent = []
+    while not channel.outbox.empty():
+        sent.append(channel.outbox.get_nowait())
+    return [m for m in sent if isinstance(m, Held)]

@@ -1,6 +1,7 @@
 """The state a stayer hands to its own next worker, in the pod's memory.
 
-At a planned resize every rank holds at one step; the pod's first worker (local rank 0)
+At a planned resize every rank holds at one step; the pod's first worker (local rank 0;
+of a model-parallel job every worker, each its slice, in a handover directory of its own)
 writes the training state into the pod's shared memory (``/dev/shm``, which every process
 of the pod's container shares and which lives in RAM), and the next generation's workers of
 the same pod read it from there: a planned resize reads nothing from disk. A newcomer pod
@@ -32,7 +33,8 @@ was filled. On this VM a write(2) into fresh tmpfs pages cost 0.4-1.5 s per GB o
 machine and 3 s at load (the guest and the host back each page on first touch), into existing
 ones 0.3-0.4 s. So a pod holds one state's size in ``/dev/shm`` from its first worker's first
 step on, and two where the state it took is mapped beyond the restore (rank 0's pod): at most
-the handover and one spare, besides files deleted while still mapped. ``TIDE_HANDOVER_SPARE=0``
+the handover and one spare, besides files deleted while still mapped (per worker of a
+model-parallel pod: the sum of its workers' slices, and twice that at most). ``TIDE_HANDOVER_SPARE=0``
 (:class:`HandoverSettings`) keeps a pod to one file, for a pod whose ``/dev/shm`` counts in a
 memory limit sized for one state: a hold while the state taken is mapped then puts into fresh
 pages, as before the spare.
@@ -106,9 +108,10 @@ class StateHandover(Protocol):
         """The state handed over (complete), or None. It stays handed over."""
         ...
 
-    def reserve(self, nbytes: int) -> bool:
+    def reserve(self, nbytes: int, room_bytes: int = 0) -> bool:
         """Ready memory for the next put's ``nbytes`` of tensors ahead of the hold, where
-        nothing handed over will serve; True if it started to."""
+        nothing handed over will serve, if ``room_bytes`` (at least ``nbytes``: the pod's
+        other workers' spares too) fit; True if it started to."""
         ...
 
 
@@ -209,11 +212,13 @@ class ShmHandover:
                 os.replace(tensors, spare)
             shutil.rmtree(directory, ignore_errors=True)
 
-    def reserve(self, nbytes: int) -> bool:
+    def reserve(self, nbytes: int, room_bytes: int = 0) -> bool:
         """Fills ``nbytes`` of this pod's shared memory as the spare, on a thread, for the
         next put to write over (see the module docstring): only where no file the next put
         could write over is there (a fresh pod; a pod whose handover this process still maps,
-        as rank 0's durable write does). A put cancels it and takes what it filled."""
+        as rank 0's durable write does). A put cancels it and takes what it filled.
+        ``room_bytes``: what must fit for it, ``nbytes`` at least; the workers of a
+        model-parallel pod each fill one at once, each asking room for all."""
         with self._lock:
             if nbytes <= 0 or self._filling is not None or self._cancel.is_set():
                 return False
@@ -221,7 +226,7 @@ class ShmHandover:
             if any(_free(path) for path in files) or (files and not self.settings.spare):
                 return False
             self.root.mkdir(parents=True, exist_ok=True)
-            if not _room_for(self.root, nbytes):
+            if not _room_for(self.root, max(nbytes, room_bytes)):
                 # A full /dev/shm fails other users of it (a DataLoader's shared memory,
                 # NCCL's segments) with SIGBUS, and a memory-backed one counted in the pod's
                 # limit is an OOM kill: the spare is a speed-up, never worth either.

@@ -131,7 +131,10 @@ class SessionCheckpoints(SessionState):
             return
         self._handover_reserved = True
         arrays = paddle_state.live_arrays(self._model, self._optimizer)
-        self.handover.reserve(rawstate.layout(rawstate.specs(arrays))[2])
+        nbytes = rawstate.layout(rawstate.specs(arrays))[2]
+        # The workers of a model-parallel pod fill theirs at once: room for all of them.
+        workers = self.env.local_size if self._model_parallel.group_size > 1 else 1
+        self.handover.reserve(nbytes, room_bytes=nbytes * max(workers, 1))
 
     def _persist_pending_restore(self) -> None:
         if self._restored_unpersisted is not None:

@@ -125,18 +125,32 @@ class SessionControl(SessionCheckpoints):
             # the pause (restore()), so nothing of the durable write competes with the
             # barrier (tide/trainer/persist.py).
             handed: WrittenCheckpoint | None = None
-            # The pod's first worker (of a model-parallel job every worker, each its slice,
-            # in a handover of its own). A leaving pod has no next worker to read it; rank 0
-            # still reports the state.
-            hands_over = self.env.local_rank == 0 or self._model_parallel.group_size > 1
-            if hands_over and (self.rank == 0 or not leaving):
-                files = self._state_files(raw=True)
-                handed = self.handover.put(step, files, self._meta(step, False))
-            elif self._model_parallel.group_size > 1 and self.writes_durable:
-                # A leaving slice writer: once this process exits, its slice of this step
-                # might be nowhere (when no stayer holds it), and the next generation could
-                # not resume the step (tide/trainer/slices.py's fallback reads it here).
-                self._write_checkpoint(step, periodic=False, wait=True)
+            model_parallel = self._model_parallel.group_size > 1
+            if model_parallel and leaving and self.writes_durable:
+                # A leaving slice writer (rank 0 too): once this process exits, its slice of
+                # this step might be nowhere (when no stayer holds it), and the next
+                # generation could not resume the step (slices.py's fallback reads it here).
+                handed = self._write_held(step)
+            elif (self.env.local_rank == 0 or model_parallel) and (self.rank == 0 or not leaving):
+                # The pod's first worker (of a model-parallel job every worker, each its
+                # slice, in a handover of its own). A leaving pod has no next worker to read
+                # it; rank 0 still reports the state.
+                try:
+                    files = self._state_files(raw=True)
+                    handed = self.handover.put(step, files, self._meta(step, False))
+                except OSError as exc:
+                    # Shared memory full (other workers' handovers, a DataLoader's): the
+                    # state goes to the store instead, slower; a rank that writes none has
+                    # its successor take it from a peer or from the stores.
+                    logger.warning(
+                        "rank %d: handover of step %d failed (%s); %s",
+                        self.rank,
+                        step,
+                        exc,
+                        "writing it durably" if self.writes_durable else "not handed over",
+                    )
+                    if self.writes_durable:
+                        handed = self._write_held(step)
             if self.rank == 0:
                 assert handed is not None
                 info = CheckpointInfo(step=step, digest=handed.digest, write_s=handed.write_s)
@@ -144,9 +158,7 @@ class SessionControl(SessionCheckpoints):
             # Rank 0, or of a model-parallel job each slice's writer (the first replica's
             # ranks): a slice left at an older step would make a restore from the stores
             # go back to the newest step every slice has.
-            self._write_checkpoint(step, periodic=False, wait=True)
-            written = self._last_written
-            assert written is not None and written.step == step, "the checkpoint was not written"
+            written = self._write_held(step)
             if self.rank == 0:
                 info = CheckpointInfo(step=step, digest=written.digest, write_s=written.write_s)
         self._log.timing(
@@ -160,6 +172,13 @@ class SessionControl(SessionCheckpoints):
         self.channel.send(
             Held(step=step, held_at=held_at, directive_ids=tuple(ids), checkpoint=info)
         )
+
+    def _write_held(self, step: int) -> WrittenCheckpoint:
+        """The state of ``step`` written to the durable store, in the pause."""
+        self._write_checkpoint(step, periodic=False, wait=True)
+        written = self._last_written
+        assert written is not None and written.step == step, "the checkpoint was not written"
+        return written
 
     def _exit(self) -> None:
         logger.info(
