@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tide.base.cpuwait import process_cpu_wait_s
+from tide.base.cpuwait import process_thread_waits_s, waited_since
 
 pytestmark = pytest.mark.unit
 
@@ -48,10 +48,11 @@ def test_the_wait_of_threads_other_than_the_main_one_counts() -> None:
     try:
         assert child.stdout is not None and child.stdin is not None
         assert child.stdout.readline() == "ready\n"
-        before, main_before = process_cpu_wait_s(child.pid), _main_thread_wait_s(child.pid)
+        before = process_thread_waits_s(child.pid)
+        main_before = _main_thread_wait_s(child.pid)
         deadline = time.monotonic() + 10.0
         # Polled: on a loaded machine the two threads take longer to queue behind each other.
-        while process_cpu_wait_s(child.pid) - before < 0.2:
+        while waited_since(before, process_thread_waits_s(child.pid)) < 0.2:
             assert time.monotonic() < deadline, "the spinning threads never waited for the CPU"
             time.sleep(0.05)
         # The main thread slept on stdin throughout: its own wait is not what was counted.
@@ -67,4 +68,10 @@ def test_the_wait_of_threads_other_than_the_main_one_counts() -> None:
 def test_a_gone_process_waited_nothing() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    assert process_cpu_wait_s(child.pid) == 0.0
+    assert process_thread_waits_s(child.pid) == {}
+
+
+def test_a_thread_that_ended_between_the_reads_takes_nothing_away() -> None:
+    # Thread 2 ended (its 3 s gone from the second read), thread 3 is new: 0.5 + 0.2 waited.
+    assert waited_since({1: 5.0, 2: 3.0}, {1: 5.5, 3: 0.2}) == pytest.approx(0.7)
+    assert waited_since({1: 5.0, 2: 3.0}, {}) == 0.0

@@ -64,8 +64,8 @@ async def test_the_sigkill_line_names_the_cause(
     starved_s: float,
     level: str,
 ) -> None:
-    waited = iter([0.0])
-    monkeypatch.setattr(sup, "process_cpu_wait_s", lambda pid: next(waited, starved_s))
+    waited = iter([{1: 0.0}])
+    monkeypatch.setattr(sup, "process_thread_waits_s", lambda pid: next(waited, {1: starved_s}))
     caplog.set_level(logging.INFO, logger=sup.__name__)
     worker = StuckWorker()
     await supervisor(tmp_path).stop(worker)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 
 
 def _run_queue_s(raw: bytes) -> float:
@@ -50,21 +51,27 @@ def thread_cpu_wait_s(native_id: int) -> float:
         return 0.0
 
 
-def process_cpu_wait_s(pid: int) -> float:
-    """The run-queue time of process ``pid``'s threads, summed. Not the main thread's alone:
-    what a process waits on may be another of its threads (a reader that has not read the
-    message yet, a thread holding the GIL), and the waiting thread then sleeps, which is no
-    run-queue time of its own. A thread that ended between two reads drops out of the sum;
-    a caller takes the difference as a lower bound."""
+def process_thread_waits_s(pid: int) -> dict[int, float]:
+    """The run-queue time of each thread of process ``pid``, by thread id (empty when the
+    process is gone). Every thread, not the main one's alone: what a process waits on may
+    be another of its threads (a reader that has not read the message yet, a thread holding
+    the GIL), and the waiting thread then sleeps, which is no run-queue time of its own."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0.0
-    total = 0.0
+        return {}
+    waits: dict[int, float] = {}
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                total += _run_queue_s(f.read())
+                waits[int(tid)] = _run_queue_s(f.read())
         except (OSError, ValueError, IndexError):
             continue
-    return total
+    return waits
+
+
+def waited_since(before: Mapping[int, float], after: Mapping[int, float]) -> float:
+    """The run-queue time the threads of ``after`` gained since ``before``, summed: a thread
+    new since then counts whole, one that ended between the two reads drops out (a lower
+    bound, never negative)."""
+    return sum(max(0.0, w - before.get(tid, 0.0)) for tid, w in after.items())

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
-from tide.base.cpuwait import process_cpu_wait_s
+from tide.base.cpuwait import process_thread_waits_s, waited_since
 from tide.base.errors import Unavailable
 from tide.base.retry import Backoff
 from tide.trainer.channel import CONTROL_SOCKET_ENV
@@ -474,7 +474,7 @@ class WorkerSupervisor:
         if worker is self.worker:
             self._expected_exit = True
         lower_priority(worker.pid)
-        cpu_wait_s = process_cpu_wait_s(worker.pid)
+        waits_before = process_thread_waits_s(worker.pid)
         self.control.send(worker.pid, Exit())
         try:
             async with asyncio.timeout(self.s.exit_grace_s):
@@ -483,9 +483,11 @@ class WorkerSupervisor:
             # A worker lowered to nice 19 on a machine with more runnable work than cores
             # may get no CPU to exit within the grace: the machine's state, not a worker
             # that ignored its exit (on 2 shared cores at load 15-25, a WARNING in about
-            # one healthy run in three; issue 32). Every thread's wait counts: the main thread
-            # sleeps while the channel's reader, starved, has not read the exit yet.
-            starved_s = process_cpu_wait_s(worker.pid) - cpu_wait_s
+            # one healthy run in three; issue 32). Every thread's wait counts, summed: the exit
+            # needs the channel's reader, then the main thread, which sleeps meanwhile. (A
+            # hung worker whose threads spin at nice 19 on a loaded machine sums high too,
+            # and reads as starved: at INFO, still SIGKILLed.)
+            starved_s = waited_since(waits_before, process_thread_waits_s(worker.pid))
             logger.log(
                 logging.INFO if starved_s >= self.s.exit_grace_s / 2 else logging.WARNING,
                 "member %s: worker pid %d did not exit within %.1fs (%.2fs of it waiting for"
