@@ -11,7 +11,7 @@ import pytest
 
 from tide.trainer.launcher.group import WorkerGroup
 from tide.trainer.launcher.settings import LauncherSettings
-from tide.trainer.messages import Held, Progress, ToLauncher
+from tide.trainer.messages import Held, Progress, Resume, ToLauncher
 from tide.trainer.spawner import WorkerHandle
 
 pytestmark = pytest.mark.unit
@@ -32,6 +32,14 @@ def _group(tmp_path: Path, size: int, heard: list[ToLauncher]) -> WorkerGroup:
     return WorkerGroup(settings, spawner, tmp_path, envs, lambda: False, on_exit, on_message)
 
 
+class StubWorker:
+    """A worker that runs: a pid and no exit yet."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+
 async def _say(group: WorkerGroup, i: int, msg: ToLauncher) -> None:
     await group.members[i]._on_current_message(msg)
 
@@ -45,27 +53,58 @@ async def test_the_pods_hold_waits_for_its_last_worker(tmp_path: Path) -> None:
     assert heard == [], "the pod held before its worker 1 had handed its state over"
     await _say(group, 1, Held(step=7, directive_ids=("d1",)))
     assert heard == [lead]
-    # An answer from a worker already holding (another directive at the same step) goes on
-    # at once; a later worker's own answer adds nothing.
+    # A directive answered again from the hold (a pod told to leave after its ranks stopped
+    # on other pods' word) is handed over or written again: the pod's answer waits for it.
     again = Held(step=7, directive_ids=("d2",))
     await _say(group, 0, again)
+    await _say(group, 2, Held(step=7, directive_ids=("d2",)))
+    assert heard == [lead]
     await _say(group, 1, Held(step=7, directive_ids=("d2",)))
     assert heard == [lead, again]
 
 
-async def test_a_later_workers_hold_before_the_leaders_is_counted(tmp_path: Path) -> None:
+async def test_directives_answered_together_or_apart_count_alike(tmp_path: Path) -> None:
     heard: list[ToLauncher] = []
     group = _group(tmp_path, 2, heard)
-    await _say(group, 1, Held(step=3))
-    lead = Held(step=3)
-    await _say(group, 0, lead)
-    assert heard == [lead]
-    # The next hold of the generation waits again: step 3 is no hold at step 9.
-    nine = Held(step=9)
-    await _say(group, 0, nine)
-    assert heard == [lead]
-    await _say(group, 1, Held(step=9))
-    assert heard == [lead, nine]
+    await _say(group, 1, Held(step=5, directive_ids=("d1", "d2")))
+    first, second = Held(step=5, directive_ids=("d1",)), Held(step=5, directive_ids=("d2",))
+    await _say(group, 0, first)
+    await _say(group, 0, second)
+    assert heard == [first, second]
+
+
+async def test_a_resume_drops_the_hold_still_waiting(tmp_path: Path) -> None:
+    """The barrier ended without this pod's hold (aborted): passed on after the RESUME it
+    would say HOLDING of workers that train."""
+    heard: list[ToLauncher] = []
+    group = _group(tmp_path, 2, heard)
+    await _say(group, 0, Held(step=4, directive_ids=("d1",)))
+    group.send(Resume())
+    await _say(group, 1, Held(step=4, directive_ids=("d1",)))
+    assert heard == []
+
+
+async def test_the_old_generations_late_holds_count_for_nothing_new(tmp_path: Path) -> None:
+    heard: list[ToLauncher] = []
+    group = _group(tmp_path, 2, heard)
+    for i, m in enumerate(group.members):
+        m.worker = StubWorker(100 + i)
+    # A new generation's start replaces each old worker at the call (its coroutine runs
+    # later): what the old workers say until the switch is the old generation's.
+    starts = [m.start_generation({}, generation=2, rank=i) for i, m in enumerate(group.members)]
+    late = Held(step=30)
+    await _say(group, 1, Held(step=30))
+    await _say(group, 0, late)
+    assert heard == [late], "the old leader's answer still reaches the core, as before"
+    for i, (m, start) in enumerate(zip(group.members, starts, strict=True)):
+        start.close()
+        m.worker = StubWorker(200 + i)  # the switch
+    # The new generation restored step 20: its hold at 24 waits for its own worker 1.
+    hold = Held(step=24)
+    await _say(group, 0, hold)
+    assert heard == [late], "the old worker 1's hold at 30 counted for the new generation"
+    await _say(group, 1, Held(step=24))
+    assert heard == [late, hold]
 
 
 async def test_only_the_leaders_other_messages_are_passed_on(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tide.trainer.launcher.settings import LauncherSettings
 from tide.trainer.launcher.supervisor import WorkerSupervisor
-from tide.trainer.messages import Held, Progress, Ready, ToLauncher, ToWorker
+from tide.trainer.messages import Held, Progress, Ready, Resume, ToLauncher, ToWorker
 from tide.trainer.spawner import Spawner, WorkerHandle
 
 
@@ -54,6 +54,42 @@ class _Shared:
 
     async def close(self) -> None:
         pass
+
+
+class PodHolds:
+    """When a pod of ``size`` workers has held, within one generation: its leader's Held goes
+    on once every worker has held at that step or later and answered each directive the
+    leader's answers. Not the step alone: a worker already holding answers a directive that
+    comes late (a pod told to leave after its ranks stopped on other pods' word) by handing
+    over or writing its state again, which takes as long as the first time."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._steps = [0] * size
+        self._answered: list[set[str]] = [set() for _ in range(size)]
+        self._waiting: list[Held] = []
+
+    def held(self, worker: int, msg: Held) -> list[Held]:
+        """Worker ``worker`` said ``msg``: the leader's holds that go on now, in order."""
+        self._steps[worker] = max(self._steps[worker], msg.step)
+        self._answered[worker].update(msg.directive_ids)
+        if worker == 0:
+            self._waiting.append(msg)
+        done: list[Held] = []
+        while self._waiting and self._all_held(self._waiting[0]):
+            done.append(self._waiting.pop(0))
+        return done
+
+    def resumed(self) -> None:
+        """A RESUME went out: a hold still waiting answers a barrier that ended without it,
+        and passed on now would say HOLDING of a worker that trains."""
+        self._waiting.clear()
+
+    def _all_held(self, lead: Held) -> bool:
+        ids = set(lead.directive_ids)
+        return all(
+            self._steps[j] >= lead.step and ids <= self._answered[j] for j in range(self._size)
+        )
 
 
 class WorkerGroup:
@@ -92,10 +128,7 @@ class WorkerGroup:
         ]
         self._ready: dict[int, Ready] = {}
         self._rates: dict[int, float] = {}
-        # Each local worker's latest held step, and the leader's holds not passed on yet
-        # (steps only grow within a generation).
-        self._held_steps: dict[int, int] = {}
-        self._lead_holds: list[Held] = []
+        self._holds = PodHolds(self.size)
 
     @property
     def leader(self) -> WorkerSupervisor:
@@ -141,10 +174,14 @@ class WorkerGroup:
                         )
                     )
             elif isinstance(msg, Held):
-                self._held_steps[i] = max(msg.step, self._held_steps.get(i, 0))
-                if i == 0:
-                    self._lead_holds.append(msg)
-                await self._pass_on_holds()
+                if self.members[i].replacing:
+                    # The old generation's worker, answering late as it is replaced: none of
+                    # the new generation's holds. The leader's still reaches the core.
+                    if i == 0:
+                        await self._on_message(msg)
+                    return
+                for held in self._holds.held(i, msg):
+                    await self._on_message(held)
             elif isinstance(msg, Progress):
                 self._rates[i] = msg.samples_per_s
                 if i == 0:
@@ -154,12 +191,6 @@ class WorkerGroup:
                 await self._on_message(msg)
 
         return handler
-
-    async def _pass_on_holds(self) -> None:
-        while self._lead_holds and all(
-            self._held_steps.get(j, 0) >= self._lead_holds[0].step for j in range(self.size)
-        ):
-            await self._on_message(self._lead_holds.pop(0))
 
     async def start(self) -> float:
         for d in self._dirs:
@@ -179,6 +210,8 @@ class WorkerGroup:
             m.ensure_standby_soon()
 
     def send(self, msg: ToWorker) -> None:
+        if isinstance(msg, Resume):
+            self._holds.resumed()
         for m in self.members:
             m.send(msg)
 
@@ -198,9 +231,7 @@ class WorkerGroup:
         used only if every local worker's did (the group needs all of its ranks)."""
         self._ready.clear()
         self._rates.clear()
-        # A generation restored from an older checkpoint holds at steps below the last one's.
-        self._held_steps.clear()
-        self._lead_holds.clear()
+        self._holds = PodHolds(self.size)
         prepared = prepared and all(m.prepared_for(generation) for m in self.members)
         started = await asyncio.gather(
             *(

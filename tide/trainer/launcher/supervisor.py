@@ -378,6 +378,12 @@ class WorkerSupervisor:
 
     # -- a generation's worker ------------------------------------------------------------
 
+    @property
+    def replacing(self) -> bool:
+        """The current worker is the one a new generation's start replaces (its messages
+        until the switch are the old generation's)."""
+        return self.worker is not None and self.worker is self._replaced
+
     def start_generation(
         self, env: Mapping[str, str], generation: int, rank: int, prepared: bool = False
     ) -> Coroutine[Any, Any, tuple[WorkerHandle, bool]]:
