@@ -4,6 +4,8 @@ all_groups, plan_slices), its state's layout file (tide/trainer/slices.py), and 
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -292,14 +294,19 @@ def test_each_worker_of_a_pod_hands_its_slice_over_and_a_leaving_slice_writer_wr
         assert handed == (3 if place == handover else None), place
 
 
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize(
+    ("rank", "code"), [(0, errno.ENOSPC), (1, errno.ENOSPC), (1, errno.ENOMEM), (0, errno.EIO)]
+)
 def test_a_handover_that_fails_sends_the_slice_to_the_store(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, rank: int
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    rank: int,
+    code: int,
 ) -> None:
     """Shared memory full at the hold: a slice writer writes its slice durably instead and
-    the hold goes on (rank 0 reports it), loudly; never a worker dead in the pause."""
-    import errno
-
+    the hold goes on (rank 0 reports it), loudly; never a worker dead in the pause. Any
+    other error (Paddle raises a device's failures as OSError) is raised."""
     import paddle
 
     config = SessionConfig(
@@ -320,10 +327,15 @@ def test_a_handover_that_fails_sends_the_slice_to_the_store(
     session.attach(net, paddle.optimizer.SGD(parameters=net.parameters()))
 
     def full(*_: Any) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError(code, os.strerror(code))
 
     assert session.handover is not None
     monkeypatch.setattr(session.handover, "put", full)
+    if code == errno.EIO:
+        with pytest.raises(OSError, match="Input/output error"):
+            session._send_held(3, 0.0, checkpoint=True, ids=[])
+        assert _helds(channel) == []
+        return
     session._send_held(3, 0.0, checkpoint=True, ids=[])
     (held,) = _helds(channel)
     assert held.step == 3

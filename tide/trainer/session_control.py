@@ -7,6 +7,7 @@ changes with it; the step loop calls it once per step boundary.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from dataclasses import asdict
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 # How long a worker asked to exit waits for a durable write under way, seconds.
 EXIT_PERSIST_WAIT_S = 0.3
+# A handover's put failing with one of these found the pod's memory full; any other error
+# (Paddle raises a device's failures as OSError too) is the worker's end.
+_MEMORY_FULL = frozenset({errno.ENOSPC, errno.ENOMEM, errno.EDQUOT, errno.EFBIG})
 
 
 class SessionExit(SystemExit):
@@ -135,10 +139,12 @@ class SessionControl(SessionCheckpoints):
                 # The pod's first worker (of a model-parallel job every worker, each its
                 # slice, in a handover of its own). A leaving pod has no next worker to read
                 # it; rank 0 still reports the state.
+                files = self._state_files(raw=True)
                 try:
-                    files = self._state_files(raw=True)
                     handed = self.handover.put(step, files, self._meta(step, False))
                 except OSError as exc:
+                    if exc.errno not in _MEMORY_FULL:
+                        raise
                     # Shared memory full (other workers' handovers, a DataLoader's): the
                     # state goes to the store instead, slower; a rank that writes none has
                     # its successor take it from a peer or from the stores.
