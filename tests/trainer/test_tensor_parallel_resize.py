@@ -3,7 +3,8 @@ mp_degree 2 by hand over gloo) resized by whole replicas, 2 -> 4 -> 2 ranks (1 -
 of two workers, each pod a replica), under the coordinator and launchers, against a fixed
 2-rank run: every parameter slice and optimizer slot, every sample once per epoch, no step
 lost. The newcomers of the grow take their slices from the stayers at the same tensor rank
-(tide/trainer/slices.py); each stayer takes its own from its pod's memory."""
+(tide/trainer/slices.py); each stayer takes its own from its pod's memory. In plain and in
+overlap mode."""
 
 from __future__ import annotations
 
@@ -47,16 +48,19 @@ def fixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["plain", "overlap"])
 async def test_a_tensor_parallel_job_resized_by_replicas_matches_a_fixed_run(
-    tmp_path: Path, fixed: Path
+    tmp_path: Path, fixed: Path, mode: str
 ) -> None:
     # Pods of two workers, each pod one replica (as a node of GPUs runs a tensor-parallel
-    # group): the grow and the shrink move whole pods.
+    # group): the grow and the shrink move whole pods. In overlap mode each worker's
+    # prepared successor restores its slice while the old generation trains.
     job = LocalJob(
         tmp_path / "job",
         TRAIN,
         heartbeat_timeout_s=10.0,
         step_gate=True,
+        resize_mode=mode,
         launcher_args=["--workers-per-pod", "2"],
     )
     job.example = EXAMPLE
