@@ -67,6 +67,12 @@ def lower_priority(pid: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, RETIRED_NICE)
 
 
+def _retire(pid: int) -> dict[int, float]:
+    """``pid`` lowered to :data:`RETIRED_NICE`, and its threads' CPU waits from then."""
+    lower_priority(pid)
+    return process_thread_waits_s(pid)
+
+
 #: What the PaddleJob operators set that would contradict a generation's world.
 OPERATOR_PADDLE_ENV = frozenset(
     {
@@ -479,8 +485,8 @@ class WorkerSupervisor:
             return
         if worker is self.worker:
             self._expected_exit = True
-        lower_priority(worker.pid)
-        waits_before = process_thread_waits_s(worker.pid)
+        # /proc reads, one per thread of the worker: off the event loop.
+        waits_before = await asyncio.to_thread(_retire, worker.pid)
         self.control.send(worker.pid, Exit())
         try:
             async with asyncio.timeout(self.s.exit_grace_s):
@@ -493,7 +499,8 @@ class WorkerSupervisor:
             # needs the channel's reader, then the main thread, which sleeps meanwhile. (A
             # hung worker whose threads spin at nice 19 on a loaded machine sums high too,
             # and reads as starved: at INFO, still SIGKILLed.)
-            starved_s = waited_since(waits_before, process_thread_waits_s(worker.pid))
+            waits = await asyncio.to_thread(process_thread_waits_s, worker.pid)
+            starved_s = waited_since(waits_before, waits)
             logger.log(
                 logging.INFO if starved_s >= self.s.exit_grace_s / 2 else logging.WARNING,
                 "member %s: worker pid %d did not exit within %.1fs (%.2fs of it waiting for"
