@@ -261,28 +261,7 @@ def test_each_worker_of_a_pod_hands_its_slice_over_and_a_leaving_slice_writer_wr
     in the pod's directory). A leaving slice writer has no next worker: it makes its slice
     of the held step durable, else it could be nowhere once the worker exits (slices.py's
     fallback reads it there)."""
-    import paddle
-
-    config = SessionConfig(
-        dataset_size=64,
-        global_batch=8,
-        seed=0,
-        max_steps=1,
-        checkpoint_dir=str(tmp_path / "ckpt"),
-    )
-    env = DistEnv(
-        rank=rank,
-        world_size=2,
-        master="127.0.0.1:1",
-        local_rank=local_rank,
-        local_size=2,
-        handover_dir=str(tmp_path / "pod0"),
-    )
-    channel = QueueChannel()
-    session = ElasticSession(config, env, channel)
-    session._use_model_parallel(MP2, form_groups=False)
-    net = paddle.nn.Linear(2, 2)
-    session.attach(net, paddle.optimizer.SGD(parameters=net.parameters()))
+    session, channel = _pod_worker(tmp_path, rank, local_rank)
     session._send_held(3, 0.0, checkpoint=True, ids=[], leaving=leaving)
     (held,) = _helds(channel)
     assert held.step == 3
@@ -307,24 +286,7 @@ def test_a_handover_that_fails_sends_the_slice_to_the_store(
     """Shared memory full at the hold: a slice writer writes its slice durably instead and
     the hold goes on (rank 0 reports it), loudly; never a worker dead in the pause. Any
     other error (Paddle raises a device's failures as OSError) is raised."""
-    import paddle
-
-    config = SessionConfig(
-        dataset_size=64, global_batch=8, seed=0, max_steps=1, checkpoint_dir=str(tmp_path / "c")
-    )
-    env = DistEnv(
-        rank=rank,
-        world_size=2,
-        master="127.0.0.1:1",
-        local_rank=rank,
-        local_size=2,
-        handover_dir=str(tmp_path / "pod0"),
-    )
-    channel = QueueChannel()
-    session = ElasticSession(config, env, channel)
-    session._use_model_parallel(MP2, form_groups=False)
-    net = paddle.nn.Linear(2, 2)
-    session.attach(net, paddle.optimizer.SGD(parameters=net.parameters()))
+    session, channel = _pod_worker(tmp_path, rank, local_rank=rank)
 
     def full(*_: Any) -> None:
         raise OSError(code, os.strerror(code))
@@ -340,8 +302,31 @@ def test_a_handover_that_fails_sends_the_slice_to_the_store(
     (held,) = _helds(channel)
     assert held.step == 3
     assert (held.checkpoint is not None) == (rank == 0)
-    assert CheckpointStore(tmp_path / "c" / f"slice-pp0-sep0-mp{rank}").list_steps() == [3]
+    assert CheckpointStore(tmp_path / "ckpt" / f"slice-pp0-sep0-mp{rank}").list_steps() == [3]
     assert "handover of step 3 failed" in caplog.text and "writing it durably" in caplog.text
+
+
+def _pod_worker(tmp_path: Path, rank: int, local_rank: int) -> tuple[ElasticSession, QueueChannel]:
+    """Worker ``local_rank`` of pod 0 (two workers) of an mp 2 job at 2 ranks, attached."""
+    import paddle
+
+    config = SessionConfig(
+        dataset_size=64, global_batch=8, seed=0, max_steps=1, checkpoint_dir=str(tmp_path / "ckpt")
+    )
+    env = DistEnv(
+        rank=rank,
+        world_size=2,
+        master="127.0.0.1:1",
+        local_rank=local_rank,
+        local_size=2,
+        handover_dir=str(tmp_path / "pod0"),
+    )
+    channel = QueueChannel()
+    session = ElasticSession(config, env, channel)
+    session._use_model_parallel(MP2, form_groups=False)
+    net = paddle.nn.Linear(2, 2)
+    session.attach(net, paddle.optimizer.SGD(parameters=net.parameters()))
+    return session, channel
 
 
 def _helds(channel: QueueChannel) -> list[Held]:
