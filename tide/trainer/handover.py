@@ -34,10 +34,10 @@ machine and 3 s at load (the guest and the host back each page on first touch), 
 ones 0.3-0.4 s. So a pod holds one state's size in ``/dev/shm`` from its first worker's first
 step on, and two where the state it took is mapped beyond the restore (rank 0's pod): at most
 the handover and one spare, besides files deleted while still mapped (per worker of a
-model-parallel pod: the sum of its workers' slices, and twice that at most). ``TIDE_HANDOVER_SPARE=0``
-(:class:`HandoverSettings`) keeps a pod to one file, for a pod whose ``/dev/shm`` counts in a
-memory limit sized for one state: a hold while the state taken is mapped then puts into fresh
-pages, as before the spare.
+model-parallel pod: the sum of its workers' slices, and twice that at most).
+``TIDE_HANDOVER_SPARE=0`` (:class:`HandoverSettings`) keeps a pod to one file, for a pod whose
+``/dev/shm`` counts in a memory limit sized for one state: a hold while the state taken is
+mapped then puts into fresh pages, as before the spare.
 """
 
 from __future__ import annotations

@@ -121,20 +121,28 @@ class SessionCheckpoints(SessionState):
             )
         return last
 
+    @property
+    def _hands_over(self) -> bool:
+        """This worker puts its state in a handover at a hold: the pod's first worker, or of
+        a model-parallel job every worker, each its slice in a handover of its own
+        (session_startup.py); a plain job's later workers only take from the pod's."""
+        return self.handover is not None and (
+            self.env.local_rank == 0 or self._model_parallel.group_size > 1
+        )
+
     def _reserve_handover(self) -> None:
-        """Once, after this worker's first step (its optimizer's accumulators exist): the pod's
+        """Once, after this worker's first step (its optimizer's accumulators exist): the
         handover readies memory of the state's size for the put at a hold, off the pause
-        (tide/trainer/handover.py). Only the pod's first worker puts (of a model-parallel
-        job every worker, each its slice)."""
-        later_worker = self.env.local_rank != 0 and self._model_parallel.group_size == 1
-        if self._handover_reserved or self.handover is None or later_worker:
+        (tide/trainer/handover.py)."""
+        if self._handover_reserved or not self._hands_over:
             return
+        assert self.handover is not None
         self._handover_reserved = True
         arrays = paddle_state.live_arrays(self._model, self._optimizer)
         nbytes = rawstate.layout(rawstate.specs(arrays))[2]
-        # The workers of a model-parallel pod fill theirs at once: room for all of them.
-        workers = self.env.local_size if self._model_parallel.group_size > 1 else 1
-        self.handover.reserve(nbytes, room_bytes=nbytes * max(workers, 1))
+        # Every worker that hands over fills its spare at once: room for all of them.
+        pod_bytes = nbytes * self.env.local_size if self._model_parallel.group_size > 1 else nbytes
+        self.handover.reserve(nbytes, room_bytes=pod_bytes)
 
     def _persist_pending_restore(self) -> None:
         if self._restored_unpersisted is not None:

@@ -129,16 +129,13 @@ class SessionControl(SessionCheckpoints):
             # the pause (restore()), so nothing of the durable write competes with the
             # barrier (tide/trainer/persist.py).
             handed: WrittenCheckpoint | None = None
-            model_parallel = self._model_parallel.group_size > 1
-            if model_parallel and leaving and self.writes_durable:
+            if self._model_parallel.group_size > 1 and leaving and self.writes_durable:
                 # A leaving slice writer (rank 0 too): once this process exits, its slice of
                 # this step might be nowhere (when no stayer holds it), and the next
                 # generation could not resume the step (slices.py's fallback reads it here).
                 handed = self._write_held(step)
-            elif (self.env.local_rank == 0 or model_parallel) and (self.rank == 0 or not leaving):
-                # The pod's first worker (of a model-parallel job every worker, each its
-                # slice, in a handover of its own). A leaving pod has no next worker to read
-                # it; rank 0 still reports the state.
+            elif self._hands_over and (self.rank == 0 or not leaving):
+                # A leaving pod has no next worker to read it; rank 0 still reports the state.
                 files = self._state_files(raw=True)
                 try:
                     handed = self.handover.put(step, files, self._meta(step, False))

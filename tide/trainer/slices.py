@@ -15,8 +15,9 @@ that source drops the bytes).
 When memory holds the newest step but cannot bring it to every rank (a slice none of its
 holders stayed with, a damaged transfer), the fallback is restore.py's: for each slice whose
 store lacks that step, the lowest rank holding it in memory writes it there, and every rank
-without it intact reads its own slice's store at that step. A slice neither memory nor its store holds at that step fails the restore loudly,
-on every rank: never a restart from scratch or from an older step.
+without it intact reads its own slice's store at that step. A slice neither memory nor its
+store holds at that step fails the restore loudly, on every rank: never a restart from
+scratch or from an older step.
 
 After a crash (memory holds nothing newer), every rank reads its slice's store at the newest
 step present in every slice's store (the stores' step lists are gathered: a slice's writer

@@ -5,12 +5,11 @@ The coordinator's member is the pod; the pod's workers are ranks
 ``pod_rank * size .. pod_rank * size + size - 1`` of the generation (tide/trainer/devices.py).
 Local worker 0 speaks for the pod: its progress (with the samples/s of all local workers
 summed), its holds, its checkpoints and its end of training are what the core hears. Its hold
-is passed on once every local worker has held at that step: each hands its own state over (a
-model-parallel job's workers, each its slice) or writes it before it says Held, and what the
-pod's Held sets going (the next generation's start, a drain's exit) would cut a later worker's
-short. The
-others are supervised for their lives only: one that dies unasked fails the pod, as the
-loss of any rank breaks the generation's group. Every control message goes to every local
+is passed on once every local worker has held too (:class:`PodHolds`): each hands its own
+state over (a model-parallel job's workers, each its slice) or writes it before it says Held,
+and what the pod's Held sets going (the next generation's start, a drain's exit) would cut a
+later worker's short. The others are supervised for their lives only: one that dies unasked
+fails the pod, as the loss of any rank breaks the generation's group. Every control message goes to every local
 worker (a HOLD or CHECKPOINT to one would do, as the ranks agree on the stop step among
 themselves, but RESUME and EXIT must reach each).
 
