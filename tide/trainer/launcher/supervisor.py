@@ -67,6 +67,16 @@ def lower_priority(pid: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, RETIRED_NICE)
 
 
+def _running(pid: int) -> bool:
+    """False once ``pid`` has ended: gone, or a zombie its parent has not reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
 def _retire(pid: int) -> dict[int, float]:
     """``pid`` lowered to :data:`RETIRED_NICE`, and its threads' CPU waits from then."""
     lower_priority(pid)
@@ -492,6 +502,19 @@ class WorkerSupervisor:
             async with asyncio.timeout(self.s.exit_grace_s):
                 await worker.wait()
         except TimeoutError:
+            if not await asyncio.to_thread(_running, worker.pid):
+                # It ended, and its end was read late: this launcher's loop or its zygote
+                # (which reports a forked worker's end) waited for a CPU. Two CI runs logged
+                # "0.00s of it waiting" for a worker that had logged its exit at once.
+                logger.info(
+                    "member %s: worker pid %d ended as its %.1fs exit grace ran out (its end"
+                    " read late)",
+                    self.member_id,
+                    worker.pid,
+                    self.s.exit_grace_s,
+                )
+                await worker.wait()
+                return
             # A worker lowered to nice 19 on a machine with more runnable work than cores
             # may get no CPU to exit within the grace: the machine's state, not a worker
             # that ignored its exit (on 2 shared cores at load 15-25, a WARNING in about
