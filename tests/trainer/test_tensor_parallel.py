@@ -102,25 +102,36 @@ def _config(**kw: Any) -> SessionConfig:
     )
 
 
+PP2 = ModelParallel(pp_degree=2)
+
+
 @pytest.mark.parametrize(
     ("kw", "named"),
     [
-        ({"model_parallel": ModelParallel(pp_degree=2)}, "model_parallel.pp_degree=2"),
         ({"model_parallel": ModelParallel(sep_degree=2)}, "model_parallel.sep_degree=2"),
-        ({"model_parallel": MP2, "sharding_degree_max": 2}, "sharding_degree_max=2"),
-        ({"model_parallel": MP2, "virtual_ranks": 4}, "virtual_ranks=4"),
-        (
-            {"model_parallel": MP2, "checkpoint": CheckpointSettings(every_s=30.0)},
-            "every_s=30.0",
+        *(
+            case
+            for mp, name in ((MP2, "mp_degree=2"), (PP2, "pp_degree=2"))
+            for case in (
+                ({"model_parallel": mp, "sharding_degree_max": 2}, "sharding_degree_max=2"),
+                ({"model_parallel": mp, "virtual_ranks": 4}, f"virtual_ranks=4 with {name}"),
+                (
+                    {"model_parallel": mp, "checkpoint": CheckpointSettings(every_s=30.0)},
+                    "every_s=30.0",
+                ),
+            )
         ),
     ],
 )
-def test_what_the_session_cannot_run_beside_tensor_parallelism_is_refused(
+def test_what_the_session_cannot_run_beside_tensor_or_pipeline_parallelism_is_refused(
     kw: dict[str, Any], named: str
 ) -> None:
     with pytest.raises(ConfigError, match=named):
         _config(**kw)
     assert _config(model_parallel=MP2).model_parallel.group_size == 2
+    assert _config(model_parallel=PP2).model_parallel.group_size == 2
+    both = ModelParallel(mp_degree=2, pp_degree=2)
+    assert _config(model_parallel=both).model_parallel.group_size == 4
 
 
 def test_the_fleet_strategy_of_a_tensor_parallel_job_has_its_replicas_and_no_sharding() -> None:

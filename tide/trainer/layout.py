@@ -232,6 +232,16 @@ class RankLayout:
         ]
 
     @property
+    def pipeline_ranks(self) -> list[int]:
+        """The ranks of this rank's replica, sequence rank and tensor rank over the pipeline
+        stages, by stage: its pipeline (tide/trainer/pipeline.py sends activations and
+        gradients between adjacent ones)."""
+        c = self.coord
+        return [
+            rank_of(Coord(c.dp, s, c.sep, c.mp), self.model) for s in range(self.model.pp_degree)
+        ]
+
+    @property
     def logs_samples(self) -> bool:
         """One rank per replica logs the replica's sample ids (its slice (0, 0, 0)): all of
         a replica's ranks train on the same ones."""
@@ -254,15 +264,20 @@ def slice_name(s: tuple[int, int, int]) -> str:
 
 
 def all_groups(world_size: int, model: ModelParallel) -> list[list[int]]:
-    """Every data-parallel group, then every tensor group, of more than one rank: the
-    subgroups a model-parallel job forms, listed the same on every rank (Paddle numbers
-    groups in the order each process forms them)."""
+    """Every data-parallel group, then every tensor group, then every pipeline group and
+    every pair of adjacent stages that is not one, of more than one rank: the subgroups a
+    model-parallel job forms, listed the same on every rank (Paddle numbers groups in the
+    order each process forms them)."""
     tensor: list[list[int]] = []
+    pipes: list[list[int]] = []
     for rank in range(world_size):
-        ranks = RankLayout(model, world_size, rank).tensor_ranks
-        if ranks[0] == rank:
-            tensor.append(ranks)
-    return [g for g in (*dp_groups(world_size, model), *tensor) if len(g) > 1]
+        me = RankLayout(model, world_size, rank)
+        if me.tensor_ranks[0] == rank:
+            tensor.append(me.tensor_ranks)
+        if me.pipeline_ranks[0] == rank:
+            pipes.append(me.pipeline_ranks)
+    pairs = [p[s : s + 2] for p in pipes for s in range(len(p) - 1) if len(p) > 2]
+    return [g for g in (*dp_groups(world_size, model), *tensor, *pipes, *pairs) if len(g) > 1]
 
 
 @dataclass(frozen=True)

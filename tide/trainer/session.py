@@ -106,9 +106,10 @@ class SessionConfig:
     # and replicates data-parallel over the rest (tide/trainer/sharding.py degrees; docs/sharded.md).
     sharding_degree_max: int = 0
     # A model-parallel job's degrees (tide/trainer/layout.py): each replica a whole tensor
-    # group of mp_degree ranks, the job elastic along the replicas only (docs/sharded.md
-    # "Layouts"). State them here for tensor parallelism by hand (fleet refuses mp on a CPU);
-    # a fleet script may state them in its strategy instead (session.fleet_strategy()).
+    # group of mp_degree ranks (times pp_degree pipeline stages), the job elastic along the
+    # replicas only (docs/sharded.md "Layouts"). State them here for tensor or pipeline
+    # parallelism by hand (fleet refuses mp on a CPU; fleet's pipeline is refused); a fleet
+    # script may state mp_degree in its strategy instead (session.fleet_strategy()).
     model_parallel: ModelParallel = field(default_factory=ModelParallel)
 
     def __post_init__(self) -> None:
@@ -127,20 +128,12 @@ class SessionConfig:
                 f"sharding_degree_max must be >= 0 (0: no cap), got {self.sharding_degree_max}"
             )
         mp = self.model_parallel
-        for name, value, why in (
-            (
-                "pp_degree",
-                mp.pp_degree,
-                "session.step(loss) needs the step's loss on every rank, a pipeline has it "
-                "on its last stage only",
-            ),
-            ("sep_degree", mp.sep_degree, "its session path is not built nor checked"),
-        ):
-            if value > 1:
-                raise ConfigError(
-                    f"model_parallel.{name}={value} is not supported under Tide: {why} "
-                    "(tensor parallelism, mp_degree, is; docs/sharded.md)"
-                )
+        if mp.sep_degree > 1:
+            raise ConfigError(
+                f"model_parallel.sep_degree={mp.sep_degree} is not supported under Tide: its "
+                "session path is not built nor checked (tensor and pipeline parallelism by "
+                "hand, mp_degree and pp_degree, are; docs/sharded.md)"
+            )
         # Here too, so that a config states nothing the session cannot run; a strategy's
         # mp_degree is checked where the session takes it (session_startup.py).
         sharding.check_beside_model_parallel(
@@ -187,6 +180,7 @@ class ElasticSession(SessionStartup, SessionLoop):
             self.config.sharding_degree_max,
             self._model_parallel,
         )
+        sharding.check_pipeline_attached(self._model_parallel, model, scaler, fleet_job)
         sharding.check_data_parallel_group(model, self.layout)
         if fleet_job is not None and self._model_parallel.group_size > 1:
             # fleet formed the groups of this layout: the session sums over its own.
@@ -230,8 +224,9 @@ class ElasticSession(SessionStartup, SessionLoop):
         and sharding degrees by ``config.sharding_degree_max`` (tide/trainer/sharding.py degrees;
         docs/sharded.md). After
         :meth:`init_process_group`: the world size is known then. Raises
-        ``UnsupportedLayout`` for tensor or pipeline parallelism, sharding stage 2 and the
-        like."""
+        ``UnsupportedLayout`` for fleet's pipeline parallelism, a pipeline by hand
+        (``SessionConfig.model_parallel.pp_degree``: its stages run without fleet), sharding
+        stage 2 and the like."""
         if not self.lifecycle.grouped:
             raise UsageError(
                 "session.fleet_strategy() before session.init_process_group(): the sharding "

@@ -16,6 +16,7 @@ from typing import Any
 
 from tide.trainer.contract import UsageError
 from tide.trainer.messages import Progress
+from tide.trainer.pipeline import Pipeline
 from tide.trainer.sampler import MicroBatch, micro_batches
 from tide.trainer.session_control import SessionControl
 
@@ -51,6 +52,21 @@ class SessionLoop(SessionControl):
         self.lifecycle.training("session.current")
         return self._current()
 
+    @property
+    def pipeline(self) -> Pipeline:
+        """This rank's pipeline stage (``SessionConfig.model_parallel.pp_degree`` > 1): its
+        ``recv()`` and ``send(outputs)`` for the activations of the current micro-batch
+        (tide/trainer/pipeline.py)."""
+        if self._model_parallel.pp_degree == 1:
+            raise UsageError(
+                "session.pipeline without pipeline parallelism: state the stages in "
+                "SessionConfig.model_parallel = ModelParallel(pp_degree=...)"
+            )
+        self.lifecycle.training("session.pipeline")
+        if self._pipeline is None:
+            self._pipeline = Pipeline(self.layout, self._groups, self._current)
+        return self._pipeline
+
     def plans(self) -> Iterator[MicroBatch]:
         """This rank's micro-batches, one by one, until the budget is done."""
         self.lifecycle.training("session.plans()")
@@ -60,12 +76,14 @@ class SessionLoop(SessionControl):
             if self._current() is mb:
                 raise UsageError(f"step {mb.step}: call session.step(loss) inside the loop")
 
-    def step(self, loss: Any, indices: Any = None) -> float | None:
+    def step(self, loss: Any = None, indices: Any = None) -> float | None:
         """Backward of the current micro-batch's loss: its *mean*, or its per-sample losses
         (None: this rank ran no forward, plain models only); after a rank's last
         micro-batch of the step, the sum over ranks, the optimizer (and scaler, LR
         scheduler) step and the step-boundary hook. Returns the global batch's mean loss
-        after the step's last micro-batch, else None.
+        after the step's last micro-batch, else None. A pipeline's stage before the last
+        passes no loss: its backward starts from the gradient of what it sent
+        (tide/trainer/pipeline.py).
 
         Before the backward it checks that the batch came from :meth:`batch_sampler` (or
         :meth:`plans`) for this very micro-batch, and ``indices``, the sample ids the batch
@@ -78,14 +96,22 @@ class SessionLoop(SessionControl):
                 "when the batch sampler (or session.plans()) ends, then call session.finish()"
             )
         ids = self.deliveries.check(mb, indices)
+        pipe = self.pipeline if self._model_parallel.pp_degree > 1 else None
+        if pipe is not None:
+            pipe.check_step(mb, loss)
         stepper = self.stepper
         if self.timings.first_step_at == 0.0 and not self._first_parts:
             self._first_parts["forward_s"] = time.monotonic() - self._first_step_started
-        term = stepper.weighted(mb, loss)
+        term = stepper.weighted(mb, loss) if pipe is None or pipe.last else None
         self.deliveries.consumed(mb)
         if not mb.padding:
             self._delivered.extend(ids)
-        stepper.backward(mb, term)
+        if pipe is not None and not pipe.last:
+            pipe.backward(mb)
+        else:
+            stepper.backward(mb, term)
+        if pipe is not None:
+            pipe.send_input_grad(mb)
         if self.timings.first_step_at == 0.0 and "backward_s" not in self._first_parts:
             self._first_parts["backward_s"] = (
                 time.monotonic() - self._first_step_started - self._first_parts["forward_s"]
@@ -99,6 +125,8 @@ class SessionLoop(SessionControl):
         step_micro = self._micro
         applied = time.monotonic()
         self._global_loss = stepper.apply()
+        if pipe is not None:
+            self._global_loss = pipe.share_loss(self._global_loss)
         self._last_reduce_s = stepper.last_reduce_s
         if self.timings.first_step_at == 0.0:
             self._first_parts["apply_s"] = time.monotonic() - applied

@@ -149,11 +149,9 @@ class SessionStartup(SessionControl):
             import paddle.distributed as dist
 
             for ranks in all_groups(self.world_size, model_parallel):
-                group = dist.new_group(ranks)
-                if ranks == layout.dp_ranks:
-                    self._dp_group = group
-                elif ranks == layout.tensor_ranks:
-                    self._tensor_group = group
+                self._groups[tuple(ranks)] = dist.new_group(ranks)
+            self._dp_group = self._groups.get(tuple(layout.dp_ranks))
+            self._tensor_group = self._groups.get(tuple(layout.tensor_ranks))
         c = layout.coord
         # The operator's line, and the e2e tests' (tide/services/testing/parity.py parses it).
         logger.info(
@@ -184,8 +182,8 @@ class SessionStartup(SessionControl):
             if plain:
                 raise ConfigError(
                     f"checkpoint_dir={cfg.checkpoint_dir!r} holds a job's checkpoints without "
-                    f"model parallelism (steps {plain}), this job's mp_degree is "
-                    f"{self._model_parallel.mp_degree}: its slices' stores are slice-* "
+                    f"model parallelism (steps {plain}), this job runs "
+                    f"{sharding.describe(self._model_parallel)}: its slices' stores are slice-* "
                     "subdirectories; give it another checkpoint_dir"
                 )
         elif self._slice_store((0, 0, 0)).list_steps():

@@ -24,6 +24,7 @@ from tide.trainer.handover import ShmHandover, StateHandover
 from tide.trainer.layout import ModelParallel, RankLayout
 from tide.trainer.objstore import make_store
 from tide.trainer.persist import DurableStore, DurableWriter
+from tide.trainer.pipeline import Pipeline
 from tide.trainer.sampler import MicroBatch, ResumableSampler, SamplerConfig
 from tide.trainer.sharding import Gathered, Sharded
 from tide.trainer.steplog import StepLog
@@ -128,6 +129,10 @@ class SessionState:
         self._model_parallel = ModelParallel()
         self._dp_group: Any = None
         self._tensor_group: Any = None
+        # The subgroups a model-parallel job by hand formed, by their ranks; and its
+        # pipeline stage (tide/trainer/pipeline.py; None: pp_degree 1), made at first use.
+        self._groups: dict[tuple[int, ...], Any] = {}
+        self._pipeline: Pipeline | None = None
 
     @property
     def rank(self) -> int:

@@ -25,15 +25,20 @@ time in the resize's pause (docs/sharded.md has the figures).
 **Tensor parallelism** (``mp_degree`` > 1, from the strategy or ``SessionConfig.model_parallel``)
 is elastic along the replicas only: ``dp_degree`` = W / ``mp_degree``, no sharding
 (:func:`layout_degrees`; the session's side is tide/trainer/layout.py and slices.py).
+**Pipeline parallelism by hand** (``SessionConfig.model_parallel.pp_degree`` > 1, alone or with
+``mp_degree``) is elastic the same way, each replica a whole pipeline: the script runs its own
+stage and exchanges activations and gradients through ``session.pipeline``
+(tide/trainer/pipeline.py); it runs plain models only (:func:`check_pipeline_attached`).
 
 **Refused** (:class:`UnsupportedLayout`, at ``fleet_strategy`` or ``attach``, before step 1):
-pipeline or sequence parallelism (``pp_degree``/``sep_degree`` > 1: fleet's pipeline runs its
-own schedule, :data:`_WHY_PP`), sharding beside tensor parallelism, degrees other than
-:func:`degrees` gives (a ``dp_degree`` of the script's own: the cap is the setting
-``sharding_degree_max``), sharding stage 2 (Paddle runs it on GPUs only: :data:`WHY_STAGE2`),
-stage 3 and the ``split_param`` optimizer (their slots are flat slices, not per parameter),
-fleet's ``tensor_fusion``/``comm_overlap`` (fused buffers), and a time-based checkpoint
-cadence (``every_s``: the gather needs every rank at the same step).
+fleet's pipeline parallelism (a strategy's ``pp_degree`` > 1: it runs its own schedule,
+:data:`_WHY_PP`) and sequence parallelism (``sep_degree`` > 1), a pipeline by hand under
+fleet, ``paddle.DataParallel`` or an AMP ``GradScaler``, sharding beside tensor or pipeline
+parallelism, degrees other than :func:`degrees` gives (a ``dp_degree`` of the script's own:
+the cap is the setting ``sharding_degree_max``), sharding stage 2 (Paddle runs it on GPUs
+only: :data:`WHY_STAGE2`), stage 3 and the ``split_param`` optimizer (their slots are flat
+slices, not per parameter), fleet's ``tensor_fusion``/``comm_overlap`` (fused buffers), and a
+time-based checkpoint cadence (``every_s``: the gather needs every rank at the same step).
 """
 
 from __future__ import annotations
@@ -82,8 +87,8 @@ def _refuse(what: str, why: str) -> UnsupportedLayout:
     return UnsupportedLayout(
         f"{what} is not supported under Tide: {why}. Tide resizes fleet jobs along the "
         "data-parallel world only (sharding stage 1, dp_degree x sharding_degree = world "
-        "size by SessionConfig.sharding_degree_max; or whole tensor-parallel replicas, "
-        "dp_degree = world size / mp_degree); see docs/sharded.md"
+        "size by SessionConfig.sharding_degree_max; or whole tensor- or pipeline-parallel "
+        "replicas, dp_degree = world size / (mp_degree x pp_degree)); see docs/sharded.md"
     )
 
 
@@ -110,18 +115,29 @@ def _get(configs: Any, name: str) -> int:
 _WHY_PP = (
     "fleet's PipelineParallel runs forward, backward and the optimizer inside its own "
     "train_batch schedule, where session.step(loss) can neither weigh the loss nor sum the "
-    "gradients (and the loss exists on the last stage only); tide/trainer/layout.py plans "
-    "pipeline slices, but no session path runs them"
+    "gradients (and the loss exists on the last stage only); run the stages by hand instead, "
+    "with SessionConfig.model_parallel = ModelParallel(pp_degree=...) and session.pipeline's "
+    "send/recv (tide/trainer/examples/train_pipeline_parallel.py)"
 )
 _WHY_SEP = (
     "sequence parallelism is planned by tide/trainer/layout.py but its session path is not "
     "built nor checked"
 )
 _WHY_MP_SHARDING = (
-    "the optimizer state of a tensor-parallel job is not sharded under Tide (its gather "
-    "and the slice transfer are not combined): leave the strategy's sharding_degree at 1 "
-    "and SessionConfig.sharding_degree_max at 0 or 1"
+    "the optimizer state of a tensor- or pipeline-parallel job is not sharded under Tide "
+    "(its gather and the slice transfer are not combined): leave the strategy's "
+    "sharding_degree at 1 and SessionConfig.sharding_degree_max at 0 or 1"
 )
+
+
+def describe(model_parallel: ModelParallel) -> str:
+    """The degrees above 1 of ``model_parallel``, as a message names them."""
+    named = [
+        f"{name}={getattr(model_parallel, name)}"
+        for name in ("mp_degree", "pp_degree", "sep_degree")
+        if getattr(model_parallel, name) > 1
+    ]
+    return " x ".join(named) or "mp_degree=1"
 
 
 def model_parallel_of(configs: Any) -> ModelParallel:
@@ -150,13 +166,11 @@ def resolve_model_parallel(strategy: Any, configured: ModelParallel) -> ModelPar
 
 
 def check_replicas(world_size: int, model_parallel: ModelParallel) -> None:
-    """Refuses a world that is not whole tensor-parallel replicas, naming the degree."""
+    """Refuses a world that is not whole model-parallel replicas, naming the degrees."""
     try:
         check_world(world_size, model_parallel)
     except ConfigError as exc:
-        raise _refuse(
-            f"mp_degree={model_parallel.mp_degree} in a world of {world_size}", str(exc)
-        ) from exc
+        raise _refuse(f"{describe(model_parallel)} in a world of {world_size}", str(exc)) from exc
 
 
 def check_beside_model_parallel(
@@ -165,24 +179,52 @@ def check_beside_model_parallel(
     sharding_degree_max: int,
     checkpoint_every_s: float,
 ) -> None:
-    """Refuses what the session cannot run beside tensor parallelism, naming the setting:
-    ``SessionConfig`` and a strategy's ``mp_degree`` alike (session_startup.py's
+    """Refuses what the session cannot run beside tensor or pipeline parallelism, naming the
+    setting: ``SessionConfig`` and a strategy's ``mp_degree`` alike (session_startup.py's
     ``_use_model_parallel``, which both pass through)."""
     if model_parallel.group_size == 1:
         return
-    mp = f"mp_degree={model_parallel.mp_degree}"
+    mp = describe(model_parallel)
     if sharding_degree_max > 1:
         raise _refuse(f"sharding_degree_max={sharding_degree_max} with {mp}", _WHY_MP_SHARDING)
     if virtual_ranks:
         raise _refuse(
             f"virtual_ranks={virtual_ranks} with {mp}",
-            "virtual ranks beside tensor parallelism are not built",
+            "virtual ranks beside tensor or pipeline parallelism are not built",
         )
     if checkpoint_every_s > 0:
         raise _refuse(
             f"checkpoint every_s={checkpoint_every_s} with {mp}",
             "each slice's writer would find a timed cadence due at its own steps, its store "
             "holding steps the other slices' lack; use every_steps",
+        )
+
+
+def check_pipeline_attached(
+    model_parallel: ModelParallel, model: Any, scaler: Any, fleet_job: Any
+) -> None:
+    """Refuses what a pipeline by hand (``pp_degree`` > 1) cannot run: fleet's wrappers
+    (``fleet_job``: what :func:`check_attached` found), ``paddle.DataParallel`` (its reducer
+    averages, and a stage before the last runs its backward from a received gradient) and an
+    AMP ``GradScaler`` (the stages' scaling is not built nor checked)."""
+    if model_parallel.pp_degree == 1:
+        return
+    pp = describe(model_parallel)
+    what = (
+        "fleet's wrappers"
+        if fleet_job is not None
+        else "paddle.DataParallel"
+        if type(model).__name__ == "DataParallel"
+        else "an AMP GradScaler"
+        if scaler is not None
+        else ""
+    )
+    if what:
+        raise _refuse(
+            f"{what} with {pp}",
+            "a pipeline by hand runs each stage's plain model, session.step sums its "
+            "gradients over the stage's data-parallel group and the loss is not scaled: "
+            "attach the stage's plain model, without a scaler",
         )
 
 
@@ -196,7 +238,7 @@ def layout_degrees(
         return degrees(world_size, sharding_degree_max)
     if sharding_degree_max > 1:
         raise _refuse(
-            f"sharding_degree_max={sharding_degree_max} with mp_degree={model_parallel.mp_degree}",
+            f"sharding_degree_max={sharding_degree_max} with {describe(model_parallel)}",
             _WHY_MP_SHARDING,
         )
     return check_world(world_size, model_parallel), 1
@@ -265,6 +307,12 @@ def fleet_strategy(
     from paddle.distributed import fleet
 
     model_parallel = model_parallel or ModelParallel()
+    if model_parallel.pp_degree > 1:
+        raise _refuse(
+            f"a fleet strategy with SessionConfig.model_parallel's {describe(model_parallel)}",
+            "the stages of a pipeline by hand run without fleet (fleet_strategy would set "
+            "pp_degree to 1, and fleet's own pipeline is refused: " + _WHY_PP + ")",
+        )
     strategy = strategy if strategy is not None else fleet.DistributedStrategy()
     mine = dict(strategy.hybrid_configs)
     if model_parallel.group_size > 1 and _get(mine, "mp_degree") == 1:

@@ -128,14 +128,16 @@ _SLICE_LINE = re.compile(
 )
 
 
-def model_parallel_layouts(worker_logs: Iterable[Path]) -> dict[int, dict[int, tuple[int, int]]]:
-    """Generation -> rank -> (its replica, its tensor rank), as each rank's worker logged
-    them."""
-    seen: dict[int, dict[int, tuple[int, int]]] = defaultdict(dict)
+def model_parallel_coords(
+    worker_logs: Iterable[Path],
+) -> dict[int, dict[int, tuple[int, int, int]]]:
+    """Generation -> rank -> (its replica, its pipeline stage, its tensor rank), as each
+    rank's worker logged them."""
+    seen: dict[int, dict[int, tuple[int, int, int]]] = defaultdict(dict)
     for log in worker_logs:
         for m in _SLICE_LINE.finditer(log.read_text(errors="replace")):
-            rank, gen, _, _, mp, dp, _ = map(int, m.groups())
-            seen[gen][rank] = (dp, mp)
+            rank, gen, pp, _, mp, dp, _ = map(int, m.groups())
+            seen[gen][rank] = (dp, pp, mp)
     return dict(seen)
 
 

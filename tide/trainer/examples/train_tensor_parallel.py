@@ -43,7 +43,7 @@ from tide.trainer.examples.train_mlp import (
 from tide.trainer.layout import ModelParallel
 
 
-class _SumOverGroup(paddle.autograd.PyLayer):
+class SumOverGroup(paddle.autograd.PyLayer):
     """The row-parallel layer's partial sums added over the tensor group; every share's
     gradient is the sum's."""
 
@@ -102,7 +102,7 @@ class HandTensorParallel(paddle.nn.Layer):
 
     def forward(self, x: Any) -> Any:
         partial = self.fc2(paddle.tanh(self.fc1(x)))
-        sum_over_group: Any = _SumOverGroup
+        sum_over_group: Any = SumOverGroup
         return sum_over_group.apply(partial, self.group) + self.bias2
 
 
@@ -144,15 +144,15 @@ def final_state(net: paddle.nn.Layer, optimizer: Any) -> dict[str, np.ndarray]:
     return state
 
 
-def _flag(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:
+def take_flag(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:
     values = [a.removeprefix(f"--{name}=") for a in argv if a.startswith(f"--{name}=")]
     return (values[-1] if values else default), [a for a in argv if not a.startswith(f"--{name}=")]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    mode, argv = _flag(argv, "tensor-parallel", "hand")
-    mp_text, argv = _flag(argv, "mp-degree", "2")
+    mode, argv = take_flag(argv, "tensor-parallel", "hand")
+    mp_text, argv = take_flag(argv, "mp-degree", "2")
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     mp_degree = int(mp_text)
@@ -191,10 +191,20 @@ def main(argv: list[str] | None = None) -> int:
         logits = model(paddle.to_tensor(x_all[mb.local_indices]))
         loss = paddle.nn.functional.cross_entropy(logits, paddle.to_tensor(y_all[mb.local_indices]))
         session.step(loss)
-        if args.step_delay_s and mb.last:
-            time.sleep(args.step_delay_s)
-        if mb.last:
-            step_gate.wait_past(args.test_step_gate, session.step_done)
+        after_micro_batch(args, session, mb)
+    return finish(args, session, net, optimizer)
+
+
+def after_micro_batch(args: Any, session: ElasticSession, mb: Any) -> None:
+    """The tests' pacing after a step's last micro-batch (``--step-delay-s``, the step gate)."""
+    if args.step_delay_s and mb.last:
+        time.sleep(args.step_delay_s)
+    if mb.last:
+        step_gate.wait_past(args.test_step_gate, session.step_done)
+
+
+def finish(args: Any, session: ElasticSession, net: paddle.nn.Layer, optimizer: Any) -> int:
+    """The session's end; with ``--log-dir`` the first replica's ranks save their slice."""
     session.finish()
     if args.log_dir and session.layout.writes_durable:
         out = Path(args.log_dir) / f"final-{session.layout.slice_name}.npz"
