@@ -40,6 +40,12 @@ It checks, in order, and stops at the first failure (each check's outcome is in 
    optimizer slot; and fleet's run within 1e-4 of the same model by hand on the CPU. Not run
    yet either (no GPU lent); ``--mp-dry-run`` runs it by hand over gloo on the CPU (the
    layout, the per-slice stores and the parity; not fleet's layers).
+8. ``pp_elastic`` (2 GPUs or more; the restart part 4): the same for a pipeline by hand
+   (tide/trainer/examples/train_pipeline_parallel.py, pp_degree 2 in
+   ``SessionConfig.model_parallel``, activations and gradients broadcast between the stages
+   over NCCL): a fixed 1-replica run, the 4 -> 2 restart from the per-stage stores, and the
+   GPU run within 1e-4 of the same on the CPU. Not run yet (no GPU lent); ``--mp-dry-run``
+   runs it over gloo on the CPU.
 
 The last line is ``RESULT {json}``; the exit code is 0 when every check passed.
 """
@@ -301,6 +307,7 @@ def check_mp_layout(workdir: Path, dry_run: bool = False) -> dict[str, Any]:
 
 
 TP = str(ROOT / "tide" / "trainer" / "examples" / "train_tensor_parallel.py")
+PP = str(ROOT / "tide" / "trainer" / "examples" / "train_pipeline_parallel.py")
 TP_STEPS = 12
 TP_TRAIN = [
     "--dataset-size", "96",
@@ -311,18 +318,23 @@ TP_TRAIN = [
 ]  # fmt: skip
 
 
-def _run_tp(workdir: Path, world: int, steps: int, mode: str, gpus: bool) -> Path:
-    """train_tensor_parallel.py at mp 2 on ``world`` ranks for ``steps`` (its checkpoints in
-    ``workdir``/ckpt, one store per slice, so a second call restarts from them): through
-    Paddle's launcher on GPUs, else the plain way on the CPU (gloo)."""
+def _run_tp(
+    workdir: Path, world: int, steps: int, mode: str, gpus: bool, example: str = TP
+) -> Path:
+    """train_tensor_parallel.py at mp 2 (``example`` PP: train_pipeline_parallel.py at pp 2,
+    ``mode`` unused) on ``world`` ranks for ``steps`` (its checkpoints in ``workdir``/ckpt,
+    one store per slice, so a second call restarts from them): through Paddle's launcher on
+    GPUs, else the plain way on the CPU (gloo)."""
     from tide.services.testing.localjob import reference_run
 
-    args = [*TP_TRAIN, "--steps", str(steps), f"--tensor-parallel={mode}"]
+    args = [*TP_TRAIN, "--steps", str(steps)]
+    if example == TP:
+        args.append(f"--tensor-parallel={mode}")
     if not gpus:
         # paddlepaddle-gpu puts tensors on the GPU by default: gloo needs them on the CPU.
         os.environ["CUDA_VISIBLE_DEVICES"], saved = "", os.environ.get("CUDA_VISIBLE_DEVICES")
         try:
-            return reference_run(workdir, args, world, timeout_s=300, example=TP)
+            return reference_run(workdir, args, world, timeout_s=300, example=example)
         finally:
             if saved is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES")
@@ -333,11 +345,11 @@ def _run_tp(workdir: Path, world: int, steps: int, mode: str, gpus: bool) -> Pat
     done = subprocess.run(
         [sys.executable, "-m", "paddle.distributed.launch", "--log_dir",
          str(workdir / f"launch-w{world}-s{steps}"), "--gpus", ",".join(map(str, range(world))),
-         TP, "--ckpt-dir", str(workdir / "ckpt"), "--log-dir", str(workdir / "logs"), *args],
+         example, "--ckpt-dir", str(workdir / "ckpt"), "--log-dir", str(workdir / "logs"), *args],
         env={**os.environ, "PYTHONPATH": f"{ROOT}"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     if done.returncode:
-        raise RuntimeError(f"mp 2 run at world {world} failed: {done.stderr[-2000:]}")
+        raise RuntimeError(f"{Path(example).name} at world {world} failed: {done.stderr[-2000:]}")
     return workdir / "logs"
 
 
@@ -356,7 +368,7 @@ def restarted_steps(log_dir: Path, world: int) -> list[int] | None:
     return mine[0]
 
 
-def check_mp_elastic(workdir: Path, dry_run: bool = False) -> dict[str, Any]:
+def check_mp_elastic(workdir: Path, dry_run: bool = False, example: str = TP) -> dict[str, Any]:
     """The session's path for a tensor-parallel job (mp_degree 2, elastic by replicas):
     through fleet on GPUs (``--tensor-parallel=fleet``: fleet's ColumnParallelLinear and
     RowParallelLinear, the degree from the strategy), by hand over gloo in the dry run.
@@ -364,7 +376,8 @@ def check_mp_elastic(workdir: Path, dry_run: bool = False) -> dict[str, Any]:
     then 1 replica on from the per-slice durable stores, which must match it within 1e-5 on
     every parameter slice and optimizer slot; on GPUs also fleet's run against the same
     model by hand on the CPU (``fleet_vs_hand_rel_diff``, within 1e-4: other devices add in
-    another order). The resize in memory under the launchers is the CPU test's
+    another order). ``example`` PP: the same for a pipeline by hand (pp_degree 2), by hand
+    on the GPUs too. The resize in memory under the launchers is the CPU test's
     (tests/trainer/test_tensor_parallel_resize.py)."""
     from tide.services.testing.parity import max_rel_slice_diff
 
@@ -375,14 +388,18 @@ def check_mp_elastic(workdir: Path, dry_run: bool = False) -> dict[str, Any]:
         gpus = paddle.device.cuda.device_count()
         if gpus < 2:
             return {"ok": True, "skipped": f"needs 2 GPUs, this machine has {gpus}"}
-    mode = "hand" if dry_run else "fleet"
+    mode = "hand" if dry_run or example == PP else "fleet"
     on_gpus = not dry_run
-    fixed = _run_tp(workdir / "fixed", 2, TP_STEPS, mode, on_gpus)
+
+    def run(name: str, world: int, steps: int, mode: str, gpus: bool) -> Path:
+        return _run_tp(workdir / name, world, steps, mode, gpus, example)
+
+    fixed = run("fixed", 2, TP_STEPS, mode, on_gpus)
     outcome: dict[str, Any] = {"mode": mode, "gpus": gpus}
     ok = True
     if dry_run or gpus >= 4:
-        _run_tp(workdir / "restarted", 4, TP_STEPS // 2, mode, on_gpus)
-        restarted = _run_tp(workdir / "restarted", 2, TP_STEPS, mode, on_gpus)
+        run("restarted", 4, TP_STEPS // 2, mode, on_gpus)
+        restarted = run("restarted", 2, TP_STEPS, mode, on_gpus)
         diff = max_rel_slice_diff(restarted, fixed)
         outcome["restart_4_2_rel_diff"] = diff
         # The trajectory does not depend on the world size: a second run from scratch would
@@ -393,9 +410,9 @@ def check_mp_elastic(workdir: Path, dry_run: bool = False) -> dict[str, Any]:
     else:
         outcome["restart_4_2"] = f"needs 4 GPUs, this machine has {gpus}"
     if on_gpus:
-        hand = _run_tp(workdir / "hand", 2, TP_STEPS, "hand", False)
+        hand = run("hand", 2, TP_STEPS, "hand", False)
         diff = max_rel_slice_diff(fixed, hand)
-        outcome["fleet_vs_hand_rel_diff"] = diff
+        outcome["fleet_vs_hand_rel_diff" if example == TP else "gpu_vs_cpu_rel_diff"] = diff
         ok = ok and diff <= 1e-4
     outcome["ok"] = ok
     return outcome
@@ -411,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--mp-dry-run",
         action="store_true",
-        help="run only the mp_layout check, on the CPU with mp 1 (its plumbing, no GPU)",
+        help="run only the mp_layout, mp_elastic and pp_elastic checks' plumbing on the CPU",
     )
     args = p.parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tide-gpu-check-"))
@@ -423,8 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.mp_dry_run:
         outcome = check_mp_layout(workdir / "mp_layout", dry_run=True)
         elastic = check_mp_elastic(workdir / "mp_elastic", dry_run=True)
-        ok = outcome["ok"] and elastic["ok"]
-        print("RESULT " + json.dumps({"mp_layout": outcome, "mp_elastic": elastic, "ok": ok}))
+        pipeline = check_mp_elastic(workdir / "pp_elastic", dry_run=True, example=PP)
+        ok = outcome["ok"] and elastic["ok"] and pipeline["ok"]
+        dry = {"mp_layout": outcome, "mp_elastic": elastic, "pp_elastic": pipeline, "ok": ok}
+        print("RESULT " + json.dumps(dry))
         return 0 if ok else 1
     checks = [
         ("nvml", check_nvml),
@@ -434,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         ("amp", lambda: check_restore(workdir / "amp", ["--amp"])),
         ("mp_layout", lambda: check_mp_layout(workdir / "mp_layout")),
         ("mp_elastic", lambda: check_mp_elastic(workdir / "mp_elastic")),
+        ("pp_elastic", lambda: check_mp_elastic(workdir / "pp_elastic", example=PP)),
     ]
     for name, check in checks:
         t0 = time.monotonic()
