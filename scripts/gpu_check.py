@@ -308,8 +308,8 @@ def check_mp_layout(workdir: Path, dry_run: bool = False) -> dict[str, Any]:
 
 TP = str(ROOT / "tide" / "trainer" / "examples" / "train_tensor_parallel.py")
 PP = str(ROOT / "tide" / "trainer" / "examples" / "train_pipeline_parallel.py")
-TP_STEPS = 12
-TP_TRAIN = [
+SPLIT_STEPS = 12
+SPLIT_TRAIN = [
     "--dataset-size", "96",
     "--global-batch", "16",
     "--seed", "5",
@@ -318,16 +318,16 @@ TP_TRAIN = [
 ]  # fmt: skip
 
 
-def _run_tp(
+def _run_split(
     workdir: Path, world: int, steps: int, mode: str, gpus: bool, example: str = TP
 ) -> Path:
-    """train_tensor_parallel.py at mp 2 (``example`` PP: train_pipeline_parallel.py at pp 2,
-    ``mode`` unused) on ``world`` ranks for ``steps`` (its checkpoints in ``workdir``/ckpt,
+    """train_tensor_parallel.py at mp 2 in ``mode`` (``example`` PP: train_pipeline_parallel.py
+    at pp 2, by hand) on ``world`` ranks for ``steps`` (its checkpoints in ``workdir``/ckpt,
     one store per slice, so a second call restarts from them): through Paddle's launcher on
     GPUs, else the plain way on the CPU (gloo)."""
     from tide.services.testing.localjob import reference_run
 
-    args = [*TP_TRAIN, "--steps", str(steps)]
+    args = [*SPLIT_TRAIN, "--steps", str(steps)]
     if example == TP:
         args.append(f"--tensor-parallel={mode}")
     if not gpus:
@@ -392,25 +392,27 @@ def check_mp_elastic(workdir: Path, dry_run: bool = False, example: str = TP) ->
     on_gpus = not dry_run
 
     def run(name: str, world: int, steps: int, mode: str, gpus: bool) -> Path:
-        return _run_tp(workdir / name, world, steps, mode, gpus, example)
+        return _run_split(workdir / name, world, steps, mode, gpus, example)
 
-    fixed = run("fixed", 2, TP_STEPS, mode, on_gpus)
+    fixed = run("fixed", 2, SPLIT_STEPS, mode, on_gpus)
     outcome: dict[str, Any] = {"mode": mode, "gpus": gpus}
     ok = True
     if dry_run or gpus >= 4:
-        run("restarted", 4, TP_STEPS // 2, mode, on_gpus)
-        restarted = run("restarted", 2, TP_STEPS, mode, on_gpus)
+        run("restarted", 4, SPLIT_STEPS // 2, mode, on_gpus)
+        restarted = run("restarted", 2, SPLIT_STEPS, mode, on_gpus)
         diff = max_rel_slice_diff(restarted, fixed)
         outcome["restart_4_2_rel_diff"] = diff
         # The trajectory does not depend on the world size: a second run from scratch would
         # match the fixed one too. Its steps say it resumed.
-        resumed = restarted_steps(restarted, 2) == list(range(TP_STEPS // 2 + 1, TP_STEPS + 1))
+        resumed = restarted_steps(restarted, 2) == list(
+            range(SPLIT_STEPS // 2 + 1, SPLIT_STEPS + 1)
+        )
         outcome["restart_4_2_resumed"] = resumed
         ok = ok and diff <= 1e-5 and resumed
     else:
         outcome["restart_4_2"] = f"needs 4 GPUs, this machine has {gpus}"
     if on_gpus:
-        hand = run("hand", 2, TP_STEPS, "hand", False)
+        hand = run("hand", 2, SPLIT_STEPS, "hand", False)
         diff = max_rel_slice_diff(fixed, hand)
         outcome["fleet_vs_hand_rel_diff" if example == TP else "gpu_vs_cpu_rel_diff"] = diff
         ok = ok and diff <= 1e-4

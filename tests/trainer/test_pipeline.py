@@ -1,5 +1,5 @@
 """A pipeline-parallel job by hand (pp_degree > 1): its layout (tide/trainer/layout.py
-pipeline_ranks, all_groups, plan_slices), a stage's checks and message frames
+pipeline_ranks, all_groups, plan_slices), a stage's checks and message headers
 (tide/trainer/pipeline.py), and what is refused beside it (SessionConfig,
 tide/trainer/sharding.py). The training itself: test_tensor_parallel_resize.py's pipeline
 kind, and test_pipeline_runs.py for the runs in real processes."""
@@ -67,14 +67,15 @@ def _mb(step: int = 3, index: int = 0) -> MicroBatch:
 
 def _stage(stage: int, mb: MicroBatch | None = None) -> Pipeline:
     current = mb or _mb()
-    return Pipeline(RankLayout(PP2, 2, stage), {}, lambda: current)
+    # The groups' objects only name them here: the tests' broadcast is a Wire's.
+    return Pipeline(RankLayout(PP2, 2, stage), {(0, 1): "pipeline"}, lambda: current)
 
 
-def test_a_message_frame_names_its_micro_batch_dtype_and_shape() -> None:
+def test_a_message_header_names_its_micro_batch_dtype_and_shape() -> None:
     import paddle
 
-    frame = header(_mb(7, 1), paddle.zeros([4, 16], dtype="float32"))
-    assert read_header(frame) == (7, 1, "float32", [4, 16])
+    values = header(_mb(7, 1), paddle.zeros([4, 16], dtype="float32"))
+    assert read_header(values) == (7, 1, "float32", [4, 16])
     with pytest.raises(UsageError, match="dtype bool"):
         header(_mb(), paddle.zeros([2], dtype="bool"))
     with pytest.raises(UsageError, match="9 dimensions"):
@@ -107,14 +108,21 @@ def test_a_stage_sends_and_receives_only_toward_stages_it_has() -> None:
     assert (first.first, first.last, last.first, last.last) == (True, False, False, True)
 
 
-class DataParallel:
-    """Named as paddle's wrapper: the refusal reads the type's name."""
+def _data_parallel() -> Any:
+    """A ``paddle.DataParallel`` (a subclass, as a user's may be) without a process group."""
+    import paddle
+
+    class Wrapped(paddle.DataParallel):
+        def __init__(self) -> None:  # no group to form: the refusal reads the type
+            pass
+
+    return Wrapped()
 
 
 @pytest.mark.parametrize(
     ("model", "scaler", "fleet_job", "named"),
     [
-        (DataParallel(), None, None, "paddle.DataParallel with pp_degree=2"),
+        (_data_parallel(), None, None, "paddle.DataParallel with pp_degree=2"),
         (object(), object(), None, "an AMP GradScaler with pp_degree=2"),
         (object(), None, object(), "fleet's wrappers with pp_degree=2"),
     ],
@@ -126,7 +134,7 @@ def test_a_pipeline_stage_runs_a_plain_model_without_a_scaler(
     with pytest.raises(sharding.UnsupportedLayout, match=named):
         sharding.check_pipeline_attached(PP2, model, scaler, fleet_job)
     sharding.check_pipeline_attached(PP2, object(), None, None)
-    sharding.check_pipeline_attached(ModelParallel(mp_degree=2), DataParallel(), None, None)
+    sharding.check_pipeline_attached(ModelParallel(mp_degree=2), _data_parallel(), None, None)
 
 
 def test_fleet_s_pipeline_is_refused_pointing_at_the_pipeline_by_hand() -> None:
@@ -191,8 +199,8 @@ def test_the_last_stage_trains_on_what_it_receives_and_sends_its_gradient_back(
     pipe.check_step(mb, 1.0)
     (x * x).sum().backward()
     pipe.send_input_grad(mb)
-    frame, grad = wire.sent
-    assert read_header(frame) == (mb.step, mb.index, "float32", [2, 3])
+    sent_header, grad = wire.sent
+    assert read_header(sent_header) == (mb.step, mb.index, "float32", [2, 3])
     assert np.array_equal(grad, 2 * h)
 
 
@@ -210,7 +218,8 @@ def test_a_stage_before_the_last_runs_its_backward_from_the_gradient_it_receives
     pipe.send(out)
     assert np.array_equal(wire.sent[1], out.numpy())
     pipe.check_step(mb, None)
-    pipe.backward(mb)
+    outputs, grad = pipe.sent_gradient(mb)
+    paddle.autograd.backward([outputs], [grad])
     assert w.grad is not None and np.allclose(w.grad.numpy(), 3.0 * g)
     # The first stage has nothing to send back.
     pipe.send_input_grad(mb)
@@ -244,3 +253,63 @@ def test_attach_refuses_a_scaler_on_a_pipeline_stage(tmp_path: Path) -> None:
     optimizer = paddle.optimizer.SGD(parameters=net.parameters())
     with pytest.raises(sharding.UnsupportedLayout, match="GradScaler with pp_degree=2"):
         session.attach(net, optimizer, scaler=paddle.amp.GradScaler())
+
+
+def test_a_padding_batch_leaves_a_stage_s_buffers_as_they_were(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica with no sample left in a step runs a padding micro-batch: every stage's
+    buffers (BatchNorm's running statistics) are put back after it, the first stage's too,
+    whose backward runs from the gradient the next stage sends."""
+    import paddle
+
+    from tide.trainer.stepper import Stepper
+
+    paddle.seed(0)
+    net = paddle.nn.Sequential(paddle.nn.Linear(3, 4), paddle.nn.BatchNorm1D(4))
+    stepper = Stepper(
+        net,
+        paddle.optimizer.SGD(parameters=net.parameters()),
+        None,
+        None,
+        world_size=4,
+        virtual_ranks=0,
+        seed=0,
+        dp_degree=2,
+    )
+    ids = np.arange(1)
+    mb = MicroBatch(1, 0, 0, 1, ids[:1], ids, 0.0, 0, 1, padding=True)
+    before = net[1]._mean.numpy().copy()
+    stepper.prepare(mb)
+    out = net(paddle.to_tensor(np.full((2, 3), 5.0, dtype=np.float32)))
+    _wired(monkeypatch, 0, [header(mb, out), np.zeros((2, 4), dtype=np.float32)])
+    pipe = _stage(0, mb)
+    pipe.send(out)
+    pipe.check_step(mb, None)
+    stepper.backward(mb, None, pipe.sent_gradient(mb))
+    assert np.array_equal(net[1]._mean.numpy(), before)
+
+
+def test_a_stage_whose_input_got_no_gradient_fails_after_sending_zeros(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A last stage whose loss did not use the tensor it received (detached here) would
+    leave the earlier stages untrained without a word: refused, after zeros went back so
+    that the previous stage is not left waiting."""
+    import paddle
+
+    mb = _mb()
+    h = np.ones((2, 3), dtype=np.float32)
+    wire = _wired(monkeypatch, 1, [header(mb, paddle.to_tensor(h)), h])
+    pipe = _stage(1, mb)
+    x = pipe.recv()
+    w = paddle.to_tensor(np.ones((2, 3), dtype=np.float32), stop_gradient=False)
+    (x.detach() * w).sum().backward()
+    with pytest.raises(UsageError, match=r"got no gradient.*not detached"):
+        pipe.send_input_grad(mb)
+    assert np.array_equal(wire.sent[1], np.zeros((2, 3), dtype=np.float32))
+
+
+def test_a_pipeline_stage_needs_each_of_its_groups() -> None:
+    with pytest.raises(RuntimeError, match="rank 0: its pipeline group was not formed"):
+        Pipeline(RankLayout(PP2, 2, 0), {}, _mb)

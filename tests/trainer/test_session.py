@@ -11,6 +11,7 @@ import pytest
 from tests.trainer.queue_channel import QueueChannel
 from tide.base.errors import ConfigError
 from tide.trainer.checkpoint import CheckpointNotFound, CheckpointSettings, CheckpointStore
+from tide.trainer.contract import UsageError
 from tide.trainer.messages import (
     CheckpointAt,
     Exit,
@@ -89,6 +90,26 @@ def _drive(channel: QueueChannel, then: ToWorker, seen: list[Held]) -> threading
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
+
+
+def test_a_step_without_a_loss_is_refused_outside_a_pipeline(tmp_path: Path) -> None:
+    """session.step() once took its loss as a required argument; with the default that a
+    pipeline's earlier stages use, a forgotten loss would train on nothing."""
+    import paddle
+
+    from tide.trainer.examples.train_mlp import build_model
+
+    session = ElasticSession(
+        _config(tmp_path, 2), DistEnv(rank=0, world_size=1, master=""), QueueChannel()
+    )
+    model = build_model(16)
+    session.attach(model, paddle.optimizer.Adam(parameters=model.parameters()))
+    session.init_process_group()
+    session.restore()
+    for _ in session.plans():
+        with pytest.raises(UsageError, match=r"session.step\(\) without a loss"):
+            session.step()
+        break
 
 
 def test_checkpoint_directive_holds_at_the_step_then_resumes(tmp_path: Path) -> None:

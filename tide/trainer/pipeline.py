@@ -53,7 +53,7 @@ def _dtype_name(tensor: Any) -> str:
 
 
 def header(mb: MicroBatch, tensor: Any) -> np.ndarray:
-    """The frame of one message: whose micro-batch it is and the tensor's dtype and shape."""
+    """The header of one message: whose micro-batch it is and the tensor's dtype and shape."""
     shape = [int(d) for d in tensor.shape]
     name = _dtype_name(tensor)
     if name not in _DTYPES:
@@ -66,10 +66,10 @@ def header(mb: MicroBatch, tensor: Any) -> np.ndarray:
     return out
 
 
-def read_header(frame: np.ndarray) -> tuple[int, int, str, list[int]]:
-    """``(step, micro-batch index, dtype, shape)`` of a frame made by :func:`header`."""
-    step, index, dtype, ndim = (int(v) for v in frame[:4])
-    return step, index, _DTYPES[dtype], [int(d) for d in frame[4 : 4 + ndim]]
+def read_header(values: np.ndarray) -> tuple[int, int, str, list[int]]:
+    """``(step, micro-batch index, dtype, shape)`` of a header made by :func:`header`."""
+    step, index, dtype, ndim = (int(v) for v in values[:4])
+    return step, index, _DTYPES[dtype], [int(d) for d in values[4 : 4 + ndim]]
 
 
 class Pipeline:
@@ -92,6 +92,14 @@ class Pipeline:
         self._whole = groups.get(tuple(self.ranks))
         self._prev = groups.get(tuple(self.ranks[s - 1 : s + 1])) if s > 0 else None
         self._next = groups.get(tuple(self.ranks[s : s + 2])) if s < self.stages - 1 else None
+        # A missing group would make each broadcast the world's: a hang beyond two ranks.
+        for name, group, wanted in (
+            ("pipeline", self._whole, True),
+            ("previous stage's", self._prev, s > 0),
+            ("next stage's", self._next, s < self.stages - 1),
+        ):
+            if wanted and group is None:
+                raise RuntimeError(f"rank {self.rank}: its {name} group was not formed")
         self._current = current
         # The current micro-batch's (step, index) and its received input / sent output.
         self._input: tuple[tuple[int, int], Any] | None = None
@@ -174,11 +182,9 @@ class Pipeline:
                 "input is the previous stage's output, and its gradient goes back there"
             )
 
-    def backward(self, mb: MicroBatch) -> None:
-        """A stage before the last: the gradient of the output it sent, from the next stage,
-        and the backward from it."""
-        import paddle
-
+    def sent_gradient(self, mb: MicroBatch) -> tuple[Any, Any]:
+        """A stage before the last: the output it sent and that output's gradient, from the
+        next stage (the stepper runs the backward from them)."""
         assert self._output is not None
         outputs = self._output[1]
         grad = self._receive(mb, self.ranks[self.stage + 1], self._next, "gradient")
@@ -187,8 +193,8 @@ class Pipeline:
                 f"stage {self.stage}: the gradient of its output has shape {list(grad.shape)}, "
                 f"the output {list(outputs.shape)}"
             )
-        paddle.autograd.backward([outputs], [grad])
         self._output = None
+        return outputs, grad
 
     def send_input_grad(self, mb: MicroBatch) -> None:
         """A stage after the first, after its backward: its input's gradient, back."""
@@ -198,8 +204,18 @@ class Pipeline:
             return
         assert self._input is not None
         tensor = self._input[1]
-        grad = tensor.grad if tensor.grad is not None else paddle.zeros_like(tensor)
-        self._transmit(mb, grad, self.rank, self._prev)
+        if tensor.grad is None:
+            # The loss did not depend on the input received (detached, through numpy, under
+            # no_grad): the earlier stages would never train. Zeros go first, so that the
+            # previous stage is not left waiting in the broadcast.
+            self._transmit(mb, paddle.zeros_like(tensor), self.rank, self._prev)
+            raise UsageError(
+                f"stage {self.stage}: its input from session.pipeline.recv() got no gradient "
+                f"in micro-batch {mb.index} of step {mb.step}: the stage's output must be "
+                "computed from that tensor itself (not detached, not through numpy, not "
+                "under paddle.no_grad)"
+            )
+        self._transmit(mb, tensor.grad, self.rank, self._prev)
         self._input = None
 
     def share_loss(self, loss: float) -> float:
@@ -222,9 +238,9 @@ class Pipeline:
         import paddle
         import paddle.distributed as dist
 
-        frame = paddle.zeros([_HEADER], dtype="int64")
-        dist.broadcast(frame, src=source, group=group)
-        step, index, dtype, shape = read_header(frame.numpy())
+        received = paddle.zeros([_HEADER], dtype="int64")
+        dist.broadcast(received, src=source, group=group)
+        step, index, dtype, shape = read_header(received.numpy())
         if (step, index) != (mb.step, mb.index):
             raise UsageError(
                 f"stage {self.stage} at micro-batch {mb.index} of step {mb.step} received "

@@ -20,6 +20,9 @@ from tide.trainer.pipeline import Pipeline
 from tide.trainer.sampler import MicroBatch, micro_batches
 from tide.trainer.session_control import SessionControl
 
+# session.step()'s loss when none was passed (None is a rank that ran no forward).
+_NO_LOSS: Any = object()
+
 
 class SessionLoop(SessionControl):
     def micro_batches(self, step: int) -> list[MicroBatch]:
@@ -76,14 +79,14 @@ class SessionLoop(SessionControl):
             if self._current() is mb:
                 raise UsageError(f"step {mb.step}: call session.step(loss) inside the loop")
 
-    def step(self, loss: Any = None, indices: Any = None) -> float | None:
+    def step(self, loss: Any = _NO_LOSS, indices: Any = None) -> float | None:
         """Backward of the current micro-batch's loss: its *mean*, or its per-sample losses
         (None: this rank ran no forward, plain models only); after a rank's last
         micro-batch of the step, the sum over ranks, the optimizer (and scaler, LR
         scheduler) step and the step-boundary hook. Returns the global batch's mean loss
         after the step's last micro-batch, else None. A pipeline's stage before the last
-        passes no loss: its backward starts from the gradient of what it sent
-        (tide/trainer/pipeline.py).
+        passes no loss, ``session.step()``: its backward starts from the gradient of what it
+        sent (tide/trainer/pipeline.py); anywhere else a step without a loss is refused.
 
         Before the backward it checks that the batch came from :meth:`batch_sampler` (or
         :meth:`plans`) for this very micro-batch, and ``indices``, the sample ids the batch
@@ -95,6 +98,15 @@ class SessionLoop(SessionControl):
                 f"session.step() after the last step ({self.config.max_steps}): end the loop "
                 "when the batch sampler (or session.plans()) ends, then call session.finish()"
             )
+        if loss is _NO_LOSS:
+            if self._model_parallel.pp_degree == 1:
+                # A forgotten argument would train on nothing while the samples were logged.
+                raise UsageError(
+                    "session.step() without a loss: pass the micro-batch's loss (its mean or "
+                    "its per-sample losses), or None on a rank that ran no forward; only a "
+                    "pipeline's stage before the last steps without one"
+                )
+            loss = None
         ids = self.deliveries.check(mb, indices)
         pipe = self.pipeline if self._model_parallel.pp_degree > 1 else None
         if pipe is not None:
@@ -106,10 +118,7 @@ class SessionLoop(SessionControl):
         self.deliveries.consumed(mb)
         if not mb.padding:
             self._delivered.extend(ids)
-        if pipe is not None and not pipe.last:
-            pipe.backward(mb)
-        else:
-            stepper.backward(mb, term)
+        stepper.backward(mb, term, pipe.sent_gradient(mb) if term is None and pipe else None)
         if pipe is not None:
             pipe.send_input_grad(mb)
         if self.timings.first_step_at == 0.0 and "backward_s" not in self._first_parts:
@@ -161,8 +170,10 @@ class SessionLoop(SessionControl):
                 device=self.env.device,
                 **asdict(self.timings),
             )
-        # This worker's share: the coordinator sums its members' rates into the job's.
-        self._rate_samples += len(ids)
+        # This worker's share: the coordinator sums its members' rates into the job's. Every
+        # rank of a model-parallel replica trains on the replica's samples: one counts them.
+        if self._model_parallel.group_size == 1 or self.layout.logs_samples:
+            self._rate_samples += len(ids)
         if now - self._rate_t0 >= 1.0:
             self._samples_per_s = self._rate_samples / (now - self._rate_t0)
             self._rate_t0, self._rate_samples = now, 0

@@ -127,8 +127,9 @@ class SessionStartup(SessionControl):
         must be whole replicas (a ConfigError naming the degrees otherwise), what the session
         cannot run beside it is refused (SessionConfig's degrees and a strategy's alike pass
         here), its durable checkpoints go to its slice's own store, and with ``form_groups``
-        (tensor parallelism by hand; a fleet job's groups are fleet's) every rank forms the
-        data-parallel and tensor groups in the same order, keeping its own."""
+        (tensor or pipeline parallelism by hand; a fleet job's groups are fleet's) every rank
+        forms the data-parallel, tensor and pipeline groups (and adjacent stages' pairs) in
+        the same order (layout.all_groups), keeping them by their ranks."""
         cfg = self.config
         sharding.check_beside_model_parallel(
             model_parallel, cfg.virtual_ranks, cfg.sharding_degree_max, cfg.checkpoint.every_s

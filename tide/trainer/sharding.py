@@ -184,17 +184,17 @@ def check_beside_model_parallel(
     ``_use_model_parallel``, which both pass through)."""
     if model_parallel.group_size == 1:
         return
-    mp = describe(model_parallel)
+    degrees = describe(model_parallel)
     if sharding_degree_max > 1:
-        raise _refuse(f"sharding_degree_max={sharding_degree_max} with {mp}", _WHY_MP_SHARDING)
+        raise _refuse(f"sharding_degree_max={sharding_degree_max} with {degrees}", _WHY_MP_SHARDING)
     if virtual_ranks:
         raise _refuse(
-            f"virtual_ranks={virtual_ranks} with {mp}",
+            f"virtual_ranks={virtual_ranks} with {degrees}",
             "virtual ranks beside tensor or pipeline parallelism are not built",
         )
     if checkpoint_every_s > 0:
         raise _refuse(
-            f"checkpoint every_s={checkpoint_every_s} with {mp}",
+            f"checkpoint every_s={checkpoint_every_s} with {degrees}",
             "each slice's writer would find a timed cadence due at its own steps, its store "
             "holding steps the other slices' lack; use every_steps",
         )
@@ -209,12 +209,14 @@ def check_pipeline_attached(
     AMP ``GradScaler`` (the stages' scaling is not built nor checked)."""
     if model_parallel.pp_degree == 1:
         return
+    import paddle
+
     pp = describe(model_parallel)
     what = (
         "fleet's wrappers"
         if fleet_job is not None
         else "paddle.DataParallel"
-        if type(model).__name__ == "DataParallel"
+        if isinstance(model, paddle.DataParallel)
         else "an AMP GradScaler"
         if scaler is not None
         else ""

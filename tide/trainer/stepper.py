@@ -187,16 +187,26 @@ class Stepper:
             return paddle.add_n([p.sum() * 0.0 for p in self.model.parameters()])
         return weighted_loss(loss, mb)
 
-    def backward(self, mb: MicroBatch, term: Any) -> None:
-        """Backward of ``mb``'s weighted term (:meth:`weighted`)."""
-        if not mb.padding:
-            self._loss_sum += float(term)
-        # DataParallel's reducer averages over the replicas: the term times their number
-        # makes it a sum.
-        weighted = term * self.dp_degree if self.framework_averages else term
-        if self.scaler is not None:
-            weighted = self.scaler.scale(weighted)
-        weighted.backward()
+    def backward(self, mb: MicroBatch, term: Any, sent: tuple[Any, Any] | None = None) -> None:
+        """Backward of ``mb``'s weighted term (:meth:`weighted`); on a pipeline's stage before
+        the last (``term`` None), from ``sent``: the output this stage sent and its gradient,
+        which the next stage sent back weighted already (tide/trainer/pipeline.py). Either
+        way a padding batch's buffers are put back after it."""
+        if term is None:
+            import paddle
+
+            assert sent is not None, "a backward needs a term or a sent output's gradient"
+            outputs, grad = sent
+            paddle.autograd.backward([outputs], [grad])
+        else:
+            if not mb.padding:
+                self._loss_sum += float(term)
+            # DataParallel's reducer averages over the replicas: the term times their number
+            # makes it a sum.
+            weighted = term * self.dp_degree if self.framework_averages else term
+            if self.scaler is not None:
+                weighted = self.scaler.scale(weighted)
+            weighted.backward()
         if mb.padding:
             if self._snapshot is not None:
                 self._write_buffers(self._snapshot)
