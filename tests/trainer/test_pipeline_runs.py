@@ -55,6 +55,25 @@ def tensor_parallel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(240)
+def test_two_pipeline_replicas_train_as_one_through_an_epoch_tail_of_one_sample(
+    tmp_path: Path,
+) -> None:
+    """Each stage's gradients summed over its data-parallel group: 2 replicas (4 ranks) train
+    as 1 (2 ranks) does, through steps whose last batch holds one sample, so that the second
+    replica runs a padding micro-batch on both stages (37 samples, batches of 12)."""
+    args = ["--dataset-size", "37", "--global-batch", "12", *TRAIN[4:]]
+    example = str(EXAMPLES / "train_pipeline_parallel.py")
+    one = reference_run(tmp_path / "one", args, 2, example=example)
+    two = reference_run(tmp_path / "two", args, 4, example=example)
+    loss_diff = max_rel_loss_diff(final_losses(two), final_losses(one))
+    state_diff = max_rel_array_diff(_whole(two), _whole(one))
+    print(f"pipeline, 2 replicas vs 1: loss {loss_diff:.2e}, state {state_diff:.2e}")
+    assert len(final_losses(two)) == 14
+    assert loss_diff <= 1e-5
+    assert state_diff <= 1e-5
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("mp_degree", [1, 2])
 def test_a_pipeline_trains_as_the_tensor_parallel_split_of_the_same_model(
     tmp_path: Path, tensor_parallel: Path, mp_degree: int
