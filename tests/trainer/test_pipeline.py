@@ -16,7 +16,7 @@ from tests.trainer.queue_channel import QueueChannel
 from tide.trainer import sharding
 from tide.trainer.contract import UsageError
 from tide.trainer.layout import ModelParallel, RankLayout, SliceHolding, all_groups, plan_slices
-from tide.trainer.pipeline import Pipeline, header, read_header
+from tide.trainer.pipeline import Pipeline, backward, header, read_header
 from tide.trainer.sampler import MicroBatch
 from tide.trainer.session import DistEnv, ElasticSession, SessionConfig
 
@@ -286,16 +286,17 @@ def test_a_padding_batch_leaves_a_stage_s_buffers_as_they_were(
     pipe = _stage(0, mb)
     pipe.send(out)
     pipe.check_step(mb, None)
-    stepper.backward(mb, None, pipe.sent_gradient(mb))
+    backward(stepper, pipe, mb, None)  # what session.step runs
     assert np.array_equal(net[1]._mean.numpy(), before)
 
 
-def test_a_stage_whose_input_got_no_gradient_fails_after_sending_zeros(
+def test_a_stage_whose_input_got_no_gradient_fails_and_so_does_the_stage_before(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A last stage whose loss did not use the tensor it received (detached here) would
-    leave the earlier stages untrained without a word: refused, after zeros went back so
-    that the previous stage is not left waiting."""
+    leave the earlier stages untrained without a word: it fails, and the header it sends in
+    place of the gradient fails the previous stage too, naming the cause, before that stage's
+    backward and step (not a collective's timeout later)."""
     import paddle
 
     mb = _mb()
@@ -307,9 +308,23 @@ def test_a_stage_whose_input_got_no_gradient_fails_after_sending_zeros(
     (x.detach() * w).sum().backward()
     with pytest.raises(UsageError, match=r"got no gradient.*not detached"):
         pipe.send_input_grad(mb)
-    assert np.array_equal(wire.sent[1], np.zeros((2, 3), dtype=np.float32))
+    (failed,) = wire.sent  # the header alone: no tensor follows
+    _wired(monkeypatch, 0, [failed])
+    first = _stage(0, mb)
+    first.send(paddle.to_tensor(h))
+    with pytest.raises(UsageError, match=r"rank 1 failed micro-batch 0 of step 3.*no gradient"):
+        first.sent_gradient(mb)
 
 
 def test_a_pipeline_stage_needs_each_of_its_groups() -> None:
     with pytest.raises(RuntimeError, match="rank 0: its pipeline group was not formed"):
         Pipeline(RankLayout(PP2, 2, 0), {}, _mb)
+    # Three stages: the middle one's pairs are groups of their own.
+    pp3 = ModelParallel(pp_degree=3)
+    whole_and_prev = {(0, 1, 2): "pipeline", (0, 1): "pair"}
+    with pytest.raises(RuntimeError, match="rank 1: its next stage's group was not formed"):
+        Pipeline(RankLayout(pp3, 3, 1), whole_and_prev, _mb)
+    whole_and_next = {(0, 1, 2): "pipeline", (1, 2): "pair"}
+    with pytest.raises(RuntimeError, match="rank 1: its previous stage's group was not formed"):
+        Pipeline(RankLayout(pp3, 3, 1), whole_and_next, _mb)
+    Pipeline(RankLayout(pp3, 3, 1), {**whole_and_prev, **whole_and_next}, _mb)

@@ -132,8 +132,11 @@ for mb in plans:
         pipe.send(out)
         session.step()
     else:
+        received = pipe.recv()
+        if at_fault and misuse == "detached-input":
+            received = received.detach()
         loss = paddle.nn.functional.cross_entropy(
-            net(pipe.recv()), paddle.to_tensor(y[mb.local_indices]))
+            net(received), paddle.to_tensor(y[mb.local_indices]))
         session.step(loss)
 session.finish()
 """
@@ -141,18 +144,25 @@ session.finish()
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("stage", "misuse", "named"),
+    ("stage", "misuse", "named", "peer_named"),
     [
         # The last stage reads its labels, the first only the activations it is sent: both
         # step through the session, whose batch check runs on every stage.
-        (0, "own-batches", "no batch of this step came from session.batch_sampler()"),
-        (1, "own-batches", "no batch of this step came from session.batch_sampler()"),
-        (0, "loss-on-first", "session.step(loss) on stage 0 of 2"),
+        (0, "own-batches", "no batch of this step came from session.batch_sampler()", ""),
+        (1, "own-batches", "no batch of this step came from session.batch_sampler()", ""),
+        (0, "loss-on-first", "session.step(loss) on stage 0 of 2", ""),
+        # The earlier stage would train on zeros: it fails too, naming the cause.
+        (
+            1,
+            "detached-input",
+            "got no gradient in micro-batch 0 of step 1",
+            "rank 1 failed micro-batch 0 of step 1 instead of sending the gradient",
+        ),
     ],
-    ids=["first-own-batches", "last-own-batches", "loss-on-first"],
+    ids=["first-own-batches", "last-own-batches", "loss-on-first", "detached-input"],
 )
 def test_a_stage_s_misuse_fails_loudly_on_that_stage(
-    tmp_path: Path, stage: int, misuse: str, named: str
+    tmp_path: Path, stage: int, misuse: str, named: str, peer_named: str
 ) -> None:
     script = tmp_path / "stages.py"
     script.write_text(SCRIPT)
@@ -173,6 +183,7 @@ def test_a_stage_s_misuse_fails_loudly_on_that_stage(
                 )
         # One replica: rank == stage. The rank at fault ends by itself.
         code = procs[stage].wait(timeout=90)
+        peer_code = procs[1 - stage].wait(timeout=90) if peer_named else None
     finally:
         for p in procs:
             if p.poll() is None:
@@ -181,3 +192,7 @@ def test_a_stage_s_misuse_fails_loudly_on_that_stage(
     text = logs[stage].read_text(errors="replace")
     assert code != 0, text[-2000:]
     assert named in text, text[-2000:]
+    if peer_named:
+        peer = logs[1 - stage].read_text(errors="replace")
+        assert peer_code != 0, peer[-2000:]
+        assert peer_named in peer, peer[-2000:]

@@ -33,7 +33,7 @@ step's global mean loss is broadcast from the last stage over the replica's pipe
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -41,11 +41,17 @@ from tide.trainer.contract import UsageError
 from tide.trainer.layout import RankLayout
 from tide.trainer.sampler import MicroBatch
 
+if TYPE_CHECKING:
+    from tide.trainer.stepper import Stepper
+
 # A message's dtype travels as its index here.
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32")
 _MAX_DIMS = 8
 # step, micro-batch index, dtype, number of dimensions, the dimensions.
 _HEADER = 4 + _MAX_DIMS
+# The dtype code of a header whose sender failed the micro-batch: no tensor follows, and the
+# receiver raises naming the cause instead of stepping on (or timing out one collective on).
+_FAILED = len(_DTYPES)
 
 
 def _dtype_name(tensor: Any) -> str:
@@ -198,7 +204,6 @@ class Pipeline:
 
     def send_input_grad(self, mb: MicroBatch) -> None:
         """A stage after the first, after its backward: its input's gradient, back."""
-        import paddle
 
         if self.first:
             return
@@ -206,15 +211,18 @@ class Pipeline:
         tensor = self._input[1]
         if tensor.grad is None:
             # The loss did not depend on the input received (detached, through numpy, under
-            # no_grad): the earlier stages would never train. Zeros go first, so that the
-            # previous stage is not left waiting in the broadcast.
-            self._transmit(mb, paddle.zeros_like(tensor), self.rank, self._prev)
-            raise UsageError(
-                f"stage {self.stage}: its input from session.pipeline.recv() got no gradient "
-                f"in micro-batch {mb.index} of step {mb.step}: the stage's output must be "
+            # no_grad): the earlier stages would never train. The previous stage is told, so
+            # that it fails naming this cause before its own step.
+            why = (
+                f"stage {self.stage}'s input from session.pipeline.recv() got no gradient in "
+                f"micro-batch {mb.index} of step {mb.step}: the stage's output must be "
                 "computed from that tensor itself (not detached, not through numpy, not "
                 "under paddle.no_grad)"
             )
+            failed = header(mb, tensor)
+            failed[2] = _FAILED
+            self._broadcast(failed, self.rank, self._prev)
+            raise UsageError(why)
         self._transmit(mb, tensor.grad, self.rank, self._prev)
         self._input = None
 
@@ -228,11 +236,16 @@ class Pipeline:
         return float(value.numpy()[0])
 
     def _transmit(self, mb: MicroBatch, tensor: Any, source: int, group: Any) -> None:
+        import paddle.distributed as dist
+
+        self._broadcast(header(mb, tensor), source, group)
+        dist.broadcast(tensor.detach(), src=source, group=group)
+
+    def _broadcast(self, values: np.ndarray, source: int, group: Any) -> None:
         import paddle
         import paddle.distributed as dist
 
-        dist.broadcast(paddle.to_tensor(header(mb, tensor)), src=source, group=group)
-        dist.broadcast(tensor.detach(), src=source, group=group)
+        dist.broadcast(paddle.to_tensor(values), src=source, group=group)
 
     def _receive(self, mb: MicroBatch, source: int, group: Any, what: str) -> Any:
         import paddle
@@ -240,7 +253,14 @@ class Pipeline:
 
         received = paddle.zeros([_HEADER], dtype="int64")
         dist.broadcast(received, src=source, group=group)
-        step, index, dtype, shape = read_header(received.numpy())
+        values = received.numpy()
+        if int(values[2]) == _FAILED:
+            raise UsageError(
+                f"stage {self.stage}: rank {source} failed micro-batch {int(values[1])} of step "
+                f"{int(values[0])} instead of sending the {what}: its input got no gradient "
+                "(its own error says more)"
+            )
+        step, index, dtype, shape = read_header(values)
         if (step, index) != (mb.step, mb.index):
             raise UsageError(
                 f"stage {self.stage} at micro-batch {mb.index} of step {mb.step} received "
@@ -251,3 +271,14 @@ class Pipeline:
         tensor = paddle.empty(shape, dtype=cast(Any, dtype))
         dist.broadcast(tensor, src=source, group=group)
         return tensor
+
+
+def backward(stepper: Stepper, pipe: Pipeline | None, mb: MicroBatch, term: Any) -> None:
+    """``mb``'s backward on this rank, as ``session.step`` runs it: the stepper's (which puts
+    a padding batch's buffers back), from ``term`` or, on a pipeline's stage before the last
+    (``term`` None), from the gradient of the output it sent; then, on a stage after the
+    first, its input's gradient back."""
+    sent = pipe.sent_gradient(mb) if term is None and pipe is not None else None
+    stepper.backward(mb, term, sent)
+    if pipe is not None:
+        pipe.send_input_grad(mb)

@@ -16,12 +16,19 @@ from typing import Any
 
 from tide.trainer.contract import UsageError
 from tide.trainer.messages import Progress
-from tide.trainer.pipeline import Pipeline
+from tide.trainer.pipeline import Pipeline, backward
 from tide.trainer.sampler import MicroBatch, micro_batches
 from tide.trainer.session_control import SessionControl
 
-# session.step()'s loss when none was passed (None is a rank that ran no forward).
-_NO_LOSS: Any = object()
+
+class _NoLoss:
+    """session.step()'s loss when none was passed (None is a rank that ran no forward)."""
+
+    def __repr__(self) -> str:
+        return "<no loss>"
+
+
+_NO_LOSS: Any = _NoLoss()
 
 
 class SessionLoop(SessionControl):
@@ -54,6 +61,13 @@ class SessionLoop(SessionControl):
         its batch against it); None when the budget is done."""
         self.lifecycle.training("session.current")
         return self._current()
+
+    @property
+    def _counts_samples(self) -> bool:
+        """Whether this rank logs and counts the samples it trains on: every rank of a
+        model-parallel replica trains on the replica's, one of them counts them (the others
+        log the step with no ids and a rate of 0)."""
+        return self._model_parallel.group_size == 1 or self.layout.logs_samples
 
     @property
     def pipeline(self) -> Pipeline:
@@ -103,8 +117,9 @@ class SessionLoop(SessionControl):
                 # A forgotten argument would train on nothing while the samples were logged.
                 raise UsageError(
                     "session.step() without a loss: pass the micro-batch's loss (its mean or "
-                    "its per-sample losses), or None on a rank that ran no forward; only a "
-                    "pipeline's stage before the last steps without one"
+                    "its per-sample losses), or None on a rank that ran no forward (plain "
+                    "models). The loss became optional only for a pipeline's stages before "
+                    "the last (SessionConfig.model_parallel pp_degree > 1)"
                 )
             loss = None
         ids = self.deliveries.check(mb, indices)
@@ -118,9 +133,7 @@ class SessionLoop(SessionControl):
         self.deliveries.consumed(mb)
         if not mb.padding:
             self._delivered.extend(ids)
-        stepper.backward(mb, term, pipe.sent_gradient(mb) if term is None and pipe else None)
-        if pipe is not None:
-            pipe.send_input_grad(mb)
+        backward(stepper, pipe, mb, term)
         if self.timings.first_step_at == 0.0 and "backward_s" not in self._first_parts:
             self._first_parts["backward_s"] = (
                 time.monotonic() - self._first_step_started - self._first_parts["forward_s"]
@@ -170,9 +183,8 @@ class SessionLoop(SessionControl):
                 device=self.env.device,
                 **asdict(self.timings),
             )
-        # This worker's share: the coordinator sums its members' rates into the job's. Every
-        # rank of a model-parallel replica trains on the replica's samples: one counts them.
-        if self._model_parallel.group_size == 1 or self.layout.logs_samples:
+        # This worker's share: the coordinator sums its members' rates into the job's.
+        if self._counts_samples:
             self._rate_samples += len(ids)
         if now - self._rate_t0 >= 1.0:
             self._samples_per_s = self._rate_samples / (now - self._rate_t0)
@@ -183,8 +195,7 @@ class SessionLoop(SessionControl):
             self.env.generation,
             self.rank,
             self.world_size,
-            # One rank per model-parallel replica logs the replica's ids (the others the step).
-            ids if self._model_parallel.group_size == 1 or self.layout.logs_samples else [],
+            ids if self._counts_samples else [],
             self._global_loss,
         )
         self._report_progress()
