@@ -19,7 +19,8 @@ in plain data parallel (the same script without ``--sharded``).
 - ``resizes``: world-size changes in the run's own sample logs.
 - ``layouts``: per generation, what its workers logged they sharded over (every rank of a
   generation must agree: ``layouts_consistent``).
-- ``pause_s`` / ``dp_pause_s``: each resize's pause, sharded and data parallel;
+- ``pause_s`` / ``dp_pause_s``: each resize's pause, sharded and data parallel; ``stages`` and
+  ``dp_stages``: where each went (:func:`stages`);
   ``pause_over_dp_pause``: their sums' ratio (target <= 1.2).
 - ``aborted_tries``: resizes ABORTED and tried again (all three chains), as the scaler's next
   decision would: on a loaded machine a worker can pass the checkpoint step before its
@@ -241,6 +242,7 @@ def run(quick: bool, workdir: Path) -> dict[str, Any]:
     result["dp_pause_s"] = [round(f.pause_s, 3) for f in dp_chain.completed[1:]]
     result["overlap_pause_s"] = [round(f.pause_s, 3) for f in over.completed[1:]]
     result["overlap_lost_steps"] = over.lost_steps
+    result["stages"], result["dp_stages"] = stages(sharded), stages(dp)
     # Tried again, as the scaler would: a barrier missed under load, not a loss.
     result["aborted_tries"] = sum(len(c.aborted) for c in (chain, over, dp_chain))
     result["pause_over_dp_pause"] = round(

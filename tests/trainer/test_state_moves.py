@@ -15,7 +15,16 @@ from tide.trainer.checkpoint import CheckpointStore, WrittenCheckpoint
 from tide.trainer.handover import ShmHandover, StateHandover, pod_handover_dir
 from tide.trainer.persist import DurableWriter, Snapshot
 from tide.trainer.restore import locate
-from tide.trainer.transfer import Holding, RestorePlan, Where, pack, plan_restore, unpack
+from tide.trainer.transfer import (
+    BUNDLE_BELOW_BYTES,
+    Holding,
+    RestorePlan,
+    Where,
+    _bundles,
+    pack,
+    plan_restore,
+    unpack,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -43,6 +52,18 @@ def test_the_newest_step_from_memory_first(
     holdings: list[tuple[int, Where]], plan: RestorePlan
 ) -> None:
     assert plan_restore([Holding(s, w) for s, w in holdings]) == plan
+
+
+def test_small_pieces_travel_bundled_up_to_a_chunk_and_large_ones_alone() -> None:
+    big = BUNDLE_BELOW_BYTES
+    # Two small, one large, three small that overflow a 100-byte chunk, one small.
+    sizes = [10, 20, big, 60, 30, 40, 5]
+    assert _bundles(sizes, 100) == [[0, 1], [2], [3, 4], [5, 6]]
+    assert _bundles([], 100) == []
+    assert _bundles([big, big], 100) == [[0], [1]]
+    # Every piece once, in order.
+    flat = [i for b in _bundles(sizes, 64) for i in b]
+    assert flat == list(range(len(sizes)))
 
 
 def test_files_travel_as_one_blob() -> None:

@@ -13,7 +13,8 @@ This is how TorchFT and Horovod's elastic mode bring a new worker up to date.
 :func:`send_tensors` moves named tensors (their names, dtypes and shapes first) from one
 holder to receivers over a process group, as tensors: each array is broadcast in chunks of at
 most ``chunk_bytes``, straight from the holder's memory into the receiver's array (DLPack
-views on both sides, no packed buffer, no copy), each chunk checked with xxh3-64. It is the
+views on both sides, no packed buffer, no copy), each chunk checked with xxh3-64. Arrays under
+``BUNDLE_BELOW_BYTES`` travel several to a broadcast, through one copy on each side. It is the
 path any state takes between ranks (optimizer shards of a sharded job too). The small files of
 a state travel as one more tensor beside the arrays.
 
@@ -64,6 +65,10 @@ SENDERS_MAX_ENV = "TIDE_TRANSFER_SENDERS_MAX"
 FAULT_ENV = "TIDE_TRANSFER_FAULT"
 # The small files of a state travel as this tensor beside its arrays.
 FILES_TENSOR = "tide.files"
+# Pieces under this size travel bundled, several per broadcast up to a chunk (a copy each into
+# and out of the bundle): each broadcast costs a round trip over the group whatever its size,
+# and an optimizer's state holds many small tensors (biases, norms, step counters).
+BUNDLE_BELOW_BYTES = 1 << 20
 
 
 class Where(enum.IntEnum):
@@ -278,21 +283,57 @@ def _chunks(tensor_specs: Sequence[TensorSpec], chunk_bytes: int) -> list[tuple[
     ]
 
 
-def _move(pieces: Sequence[Any], source: int, group: Any, sending: bool, flip: bool) -> list[int]:
-    """Broadcast each of ``pieces`` (flat uint8 arrays) from ``source`` over ``group``;
-    their xxh3-64s. ``flip``: damage the first received piece (a test's fault)."""
-    digests = []
-    for i, piece in enumerate(pieces):
-        if sending and not piece.flags.writeable:
-            # gloo writes into its root's buffer: a read-only one (bytes read from disk)
-            # goes through a copy, one chunk at a time.
-            _broadcast(piece.copy(), source, group)
+def _bundles(sizes: Sequence[int], chunk_bytes: int) -> list[list[int]]:
+    """Which pieces (by index, in order) each broadcast carries: a piece of
+    BUNDLE_BELOW_BYTES or more alone, runs of smaller ones together up to ``chunk_bytes``.
+    Every rank of the group computes the same from the pieces' sizes."""
+    out: list[list[int]] = []
+    run: list[int] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if n >= BUNDLE_BELOW_BYTES or (run and total + n > chunk_bytes):
+            if run:
+                out.append(run)
+            run, total = [], 0
+        if n >= BUNDLE_BELOW_BYTES:
+            out.append([i])
         else:
-            _broadcast(piece, source, group)
-        if flip and i == 0:
-            piece[0] ^= 0xFF
-        digests.append(xxhash.xxh3_64_intdigest(piece))
-    return digests
+            run.append(i)
+            total += n
+    if run:
+        out.append(run)
+    return out
+
+
+def _move(
+    pieces: Sequence[Any], source: int, group: Any, sending: bool, flip: bool, chunk_bytes: int
+) -> list[int]:
+    """Broadcast ``pieces`` (flat uint8 arrays) from ``source`` over ``group``, the small ones
+    bundled (:func:`_bundles`); their xxh3-64s, each piece's as it is on this rank once all
+    arrived. ``flip``: damage the first received piece (a test's fault)."""
+    for bundle in _bundles([p.nbytes for p in pieces], chunk_bytes):
+        if len(bundle) == 1:
+            piece = pieces[bundle[0]]
+            if sending and not piece.flags.writeable:
+                # gloo writes into its root's buffer: a read-only one (bytes read from disk)
+                # goes through a copy, one chunk at a time.
+                _broadcast(piece.copy(), source, group)
+            else:
+                _broadcast(piece, source, group)
+            continue
+        if sending:
+            _broadcast(np.concatenate([pieces[i] for i in bundle]), source, group)
+            continue
+        buf = np.empty(sum(pieces[i].nbytes for i in bundle), np.uint8)
+        _broadcast(buf, source, group)
+        at = 0
+        for i in bundle:
+            n = pieces[i].nbytes
+            pieces[i][:] = buf[at : at + n]
+            at += n
+    if flip and pieces:
+        pieces[0][0] ^= 0xFF
+    return [xxhash.xxh3_64_intdigest(piece) for piece in pieces]
 
 
 def _exchange_digests(digests: list[int], source: int, group: Any, sending: bool) -> list[int]:
@@ -330,13 +371,14 @@ def _send_over_group(
         flats = {s.name: byte_view(out.arrays[s.name]) for s in tensor_specs}
     else:
         scratch = np.empty(chunk_bytes, np.uint8)
-        for _, _, size in chunks:
-            _broadcast(scratch[:size], source, group)
+        sizes = [size for _, _, size in chunks]
+        for bundle in _bundles(sizes, chunk_bytes):
+            _broadcast(scratch[: sum(sizes[i] for i in bundle)], source, group)
         _exchange_digests([], source, group, False)
         return out
     pieces = [flats[name][start : start + size] for name, start, size in chunks]
     flip = keep and not sending and os.environ.get(FAULT_ENV, "") == "flip"
-    digests = _move(pieces, source, group, sending, flip)
+    digests = _move(pieces, source, group, sending, flip, chunk_bytes)
     theirs = _exchange_digests(digests, source, group, sending)
     if sending:
         out.arrays = dict(arrays or {})
@@ -397,7 +439,8 @@ def _send_over_groups(
         assert arrays is not None
         mine = [c for c, o in zip(chunks, owner, strict=True) if o == i]
         pieces = [byte_view(arrays[name])[start : start + size] for name, start, size in mine]
-        _exchange_digests(_move(pieces, rank, groups[i], True, False), rank, groups[i], True)
+        moved = _move(pieces, rank, groups[i], True, False, chunk_bytes)
+        _exchange_digests(moved, rank, groups[i], True)
         out.arrays = dict(arrays)
         return out
     if rank not in fanout.receivers:
@@ -411,7 +454,7 @@ def _send_over_groups(
         try:
             mine = [c for c, o in zip(chunks, owner, strict=True) if o == i]
             pieces = [flats[name][start : start + size] for name, start, size in mine]
-            digests = _move(pieces, senders[i], groups[i], False, flip and i == 0)
+            digests = _move(pieces, senders[i], groups[i], False, flip and i == 0, chunk_bytes)
             theirs = _exchange_digests(digests, senders[i], groups[i], False)
             results[i] = (theirs == digests, len(pieces), sum(p.nbytes for p in pieces))
         except BaseException as exc:  # re-raised on the calling thread
