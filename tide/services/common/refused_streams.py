@@ -19,7 +19,7 @@ at once; each drain parses at most ``MAX_MESSAGES`` messages, for at most
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
 from typing import Any
 
 import grpc
@@ -33,6 +33,11 @@ MAX_CONCURRENT = 32
 
 _draining = 0
 
+#: How the drains of this process ended: "half-close", "max-messages", "limit" (LIMIT_S),
+#: "busy" (MAX_CONCURRENT draining, none read), "error <type>". Only the half-close leaves no
+#: write in flight; the hostile suite prints these with a refusal that read INTERNAL.
+ENDS: collections.Counter[str] = collections.Counter()
+
 
 async def drain(context: Any) -> None:
     """Read and drop what the refused stream of ``context`` still sends, until the
@@ -41,15 +46,21 @@ async def drain(context: Any) -> None:
     iterator, which would check it."""
     global _draining
     if _draining >= MAX_CONCURRENT:
+        ENDS["busy"] += 1
         return
     _draining += 1
     try:
-        # TimeoutError at the limit, or the client gone: either way, refuse now.
-        # CancelledError is not an Exception: a cancelled handler stays cancelled.
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(LIMIT_S):
-                for _ in range(MAX_MESSAGES):
-                    if await context.read() is grpc.aio.EOF:
-                        return
+        async with asyncio.timeout(LIMIT_S):
+            for _ in range(MAX_MESSAGES):
+                if await context.read() is grpc.aio.EOF:
+                    ENDS["half-close"] += 1
+                    return
+        ENDS["max-messages"] += 1
+    except TimeoutError:
+        ENDS["limit"] += 1
+    except Exception as exc:
+        # The client gone, or a read that failed: either way, refuse now. CancelledError
+        # is not an Exception: a cancelled handler stays cancelled.
+        ENDS[f"error {type(exc).__name__}"] += 1
     finally:
         _draining -= 1
