@@ -4,6 +4,7 @@ to what stops the old workers."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -11,21 +12,33 @@ import pytest
 
 from tide.trainer.launcher.group import WorkerGroup
 from tide.trainer.launcher.settings import LauncherSettings
-from tide.trainer.messages import Held, Progress, Resume, ToLauncher
+from tide.trainer.messages import Done, Held, Progress, Resume, ToLauncher
 from tide.trainer.spawner import WorkerHandle
 
 pytestmark = pytest.mark.unit
 
 
-def _group(tmp_path: Path, size: int, heard: list[ToLauncher]) -> WorkerGroup:
+def _group(
+    tmp_path: Path,
+    size: int,
+    heard: list[ToLauncher],
+    exits: list[tuple[int, int]] | None = None,
+    finish_wait_s: float = 120.0,
+) -> WorkerGroup:
     async def on_exit(worker: WorkerHandle, code: int, expected: bool) -> None:
-        raise AssertionError("no worker exits here")
+        if exits is None:
+            raise AssertionError("no worker exits here")
+        exits.append((worker.pid, code))
 
     async def on_message(msg: ToLauncher) -> None:
         heard.append(msg)
 
     settings = LauncherSettings(
-        coordinator="127.0.0.1:1", job_id="ns/j", command=("true",), prewarm=False
+        coordinator="127.0.0.1:1",
+        job_id="ns/j",
+        command=("true",),
+        prewarm=False,
+        finish_wait_s=finish_wait_s,
     )
     spawner: Any = object()
     envs = [{"TIDE_LOCAL_RANK": str(i)} for i in range(size)]
@@ -113,3 +126,78 @@ async def test_only_the_leaders_other_messages_are_passed_on(tmp_path: Path) -> 
     await _say(group, 1, Progress(step=4, samples_per_s=10.0))
     await _say(group, 0, Progress(step=4, samples_per_s=5.0))
     assert heard == [Progress(step=4, samples_per_s=15.0)]
+
+
+class EndingWorker:
+    """A worker that runs until the test ends it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._end: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._end.result() if self._end.done() else None
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._end)
+
+    def end(self, code: int) -> None:
+        self._end.set_result(code)
+
+    def kill(self, sig: int = 9) -> None:
+        raise AssertionError("nothing stops a worker here")
+
+
+async def _finish_first(group: WorkerGroup) -> tuple[EndingWorker, asyncio.Task[None]]:
+    """Worker 0 finishes its budget and exits 0 while worker 1 still runs."""
+    follower = EndingWorker(2)
+    group.members[1].worker = follower
+    await _say(group, 0, Done(step=14))
+    leader: Any = StubWorker(1)
+    leader.returncode = 0
+
+    async def leader_exits() -> None:
+        await group._exit_handler(0)(leader, 0, False)
+
+    ended = asyncio.create_task(leader_exits())
+    await asyncio.sleep(0.05)
+    return follower, ended
+
+
+async def test_a_pod_ends_once_its_other_workers_have_finished_too(tmp_path: Path) -> None:
+    """CI once read a follower's final file cut short: the pod had ended, and stopped it, as
+    soon as its first worker finished, while the follower still wrote (its slice's final
+    checkpoint could be cut short the same way)."""
+    heard: list[ToLauncher] = []
+    exits: list[tuple[int, int]] = []
+    group = _group(tmp_path, 2, heard, exits)
+    follower, ended = await _finish_first(group)
+    assert heard == [Done(step=14)]
+    assert exits == [], "the pod ended while its worker 1 still ran"
+    follower.end(0)
+    await asyncio.wait_for(ended, 5)
+    assert exits == [(1, 0)]
+
+
+async def test_a_follower_that_fails_after_the_first_finished_is_the_pods_end(
+    tmp_path: Path,
+) -> None:
+    exits: list[tuple[int, int]] = []
+    group = _group(tmp_path, 2, [], exits)
+    follower, ended = await _finish_first(group)
+    follower.end(3)
+    await group._exit_handler(1)(follower, 3, False)  # its supervisor reports it
+    await asyncio.wait_for(ended, 5)
+    assert exits == [(2, 3)], "the first worker's success hid its follower's failure"
+
+
+async def test_a_follower_still_running_at_the_bound_is_stopped_with_the_pod(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    exits: list[tuple[int, int]] = []
+    group = _group(tmp_path, 2, [], exits, finish_wait_s=0.2)
+    _, ended = await _finish_first(group)
+    await asyncio.wait_for(ended, 5)
+    assert exits == [(1, 0)]
+    assert "still run" in caplog.text

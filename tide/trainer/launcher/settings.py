@@ -44,6 +44,10 @@ class LauncherSettings:
     leave_grace_s: float = 0.0
     # How long a new worker may take to have its group and restore, seconds.
     start_timeout_s: float = 120.0
+    # A pod of several workers whose first worker finished training waits this long for the
+    # others to end by themselves (each may still write its slice's final checkpoint or the
+    # script's own files) before stopping them, seconds.
+    finish_wait_s: float = 120.0
     # Overlap mode on GPUs: a PREPARE is nacked (the coordinator falls back) unless each of
     # the pod's GPUs has this much memory free for the prepared worker next to the one that
     # trains, MiB; 0: no check (docs/trainer.md, "Overlap mode").
@@ -85,6 +89,7 @@ class LauncherSettings:
         for name in (
             "exit_grace_s",
             "start_timeout_s",
+            "finish_wait_s",
             "backoff_initial_s",
             "rpc_timeout_s",
             "final_report_timeout_s",
