@@ -12,7 +12,7 @@ import pytest
 
 from tide.trainer.launcher.group import WorkerGroup
 from tide.trainer.launcher.settings import LauncherSettings
-from tide.trainer.messages import Done, Held, Progress, Resume, ToLauncher
+from tide.trainer.messages import Held, Progress, Resume, ToLauncher
 from tide.trainer.spawner import WorkerHandle
 
 pytestmark = pytest.mark.unit
@@ -22,13 +22,10 @@ def _group(
     tmp_path: Path,
     size: int,
     heard: list[ToLauncher],
-    exits: list[tuple[int, int]] | None = None,
     finish_wait_s: float = 120.0,
 ) -> WorkerGroup:
     async def on_exit(worker: WorkerHandle, code: int, expected: bool) -> None:
-        if exits is None:
-            raise AssertionError("no worker exits here")
-        exits.append((worker.pid, code))
+        raise AssertionError("no worker exits here")
 
     async def on_message(msg: ToLauncher) -> None:
         heard.append(msg)
@@ -149,55 +146,40 @@ class EndingWorker:
         raise AssertionError("nothing stops a worker here")
 
 
-async def _finish_first(group: WorkerGroup) -> tuple[EndingWorker, asyncio.Task[None]]:
-    """Worker 0 finishes its budget and exits 0 while worker 1 still runs."""
+async def _finish_first(group: WorkerGroup) -> tuple[EndingWorker, asyncio.Task[bool]]:
+    """Worker 0 finished its budget and exited 0 while worker 1 still runs: the core asks
+    whether the pod's other workers finished too (core.py, at the first's end)."""
     follower = EndingWorker(2)
     group.members[1].worker = follower
-    await _say(group, 0, Done(step=14))
-    leader: Any = StubWorker(1)
-    leader.returncode = 0
-
-    async def leader_exits() -> None:
-        await group._exit_handler(0)(leader, 0, False)
-
-    ended = asyncio.create_task(leader_exits())
+    waiting = asyncio.create_task(group.followers_finished())
     await asyncio.sleep(0.05)
-    return follower, ended
+    return follower, waiting
 
 
 async def test_a_pod_ends_once_its_other_workers_have_finished_too(tmp_path: Path) -> None:
     """CI once read a follower's final file cut short: the pod had ended, and stopped it, as
     soon as its first worker finished, while the follower still wrote (its slice's final
     checkpoint could be cut short the same way)."""
-    heard: list[ToLauncher] = []
-    exits: list[tuple[int, int]] = []
-    group = _group(tmp_path, 2, heard, exits)
-    follower, ended = await _finish_first(group)
-    assert heard == [Done(step=14)]
-    assert exits == [], "the pod ended while its worker 1 still ran"
+    group = _group(tmp_path, 2, [])
+    follower, waiting = await _finish_first(group)
+    assert not waiting.done(), "the pod ended while its worker 1 still ran"
     follower.end(0)
-    await asyncio.wait_for(ended, 5)
-    assert exits == [(1, 0)]
+    assert await asyncio.wait_for(waiting, 5)
 
 
 async def test_a_follower_that_fails_after_the_first_finished_is_the_pods_end(
     tmp_path: Path,
 ) -> None:
-    exits: list[tuple[int, int]] = []
-    group = _group(tmp_path, 2, [], exits)
-    follower, ended = await _finish_first(group)
+    group = _group(tmp_path, 2, [])
+    follower, waiting = await _finish_first(group)
     follower.end(3)
-    await group._exit_handler(1)(follower, 3, False)  # its supervisor reports it
-    await asyncio.wait_for(ended, 5)
-    assert exits == [(2, 3)], "the first worker's success hid its follower's failure"
+    assert not await asyncio.wait_for(waiting, 5), "the first's success hid its follower's failure"
 
 
 async def test_a_follower_still_running_at_the_bound_is_stopped_with_the_pod(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    exits: list[tuple[int, int]] = []
-    group = _group(tmp_path, 2, [], exits, finish_wait_s=0.2)
-    _, ended = await _finish_first(group)
-    await asyncio.wait_for(ended, 5)
-    assert exits == [(1, 0)]
+    group = _group(tmp_path, 2, [], finish_wait_s=0.2)
+    _, waiting = await _finish_first(group)
+    assert await asyncio.wait_for(waiting, 5)
     assert "still run" in caplog.text

@@ -481,6 +481,8 @@ class Launcher:
             # It ended before the RENDEZVOUS that made it current: that ack goes first.
             await asyncio.wait([self._rendezvous_task])
         if self._worker_done and code == 0:
+            if not await self.workers.followers_finished():
+                return
             logger.info(
                 "member %s (job %s): training finished at step %d; launcher exits",
                 self.member_id,

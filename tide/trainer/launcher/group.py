@@ -31,7 +31,7 @@ from pathlib import Path
 
 from tide.trainer.launcher.settings import LauncherSettings
 from tide.trainer.launcher.supervisor import WorkerSupervisor
-from tide.trainer.messages import Done, Held, Progress, Ready, Resume, ToLauncher, ToWorker
+from tide.trainer.messages import Held, Progress, Ready, Resume, ToLauncher, ToWorker
 from tide.trainer.spawner import Spawner, WorkerHandle
 
 logger = logging.getLogger(__name__)
@@ -110,8 +110,6 @@ class WorkerGroup:
         self.size = len(local_envs)
         self._spawner = spawner
         self._finish_wait_s = settings.finish_wait_s
-        # The workers that said Done (finished their budget), by local index.
-        self._done: set[int] = set()
         self._on_exit = on_exit
         self._on_message = on_message
         shared = _Shared(spawner)
@@ -157,13 +155,6 @@ class WorkerGroup:
     def _exit_handler(self, i: int) -> Callable[[WorkerHandle, int, bool], Awaitable[None]]:
         async def handler(worker: WorkerHandle, code: int, expected: bool) -> None:
             if i == 0:
-                # The pod's end, once its other workers have ended too: one may still write
-                # its slice's final checkpoint (or the script's files) after the first ends,
-                # and the pod's end stops every worker. A follower that failed meanwhile
-                # reported its exit, which is the pod's.
-                finished = code == 0 and not expected and 0 in self._done
-                if finished and not await self._followers_finished():
-                    return
                 await self._on_exit(worker, code, expected)
             elif not expected and code != 0:
                 # A follower's death breaks the group: the pod has failed.
@@ -194,10 +185,6 @@ class WorkerGroup:
                     return
                 for held in self._holds.held(i, msg):
                     await self._on_message(held)
-            elif isinstance(msg, Done):
-                self._done.add(i)
-                if i == 0:
-                    await self._on_message(msg)
             elif isinstance(msg, Progress):
                 self._rates[i] = msg.samples_per_s
                 if i == 0:
@@ -208,9 +195,11 @@ class WorkerGroup:
 
         return handler
 
-    async def _followers_finished(self) -> bool:
-        """Wait, at most ``finish_wait_s``, for the other workers to exit by themselves;
-        False when one of them failed."""
+    async def followers_finished(self) -> bool:
+        """After the first worker finished training: wait, at most ``finish_wait_s``, for the
+        others to exit by themselves (each may still write its slice's final checkpoint or the
+        script's files, and the pod's end stops every worker); False when one of them failed
+        (its exit, reported, is the pod's)."""
         running = [
             m.worker
             for m in self.members[1:]
