@@ -23,7 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tide.services.testing.localjob import ROOT, free_port, gloo_env
+from tide.services.testing.localjob import ROOT, gloo_env
+from tide.services.testing.ports import free_port
 
 _RANK = """
 import json, os, sys, time

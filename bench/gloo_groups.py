@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from tide.services.testing.localjob import free_port, gloo_env
+from tide.services.testing.localjob import gloo_env
+from tide.services.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

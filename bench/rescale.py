@@ -61,7 +61,7 @@ from tide.services.testing.localjob import (
     loss_records,
     read_jsonl,
 )
-from tide.services.testing.localjob import free_port as _free_port
+from tide.services.testing.ports import free_port as _free_port
 from tide.trainer.checkpoint import CheckpointStore
 from tide.trainer.spawner import ZygoteSpawner
 from tide.v1 import coordinator_pb2 as pb

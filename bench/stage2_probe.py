@@ -30,7 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tide.services.testing.localjob import free_port, gloo_env
+from tide.services.testing.localjob import gloo_env
+from tide.services.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 WAYS = ("api", "direct", "patched")

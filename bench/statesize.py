@@ -119,7 +119,8 @@ async def bare_broadcast(
     """Seconds for a gloo broadcast of each size from rank 0 to ``world`` ranks (from a
     barrier to a barrier after it: every rank has the bytes), the median of BARE_REPEATS
     (each the slowest rank's)."""
-    from tide.services.testing.localjob import free_port, gloo_env
+    from tide.services.testing.localjob import gloo_env
+    from tide.services.testing.ports import free_port
 
     workdir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before any timing
     script = workdir / "bcast.py"

@@ -262,7 +262,8 @@ def check_mp_layout(workdir: Path, dry_run: bool = False) -> dict[str, Any]:
     cmd = [str(program), str(mp), str(workdir)]
     if dry_run:
         # Paddle's launcher wants devices; on the CPU the ranks start the plain way (gloo).
-        from tide.services.testing.localjob import free_port, gloo_env
+        from tide.services.testing.localjob import gloo_env
+        from tide.services.testing.ports import free_port
 
         ports = [free_port() for _ in range(n)]
         procs = [

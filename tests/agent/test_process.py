@@ -18,8 +18,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.support.poll import eventually
-from tests.support.procs import ROOT, free_port, start_service
+from tests.support.procs import ROOT, start_service
 from tide.base.listening import parse_listening
+from tide.services.testing.ports import free_port
 from tide.v1 import telemetry_pb2
 
 from .support import Scaler

@@ -15,10 +15,11 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.cli.fake_scaler import FakeScaler, Served, serve_in_thread
-from tests.support.procs import ROOT, free_port
+from tests.support.procs import ROOT
 from tide.services.cli import read, source
 from tide.services.cli.main import app
 from tide.services.cli.render import CSV_COLUMNS
+from tide.services.testing.ports import free_port
 from tide.v1 import common_pb2
 
 pytestmark = pytest.mark.component

@@ -9,10 +9,10 @@ import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client import REGISTRY
 
-from tests.support.procs import free_port
 from tide.services.common.readiness import LIVENESS, Readiness
 from tide.services.store import db
 from tide.services.store.probe import StoreProbe
+from tide.services.testing.ports import free_port
 
 pytestmark = pytest.mark.component
 

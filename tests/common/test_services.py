@@ -16,7 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tests.support.procs import ServiceProcess, free_port, memory_scaler_args, start_service
+from tests.support.procs import ServiceProcess, memory_scaler_args, start_service
+from tide.services.testing.ports import free_port
 from tide.v1 import coordinator_pb2, coordinator_pb2_grpc, telemetry_pb2, telemetry_pb2_grpc
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.support.procs import ROOT, start_service
 from tide.base.client import open_channel
 from tide.services.common.pki import CertificateAuthority
+from tide.services.testing.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -58,18 +58,12 @@ def test_no_token_in_help() -> None:
         assert r.returncode == 0 and "s3cret-admin-token" not in r.stdout + r.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_health_is_plaintext_on_its_port_and_nothing_else_answers_without_credentials(
     tmp_path: Path,
 ) -> None:
     ca = CertificateAuthority.create(tmp_path / "pki")
     server = ca.server()
-    health_port = _free_port()
+    health_port = free_port()
     svc = start_service(
         [
             "-m",

@@ -16,11 +16,11 @@ from prometheus_client import REGISTRY
 from sqlalchemy.orm import Session, sessionmaker
 
 from tests.store.support import no_sleep, sqlite_factory
-from tests.support.procs import free_port
 from tide.base.errors import ConfigError, Conflict, StoreUnavailable, Unavailable
 from tide.services.scaler import store as repo
 from tide.services.store import db
 from tide.services.store.models.scaler import Job
+from tide.services.testing.ports import free_port
 
 pytestmark = pytest.mark.integration
 

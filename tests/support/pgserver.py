@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.procs import free_port
+from tide.services.testing.ports import free_port
 
 
 def _bin_dir() -> Path | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -94,14 +93,6 @@ def gone(pid: int) -> bool:
         return True
     # The command name is in parentheses and may hold spaces; the state follows the last ')'.
     return raw[raw.rfind(")") + 2 :].split()[0] == "Z"
-
-
-def free_port() -> int:
-    """A port that was free a moment ago, for a process that must be told its port
-    before it starts (prefer port 0 and the LISTENING line where the process allows)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def memory_scaler_args(db_url: str, *extra: str) -> list[str]:

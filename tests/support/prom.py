@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from tests.support.poll import wait_for
-from tests.support.procs import free_port
+from tide.services.testing.ports import free_port
 
 
 def binary(name: str) -> str:

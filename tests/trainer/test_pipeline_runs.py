@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tide.services.testing.localjob import ROOT, free_port, gloo_env, reference_run
+from tide.services.testing.localjob import ROOT, gloo_env, reference_run
 from tide.services.testing.parity import final_losses, max_rel_array_diff, max_rel_loss_diff
+from tide.services.testing.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.paddle]
 

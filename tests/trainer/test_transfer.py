@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tide.services.testing.localjob import ROOT, free_port, gloo_env
+from tide.services.testing.localjob import ROOT, gloo_env
+from tide.services.testing.ports import free_port
 
 pytest.importorskip("paddle")
 

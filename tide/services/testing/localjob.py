@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 
 from tide.base.listening import parse_listening
+from tide.services.testing.ports import free_port
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -462,14 +463,6 @@ def gloo_env(rank: int, ports: Sequence[int]) -> dict[str, str]:
         "PADDLE_TRAINER_ENDPOINTS": ",".join(f"127.0.0.1:{p}" for p in ports),
         "PADDLE_CURRENT_ENDPOINT": f"127.0.0.1:{ports[rank]}",
     }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _past(step: int) -> Callable[[pb.JobStatus], bool]:

@@ -34,10 +34,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
 import socket
 import time
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -93,10 +95,34 @@ async def _rpc(call: Awaitable[_T]) -> _T:
         raise ChannelClosed("its channel was closed under the call (renewed)") from None
 
 
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (65536 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 65536
+
+
+# Where a launcher picks the port it offers for the rendezvous (rank 0's becomes the gloo
+# master's): below the kernel's ephemeral range, from which every outgoing connection takes
+# its local port. A port probed there could be taken by one before the worker bound it, and
+# on one host (tide up) gloo's own connections and every other launcher's take many: the
+# master then fails to bind and its peers wait on a stranger's listener. Read once, at import.
+RENDEZVOUS_PORTS = range(20_000, min(_ephemeral_low(), 32_768))
+
+
 def find_free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free on ``host`` now, drawn from RENDEZVOUS_PORTS (the kernel's choice where
+    that range is empty or full)."""
+    tries = 16 if len(RENDEZVOUS_PORTS) >= 1024 else 0
+    for port in [*random.sample(RENDEZVOUS_PORTS, tries), 0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError(f"cannot bind any port on {host}")
 
 
 class CoordinatorLink:
