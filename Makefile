@@ -34,10 +34,11 @@ lint: setup
 
 # The tests run in TEST_WORKERS pytest-xdist processes: most of their time is spent
 # waiting on the processes and sockets they start, so more workers than cores pays. Then
-# the tests marked serial run alone: each asserts a latency or detection-time bound, which
-# measures the machine, and three other tests beside it would be what it measured
-# (docs/reliability.md "The suite").
+# the tests marked serial run, two at a time: each asserts a latency or detection-time
+# bound, which measures the machine, and three busy tests beside it would be what it
+# measured; one other of them, mostly waiting too, is not (docs/reliability.md "The suite").
 TEST_WORKERS ?= 4
+SERIAL_WORKERS ?= 2
 TEST_ENV := TIDE_TEST_STRICT=1 TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test
 
 # The frameworks' venv is built beside the lint (pip's one core beside mypy's), not after
@@ -47,7 +48,7 @@ test: setup proto-check
 	scripts/ensure_postgres.sh
 	scripts/ensure_prometheus.sh
 	$(TEST_ENV) $(PY) -m pytest -m "not nightly and not serial" -n $(TEST_WORKERS) --dist worksteal
-	$(TEST_ENV) $(PY) -m pytest -m "serial and not nightly"
+	$(TEST_ENV) $(PY) -m pytest -m "serial and not nightly" -n $(SERIAL_WORKERS) --dist worksteal
 	$(MAKE) frameworks
 
 # The full-length reliability runs (docs/reliability.md: the 10-minute soak, the long
