@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup demo test test-fast nightly frameworks frameworks-venv lint proto proto-check chart-schema bench clean
+.PHONY: setup demo test test-serial test-fast nightly frameworks frameworks-venv lint proto proto-check chart-schema bench clean
 
 setup:
 	PYTHON=$(PYTHON) scripts/setup.sh
@@ -39,17 +39,26 @@ lint: setup
 # measured; one other of them, mostly waiting too, is not (docs/reliability.md "The suite").
 TEST_WORKERS ?= 4
 SERIAL_WORKERS ?= 2
-TEST_ENV := TIDE_TEST_STRICT=1 TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test
+# Bytecode is written during the tests even where PYTHONDONTWRITEBYTECODE is set (this
+# project's machines and CI): otherwise each pytest process rewrote every test module's
+# asserts again (about 6 s of its collection) and each of the hundreds of service and
+# launcher processes the tests start compiled tide's modules from source.
+TEST_ENV := TIDE_TEST_STRICT=1 PYTHONDONTWRITEBYTECODE= \
+	TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test
 
-# The frameworks' venv is built beside the lint (pip's one core beside mypy's), not after
-# the serial tests; --output-sync keeps each one's output whole.
+# The frameworks' venv (about a minute of pip) is built beside the serial tests, which
+# leave the machine mostly idle, rather than beside the lint (18 s) or after them;
+# --output-sync keeps each one's output whole.
 test: setup proto-check
-	$(MAKE) -j2 --output-sync=target lint frameworks-venv
+	$(MAKE) lint
 	scripts/ensure_postgres.sh
 	scripts/ensure_prometheus.sh
 	$(TEST_ENV) $(PY) -m pytest -m "not nightly and not serial" -n $(TEST_WORKERS) --dist worksteal
-	$(TEST_ENV) $(PY) -m pytest -m "serial and not nightly" -n $(SERIAL_WORKERS) --dist worksteal
+	$(MAKE) -j2 --output-sync=target test-serial frameworks-venv
 	$(MAKE) frameworks
+
+test-serial: setup
+	$(TEST_ENV) $(PY) -m pytest -m "serial and not nightly" -n $(SERIAL_WORKERS) --dist worksteal
 
 # The full-length reliability runs (docs/reliability.md: the 10-minute soak, the long
 # write contention), left out of `make test` for its 30-minute budget.
@@ -66,7 +75,7 @@ frameworks-venv:
 		UNPINNED='numpy|pyarrow|fsspec' scripts/setup.sh
 
 frameworks: frameworks-venv
-	TIDE_TEST_STRICT=1 .venv-frameworks/bin/python -m pytest -m paddleformers
+	TIDE_TEST_STRICT=1 PYTHONDONTWRITEBYTECODE= .venv-frameworks/bin/python -m pytest -m paddleformers
 
 test-fast: setup
 	$(PY) -m pytest -m "unit or component"

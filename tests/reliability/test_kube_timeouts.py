@@ -20,6 +20,7 @@ operators' stand-ins in tide/services/testing are test doubles, and exempt.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 from pathlib import Path
 
@@ -35,7 +36,10 @@ EXEMPT = ("tide/services/testing/",)
 CLIENT_KEYWORDS = {"_preload_content", "_request_timeout"}
 
 
-def _api_methods() -> set[str]:
+# Read when a test needs it, not at import: resolving the client's classes cost every
+# pytest process (each xdist worker collects) 2-4 s of its collection.
+@functools.cache
+def api_methods() -> frozenset[str]:
     names: set[str] = set()
     # dir(), not vars(): the client's package resolves its classes lazily.
     for cls_name in dir(client):
@@ -44,10 +48,7 @@ def _api_methods() -> set[str]:
             continue
         # An endpoint method has a ``_with_http_info`` twin; close() and the like do not.
         names |= {n[: -len("_with_http_info")] for n in vars(cls) if n.endswith("_with_http_info")}
-    return names
-
-
-API_METHODS = _api_methods()
+    return frozenset(names)
 
 
 def _is_watch(node: ast.Call) -> bool:
@@ -71,7 +72,7 @@ def kube_calls_without_timeout(source: str, path: str) -> list[str]:
             continue
         keywords = {k.arg for k in node.keywords}
         watch = _is_watch(node)
-        if not (node.func.attr in API_METHODS or keywords & CLIENT_KEYWORDS or watch):
+        if not (node.func.attr in api_methods() or keywords & CLIENT_KEYWORDS or watch):
             continue
         if None in keywords:
             # **kwargs may carry them; the function that builds them is checked where it is called.
@@ -85,7 +86,7 @@ def kube_calls_without_timeout(source: str, path: str) -> list[str]:
 
 
 def test_the_check_finds_calls_and_watches_without_timeouts() -> None:
-    assert {"list_node", "patch_namespaced_custom_object", "create_token_review"} <= API_METHODS
+    assert {"list_node", "patch_namespaced_custom_object", "create_token_review"} <= api_methods()
     bad = (
         "def f(core, custom, fn):\n"
         "    core.list_node()\n"
