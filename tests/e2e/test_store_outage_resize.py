@@ -35,9 +35,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.paddle, pytest.mark.slow]
 OUTAGE_MAX_S = 120.0
 # What the coordinator logs when a commit has failed for good (engine/outbox.py).
 GAVE_UP = "commit failed; the job will be reloaded from the store"
-# Longer than the launcher's old give-up time after its workers finish (one heartbeat
-# timeout of retries, each try up to its 5 s call deadline), so that today's code fails.
-FINISH_OUTAGE_S = 50.0
+# Twice the launcher's old give-up time after its workers finish (one heartbeat timeout of
+# retries, 10 s here, each try up to its 5 s call deadline), so that that code fails.
+FINISH_OUTAGE_S = 30.0
 FINISH_TRAIN = [
     "--steps", "80", "--dataset-size", "400", "--global-batch", "32",
     "--step-delay-s", "0.05", "--ckpt-every-steps", "10",
@@ -134,7 +134,7 @@ async def test_a_resize_of_real_trainers_carries_on_through_a_store_outage(
 async def test_a_job_that_finishes_while_its_store_is_down_is_recorded_finished(
     tmp_path: Path,
 ) -> None:
-    job = LocalJob(tmp_path / "job", FINISH_TRAIN, heartbeat_timeout_s=20.0)
+    job = LocalJob(tmp_path / "job", FINISH_TRAIN, heartbeat_timeout_s=10.0)
     job.start_coordinator()
     locked = threading.Event()
     locker: list[threading.Thread] = []
