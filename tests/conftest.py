@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 import sqlalchemy as sa
 
-from tests.support import leaks, schedule
+from tests.support import leaks
 from tests.support.pg import admin_engine
 
 if TYPE_CHECKING:
@@ -48,21 +48,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 TIERS = ("unit", "component", "integration", "e2e")
 
 
-def _length_estimate_s(item: pytest.Item) -> float | None:
-    """A slow test's timeout (pyproject's 120 s unless it declares one); None: a quick one."""
-    if item.get_closest_marker("slow") is None:
-        return None
-    declared = item.get_closest_marker("timeout")
-    return float(declared.args[0]) if declared and declared.args else 120.0
-
-
-@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Last: after -m has deselected, so the blocks are those worksteal hands out.
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1 and config.getoption("dist", None) == "worksteal":
-        # Every worker reorders its own collection the same way, as xdist requires.
-        items[:] = schedule.long_first_in_every_block(items, workers, _length_estimate_s)
     wrong = sorted(
         {
             item.nodeid.split("::")[0]
