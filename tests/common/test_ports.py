@@ -41,6 +41,7 @@ def test_another_process_gets_other_ports_and_a_busy_port_is_skipped() -> None:
 
 def test_a_launcher_offers_a_rendezvous_port_below_the_ephemeral_range() -> None:
     assert len(RENDEZVOUS_PORTS) >= 1024
+    assert RENDEZVOUS_PORTS.stop <= 30_000, "inside Kubernetes' NodePort range"
     picks = {find_free_port("127.0.0.1") for _ in range(20)}
     assert all(p in RENDEZVOUS_PORTS for p in picks)
     assert len(picks) > 1, "every launcher on a host would offer the same port"

@@ -107,8 +107,10 @@ def _ephemeral_low() -> int:
 # master's): below the kernel's ephemeral range, from which every outgoing connection takes
 # its local port. A port probed there could be taken by one before the worker bound it, and
 # on one host (tide up) gloo's own connections and every other launcher's take many: the
-# master then fails to bind and its peers wait on a stranger's listener. Read once, at import.
-RENDEZVOUS_PORTS = range(20_000, min(_ephemeral_low(), 32_768))
+# master then fails to bind and its peers wait on a stranger's listener. Below Kubernetes'
+# NodePort range too (30000-32767): on a host-network pod, a connection to a NodePort is
+# redirected to its Service whether or not anything listens there. Read once, at import.
+RENDEZVOUS_PORTS = range(20_000, min(_ephemeral_low(), 30_000))
 
 
 def find_free_port(host: str) -> int:
