@@ -115,9 +115,9 @@ RENDEZVOUS_PORTS = range(20_000, min(_ephemeral_low(), 30_000))
 
 def find_free_port(host: str) -> int:
     """A port free on ``host`` now, drawn from RENDEZVOUS_PORTS (the kernel's choice where
-    that range is empty or full)."""
-    tries = 16 if len(RENDEZVOUS_PORTS) >= 1024 else 0
-    for port in [*random.sample(RENDEZVOUS_PORTS, tries), 0]:
+    that range is empty or its draws are taken)."""
+    draws = random.sample(RENDEZVOUS_PORTS, min(16, len(RENDEZVOUS_PORTS)))
+    for port in [*draws, 0]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
