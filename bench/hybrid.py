@@ -22,6 +22,9 @@ in plain data parallel (the same script without ``--sharded``).
 - ``pause_s`` / ``dp_pause_s``: each resize's pause, sharded and data parallel; ``stages`` and
   ``dp_stages``: where each went (:func:`stages`);
   ``pause_over_dp_pause``: their sums' ratio (target <= 1.2).
+- ``step_s`` / ``dp_step_s``: each generation's median step interval (rank 0's loss log, the
+  ``--step-delay-s`` pacing included): a pause holds one step of the new layout, and a
+  sharded step costs more than a data-parallel one (:func:`step_intervals`).
 - ``aborted_tries``: resizes ABORTED and tried again (all three chains), as the scaler's next
   decision would: on a loaded machine a worker can pass the checkpoint step before its
   directive comes, and the coordinator then aborts rather than checkpoint the wrong step.
@@ -169,6 +172,23 @@ def stages(job: LocalJob) -> list[dict[str, float]]:
     return out
 
 
+def step_intervals(job: LocalJob) -> list[float]:
+    """Per generation, the median time between two of its steps, seconds, from the job's
+    ``loss.jsonl``. Fleet's stage 1 broadcasts every parameter from its owner after each
+    step (one gloo broadcast a tensor, without ``tensor_fusion``, which Tide refuses), so
+    a sharded generation's steps, the first one after a resize included, take longer than
+    data parallel's at the same size: that difference is in ``pause_s`` too."""
+    import statistics
+
+    rows = [json.loads(line) for line in (job.log_dir / "loss.jsonl").read_text().splitlines()]
+    rows.sort(key=lambda r: r["step"])
+    by_gen: dict[int, list[float]] = {}
+    for a, b in itertools.pairwise(rows):
+        if a["gen"] == b["gen"]:
+            by_gen.setdefault(b["gen"], []).append(b["t"] - a["t"])
+    return [round(statistics.median(by_gen[g]), 3) for g in sorted(by_gen)]
+
+
 def dp_by_sharding(train: list[str], workdir: Path) -> dict[str, Any]:
     """The ``dpsh_*`` keys: data parallel beside sharding, resized along DPSH_CHAIN."""
     args = [*train, "--sharded", "--sharding-degree-max", str(DPSH_CAP)]
@@ -243,6 +263,7 @@ def run(quick: bool, workdir: Path) -> dict[str, Any]:
     result["overlap_pause_s"] = [round(f.pause_s, 3) for f in over.completed[1:]]
     result["overlap_lost_steps"] = over.lost_steps
     result["stages"], result["dp_stages"] = stages(sharded), stages(dp)
+    result["step_s"], result["dp_step_s"] = step_intervals(sharded), step_intervals(dp)
     # Tried again, as the scaler would: a barrier missed under load, not a loss.
     result["aborted_tries"] = sum(len(c.aborted) for c in (chain, over, dp_chain))
     result["pause_over_dp_pause"] = round(

@@ -20,7 +20,7 @@ from tide.trainer.transfer import (
     Holding,
     RestorePlan,
     Where,
-    _bundles,
+    bundles,
     pack,
     plan_restore,
     unpack,
@@ -58,11 +58,11 @@ def test_small_pieces_travel_bundled_up_to_a_chunk_and_large_ones_alone() -> Non
     big = BUNDLE_BELOW_BYTES
     # Two small, one large, three small that overflow a 100-byte chunk, one small.
     sizes = [10, 20, big, 60, 30, 40, 5]
-    assert _bundles(sizes, 100) == [[0, 1], [2], [3, 4], [5, 6]]
-    assert _bundles([], 100) == []
-    assert _bundles([big, big], 100) == [[0], [1]]
+    assert bundles(sizes, 100) == [[0, 1], [2], [3, 4], [5, 6]]
+    assert bundles([], 100) == []
+    assert bundles([big, big], 100) == [[0], [1]]
     # Every piece once, in order.
-    flat = [i for b in _bundles(sizes, 64) for i in b]
+    flat = [i for b in bundles(sizes, 64) for i in b]
     assert flat == list(range(len(sizes)))
 
 

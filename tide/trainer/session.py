@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tide.base.errors import ConfigError
-from tide.trainer import paddle_state, sharding, slices
+from tide.trainer import fused_sync, paddle_state, sharding, slices
 from tide.trainer.channel import NullChannel, SocketChannel, WorkerChannel
 from tide.trainer.checkpoint import CheckpointNotFound, CheckpointSettings
 from tide.trainer.contract import UsageError
@@ -190,6 +190,9 @@ class ElasticSession(SessionStartup, SessionLoop):
             self._dp_group = hcg.get_data_parallel_group() if fleet_job.dp_degree > 1 else None
             self._tensor_group = hcg.get_model_parallel_group()
         self._sharded = fleet_job.sharded if fleet_job is not None else None
+        if self._sharded is not None:
+            # fleet's per-parameter broadcast after each step, bundled (same bytes).
+            fused_sync.install(self._sharded.optimizer)
         if self._sharded is not None and self.config.checkpoint.every_s > 0:
             raise sharding.UnsupportedLayout(
                 f"checkpoint every_s={self.config.checkpoint.every_s} with a sharded optimizer "

@@ -283,7 +283,7 @@ def _chunks(tensor_specs: Sequence[TensorSpec], chunk_bytes: int) -> list[tuple[
     ]
 
 
-def _bundles(sizes: Sequence[int], chunk_bytes: int) -> list[list[int]]:
+def bundles(sizes: Sequence[int], chunk_bytes: int) -> list[list[int]]:
     """Which pieces (by index, in order) each broadcast carries: a piece of
     BUNDLE_BELOW_BYTES or more alone, runs of smaller ones together up to ``chunk_bytes``.
     Every rank of the group computes the same from the pieces' sizes."""
@@ -309,9 +309,9 @@ def _move(
     pieces: Sequence[Any], source: int, group: Any, sending: bool, flip: bool, chunk_bytes: int
 ) -> list[int]:
     """Broadcast ``pieces`` (flat uint8 arrays) from ``source`` over ``group``, the small ones
-    bundled (:func:`_bundles`); their xxh3-64s, each piece's as it is on this rank once all
+    bundled (:func:`bundles`); their xxh3-64s, each piece's as it is on this rank once all
     arrived. ``flip``: damage the first received piece (a test's fault)."""
-    for bundle in _bundles([p.nbytes for p in pieces], chunk_bytes):
+    for bundle in bundles([p.nbytes for p in pieces], chunk_bytes):
         if len(bundle) == 1:
             piece = pieces[bundle[0]]
             if sending and not piece.flags.writeable:
@@ -372,7 +372,7 @@ def _send_over_group(
     else:
         scratch = np.empty(chunk_bytes, np.uint8)
         sizes = [size for _, _, size in chunks]
-        for bundle in _bundles(sizes, chunk_bytes):
+        for bundle in bundles(sizes, chunk_bytes):
             _broadcast(scratch[: sum(sizes[i] for i in bundle)], source, group)
         _exchange_digests([], source, group, False)
         return out
