@@ -23,8 +23,8 @@ in plain data parallel (the same script without ``--sharded``).
   ``dp_stages``: where each went (:func:`stages`);
   ``pause_over_dp_pause``: their sums' ratio (target <= 1.2).
 - ``step_s`` / ``dp_step_s``: each generation's median step interval (rank 0's loss log, the
-  ``--step-delay-s`` pacing included): a pause holds one step of the new layout, and a
-  sharded step costs more than a data-parallel one (:func:`step_intervals`).
+  ``--step-delay-s`` pacing included): a pause holds one step of the new layout
+  (:func:`step_intervals`).
 - ``aborted_tries``: resizes ABORTED and tried again (all three chains), as the scaler's next
   decision would: on a loaded machine a worker can pass the checkpoint step before its
   directive comes, and the coordinator then aborts rather than checkpoint the wrong step.
@@ -174,10 +174,9 @@ def stages(job: LocalJob) -> list[dict[str, float]]:
 
 def step_intervals(job: LocalJob) -> list[float]:
     """Per generation, the median time between two of its steps, seconds, from the job's
-    ``loss.jsonl``. Fleet's stage 1 broadcasts every parameter from its owner after each
-    step (one gloo broadcast a tensor, without ``tensor_fusion``, which Tide refuses), so
-    a sharded generation's steps, the first one after a resize included, take longer than
-    data parallel's at the same size: that difference is in ``pause_s`` too."""
+    ``loss.jsonl``. A pause holds the new generation's first step, so a layout whose steps
+    cost more (fleet's stage 1 with one collective a tensor, before
+    tide/trainer/fused_sync.py) shows it in ``pause_s`` too."""
     import statistics
 
     rows = [json.loads(line) for line in (job.log_dir / "loss.jsonl").read_text().splitlines()]

@@ -1,7 +1,7 @@
 """One rank of tests/trainer/test_fused_sync.py: a fleet stage-1 job (plain Paddle, no
-session) trained a few steps with fleet's per-parameter broadcast, then from the same start
-with tide/trainer/fused_sync.py's bundled one; each rank writes both runs' parameters and
-how many broadcasts each step made."""
+session) trained a few steps with fleet's per-tensor reduce and broadcast, then from the same
+start with tide/trainer/fused_sync.py's bundled ones; each rank writes both runs' parameters
+and how many of those collectives each run made."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import paddle
 import paddle.distributed as dist
 from paddle.distributed import fleet
 
-from tide.trainer import fused_sync
+from tide.trainer import fused_sync, gloo_groups
 
 STEPS = 3
 
@@ -34,7 +35,9 @@ def model() -> paddle.nn.Layer:
 
 def train(fused: bool, rank: int) -> tuple[list[np.ndarray], int]:
     net = model()
-    opt = paddle.optimizer.AdamW(1e-2, parameters=net.parameters())
+    # SGD: a rounding difference in a summed gradient stays that size (AdamW, early on,
+    # would turn it into a full step: docs/sharded.md).
+    opt = paddle.optimizer.SGD(0.01, parameters=net.parameters())
     net = fleet.distributed_model(net)
     opt = fleet.distributed_optimizer(opt)
     inner = opt._inner_opt
@@ -42,14 +45,18 @@ def train(fused: bool, rank: int) -> tuple[list[np.ndarray], int]:
         fused_sync.install(inner)
         fused_sync.install(inner)  # twice: a no-op
     calls = 0
-    real = dist.broadcast
+    real_broadcast, real_reduce = dist.broadcast, dist.reduce
 
-    def counting(*a: object, **k: object) -> object:
-        nonlocal calls
-        calls += 1
-        return real(*a, **k)
+    def counting(real: Any) -> Any:
+        def call(*a: object, **k: object) -> object:
+            nonlocal calls
+            calls += 1
+            return real(*a, **k)
 
-    dist.broadcast = counting  # type: ignore[assignment]
+        return call
+
+    dist.broadcast = counting(real_broadcast)
+    dist.reduce = counting(real_reduce)
     try:
         rng = np.random.default_rng(rank)
         for _ in range(STEPS):
@@ -59,7 +66,7 @@ def train(fused: bool, rank: int) -> tuple[list[np.ndarray], int]:
             opt.step()
             opt.clear_grad()
     finally:
-        dist.broadcast = real  # type: ignore[assignment]
+        dist.broadcast, dist.reduce = real_broadcast, real_reduce
     return [p.numpy() for p in net.parameters()], calls
 
 
@@ -74,6 +81,10 @@ def main() -> int:
         "pp_degree": 1,
         "sharding_degree": world,
     }
+    # As the session does: Paddle 3.3's gloo hangs forming a second group over the whole
+    # world at 3 ranks or more (tide/trainer/gloo_groups.py).
+    dist.init_parallel_env()
+    gloo_groups.share_world_context()
     fleet.init(is_collective=True, strategy=strategy)
     plain, plain_calls = train(False, rank)
     fused, fused_calls = train(True, rank)

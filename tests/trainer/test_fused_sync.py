@@ -1,6 +1,6 @@
-"""Fleet's stage-1 parameter broadcast bundled (tide/trainer/fused_sync.py): over a real gloo
-group of 3 ranks, the same parameters bit for bit as fleet's own per-parameter path, in fewer
-broadcasts."""
+"""Fleet's stage-1 gradient reduce and parameter broadcast bundled (tide/trainer/fused_sync.py):
+over a real gloo group of 3 ranks, the parameters of fleet's own per-tensor path, every rank
+alike, in far fewer collectives."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_runs_keep_order_and_split_where_the_dtype_changes() -> None:
     assert runs_by_dtype([]) == []
 
 
-def test_bundled_sync_gives_fleets_parameters_bit_for_bit(tmp_path: Path) -> None:
+def test_bundled_collectives_give_fleets_parameters_on_every_rank(tmp_path: Path) -> None:
     pytest.importorskip("paddle")
     world = 3
     ports = [free_port() for _ in range(world)]
@@ -50,7 +50,7 @@ def test_bundled_sync_gives_fleets_parameters_bit_for_bit(tmp_path: Path) -> Non
     codes = [p.wait(timeout=120) for p in procs]
     logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(world))
     assert codes == [0] * world, logs
-    first = np.load(tmp_path / "plain-0.npz")
+    first = np.load(tmp_path / "fused-0.npz")
     for rank in range(world):
         plain, fused = (
             np.load(tmp_path / f"plain-{rank}.npz"),
@@ -58,11 +58,12 @@ def test_bundled_sync_gives_fleets_parameters_bit_for_bit(tmp_path: Path) -> Non
         )
         assert len(plain.files) == len(fused.files) == 8
         for name in plain.files:
-            # The same bytes as fleet's path, and every rank holds the same parameters.
-            assert plain[name].tobytes() == fused[name].tobytes(), (rank, name)
-            assert plain[name].tobytes() == first[name].tobytes(), (rank, name)
+            # Every rank holds the owners' bytes (a broadcast copies them)...
+            assert fused[name].tobytes() == first[name].tobytes(), (rank, name)
+            # ...and they are fleet's, up to the order gloo adds a bundle's elements in.
+            np.testing.assert_allclose(fused[name], plain[name], rtol=1e-5, atol=1e-6)
         calls = json.loads((tmp_path / f"calls-{rank}.json").read_text())
-        # fleet: a broadcast per parameter and step (8 x 3); bundled: the 1 MiB weight alone,
-        # each owner's small ones together.
-        assert calls["plain"] == 8 * 3, calls
-        assert calls["fused"] < calls["plain"] / 2, calls
+        # fleet: a reduce and a broadcast per parameter and step (2 x 8 x 3); bundled: the
+        # 1 MiB weight alone, each owner's small ones together.
+        assert calls["plain"] == 2 * 8 * 3, calls
+        assert calls["fused"] <= 2 * 4 * 3, calls
