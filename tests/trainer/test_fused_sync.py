@@ -5,16 +5,12 @@ alike, in far fewer collectives."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tide.services.testing.localjob import ROOT, gloo_env
-from tide.services.testing.ports import free_port
+from tests.support.ranks import run_ranks
 from tide.trainer.fused_sync import runs_by_dtype
 
 pytestmark = [pytest.mark.integration, pytest.mark.paddle]
@@ -36,20 +32,7 @@ def test_runs_keep_order_and_split_where_the_dtype_changes() -> None:
 def test_bundled_collectives_give_fleets_parameters_on_every_rank(tmp_path: Path) -> None:
     pytest.importorskip("paddle")
     world = 3
-    ports = [free_port() for _ in range(world)]
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}", **gloo_env(rank, ports)}
-        log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, WORKER, str(tmp_path)], cwd=ROOT, env=env, stdout=log, stderr=log
-            )
-        )
-        log.close()
-    codes = [p.wait(timeout=120) for p in procs]
-    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(world))
-    assert codes == [0] * world, logs
+    run_ranks(WORKER, tmp_path, world)
     first = np.load(tmp_path / "fused-0.npz")
     for rank in range(world):
         plain, fused = (

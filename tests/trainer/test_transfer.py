@@ -5,15 +5,11 @@ chunk makes the newcomer read the durable store while the stayers keep what they
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tide.services.testing.localjob import ROOT, gloo_env
-from tide.services.testing.ports import free_port
+from tests.support.ranks import run_ranks
 
 pytest.importorskip("paddle")
 
@@ -26,24 +22,7 @@ def test_newcomers_get_checked_chunks_and_a_damaged_one_falls_back_to_disk(
     tmp_path: Path,
 ) -> None:
     world = 3
-    ports = [free_port() for _ in range(world)]
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "PYTHONPATH": f"{ROOT}",
-            **gloo_env(rank, ports),
-        }
-        log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, WORKER, str(tmp_path)], cwd=ROOT, env=env, stdout=log, stderr=log
-            )
-        )
-        log.close()
-    codes = [p.wait(timeout=120) for p in procs]
-    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(world))
-    assert codes == [0] * world, logs
+    run_ranks(WORKER, tmp_path, world)
     disk, clean, flipped = zip(
         *(json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(world)),
         strict=True,

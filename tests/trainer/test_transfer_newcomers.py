@@ -7,16 +7,12 @@ count sees); a damaged chunk makes its newcomer read the durable store."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tide.services.testing.localjob import ROOT, gloo_env
-from tide.services.testing.ports import free_port
+from tests.support.ranks import run_ranks
 
 pytest.importorskip("paddle")
 
@@ -31,20 +27,7 @@ WORKER = str(Path(__file__).with_name("transfer_newcomers_worker.py"))
 
 def test_stayers_receive_nothing_and_newcomers_get_the_sources_state(tmp_path: Path) -> None:
     world = 4
-    ports = [free_port() for _ in range(world)]
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}", **gloo_env(rank, ports)}
-        log = open(tmp_path / f"rank{rank}.log", "wb")  # noqa: SIM115
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, WORKER, str(tmp_path)], cwd=ROOT, env=env, stdout=log, stderr=log
-            )
-        )
-        log.close()
-    codes = [p.wait(timeout=240) for p in procs]
-    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(world))
-    assert codes == [0] * world, logs
+    run_ranks(WORKER, tmp_path, world, timeout_s=240)
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(world)]
     two, one, whole, flipped = zip(*results, strict=True)
     state_bytes = two[0]["state_bytes"]
