@@ -52,6 +52,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -177,8 +178,6 @@ def step_intervals(job: LocalJob) -> list[float]:
     ``loss.jsonl``. A pause holds the new generation's first step, so a layout whose steps
     cost more (fleet's stage 1 with one collective a tensor, before
     tide/trainer/fused_sync.py) shows it in ``pause_s`` too."""
-    import statistics
-
     rows = [json.loads(line) for line in (job.log_dir / "loss.jsonl").read_text().splitlines()]
     rows.sort(key=lambda r: r["step"])
     by_gen: dict[int, list[float]] = {}

@@ -43,7 +43,10 @@ def train(fused: bool, rank: int) -> tuple[list[np.ndarray], int]:
     inner = opt._inner_opt
     if fused:
         fused_sync.install(inner)
-        fused_sync.install(inner)  # twice: a no-op
+        installed = inner.__dict__["reduce_gradients"], inner.__dict__["_sharding_sync_parameters"]
+        fused_sync.install(inner)  # twice: a no-op, nothing wrapped again
+        again = inner.__dict__["reduce_gradients"], inner.__dict__["_sharding_sync_parameters"]
+        assert all(a is b for a, b in zip(installed, again, strict=True))
     calls = 0
     real_broadcast, real_reduce = dist.broadcast, dist.reduce
 

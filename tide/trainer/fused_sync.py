@@ -2,11 +2,11 @@
 
 At each step, fleet's ``DygraphShardingOptimizer`` reduces every gradient to the rank that
 owns its parameter (``reduce_gradients``) and, after the owners' update, broadcasts every
-parameter from its owner (``_sharding_sync_parameters``), one collective a tensor. Each costs a round
-trip over the group whatever its size, and a model holds many small tensors (biases, norms):
-part of why a sharded step costs more than a data-parallel one (docs/sharded.md has the
-figures). Fleet's own remedy, ``tensor_fusion``, keeps the slots in fused
-buffers that Tide cannot reshard, and Tide refuses it.
+parameter from its owner (``_sharding_sync_parameters``), one collective a tensor. Each
+costs a round trip over the group whatever its size, and a model holds many small tensors
+(biases, norms): most of why a sharded step cost more than a data-parallel one
+(docs/sharded.md has the figures). Fleet's own remedy, ``tensor_fusion``, keeps the slots in
+fused buffers that Tide cannot reshard, and Tide refuses it.
 
 :func:`install` replaces both methods on one optimizer with the same collectives bundled by
 the transfer path's rule (tide/trainer/transfer.py ``bundles``: a tensor of
@@ -47,6 +47,32 @@ def _nbytes(p: Any) -> int:
     return int(p.numel()) * int(p.element_size())
 
 
+def _bundled(
+    tensors: Sequence[Any], chunk_bytes: int, collective: Any, fill: bool, take: bool
+) -> None:
+    """``collective(tensor)`` once per bundle of ``tensors`` (runs of one dtype, cut by
+    :func:`bundles`): a lone tensor as it is; several through one flat buffer, filled from
+    them where ``fill`` (else left empty, for a collective that writes it) and copied back
+    into them where ``take``. Every rank of the group cuts the same bundles."""
+    import paddle
+
+    for run in runs_by_dtype(tensors):
+        for bundle in bundles([_nbytes(t) for t in run], chunk_bytes):
+            ts = [run[i] for i in bundle]
+            if len(ts) == 1:
+                collective(ts[0])
+                continue
+            sizes = [int(t.numel()) for t in ts]
+            if fill:
+                buf = paddle.concat([t.flatten() for t in ts])
+            else:
+                buf = paddle.empty([sum(sizes)], dtype=ts[0].dtype)
+            collective(buf)
+            if take:
+                for t, piece in zip(ts, paddle.split(buf, sizes), strict=True):
+                    paddle.assign(piece.reshape(t.shape), output=t)
+
+
 def sync_parameters(optimizer: Any, chunk_bytes: int) -> None:
     """Every rank's parameters from their owners, as fleet's ``_sharding_sync_parameters``
     (the same parameters: those with a gradient on this rank), bundled."""
@@ -58,23 +84,13 @@ def sync_parameters(optimizer: Any, chunk_bytes: int) -> None:
     with paddle.no_grad():
         for rank, params in optimizer._rank2params.items():
             src = group.ranks[rank]
-            todo = [p for p in params if optimizer._get_param_grad(p) is not None]
-            for run in runs_by_dtype(todo):
-                for bundle in bundles([_nbytes(p) for p in run], chunk_bytes):
-                    ps = [run[i] for i in bundle]
-                    if len(ps) == 1:
-                        dist.broadcast(ps[0], src=src, group=group, sync_op=True)
-                        continue
-                    sizes = [int(p.numel()) for p in ps]
-                    if rank == me:
-                        buf = paddle.concat([p.flatten() for p in ps])
-                    else:
-                        buf = paddle.empty([sum(sizes)], dtype=ps[0].dtype)
-                    dist.broadcast(buf, src=src, group=group, sync_op=True)
-                    if rank == me:
-                        continue
-                    for p, piece in zip(ps, paddle.split(buf, sizes), strict=True):
-                        paddle.assign(piece.reshape(p.shape), output=p)
+            _bundled(
+                [p for p in params if optimizer._get_param_grad(p) is not None],
+                chunk_bytes,
+                lambda t, src=src: dist.broadcast(t, src=src, group=group, sync_op=True),
+                fill=rank == me,
+                take=rank != me,
+            )
 
 
 def _fleet_reduce_only() -> bool:
@@ -115,24 +131,19 @@ def reduce_gradients(optimizer: Any, parameter_list: Sequence[Any], chunk_bytes:
             by_owner.setdefault(optimizer._param2rank[param.name], []).append(g)
         for rank, grads in sorted(by_owner.items()):
             dst = group.ranks[rank]
-            for run in runs_by_dtype(grads):
-                for bundle in bundles([_nbytes(g) for g in run], chunk_bytes):
-                    gs = [run[i] for i in bundle]
-                    if len(gs) == 1:
-                        dist.reduce(gs[0], dst=dst, op=op, group=group, sync_op=True)
-                        continue
-                    sizes = [int(g.numel()) for g in gs]
-                    buf = paddle.concat([g.flatten() for g in gs])
-                    dist.reduce(buf, dst=dst, op=op, group=group, sync_op=True)
-                    if rank != me:
-                        continue
-                    for g, piece in zip(gs, paddle.split(buf, sizes), strict=True):
-                        paddle.assign(piece.reshape(g.shape), output=g)
+            _bundled(
+                grads,
+                chunk_bytes,
+                lambda t, dst=dst: dist.reduce(t, dst=dst, op=op, group=group, sync_op=True),
+                fill=True,
+                take=rank == me,
+            )
 
 
 def install(optimizer: Any, settings: TransferSettings | None = None) -> None:
     """Make ``optimizer`` (fleet's ``DygraphShardingOptimizer``, without ``tensor_fusion``
-    or broadcast overlap, which Tide refuses) broadcast its parameters bundled."""
+    or broadcast overlap, which Tide refuses) reduce its gradients and broadcast its
+    parameters bundled."""
     if getattr(optimizer, INSTALLED, False):
         return
     if getattr(optimizer, "tensor_fusion", False) or getattr(
@@ -141,17 +152,14 @@ def install(optimizer: Any, settings: TransferSettings | None = None) -> None:
         raise ValueError("fused_sync.install: tensor_fusion and broadcast overlap are refused")
     chunk_bytes = (settings or TransferSettings.from_env()).chunk_bytes
 
-    fleet_reduce = optimizer.reduce_gradients
-
     def _sync(self: Any) -> None:
         sync_parameters(self, chunk_bytes)
 
     def _reduce(self: Any, parameter_list: Any, hcg: Any) -> None:
-        if _fleet_reduce_only():
-            fleet_reduce(parameter_list, hcg)
-        else:
-            reduce_gradients(self, list(parameter_list), chunk_bytes)
+        reduce_gradients(self, list(parameter_list), chunk_bytes)
 
     optimizer._sharding_sync_parameters = types.MethodType(_sync, optimizer)
-    optimizer.reduce_gradients = types.MethodType(_reduce, optimizer)
+    # Process-wide modes, set before training starts: read once here, not at every step.
+    if not _fleet_reduce_only():
+        optimizer.reduce_gradients = types.MethodType(_reduce, optimizer)
     setattr(optimizer, INSTALLED, True)

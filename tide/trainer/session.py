@@ -191,7 +191,7 @@ class ElasticSession(SessionStartup, SessionLoop):
             self._tensor_group = hcg.get_model_parallel_group()
         self._sharded = fleet_job.sharded if fleet_job is not None else None
         if self._sharded is not None:
-            # fleet's per-parameter broadcast after each step, bundled (same bytes).
+            # fleet's per-tensor gradient reduce and parameter broadcast, bundled.
             fused_sync.install(self._sharded.optimizer)
         if self._sharded is not None and self.config.checkpoint.every_s > 0:
             raise sharding.UnsupportedLayout(
