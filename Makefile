@@ -46,7 +46,7 @@ SERIAL_WORKERS ?= 2
 TEST_ENV_BASE := TIDE_TEST_STRICT=1 PYTHONDONTWRITEBYTECODE=
 TEST_ENV := $(TEST_ENV_BASE) TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test
 
-# The frameworks' venv (about a minute of pip) is built beside the serial tests, which
+# The frameworks' venv (about 30 s) is built beside the serial tests, which
 # leave the machine mostly idle, rather than beside the lint (18 s) or after them;
 # --output-sync keeps each one's output whole.
 test: setup proto-check
