@@ -37,7 +37,7 @@ lint: setup
 # the tests marked serial run, two at a time: each asserts a latency or detection-time
 # bound, which measures the machine, and three busy tests beside it would be what it
 # measured; one other of them, mostly waiting too, is not (docs/reliability.md "The suite").
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 6
 SERIAL_WORKERS ?= 2
 # Bytecode is written during the tests even where PYTHONDONTWRITEBYTECODE is set (this
 # project's machines and CI): otherwise each pytest process rewrote every test module's
