@@ -46,15 +46,19 @@ SERIAL_WORKERS ?= 2
 TEST_ENV_BASE := TIDE_TEST_STRICT=1 PYTHONDONTWRITEBYTECODE=
 TEST_ENV := $(TEST_ENV_BASE) TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test
 
-# The frameworks' venv (about 30 s) and then the lint (about 30 s cold, one core) run
-# beside the serial tests, which leave the machine mostly idle, rather than before or after
-# them (docs/reliability.md "The suite"); --output-sync keeps each one's output whole.
+# The frameworks' venv is built beside the serial tests, which leave the machine mostly
+# idle, on one core (uv takes every core otherwise: 31 s, against 74 s on one), and the lint
+# (about 30 s cold, one core) runs beside the frameworks' tests, not before the suite. The
+# serial tests get nothing busier: beside a loaded core, the lint and uv's full speed made
+# a failover overrun its bound (docs/reliability.md "The suite"). --output-sync keeps each
+# one's output whole.
 test: setup proto-check
 	scripts/ensure_postgres.sh
 	scripts/ensure_prometheus.sh
 	$(TEST_ENV) $(PY) -m pytest -m "not nightly and not serial" -n $(TEST_WORKERS) --dist worksteal
-	$(MAKE) -j2 --output-sync=target test-serial frameworks-venv lint
-	$(MAKE) frameworks
+	UV_CONCURRENT_INSTALLS=1 UV_CONCURRENT_BUILDS=1 \
+		$(MAKE) -j2 --output-sync=target test-serial frameworks-venv
+	$(MAKE) -j2 --output-sync=target frameworks lint
 
 test-serial: setup
 	$(TEST_ENV) $(PY) -m pytest -m "serial and not nightly" -n $(SERIAL_WORKERS) --dist worksteal
