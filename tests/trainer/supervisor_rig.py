@@ -60,14 +60,19 @@ class Spawner:
         pass
 
 
-async def started(tmp_path: Path, heard: list[object]) -> tuple[WorkerSupervisor, Spawner]:
+async def started(
+    tmp_path: Path, heard: list[object], handling_s: float = 0.0
+) -> tuple[WorkerSupervisor, Spawner]:
     """A supervisor (no standby) whose generation 1 worker runs; ``heard`` gets the exits
-    it reports (their codes) and the messages it passes on, in order."""
+    it reports (their codes) and the messages it passes on, in order, each message once its
+    handling (``handling_s`` of waiting: a launcher's own awaits on a busy node) is done."""
 
     async def on_exit(worker: WorkerHandle, code: int, expected: bool) -> None:
         heard.append(code)
 
     async def on_message(msg: ToLauncher) -> None:
+        if handling_s:
+            await asyncio.sleep(handling_s)
         heard.append(msg)
 
     settings = LauncherSettings(

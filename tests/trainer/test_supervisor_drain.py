@@ -14,7 +14,7 @@ import pytest
 from tests.support.poll import eventually
 from tests.trainer.supervisor_rig import started
 from tide.trainer.launcher import supervisor as sup
-from tide.trainer.messages import Hello, Ready, encode
+from tide.trainer.messages import Done, Hello, Progress, Ready, encode
 
 pytestmark = pytest.mark.component
 
@@ -50,4 +50,45 @@ async def test_a_worker_that_never_connected_is_reported_without_waiting_for_its
     worker.exit(1)
     await eventually(lambda: heard, 10, what="the exit")
     assert heard == [1]
+    await workers.close()
+
+
+async def test_a_dead_workers_lines_still_being_handled_are_waited_for_past_the_idle_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bound is on silence, not on the whole drain: a job's last lines (its final step,
+    # then Done) whose handling outlasts it are still the worker's word. Counted whole, it
+    # judged a worker that finished, exit 0 with its Done unread, a lost member.
+    monkeypatch.setattr(sup, "CHANNEL_DRAIN_S", 0.2)
+    heard: list[object] = []
+    workers, spawner = await started(tmp_path, heard, handling_s=0.3)
+    (worker,) = spawner.spawned
+    last, done = Progress(step=40, epoch=1, cursor=0), Done(step=40)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(workers.control.path)
+        conn.sendall(encode(Hello(pid=worker.pid)) + encode(last) + encode(done))
+    worker.exit(0)
+    await eventually(lambda: 0 in heard, 10, what="the exit")
+    assert heard == [last, done, 0]
+    await workers.close()
+
+
+async def test_a_connection_a_child_holds_open_ends_the_drain_after_the_idle_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A DataLoader process forked by the worker keeps the worker's end open: no end of
+    # file comes, and the exit is judged once nothing has been read for the bound.
+    monkeypatch.setattr(sup, "CHANNEL_DRAIN_S", 0.2)
+    heard: list[object] = []
+    workers, spawner = await started(tmp_path, heard)
+    (worker,) = spawner.spawned
+    done = Done(step=40)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(workers.control.path)
+        conn.sendall(encode(Hello(pid=worker.pid)) + encode(done))
+        await eventually(lambda: done in heard, 10, what="the Done")
+        worker.exit(0)
+        # Still open here: the exit is reported all the same.
+        await eventually(lambda: 0 in heard, 5, what="the exit, the end still open")
+    assert heard == [done, 0]
     await workers.close()

@@ -100,7 +100,8 @@ OPERATOR_PADDLE_ENV = frozenset(
     }
 )
 
-# How long a dead worker's connection may take to deliver its last lines, seconds.
+# How long a dead worker's connection may stay silent, nothing read and nothing being
+# handled, before its end is judged on what was read, seconds.
 CHANNEL_DRAIN_S = 0.5
 
 
