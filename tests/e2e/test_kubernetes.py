@@ -37,5 +37,7 @@ async def test_grow_and_shrink_a_paddlejob_losing_nothing(tmp_path: Path) -> Non
     assert "Adopted" in reasons and not [e for e in out.events if e[0] == "Warning"]
     assert any("New size: 4" in m for _, r, m in out.events if r == "SuccessfulRescale")
     # The injected 409 was re-read and retried; the cut watches re-listed after a 410.
-    assert out.conflicts == 1
+    # Any other 409 was a real race (another writer between the scaler's read and its write,
+    # seen under load) and was retried the same way: the resizes completed.
+    assert out.injected_conflicts == 1 and out.conflicts >= 1
     assert out.expired_watches >= 1

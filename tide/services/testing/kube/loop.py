@@ -101,6 +101,7 @@ class LoopOutcome:
     job_pods: list[str] = field(default_factory=list)
     events: list[tuple[str, str, str]] = field(default_factory=list)
     conflicts: int = 0
+    injected_conflicts: int = 0
     expired_watches: int = 0
     elapsed_s: float = 0.0
     error: str = ""
@@ -274,6 +275,7 @@ class KubeLoop:
                     await asyncio.wait_for(node_task, 5)
             out.events = self._events()
             out.conflicts = self.api.stats.conflicts
+            out.injected_conflicts = self.api.stats.injected_conflicts
             out.expired_watches = self.api.stats.gone
             await self._stop()
             out.elapsed_s = self.elapsed()

@@ -52,6 +52,8 @@ class Stats:
 
     requests: collections.Counter[str] = field(default_factory=collections.Counter)
     conflicts: int = 0
+    # Of those, the ones a test asked for (conflict_next); the rest were real races.
+    injected_conflicts: int = 0
     gone: int = 0
     lists: int = 0  # collection GETs
     watches: int = 0  # watch requests
@@ -240,6 +242,7 @@ class ObjectStore:
             if self._conflicts.get(t.plural, 0) > 0 and subresource != "status":
                 self._conflicts[t.plural] -= 1
                 self.stats.conflicts += 1
+                self.stats.injected_conflicts += 1
                 # Someone else wrote: the object's resourceVersion moves on.
                 other = self._conflict_changes.pop(t.plural, None)
                 if other is not None:
