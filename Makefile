@@ -47,11 +47,11 @@ TEST_ENV_BASE := TIDE_TEST_STRICT=1 PYTHONDONTWRITEBYTECODE=
 TEST_ENV := $(TEST_ENV_BASE) TIDE_TEST_PG_URL=postgresql+psycopg://postgres@127.0.0.1:5432/tide_test
 
 # The frameworks' venv is built beside the serial tests, which leave the machine mostly
-# idle, on one core (uv takes every core otherwise: 31 s, against 74 s on one), and the lint
-# (about 30 s cold, one core) runs beside the frameworks' tests, not before the suite. The
-# serial tests get nothing busier: beside a loaded core, the lint and uv's full speed made
-# a failover overrun its bound (docs/reliability.md "The suite"). --output-sync keeps each
-# one's output whole.
+# idle, on one core (uv takes every core otherwise), and the lint runs beside the
+# frameworks' tests, not before the suite. The serial tests get nothing busier: beside a
+# loaded core, the lint and uv's full speed made a failover overrun its bound
+# (docs/reliability.md "The suite" has the figures). --output-sync keeps each one's output
+# whole.
 test: setup proto-check
 	scripts/ensure_postgres.sh
 	scripts/ensure_prometheus.sh

@@ -37,7 +37,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -97,11 +97,17 @@ def _run_child(request: dict[str, Any], close_fds: list[int], zygote_pid: int) -
             traceback.print_exc()
             code = 1
     finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        # os._exit skips Paddle's 0.4-0.6 s interpreter teardown.
-        os._exit(code)
+        _exit_now(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End this process (a worker or the zygote) with ``code`` once its output is flushed,
+    skipping Python's teardown: it holds nothing to finalize, and tearing down Paddle's
+    modules is CPU taken from the training on the same node (docs/trainer.md)."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def _prctl(option: int, value: int) -> None:
@@ -210,11 +216,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    # Like a worker's end (above): the zygote holds nothing to finalize, and Python's teardown
-    # of Paddle's modules is CPU taken from the training on the same node: a shrink's leaving
-    # pods ended their zygotes during the stayer's first step (docs/trainer.md).
-    os._exit(code)
+    # A shrink's leaving pods end their zygotes during the stayers' first step.
+    _exit_now(main())

@@ -37,9 +37,6 @@ from tide.trainer.messages import (
 
 logger = logging.getLogger(__name__)
 
-# The longest a dead worker's lines are waited for while they keep coming or being handled.
-DRAIN_MOST_S = 10.0
-
 
 @dataclass
 class _Reading:
@@ -101,7 +98,7 @@ class ControlServer:
         writer.write(encode(msg))
         return True
 
-    async def drained(self, pid: int, idle_s: float, most_s: float = DRAIN_MOST_S) -> None:
+    async def drained(self, pid: int, idle_s: float, most_s: float) -> None:
         """Until every line the exited worker ``pid`` sent has been handled. A child of the
         worker (a DataLoader's process) may still hold its end open, so the wait ends once
         ``idle_s`` passes with no line read and none being handled, and after ``most_s``

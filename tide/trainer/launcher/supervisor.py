@@ -101,8 +101,10 @@ OPERATOR_PADDLE_ENV = frozenset(
 )
 
 # How long a dead worker's connection may stay silent, nothing read and nothing being
-# handled, before its end is judged on what was read, seconds.
+# handled, before its end is judged on what was read, seconds; and the longest its lines are
+# waited for while they keep coming or being handled.
 CHANNEL_DRAIN_S = 0.5
+CHANNEL_DRAIN_MOST_S = 10.0
 
 
 class WorkerSupervisor:
@@ -546,7 +548,7 @@ class WorkerSupervisor:
     async def _watch(self, worker: WorkerHandle) -> None:
         code = await worker.wait()
         # What the worker said last may still be unread; judge only after it was handled.
-        await self.control.drained(worker.pid, CHANNEL_DRAIN_S)
+        await self.control.drained(worker.pid, CHANNEL_DRAIN_S, CHANNEL_DRAIN_MOST_S)
         # A replaced worker's exit was asked for by the start of the next generation, which
         # already waits on its successor: reported, it would fail that start (the member
         # nacks its RENDEZVOUS and is lost) or, once the flag is reset, look like a crash.
