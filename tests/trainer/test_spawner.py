@@ -13,6 +13,7 @@ import pytest
 from tests.support.poll import eventually
 from tests.support.procs import gone
 from tide.trainer.spawner import SubprocessSpawner, ZygoteSpawner
+from tide.trainer.template import ENV_TEMPLATE, zygote_of
 
 pytestmark = pytest.mark.integration
 
@@ -32,6 +33,17 @@ if mode == "grandchild":
     print("grandchild", g.pid, flush=True)
     time.sleep(60)
 """
+
+
+@pytest.fixture(autouse=True, params=["own import", "from the template"])
+def zygote_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every case twice: a zygote that imports on its own (a pod's), and one forked from the
+    session's Paddle template (tide/trainer/template.py)."""
+    if request.param == "own import":
+        monkeypatch.delenv(ENV_TEMPLATE, raising=False)
+    elif ENV_TEMPLATE not in os.environ:
+        pytest.skip("this session runs without a Paddle template (TIDE_TEST_PADDLE_TEMPLATE=0)")
+    return str(request.param)
 
 
 @pytest.fixture
@@ -111,7 +123,9 @@ async def test_default_zygote_has_paddle_and_never_grpc(tmp_path: Path) -> None:
         await zygote.close()
 
 
-async def test_a_dead_zygote_is_replaced_on_the_next_spawn(child: Path, tmp_path: Path) -> None:
+async def test_a_dead_zygote_is_replaced_on_the_next_spawn(
+    child: Path, tmp_path: Path, zygote_kind: str
+) -> None:
     zygote = ZygoteSpawner(preload="")
     try:
         w = await zygote.spawn(
@@ -119,6 +133,8 @@ async def test_a_dead_zygote_is_replaced_on_the_next_spawn(child: Path, tmp_path
         )
         first = zygote.pid
         assert first is not None
+        # The pid the launcher holds is the zygote, or the stand-in of one the template forked.
+        assert (zygote_of(first) != first) == (zygote_kind == "from the template")
         os.kill(first, signal.SIGKILL)
         assert await asyncio.wait_for(w.wait(), 10) < 0  # its worker went with it
         w2 = await zygote.spawn(

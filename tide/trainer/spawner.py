@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from tide.base.errors import Unavailable
+from tide.trainer.zygote import is_python_command
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +80,6 @@ class _ZygoteChild:
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(self._pid, sig)
-
-
-def _is_python_command(argv: Sequence[str]) -> bool:
-    return bool(argv) and os.path.basename(argv[0]).startswith("python") and len(argv) >= 2
 
 
 class ZygoteSpawner:
@@ -178,7 +175,7 @@ class ZygoteSpawner:
     async def spawn(
         self, argv: Sequence[str], env: Mapping[str, str], cwd: str, log_path: str
     ) -> WorkerHandle:
-        if not _is_python_command(argv):
+        if not is_python_command(argv):
             raise Unavailable(f"the zygote runs python scripts only, not {list(argv)!r}")
         try:
             return await self._spawn_once(argv, env, cwd, log_path)

@@ -37,22 +37,30 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 DEFAULT_PRELOAD = "numpy,paddle,paddle.distributed"
+# The socket of a Paddle template to fork from instead of importing (tide/trainer/template.py).
+ENV_TEMPLATE = "TIDE_PADDLE_TEMPLATE"
 
 
 def _emit(fd: int, event: dict[str, Any]) -> None:
     os.write(fd, (json.dumps(event) + "\n").encode())
 
 
-def _run_child(request: dict[str, Any], close_fds: list[int], zygote_pid: int) -> None:
+def is_python_command(argv: Sequence[str]) -> bool:
+    """A Python interpreter and what it runs: what a fork of an interpreter can run."""
+    return bool(argv) and os.path.basename(argv[0]).startswith("python") and len(argv) >= 2
+
+
+def run_child(request: dict[str, Any], close_fds: list[int], zygote_pid: int) -> NoReturn:
     """Runs in the forked child; never returns."""
     code = 1
     try:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != zygote_pid:
             # The zygote died between the fork and the prctl: no death signal will come,
             # and this worker would run on as an orphan (CI's leak check found one).
@@ -97,10 +105,10 @@ def _run_child(request: dict[str, Any], close_fds: list[int], zygote_pid: int) -
             traceback.print_exc()
             code = 1
     finally:
-        _exit_now(code)
+        exit_now(code)
 
 
-def _exit_now(code: int) -> NoReturn:
+def exit_now(code: int) -> NoReturn:
     """End this process (a worker or the zygote) with ``code`` once its output is flushed,
     skipping Python's teardown: it holds nothing to finalize, and tearing down Paddle's
     modules is CPU taken from the training on the same node (docs/trainer.md)."""
@@ -110,7 +118,7 @@ def _exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _prctl(option: int, value: int) -> None:
+def prctl(option: int, value: int) -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(option, value)
 
@@ -141,7 +149,10 @@ def _kill_orphans(workers: set[int], orphans: set[int]) -> None:
         orphans.add(pid)
 
 
-def serve(preload: list[str]) -> int:
+def serve(preload: list[str], stand_in: int | None = None) -> int:
+    """Forks workers on request until stdin closes, or, for a zygote forked from a Paddle
+    template (tide/trainer/template.py), until ``stand_in`` (a pidfd of the process the
+    launcher started in its place) is readable: that process ended."""
     # Keep the protocol pipe for ourselves; anything imported modules print goes to stderr.
     events_fd = os.dup(1)
     os.dup2(2, 1)
@@ -150,7 +161,7 @@ def serve(preload: list[str]) -> int:
     for name in preload:
         importlib.import_module(name)
     _emit(events_fd, {"event": "ready", "import_s": time.monotonic() - started})
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     children: set[int] = set()
     zygote_pid = os.getpid()
     orphans: set[int] = set()
@@ -158,7 +169,10 @@ def serve(preload: list[str]) -> int:
     stdin_fd = 0
     try:
         while True:
-            readable, _, _ = select.select([stdin_fd], [], [], 0.02)
+            watched = [stdin_fd] if stand_in is None else [stdin_fd, stand_in]
+            readable, _, _ = select.select(watched, [], [], 0.02)
+            if stand_in is not None and stand_in in readable:
+                return 0
             while children or orphans:
                 try:
                     pid, status = os.waitpid(-1, os.WNOHANG)
@@ -194,7 +208,7 @@ def serve(preload: list[str]) -> int:
                     continue
                 pid = os.fork()
                 if pid == 0:
-                    _run_child(request, [stdin_fd, events_fd], zygote_pid)
+                    run_child(request, [stdin_fd, events_fd, *watched[1:]], zygote_pid)
                 children.add(pid)
                 _emit(events_fd, {"event": "spawned", "id": request.get("id"), "pid": pid})
     finally:
@@ -204,17 +218,27 @@ def serve(preload: list[str]) -> int:
         _kill_orphans(children, orphans)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, stand_in: int | None = None) -> int:
+    """``stand_in``: this zygote was forked from a Paddle template (tide/trainer/template.py),
+    in the place of that process."""
+    args_in = sys.argv[1:] if argv is None else argv
+    template_path = os.environ.get(ENV_TEMPLATE)
+    if stand_in is None and template_path:
+        from tide.trainer import template
+
+        code = template.stand_in(template_path, args_in)
+        if code is not None:
+            return code
     p = argparse.ArgumentParser(description="fork server for Paddle workers")
     p.add_argument("--preload", default=DEFAULT_PRELOAD, help="comma-separated modules to import")
-    args = p.parse_args(argv)
+    args = p.parse_args(args_in)
     preload = [m for m in args.preload.split(",") if m]
     if any(m == "grpc" or m.startswith("grpc.") for m in preload):
         print("the zygote must not import grpc (not fork-safe)", file=sys.stderr)
         return 2
-    return serve(preload)
+    return serve(preload, stand_in)
 
 
 if __name__ == "__main__":
     # A shrink's leaving pods end their zygotes during the stayers' first step.
-    _exit_now(main())
+    exit_now(main())
