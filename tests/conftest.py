@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 import sqlalchemy as sa
 
-from tests.support import leaks
+from tests.support import leaks, paddle_template
 from tests.support.pg import admin_engine
 
 if TYPE_CHECKING:
@@ -28,6 +28,13 @@ os.environ.setdefault("TIDE_INSECURE", "1")
 leaks.mark_session()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # A process that runs tests forks its Paddle processes from one template; the xdist
+    # controller runs none.
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        paddle_template.start()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item) -> None:
     leaks.note_test(item.nodeid)
@@ -39,6 +46,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
+    # Before the leak check, which would name the template as a process left behind.
+    paddle_template.stop()
     leaks.end_session()
 
 

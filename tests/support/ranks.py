@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from tide.services.testing.localjob import ROOT, gloo_env
 from tide.services.testing.ports import free_port
+from tide.trainer import template
 
 
 def run_ranks(script: str, workdir: Path, world: int, timeout_s: float = 120.0) -> None:
@@ -20,9 +20,9 @@ def run_ranks(script: str, workdir: Path, world: int, timeout_s: float = 120.0) 
         env = {**os.environ, "PYTHONPATH": f"{ROOT}", **gloo_env(rank, ports)}
         with open(workdir / f"rank{rank}.log", "wb") as log:
             procs.append(
-                subprocess.Popen(
+                template.popen(
                     [sys.executable, script, str(workdir)],
-                    cwd=ROOT,
+                    cwd=str(ROOT),
                     env=env,
                     stdout=log,
                     stderr=log,

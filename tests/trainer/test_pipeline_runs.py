@@ -9,7 +9,6 @@ test_tensor_parallel_resize.py's pipeline kind."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 from tide.services.testing.localjob import ROOT, gloo_env, reference_run
 from tide.services.testing.parity import final_losses, max_rel_array_diff, max_rel_loss_diff
 from tide.services.testing.ports import free_port
+from tide.trainer import template
 
 pytestmark = [pytest.mark.integration, pytest.mark.paddle]
 
@@ -174,9 +174,9 @@ def test_a_stage_s_misuse_fails_loudly_on_that_stage(
             logs.append(tmp_path / f"rank{rank}.log")
             with open(logs[-1], "wb") as out:
                 procs.append(
-                    subprocess.Popen(
+                    template.popen(
                         [sys.executable, str(script), str(stage), misuse, str(tmp_path / "c")],
-                        cwd=ROOT,
+                        cwd=str(ROOT),
                         env={**os.environ, **gloo_env(rank, ports)},
                         stdout=out,
                         stderr=out,

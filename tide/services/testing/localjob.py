@@ -25,6 +25,7 @@ import grpc
 
 from tide.base.listening import parse_listening
 from tide.services.testing.ports import free_port
+from tide.trainer import template
 from tide.v1 import coordinator_pb2 as pb
 from tide.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -59,7 +60,7 @@ class Pod:
         out: list[int] = []
         for child in _children(self.proc.pid):
             if b"tide.trainer.zygote" in _cmdline(child):
-                out.extend(_children(child))
+                out.extend(_children(template.zygote_of(child)))
             else:
                 out.append(child)
         return out
@@ -429,7 +430,7 @@ def reference_run(
         workdir.mkdir(parents=True, exist_ok=True)
         out = open(workdir / f"ref-rank{rank}.log", "ab")  # noqa: SIM115
         procs.append(
-            subprocess.Popen(
+            template.popen(
                 [
                     sys.executable,
                     example,
@@ -439,7 +440,7 @@ def reference_run(
                     str(log_dir),
                     *train_args,
                 ],
-                cwd=ROOT,
+                cwd=str(ROOT),
                 env=env,
                 stdout=out,
                 stderr=out,
