@@ -5,6 +5,7 @@ bounded number of worker logs. Against a fake coordinator, with a Paddle-free wo
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from pathlib import Path
 
@@ -76,5 +77,49 @@ async def test_the_restart_backoff_delays_the_start_and_the_ack_says_what_was_re
     ack = coord.ack_of(rdv)
     assert ack is not None and ack.ok and ack.HasField("restored_step")
     assert ack.restored_step == 9
+    launcher.stop()
+    assert await asyncio.wait_for(run, 10) == 0
+
+
+async def test_the_old_workers_crash_during_the_backoff_is_not_the_new_generations_failure(
+    fake: tuple[FakeCoordinator, int], tmp_path: Path
+) -> None:
+    """The old generation's worker may crash on its own as the backoff stops it (CI at
+    675af8f: a crash loop's worker segfaulted 5 ms into the next generation's backoff). That
+    is the old generation's end: the new one starts STARTING, not FAILED, and the
+    coordinator must not read a loss without a cause in it."""
+    coord, port = fake
+    launcher = make_launcher(port, tmp_path)
+    run = asyncio.create_task(launcher.run())
+    await eventually(lambda: coord.members, 10, what="registration")
+    (mid,) = coord.members
+    member = coord.members[mid]
+    (first,) = coord.rendezvous([mid])
+    await eventually(lambda: coord.ack_of(first), 10, what="the first generation's ack")
+    old = launcher.workers.worker
+    assert old is not None
+    stop = launcher.workers.stop
+
+    async def crashing_stop() -> None:
+        # The old worker dies by itself just as the backoff stops it.
+        old.kill(signal.SIGSEGV)
+        await old.wait()
+        await eventually(lambda: launcher.worker_exit is not None, 10, what="the crash seen")
+        await stop()
+
+    launcher.workers.stop = crashing_stop  # type: ignore[method-assign]
+    (second,) = coord.rendezvous([mid], start_delay_s=0.3)
+    await eventually(lambda: coord.ack_of(second), 10, what="the second generation's ack")
+    launcher.workers.stop = stop  # type: ignore[method-assign]
+    ack = coord.ack_of(second)
+    assert ack is not None and ack.ok
+    # A beat or two more, then none of the new generation's says FAILED.
+    seen = len(member.heartbeats)
+    await eventually(lambda: len(member.heartbeats) >= seen + 2, 10, what="more heartbeats")
+    assert not [
+        hb
+        for hb in member.heartbeats
+        if hb.generation == second.generation and hb.phase == pb.WORKER_PHASE_FAILED
+    ]
     launcher.stop()
     assert await asyncio.wait_for(run, 10) == 0

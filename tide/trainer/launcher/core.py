@@ -186,10 +186,7 @@ class Launcher:
         return self.exit_code
 
     async def _shutdown(self) -> None:
-        tasks = list(self._tasks)
-        for t in (self._rendezvous_task, self._prepare_task):
-            if t is not None:
-                tasks.append(t)
+        tasks = [*self._tasks, *(t for t in (self._rendezvous_task, self._prepare_task) if t)]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -420,6 +417,7 @@ class Launcher:
             )
             await self.workers.stop()
             await asyncio.sleep(rdv.start_delay_s)
+            self._set_state(State.STARTING)  # not FAILED by the old worker's crash as it stopped
         self.worker_exit = None
         self.generation = d.generation
         # At the restore step, not 0: the coordinator measures step rates from heartbeats,
