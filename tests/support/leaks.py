@@ -26,6 +26,7 @@ import sys
 import threading
 import traceback
 import uuid
+from collections.abc import Collection
 from pathlib import Path
 from types import FrameType
 
@@ -112,11 +113,14 @@ def _say(text: str) -> None:
     err.flush()
 
 
-def end_session() -> None:
+def end_session(spare: Collection[int] = ()) -> None:
+    """``spare``: processes of the session's own that it ends itself, after this check."""
     token = os.environ.get(MARK)
     if token and Path("/proc").is_dir():
         left = _marked(token)
         for pid, cmd in left:
+            if pid in spare:
+                continue
             if "multiprocessing.resource_tracker" in cmd:
                 # multiprocessing's own helper: it ends with this process, nothing leaked.
                 continue

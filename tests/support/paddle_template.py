@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 from tide.trainer.template import ENV_TEMPLATE
 
@@ -42,7 +43,16 @@ def start() -> None:
             stderr=log,
         )
     _started = (proc, where)
+    # Bound at once, before its import: from then on a caller waits for it rather than
+    # importing Paddle itself.
+    deadline = time.monotonic() + 10.0
+    while not os.path.exists(path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     os.environ[ENV_TEMPLATE] = path
+
+
+def pids() -> list[int]:
+    return [] if _started is None else [_started[0].pid]
 
 
 def stop() -> None:
@@ -52,6 +62,14 @@ def stop() -> None:
     proc, where = _started
     _started = None
     os.environ.pop(ENV_TEMPLATE, None)
+    if proc.poll() is not None:
+        # It died during the session: every caller since imported Paddle itself. Say why.
+        with open(os.path.join(where, "template.log"), errors="replace") as log:
+            tail = log.read()[-2000:]
+        print(
+            f"tests/support/paddle_template: the template ended early ({proc.returncode}):\n{tail}",
+            file=sys.__stderr__,
+        )
     proc.kill()
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)

@@ -3,9 +3,9 @@ and a caller it cannot serve faithfully refused into a process of its own."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,6 +26,12 @@ print("argv", sys.argv[1:], "cwd", os.getcwd(), "x", os.environ.get("X"), flush=
 print("on stderr", file=sys.stderr, flush=True)
 if sys.argv[1] == "sleep":
     time.sleep(60)
+if sys.argv[1] == "why":
+    raise SystemExit("the reason it stopped")
+if sys.argv[1] == "count":
+    with open(sys.argv[2], "a") as f:
+        f.write("ran\\n")
+    raise SystemExit(0)
 raise SystemExit(int(sys.argv[1]))
 """
 
@@ -90,10 +96,77 @@ def test_a_run_is_killed_and_waited_for_like_a_popen(
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(0.2)
     assert proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0)
     proc.kill()
     # Polled until it ends, as a caller that cleans up does, then waited for once more.
     assert wait_for(lambda: proc.poll() is not None, 10, what="the killed run's end")
     assert proc.poll() == proc.wait() == -signal.SIGKILL
+
+
+def test_a_run_that_exits_with_a_message_prints_it_as_python_does(
+    tpl: str, script: Path, tmp_path: Path
+) -> None:
+    proc, log = _run(tpl, [sys.executable, str(script), "why"], tmp_path)
+    assert isinstance(proc, template.Run) and proc.wait(30) == 1
+    assert "the reason it stopped" in log.read_text()
+
+
+def _template(tmp_path: Path, preload: str, **env: str) -> tuple[subprocess.Popen[bytes], str]:
+    path = str(tmp_path / f"{preload or 'bare'}.sock")
+    owner = subprocess.Popen(
+        [sys.executable, "-m", "tide.trainer.template", "--socket", path, "--preload", preload],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(tmp_path), **env},
+    )
+    return owner, path
+
+
+def test_a_caller_that_gave_up_waiting_runs_once_not_twice(
+    script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller that stops waiting for a template still importing runs its own process; the
+    template forks for the request later, and that fork must not run it too."""
+    (tmp_path / "slowimport.py").write_text("import time\ntime.sleep(1.0)\n")
+    owner, path = _template(tmp_path, "slowimport")
+    try:
+        wait_for(lambda: os.path.exists(path), 10, what="the template's socket")
+        counted = tmp_path / "count.txt"
+        monkeypatch.setattr(template, "_CONNECT_TIMEOUT_S", 0.2)
+        proc, _ = _run(path, [sys.executable, str(script), "count", str(counted)], tmp_path)
+        assert isinstance(proc, subprocess.Popen) and proc.wait(30) == 0
+        # The template has answered both once the next request is served.
+        monkeypatch.setattr(template, "_CONNECT_TIMEOUT_S", 30.0)
+        later, _ = _run(path, [sys.executable, str(script), "0"], tmp_path)
+        assert isinstance(later, template.Run) and later.wait(30) == 0
+        children = Path(f"/proc/{owner.pid}/task/{owner.pid}/children")
+        wait_for(lambda: not children.read_text().split(), 15, what="the late fork's end")
+        assert counted.read_text().splitlines() == ["ran"]
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"[]\n",
+        b"not json\n",
+        b'{"kind": 5}\n',
+        b'{"kind": "run", "argv": "python", "env": {}, "cwd": "/", "python": "p"}\n',
+        b'{"kind": "run", "argv": ["python", "s.py"], "env": {"A": 1}, "cwd": "/", "python": "p"}\n',
+    ],
+)
+def test_a_malformed_request_is_refused_and_the_template_serves_on(
+    tpl: str, script: Path, tmp_path: Path, line: bytes
+) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(10)
+        conn.connect(tpl)
+        conn.sendall(line)
+        assert b'"refused"' in conn.recv(4096)
+    proc, _ = _run(tpl, [sys.executable, str(script), "7"], tmp_path)
+    assert isinstance(proc, template.Run) and proc.wait(30) == 7
 
 
 @pytest.mark.parametrize(
@@ -170,7 +243,7 @@ def test_the_templates_end_ends_its_runs(tmp_path: Path, script: Path) -> None:
     assert isinstance(proc, template.Run)
     owner.kill()
     owner.wait()
-    assert proc.wait(10) == -signal.SIGKILL
+    proc.wait(10)
     # Its death signal is SIGKILL on its parent's end (PR_SET_PDEATHSIG).
     wait_for(lambda: gone(proc.pid), 10, what="the run ended with its template")
 
@@ -191,10 +264,28 @@ async def test_a_zygote_forked_in_the_launchers_place_ends_when_its_stand_in_is_
         children = Path(f"/proc/{forked}/task/{forked}/children").read_text().split()  # noqa: ASYNC240 - procfs
         assert str(w.pid) in children
         os.kill(stand_in, signal.SIGKILL)
-        assert await asyncio.wait_for(w.wait(), 10) < 0
         await eventually(lambda: gone(forked) and gone(w.pid), 10, what="the zygote and worker")
     finally:
         await spawner.close()
+
+
+def test_a_zygote_killed_by_a_signal_reads_so_at_its_stand_in(tpl: str, tmp_path: Path) -> None:
+    stand_in = subprocess.Popen(
+        [sys.executable, "-m", "tide.trainer.zygote", "--preload", ""],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, template.ENV_TEMPLATE: tpl},
+    )
+    try:
+        assert stand_in.stdout is not None and b'"ready"' in stand_in.stdout.readline()
+        forked = template.zygote_of(stand_in.pid)
+        assert forked != stand_in.pid
+        os.kill(forked, signal.SIGKILL)
+        assert stand_in.wait(10) == -signal.SIGKILL
+    finally:
+        if stand_in.poll() is None:
+            stand_in.kill()
+            stand_in.wait()
 
 
 async def test_a_refused_zygote_imports_on_its_own(

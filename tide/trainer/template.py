@@ -40,8 +40,10 @@ import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -55,8 +57,30 @@ ENV_TEMPLATE = zygote.ENV_TEMPLATE
 # What Paddle and the libraries under it read once, at import or load: a caller whose values
 # differ would run with the template's.
 _FIXED_AT_IMPORT_PREFIXES = ("FLAGS_", "GLOG_", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "CUDA_")
-_FIXED_AT_IMPORT = ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONHASHSEED", "PYTHONOPTIMIZE")
-_CONNECT_TIMEOUT_S = 10.0
+_FIXED_AT_IMPORT = (
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    # What the interpreter itself read when it started.
+    "PYTHONHASHSEED",
+    "PYTHONOPTIMIZE",
+    "PYTHONWARNINGS",
+    "PYTHONDEVMODE",
+    "PYTHONFAULTHANDLER",
+    "PYTHONUTF8",
+    "PYTHONIOENCODING",
+    "PYTHONMALLOC",
+    "PYTHONHOME",
+    "PYTHONNOUSERSITE",
+    "PYTHONSAFEPATH",
+)
+# How long a caller waits for its answer: the template may still be importing. A caller that
+# gives up starts its own process; the template's late fork then waits for a go that never
+# comes (_GO, _GO_S) and ends without running anything.
+_CONNECT_TIMEOUT_S = 30.0
+_GO = b"g"
+_GO_S = 10.0
+# A request must be read whole within this.
+_REQUEST_S = 2.0
 # A stand-in's name (/proc/PID/comm, 15 characters at most) before its zygote's pid.
 _STAND_IN = "zygote@"
 
@@ -69,9 +93,58 @@ def _fixed_at_import(env: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-def _send(conn: socket.socket, msg: dict[str, Any]) -> None:
+def _send(conn: socket.socket, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    line = (json.dumps(msg) + "\n").encode()
     with contextlib.suppress(OSError):
-        conn.sendall((json.dumps(msg) + "\n").encode())
+        sent = socket.send_fds(conn, [line], list(fds)) if fds else 0
+        conn.sendall(line[sent:])
+
+
+def _read_line(
+    conn: socket.socket, deadline: float | None = None
+) -> tuple[dict[str, Any], list[int]]:
+    """One JSON line and the descriptors that came with it; ``{}`` when the peer closed first.
+    ``deadline`` (monotonic) bounds the whole line, not each read."""
+    buf, fds = b"", []
+    try:
+        while not buf.endswith(b"\n"):
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("the line did not come in time")
+                conn.settimeout(left)
+            chunk, more, _, _ = socket.recv_fds(conn, 1 << 16, 4)
+            fds += more
+            if not chunk:
+                raise EOFError
+            buf += chunk
+        out = json.loads(buf.split(b"\n", 1)[0])
+        if not isinstance(out, dict):
+            raise ValueError(f"a line must be a JSON object, got {type(out).__name__}")
+    except BaseException as exc:
+        for fd in fds:
+            os.close(fd)
+        # Reset: it closed with bytes of ours unread (a go its fork never read, as both died).
+        if isinstance(exc, (EOFError, ConnectionResetError)):
+            return {}, []
+        raise
+    return out, fds
+
+
+def _checked(req: dict[str, Any]) -> str:
+    """Why ``req`` is malformed, or ""."""
+    if req.get("kind") not in ("run", "zygote"):
+        return f"kind must be run or zygote, got {req.get('kind')!r}"
+    argv, env = req.get("argv"), req.get("env")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        return "argv must be a list of strings"
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        return "env must map strings to strings"
+    if not isinstance(req.get("cwd"), str) or not isinstance(req.get("python"), str):
+        return "cwd and python must be strings"
+    return ""
 
 
 # ---- the template ----------------------------------------------------------------------------
@@ -86,6 +159,7 @@ class _Template:
         self.import_env = after
         self.defaulted = {k: v for k, v in after.items() if k not in before}
         self.pid = os.getpid()
+        self.python = os.path.abspath(sys.executable)
         self.base_path = list(sys.path)
         self.served: dict[int, socket.socket] = {}
 
@@ -115,50 +189,51 @@ class _Template:
     def _answer(self, conn: socket.socket) -> None:
         fds: list[int] = []
         try:
-            conn.settimeout(5.0)
-            data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-            while not data.endswith(b"\n"):
-                more = conn.recv(1 << 16)
-                if not more:
-                    raise ValueError("the request ended before its line did")
-                data += more
-            req = json.loads(data)
-            why = self._refusal(req, fds)
-        except (OSError, ValueError) as exc:
-            why = f"unreadable request: {exc}"
-            req = {}
+            # One bound for the whole request: a caller that trickles it holds no one else up.
+            req, fds = _read_line(conn, time.monotonic() + _REQUEST_S)
+            why = _checked(req) or self._refusal(req, fds)
+            # A zygote ends with its stand-in, the caller itself (its pid from the kernel).
+            peer = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[
+                0
+            ]
+            watch = os.pidfd_open(peer) if not why and req["kind"] == "zygote" else -1
+        except Exception as exc:  # whatever a caller sends, the template stays
+            why = f"unreadable request: {exc!r}"
+            req, watch = {}, -1
+        if not why:
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                why = f"fork failed: {exc}"
         if why:
             _send(conn, {"refused": why})
             conn.close()
-            for fd in fds:
-                os.close(fd)
+            for fd in [*fds, watch]:
+                if fd >= 0:
+                    os.close(fd)
             return
-        try:
-            pid = os.fork()
-        except OSError as exc:
-            _send(conn, {"refused": f"fork failed: {exc}"})
-            conn.close()
-            pid = -1
         if pid == 0:
-            closing = [self.listener.fileno(), conn.fileno()]
-            _child(req, fds, closing + [c.fileno() for c in self.served.values()], self)
-        for fd in fds:
-            os.close(fd)
-        if pid > 0:
-            self.served[pid] = conn
-            _send(conn, {"pid": pid})
+            closing = [self.listener.fileno(), *(c.fileno() for c in self.served.values())]
+            _child(req, fds, watch, conn, closing, self)
+        for fd in [*fds, watch]:
+            if fd >= 0:
+                os.close(fd)
+        self.served[pid] = conn
+        child = os.pidfd_open(pid)
+        _send(conn, {"pid": pid}, [child])
+        os.close(child)
 
     def _refusal(self, req: dict[str, Any], fds: list[int]) -> str:
-        kind = req.get("kind")
-        wanted = {"run": 2, "zygote": 3}.get(kind or "")
-        if wanted is None:
-            return f"kind must be run or zygote, got {kind!r}"
+        kind = req["kind"]
+        wanted = {"run": 2, "zygote": 3}[kind]
         if len(fds) != wanted:
             return f"a {kind} needs {wanted} descriptors, got {len(fds)}"
+        if os.path.abspath(req["python"]) != self.python:
+            return f"the template runs {self.python}, not {req['python']}"
         # What the caller's own import would have ended with: its values, and where it has
         # none, what the import sets for itself (Paddle sets OMP_NUM_THREADS=1 when unset, and
         # a caller that imported Paddle passes that on).
-        theirs = {**self.defaulted, **_fixed_at_import(req.get("env") or {})}
+        theirs = {**self.defaulted, **_fixed_at_import(req["env"])}
         differ = sorted(
             k
             for k in theirs.keys() | self.import_env.keys()
@@ -168,18 +243,27 @@ class _Template:
             return f"Paddle was imported here with other values of {', '.join(differ)}"
         return ""
 
-    def adopt_path(self, env: Mapping[str, str], first: str | None) -> None:
+    def adopt(self, env: Mapping[str, str], first: str | None) -> dict[str, str]:
         """sys.path as the caller's own interpreter would have started it: ``first`` (the
         working directory for ``-m``; a script's directory is put first when it runs), the
         caller's PYTHONPATH, then the interpreter's own entries (the template's, less its own
-        first entry and PYTHONPATH)."""
+        first entry and PYTHONPATH). Returns the caller's environment as its own import would
+        have left it."""
         ours = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
         rest = [p for p in self.base_path[1:] if p not in ours]
         theirs = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         sys.path[:] = [*([first] if first else []), *theirs, *rest]
+        return {**self.defaulted, **env}
 
 
-def _child(req: dict[str, Any], fds: list[int], closing: list[int], tpl: _Template) -> NoReturn:
+def _child(
+    req: dict[str, Any],
+    fds: list[int],
+    watch: int,
+    conn: socket.socket,
+    closing: list[int],
+    tpl: _Template,
+) -> NoReturn:
     """The forked child: becomes the caller's run or zygote; never returns."""
     code = 1
     try:
@@ -187,16 +271,23 @@ def _child(req: dict[str, Any], fds: list[int], closing: list[int], tpl: _Templa
             with contextlib.suppress(OSError):
                 os.close(fd)
         zygote.prctl(zygote.PR_SET_PDEATHSIG, signal.SIGKILL)
-        env: dict[str, str] = req["env"]
-        cwd = req.get("cwd") or os.getcwd()
-        argv: list[str] = list(req["argv"])
+        if os.getppid() != tpl.pid:
+            os._exit(1)  # the template died before the death signal was set
+        # Only once the caller has its answer: one that gave up waiting has started a process
+        # of its own, and this one must not run beside it.
+        conn.settimeout(_GO_S)
+        go = conn.recv(1)
+        conn.close()
+        if go != _GO:
+            os._exit(1)
+        cwd, argv = req["cwd"], list(req["argv"])
         if req["kind"] == "run":
             os.dup2(fds[0], 1)
             os.dup2(fds[1], 2)
             for fd in fds:
                 if fd > 2:
                     os.close(fd)
-            tpl.adopt_path(env, cwd if argv[1:2] == ["-m"] else None)
+            env = tpl.adopt(req["env"], cwd if argv[1:2] == ["-m"] else None)
             zygote.run_child({"argv": argv, "env": env, "cwd": cwd, "log": None}, [], tpl.pid)
         # A zygote: the launcher's pipes become its stdio, the stand-in's end becomes its end.
         for i, fd in enumerate(fds):
@@ -204,13 +295,13 @@ def _child(req: dict[str, Any], fds: list[int], closing: list[int], tpl: _Templa
         for fd in fds:
             if fd > 2:
                 os.close(fd)
+        env = tpl.adopt(req["env"], cwd)
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
-        tpl.adopt_path(env, cwd)
+        sys.argv = [zygote.__file__, *argv]
         sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-        watch = os.pidfd_open(int(req["watch_pid"]))
         code = zygote.main(argv, stand_in=watch)
     except BaseException:  # a forked child must never return into the template
         traceback.print_exc()
@@ -246,62 +337,62 @@ class _Refused(Exception):
     pass
 
 
+def _python(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> str:
+    """The interpreter ``argv`` would run, as a path (its own PATH lookup for a bare name)."""
+    if os.sep in argv[0]:
+        return os.path.abspath(os.path.join(cwd, argv[0]))
+    return shutil.which(argv[0], path=env.get("PATH")) or argv[0]
+
+
 def _request(
-    path: str, kind: str, argv: Sequence[str], env: Mapping[str, str], cwd: str, fds: list[int]
-) -> tuple[socket.socket, int]:
-    """Sends one request; the connection and the forked pid, or _Refused."""
+    path: str,
+    kind: str,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str,
+    fds: list[int],
+    python: str,
+) -> tuple[socket.socket, int, int]:
+    """Sends one request; the connection, the forked pid and a pidfd of it; or _Refused."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        # The template answers once it has imported: a caller that came early waits for it.
         conn.settimeout(_CONNECT_TIMEOUT_S)
         conn.connect(path)
-        req = {
-            "kind": kind,
-            "argv": list(argv),
-            "env": dict(env),
-            "cwd": cwd,
-            "watch_pid": os.getpid(),
-        }
+        req = {"kind": kind, "argv": list(argv), "env": dict(env), "cwd": cwd, "python": python}
         line = (json.dumps(req) + "\n").encode()
         sent = socket.send_fds(conn, [line], fds)
-        if sent < len(line):
-            conn.sendall(line[sent:])
-        answer = _read_line(conn)
-    except OSError as exc:
-        conn.close()
-        raise _Refused(f"no template at {path} ({exc})") from exc
-    if "pid" not in answer:
-        conn.close()
-        raise _Refused(str(answer.get("refused") or "the template did not answer"))
-    conn.settimeout(None)
-    return conn, int(answer["pid"])
-
-
-def _read_line(conn: socket.socket) -> dict[str, Any]:
-    buf = b""
-    while not buf.endswith(b"\n"):
-        chunk = conn.recv(4096)
-        if not chunk:
-            return {}
-        buf += chunk
-    out: dict[str, Any] = json.loads(buf.split(b"\n", 1)[0])
-    return out
+        conn.sendall(line[sent:])
+        # The template answers once it has imported: a caller that came early waits for it.
+        answer, got = _read_line(conn, time.monotonic() + _CONNECT_TIMEOUT_S)
+        if "pid" in answer and len(got) == 1:
+            conn.sendall(_GO)
+            conn.settimeout(None)
+            return conn, int(answer["pid"]), got[0]
+        for fd in got:
+            os.close(fd)
+        why = str(answer.get("refused") or "the template did not answer")
+    except (OSError, ValueError) as exc:
+        why = f"no template at {path} ({exc})"
+    conn.close()
+    raise _Refused(why)
 
 
 class Run:
     """A script forked from the template: the part of ``subprocess.Popen`` callers use."""
 
-    def __init__(self, argv: Sequence[str], conn: socket.socket, pid: int) -> None:
+    def __init__(self, argv: Sequence[str], conn: socket.socket, pid: int, pidfd: int) -> None:
         self.args = list(argv)
         self.pid = pid
         self.returncode: int | None = None
         self._conn = conn
+        # Signals go through the pidfd: the template reaps at once, and a pid can be reused.
+        self._pidfd = pidfd
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self._conn.setblocking(False)
             try:
-                answer = _read_line(self._conn)
+                answer, _ = _read_line(self._conn)
             except BlockingIOError:
                 self._conn.setblocking(True)
                 return None
@@ -310,13 +401,18 @@ class Run:
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self._conn.settimeout(timeout)
-            try:
-                answer = _read_line(self._conn)
-            except TimeoutError:
-                self._conn.settimeout(None)
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0) from None
-            self._ended(answer)
+            if timeout is not None and timeout <= 0:
+                if self.poll() is None:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+            else:
+                try:
+                    answer, _ = _read_line(
+                        self._conn, None if timeout is None else time.monotonic() + timeout
+                    )
+                except TimeoutError:
+                    self._conn.settimeout(None)
+                    raise subprocess.TimeoutExpired(self.args, timeout or 0.0) from None
+                self._ended(answer)
         assert self.returncode is not None
         return self.returncode
 
@@ -324,11 +420,12 @@ class Run:
         # No answer: the template died, and took its children with it (PR_SET_PDEATHSIG).
         self.returncode = int(answer.get("code", -signal.SIGKILL))
         self._conn.close()
+        os.close(self._pidfd)
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
+                signal.pidfd_send_signal(self._pidfd, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -353,8 +450,8 @@ def popen(
     # A script or a module, as a zygote runs them; ``-c`` and other flags go to a fresh process.
     if path and zygote.is_python_command(argv) and (argv[1] == "-m" or argv[1][:1] != "-"):
         with contextlib.suppress(_Refused):
-            conn, pid = _request(path, "run", argv, env, cwd, [out, err])
-            return Run(argv, conn, pid)
+            python = _python(argv, env, cwd)
+            return Run(argv, *_request(path, "run", argv, env, cwd, [out, err], python))
     return subprocess.Popen(list(argv), env=dict(env), cwd=cwd, stdout=out, stderr=err)
 
 
@@ -363,7 +460,9 @@ def stand_in(path: str, argv: Sequence[str]) -> int | None:
     on this process's stdin, stdout and stderr, then waits for it and returns its code. None
     when there is no template or it refuses (the reason on stderr): import Paddle here."""
     try:
-        conn, pid = _request(path, "zygote", argv, os.environ, os.getcwd(), [0, 1, 2])
+        conn, pid, pidfd = _request(
+            path, "zygote", argv, os.environ, os.getcwd(), [0, 1, 2], sys.executable
+        )
     except _Refused as exc:
         print(f"zygote: importing Paddle here: {exc}", file=sys.stderr, flush=True)
         return None
@@ -376,12 +475,21 @@ def stand_in(path: str, argv: Sequence[str]) -> int | None:
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
     os.close(devnull)
-    with contextlib.suppress(OSError):
-        answer = _read_line(conn)
-        return int(answer.get("code", 1))
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    return 1
+    try:
+        answer, _ = _read_line(conn)
+    except (OSError, ValueError):
+        answer = {}
+    code = int(answer.get("code", -signal.SIGKILL))
+    if code < 0:
+        # Killed by a signal: end the same way, so the launcher reads what a zygote's death
+        # reads as (a signal), not an exit status.
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's own cannot be set
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        return 128 - code
+    return code
 
 
 def zygote_of(pid: int) -> int:

@@ -101,6 +101,8 @@ def run_child(request: dict[str, Any], close_fds: list[int], zygote_pid: int) ->
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if code == 1 and not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)  # as Python prints SystemExit("why")
         except BaseException:
             traceback.print_exc()
             code = 1
