@@ -106,12 +106,15 @@ async def test_subprocess_spawner_runs_any_command(tmp_path: Path) -> None:
 
 
 @pytest.mark.paddle
-async def test_default_zygote_has_paddle_and_never_grpc(tmp_path: Path) -> None:
+async def test_default_zygote_has_paddle_and_never_grpc(tmp_path: Path, zygote_kind: str) -> None:
     script = tmp_path / "probe.py"
     script.write_text("import sys\nprint('paddle' in sys.modules, 'grpc' in sys.modules)\n")
     zygote = ZygoteSpawner()
     try:
         import_s = await zygote.wait_ready()
+        # The launcher's own zygote (no arguments) is forked from the template when one runs.
+        assert zygote.pid is not None
+        assert (zygote_of(zygote.pid) != zygote.pid) == (zygote_kind == "from the template")
         log = tmp_path / "probe.log"
         w = await zygote.spawn(
             [sys.executable, str(script)], dict(os.environ), str(tmp_path), str(log)

@@ -136,8 +136,10 @@ def _checked(req: dict[str, Any]) -> str:
     if req.get("kind") not in ("run", "zygote"):
         return f"kind must be run or zygote, got {req.get('kind')!r}"
     argv, env = req.get("argv"), req.get("env")
-    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
         return "argv must be a list of strings"
+    if req["kind"] == "run" and len(argv) < 2:
+        return "a run's argv must name an interpreter and what it runs"
     if not isinstance(env, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in env.items()
     ):
