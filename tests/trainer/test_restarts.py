@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.poll import eventually
 from tests.trainer.fake_coordinator import FakeCoordinator, FakeMember
-from tests.trainer.launch_rig import make_launcher
+from tests.trainer.launch_rig import registered
 from tide.trainer.launcher.logs import LOG_GLOB
 from tide.v1 import coordinator_pb2 as pb
 
@@ -41,11 +41,7 @@ async def test_a_worker_dying_at_start_is_reported_with_its_cause_and_log_and_lo
 ) -> None:
     monkeypatch.setenv("FAKE_SEGFAULT_AT_FIRST_STEP", "1")
     coord, port = fake
-    launcher = make_launcher(port, tmp_path, worker_logs_kept=3)
-    run = asyncio.create_task(launcher.run())
-    await eventually(lambda: coord.members, 10, what="registration")
-    (mid,) = coord.members
-    member = coord.members[mid]
+    launcher, run, mid, member = await registered(coord, port, tmp_path, worker_logs_kept=3)
     for _ in range(5):
         await _start_and_crash(coord, mid, member)
     failed = [hb for hb in member.heartbeats if hb.phase == pb.WORKER_PHASE_FAILED]
@@ -66,10 +62,7 @@ async def test_the_restart_backoff_delays_the_start_and_the_ack_says_what_was_re
     # The worker finds a checkpoint of step 9 on disk, newer than the named 7.
     monkeypatch.setenv("FAKE_RESTORE_AT_LEAST", "9")
     coord, port = fake
-    launcher = make_launcher(port, tmp_path)
-    run = asyncio.create_task(launcher.run())
-    await eventually(lambda: coord.members, 10, what="registration")
-    (mid,) = coord.members
+    launcher, run, mid, _ = await registered(coord, port, tmp_path)
     sent = time.monotonic()
     (rdv,) = coord.rendezvous([mid], restore_step=7, start_delay_s=0.6)
     await eventually(lambda: coord.ack_of(rdv), 10, what="rendezvous ack")
@@ -89,11 +82,7 @@ async def test_the_old_workers_crash_during_the_backoff_is_not_the_new_generatio
     is the old generation's end: the new one starts STARTING, not FAILED, and the
     coordinator must not read a loss without a cause in it."""
     coord, port = fake
-    launcher = make_launcher(port, tmp_path)
-    run = asyncio.create_task(launcher.run())
-    await eventually(lambda: coord.members, 10, what="registration")
-    (mid,) = coord.members
-    member = coord.members[mid]
+    launcher, run, mid, member = await registered(coord, port, tmp_path)
     (first,) = coord.rendezvous([mid])
     await eventually(lambda: coord.ack_of(first), 10, what="the first generation's ack")
     old = launcher.workers.worker
