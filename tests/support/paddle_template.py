@@ -1,8 +1,8 @@
 """One Paddle template for each pytest process (tide/trainer/template.py).
 
 The suite starts hundreds of processes that import Paddle: each launcher's zygote, the
-reference runs, the tests' own gloo ranks. Each import costs about 1.5 CPU-s here, which made
-Paddle's import the largest share of the suite's CPU (docs/reliability.md, "Where the suite's
+reference runs, the tests' own gloo ranks. `import paddle` alone costs 1.5-1.8 CPU-s here,
+which made Paddle's import the largest share of the suite's CPU (docs/reliability.md, "Where the suite's
 CPU goes"). With ``TIDE_PADDLE_TEMPLATE`` in the environment, every zygote a launcher starts
 and every script run through :func:`tide.trainer.template.popen` is forked from this process
 instead. ``TIDE_TEST_PADDLE_TEMPLATE=0`` runs the suite without it (every process imports

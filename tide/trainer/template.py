@@ -23,10 +23,12 @@ process, as without a template. So is every caller when the template is gone.
 Protocol, one request a connection: a JSON line sent with the caller's descriptors
 (``SCM_RIGHTS``: stdout and stderr for a run; stdin, stdout and stderr for a zygote)::
 
-    {"kind": "run" | "zygote", "argv": [...], "env": {...}, "cwd": "...", "watch_pid": P}
+    {"kind": "run" | "zygote", "argv": [...], "env": {...}, "cwd": "...", "python": "..."}
 
-answered ``{"pid": P}`` or ``{"refused": "why"}``, then ``{"code": C}`` when that process ends
-(C < 0: killed by signal -C). Like the zygote, the template never imports gRPC, which does not
+answered ``{"refused": "why"}``, or ``{"pid": P}`` with a pidfd of the fork; the caller then
+sends a go byte, without which the fork ends unrun (a caller that gave up waiting runs its own
+process). ``{"code": C}`` follows when that process ends (C < 0: killed by signal -C). A
+zygote's stand-in is the connecting process (``SO_PEERCRED``). Like the zygote, the template never imports gRPC, which does not
 survive a fork.
 
 Usage: ``python -m tide.trainer.template --socket PATH [--preload numpy,paddle]``.
@@ -131,6 +133,20 @@ def _read_line(
     return out, fds
 
 
+def _peer_pid(conn: socket.socket) -> int:
+    pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return int(pid)
+
+
+def _onto(fds: list[int], targets: Sequence[int]) -> None:
+    """The caller's descriptors become this process's ``targets`` (1, 2; or 0, 1, 2)."""
+    for fd, target in zip(fds, targets, strict=True):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+
+
 def _checked(req: dict[str, Any]) -> str:
     """Why ``req`` is malformed, or ""."""
     if req.get("kind") not in ("run", "zygote"):
@@ -195,10 +211,7 @@ class _Template:
             req, fds = _read_line(conn, time.monotonic() + _REQUEST_S)
             why = _checked(req) or self._refusal(req, fds)
             # A zygote ends with its stand-in, the caller itself (its pid from the kernel).
-            peer = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[
-                0
-            ]
-            watch = os.pidfd_open(peer) if not why and req["kind"] == "zygote" else -1
+            watch = os.pidfd_open(_peer_pid(conn)) if not why and req["kind"] == "zygote" else -1
         except Exception as exc:  # whatever a caller sends, the template stays
             why = f"unreadable request: {exc!r}"
             req, watch = {}, -1
@@ -284,19 +297,11 @@ def _child(
             os._exit(1)
         cwd, argv = req["cwd"], list(req["argv"])
         if req["kind"] == "run":
-            os.dup2(fds[0], 1)
-            os.dup2(fds[1], 2)
-            for fd in fds:
-                if fd > 2:
-                    os.close(fd)
+            _onto(fds, (1, 2))
             env = tpl.adopt(req["env"], cwd if argv[1:2] == ["-m"] else None)
             zygote.run_child({"argv": argv, "env": env, "cwd": cwd, "log": None}, [], tpl.pid)
         # A zygote: the launcher's pipes become its stdio, the stand-in's end becomes its end.
-        for i, fd in enumerate(fds):
-            os.dup2(fd, i)
-        for fd in fds:
-            if fd > 2:
-                os.close(fd)
+        _onto(fds, (0, 1, 2))
         env = tpl.adopt(req["env"], cwd)
         os.environ.clear()
         os.environ.update(env)
@@ -510,11 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket", required=True, help="the Unix socket to listen on")
     p.add_argument("--preload", default=zygote.DEFAULT_PRELOAD, help="comma-separated modules")
     args = p.parse_args(argv)
-    preload = [m for m in args.preload.split(",") if m]
-    if any(m == "grpc" or m.startswith("grpc.") for m in preload):
-        print("the template must not import grpc (not fork-safe)", file=sys.stderr)
-        return 2
-    return serve(args.socket, preload)
+    preload = zygote.preload_modules(args.preload, "template")
+    return 2 if preload is None else serve(args.socket, preload)
 
 
 if __name__ == "__main__":

@@ -169,9 +169,9 @@ def serve(preload: list[str], stand_in: int | None = None) -> int:
     orphans: set[int] = set()
     buf = b""
     stdin_fd = 0
+    watched = [stdin_fd] if stand_in is None else [stdin_fd, stand_in]
     try:
         while True:
-            watched = [stdin_fd] if stand_in is None else [stdin_fd, stand_in]
             readable, _, _ = select.select(watched, [], [], 0.02)
             if stand_in is not None and stand_in in readable:
                 return 0
@@ -233,12 +233,18 @@ def main(argv: list[str] | None = None, stand_in: int | None = None) -> int:
             return code
     p = argparse.ArgumentParser(description="fork server for Paddle workers")
     p.add_argument("--preload", default=DEFAULT_PRELOAD, help="comma-separated modules to import")
-    args = p.parse_args(args_in)
-    preload = [m for m in args.preload.split(",") if m]
+    preload = preload_modules(p.parse_args(args_in).preload, "zygote")
+    return 2 if preload is None else serve(preload, stand_in)
+
+
+def preload_modules(spec: str, who: str) -> list[str] | None:
+    """The modules of a comma-separated ``--preload``; None (said on stderr) when it names
+    gRPC, which does not survive the forks that follow."""
+    preload = [m for m in spec.split(",") if m]
     if any(m == "grpc" or m.startswith("grpc.") for m in preload):
-        print("the zygote must not import grpc (not fork-safe)", file=sys.stderr)
-        return 2
-    return serve(preload, stand_in)
+        print(f"the {who} must not import grpc (not fork-safe)", file=sys.stderr)
+        return None
+    return preload
 
 
 if __name__ == "__main__":
