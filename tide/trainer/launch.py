@@ -183,8 +183,11 @@ def parse_args(argv: Sequence[str] | None = None) -> LauncherSettings:
 
 
 async def _amain(settings: LauncherSettings) -> int:
-    launcher = Launcher(settings)
     loop = asyncio.get_running_loop()
+    # Taken before the launcher is built (it logs as it is): a SIGTERM meanwhile waits on the
+    # loop, and reaches the handler set below, not the default action (exit -15).
+    loop.add_signal_handler(signal.SIGTERM, lambda: None)
+    launcher = Launcher(settings)
     loop.add_signal_handler(signal.SIGTERM, LeaveOnSigterm(launcher))
     loop.add_signal_handler(signal.SIGINT, launcher.stop, 0)
     return await launcher.run()
